@@ -1,0 +1,36 @@
+"""lockstep: data-parallel PyTorch training on many GPUs and many machines.
+
+Import is cheap: heavy modules (torch, the session) load on first use.
+
+Example::
+
+    import lockstep
+    session = lockstep.Session(strategy="ddp")
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lockstep.errors import EXIT_PREEMPTED, ConfigError, LockstepError
+
+__version__ = "0.1.0"
+__all__ = ["Session", "spawn", "metrics", "ConfigError", "LockstepError", "EXIT_PREEMPTED", "__version__"]
+
+_LAZY = {
+    "Session": ("lockstep.session", "Session"),
+    "spawn": ("lockstep.spawn", "spawn"),
+    "metrics": ("lockstep.metrics", None),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'lockstep' has no attribute {name!r}")
+    import importlib
+
+    module_name, attr = _LAZY[name]
+    module = importlib.import_module(module_name)
+    value = module if attr is None else getattr(module, attr)
+    globals()[name] = value
+    return value

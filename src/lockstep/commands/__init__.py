@@ -1,0 +1,1 @@
+"""Subcommands of the ``lockstep`` CLI; each module has ``add_arguments`` and ``main``."""

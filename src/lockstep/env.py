@@ -1,0 +1,237 @@
+"""Where this process is: the launch environment read into one frozen :class:`World`.
+
+lockstep runs the same script under ``lockstep run``, plain ``torchrun`` (or the old
+``torch.distributed.launch``), Slurm's ``srun``, OpenMPI / ``horovodrun`` and as a plain
+``python script.py``. Each launcher names rank, local rank and sizes differently; this module
+reads them once, validates them and returns a :class:`World`. It makes no
+``torch.distributed`` calls: a bad environment is refused before any process group exists.
+
+Example::
+
+    from lockstep.env import detect_world
+    world = detect_world()          # World(rank=0, world_size=1, ...) under plain python
+    print(world.rank, world.world_size, world.device)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from lockstep.errors import ConfigError
+
+__all__ = ["World", "WorldError", "detect_world", "first_slurm_host"]
+
+DEFAULT_MASTER_ADDR = "127.0.0.1"
+
+
+class WorldError(ConfigError):
+    """The launch environment is inconsistent (for example RANK >= WORLD_SIZE)."""
+
+
+@dataclass(frozen=True)
+class World:
+    """The position of this process in the job, as the launcher described it.
+
+    Args:
+        rank: global rank, ``0 <= rank < world_size``.
+        local_rank: rank on this node, ``0 <= local_rank < local_world_size``.
+        world_size: number of processes in the job.
+        local_world_size: number of processes on this node.
+        node_rank: index of this node, ``0 <= node_rank < num_nodes``.
+        num_nodes: number of nodes in the job.
+        master_addr: host of the rendezvous store (rank 0's node).
+        master_port: port of the rendezvous store, or ``None`` when not set.
+        source: which launcher described the job: ``torchrun``, ``slurm``, ``openmpi``,
+            ``spawn`` or ``single``.
+
+    Example::
+
+        World(rank=1, local_rank=1, world_size=2, local_world_size=2).is_main  # False
+    """
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    node_rank: int = 0
+    num_nodes: int = 1
+    master_addr: str = DEFAULT_MASTER_ADDR
+    master_port: int | None = None
+    source: str = "single"
+    extra: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        where = f" (from {self.source} environment)"
+        if self.world_size < 1:
+            raise WorldError(f"world_size must be >= 1, got {self.world_size}{where}")
+        if not 0 <= self.rank < self.world_size:
+            raise WorldError(
+                f"rank {self.rank} is out of range for world_size {self.world_size}: "
+                f"ranks run from 0 to {self.world_size - 1}{where}. "
+                "Check RANK / WORLD_SIZE (or SLURM_PROCID / SLURM_NTASKS)."
+            )
+        if self.local_world_size < 1 or self.local_world_size > self.world_size:
+            raise WorldError(
+                f"local_world_size {self.local_world_size} must be between 1 and "
+                f"world_size {self.world_size}{where}"
+            )
+        if not 0 <= self.local_rank < self.local_world_size:
+            raise WorldError(
+                f"local_rank {self.local_rank} is out of range for local_world_size "
+                f"{self.local_world_size}{where}. Check LOCAL_RANK / LOCAL_WORLD_SIZE."
+            )
+        if self.num_nodes < 1 or not 0 <= self.node_rank < self.num_nodes:
+            raise WorldError(
+                f"node_rank {self.node_rank} is out of range for num_nodes {self.num_nodes}{where}"
+            )
+        if self.master_port is not None and not 0 <= self.master_port < 65536:
+            raise WorldError(f"master port {self.master_port} is not a valid port{where}")
+
+    @property
+    def is_main(self) -> bool:
+        """True on global rank 0, the rank that prints and writes shared files."""
+        return self.rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        """True when more than one process takes part in the job."""
+        return self.world_size > 1
+
+    @property
+    def device(self) -> Any:
+        """The device this rank should use: ``cuda:local_rank`` when CUDA is usable, else cpu.
+
+        When fewer GPUs are visible than local ranks, ranks share them round-robin.
+        """
+        import torch  # imported here: reading the environment must stay cheap
+
+        if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+            return torch.device("cuda", self.local_rank % torch.cuda.device_count())
+        return torch.device("cpu")
+
+
+def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        if default is None:
+            raise WorldError(f"environment variable {name} is required but not set")
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise WorldError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """Return the first host of a Slurm node list such as ``gpu[003-005,010],cpu01``.
+
+    Args:
+        nodelist: the value of ``SLURM_JOB_NODELIST``.
+
+    Example::
+
+        first_slurm_host("node[07-09,12]")  # "node07"
+    """
+    nodelist = nodelist.strip()
+    if not nodelist:
+        raise WorldError("SLURM_JOB_NODELIST is empty")
+    match = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist)
+    if match is None:
+        raise WorldError(f"cannot read SLURM_JOB_NODELIST={nodelist!r}")
+    prefix, _, ranges = match.groups()
+    if not ranges:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def _master(env: Mapping[str, str], default_addr: str) -> tuple[str, int | None]:
+    addr = env.get("MASTER_ADDR") or default_addr
+    port = _int(env, "MASTER_PORT", -1)
+    return addr, (None if port == -1 else port)
+
+
+def _from_torchrun(env: Mapping[str, str]) -> World:
+    world_size = _int(env, "WORLD_SIZE", 1)
+    local_world = _int(env, "LOCAL_WORLD_SIZE", world_size)
+    addr, port = _master(env, DEFAULT_MASTER_ADDR)
+    local_rank = _int(env, "LOCAL_RANK", 0)
+    return World(
+        rank=_int(env, "RANK"),
+        local_rank=local_rank,
+        world_size=world_size,
+        local_world_size=local_world,
+        node_rank=_int(env, "GROUP_RANK", _int(env, "NODE_RANK", 0)),
+        num_nodes=max(1, -(-world_size // local_world)),
+        master_addr=addr,
+        master_port=port,
+        source=env.get("LOCKSTEP_SOURCE", "torchrun"),
+    )
+
+
+def _from_slurm(env: Mapping[str, str]) -> World:
+    world_size = _int(env, "SLURM_NTASKS")
+    num_nodes = _int(env, "SLURM_JOB_NUM_NODES", _int(env, "SLURM_NNODES", 1))
+    local_world = _int(env, "SLURM_NTASKS_PER_NODE", -(-world_size // num_nodes))
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
+    default_addr = first_slurm_host(nodelist) if nodelist else DEFAULT_MASTER_ADDR
+    addr, port = _master(env, default_addr)
+    return World(
+        rank=_int(env, "SLURM_PROCID"),
+        local_rank=_int(env, "SLURM_LOCALID", 0),
+        world_size=world_size,
+        local_world_size=min(local_world, world_size),
+        node_rank=_int(env, "SLURM_NODEID", 0),
+        num_nodes=num_nodes,
+        master_addr=addr,
+        master_port=port,
+        source="slurm",
+    )
+
+
+def _from_openmpi(env: Mapping[str, str]) -> World:
+    world_size = _int(env, "OMPI_COMM_WORLD_SIZE")
+    local_world = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", world_size)
+    addr, port = _master(env, DEFAULT_MASTER_ADDR)
+    return World(
+        rank=_int(env, "OMPI_COMM_WORLD_RANK"),
+        local_rank=_int(env, "OMPI_COMM_WORLD_LOCAL_RANK", 0),
+        world_size=world_size,
+        local_world_size=local_world,
+        node_rank=_int(env, "OMPI_COMM_WORLD_NODE_RANK", 0),
+        num_nodes=max(1, -(-world_size // local_world)),
+        master_addr=addr,
+        master_port=port,
+        source="openmpi",
+    )
+
+
+def detect_world(environ: Mapping[str, str] | None = None) -> World:
+    """Read the launch environment into a validated :class:`World`.
+
+    Precedence: torchrun / ``lockstep run`` / ``spawn`` variables (``RANK``), then Slurm
+    (``SLURM_PROCID`` with ``SLURM_NTASKS`` > 1, only when not inside an interactive
+    allocation step of one task), then OpenMPI (``OMPI_COMM_WORLD_RANK``), then one process.
+
+    Args:
+        environ: the variables to read; ``os.environ`` when omitted.
+
+    Raises:
+        WorldError: when values are missing, not integers or inconsistent.
+
+    Example::
+
+        detect_world({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}).rank  # 1
+    """
+    env = os.environ if environ is None else environ
+    if "RANK" in env:
+        return _from_torchrun(env)
+    if "SLURM_PROCID" in env and _int(env, "SLURM_NTASKS", 1) > 1:
+        return _from_slurm(env)
+    if "OMPI_COMM_WORLD_RANK" in env:
+        return _from_openmpi(env)
+    return World()

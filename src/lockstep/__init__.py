@@ -15,12 +15,17 @@ from typing import Any
 from lockstep.errors import EXIT_PREEMPTED, ConfigError, LockstepError
 
 __version__ = "0.1.0"
-__all__ = ["Session", "spawn", "metrics", "ConfigError", "LockstepError", "EXIT_PREEMPTED", "__version__"]
+__all__ = ["Session", "ResumeState", "spawn", "metrics", "init_comm", "detect_world", "World",
+           "ConfigError", "LockstepError", "EXIT_PREEMPTED", "__version__"]
 
 _LAZY = {
     "Session": ("lockstep.session", "Session"),
     "spawn": ("lockstep.spawn", "spawn"),
+    "ResumeState": ("lockstep.resume", "ResumeState"),
     "metrics": ("lockstep.metrics", None),
+    "init_comm": ("lockstep.comm", "init_comm"),
+    "detect_world": ("lockstep.env", "detect_world"),
+    "World": ("lockstep.env", "World"),
 }
 
 

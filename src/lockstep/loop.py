@@ -1,0 +1,190 @@
+"""The pieces of the training step that the session holds: device loaders, the precision-aware
+module wrapper, gradient accumulation and the non-finite loss policy.
+
+They are separate from :mod:`lockstep.session` so that each stays small and testable; users
+meet them only through ``Session``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from torch import nn
+
+from lockstep.comm import Comm
+from lockstep.errors import ConfigError, LockstepError
+
+__all__ = ["DeviceLoader", "PrecisionModule", "Accumulator", "NonFiniteLossError", "NONFINITE_POLICIES"]
+
+NONFINITE_POLICIES = ("skip", "stop", "ignore")
+
+
+class NonFiniteLossError(LockstepError):
+    """The loss became NaN or infinite and the session was told to stop (``nonfinite="stop"``)."""
+
+
+class DeviceLoader:
+    """Iterate a DataLoader, moving each batch to the device, and count what training consumed.
+
+    Args:
+        loader: the torch DataLoader (its sampler is a lockstep sampler).
+        device: where batches go (``non_blocking`` copies on CUDA).
+        train: True for a training loader; its sampler position advances per batch so a
+            checkpoint taken mid-epoch knows how far the epoch got.
+    """
+
+    def __init__(self, loader: torch.utils.data.DataLoader, device: torch.device, train: bool) -> None:
+        from lockstep.data import move_to_device
+
+        self.loader = loader
+        self.device = device
+        self.train = train
+        self._move = move_to_device
+        self._non_blocking = device.type == "cuda"
+
+    @property
+    def sampler(self) -> Any:
+        """The lockstep sampler behind the loader."""
+        return self.loader.sampler
+
+    @property
+    def dataset(self) -> Any:
+        """The dataset behind the loader."""
+        return self.loader.dataset
+
+    @property
+    def batch_size(self) -> int:
+        """Samples per batch on this rank."""
+        return int(self.loader.batch_size or 1)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        move, device, nb = self._move, self.device, self._non_blocking
+        advance = getattr(self.sampler, "advance", None) if self.train else None
+        world = getattr(self.sampler, "world_size", 1)
+        for batch in self.loader:
+            if advance is not None:
+                # counted when handed out: a checkpoint taken after this batch's step
+                # resumes with the next one
+                advance(_batch_len(batch) * world)
+            yield move(batch, device, nb)
+
+
+def _batch_len(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0])
+    if isinstance(batch, (list, tuple)) and batch:
+        return _batch_len(batch[0])
+    if isinstance(batch, dict) and batch:
+        return _batch_len(next(iter(batch.values())))
+    return 1
+
+
+class PrecisionModule(nn.Module):
+    """Run the wrapped model's forward under the precision plugin's autocast / input casting.
+
+    ``state_dict`` and ``load_state_dict`` go to the user's bare module, so saving the wrapped
+    model never adds a ``module.`` prefix.
+
+    Args:
+        module: the strategy-wrapped model.
+        precision: the precision plugin.
+        bare: the user's own module (for state dicts and attribute access).
+    """
+
+    def __init__(self, module: nn.Module, precision: Any, bare: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+        self._precision = precision
+        object.__setattr__(self, "_bare", bare)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        precision = self._precision
+        args = tuple(precision.convert_input(a) if isinstance(a, torch.Tensor) else a for a in args)
+        with precision.forward_context():
+            return self.module(*args, **kwargs)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        return self._bare.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        return self._bare.load_state_dict(*args, **kwargs)
+
+
+class Accumulator:
+    """Gradient accumulation over ``k`` micro-steps: no gradient sync on all but the last.
+
+    DDP decides whether to sync at *forward* time, so the no-sync state is entered before the
+    first micro-step's forward and left after the second-to-last backward.
+
+    Args:
+        k: micro-steps per optimizer step (1 disables accumulation).
+    """
+
+    def __init__(self, k: int) -> None:
+        if k < 1:
+            raise ConfigError(f"accumulate must be >= 1, got {k}")
+        self.k = k
+        self.micro = 0
+        self._ctx: AbstractContextManager[Any] | None = None
+        self._model: nn.Module | None = None
+        self._strategy: Any = None
+
+    def attach(self, strategy: Any, model: nn.Module) -> None:
+        """Bind the accumulation to the wrapped model and open the first no-sync window."""
+        self._strategy, self._model = strategy, model
+        self._open()
+
+    @property
+    def ready(self) -> bool:
+        """True when ``k`` micro-steps have run since the last optimizer step."""
+        return self.micro >= self.k
+
+    def after_backward(self) -> None:
+        """Advance one micro-step; the last one's forward runs with gradient sync."""
+        if self.micro == self.k - 2:
+            self._close()
+        self.micro += 1
+
+    def after_step(self) -> None:
+        """Start the next accumulation window."""
+        self.micro = 0
+        self._open()
+
+    def _open(self) -> None:
+        if self.k > 1 and self._model is not None and self._ctx is None:
+            self._ctx = self._strategy.no_backward_sync(self._model)
+            self._ctx.__enter__()
+
+    def _close(self) -> None:
+        if self._ctx is not None:
+            ctx, self._ctx = self._ctx, None
+            ctx.__exit__(None, None, None)
+
+
+def grads_finite(params: list[torch.Tensor]) -> bool:
+    """True when every gradient in ``params`` is finite (one host sync)."""
+    grads = [_local(p.grad) for p in params if p.grad is not None]
+    if not grads:
+        return True
+    norms = torch._foreach_norm(grads)
+    return bool(torch.isfinite(torch.stack(norms).sum()).item())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    # FSDP2 gradients are DTensors; a non-finite value on any rank reaches every shard
+    # through the reduce-scatter, so the local shard answers for all
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
+def name_nonfinite_ranks(comm: Comm, local_loss: torch.Tensor | None) -> list[int]:
+    """Gather which ranks saw a non-finite loss (called only on the rare bad step)."""
+    bad = local_loss is not None and not bool(torch.isfinite(local_loss).all().item())
+    flags = comm.all_gather_object(bad)
+    return [r for r, f in enumerate(flags) if f]

@@ -1,0 +1,94 @@
+"""What a checkpoint holds and how a session is put back: the loop's own counters and RNG.
+
+:func:`capture_rng` / :func:`restore_rng` cover every generator a training loop draws from
+(Python, NumPy, torch CPU and CUDA). :class:`ResumeState` is what ``Session.load`` returns.
+
+Example::
+
+    state = session.load("checkpoints", model=model, optimizer=optimizer)
+    for epoch in session.epochs(10, start=state.epoch):
+        ...
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["ResumeState", "capture_rng", "restore_rng", "seed_everything"]
+
+
+@dataclass(frozen=True)
+class ResumeState:
+    """Where training continues after ``Session.load``.
+
+    Args:
+        epoch: the epoch to start (or continue) from; pass it to ``Session.epochs(n, start=...)``.
+        step: optimizer steps taken so far.
+        path: the checkpoint that was loaded, or ``None`` when training starts fresh.
+        extras: the user's own values given to ``Session.save`` (``{}`` when fresh).
+        mid_epoch: True when the checkpoint was taken in the middle of ``epoch``; the training
+            loader then continues from the saved position.
+
+    Example::
+
+        ResumeState().epoch   # 0: nothing was loaded
+    """
+
+    epoch: int = 0
+    step: int = 0
+    path: Path | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
+    mid_epoch: bool = False
+
+    @property
+    def resumed(self) -> bool:
+        """True when a checkpoint was loaded."""
+        return self.path is not None
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (CPU and every CUDA device) with ``seed``.
+
+    Args:
+        seed: the seed; lockstep uses the same one on every rank so models start equal.
+    """
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def capture_rng() -> dict[str, Any]:
+    """Return this process's RNG states in a form ``torch.load(weights_only=True)`` accepts."""
+    np_state = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": _python_state_to_list(random.getstate()),
+        "numpy": [str(np_state[0]), torch.from_numpy(np.asarray(np_state[1]).copy()),
+                  int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Put back RNG states captured by :func:`capture_rng` (on the same rank)."""
+    version, inner, gauss = state["python"]
+    random.setstate((version, tuple(inner), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"].cpu())
+    if "cuda" in state and torch.cuda.is_available():
+        cuda = [s.cpu() for s in state["cuda"]][: torch.cuda.device_count()]
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def _python_state_to_list(state: tuple) -> list[Any]:
+    version, inner, gauss = state
+    return [version, list(inner), gauss]

@@ -1,0 +1,373 @@
+"""checkpoint: round trip, layout, pruning, and the faults of FAULTS rows 16-21.
+
+The sharded part and the multi-process cases (world size change, FSDP2) are in
+``test_checkpoint_dist.py``.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import lockstep.checkpoint_io as cio
+from lockstep.checkpoint import (
+    CheckpointError, CorruptCheckpointError, UnsafeCheckpointError, UnsupportedStateError, latest_checkpoint,
+    list_checkpoints, load_checkpoint, read_manifest, save_checkpoint,
+)
+from lockstep.checkpoint_manifest import write_manifest
+from lockstep.comm import Comm
+from lockstep.env import World
+from lockstep.errors import ConfigError
+
+COMM = Comm(World())
+
+
+def _state(step: int, n: int = 64) -> dict[str, Any]:
+    torch.manual_seed(step)
+    model = torch.nn.Linear(n, 4)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, n)).sum().backward()
+    opt.step()
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "epoch": step // 3,
+            "extras": {"name": "run", "scores": [0.5, 0.75], "shape": torch.Size([2]), "t": torch.arange(3)},
+            "rng": torch.get_rng_state()}
+
+
+def _assert_same(a: Any, b: Any) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            _assert_same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _assert_same(x, y)
+    else:
+        assert a == b
+
+
+def _leftovers(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.name.startswith("."))
+
+
+def test_round_trip_and_layout(tmp_path: Path) -> None:
+    state = _state(5)
+    path = save_checkpoint(tmp_path, state, COMM, step=5)
+    assert path == tmp_path / "step-000005"
+    assert sorted(p.name for p in path.iterdir()) == ["manifest.json", "state.pt"]
+    loaded = load_checkpoint(tmp_path, COMM)
+    assert loaded is not None and loaded.pop("path") == str(path)
+    assert isinstance(loaded["rng"], list) and len(loaded["rng"]) == 1      # one entry per saving rank
+    _assert_same({**state, "rng": [state["rng"]]}, loaded)
+    manifest = read_manifest(path)
+    assert manifest["step"] == 5 and manifest["world_size"] == 1 and manifest["torch_version"] == torch.__version__
+    assert manifest["files"]["state.pt"]["size"] == (path / "state.pt").stat().st_size
+    save_checkpoint(tmp_path, {"step": 6}, COMM, step=6)
+    assert "rng" not in (load_checkpoint(tmp_path, COMM) or {})
+
+
+def test_listing_ignores_unfinished_and_orders_by_step(tmp_path: Path) -> None:
+    assert list_checkpoints(tmp_path / "missing") == [] and latest_checkpoint(tmp_path) is None
+    assert load_checkpoint(tmp_path / "missing", COMM) is None and load_checkpoint(tmp_path, COMM) is None
+    for step in (10, 9, 1234567):
+        save_checkpoint(tmp_path, {"step": step}, COMM, step=step)
+    (tmp_path / ".tmp-step-2000000-1").mkdir()
+    (tmp_path / "step-abc").mkdir()
+    (tmp_path / "step-3000000").write_text("a file, not a checkpoint")
+    names = [p.name for p in list_checkpoints(tmp_path)]
+    assert names == ["step-000009", "step-000010", "step-1234567"]
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-1234567"
+    assert load_checkpoint(tmp_path, COMM)["step"] == 1234567  # type: ignore[index]
+
+
+def test_keep_prunes_oldest_but_never_the_new_one(tmp_path: Path) -> None:
+    for step in range(1, 5):
+        save_checkpoint(tmp_path, {"step": step}, COMM, step=step, keep=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000003", "step-000004"]
+    # resumed from an older step (say step 4 was bad): the new save survives its own pruning
+    save_checkpoint(tmp_path, {"step": 2}, COMM, step=2, keep=1)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000002", "step-000004"]
+    assert _leftovers(tmp_path) == []
+
+
+def test_saving_a_step_again_replaces_it(tmp_path: Path) -> None:
+    save_checkpoint(tmp_path, {"v": torch.zeros(3)}, COMM, step=7)
+    save_checkpoint(tmp_path, {"v": torch.ones(3)}, COMM, step=7)
+    loaded = load_checkpoint(tmp_path, COMM, fallback=False)
+    assert loaded is not None and torch.equal(loaded["v"], torch.ones(3))
+    assert [p.name for p in tmp_path.iterdir()] == ["step-000007"]
+
+
+@pytest.mark.parametrize("kwargs", [{"step": -1}, {"step": 1.5}, {"step": 1, "keep": 0}, {"step": True}])
+def test_bad_arguments_are_config_errors(tmp_path: Path, kwargs: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError, match="step|keep"):
+        save_checkpoint(tmp_path, {}, COMM, **kwargs)
+
+
+class _Opaque:
+    pass
+
+
+@pytest.mark.parametrize("value, fragment", [(np.float64(0.9), "numpy.float64"), (_Opaque(), "_Opaque"),
+                                              (lambda: 1, "function")])
+def test_state_that_could_never_load_is_refused_before_writing(tmp_path: Path, value: Any, fragment: str) -> None:
+    with pytest.raises(UnsupportedStateError, match=fragment) as info:
+        save_checkpoint(tmp_path, {"extras": {"best": [1, value]}}, COMM, step=1)
+    assert "state['extras']['best'][1]" in str(info.value)
+    assert isinstance(info.value, ConfigError) and info.value.exit_code == 2
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- FAULTS row 16: disk full ---------------------------------------------------------------------
+
+
+class _FillingDisk:
+    """A real file that reports ENOSPC once ``limit`` bytes have gone to it."""
+
+    def __init__(self, path: Path, limit: int) -> None:
+        self.f = open(path, "wb")
+        self.limit = limit
+        self.written = 0
+
+    def write(self, data: Any) -> int:
+        size = memoryview(data).nbytes
+        if self.written + size > self.limit:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.written += size
+        return self.f.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.f, name)
+
+    def __enter__(self) -> _FillingDisk:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.f.close()
+
+
+@pytest.mark.parametrize("victim, limit", [("state.pt", 4000), ("manifest.json", 100)])
+def test_disk_full_keeps_previous_and_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     victim: str, limit: int) -> None:
+    save_checkpoint(tmp_path, _state(1), COMM, step=1)
+    real_open = cio._open_for_write
+    monkeypatch.setattr(cio, "_open_for_write",
+                        lambda p: _FillingDisk(p, limit) if p.name == victim else real_open(p))
+    with pytest.raises(CheckpointError, match="no space left on device") as info:
+        save_checkpoint(tmp_path, _state(2, n=512), COMM, step=2)
+    assert str(tmp_path) in str(info.value) and "intact" in str(info.value)
+    assert "unexpected pos" not in str(info.value)
+    assert [p.name for p in tmp_path.iterdir()] == ["step-000001"]      # no temp files left
+    loaded = load_checkpoint(tmp_path, COMM, fallback=False)
+    assert loaded is not None and loaded["step"] == 1
+    _assert_same(_state(1)["model"], loaded["model"])
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_disk_full_from_the_kernel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """/dev/full returns a real ENOSPC from write(2), through Python's buffered file."""
+    monkeypatch.setattr(cio, "_open_for_write", lambda p: open("/dev/full", "wb"))
+    with pytest.raises(CheckpointError, match="no space left on device"):
+        save_checkpoint(tmp_path, _state(1, n=4096), COMM, step=1)
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- FAULTS row 17: killed in the middle of a save ------------------------------------------------
+
+_KILLER = textwrap.dedent("""
+    import os, sys, torch
+    import lockstep.checkpoint_io as cio
+    from lockstep.checkpoint import save_checkpoint
+    from lockstep.comm import Comm
+    from lockstep.env import World
+    root, where = sys.argv[1], sys.argv[2]
+    comm = Comm(World())
+    save_checkpoint(root, {"w": torch.full((8,), 1.0), "step": 1}, comm, step=1)
+    real_open = cio._open_for_write
+
+    class Dying:
+        def __init__(self, f):
+            self.f, self.n = f, 0
+        def write(self, data):
+            view = memoryview(data).cast("B")
+            for i in range(0, len(view), 1 << 16):
+                self.n += self.f.write(view[i:i + (1 << 16)])
+                if self.n > 1 << 20:
+                    self.f.flush()
+                    os.kill(os.getpid(), 9)   # SIGKILL with 1 MiB of the file on disk
+            return len(view)
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+        def __enter__(self):
+            return self
+        def __exit__(self, *a):
+            self.f.close()
+
+    def opener(path):
+        if path.name == "manifest.json" and where == "manifest":
+            os.kill(os.getpid(), 9)           # data complete and fsync'd, not yet committed
+        return Dying(real_open(path)) if where == "data" else real_open(path)
+
+    cio._open_for_write = opener
+    save_checkpoint(root, {"w": torch.full((4 << 20,), 2.0), "step": 2}, comm, step=2)
+    print("save finished")
+""")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["data", "manifest"])
+def test_killed_mid_save_resumes_from_previous(tmp_path: Path, where: str) -> None:
+    script = tmp_path / "kill.py"
+    script.write_text(_KILLER)
+    root = tmp_path / "ckpt"
+    proc = subprocess.run([sys.executable, str(script), str(root), where], capture_output=True, text=True, timeout=50)
+    assert proc.returncode == -9, proc.stdout + proc.stderr
+    leftovers = _leftovers(root)
+    assert len(leftovers) == 1 and leftovers[0].startswith(".tmp-step-000002-")
+    written = (root / leftovers[0] / "state.pt").stat().st_size
+    if where == "data":                                                # cut off after 1 MiB of 16 MiB
+        assert 1 << 20 < written < 16 << 20
+    else:                                                              # whole file, no manifest yet
+        assert written > 16 << 20 and not (root / leftovers[0] / "manifest.json").exists()
+    assert [p.name for p in list_checkpoints(root)] == ["step-000001"]
+    loaded = load_checkpoint(root, COMM, fallback=False)
+    assert loaded is not None and loaded["step"] == 1 and torch.equal(loaded["w"], torch.ones(8))
+    save_checkpoint(root, {"step": 3}, COMM, step=3)                   # the next save cleans up
+    assert _leftovers(root) == [] and [p.name for p in list_checkpoints(root)] == ["step-000001", "step-000003"]
+
+
+# -- FAULTS row 18: truncated or bit-flipped ------------------------------------------------------
+
+
+def _two_checkpoints(root: Path) -> torch.Tensor:
+    save_checkpoint(root, {"w": torch.zeros(4096), "step": 1}, COMM, step=1)
+    weights = torch.arange(4096, dtype=torch.float32)
+    save_checkpoint(root, {"w": weights, "step": 2}, COMM, step=2)
+    return weights
+
+
+def test_bit_flip_in_tensor_data_is_refused(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    weights = _two_checkpoints(tmp_path)
+    bad = tmp_path / "step-000002" / "state.pt"
+    data = bytearray(bad.read_bytes())
+    start = bytes(data).index(weights.numpy().tobytes())
+    data[start + weights.numel() * 2] ^= 0x10                        # the middle of the tensor's bytes
+    bad.write_bytes(bytes(data))
+    silently_wrong = torch.load(bad, weights_only=True)["w"]           # what plain torch.load does
+    assert not torch.equal(silently_wrong, weights)
+    with pytest.raises(CorruptCheckpointError, match="corrupt: checksum mismatch") as info:
+        load_checkpoint(tmp_path, COMM, fallback=False)
+    assert str(bad) in str(info.value)
+    with caplog.at_level(logging.WARNING, logger="lockstep.checkpoint"):
+        loaded = load_checkpoint(tmp_path, COMM)
+    assert loaded is not None and loaded["step"] == 1 and torch.equal(loaded["w"], torch.zeros(4096))
+    assert "step-000002" in caplog.text and "checksum mismatch" in caplog.text
+
+
+@pytest.mark.parametrize("size", [0, 1, "half"])
+def test_truncated_file_is_refused(tmp_path: Path, size: int | str) -> None:
+    _two_checkpoints(tmp_path)
+    bad = tmp_path / "step-000002" / "state.pt"
+    with open(bad, "r+b") as f:
+        f.truncate(bad.stat().st_size // 2 if size == "half" else size)
+    with pytest.raises(CorruptCheckpointError, match="corrupt: checksum mismatch"):
+        load_checkpoint(tmp_path, COMM, fallback=False)
+    loaded = load_checkpoint(tmp_path, COMM, fallback=True)
+    assert loaded is not None and loaded["step"] == 1
+
+
+@pytest.mark.parametrize("damage", ["delete", "edit"])
+def test_missing_or_edited_manifest_is_corrupt(tmp_path: Path, damage: str) -> None:
+    _two_checkpoints(tmp_path)
+    manifest = tmp_path / "step-000002" / "manifest.json"
+    if damage == "delete":
+        manifest.unlink()
+    else:
+        manifest.write_text(manifest.read_text().replace('"step": 2', '"step": 3'))
+    with pytest.raises(CorruptCheckpointError, match="corrupt: .*manifest.json"):
+        load_checkpoint(tmp_path, COMM, fallback=False)
+    assert load_checkpoint(tmp_path, COMM)["step"] == 1  # type: ignore[index]
+
+
+def test_every_checkpoint_corrupt_is_an_error_not_a_fresh_start(tmp_path: Path) -> None:
+    _two_checkpoints(tmp_path)
+    for path in list_checkpoints(tmp_path):
+        (path / "state.pt").write_bytes(b"")
+    with pytest.raises(CorruptCheckpointError, match="no usable checkpoint") as info:
+        load_checkpoint(tmp_path, COMM)
+    assert "step-000001" in str(info.value) and "step-000002" in str(info.value)
+
+
+# -- FAULTS row 19: malicious pickle --------------------------------------------------------------
+
+
+class _Evil:
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (open, (self.marker, "w"))
+
+
+def _plant(checkpoint: Path, payload: Any) -> None:
+    """Replace state.pt with ``payload`` and write a manifest whose checksums match it."""
+    torch.save(payload, checkpoint / "state.pt")
+    write_manifest(checkpoint, {"state.pt": cio.hash_file(checkpoint / "state.pt")}, step=2, world_size=1)
+
+
+def test_malicious_pickle_is_refused_and_never_retried(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    marker = tmp_path / "pwned"
+    probe = tmp_path / "probe.pt"
+    torch.save({"x": _Evil(marker)}, probe)
+    torch.load(probe, weights_only=False)                              # the payload really works...
+    assert marker.exists()
+    marker.unlink()
+    root = tmp_path / "ckpt"
+    _two_checkpoints(root)
+    _plant(root / "step-000002", {"x": _Evil(marker)})
+    calls: list[dict[str, Any]] = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: calls.append(k) or real_load(*a, **k))
+    for fallback in (True, False):
+        with pytest.raises(UnsafeCheckpointError, match="weights_only=True") as info:
+            load_checkpoint(root, COMM, fallback=fallback)
+        assert "unsafe" in str(info.value) and "io.open" in str(info.value)
+    assert not marker.exists()                                         # ...but never through lockstep
+    assert calls and all(k.get("weights_only") is True for k in calls)
+
+
+# -- FAULTS row 21: map_location -------------------------------------------------------------------
+
+
+def test_always_weights_only_and_mapped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    save_checkpoint(tmp_path, {"w": torch.ones(3), "nested": {"b": torch.zeros(2)}}, COMM, step=1)
+    calls: list[dict[str, Any]] = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: calls.append(k) or real_load(*a, **k))
+    assert load_checkpoint(tmp_path, COMM)["w"].device == torch.device("cpu")  # type: ignore[index]
+    on_meta = load_checkpoint(tmp_path, COMM, map_location="meta")
+    assert on_meta is not None and on_meta["w"].is_meta and on_meta["nested"]["b"].is_meta
+    load_checkpoint(tmp_path, COMM, map_location=torch.device("cpu"))
+    assert [c["map_location"] for c in calls] == ["cpu", "meta", torch.device("cpu")]
+    assert all(c["weights_only"] is True for c in calls)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_checkpoint_loads_on_cpu_by_default(tmp_path: Path) -> None:
+    save_checkpoint(tmp_path, {"w": torch.ones(3, device="cuda:0")}, COMM, step=1)
+    loaded = load_checkpoint(tmp_path, COMM)
+    assert loaded is not None and loaded["w"].device.type == "cpu"
+    local = load_checkpoint(tmp_path, COMM, map_location=f"cuda:{torch.cuda.device_count() - 1}")
+    assert local is not None and local["w"].device.index == torch.cuda.device_count() - 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import tempfile
 import traceback
@@ -29,7 +30,9 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, init: str, args: 
         import torch
 
         torch.set_num_threads(1)
-        result = fn(*args)
+        # plain pickle copies tensors by value; the queue's own pickler would share them by file
+        # descriptor, which dies with this process
+        result = pickle.dumps(fn(*args))
         q.put((rank, True, result))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         q.put((rank, False, traceback.format_exc()))
@@ -55,7 +58,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
             for _ in range(world_size):
                 rank, ok, value = q.get(timeout=timeout)
                 if ok:
-                    results[rank] = value
+                    results[rank] = pickle.loads(value)
                 else:
                     errors.append(f"--- rank {rank} ---\n{value}")
         except queue.Empty:

@@ -56,6 +56,11 @@ class DeviceLoader:
         return self.loader.dataset
 
     @property
+    def collate_fn(self) -> Any:
+        """The loader's collate function."""
+        return self.loader.collate_fn
+
+    @property
     def batch_size(self) -> int:
         """Samples per batch on this rank."""
         return int(self.loader.batch_size or 1)

@@ -1,0 +1,327 @@
+"""Exact metrics over a distributed evaluation: reduce sums and counts, never averages of averages.
+
+Averaging per-rank means is wrong whenever ranks hold different numbers of samples (and a padded
+sampler counts some samples twice). Here every rank sums its per-sample values and counts its
+samples, one ``all_reduce`` adds those up, and the mean is taken once. With an evaluation loader
+from :func:`lockstep.data.make_loader` (``eval=True``) the result is the single-process figure.
+
+Example (run under ``lockstep run --nproc 2 script.py``)::
+
+    test = make_loader(test_set, 500, world_size=comm.world_size, rank=comm.rank, eval=True)
+    acc = accuracy(model, test, comm)             # same value on every rank
+    report = evaluate(model, test, comm)          # {"loss": ..., "accuracy": ..., "count": 10000}
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import math
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import default_collate
+
+from lockstep.data import move_to_device
+from lockstep.errors import ConfigError
+
+__all__ = ["SumCount", "Reducer", "accuracy", "evaluate", "SupportsAllReduce"]
+
+Forward = Callable[[torch.nn.Module, Any], Any]
+
+
+class SupportsAllReduce(Protocol):
+    """Anything with ``all_reduce(tensor, op)``: a :class:`lockstep.comm.Comm` or a Session."""
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor: ...
+
+
+def _resolve(comm: Any) -> Any:
+    inner = getattr(comm, "comm", None)  # a Session carries its Comm
+    return inner if hasattr(inner, "all_reduce") else comm
+
+
+def _acc_dtype(device: torch.device) -> torch.dtype:
+    return torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
+
+
+def _reduce_device(comm: Any, hint: torch.device | None) -> torch.device:
+    if hint is not None:
+        return hint
+    # NCCL reduces CUDA tensors only.
+    if getattr(comm, "backend", None) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class SumCount:
+    """Running sum and count of a per-sample value, reduced exactly over all ranks.
+
+    Args:
+        device: where the reduction tensor lives; default: the device of the first tensor
+            added, else CUDA under NCCL, else CPU.
+
+    Example::
+
+        meter = SumCount()
+        meter.add(loss_sum, count=len(labels))      # a float or a tensor (kept on device)
+        mean = meter.compute(comm)                  # sum over ranks / count over ranks
+    """
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device
+        self.sum: float | torch.Tensor = 0.0
+        self.count = 0
+
+    def add(self, value_sum: float | torch.Tensor, count: int) -> None:
+        """Add the sum of ``count`` per-sample values.
+
+        Args:
+            value_sum: the sum (not the mean) of the values; a tensor stays on its device, so
+                adding it does not synchronise with the GPU.
+            count: how many samples that sum covers.
+
+        Example::
+
+            meter.add(F.cross_entropy(out, y, reduction="sum"), len(y))
+        """
+        if count < 0:
+            raise ValueError(f"count must be >= 0, got {count}")
+        if isinstance(value_sum, torch.Tensor):
+            value_sum = value_sum.detach().to(_acc_dtype(value_sum.device)).sum()
+            if self.device is None:
+                self.device = value_sum.device
+        self.sum = self.sum + value_sum
+        self.count += count
+
+    def totals(self, comm: SupportsAllReduce) -> tuple[float, int]:
+        """Return ``(sum, count)`` over all ranks (one ``all_reduce``).
+
+        Args:
+            comm: the job's :class:`~lockstep.comm.Comm` (or a Session).
+
+        Example::
+
+            total, n = meter.totals(comm)
+        """
+        comm = _resolve(comm)
+        device = _reduce_device(comm, self.device)
+        pair = torch.zeros(2, dtype=_acc_dtype(device), device=device)
+        pair[0] = torch.as_tensor(self.sum)
+        pair[1] = self.count
+        comm.all_reduce(pair, "sum")
+        total, count = pair.tolist()
+        return total, int(round(count))
+
+    def compute(self, comm: SupportsAllReduce) -> float:
+        """Return the mean over all ranks: global sum / global count (NaN when no samples).
+
+        Args:
+            comm: the job's :class:`~lockstep.comm.Comm` (or a Session).
+
+        Example::
+
+            mean_loss = meter.compute(comm)
+        """
+        total, count = self.totals(comm)
+        return total / count if count else math.nan
+
+
+Reducer = SumCount
+
+
+def _summed_loss(loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """Return ``loss_fn`` with ``reduction="sum"``, so that loss sum / count is the exact mean."""
+    if isinstance(loss_fn, torch.nn.Module) and hasattr(loss_fn, "reduction"):
+        summed = copy.copy(loss_fn)  # leave the caller's module as it is
+        setattr(summed, "reduction", "sum")
+        return summed
+    try:
+        params = list(inspect.signature(loss_fn).parameters.values())
+    except (TypeError, ValueError):  # some builtins have no signature
+        params = []
+    if any(p.name == "reduction" or p.kind is p.VAR_KEYWORD for p in params):
+        return functools.partial(loss_fn, reduction="sum")
+    raise ConfigError(
+        f"loss_fn {getattr(loss_fn, '__name__', loss_fn)!r} takes no `reduction` argument, so "
+        "the exact per-sample mean cannot be formed; pass a loss such as "
+        "torch.nn.functional.cross_entropy or an nn loss module (it is called with reduction='sum')"
+    )
+
+
+def _split(batch: Any) -> tuple[Any, torch.Tensor]:
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise ConfigError(
+        f"evaluation batches must be (inputs, targets) pairs, got {type(batch).__name__}"
+        + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
+    )
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _sync_ddp_buffers(ddp: Any, comm: Any) -> None:
+    """Give every rank rank 0's buffers (BatchNorm statistics), as DDP's next forward would.
+
+    DDP refreshes buffers from rank 0 at the start of each forward, so after the last training
+    forward they differ between ranks; evaluating without this would score a different model on
+    each rank.
+    """
+    if not getattr(ddp, "broadcast_buffers", False):
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for buf in ddp.module.buffers():
+        by_dtype.setdefault(buf.dtype, []).append(buf)
+    for bufs in by_dtype.values():  # one broadcast per dtype rather than per buffer
+        flat = torch.cat([b.detach().reshape(-1) for b in bufs])
+        if hasattr(comm, "broadcast"):
+            comm.broadcast(flat, 0)
+        else:
+            torch.distributed.broadcast(flat, 0)
+        offset = 0
+        for b in bufs:
+            b.data.copy_(flat[offset:offset + b.numel()].view_as(b))
+            offset += b.numel()
+
+
+def _quiet_ddp(model: torch.nn.Module, comm: Any) -> list[tuple[Any, bool]]:
+    """Sync the buffers of every DDP inside ``model`` once, then stop its per-forward sync.
+
+    A DDP forward may broadcast buffers, a collective; with shards of different batch counts
+    (or an empty one) the ranks would then call different collectives and hang. The DDP may sit
+    inside other wrappers (autocast, compile), so it is found among the modules, not unwrapped.
+    Returns what to restore afterwards.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    saved = []
+    for m in model.modules():
+        if isinstance(m, DistributedDataParallel):
+            _sync_ddp_buffers(m, comm)
+            saved.append((m, m.require_forward_param_sync))
+            m.require_forward_param_sync = False
+    return saved
+
+
+def _gathers_in_forward(model: torch.nn.Module) -> bool:
+    """True for FSDP models: their forward all-gathers, so every rank must run as many forwards."""
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    except ImportError:  # torch built without distributed
+        return False
+    return any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in model.modules())
+
+
+def _padding_inputs(loader: Any, seen: Any) -> Any:
+    if seen is not None:
+        return seen
+    # This rank's shard is empty (fewer samples than ranks): build a one-sample batch.
+    collate = getattr(loader, "collate_fn", None) or default_collate
+    return _split(collate([loader.dataset[0]]))[0]
+
+
+def _extra_forwards(loader: Any, comm: Any, device: torch.device) -> int:
+    """Agree, before any forward, on how many batches the longest shard has; return the excess."""
+    try:
+        mine = len(loader)
+    except TypeError:
+        raise ConfigError("evaluating an FSDP model needs a loader with len(); use make_loader") from None
+    most = comm.all_reduce(torch.tensor([mine], device=device), "max")
+    return int(most.item()) - mine
+
+
+def _totals(model: torch.nn.Module, loader: Iterable[Any], comm: Any, loss_fn: Callable[..., torch.Tensor] | None,
+            device: torch.device | None, forward: Forward | None) -> tuple[float, float, int]:
+    """Run the evaluation; return (loss sum, correct, count) summed over all ranks."""
+    comm = _resolve(comm)
+    device = device or _model_device(model)
+    run: Forward = forward or (lambda m, x: m(x))
+    summed = _summed_loss(loss_fn) if loss_fn is not None else None
+    extra = _extra_forwards(loader, comm, device) if _gathers_in_forward(model) else 0
+    acc = torch.zeros(2, dtype=_acc_dtype(device), device=device)  # loss sum, correct
+    count, first = 0, None
+    modes = [(m, m.training) for m in model.modules()]
+    quieted = _quiet_ddp(model, comm)
+    model.eval()
+    try:
+        with torch.no_grad():
+            for batch in loader:
+                inputs, targets = move_to_device(_split(batch), device)
+                outputs = run(model, inputs)
+                if summed is not None:
+                    acc[0] += summed(outputs.float(), targets).to(acc.dtype)
+                labels = targets.argmax(-1) if targets.dim() == outputs.dim() else targets
+                acc[1] += (outputs.argmax(1) == labels).sum().to(acc.dtype)
+                count += int(targets.shape[0])
+                first = inputs if first is None else first
+            for _ in range(extra):  # outputs discarded: they only keep FSDP's collectives matched
+                run(model, move_to_device(_padding_inputs(loader, first), device))
+    finally:
+        for module, mode in modes:  # restore each module's own mode, not one mode for all
+            module.training = mode
+        for ddp, sync in quieted:
+            ddp.require_forward_param_sync = sync
+    result = torch.cat([acc, torch.tensor([count], dtype=acc.dtype, device=device)])
+    comm.all_reduce(result, "sum")
+    loss_sum, correct, total = result.tolist()
+    return loss_sum, correct, int(round(total))
+
+
+def accuracy(model: torch.nn.Module, loader: Iterable[Any], comm: SupportsAllReduce, *,
+             device: torch.device | None = None, forward: Forward | None = None) -> float:
+    """Return the top-1 accuracy over the whole (distributed) evaluation set, the same on every rank.
+
+    Runs under ``torch.no_grad()`` with the model in eval mode and restores each module's mode.
+    A DDP model (also inside other wrappers) first gets rank 0's buffers on every rank, as its
+    next forward would, and then runs without per-forward buffer broadcasts, so shards with
+    different batch counts cannot leave a rank waiting; an FSDP model runs extra, discarded
+    forwards on the shorter shards for the same reason.
+
+    Args:
+        model: a classifier returning ``[batch, classes]`` scores (plain, DDP- or FSDP-wrapped).
+        loader: yields ``(inputs, targets)``; use ``make_loader(..., eval=True)`` for exactness.
+        comm: the job's :class:`~lockstep.comm.Comm` (or a Session).
+        device: where to run; default: the device of the model's parameters.
+        forward: ``forward(model, inputs) -> outputs``, for autocast or unusual signatures.
+
+    Example::
+
+        acc = accuracy(model, test_loader, comm)   # e.g. 0.9733, identical on all ranks
+    """
+    _, correct, count = _totals(model, loader, comm, None, device, forward)
+    return correct / count if count else math.nan
+
+
+def evaluate(model: torch.nn.Module, loader: Iterable[Any], comm: SupportsAllReduce,
+             loss_fn: Callable[..., torch.Tensor] = F.cross_entropy, *,
+             device: torch.device | None = None, forward: Forward | None = None) -> dict[str, float]:
+    """Return ``{"loss", "accuracy", "count"}`` over the whole (distributed) evaluation set.
+
+    ``loss`` is the mean per sample: the sum of per-sample losses over all ranks divided by the
+    number of samples, so it does not depend on the batch size or the number of ranks. Wrapped
+    models are handled as in :func:`accuracy`.
+
+    Args:
+        model: a classifier returning ``[batch, classes]`` scores (plain, DDP- or FSDP-wrapped).
+        loader: yields ``(inputs, targets)``; use ``make_loader(..., eval=True)`` for exactness.
+        comm: the job's :class:`~lockstep.comm.Comm` (or a Session).
+        loss_fn: a loss accepting ``reduction="sum"`` (functional or an nn loss module).
+        device: where to run; default: the device of the model's parameters.
+        forward: ``forward(model, inputs) -> outputs``, for autocast or unusual signatures.
+
+    Example::
+
+        report = evaluate(model, test_loader, comm)
+        print(f"loss {report['loss']:.4f} acc {report['accuracy']:.4f} on {report['count']} samples")
+    """
+    loss_sum, correct, count = _totals(model, loader, comm, loss_fn, device, forward)
+    if not count:
+        return {"loss": math.nan, "accuracy": math.nan, "count": 0}
+    return {"loss": loss_sum / count, "accuracy": correct / count, "count": count}

@@ -1,0 +1,276 @@
+"""Which sample indices each rank reads: a resumable training sampler and an exact evaluation one.
+
+:class:`TrainSampler` plays the part of ``torch.utils.data.DistributedSampler`` with two additions:
+the epoch order is a function of ``(seed, epoch)`` only, and the position inside an epoch is a
+count of *global* samples consumed, so a run stopped mid-epoch resumes with exactly the indices it
+would have read next, on the same world size or on another one.
+
+:class:`EvalSampler` never pads nor duplicates: the shards of all ranks together are exactly
+``range(n)``, so sums and counts reduced over ranks are the single-process figures.
+
+Example::
+
+    sampler = TrainSampler(len(dataset), world_size=2, rank=0, seed=1)
+    sampler.set_epoch(3)
+    first = list(sampler)[:4]          # the same on every run with seed 1, epoch 3
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import Sampler
+
+from lockstep.errors import ConfigError
+
+__all__ = ["TrainSampler", "EvalSampler", "epoch_order", "shard_bounds"]
+
+
+def _check_world(world_size: int, rank: int) -> None:
+    if world_size < 1:
+        raise ConfigError(f"world_size must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"rank {rank} is out of range for world_size {world_size}")
+
+
+def _check_len(dataset_len: int) -> None:
+    if dataset_len < 0:
+        raise ConfigError(f"dataset length must be >= 0, got {dataset_len}")
+
+
+def epoch_order(dataset_len: int, seed: int, epoch: int, shuffle: bool = True) -> list[int]:
+    """Return the global sample order of one epoch: a permutation of ``range(dataset_len)``.
+
+    The generator seed mixes ``seed`` and ``epoch`` through a hash, so that (seed 0, epoch 1) and
+    (seed 1, epoch 0) give unrelated orders (``seed + epoch`` would make them equal). The hash is
+    stable across processes and Python versions, unlike the built-in ``hash``.
+
+    Args:
+        dataset_len: number of samples.
+        seed: the run's data seed.
+        epoch: the epoch number.
+        shuffle: when False the order is ``range(dataset_len)``.
+
+    Example::
+
+        epoch_order(5, seed=0, epoch=0, shuffle=False)   # [0, 1, 2, 3, 4]
+    """
+    if not shuffle:
+        return list(range(dataset_len))
+    digest = hashlib.blake2b(f"lockstep/{seed}/{epoch}".encode(), digest_size=8).digest()
+    gen = torch.Generator()
+    gen.manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+    return torch.randperm(dataset_len, generator=gen).tolist()
+
+
+class TrainSampler(Sampler[int]):
+    """Distributed training sampler with equal per-rank counts and a resumable position.
+
+    Each epoch the global order is :func:`epoch_order` ``(n, seed, epoch)``, identical on every
+    rank. From the current position ``seen`` on, the rest of that order is padded by wrapping
+    around to the start of the epoch's order (or, with ``drop_last``, cut) to a multiple of
+    ``world_size``, and rank ``r`` reads every ``world_size``-th index starting at ``r``. All ranks
+    therefore get the same number of samples, hence the same number of batches: uneven datasets
+    never leave one rank waiting in a collective the others have stopped calling.
+
+    Because ranks interleave, after every rank has read ``k`` samples the consumed positions are
+    exactly the first ``k * world_size`` of the epoch's order. The position is kept in those
+    global units (see :meth:`advance`), so it carries over to another world size.
+
+    Args:
+        dataset_len: number of samples in the dataset.
+        world_size: number of ranks reading the dataset.
+        rank: this rank, ``0 <= rank < world_size``.
+        shuffle: permute each epoch (True) or read in dataset order.
+        seed: the data seed; the order is a function of ``(seed, epoch)`` only.
+        drop_last: drop the tail that does not divide by ``world_size`` instead of padding.
+
+    Example::
+
+        sampler = TrainSampler(10, world_size=2, rank=1)
+        sampler.set_epoch(0)
+        len(sampler)                 # 5
+        sampler.advance(4)           # two ranks read two samples each
+        len(sampler)                 # 3
+    """
+
+    def __init__(self, dataset_len: int, world_size: int, rank: int, *, shuffle: bool = True,
+                 seed: int = 0, drop_last: bool = False) -> None:
+        _check_len(dataset_len)
+        _check_world(world_size, rank)
+        self.dataset_len = dataset_len
+        self.world_size = world_size
+        self.rank = rank
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.epoch = 0
+        self.seen = 0
+        # Set by load_state_dict: the next set_epoch() of that same epoch keeps the loaded
+        # position, so "load state, then set_epoch(state epoch), then iterate" resumes.
+        self._resume_epoch: int | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` from its beginning (or keep a position just loaded for that epoch).
+
+        Args:
+            epoch: the epoch number; it selects the order together with the seed.
+
+        Example::
+
+            for epoch in range(3):
+                sampler.set_epoch(epoch)
+                for i in sampler: ...
+        """
+        if epoch < 0:
+            raise ConfigError(f"epoch must be >= 0, got {epoch}")
+        if self._resume_epoch is not None and epoch == self._resume_epoch:
+            self._resume_epoch = None
+            return
+        self._resume_epoch = None
+        self.epoch = epoch
+        self.seen = 0
+
+    def advance(self, global_samples: int) -> None:
+        """Record that all ranks together consumed ``global_samples`` more samples.
+
+        Call it after each step with ``batch_size * world_size``; it is arithmetic only (no
+        collective). The position never passes the end of the epoch.
+
+        Args:
+            global_samples: samples consumed by all ranks together since the last call.
+
+        Example::
+
+            sampler.advance(batch_size * world_size)
+        """
+        if global_samples < 0:
+            raise ValueError(f"cannot advance by a negative number of samples ({global_samples})")
+        self.seen = min(self.seen + global_samples, self.dataset_len)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the position: epoch, global samples consumed, seed, shuffle, dataset length.
+
+        Example::
+
+            state = sampler.state_dict()   # {"epoch": 2, "seen": 400, "seed": 0, ...}
+        """
+        return {"epoch": self.epoch, "seen": self.seen, "seed": self.seed,
+                "shuffle": self.shuffle, "dataset_len": self.dataset_len}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a saved position; the next iteration reads from ``state["seen"]`` on.
+
+        The saved seed and shuffle flag win over the constructor's, because the order being
+        resumed is the saved run's. The world size may differ from the saved run's.
+
+        Args:
+            state: a dict from :meth:`state_dict`.
+
+        Raises:
+            ConfigError: the state was saved for a dataset of another length, or is malformed.
+
+        Example::
+
+            sampler.load_state_dict(checkpoint["sampler"])
+        """
+        saved_len = state.get("dataset_len", self.dataset_len)
+        if saved_len != self.dataset_len:
+            raise ConfigError(
+                f"the sampler state was saved for a dataset of {saved_len} samples but this "
+                f"dataset has {self.dataset_len}; resume with the same dataset or start afresh"
+            )
+        epoch, seen = int(state["epoch"]), int(state["seen"])
+        if epoch < 0 or seen < 0:
+            raise ConfigError(f"bad sampler state: epoch {epoch}, seen {seen} (both must be >= 0)")
+        self.seed = int(state.get("seed", self.seed))
+        self.shuffle = bool(state.get("shuffle", self.shuffle))
+        self.epoch = epoch
+        self.seen = min(seen, self.dataset_len)
+        self._resume_epoch = epoch
+
+    def _rest(self) -> int:
+        return max(self.dataset_len - self.seen, 0)
+
+    def __len__(self) -> int:
+        rest = self._rest()
+        if self.drop_last:
+            return rest // self.world_size
+        return -(-rest // self.world_size)
+
+    def __iter__(self) -> Iterator[int]:
+        # The iterator is being consumed: a later set_epoch() of the same epoch starts it over.
+        self._resume_epoch = None
+        order = epoch_order(self.dataset_len, self.seed, self.epoch, self.shuffle)
+        rest = order[self.seen:]
+        total = len(self) * self.world_size
+        if total > len(rest):
+            # Wrap around to the start of the epoch's order (repeatedly when n < world_size),
+            # exactly as the uninterrupted run pads its tail.
+            pad = total - len(rest)
+            rest += (order * (-(-pad // len(order))))[:pad]
+        return iter(rest[self.rank:total:self.world_size])
+
+
+def shard_bounds(dataset_len: int, world_size: int, rank: int) -> tuple[int, int]:
+    """Return ``(start, stop)`` of ``rank``'s contiguous evaluation shard.
+
+    The first ``dataset_len % world_size`` ranks get one sample more than the others.
+
+    Args:
+        dataset_len: number of samples.
+        world_size: number of ranks.
+        rank: this rank.
+
+    Example::
+
+        [shard_bounds(5, 2, r) for r in range(2)]   # [(0, 3), (3, 5)]
+    """
+    _check_len(dataset_len)
+    _check_world(world_size, rank)
+    base, extra = divmod(dataset_len, world_size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+class EvalSampler(Sampler[int]):
+    """Evaluation sampler that never pads or duplicates: contiguous shards covering ``range(n)``.
+
+    Shard sizes differ by at most one, so ranks may run a different number of batches; the
+    evaluation in :mod:`lockstep.metrics` reduces once at the end and copes with that.
+
+    Args:
+        dataset_len: number of samples in the dataset.
+        world_size: number of ranks.
+        rank: this rank.
+
+    Example::
+
+        list(EvalSampler(5, world_size=2, rank=1))   # [3, 4]
+    """
+
+    def __init__(self, dataset_len: int, world_size: int, rank: int) -> None:
+        self.dataset_len = dataset_len
+        self.world_size = world_size
+        self.rank = rank
+        self.start, self.stop = shard_bounds(dataset_len, world_size, rank)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Accepted for symmetry with :class:`TrainSampler`; evaluation order never changes.
+
+        Args:
+            epoch: ignored.
+
+        Example::
+
+            sampler.set_epoch(4)   # no effect
+        """
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.start, self.stop))

@@ -112,7 +112,8 @@ class PrecisionModule(nn.Module):
         precision = self._precision
         args = tuple(precision.convert_input(a) if isinstance(a, torch.Tensor) else a for a in args)
         with precision.forward_context():
-            return self.module(*args, **kwargs)
+            out = self.module(*args, **kwargs)
+        return precision.convert_output(out)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         return self._bare.state_dict(*args, **kwargs)

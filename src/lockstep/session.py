@@ -98,11 +98,12 @@ class Session:
         self.timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
         self.quiet = quiet
         self.device: torch.device = self.world.device
-        self.precision = get_precision(precision, self.device)
+        get_precision(precision, self.device)  # refuse a bad name before any process group
         options = dict(strategy_options or {})
         if sync_bn:
             options["sync_bn"] = True
         self.comm: Comm = init_comm(self.world, backend, init_method, self.timeout)
+        self.precision = get_precision(precision, self.device, comm=self.comm)
         self.strategy = get_strategy(strategy, self.comm, self.device, **options)
         seed_everything(seed)
         self.epoch = 0

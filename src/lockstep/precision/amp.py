@@ -1,0 +1,49 @@
+"""Automatic mixed precision: fp32 weights, the forward pass under ``torch.autocast``.
+
+``bf16-mixed`` needs no loss scaling (bf16 has fp32's range); ``fp16-mixed`` scales the loss
+with a :class:`~lockstep.precision.base.LossScaler` and skips steps whose gradients overflow.
+Both work on CPUs too (autocast on CPU supports bf16 and fp16).
+
+Example::
+
+    precision = MixedPrecision(torch.device("cuda", 0), torch.float16)
+    with precision.forward_context():
+        loss = loss_fn(model(x), y)
+    precision.backward(loss)
+    precision.step(optimizer)
+"""
+
+from __future__ import annotations
+
+from typing import Any, ContextManager
+
+import torch
+
+from lockstep.comm import Comm
+from lockstep.precision.base import LossScaler, Precision
+
+__all__ = ["MixedPrecision"]
+
+
+class MixedPrecision(Precision):
+    """fp32 parameters; operations that profit from it run in ``dtype`` under autocast.
+
+    Args:
+        device: this rank's device.
+        dtype: ``torch.bfloat16`` or ``torch.float16`` (the latter with loss scaling).
+        comm: the job's collectives (to agree on skipped fp16 steps).
+
+    Example::
+
+        precision = MixedPrecision(torch.device("cpu"), torch.bfloat16)
+    """
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, comm: Comm | None = None) -> None:
+        super().__init__(device, comm)
+        self.autocast_dtype = dtype
+        self.name = "fp16-mixed" if dtype == torch.float16 else "bf16-mixed"
+        if dtype == torch.float16:
+            self.scaler = LossScaler(self.device, comm)
+
+    def forward_context(self) -> ContextManager[Any]:
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)

@@ -1,0 +1,245 @@
+"""The :class:`Precision` plugin interface (plain fp32, which does nothing) and loss scaling.
+
+A precision plugin owns the few places where numeric format touches training: converting the
+model and its inputs, the forward context (autocast), backward (loss scaling), and the optimizer
+step (unscale, clip, skip on overflow). The base class is fp32 and every hook is a no-op;
+subclasses override only what their format needs.
+
+Example::
+
+    precision = Precision(torch.device("cpu"))
+    with precision.forward_context():
+        loss = loss_fn(model(precision.convert_input(x)), y)
+    precision.backward(loss)
+    precision.step(optimizer)          # True: the step was taken
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any, ClassVar, ContextManager
+
+import torch
+from torch import nn
+
+from lockstep.comm import Comm
+
+__all__ = ["Precision", "LossScaler"]
+
+
+class LossScaler(torch.amp.GradScaler):
+    """A dynamic loss scaler whose skip decision is the same on every rank.
+
+    With sharded gradients (fsdp) each rank checks only its own shards for inf/NaN; this
+    scaler takes the maximum over all ranks, so that every rank skips the same steps. It can
+    also unscale fp16 gradients (for pure fp16 models), which ``GradScaler`` refuses.
+
+    Args:
+        device: the device the loss lives on.
+        comm: the job's collectives; when ``None``, the default process group is used if one
+            exists.
+        allow_fp16_grads: unscale fp16 gradients in place instead of refusing them.
+
+    Example::
+
+        scaler = LossScaler(torch.device("cpu"))
+        scaler.scale(loss).backward(); scaler.unscale_(opt); scaler.step(opt); scaler.update()
+        scaler.found_inf   # True when this step was skipped
+    """
+
+    def __init__(self, device: torch.device, comm: Comm | None = None, allow_fp16_grads: bool = False) -> None:
+        super().__init__(torch.device(device).type)
+        self._comm = comm
+        self._allow_fp16_grads = allow_fp16_grads
+        self.found_inf = False
+
+    def _unscale_grads_(
+        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
+    ) -> dict[torch.device, torch.Tensor]:
+        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16 or self._allow_fp16_grads)
+        if not per_device:
+            # A rank without gradients still takes part in the agreement below.
+            per_device = {found_inf.device: found_inf}
+        local = torch.zeros((), dtype=torch.float32, device=found_inf.device)
+        for flag in per_device.values():
+            local += flag.to(found_inf.device).sum()
+        self.found_inf = _max_over_ranks(local, self._comm).item() > 0
+        if self.found_inf:
+            for flag in per_device.values():
+                flag.fill_(1.0)
+        return per_device
+
+
+def _max_over_ranks(tensor: torch.Tensor, comm: Comm | None) -> torch.Tensor:
+    if comm is not None:
+        return comm.all_reduce(tensor, "max")
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor
+
+
+class Precision:
+    """Full fp32 training; the base of all precision plugins (every hook does nothing).
+
+    Args:
+        device: this rank's device (autocast and the loss scaler use its type).
+        comm: the job's collectives, used to agree on skipped steps when loss scaling.
+
+    Example::
+
+        precision = get_precision("fp32", torch.device("cpu"))
+        model = precision.convert_module(model)
+    """
+
+    name: str = "fp32"
+    param_dtype: ClassVar[torch.dtype] = torch.float32
+
+    def __init__(self, device: torch.device, comm: Comm | None = None) -> None:
+        self.device = torch.device(device)
+        self.comm = comm
+        self.scaler: LossScaler | None = None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, device={self.device})"
+
+    @property
+    def scales_loss(self) -> bool:
+        """True when this precision scales the loss (fp16 kinds) and so detects overflow itself."""
+        return self.scaler is not None
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The current loss scale, or ``None`` when this precision does not scale the loss."""
+        return None if self.scaler is None else self.scaler.get_scale()
+
+    def convert_module(self, model: nn.Module) -> nn.Module:
+        """Convert the model's parameters to this precision's storage format (before wrapping).
+
+        Args:
+            model: the bare module.
+
+        Example::
+
+            model = precision.convert_module(model)
+        """
+        return model
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:
+        """Prepare an optimizer built over ``model``'s parameters.
+
+        Args:
+            optimizer: the optimizer.
+            model: the (converted, possibly wrapped) module it optimises.
+
+        Example::
+
+            optimizer = precision.setup_optimizer(torch.optim.SGD(model.parameters(), 0.1), model)
+        """
+        return optimizer
+
+    def forward_context(self) -> ContextManager[Any]:
+        """Context to run the forward pass (and the loss) in, e.g. autocast.
+
+        Example::
+
+            with precision.forward_context():
+                loss = loss_fn(model(x), y)
+        """
+        return contextlib.nullcontext()
+
+    def convert_input(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Cast a model input to the format the converted model expects.
+
+        Args:
+            tensor: an input batch; non-floating tensors (labels, indices) pass unchanged.
+
+        Example::
+
+            out = model(precision.convert_input(images))
+        """
+        return tensor
+
+    def convert_output(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Cast a model output back for the loss (fp32 for half models).
+
+        Args:
+            tensor: a model output.
+
+        Example::
+
+            loss = loss_fn(precision.convert_output(model(x)), y)
+        """
+        return tensor
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate ``loss`` (scaled first when this precision uses loss scaling).
+
+        Args:
+            loss: the scalar loss.
+
+        Example::
+
+            precision.backward(loss)
+        """
+        if self.scaler is None:
+            loss.backward()
+        else:
+            self.scaler.scale(loss).backward()
+
+    def step(self, optimizer: torch.optim.Optimizer, clip: Callable[[], object] | None = None) -> bool:
+        """Unscale the gradients, call ``clip``, and step the optimizer unless they overflowed.
+
+        Args:
+            optimizer: the optimizer returned by :meth:`setup_optimizer`.
+            clip: called once the gradients are unscaled, e.g.
+                ``lambda: strategy.clip_grad_norm(model, 1.0)``.
+
+        Returns:
+            ``False`` when the step was skipped because of inf/NaN gradients (the same on
+            every rank), else ``True``.
+
+        Example::
+
+            if not precision.step(optimizer):
+                skipped += 1
+        """
+        if self.scaler is None:
+            if clip is not None:
+                clip()
+            optimizer.step()
+            return True
+        self.scaler.unscale_(optimizer)
+        if clip is not None:
+            clip()
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        return not self.scaler.found_inf
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loss scaler's state (empty when there is none).
+
+        Example::
+
+            checkpoint["precision"] = precision.state_dict()
+        """
+        return {} if self.scaler is None else self.scaler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the loss scaler's state; an empty or scaler-less state is ignored.
+
+        Args:
+            state: what :meth:`state_dict` returned (possibly under another precision).
+
+        Example::
+
+            precision.load_state_dict(checkpoint["precision"])
+        """
+        if self.scaler is not None and state:
+            self.scaler.load_state_dict(state)
+
+
+def is_float(tensor: Any) -> bool:
+    """True for a floating-point tensor (the only kind precision casts)."""
+    return isinstance(tensor, torch.Tensor) and tensor.is_floating_point()

@@ -1,0 +1,189 @@
+"""Half-precision models: pure ``bf16``/``fp16``, and apex-style ``fp16-o2`` with master weights.
+
+Pure half keeps everything (weights, gradients, optimizer state) in ``bf16``/``fp16``: half the
+memory, but small updates can vanish. ``fp16-o2`` (apex opt level O2) runs an fp16 model with
+BatchNorm kept in fp32, and lets the optimizer step fp32 *master* copies of the weights that are
+copied back into the model after each step; the loss is scaled, and unscaled into the fp32
+master gradients so that small gradients survive.
+
+Example::
+
+    precision = MasterWeightPrecision(torch.device("cuda", 0))
+    model = precision.convert_module(model)
+    optimizer = precision.setup_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any, ContextManager
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from lockstep.comm import Comm
+from lockstep.errors import ConfigError
+from lockstep.precision.base import LossScaler, Precision, is_float
+
+__all__ = ["HalfPrecision", "MasterWeightPrecision"]
+
+
+class HalfPrecision(Precision):
+    """The whole model in ``dtype`` (pure bf16 or fp16; apex O3 is pure fp16).
+
+    Args:
+        device: this rank's device.
+        dtype: ``torch.bfloat16`` or ``torch.float16``; fp16 also scales the loss.
+        comm: the job's collectives (to agree on skipped fp16 steps).
+
+    Example::
+
+        precision = HalfPrecision(torch.device("cpu"), torch.bfloat16)
+        model = precision.convert_module(model)        # all parameters bf16
+    """
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, comm: Comm | None = None) -> None:
+        super().__init__(device, comm)
+        self.half_dtype = dtype
+        self.name = "fp16" if dtype == torch.float16 else "bf16"
+        if dtype == torch.float16:
+            self.scaler = LossScaler(self.device, comm, allow_fp16_grads=True)
+
+    def convert_module(self, model: nn.Module) -> nn.Module:
+        return model.to(dtype=self.half_dtype)
+
+    def forward_context(self) -> ContextManager[Any]:
+        # Tensors created inside forward (torch.zeros(...)) must match the half weights.
+        return _default_dtype(self.half_dtype)
+
+    def convert_input(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.half_dtype) if is_float(tensor) else tensor
+
+    def convert_output(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.float() if is_float(tensor) else tensor
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+_Pair = tuple[nn.Parameter, torch.Tensor]
+
+
+class MasterWeightPrecision(Precision):
+    """apex O2: fp16 model (BatchNorm fp32), fp32 master weights in the optimizer, loss scaling.
+
+    The optimizer returned by :meth:`setup_optimizer` is the user's optimizer with its fp16
+    parameters replaced by fp32 masters. :meth:`step` moves the fp16 gradients into the
+    masters, unscales them in fp32, clips, steps, and copies the masters back into the model.
+    If the model's weights are changed from outside (a checkpoint load), the masters follow.
+
+    Args:
+        device: this rank's device.
+        comm: the job's collectives (to agree on skipped steps).
+
+    Example::
+
+        precision = get_precision("O2", device)
+        model = precision.convert_module(model)
+        optimizer = precision.setup_optimizer(make_optimizer(model.parameters()), model)
+    """
+
+    name = "fp16-o2"
+
+    def __init__(self, device: torch.device, comm: Comm | None = None) -> None:
+        super().__init__(device, comm)
+        self.scaler = LossScaler(self.device, comm)
+        self._pairs: dict[int, list[_Pair]] = {}
+        self._versions: dict[int, int] = {}
+
+    def convert_module(self, model: nn.Module) -> nn.Module:
+        model.half()
+        for module in model.modules():
+            if isinstance(module, _BatchNorm):
+                module.float()  # apex keep_batchnorm_fp32: statistics need fp32's precision
+        return model
+
+    def convert_input(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.half() if is_float(tensor) else tensor
+
+    def convert_output(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.float() if is_float(tensor) else tensor
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:
+        pairs: list[_Pair] = []
+        for group in optimizer.param_groups:
+            masters = []
+            for param in group["params"]:
+                if _is_dtensor(param):
+                    raise ConfigError(
+                        "precision fp16-o2 does not work with sharded (fsdp) parameters; use "
+                        "fp16-mixed or bf16-mixed with fsdp"
+                    )
+                if param.dtype != torch.float16:
+                    masters.append(param)  # fp32 (BatchNorm) parameters are their own masters
+                    continue
+                master = nn.Parameter(param.detach().float(), requires_grad=param.requires_grad)
+                pairs.append((param, master))
+                masters.append(master)
+                state = optimizer.state.pop(param, None)
+                if state is not None:
+                    optimizer.state[master] = {k: v.float() if is_float(v) else v for k, v in state.items()}
+            group["params"] = masters
+        self._pairs[id(optimizer)] = pairs
+        self._remember_versions(pairs)
+        return optimizer
+
+    def step(self, optimizer: torch.optim.Optimizer, clip: Callable[[], object] | None = None) -> bool:
+        pairs = self._pairs.get(id(optimizer))
+        if pairs is None:
+            raise ConfigError("fp16-o2 needs precision.setup_optimizer(optimizer, model) before step()")
+        with torch.no_grad():
+            for param, master in pairs:
+                if param._version != self._versions[id(param)]:
+                    master.copy_(param)  # the model was loaded or edited: follow it
+                master.grad = None if param.grad is None else param.grad.float()
+                param.grad = None
+        stepped = super().step(optimizer, None if clip is None else lambda: _with_masters(pairs, clip))
+        if stepped:
+            with torch.no_grad():
+                for param, master in pairs:
+                    param.copy_(master)
+        self._remember_versions(pairs)
+        return stepped
+
+    def _remember_versions(self, pairs: list[_Pair]) -> None:
+        for param, _ in pairs:
+            self._versions[id(param)] = param._version
+
+
+def _with_masters(pairs: list[_Pair], clip: Callable[[], object]) -> object:
+    """Call ``clip`` while the model's fp16 parameters show the masters' fp32 data and grads.
+
+    ``clip`` acts on the model's parameters (e.g. ``strategy.clip_grad_norm(model, 1.0)``), but
+    under O2 the gradients to clip are the unscaled fp32 ones held by the masters.
+    """
+    saved = [param.data for param, _ in pairs]
+    for param, master in pairs:
+        param.data = master.data
+        param.grad = master.grad
+    try:
+        return clip()
+    finally:
+        for (param, _), data in zip(pairs, saved):
+            param.grad = None
+            param.data = data
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)

@@ -1,0 +1,132 @@
+"""Parallel strategies, registered by name: ``single``, ``dp``, ``ddp``, ``fsdp`` and ``auto``.
+
+``auto`` picks ``ddp`` when the job has several processes, ``dp`` when one process sees several
+GPUs, and ``single`` otherwise. The wrapping itself lives in plain functions (:func:`apply_ddp`,
+:func:`apply_fsdp`, :func:`apply_dp`, :func:`apply_sync_bn`) that can be used on their own.
+
+Example::
+
+    from lockstep.strategies import get_strategy
+    strategy = get_strategy("auto", comm, device)
+    model = strategy.setup_module(net)
+
+A new strategy registers itself with::
+
+    @register_strategy("mine")
+    class MyStrategy(Strategy): ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from lockstep.comm import Comm
+from lockstep.errors import ConfigError
+from lockstep.strategies.base import Strategy, apply_sync_bn, broadcast_module_state, unwrap_module
+from lockstep.strategies.ddp import DDPStrategy, UnusedParametersError, apply_ddp, explain_ddp_error
+from lockstep.strategies.dp import DataParallelStrategy, apply_dp
+from lockstep.strategies.fsdp import FSDPStrategy, apply_fsdp
+from lockstep.strategies.single import SingleStrategy
+
+__all__ = [
+    "Strategy", "SingleStrategy", "DataParallelStrategy", "DDPStrategy", "FSDPStrategy",
+    "UnusedParametersError", "register_strategy", "get_strategy", "available_strategies",
+    "resolve_auto", "apply_ddp", "apply_fsdp", "apply_dp", "apply_sync_bn",
+    "broadcast_module_state", "unwrap_module", "explain_ddp_error",
+]
+
+_REGISTRY: dict[str, type[Strategy]] = {}
+
+
+def register_strategy(name: str) -> Callable[[type[Strategy]], type[Strategy]]:
+    """Class decorator that makes a :class:`Strategy` subclass available under ``name``.
+
+    Args:
+        name: the lower-case name users pass as ``strategy=``.
+
+    Example::
+
+        @register_strategy("mine")
+        class MyStrategy(Strategy):
+            name = "mine"
+    """
+    key = name.lower()
+    if key == "auto":
+        raise ValueError("'auto' is reserved for choosing a strategy automatically")
+
+    def decorate(cls: type[Strategy]) -> type[Strategy]:
+        if not (isinstance(cls, type) and issubclass(cls, Strategy)):
+            raise TypeError(f"register_strategy({name!r}) needs a Strategy subclass, got {cls!r}")
+        _REGISTRY[key] = cls
+        return cls
+
+    return decorate
+
+
+def available_strategies() -> list[str]:
+    """Names accepted by :func:`get_strategy`, ``auto`` first.
+
+    Example::
+
+        available_strategies()   # ['auto', 'ddp', 'dp', 'fsdp', 'single']
+    """
+    return ["auto", *sorted(_REGISTRY)]
+
+
+def resolve_auto(comm: Comm, device: torch.device) -> str:
+    """The strategy ``auto`` stands for in this process.
+
+    Args:
+        comm: the job's collectives.
+        device: this rank's device.
+
+    Example::
+
+        resolve_auto(Comm(World()), torch.device("cpu"))   # 'single'
+    """
+    if comm.world_size > 1:
+        return "ddp"
+    if torch.device(device).type == "cuda" and torch.cuda.device_count() > 1:
+        return "dp"
+    return "single"
+
+
+def get_strategy(name: str, comm: Comm, device: torch.device, **options: Any) -> Strategy:
+    """Build the strategy registered as ``name`` (or the one ``auto`` resolves to).
+
+    Args:
+        name: one of :func:`available_strategies` (case does not matter).
+        comm: the job's collectives.
+        device: this rank's device.
+        **options: the strategy's options. With ``auto``, options that the chosen strategy
+            does not have are dropped, so that one script runs as 1 or N processes; an option
+            no strategy has is still an error.
+
+    Raises:
+        ConfigError: for an unknown name or option.
+
+    Example::
+
+        strategy = get_strategy("ddp", comm, device, find_unused_parameters=True)
+    """
+    key = str(name).strip().lower()
+    if key == "auto":
+        key = resolve_auto(comm, device)
+        known = set().union(*(cls.defaults for cls in _REGISTRY.values()))
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ConfigError(
+                f"no strategy has the option {', '.join(map(repr, unknown))}; "
+                f"options are: {', '.join(sorted(known))}"
+            )
+        options = {k: v for k, v in options.items() if k in _REGISTRY[key].defaults}
+    if key not in _REGISTRY:
+        raise ConfigError(f"unknown strategy {name!r}; choose one of: {', '.join(available_strategies())}")
+    return _REGISTRY[key](comm, device, **options)
+
+
+for _cls in (SingleStrategy, DataParallelStrategy, DDPStrategy, FSDPStrategy):
+    register_strategy(_cls.name)(_cls)

@@ -1,0 +1,220 @@
+"""The ``ddp`` strategy: one process per device, gradients all-reduced by DistributedDataParallel.
+
+Run a script that uses it with ``lockstep run --nproc 2 train.py`` (or ``torchrun
+--nproc-per-node 2 train.py``). With one process there is nothing to synchronise and the model
+is left unwrapped, so the same script also runs as plain ``python train.py``.
+
+A parameter that takes no part in the loss makes DDP fail at the next forward with a list of
+parameter *indices*; the wrapper made by :func:`apply_ddp` turns that into an
+:class:`UnusedParametersError` that names the parameters and the fix.
+
+Example::
+
+    strategy = DDPStrategy(comm, torch.device("cuda", comm.world.local_rank), bucket_cap_mb=50)
+    model = strategy.setup_module(net)
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from typing import Any, ClassVar, ContextManager
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from lockstep.errors import ConfigError, LockstepError
+from lockstep.strategies.base import Strategy, unwrap_module
+
+__all__ = ["DDPStrategy", "UnusedParametersError", "apply_ddp", "explain_ddp_error"]
+
+_INDICES = re.compile(r"Parameter indices which did not receive grad for rank (\d+):\s*([\d ]+)")
+_NAMES = re.compile(r"Parameters which did not receive grad for rank (\d+):\s*([^\n]+)")
+_HAS_FORWARD_SYNC = "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+
+
+class UnusedParametersError(LockstepError):
+    """Some parameters received no gradient, which DDP cannot synchronise by default.
+
+    Args:
+        rank: the rank that reported them.
+        names: the parameters' names in the bare module.
+    """
+
+    def __init__(self, rank: int, names: list[str]) -> None:
+        self.rank = rank
+        self.names = names
+        shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+        super().__init__(
+            f"rank {rank}: these parameters received no gradient in the previous step: {shown}. "
+            "DDP expects every parameter that requires grad to take part in the loss. Fix it by "
+            "using them in the loss, freezing them (requires_grad=False), or passing "
+            "find_unused_parameters=True to the ddp strategy (e.g. Session(strategy='ddp', "
+            "find_unused_parameters=True)); if the same parameters are unused in every step, "
+            "static_graph=True does the same job faster."
+        )
+
+
+class _LockstepDDP(DistributedDataParallel):
+    """DistributedDataParallel whose forward reports unused parameters by name."""
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        try:
+            return super().forward(*inputs, **kwargs)
+        except RuntimeError as exc:
+            better = explain_ddp_error(exc, self)
+            if better is None:
+                raise
+            raise better from exc
+
+
+def apply_ddp(
+    model: nn.Module,
+    device: torch.device,
+    *,
+    bucket_cap_mb: float = 25,
+    static_graph: bool = False,
+    find_unused_parameters: bool = False,
+    sync_buffers: bool = True,
+    gradient_as_bucket_view: bool = False,
+) -> DistributedDataParallel:
+    """Wrap ``model`` in DistributedDataParallel over the default process group.
+
+    Args:
+        model: the module, already on ``device``.
+        device: this rank's device; a CUDA device becomes ``device_ids=[device]``.
+        bucket_cap_mb: size of the gradient buckets all-reduced together.
+        static_graph: promise that the set of used parameters never changes (faster, and
+            allows unused parameters).
+        find_unused_parameters: search the autograd graph each step for unused parameters.
+        sync_buffers: copy rank 0's buffers (BatchNorm statistics) at each forward.
+        gradient_as_bucket_view: let gradients alias the all-reduce buckets (saves memory).
+
+    Raises:
+        ConfigError: when no process group has been initialised.
+
+    Example::
+
+        comm = init_comm()
+        model = apply_ddp(net.to(device), device, find_unused_parameters=True)
+    """
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        raise ConfigError("apply_ddp needs a process group; call lockstep.comm.init_comm() first")
+    device = torch.device(device)
+    # torch 2.14 renamed broadcast_buffers (now deprecated) to forward_sync_buffers.
+    buffers: dict[str, Any] = {"forward_sync_buffers" if _HAS_FORWARD_SYNC else "broadcast_buffers": sync_buffers}
+    return _LockstepDDP(
+        model,
+        device_ids=[device] if device.type == "cuda" else None,
+        bucket_cap_mb=bucket_cap_mb,
+        static_graph=static_graph,
+        find_unused_parameters=find_unused_parameters,
+        gradient_as_bucket_view=gradient_as_bucket_view,
+        **buffers,
+    )
+
+
+def explain_ddp_error(exc: BaseException, model: nn.Module) -> UnusedParametersError | None:
+    """Turn DDP's "parameter indices which did not receive grad" error into named parameters.
+
+    Args:
+        exc: an exception raised by a DDP forward.
+        model: the DDP module (or the bare module it wraps).
+
+    Returns:
+        An :class:`UnusedParametersError`, or ``None`` when ``exc`` is another error.
+
+    Example::
+
+        except RuntimeError as exc:
+            raise (explain_ddp_error(exc, model) or exc)
+    """
+    text = str(exc)
+    named = _NAMES.search(text)
+    if named:
+        names = [n.strip() for n in named.group(2).split(",") if n.strip()]
+        return UnusedParametersError(int(named.group(1)), names)
+    found = _INDICES.search(text)
+    if not found:
+        return None
+    ignored = set(getattr(model, "parameters_to_ignore", ()))
+    order = reducer_parameter_names(unwrap_module(model), ignored)
+    indices = [int(i) for i in found.group(2).split()]
+    names = [order[i] if i < len(order) else f"<parameter index {i}>" for i in indices]
+    return UnusedParametersError(int(found.group(1)), names)
+
+
+def reducer_parameter_names(module: nn.Module, ignored: set[str] | None = None) -> list[str]:
+    """Names of the parameters in the order DDP's reducer indexes them.
+
+    DDP walks ``named_modules()`` and each module's own parameters, keeps those that require
+    grad and are not ignored, and drops repeats of shared parameters.
+
+    Args:
+        module: the bare module DDP wraps.
+        ignored: fully qualified names DDP was told to ignore.
+
+    Example::
+
+        reducer_parameter_names(nn.Linear(2, 2))   # ['weight', 'bias']
+    """
+    ignored = ignored or set()
+    seen: set[int] = set()
+    names: list[str] = []
+    for module_name, sub in module.named_modules():
+        for param_name, param in sub.named_parameters(recurse=False):
+            full = f"{module_name}.{param_name}" if module_name else param_name
+            # DDP matches ignored names against "module.param" even at the root (".weight").
+            if not param.requires_grad or f"{module_name}.{param_name}" in ignored or id(param) in seen:
+                continue
+            seen.add(id(param))
+            names.append(full)
+    return names
+
+
+class DDPStrategy(Strategy):
+    """One process per device; DistributedDataParallel all-reduces the gradients.
+
+    Args:
+        comm: the job's collectives.
+        device: this rank's device.
+        **options: ``sync_bn``, ``bucket_cap_mb`` (25), ``static_graph`` (False),
+            ``find_unused_parameters`` (False), ``sync_buffers`` (True),
+            ``gradient_as_bucket_view`` (False); see :func:`apply_ddp`.
+
+    Example::
+
+        strategy = get_strategy("ddp", comm, device, static_graph=True)
+    """
+
+    name: ClassVar[str] = "ddp"
+    defaults: ClassVar[dict[str, Any]] = {
+        "sync_bn": False,
+        "bucket_cap_mb": 25,
+        "static_graph": False,
+        "find_unused_parameters": False,
+        "sync_buffers": True,
+        "gradient_as_bucket_view": False,
+    }
+
+    def _validate(self, model: nn.Module) -> None:
+        cap = self.options["bucket_cap_mb"]
+        if not isinstance(cap, (int, float)) or isinstance(cap, bool) or cap <= 0:
+            raise ConfigError(f"bucket_cap_mb must be a positive number, got {cap!r}")
+
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        if self.comm.world_size == 1:
+            return model  # nothing to all-reduce with one process
+        opts = {k: v for k, v in self.options.items() if k != "sync_bn"}
+        return apply_ddp(model, self.device, **opts)
+
+    def no_backward_sync(self, model: nn.Module) -> ContextManager[Any]:
+        if isinstance(model, DistributedDataParallel):
+            return model.no_sync()
+        return super().no_backward_sync(model)
+
+    def explain_error(self, exc: BaseException, model: nn.Module) -> Exception | None:
+        if isinstance(exc, UnusedParametersError):
+            return None  # already explained by the wrapper's forward
+        return explain_ddp_error(exc, model)

@@ -1,0 +1,165 @@
+"""The ``fsdp`` strategy: parameters, gradients and optimizer state sharded over the ranks.
+
+Built on FSDP2 (``torch.distributed.fsdp.fully_shard``): each block of the model becomes one
+unit whose parameters are all-gathered for its forward and backward and freed afterwards, and
+whose gradients are reduce-scattered. Parameters are DTensors sharded on dim 0. It runs on GPUs
+with nccl and on CPUs with gloo::
+
+    lockstep run --nproc 2 train.py        # with Session(strategy="fsdp")
+
+With one process there is nothing to shard and the model is left as it is.
+
+Example::
+
+    strategy = FSDPStrategy(comm, device, reshard_after_forward=False)
+    model = strategy.setup_module(net)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any, ClassVar, ContextManager
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from lockstep.errors import ConfigError
+from lockstep.strategies.base import Strategy
+
+__all__ = ["FSDPStrategy", "apply_fsdp", "fsdp_blocks"]
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+
+
+def fsdp_blocks(model: nn.Module, block_types: tuple[type[nn.Module], ...] | None = None) -> list[nn.Module]:
+    """The submodules :func:`apply_fsdp` shards as units of their own, innermost first.
+
+    Args:
+        model: the root module.
+        block_types: shard every submodule of these types (e.g. a transformer block class).
+            By default: every direct child that holds parameters, looking through
+            ``ModuleList``/``ModuleDict`` containers to their items.
+
+    Example::
+
+        fsdp_blocks(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1)))   # both Linears
+    """
+    if block_types:
+        found = [m for m in model.modules() if m is not model and isinstance(m, block_types)]
+        return list(reversed(found))  # fully_shard must run bottom-up
+    blocks: list[nn.Module] = []
+    for child in model.children():
+        items = list(child.children()) if isinstance(child, _CONTAINERS) else [child]
+        blocks.extend(m for m in items if any(True for _ in m.parameters()))
+    return blocks
+
+
+def apply_fsdp(
+    model: nn.Module,
+    *,
+    mesh: Any = None,
+    reshard_after_forward: bool = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    block_types: tuple[type[nn.Module], ...] | None = None,
+) -> nn.Module:
+    """Shard ``model`` with FSDP2: each block of :func:`fsdp_blocks`, then the root.
+
+    Args:
+        model: the module, already on this rank's device.
+        mesh: a 1-D device mesh; by default one over all ranks of the default process group.
+        reshard_after_forward: free gathered parameters after forward (less memory, one more
+            all-gather in backward).
+        mp_policy: FSDP's own mixed precision (parameter and reduction dtypes), if any.
+        block_types: which submodules become units (see :func:`fsdp_blocks`).
+
+    Returns:
+        ``model`` itself, now an ``FSDPModule`` whose parameters are DTensors.
+
+    Example::
+
+        model = apply_fsdp(net.to(device), reshard_after_forward=False)
+    """
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        raise ConfigError("apply_fsdp needs a process group; call lockstep.comm.init_comm() first")
+    if mesh is None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        first = next(model.parameters(), None)
+        device_type = first.device.type if first is not None else "cpu"
+        mesh = init_device_mesh(device_type, (torch.distributed.get_world_size(),))
+    policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
+    for block in fsdp_blocks(model, block_types):
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    return model
+
+
+class FSDPStrategy(Strategy):
+    """Fully sharded data parallelism (FSDP2); state dicts are gathered to full tensors.
+
+    Args:
+        comm: the job's collectives.
+        device: this rank's device.
+        **options: ``sync_bn``, ``reshard_after_forward`` (True), ``block_types`` (None:
+            shard each child block; or a tuple of module classes).
+
+    Example::
+
+        strategy = get_strategy("fsdp", comm, device)
+        model = strategy.setup_module(net)
+    """
+
+    name: ClassVar[str] = "fsdp"
+    sharded: ClassVar[bool] = True
+    defaults: ClassVar[dict[str, Any]] = {"sync_bn": False, "reshard_after_forward": True, "block_types": None}
+
+    def _validate(self, model: nn.Module) -> None:
+        if not any(p.requires_grad for p in model.parameters()):
+            raise ConfigError("fsdp needs a model with trainable parameters; this one has none")
+
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        if self.comm.world_size == 1:
+            return model  # a shard degree of 1 would only add overhead
+        return apply_fsdp(
+            model,
+            reshard_after_forward=self.options["reshard_after_forward"],
+            block_types=self.options["block_types"],
+        )
+
+    def no_backward_sync(self, model: nn.Module) -> ContextManager[Any]:
+        if isinstance(model, FSDPModule):
+            return _no_gradient_sync(model)
+        return super().no_backward_sync(model)
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        if max_norm <= 0:
+            raise ConfigError(f"max_norm must be positive, got {max_norm}")
+        params = list(model.parameters())
+        grads = [p.grad for p in params if p.grad is not None]
+        total = torch.nn.utils.get_total_norm(grads, 2.0)
+        if isinstance(total, DTensor):
+            # Each rank holds the norm of its shards only; full_tensor() reduces them.
+            total = total.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
+
+    def _full_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+    def _shard_like(self, full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        if not isinstance(like, DTensor):
+            return full
+        full = full.to(device=like.device, dtype=like.dtype if full.is_floating_point() else full.dtype)
+        return distribute_tensor(full, like.device_mesh, like.placements)
+
+
+@contextlib.contextmanager
+def _no_gradient_sync(model: FSDPModule) -> Iterator[None]:
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)

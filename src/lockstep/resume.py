@@ -65,15 +65,17 @@ def seed_everything(seed: int) -> None:
 
 def capture_rng() -> dict[str, Any]:
     """Return this process's RNG states in a form ``torch.load(weights_only=True)`` accepts."""
+    # plain lists and numbers only: the states travel through all_gather_object (whose
+    # unpickler cannot rebuild tensors) and must pass torch.load(weights_only=True)
     np_state = np.random.get_state()
     state: dict[str, Any] = {
         "python": _python_state_to_list(random.getstate()),
-        "numpy": [str(np_state[0]), torch.from_numpy(np.asarray(np_state[1]).copy()),
+        "numpy": [str(np_state[0]), np.asarray(np_state[1]).tolist(),
                   int(np_state[2]), int(np_state[3]), float(np_state[4])],
-        "torch": torch.get_rng_state(),
+        "torch": torch.get_rng_state().tolist(),
     }
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
     return state
 
 
@@ -82,11 +84,17 @@ def restore_rng(state: dict[str, Any]) -> None:
     version, inner, gauss = state["python"]
     random.setstate((version, tuple(inner), gauss))
     kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"].cpu())
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(_bytes(state["torch"]))
     if "cuda" in state and torch.cuda.is_available():
-        cuda = [s.cpu() for s in state["cuda"]][: torch.cuda.device_count()]
+        cuda = [_bytes(s) for s in state["cuda"]][: torch.cuda.device_count()]
         torch.cuda.set_rng_state_all(cuda)
+
+
+def _bytes(values: Any) -> torch.Tensor:
+    if isinstance(values, torch.Tensor):
+        return values.detach().cpu().to(torch.uint8)
+    return torch.tensor(values, dtype=torch.uint8)
 
 
 def _python_state_to_list(state: tuple) -> list[Any]:

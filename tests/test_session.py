@@ -1,0 +1,164 @@
+"""Session end to end on real gloo processes: parity with one process, resume, non-finite loss."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import lockstep
+from _dist import run_distributed
+
+N_SAMPLES = 240  # divisible by 2 x 3 x 8 x 5: every world size sees whole global batches
+
+
+def _data(n: int = N_SAMPLES) -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 6, generator=g)
+    y = (x[:, :3].sum(1, keepdim=True) - x[:, 3:4]).tanh()
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def _model(dropout: float = 0.0) -> nn.Module:
+    torch.manual_seed(123)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(dropout), nn.Linear(16, 1))
+
+
+def _train(strategy: str, global_batch: int, steps: int, accumulate: int = 1) -> dict[str, torch.Tensor]:
+    session = lockstep.Session(strategy=strategy, quiet=True, accumulate=accumulate, timeout=60)
+    model, opt = session.setup(_model(), lambda p: torch.optim.SGD(p, lr=0.1))
+    per_device = global_batch // (session.world_size * accumulate)
+    train = session.loader(_data(), batch_size=per_device, shuffle=True)
+    done = 0
+    for _ in session.epochs(100):
+        for x, y in train:
+            session.backward(nn.functional.mse_loss(model(x), y))
+            if session.step(opt):
+                done += 1
+            if done == steps:
+                break
+        if done == steps:
+            break
+    state = session.strategy.model_state_dict(session.strategy.unwrap(model))
+    session.close()
+    return {k: v.detach().cpu().clone() for k, v in state.items()}
+
+
+def _max_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)).item() for k in a)
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, torch.Tensor]:
+    return _train("single", global_batch=24, steps=50)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("strategy,world_size", [("ddp", 2), ("ddp", 3), ("fsdp", 2), ("fsdp", 3)])
+def test_parity_with_one_process(reference: dict, strategy: str, world_size: int) -> None:
+    results = run_distributed(_train, world_size, strategy, 24, 50, timeout=150)
+    for weights in results:
+        assert _max_rel(weights, reference) <= 1e-5
+
+
+@pytest.mark.timeout(120)
+def test_accumulation_equals_bigger_batch(reference: dict) -> None:
+    results = run_distributed(_train, 2, "ddp", 24, 50, 2, timeout=100)
+    assert _max_rel(results[0], reference) <= 1e-5
+
+
+def _resumable(directory: str, stop_at: int | None, epochs: int = 2) -> dict[str, torch.Tensor]:
+    """Train `epochs` epochs; with stop_at, save after that many steps and return early."""
+    session = lockstep.Session(strategy="auto", quiet=True, timeout=60)
+    model, opt = session.setup(_model(dropout=0.2), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    train = session.loader(_data(), batch_size=8, shuffle=True)
+    state = session.load(directory, model=model, optimizer=opt)
+    for _ in session.epochs(epochs, start=state.epoch):
+        for x, y in train:
+            session.backward(nn.functional.mse_loss(model(x), y))
+            session.step(opt)
+            if stop_at is not None and session.global_step == stop_at:
+                session.save(directory, model=model, optimizer=opt)
+                session.close()
+                return {}
+    weights = {k: v.detach().clone() for k, v in session.strategy.unwrap(model).state_dict().items()}
+    session.close()
+    return weights
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_resume_mid_epoch_is_bit_identical(tmp_path: Path, world_size: int) -> None:
+    steps_per_epoch = N_SAMPLES // (8 * world_size)
+    stop = steps_per_epoch + 3  # in the middle of the second epoch
+    whole = run_distributed(_resumable, world_size, str(tmp_path / "a"), None)
+    run_distributed(_resumable, world_size, str(tmp_path / "b"), stop)
+    resumed = run_distributed(_resumable, world_size, str(tmp_path / "b"), None)
+    for a, b in zip(whole, resumed):
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
+
+
+def _nan_on_rank1(policy: str) -> dict:
+    session = lockstep.Session(strategy="ddp", quiet=True, nonfinite=policy, timeout=60)
+    model, opt = session.setup(_model(), lambda p: torch.optim.SGD(p, lr=0.1))
+    train = session.loader(_data(), batch_size=8)
+    taken: list[bool] = []
+    try:
+        for _ in session.epochs(1):
+            for i, (x, y) in enumerate(train):
+                loss = nn.functional.mse_loss(model(x), y)
+                if session.rank == 1 and i == 3:
+                    loss = loss * float("nan")
+                session.backward(loss)
+                taken.append(session.step(opt))
+                if i == 6:
+                    break
+    except lockstep.LockstepError as exc:
+        session.close()
+        return {"error": str(exc), "taken": taken}
+    finite = all(torch.isfinite(p).all().item() for p in model.parameters())
+    session.close()
+    return {"taken": taken, "skipped": session.skipped_steps, "finite": finite}
+
+
+@pytest.mark.timeout(90)
+def test_nan_on_one_rank_skipped_everywhere(capfd: pytest.CaptureFixture) -> None:
+    """FAULTS row 15: same decision at the same step on every rank; the rank is named."""
+    results = run_distributed(_nan_on_rank1, 2, "skip")
+    for res in results:
+        assert res["taken"] == [True, True, True, False, True, True, True]
+        assert res["skipped"] == 1 and res["finite"]
+    assert "non-finite loss on rank 1 at step 3" in capfd.readouterr().out
+
+
+@pytest.mark.timeout(90)
+def test_nan_on_one_rank_stops_everywhere() -> None:
+    results = run_distributed(_nan_on_rank1, 2, "stop")
+    for res in results:
+        assert "non-finite loss on rank 1 at step 3" in res["error"]
+        assert res["taken"] == [True, True, True]
+
+
+def test_summary_and_world_one() -> None:
+    session = lockstep.Session(quiet=True, accumulate=2)
+    model, opt = session.setup(_model(), lambda p: torch.optim.SGD(p, lr=0.1))
+    session.loader(_data(), batch_size=10)
+    text = session.summary()
+    assert "world 1" in text and "strategy single" in text and "precision fp32" in text
+    assert "global batch 20 (10 x 1 x 2)" in text and "12 steps per epoch" in text
+    assert session.all_reduce(3.0) == 3.0
+    session.close()
+
+
+def test_bad_options_refused_before_any_group() -> None:
+    with pytest.raises(lockstep.ConfigError, match="nonfinite"):
+        lockstep.Session(nonfinite="maybe")
+    with pytest.raises(lockstep.ConfigError, match="accumulate"):
+        lockstep.Session(accumulate=0)
+    assert not torch.distributed.is_initialized()
+    assert "RANK" not in os.environ

@@ -166,7 +166,7 @@ def _from_torchrun(env: Mapping[str, str]) -> World:
         world_size=world_size,
         local_world_size=local_world,
         node_rank=_int(env, "GROUP_RANK", _int(env, "NODE_RANK", 0)),
-        num_nodes=max(1, -(-world_size // local_world)),
+        num_nodes=max(1, -(-world_size // max(1, local_world))),
         master_addr=addr,
         master_port=port,
         source=env.get("LOCKSTEP_SOURCE", "torchrun"),
@@ -176,7 +176,7 @@ def _from_torchrun(env: Mapping[str, str]) -> World:
 def _from_slurm(env: Mapping[str, str]) -> World:
     world_size = _int(env, "SLURM_NTASKS")
     num_nodes = _int(env, "SLURM_JOB_NUM_NODES", _int(env, "SLURM_NNODES", 1))
-    local_world = _int(env, "SLURM_NTASKS_PER_NODE", -(-world_size // num_nodes))
+    local_world = _int(env, "SLURM_NTASKS_PER_NODE", -(-world_size // max(1, num_nodes)))
     nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
     default_addr = first_slurm_host(nodelist) if nodelist else DEFAULT_MASTER_ADDR
     addr, port = _master(env, default_addr)
@@ -203,7 +203,7 @@ def _from_openmpi(env: Mapping[str, str]) -> World:
         world_size=world_size,
         local_world_size=local_world,
         node_rank=_int(env, "OMPI_COMM_WORLD_NODE_RANK", 0),
-        num_nodes=max(1, -(-world_size // local_world)),
+        num_nodes=max(1, -(-world_size // max(1, local_world))),
         master_addr=addr,
         master_port=port,
         source="openmpi",

@@ -1,0 +1,211 @@
+"""The inputs of ``lockstep run``, checked before anything starts: :class:`LaunchSpec` and helpers.
+
+Everything here is cheap (no torch import unless ``--nproc auto|gpu|cpu`` asks for a device count),
+so bad flags are refused at once with a :class:`~lockstep.errors.ConfigError`.
+
+Example::
+
+    spec = LaunchSpec("train.py", ("--epochs", "3"), nproc=resolve_nproc("2"))
+    host, port = parse_master("10.0.0.1:29400")
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import socket
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from lockstep.errors import ConfigError
+
+__all__ = ["LaunchSpec", "parse_master", "exposure_warning", "resolve_nproc", "slurm_defaults",
+           "import_torch_quietly", "DEFAULT_JOIN_TIMEOUT"]
+
+DEFAULT_JOIN_TIMEOUT = 900.0
+_PREFIX = "lockstep run: "
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """What to launch and how; validated at construction.
+
+    Args:
+        target: the script path, or a module name when ``module`` is true.
+        args: the script's own arguments.
+        module: run ``target`` like ``python -m target``.
+        nproc: processes on this node.
+        nodes: number of nodes in the job.
+        node_rank: index of this node, 0 for the node that hosts the store.
+        master: ``HOST:PORT`` of node 0's store; required for more than one node.
+        max_restarts: how often the whole group is restarted after a failure.
+        join_timeout: seconds to wait for every node to join.
+        rank0_only: show only rank 0's output (every rank's output still goes to the log files).
+        local_rank_arg: pass ``--local_rank=N`` to the script (old ``torch.distributed.launch`` style).
+        log_dir: keep every rank's stdout/stderr under this folder (a temporary one otherwise).
+        verbose: keep torch's own agent logging.
+
+    Example::
+
+        LaunchSpec("train.py", ("--epochs", "3"), nproc=2)
+    """
+
+    target: str
+    args: tuple[str, ...] = ()
+    module: bool = False
+    nproc: int = 1
+    nodes: int = 1
+    node_rank: int = 0
+    master: str | None = None
+    max_restarts: int = 0
+    join_timeout: float = DEFAULT_JOIN_TIMEOUT
+    rank0_only: bool = False
+    local_rank_arg: bool = False
+    log_dir: str | None = None
+    verbose: bool = False
+
+    def __post_init__(self) -> None:
+        if self.nproc < 1:
+            raise ConfigError(f"--nproc must be at least 1, got {self.nproc}")
+        if self.nodes < 1:
+            raise ConfigError(f"--nodes must be at least 1, got {self.nodes}")
+        if not 0 <= self.node_rank < self.nodes:
+            raise ConfigError(f"--node-rank {self.node_rank} is out of range for --nodes {self.nodes} "
+                              f"(use 0 to {self.nodes - 1})")
+        if self.max_restarts < 0:
+            raise ConfigError(f"--max-restarts must be 0 or more, got {self.max_restarts}")
+        if self.join_timeout <= 0:
+            raise ConfigError(f"--join-timeout must be positive, got {self.join_timeout}")
+        if self.nodes > 1 and self.master is None:
+            raise ConfigError(f"--nodes {self.nodes} needs --master HOST:PORT (node 0's address and a "
+                              "free port, the same on every node)")
+        if self.master is not None and parse_master(self.master)[1] == 0:
+            raise ConfigError("--master needs a real port, the same on every node; on one node, leave "
+                              "out --master and a free port is picked")
+        if not self.module and not os.path.isfile(self.target):
+            raise ConfigError(f"script {self.target!r} does not exist (use -m to run a module)")
+
+
+def parse_master(text: str) -> tuple[str, int]:
+    """Split ``HOST:PORT`` (``[IPv6]:PORT`` for IPv6) into host and port.
+
+    Args:
+        text: the ``--master`` value.
+
+    Example::
+
+        parse_master("10.0.0.1:29400")  # ("10.0.0.1", 29400)
+    """
+    match = re.fullmatch(r"\[([^\]]+)\]:(\d+)|([^:\[\]]+):(\d+)", text.strip())
+    if match is None:
+        raise ConfigError(f"--master {text!r} must look like HOST:PORT, for example 10.0.0.1:29400")
+    host = match.group(1) or match.group(3)
+    port = int(match.group(2) or match.group(4))
+    if port > 65535:
+        raise ConfigError(f"--master port {port} is not a valid port (0 to 65535)")
+    return host, port
+
+
+def exposure_warning(host: str) -> str | None:
+    """Return a warning when the store would be reachable from everywhere, else ``None``.
+
+    The rendezvous store has no authentication: anyone who reaches it can join or disturb the job.
+
+    Args:
+        host: the ``--master`` host.
+
+    Example::
+
+        exposure_warning("0.0.0.0")  # "warning: ... wildcard ..."
+    """
+    if host in ("0.0.0.0", "::", "*", ""):
+        what = f"the wildcard address {host!r}"
+    else:
+        try:
+            addr = ipaddress.ip_address(host)
+        except ValueError:
+            try:
+                addr = ipaddress.ip_address(socket.getaddrinfo(host, None)[0][4][0])
+            except (OSError, ValueError, IndexError):
+                return None  # unresolvable: the launch itself will say so
+        if addr.is_private or addr.is_loopback or addr.is_link_local:
+            return None
+        what = f"the public address {host}"
+    return (f"{_PREFIX}warning: --master names {what}; the rendezvous store has no authentication, "
+            "so anyone who can reach it can join or disturb the job. Use a private interface.")
+
+
+def resolve_nproc(value: str | int) -> int:
+    """Turn ``--nproc`` (``N``, ``auto``, ``gpu`` or ``cpu``, as torchrun means them) into a count.
+
+    Args:
+        value: the flag's value.
+
+    Example::
+
+        resolve_nproc("2")  # 2
+    """
+    text = str(value).strip()
+    if text.isdigit():
+        return int(text)
+    if text not in ("auto", "gpu", "cpu"):
+        raise ConfigError(f"--nproc {text!r} is not a number or one of auto, gpu, cpu")
+    from torch.distributed.run import determine_local_world_size  # torch only when asked
+
+    try:
+        return int(determine_local_world_size(text))
+    except ValueError as exc:
+        raise ConfigError(f"--nproc {text}: {exc} Use --nproc cpu or a number.") from None
+
+
+def slurm_defaults(env: Mapping[str, str]) -> dict[str, Any]:
+    """Read ``nodes``, ``node_rank`` and ``master`` from a Slurm step of one launcher per node.
+
+    Only inside ``srun`` with as many tasks as nodes (``srun --ntasks-per-node=1 lockstep run
+    ...``); the port is ``$MASTER_PORT`` or one derived from the job id, the same on every node.
+
+    Args:
+        env: the environment to read (``os.environ``).
+
+    Example::
+
+        slurm_defaults({"SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NUM_TASKS": "2", ...})
+    """
+    from lockstep.env import first_slurm_host
+
+    try:
+        nodes = int(env.get("SLURM_STEP_NUM_NODES", "0"))
+        tasks = int(env.get("SLURM_STEP_NUM_TASKS", "0"))
+        if nodes < 2 or tasks != nodes:
+            return {}
+        host = first_slurm_host(env.get("SLURM_STEP_NODELIST") or env["SLURM_JOB_NODELIST"])
+        port = int(env.get("MASTER_PORT") or 20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
+        return {"nodes": nodes, "node_rank": int(env["SLURM_NODEID"]), "master": f"{host}:{port}"}
+    except (KeyError, ValueError):
+        return {}
+
+
+def import_torch_quietly(verbose: bool = False) -> None:
+    """Import torch in the launcher with its C++ logging limited to fatal errors.
+
+    torch's C++ side prints store connection retries with native stack traces; the launcher
+    explains those failures itself. The setting is read once, when torch loads, and is removed from
+    the environment again so that the workers keep their normal C++ logging.
+
+    Args:
+        verbose: keep torch's C++ logging as configured.
+
+    Example::
+
+        import_torch_quietly()
+    """
+    if verbose or "torch" in sys.modules or "TORCH_CPP_LOG_LEVEL" in os.environ:
+        return
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
+    try:
+        import torch  # noqa: F401
+    finally:
+        del os.environ["TORCH_CPP_LOG_LEVEL"]

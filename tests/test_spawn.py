@@ -1,0 +1,83 @@
+"""spawn(): environment per rank, return values by rank, and a clear error from a failing rank."""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+
+import pytest
+
+from lockstep.errors import ConfigError
+from lockstep.spawn import SpawnError, spawn
+
+
+def _allreduce_and_describe(offset: int) -> dict:
+    import torch
+
+    from lockstep.comm import init_comm
+
+    comm = init_comm(timeout=30)  # env:// with the MASTER_ADDR/PORT spawn chose
+    total = int(comm.all_reduce(torch.tensor([comm.rank])).item())
+    env = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")}
+    comm.shutdown()
+    return {"env": env, "sum": total, "value": offset + comm.rank, "source": comm.world.source}
+
+
+def _fail_on_rank_1() -> int:
+    rank = int(os.environ["RANK"])
+    if rank == 1:
+        raise ValueError("rank one cannot do this")
+    return rank
+
+
+def _die_on_rank_1() -> int:
+    if os.environ["RANK"] == "1":
+        os.kill(os.getpid(), 9)
+    return 0
+
+
+@pytest.mark.timeout(90)
+def test_spawn_returns_values_by_rank_with_the_environment_set() -> None:
+    results = spawn(_allreduce_and_describe, nprocs=3, args=(10,), timeout=80)
+    assert [r["value"] for r in results] == [10, 11, 12]
+    assert all(r["sum"] == 3 and r["source"] == "spawn" for r in results)
+    assert [r["env"] for r in results] == [
+        {"RANK": str(i), "WORLD_SIZE": "3", "LOCAL_RANK": str(i), "LOCAL_WORLD_SIZE": "3", "GROUP_RANK": "0"}
+        for i in range(3)
+    ]
+
+
+@pytest.mark.timeout(60)
+def test_spawn_names_the_failing_rank_with_its_traceback() -> None:
+    with pytest.raises(SpawnError) as info:
+        spawn(_fail_on_rank_1, nprocs=2, timeout=50)
+    assert info.value.rank == 1
+    text = str(info.value)
+    assert text.startswith("rank 1 failed: ValueError: rank one cannot do this")
+    assert "_fail_on_rank_1" in info.value.worker_traceback and "Traceback" in text
+
+
+@pytest.mark.timeout(60)
+def test_spawn_reports_a_killed_rank() -> None:
+    with pytest.raises(SpawnError, match="rank 1 was killed by SIGKILL") as info:
+        spawn(_die_on_rank_1, nprocs=2, timeout=50)
+    assert info.value.rank == 1
+
+
+def test_spawn_refuses_bad_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ConfigError, match="nprocs"):
+        spawn(_fail_on_rank_1, nprocs=0)
+    with pytest.raises(ConfigError, match="real port"):
+        spawn(_fail_on_rank_1, nprocs=1, nodes=2)
+    with pytest.raises(ConfigError, match="HOST:PORT"):
+        spawn(_fail_on_rank_1, nprocs=1, master="localhost:http")
+    notebook = types.ModuleType("__main__")  # a notebook's __main__ has no __file__
+    monkeypatch.setitem(sys.modules, "__main__", notebook)
+
+    def cell_fn() -> None:
+        return None
+
+    cell_fn.__module__ = "__main__"
+    with pytest.raises(ConfigError, match="notebook"):
+        spawn(cell_fn, nprocs=1)

@@ -1,0 +1,115 @@
+"""``lockstep verify``: check that training on N processes equals training on one.
+
+MODEL is ``package.module:factory`` (called with no arguments; the working directory is
+importable) or a ``lockstep train`` model name such as ``convnet``. Examples::
+
+    lockstep verify convnet --nproc 2
+    lockstep verify mypkg.nets:make_mlp --shape 32 --classes 4 --strategy fsdp
+    lockstep verify mypkg.nets:make_cnn --data mypkg.data:train_set --accumulate 2 --precision bf16-mixed
+
+Both runs train with plain SGD on the same fixed global batches; rank r of N gets the r-th
+contiguous slice of every global batch. The exit code is 0 when the runs are equivalent within
+the tolerance, 1 when they are not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import TYPE_CHECKING
+
+from lockstep.errors import ConfigError
+
+if TYPE_CHECKING:
+    from lockstep.verify.config import VerifyConfig
+
+__all__ = ["add_arguments", "main", "config_from_args"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare the flags of ``lockstep verify``.
+
+    Args:
+        parser: the subcommand's parser.
+
+    Example::
+
+        add_arguments(argparse.ArgumentParser())
+    """
+    from lockstep.verify.config import DROPOUT_MODES, STRATEGIES, VerifyConfig
+
+    d = VerifyConfig.__dataclass_fields__
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = __doc__.split("\n", 2)[2] if __doc__ else None
+    parser.add_argument("model", help="package.module:factory, or a lockstep train model name (convnet, resnet18)")
+    parser.add_argument("--nproc", type=int, default=d["nproc"].default,
+                        help="processes of the parallel run (default 2)")
+    parser.add_argument("--steps", type=int, default=d["steps"].default, help="optimizer steps (default 5)")
+    parser.add_argument("--batch", type=int, default=d["batch"].default,
+                        help="global batch: samples per step in both runs (default 32)")
+    parser.add_argument("--strategy", default="ddp", choices=STRATEGIES, help="parallel strategy (default ddp)")
+    parser.add_argument("--precision", default="fp32", help="precision of both runs (default fp32)")
+    parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per step in the parallel run")
+    parser.add_argument("--shape", default=None, metavar="C,H,W",
+                        help="one synthetic sample's shape (default: the named model's input)")
+    parser.add_argument("--classes", type=int, default=d["classes"].default,
+                        help="classes of synthetic labels, or outputs for mse (default 10)")
+    parser.add_argument("--data", default=None, metavar="pkg.module:factory",
+                        help="a function returning a dataset of (input, target) pairs (default: synthetic)")
+    parser.add_argument("--loss", default="cross_entropy", metavar="cross_entropy|mse|pkg.module:fn",
+                        help="loss(output, target), a mean over the batch (default cross_entropy)")
+    parser.add_argument("--dropout", default="disable", choices=DROPOUT_MODES,
+                        help="disable: dropout p=0 in both runs (default); align: same RNG seed on every rank")
+    parser.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm in the parallel run (GPU only)")
+    parser.add_argument("--lr", type=float, default=d["lr"].default, help="SGD learning rate (default 0.01)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the data")
+    parser.add_argument("--tolerance", type=float, default=None,
+                        help="relative tolerance (default 1e-5 for fp32, 1e-2 otherwise)")
+    parser.add_argument("--timeout", type=float, default=d["timeout"].default,
+                        help="seconds a rank waits for the others (default 120)")
+
+
+def config_from_args(args: argparse.Namespace) -> VerifyConfig:
+    """Build the validated :class:`~lockstep.verify.VerifyConfig` from parsed flags.
+
+    Args:
+        args: the parsed flags of :func:`add_arguments`.
+
+    Example::
+
+        config_from_args(parser.parse_args(["convnet"]))
+    """
+    from lockstep.verify.config import VerifyConfig, parse_shape
+
+    return VerifyConfig(
+        model=args.model, nproc=args.nproc, steps=args.steps, batch=args.batch, strategy=args.strategy,
+        precision=args.precision, accumulate=args.accumulate,
+        shape=parse_shape(args.shape) if args.shape else None, classes=args.classes, data=args.data,
+        loss=args.loss, dropout=args.dropout, sync_bn=args.sync_bn, lr=args.lr, seed=args.seed,
+        tolerance=args.tolerance, timeout=args.timeout,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the comparison; 0 when equivalent, 1 when not (or when the parallel run failed).
+
+    Args:
+        args: the parsed flags of :func:`add_arguments`.
+
+    Example::
+
+        main(parser.parse_args(["convnet", "--nproc", "2"]))
+    """
+    import sys
+
+    from lockstep.verify import run_verify
+    from lockstep.verify.run import VerifyRunError
+
+    if "RANK" in os.environ:
+        raise ConfigError("lockstep verify starts its own processes: run it directly, not under a launcher")
+    config = config_from_args(args)
+    try:
+        return run_verify(config)
+    except VerifyRunError as exc:
+        print(f"lockstep verify: error: {exc}", file=sys.stderr, flush=True)
+        return 1

@@ -1,0 +1,207 @@
+"""What ``lockstep verify`` compares, validated before any process starts.
+
+Example::
+
+    config = VerifyConfig(model="convnet", nproc=2, steps=5, batch=32)
+    config.per_device_batch     # 16
+    config.tolerance            # 1e-05 for fp32
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from lockstep.errors import ConfigError
+
+__all__ = ["VerifyConfig", "TOLERANCES", "STRATEGIES", "DROPOUT_MODES", "parse_shape", "load_object"]
+
+TOLERANCES = {"fp32": 1e-5}
+"""Relative tolerance per precision; every other precision (bf16, fp16, apex O1-O3) gets 1e-2."""
+LOW_PRECISION_TOLERANCE = 1e-2
+STRATEGIES = ("ddp", "fsdp")
+DROPOUT_MODES = ("disable", "align")
+LOSSES = ("cross_entropy", "mse")
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """Read ``--shape`` such as ``1,28,28`` (one sample's shape, without the batch dimension).
+
+    Args:
+        text: comma-separated positive integers.
+
+    Example::
+
+        parse_shape("3,32,32")   # (3, 32, 32)
+    """
+    try:
+        shape = tuple(int(part) for part in text.replace("x", ",").split(",") if part.strip())
+    except ValueError:
+        shape = ()
+    if not shape or any(d < 1 for d in shape):
+        raise ConfigError(f"--shape {text!r} must be positive integers separated by commas, like 1,28,28")
+    return shape
+
+
+def load_object(spec: str, what: str) -> Any:
+    """Import ``pkg.module:name`` and return ``name`` (the working directory is importable).
+
+    Args:
+        spec: ``module.path:attribute``.
+        what: what the object is, for the error message (``"model factory"``).
+
+    Example::
+
+        load_object("torch.nn:Linear", "model factory")   # the class torch.nn.Linear
+    """
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ConfigError(f"{what} {spec!r} must look like package.module:function")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # like `python -m`: the user's own modules are importable
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"cannot import {module_name!r} for the {what} {spec!r}: {exc}") from None
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"{module_name!r} has no attribute {attr!r} (the {what} {spec!r})")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ConfigError(f"the {what} {spec!r} is not callable")
+    return obj
+
+
+@dataclass(frozen=True)
+class VerifyConfig:
+    """One comparison of N-process training against 1-process training.
+
+    Args:
+        model: ``package.module:factory`` (called with no arguments) or a ``lockstep train``
+            model name (``convnet``, ``resnet18``...).
+        nproc: processes of the parallel run (at least 2).
+        steps: optimizer steps of each run.
+        batch: the global batch: samples per optimizer step, the same in both runs.
+        strategy: ``ddp`` or ``fsdp`` for the parallel run.
+        precision: precision of both runs (``fp32``, ``bf16-mixed``...).
+        accumulate: micro-batches per optimizer step in the parallel run.
+        shape: one sample's shape for synthetic data (``None``: the model name's default).
+        classes: classes of the synthetic labels (outputs per sample for ``mse``).
+        data: ``package.module:dataset_factory`` returning a map-style dataset of
+            ``(input, target)`` pairs; synthetic data when ``None``.
+        loss: ``cross_entropy``, ``mse`` or ``package.module:function(output, target)``.
+        dropout: ``disable`` (dropout probabilities set to 0 in both runs) or ``align`` (every
+            rank's and the reference's RNG seeded identically before each step).
+        sync_bn: use SyncBatchNorm in the parallel run (GPU only).
+        lr: learning rate of plain SGD (no momentum, no weight decay).
+        seed: seed of the initial weights and of the synthetic data.
+        tolerance: relative tolerance; by default 1e-5 for fp32 and 1e-2 otherwise.
+        timeout: seconds a rank waits for the others.
+
+    Example::
+
+        VerifyConfig(model="mypkg.nets:make_net", nproc=2, strategy="fsdp", shape=(16,))
+    """
+
+    model: str
+    nproc: int = 2
+    steps: int = 5
+    batch: int = 32
+    strategy: str = "ddp"
+    precision: str = "fp32"
+    accumulate: int = 1
+    shape: tuple[int, ...] | None = None
+    classes: int = 10
+    data: str | None = None
+    loss: str = "cross_entropy"
+    dropout: str = "disable"
+    sync_bn: bool = False
+    lr: float = 0.01
+    seed: int = 0
+    tolerance: float | None = None
+    timeout: float = 120.0
+
+    def __post_init__(self) -> None:
+        from lockstep.precision import canonical_precision
+
+        object.__setattr__(self, "precision", canonical_precision(self.precision))  # "O0" -> "fp32"
+        for name in ("steps", "batch", "accumulate", "classes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name} must be at least 1, got {getattr(self, name)}")
+        if self.nproc < 2:
+            raise ConfigError(f"--nproc must be at least 2 (verify compares N processes with 1), got {self.nproc}")
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(f"--strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        if self.dropout not in DROPOUT_MODES:
+            raise ConfigError(f"--dropout {self.dropout!r}; choose one of {', '.join(DROPOUT_MODES)}")
+        if self.loss not in LOSSES and ":" not in self.loss:
+            raise ConfigError(f"--loss {self.loss!r}; choose cross_entropy, mse or package.module:function")
+        split = self.nproc * self.accumulate
+        if self.batch % split:
+            raise ConfigError(
+                f"--batch {self.batch} cannot be split evenly over {self.nproc} processes x {self.accumulate} "
+                f"micro-batches; use a multiple of {split} (e.g. --batch {split * max(1, self.batch // split)})")
+        if self.sync_bn:
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ConfigError("--sync-bn needs GPUs: SyncBatchNorm only works on CUDA devices, and none is "
+                                  "visible. Drop --sync-bn (each rank then normalises over its own batch).")
+        if self.lr <= 0 or (self.tolerance is not None and self.tolerance <= 0) or self.timeout <= 0:
+            raise ConfigError("--lr, --tolerance and --timeout must be positive")
+        if ":" not in self.model:
+            from lockstep.recipes.models import check_model
+
+            check_model(self.model)
+        if ":" in self.model and self.data is None and self.shape is None:
+            raise ConfigError(f"give the input shape of {self.model!r} with --shape C,H,W (or a dataset with --data)")
+
+    @property
+    def per_device_batch(self) -> int:
+        """Samples per rank and optimizer step in the parallel run."""
+        return self.batch // self.nproc
+
+    @property
+    def micro_batch(self) -> int:
+        """Samples per forward pass on one rank of the parallel run."""
+        return self.batch // (self.nproc * self.accumulate)
+
+    @property
+    def effective_tolerance(self) -> float:
+        """The tolerance in force: the given one, or the precision's default."""
+        if self.tolerance is not None:
+            return self.tolerance
+        return TOLERANCES.get(self.precision, LOW_PRECISION_TOLERANCE)
+
+    @property
+    def sample_shape(self) -> tuple[int, ...]:
+        """One synthetic sample's shape: ``shape``, or the named model's default input."""
+        if self.shape is not None:
+            return self.shape
+        from lockstep.recipes.models import default_image_size, input_channels
+
+        side = default_image_size(self.model)
+        return (input_channels(self.model, 1), side, side)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values only (for the job file the workers read).
+
+        Example::
+
+            VerifyConfig.from_dict(config.to_dict()) == config   # True
+        """
+        values = asdict(self)
+        values["shape"] = list(self.shape) if self.shape is not None else None
+        return values
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> VerifyConfig:
+        """Rebuild a config written by :meth:`to_dict`."""
+        values = dict(values)
+        if values.get("shape") is not None:
+            values["shape"] = tuple(values["shape"])
+        return cls(**values)

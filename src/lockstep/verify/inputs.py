@@ -1,0 +1,215 @@
+"""The model, loss and batches both runs of ``lockstep verify`` train on.
+
+The batches are fixed up front: ``steps`` global batches of ``batch`` samples, drawn with the
+config's seed (synthetic data) or from the user's dataset in a seeded order. The single process
+trains on each global batch whole; rank ``r`` of ``N`` trains on the contiguous slice
+``[r * batch/N, (r+1) * batch/N)`` of it, cut into ``accumulate`` consecutive micro-batches.
+This is the partition a distributed sampler makes of one global batch, written out so that
+both runs provably see the same samples at every step.
+
+Example::
+
+    batches = make_batches(config)                  # [(inputs, targets), ...] of `batch` rows
+    micro = shard(batches[0], rank=1, nproc=2, accumulate=1)   # rows 16..31 of step 0
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lockstep.errors import ConfigError
+from lockstep.verify.config import VerifyConfig, load_object
+
+__all__ = ["build_model", "make_loss", "make_batches", "shard", "apply_dropout_mode", "batchnorm_layers",
+           "dropout_layers", "first_tensor", "Batch"]
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def build_model(config: VerifyConfig) -> nn.Module:
+    """Build a fresh model from the config's factory or ``lockstep train`` model name.
+
+    Args:
+        config: the comparison's configuration.
+
+    Example::
+
+        model = build_model(VerifyConfig(model="convnet"))
+    """
+    if ":" in config.model:
+        model = load_object(config.model, "model factory")()
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"the model factory {config.model!r} returned {type(model).__name__}, not an nn.Module")
+        return model
+    from lockstep.recipes.models import build_model as build_named
+
+    shape = config.sample_shape
+    if len(shape) != 3 or shape[1] != shape[2]:
+        raise ConfigError(f"model {config.model!r} takes square images: give --shape C,H,H, not {shape}")
+    return build_named(config.model, channels=shape[0], num_classes=config.classes, image_size=shape[1])
+
+
+def make_loss(config: VerifyConfig) -> LossFn:
+    """The loss function ``loss(output, target)``; it should average over the batch.
+
+    Args:
+        config: the comparison's configuration (its ``loss``).
+
+    Example::
+
+        make_loss(VerifyConfig(model="convnet", loss="mse"))   # F.mse_loss
+    """
+    if config.loss == "cross_entropy":
+        return F.cross_entropy
+    if config.loss == "mse":
+        return _mse
+    return load_object(config.loss, "loss function")  # type: ignore[no-any-return]
+
+
+def _mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(output, target.to(output.dtype))
+
+
+def make_batches(config: VerifyConfig) -> list[Batch]:
+    """The ``steps`` global batches of the comparison (same on every call with one config).
+
+    Args:
+        config: the comparison's configuration (seed, batch, steps, data or shape).
+
+    Example::
+
+        [x.shape for x, _ in make_batches(VerifyConfig(model="convnet", steps=2, batch=8))]
+    """
+    gen = torch.Generator().manual_seed(config.seed)
+    if config.data is None:
+        count = config.steps * config.batch
+        inputs = torch.randn((count, *config.sample_shape), generator=gen)
+        if config.loss == "cross_entropy":
+            targets = torch.randint(0, config.classes, (count,), generator=gen)
+        else:
+            targets = torch.randn((count, config.classes), generator=gen)
+        return [(inputs[i:i + config.batch], targets[i:i + config.batch]) for i in range(0, count, config.batch)]
+    return _dataset_batches(config, gen)
+
+
+def _dataset_batches(config: VerifyConfig, gen: torch.Generator) -> list[Batch]:
+    from torch.utils.data import default_collate
+
+    assert config.data is not None
+    dataset = load_object(config.data, "dataset factory")()
+    size = len(dataset)
+    if size < config.batch:
+        raise ConfigError(f"the dataset of {config.data!r} has {size} samples, fewer than --batch {config.batch}")
+    order: list[int] = []
+    while len(order) < config.steps * config.batch:  # a new seeded permutation per epoch
+        order += torch.randperm(size, generator=gen).tolist()
+    batches = []
+    for step in range(config.steps):
+        rows = [dataset[i] for i in order[step * config.batch:(step + 1) * config.batch]]
+        if not isinstance(rows[0], (tuple, list)) or len(rows[0]) != 2:
+            raise ConfigError(f"the dataset of {config.data!r} must yield (input, target) pairs")
+        x, y = default_collate(rows)
+        batches.append((x, y))
+    return batches
+
+
+def shard(batch: Batch, rank: int, nproc: int, accumulate: int) -> list[Batch]:
+    """Rank ``rank``'s contiguous slice of a global batch, cut into ``accumulate`` micro-batches.
+
+    Args:
+        batch: one global batch ``(inputs, targets)``.
+        rank: the rank whose slice to return.
+        nproc: ranks of the parallel run.
+        accumulate: micro-batches per step.
+
+    Example::
+
+        shard((torch.arange(8), torch.arange(8)), rank=1, nproc=2, accumulate=2)
+        # [(tensor([4, 5]), ...), (tensor([6, 7]), ...)]
+    """
+    x, y = batch
+    per_rank = x.shape[0] // nproc
+    micro = per_rank // accumulate
+    start = rank * per_rank
+    return [(x[s:s + micro], y[s:s + micro]) for s in range(start, start + per_rank, micro)]
+
+
+def dropout_layers(model: nn.Module) -> list[str]:
+    """Names of the modules that draw random numbers in training mode (dropout of any kind).
+
+    Args:
+        model: the bare model.
+
+    Example::
+
+        dropout_layers(nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.5)))   # ["1"]
+    """
+    return [name for name, m in model.named_modules()
+            if isinstance(m, nn.modules.dropout._DropoutNd) or
+            (isinstance(m, nn.MultiheadAttention) and m.dropout > 0)]
+
+
+def batchnorm_layers(model: nn.Module) -> list[str]:
+    """Names of the BatchNorm (and SyncBatchNorm) layers of ``model``.
+
+    Args:
+        model: the bare model.
+
+    Example::
+
+        batchnorm_layers(nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4)))   # ["1"]
+    """
+    return [name for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+
+def apply_dropout_mode(model: nn.Module, mode: str) -> list[str]:
+    """With ``disable``, set every dropout probability to 0 and return the layers changed.
+
+    ``align`` changes nothing here: the training loops seed every RNG identically instead.
+    Dropout written as ``F.dropout`` inside a ``forward`` cannot be reached; the comparison
+    then shows the randomness in that module.
+
+    Args:
+        model: the bare model.
+        mode: ``disable`` or ``align``.
+
+    Example::
+
+        apply_dropout_mode(model, "disable")   # ["head.dropout"]
+    """
+    if mode != "disable":
+        return []
+    changed = []
+    for name, m in model.named_modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+            m.p = 0.0
+            changed.append(name)
+        elif isinstance(m, nn.MultiheadAttention) and m.dropout > 0:
+            m.dropout = 0.0
+            changed.append(name)
+    return changed
+
+
+def first_tensor(value: Any) -> torch.Tensor | None:
+    """The first tensor in a module's output (a tensor, or a tuple/list/dict holding one).
+
+    Args:
+        value: what a module returned (or the arguments it received).
+
+    Example::
+
+        first_tensor((None, torch.ones(2)))   # tensor([1., 1.])
+    """
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)):
+        return next((t for t in map(first_tensor, value) if t is not None), None)
+    if isinstance(value, dict):
+        return next((t for t in map(first_tensor, value.values()) if t is not None), None)
+    return None

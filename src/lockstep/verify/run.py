@@ -1,0 +1,229 @@
+"""The two trainings of ``lockstep verify``: one process in this process, N processes launched.
+
+Both start from the same initial weights (built here with the config's seed and sent to the
+workers), train with plain SGD on the same fixed global batches (see
+:mod:`lockstep.verify.inputs`) and record the mean loss of every step over the whole global
+batch, the final full state dict, and every module's output of the very first forward pass
+(to find the layer where the two runs part ways). The workers get everything in a job file
+and rank 0 writes the results back with ``torch.save``.
+
+This module is also the workers' entry point::
+
+    python -m lockstep.verify.run JOB_FILE      # started by the launcher, once per rank
+
+Example::
+
+    reference = run_reference(config, init, batches)
+    parallel = run_parallel(config, init, batches)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lockstep.errors import LockstepError
+from lockstep.verify.config import VerifyConfig
+from lockstep.verify.inputs import Batch, apply_dropout_mode, build_model, make_loss, shard
+from lockstep.verify.record import ActivationRecorder, recorded_rows
+
+__all__ = ["RunResult", "train", "run_reference", "run_parallel", "worker_main",
+           "VerifyRunError", "initial_state"]
+
+
+class VerifyRunError(LockstepError):
+    """The N-process training failed or returned no result.
+
+    Example::
+
+        raise VerifyRunError("the 2-process training failed (exit code 1)")
+    """
+
+
+@dataclass
+class RunResult:
+    """What one training run produced.
+
+    Args:
+        losses: mean loss over the global batch, per optimizer step.
+        state: final full state dict (bare-module keys, CPU tensors).
+        activations: per rank, every module's output in the first forward pass (CPU, float).
+        order: module names in the order their forward finished in that pass.
+
+    Example::
+
+        RunResult(losses=[2.3], state=model.state_dict(), activations=[{}], order=[])
+    """
+
+    losses: list[float]
+    state: dict[str, torch.Tensor]
+    activations: list[dict[str, torch.Tensor]]
+    order: list[str]
+
+
+def train(session: Any, config: VerifyConfig, init: dict[str, torch.Tensor], steps: list[list[Batch]],
+          reference: bool = False) -> RunResult:
+    """Train the config's model under ``session`` on ``steps`` (micro-batches of each step).
+
+    Every rank of the session calls it; each passes its own micro-batches.
+
+    Args:
+        session: a :class:`lockstep.Session` (world size 1 for the reference).
+        config: the comparison's configuration.
+        init: the initial state dict.
+        steps: per optimizer step, this rank's micro-batches.
+        reference: this is the single-process run (it records the rows of every rank's slice).
+
+    Example::
+
+        result = train(lockstep.Session(quiet=True), config, init, [[b] for b in batches], reference=True)
+    """
+    if config.precision == "fp32" and session.device.type == "cuda":
+        # TF32 convolutions/matmuls round to 10 bits, differently for different batch shapes:
+        # an fp32 comparison must compute in fp32
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cudnn.deterministic = True
+    bare = build_model(config)
+    bare.load_state_dict(init)
+    apply_dropout_mode(bare, config.dropout)
+    model, optimizer = session.setup(bare, lambda params: torch.optim.SGD(params, lr=config.lr))
+    # hooks after setup: SyncBatchNorm replaces the BatchNorm modules inside the model
+    recorder = ActivationRecorder(bare, *recorded_rows(config, reference))
+    loss_fn = make_loss(config)
+    model.train()
+    losses = []
+    for step, micro_batches in enumerate(steps):
+        if config.dropout == "align":
+            torch.manual_seed(config.seed + 1 + step)  # the same stream on every rank and in the reference
+        total = torch.zeros((), dtype=torch.float64, device=session.device)
+        for x, y in micro_batches:
+            loss = loss_fn(model(x.to(session.device)), y.to(session.device))
+            recorder.close()
+            session.backward(loss)
+            total += loss.detach().double()
+        session.step(optimizer)
+        # equal micro-batches on every rank: the mean of the means is the global mean
+        losses.append(float(session.all_reduce(total / len(micro_batches), "mean").item()))
+    state = session.strategy.model_state_dict(model)
+    activations = session.comm.all_gather_object(recorder.outputs)
+    return RunResult(losses, state, activations, recorder.order)
+
+
+def initial_state(config: VerifyConfig) -> dict[str, torch.Tensor]:
+    """The initial weights both runs start from (the config's seed decides them).
+
+    Args:
+        config: the comparison's configuration (model and seed).
+
+    Example::
+
+        init = initial_state(config)
+    """
+    torch.manual_seed(config.seed)
+    return {k: v.detach().clone() for k, v in build_model(config).state_dict().items()}
+
+
+def run_reference(config: VerifyConfig, init: dict[str, torch.Tensor], batches: list[Batch]) -> RunResult:
+    """Train in this process, world size 1, each global batch whole.
+
+    Args:
+        config: the comparison's configuration.
+        init: the initial state dict.
+        batches: the global batches.
+
+    Example::
+
+        reference = run_reference(config, initial_state(config), make_batches(config))
+    """
+    from lockstep.session import Session
+
+    with Session(strategy="single", precision=config.precision, seed=config.seed, quiet=True) as session:
+        return train(session, config, init, [[batch] for batch in batches], reference=True)
+
+
+def run_parallel(config: VerifyConfig, init: dict[str, torch.Tensor], batches: list[Batch]) -> RunResult:
+    """Launch ``config.nproc`` workers with the launcher of ``lockstep run`` and collect rank 0's result.
+
+    Args:
+        config: the comparison's configuration.
+        init: the initial state dict (sent to every rank).
+        batches: the global batches (each rank takes its slices).
+
+    Raises:
+        VerifyRunError: a worker failed (the launcher has printed which and why).
+
+    Example::
+
+        parallel = run_parallel(config, init, batches)
+    """
+    from lockstep.launch import LaunchSpec, launch
+
+    with tempfile.TemporaryDirectory(prefix="lockstep-verify-") as tmp:
+        job, out = Path(tmp) / "job.pt", Path(tmp) / "result.pt"
+        paths = [p for p in sys.path if p and os.path.isdir(p)]  # where the user's factories import from
+        torch.save({"config": config.to_dict(), "init": init, "batches": batches, "out": str(out),
+                    "sys_path": paths}, job)
+        spec = LaunchSpec(target="lockstep.verify.run", module=True, args=(str(job),), nproc=config.nproc,
+                          rank0_only=True)
+        with _kept_signal_handlers():
+            code = launch(spec)
+        if code != 0 or not out.exists():
+            raise VerifyRunError(f"the {config.nproc}-process training failed (exit code {code}); "
+                                 "the launcher's message above names the rank and the error")
+        values = torch.load(out, weights_only=True)
+    return RunResult(**values)
+
+
+@contextmanager
+def _kept_signal_handlers() -> Iterator[None]:
+    """The elastic agent installs its own SIGTERM/SIGINT handlers and leaves them in place;
+    a library call must give the caller's back (Ctrl-C should again raise KeyboardInterrupt)."""
+    names = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+    saved = {sig: signal.getsignal(sig) for sig in (getattr(signal, n) for n in names if hasattr(signal, n))}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+
+
+def worker_main(job_file: str) -> int:
+    """One rank of the parallel run: train on this rank's slices, rank 0 writes the result.
+
+    Args:
+        job_file: the job written by :func:`run_parallel`.
+
+    Example::
+
+        sys.exit(worker_main(sys.argv[1]))
+    """
+    from lockstep.session import Session
+
+    job = torch.load(job_file, weights_only=True)
+    sys.path[:0] = [p for p in job["sys_path"] if p not in sys.path]
+    config = VerifyConfig.from_dict(job["config"])
+    session = Session(strategy=config.strategy, precision=config.precision, accumulate=config.accumulate,
+                      sync_bn=config.sync_bn, seed=config.seed, quiet=True, timeout=config.timeout)
+    if session.world_size != config.nproc:
+        raise VerifyRunError(f"expected {config.nproc} ranks, the job has {session.world_size}")
+    steps = [shard(batch, session.rank, session.world_size, config.accumulate) for batch in job["batches"]]
+    result = train(session, config, job["init"], steps)
+    if session.is_main:
+        torch.save(asdict(result), job["out"])
+    session.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main(sys.argv[1]))

@@ -106,6 +106,7 @@ class PrecisionModule(nn.Module):
         super().__init__()
         self.module = module
         self._precision = precision
+        self._bare: nn.Module
         object.__setattr__(self, "_bare", bare)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -67,7 +67,7 @@ def capture_rng() -> dict[str, Any]:
     """Return this process's RNG states in a form ``torch.load(weights_only=True)`` accepts."""
     # plain lists and numbers only: the states travel through all_gather_object (whose
     # unpickler cannot rebuild tensors) and must pass torch.load(weights_only=True)
-    np_state = np.random.get_state()
+    np_state: tuple[Any, ...] = tuple(np.random.get_state())
     state: dict[str, Any] = {
         "python": _python_state_to_list(random.getstate()),
         "numpy": [str(np_state[0]), np.asarray(np_state[1]).tolist(),

@@ -61,7 +61,7 @@ def load_session(session: Session, directory: Path, model: nn.Module,
 
     strategy = session.strategy
     inner = _inner(model)
-    sharded = None
+    sharded: dict[str, Any] | None = None
     if strategy.sharded:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -89,7 +89,7 @@ def load_session(session: Session, directory: Path, model: nn.Module,
     if session._train is not None and sampler_state is not None:
         sampler = session._train.sampler
         sampler.load_state_dict(sampler_state)
-        mid = 0 < int(sampler_state.get("seen", 0)) < sampler.total_size
+        mid = 0 < int(sampler_state.get("seen", 0)) < sampler.dataset_len
         if not mid:
             sampler.set_epoch(epoch + 1)
     elif sampler_state is None:

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any, ClassVar, ContextManager
+from typing import TYPE_CHECKING, Any, ClassVar, ContextManager
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+
+if TYPE_CHECKING:  # the FSDP modules take about a second to import: load them on first use
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 from lockstep.errors import ConfigError
 from lockstep.strategies.base import Strategy
@@ -90,6 +91,8 @@ def apply_fsdp(
         first = next(model.parameters(), None)
         device_type = first.device.type if first is not None else "cpu"
         mesh = init_device_mesh(device_type, (torch.distributed.get_world_size(),))
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
     for block in fsdp_blocks(model, block_types):
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
@@ -130,6 +133,8 @@ class FSDPStrategy(Strategy):
         )
 
     def no_backward_sync(self, model: nn.Module) -> ContextManager[Any]:
+        from torch.distributed.fsdp import FSDPModule
+
         if isinstance(model, FSDPModule):
             return _no_gradient_sync(model)
         return super().no_backward_sync(model)
@@ -140,6 +145,8 @@ class FSDPStrategy(Strategy):
         params = list(model.parameters())
         grads = [p.grad for p in params if p.grad is not None]
         total = torch.nn.utils.get_total_norm(grads, 2.0)
+        from torch.distributed.tensor import DTensor
+
         if isinstance(total, DTensor):
             # Each rank holds the norm of its shards only; full_tensor() reduces them.
             total = total.full_tensor()
@@ -147,9 +154,12 @@ class FSDPStrategy(Strategy):
         return total
 
     def _full_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        full = getattr(tensor, "full_tensor", None)  # only DTensors have it
+        return full() if full is not None else tensor
 
     def _shard_like(self, full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
         if not isinstance(like, DTensor):
             return full
         full = full.to(device=like.device, dtype=like.dtype if full.is_floating_point() else full.dtype)

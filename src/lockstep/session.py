@@ -281,7 +281,8 @@ class Session:
 
     def progress(self, iterable: Iterable[Any], **kwargs: Any) -> Iterable[Any]:
         """Wrap ``iterable`` in a tqdm bar on rank 0 (other ranks iterate silently)."""
-        if not self.is_main or not sys.stderr.isatty() and not kwargs.pop("force", False):
+        force = kwargs.pop("force", False)
+        if not self.is_main or not (force or sys.stderr.isatty()):
             return iterable
         from tqdm.auto import tqdm
 

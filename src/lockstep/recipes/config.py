@@ -1,0 +1,246 @@
+"""The configuration of one ``lockstep train`` run, validated when it is built.
+
+Every check that needs no process group happens here (or in :func:`check_data`), in the
+launching process, so a bad flag or a bad folder is one line and exit code 2 before any worker
+starts.
+
+Example::
+
+    config = TrainConfig(model="convnet", data="digits", nproc=2)
+    config.world_size       # 2
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from collections.abc import Sized
+from typing import Any, cast
+
+from lockstep.errors import ConfigError
+
+__all__ = ["TrainConfig", "check_data", "CHECKPOINTS", "DEFAULT_NPROC_CPU"]
+
+CHECKPOINTS = "checkpoints"
+DEFAULT_NPROC_CPU = 2
+_PROGRESS = ("auto", "on", "off")
+
+
+def _positive(name: str, value: float | None, minimum: float = 1) -> None:
+    if value is not None and value < minimum:
+        raise ConfigError(f"--{name.replace('_', '-')} must be at least {minimum:g}, got {value:g}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything ``lockstep train`` was asked to do; refuses impossible combinations.
+
+    Args:
+        model: ``convnet`` or a torchvision classification model name.
+        data: ``digits``, ``synthetic``, ``mnist:DIR`` or ``imagefolder:DIR``.
+        strategy: ``auto``, ``single``, ``dp``, ``ddp`` or ``fsdp``.
+        precision: ``fp32``, ``bf16-mixed``, ``fp16-mixed``... (see :class:`lockstep.Session`).
+        nproc: processes per node (``None``: one per GPU, or 2 on a machine without GPUs).
+        nodes, node_rank, master: the multi-node job (see ``lockstep run``).
+        epochs: epochs to train (in total, also when resuming).
+        batch_size: samples per batch per device.
+        lr: learning rate (of the base batch when ``scale_lr``).
+        scale_lr: multiply ``lr`` by global batch / ``base_batch`` (linear scaling rule).
+        base_batch: the global batch ``lr`` was tuned for.
+        momentum, weight_decay: of the SGD optimizer.
+        workers: data-loader workers per process (``None``: lockstep's default).
+        sync_bn: SyncBatchNorm across processes (GPU only).
+        accumulate: micro-batches per optimizer step.
+        seed: seed of weights, data order and augmentation.
+        out: folder for checkpoints, ``metrics.csv``, ``config.json`` and TensorBoard events.
+        resume: continue from the newest checkpoint in ``out``.
+        keep: checkpoints kept in ``out``.
+        image_size: input side (``None``: 28 for convnet, 224 otherwise).
+        max_restarts: restarts of the whole job after a failure.
+        max_steps: optimizer steps per epoch at most (short test and speed runs).
+        weights: a local state-dict file to start from.
+        pretrained: ask for pretrained weights (needs ``weights``; nothing is downloaded).
+        val_fraction: held-out share of an image folder without ``train/`` and ``val/``.
+        progress: ``auto`` (a bar when the terminal shows one), ``on`` or ``off``.
+
+    Example::
+
+        TrainConfig(strategy="fsdp", precision="bf16-mixed", nproc=2, epochs=1)
+    """
+
+    model: str = "convnet"
+    data: str = "digits"
+    strategy: str = "auto"
+    precision: str = "fp32"
+    nproc: int | None = None
+    nodes: int = 1
+    node_rank: int = 0
+    master: str | None = None
+    epochs: int = 5
+    batch_size: int = 32
+    lr: float = 0.01
+    scale_lr: bool = False
+    base_batch: int = 256
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    workers: int | None = None
+    sync_bn: bool = False
+    accumulate: int = 1
+    seed: int = 0
+    out: str | None = None
+    resume: bool = False
+    keep: int = 2
+    image_size: int | None = None
+    max_restarts: int = 0
+    max_steps: int | None = None
+    weights: str | None = None
+    pretrained: bool = False
+    val_fraction: float = 0.1
+    progress: str = "auto"
+
+    def __post_init__(self) -> None:
+        from lockstep.recipes.datasets import parse_data
+        from lockstep.recipes.models import check_model
+
+        check_model(self.model)
+        parse_data(self.data)
+        self._check_numbers()
+        self._check_strategy()
+        self._check_files()
+        if self.progress not in _PROGRESS:
+            raise ConfigError(f"--progress {self.progress!r}; choose one of {', '.join(_PROGRESS)}")
+
+    def _check_numbers(self) -> None:
+        for name in ("nproc", "nodes", "epochs", "batch_size", "base_batch", "accumulate", "keep",
+                     "max_steps"):
+            _positive(name, getattr(self, name))
+        _positive("image_size", self.image_size, 4)
+        _positive("workers", self.workers, 0)
+        _positive("max_restarts", self.max_restarts, 0)
+        _positive("weight_decay", self.weight_decay, 0)
+        _positive("momentum", self.momentum, 0)
+        if not self.lr > 0:
+            raise ConfigError(f"--lr must be positive, got {self.lr:g}")
+        if not 0 < self.val_fraction < 1:
+            raise ConfigError(f"--val-fraction must be between 0 and 1, got {self.val_fraction:g}")
+        if not 0 <= self.node_rank < self.nodes:
+            raise ConfigError(f"--node-rank {self.node_rank} is out of range for --nodes {self.nodes}")
+        if self.nodes > 1 and self.master is None:
+            raise ConfigError(f"--nodes {self.nodes} needs --master HOST:PORT (node 0's address, the same on every node)")
+
+    def _check_strategy(self) -> None:
+        from lockstep.precision import canonical_precision
+        from lockstep.strategies import available_strategies
+
+        choices = ", ".join(available_strategies())
+        parts = {p.strip().lower() for p in self.strategy.replace(",", "+").split("+") if p.strip()}
+        if len(parts) > 1:
+            why = ("fsdp shards the model over processes and dp copies it to every GPU of one process, "
+                   "so they cannot be combined" if {"fsdp", "dp"} <= parts else "strategies do not combine")
+            raise ConfigError(f"--strategy {self.strategy!r}: {why}; choose one of {choices}")
+        if self.strategy.strip().lower() not in available_strategies():
+            raise ConfigError(f"unknown strategy {self.strategy!r}; choose one of {choices}")
+        canonical_precision(self.precision)
+        if self.strategy.strip().lower() == "dp" and self.world_size > 1:
+            raise ConfigError("--strategy dp drives every GPU from one process; with several processes "
+                              "use ddp (or fsdp), or pass --nproc 1")
+        if self.sync_bn:
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ConfigError("--sync-bn needs GPUs (SyncBatchNorm only works with CUDA modules); "
+                                  "leave it out on CPU")
+
+    def _check_files(self) -> None:
+        if self.pretrained and self.weights is None:
+            raise ConfigError(f"lockstep train downloads nothing: give pretrained weights for {self.model} "
+                              "as a local file with --weights FILE (a torchvision .pth state dict)")
+        if self.weights is not None and not Path(self.weights).is_file():
+            raise ConfigError(f"weights file {self.weights} does not exist")
+        if self.resume and self.out is None:
+            raise ConfigError("--resume needs --out DIR, the folder of the run to continue")
+        if self.out is not None:
+            out = Path(self.out)
+            if out.exists() and not out.is_dir():
+                raise ConfigError(f"--out {out} exists and is not a folder")
+            ckpts = out / CHECKPOINTS
+            if not self.resume and ckpts.is_dir() and any(p.name.startswith("step-") for p in ckpts.iterdir()):
+                raise ConfigError(f"--out {out} holds checkpoints of an earlier run; pass --resume to "
+                                  "continue it, or choose another --out")
+
+    @property
+    def processes(self) -> int:
+        """Processes per node, with the default resolved (GPUs, else 2).
+
+        Example::
+
+            TrainConfig().processes    # 2 on a machine without GPUs
+        """
+        if self.nproc is not None:
+            return self.nproc
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else DEFAULT_NPROC_CPU
+
+    @property
+    def world_size(self) -> int:
+        """Processes in the whole job: ``processes * nodes``.
+
+        Example::
+
+            TrainConfig(nproc=4, nodes=2, master="n0:29400").world_size    # 8
+        """
+        return self.processes * self.nodes
+
+    @property
+    def input_size(self) -> int:
+        """The image side, with the model's default resolved.
+
+        Example::
+
+            TrainConfig(model="resnet18").input_size    # 224
+        """
+        from lockstep.recipes.models import default_image_size
+
+        return self.image_size or default_image_size(self.model)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The configuration as a JSON-able dict (written to ``config.json``).
+
+        Example::
+
+            TrainConfig().to_dict()["model"]    # "convnet"
+        """
+        return dataclasses.asdict(self)
+
+
+def check_data(config: TrainConfig, world_size: int) -> Any:
+    """Open the data (checking folders and images) and check the batch against the shard.
+
+    Args:
+        config: the run's configuration.
+        world_size: processes in the job.
+
+    Returns:
+        The :class:`~lockstep.recipes.datasets.ImageData`.
+
+    Example::
+
+        data = check_data(TrainConfig(batch_size=64), world_size=2)
+    """
+    from lockstep.recipes.datasets import native_channels, open_data, parse_data
+    from lockstep.recipes.models import input_channels
+
+    spec = parse_data(config.data)
+    channels = input_channels(config.model, native_channels(spec))
+    data = open_data(spec, config.input_size, channels, val_fraction=config.val_fraction)
+    size = len(cast(Sized, data.train))
+    shard = size // world_size
+    if config.batch_size > shard:
+        raise ConfigError(
+            f"--batch-size {config.batch_size} (per device) is larger than each process's share of the "
+            f"training set ({size} samples / {world_size} processes = {shard}); "
+            f"use --batch-size {max(shard, 1)} or less, or fewer processes"
+        )
+    return data

@@ -1,0 +1,130 @@
+"""Image folders (``imagefolder:DIR``): one sub-folder per class, checked before training starts.
+
+``DIR`` holds ``train/`` and ``val/`` (each with one folder per class), or the class folders
+directly, in which case a seeded fraction of the images becomes the validation set. Transforms
+follow the seed tutorial: random resized crop and horizontal flip for training, resize and
+centre crop for validation, ImageNet normalisation for both.
+
+Images are checked up front, before any process starts: the first :data:`CHECK_PER_CLASS` files
+of every class (in the order ImageFolder reads them) are opened and fully decoded, which catches
+a wrong folder, a wrong format or a broken copy without reading a whole ImageNet. A later file that
+cannot be read stops training with an error naming it.
+
+Example::
+
+    train, val, classes = image_folders(Path("data/flowers"), image_size=64, seed=0, val_fraction=0.1)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset, Subset
+
+from lockstep.errors import ConfigError
+
+__all__ = ["image_folders", "check_images", "CHECK_PER_CLASS", "UnreadableImageError"]
+
+CHECK_PER_CLASS = 8
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+class UnreadableImageError(ConfigError):
+    """An image file cannot be opened or decoded."""
+
+
+def _load_rgb(path: str) -> Any:
+    from PIL import Image
+
+    try:
+        with open(path, "rb") as f:
+            image = Image.open(f)
+            return image.convert("RGB")  # convert() decodes the whole image
+    except Exception as exc:  # noqa: BLE001 - PIL raises many types for a bad file
+        raise UnreadableImageError(f"cannot read image {path}: {exc}; remove or replace it") from None
+
+
+def _transforms(image_size: int, train: bool) -> Any:
+    from torchvision import transforms as T
+
+    if train:
+        steps = [T.RandomResizedCrop(image_size), T.RandomHorizontalFlip()]
+    else:
+        steps = [T.Resize(image_size * 256 // 224), T.CenterCrop(image_size)]
+    return T.Compose([*steps, T.ToTensor(), T.Normalize(MEAN, STD)])
+
+
+def _folder(root: Path, image_size: int, train: bool) -> Any:
+    from torchvision.datasets import ImageFolder
+
+    if not root.is_dir():
+        raise ConfigError(f"data directory {root} does not exist")
+    if not any(p.is_dir() for p in root.iterdir()):
+        raise ConfigError(f"data directory {root} is empty: it needs one sub-folder of images per class")
+    try:
+        return ImageFolder(str(root), transform=_transforms(image_size, train), loader=_load_rgb)
+    except FileNotFoundError as exc:  # a class folder without images
+        raise ConfigError(f"{root}: {exc}") from None
+
+
+def check_images(dataset: Any, per_class: int = CHECK_PER_CLASS) -> int:
+    """Decode the first ``per_class`` images of every class; return how many were checked.
+
+    Args:
+        dataset: a torchvision ``ImageFolder``.
+        per_class: files checked per class.
+
+    Raises:
+        UnreadableImageError: naming the first file that cannot be decoded.
+
+    Example::
+
+        check_images(ImageFolder("data/train"))
+    """
+    seen: dict[int, int] = {}
+    for path, label in dataset.samples:
+        if seen.get(label, 0) < per_class:
+            seen[label] = seen.get(label, 0) + 1
+            _load_rgb(path)
+    return sum(seen.values())
+
+
+def image_folders(root: Path, image_size: int, seed: int,
+                  val_fraction: float) -> tuple[Dataset[Any], Dataset[Any], int]:
+    """Return ``(train, val, num_classes)`` for an image folder tree, after checking its images.
+
+    Args:
+        root: the ``imagefolder:DIR`` folder.
+        image_size: side of the square crops.
+        seed: seed of the train/val split of a folder without ``train/`` and ``val/``.
+        val_fraction: share of images held out in that case.
+
+    Raises:
+        ConfigError: missing or empty folders, classes that differ between train and val, an
+            unreadable image.
+
+    Example::
+
+        train, val, k = image_folders(Path("data/imagenette"), 160, seed=0, val_fraction=0.1)
+    """
+    if not root.is_dir():
+        raise ConfigError(f"data directory {root} does not exist")
+    if (root / "train").is_dir() and (root / "val").is_dir():
+        train, val = _folder(root / "train", image_size, True), _folder(root / "val", image_size, False)
+        if train.classes != val.classes:
+            raise ConfigError(f"{root}/train and {root}/val hold different classes: "
+                              f"{train.classes} and {val.classes}")
+        check_images(train)
+        check_images(val)
+        return train, val, len(train.classes)
+    train = _folder(root, image_size, True)
+    check_images(train)
+    n = len(train)
+    held = max(1, round(n * val_fraction))
+    if n - held < 1:
+        raise ConfigError(f"{root} holds {n} images, too few to hold out {held} for validation")
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    val = _folder(root, image_size, False)
+    return Subset(train, order[held:]), Subset(val, sorted(order[:held])), len(train.classes)

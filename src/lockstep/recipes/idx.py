@@ -1,0 +1,134 @@
+"""MNIST's IDX files, read with NumPy from a folder on disk (nothing is downloaded).
+
+The folder holds ``train-images-idx3-ubyte``, ``train-labels-idx1-ubyte``, ``t10k-images-idx3-ubyte``
+and ``t10k-labels-idx1-ubyte``, each optionally gzipped (``.gz``); the spellings with a dot
+(``train-images.idx3-ubyte``) and torchvision's ``MNIST/raw`` sub-folder are found too.
+
+Example::
+
+    images, labels = read_mnist("~/data/mnist", "train")    # uint8 (60000, 28, 28), (60000,)
+"""
+
+from __future__ import annotations
+
+import gzip
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lockstep.errors import ConfigError
+
+__all__ = ["read_idx", "write_idx", "find_mnist_file", "read_mnist", "MNIST_FILES"]
+
+MNIST_FILES = {
+    ("train", "images"): "train-images-idx3-ubyte",
+    ("train", "labels"): "train-labels-idx1-ubyte",
+    ("test", "images"): "t10k-images-idx3-ubyte",
+    ("test", "labels"): "t10k-labels-idx1-ubyte",
+}
+_DTYPES: dict[int, Any] = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+
+
+def read_idx(path: str | Path) -> np.ndarray:
+    """Read one IDX file (gzipped or not) into an array of its declared type and shape.
+
+    Args:
+        path: the file.
+
+    Raises:
+        ConfigError: the file is not IDX or its size does not match its header.
+
+    Example::
+
+        labels = read_idx("t10k-labels-idx1-ubyte.gz")   # uint8 array of shape (10000,)
+    """
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as f:
+            raw = f.read()
+    except OSError as exc:
+        raise ConfigError(f"cannot read MNIST file {path}: {exc}") from None
+    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _DTYPES:
+        raise ConfigError(f"{path} is not an IDX file (bad magic number)")
+    ndim = raw[3]
+    header = 4 + 4 * ndim
+    shape = tuple(int(d) for d in np.frombuffer(raw[4:header], dtype=">u4"))
+    dtype = np.dtype(_DTYPES[raw[2]])
+    expected = header + int(np.prod(shape)) * dtype.itemsize
+    if len(shape) != ndim or len(raw) != expected:
+        raise ConfigError(f"{path} is truncated or damaged: {len(raw)} bytes, its header says {expected}")
+    return np.frombuffer(raw, dtype=dtype, offset=header).reshape(shape)
+
+
+def write_idx(path: str | Path, array: np.ndarray) -> None:
+    """Write ``array`` (uint8) as an IDX file, gzipped when ``path`` ends in ``.gz``.
+
+    Args:
+        path: the file to write.
+        array: a uint8 array of any shape.
+
+    Example::
+
+        write_idx("train-labels-idx1-ubyte", np.array([3, 1, 4], dtype=np.uint8))
+    """
+    array = np.ascontiguousarray(array, dtype=np.uint8)
+    data = bytes([0, 0, 0x08, array.ndim]) + np.asarray(array.shape, dtype=">u4").tobytes() + array.tobytes()
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "wb") as f:
+        f.write(data)
+
+
+def find_mnist_file(folder: Path, split: str, what: str) -> Path:
+    """Locate one of the four MNIST files under ``folder``.
+
+    Args:
+        folder: the ``mnist:DIR`` folder.
+        split: ``"train"`` or ``"test"``.
+        what: ``"images"`` or ``"labels"``.
+
+    Raises:
+        ConfigError: naming the file that is missing and where it was looked for.
+
+    Example::
+
+        find_mnist_file(Path("data"), "test", "labels")   # data/t10k-labels-idx1-ubyte.gz
+    """
+    name = MNIST_FILES[(split, what)]
+    dotted = name.replace("-idx", ".idx")
+    for base in (folder, folder / "raw", folder / "MNIST" / "raw"):
+        for candidate in (name, dotted):
+            for suffix in ("", ".gz"):
+                path = base / (candidate + suffix)
+                if path.is_file():
+                    return path
+    raise ConfigError(f"MNIST file {name} (or {name}.gz) is missing in {folder}; "
+                      "it needs the four IDX files train-images, train-labels, t10k-images, t10k-labels")
+
+
+def read_mnist(folder: str | Path, split: str) -> tuple[np.ndarray, np.ndarray]:
+    """Read MNIST's ``split`` (``"train"`` or ``"test"``) as uint8 images ``(N, H, W)`` and labels.
+
+    Args:
+        folder: the folder with the IDX files.
+        split: ``"train"`` or ``"test"``.
+
+    Raises:
+        ConfigError: a file is missing or damaged, or images and labels disagree in number.
+
+    Example::
+
+        images, labels = read_mnist("data/mnist", "test")
+    """
+    folder = Path(folder)
+    images_path = find_mnist_file(folder, split, "images")
+    labels_path = find_mnist_file(folder, split, "labels")
+    images, labels = read_idx(images_path), read_idx(labels_path)
+    if images.ndim != 3 or labels.ndim != 1:
+        raise ConfigError(f"{images_path} must hold (N, H, W) images and {labels_path} (N,) labels")
+    if len(images) != len(labels):
+        raise ConfigError(f"{images_path} holds {len(images)} images but {labels_path} {len(labels)} labels")
+    if len(images) == 0:
+        raise ConfigError(f"{images_path} holds no images")
+    return images, labels.astype(np.int64)

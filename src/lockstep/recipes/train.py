@@ -1,0 +1,157 @@
+"""The training program of ``lockstep train``, as every worker process runs it.
+
+It is the seed tutorials' program written against :class:`lockstep.Session` only: build the
+model, wrap it, load the data with per-device batches, resume from ``--out`` when asked, train
+with a progress bar on rank 0, evaluate exactly over all ranks after every epoch, save a
+checkpoint and a row of ``metrics.csv``.
+
+Run it through the command line (which starts the workers)::
+
+    lockstep train --model resnet18 --data imagefolder:data/flowers --image-size 64 --out runs/f
+    lockstep run --nproc 2 -m lockstep train --epochs 2     # under an explicit launcher
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import lockstep
+from lockstep.recipes.config import CHECKPOINTS, TrainConfig, check_data
+from lockstep.recipes.models import build_model, load_weights
+from lockstep.recipes.outputs import RunLog
+
+__all__ = ["train", "EVAL_BATCH", "POSTFIX_EVERY"]
+
+EVAL_BATCH = 256
+POSTFIX_EVERY = 10  # steps between progress-bar updates of loss and speed (each costs a sync)
+
+
+def train(config: TrainConfig, data: Any = None) -> int:
+    """Train as one worker of the job described by the environment; return the exit code.
+
+    Args:
+        config: the validated configuration.
+        data: the data from :func:`~lockstep.recipes.config.check_data` when already opened.
+
+    Example::
+
+        train(TrainConfig(epochs=1, nproc=1))       # one process, trains the ConvNet on digits
+    """
+    world = lockstep.detect_world()
+    if data is None:
+        data = check_data(config, world.world_size)  # before the process group: errors stay one line
+    session = lockstep.Session(strategy=config.strategy, precision=config.precision, sync_bn=config.sync_bn,
+                               accumulate=config.accumulate, seed=config.seed, quiet=True)
+    with session:
+        _run(session, config, data)
+    return 0
+
+
+def _prepare(session: lockstep.Session, config: TrainConfig, data: Any) -> tuple[Any, Any, Any, Any, float]:
+    """Build and wrap the model and optimizer, and the loaders; return them with the learning rate."""
+    global_batch = config.batch_size * session.world_size * config.accumulate
+    lr = config.lr * global_batch / config.base_batch if config.scale_lr else config.lr
+    model = build_model(config.model, data.channels, data.num_classes, data.image_size)
+    if config.weights is not None:
+        skipped = load_weights(model, config.weights)
+        session.print(f"lockstep train: started from {config.weights}; left at random: {', '.join(skipped) or 'none'}")
+    model, optimizer = session.setup(model, lambda params: torch.optim.SGD(
+        params, lr=lr, momentum=config.momentum, weight_decay=config.weight_decay))
+    options = {} if config.workers is None else {"num_workers": config.workers}
+    train_loader = session.loader(_materialized(data.train), config.batch_size, shuffle=True, **options)
+    test_loader = session.loader(_materialized(data.test), EVAL_BATCH, eval=True, **options)
+    return model, optimizer, train_loader, test_loader, lr
+
+
+def _run(session: lockstep.Session, config: TrainConfig, data: Any) -> None:
+    model, optimizer, train_loader, test_loader, lr = _prepare(session, config, data)
+    out = Path(config.out) if config.out is not None else None
+    state = lockstep.ResumeState()
+    if config.resume and out is not None:
+        state = session.load(out / CHECKPOINTS, model=model, optimizer=optimizer)
+    # The recipe saves after whole epochs only; the count it stored is authoritative even when
+    # --max-steps ended the epoch before its last batch.
+    start = int(state.extras.get("epochs_done", state.epoch)) if state.resumed else 0
+    session.print(f"{session.summary()}, lr {lr:g}")
+    if state.resumed:
+        session.print(f"lockstep train: resumed from {state.path} after epoch {start}")
+    log = RunLog(out, session.is_main, start)
+    log.write_config({**config.to_dict(), "world_size": session.world_size, "image_size": data.image_size,
+                      "lr_effective": lr, "global_batch": train_loader.batch_size * session.world_size
+                      * session.accumulate, "lockstep": lockstep.__version__,
+                      "torch": torch.__version__})
+    began = time.perf_counter()
+    try:
+        for epoch in session.epochs(config.epochs, start=start):
+            row = _epoch(session, config, model, optimizer, train_loader, test_loader)
+            row.update(epoch=epoch + 1, step=session.global_step, lr=lr)
+            session.print(f"Epoch [{epoch + 1}/{config.epochs}] train loss {row['train_loss']:.4f}, "
+                          f"test loss {row['test_loss']:.4f}, test accuracy {row['test_accuracy']:.4f} "
+                          f"({row['test_count']} samples), {row['samples_per_s']:.0f} samples/s, "
+                          f"{row['epoch_time_s']:.1f} s")
+            if out is not None:
+                session.save(out / CHECKPOINTS, model=model, optimizer=optimizer, keep=config.keep,
+                             epochs_done=epoch + 1)
+            log.epoch(row)
+    finally:
+        log.close()
+    if start >= config.epochs:
+        session.print(f"lockstep train: nothing to train: the checkpoint already covers {start} of "
+                      f"{config.epochs} epochs (raise --epochs to train more)")
+    session.print(f"Training complete in {time.perf_counter() - began:.1f} s")
+
+
+def _materialized(dataset: Any) -> Any:
+    convert = getattr(dataset, "materialized", None)
+    return convert() if convert is not None else dataset
+
+
+def _epoch(session: lockstep.Session, config: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer,
+           train_loader: Any, test_loader: Any) -> dict[str, Any]:
+    """Train one epoch and evaluate; return the row of ``metrics.csv`` (without epoch and step)."""
+    criterion = nn.CrossEntropyLoss()
+    limit = config.max_steps * config.accumulate if config.max_steps is not None else None
+    totals = torch.zeros(2, dtype=torch.float64, device=session.device)  # loss sum, samples
+    model.train()
+    bar = _progress(session, config, train_loader)
+    began = time.perf_counter()
+    try:
+        for i, (images, labels) in enumerate(bar):
+            loss = criterion(model(images).float(), labels)
+            session.backward(loss)
+            session.step(optimizer)
+            totals[0] += loss.detach().double() * labels.shape[0]
+            totals[1] += labels.shape[0]
+            if hasattr(bar, "set_postfix") and i % POSTFIX_EVERY == 0:
+                speed = totals[1].item() * session.world_size / max(time.perf_counter() - began, 1e-9)
+                bar.set_postfix(loss=f"{loss.item():.4f}", samples_s=f"{speed:.0f}", refresh=False)
+            if limit is not None and i + 1 >= limit:
+                break
+    finally:
+        if hasattr(bar, "close"):
+            bar.close()
+    elapsed = time.perf_counter() - began
+    session.all_reduce(totals)
+    loss_sum, samples = totals.tolist()
+    result = lockstep.metrics.evaluate(model, test_loader, session)
+    return {"train_loss": loss_sum / samples if samples else math.nan, "test_loss": result["loss"],
+            "test_accuracy": result["accuracy"], "test_count": int(result["count"]),
+            "samples_per_s": samples / max(elapsed, 1e-9), "epoch_time_s": elapsed}
+
+
+def _progress(session: lockstep.Session, config: TrainConfig, loader: Any) -> Iterable[Any]:
+    if config.progress == "off":
+        return loader
+    desc = f"epoch {session.epoch + 1}/{config.epochs}"
+    if config.progress == "on" and not sys.stderr.isatty():
+        # a launcher collects the output line by line (each refresh becomes a line): refresh rarely
+        return session.progress(loader, force=True, mininterval=5.0, leave=True, desc=desc)
+    return session.progress(loader, desc=desc)

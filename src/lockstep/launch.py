@@ -70,10 +70,15 @@ def _launch_config(spec: LaunchSpec, log_dir: str) -> Any:
     if spec.rank0_only:
         shown = {0} if spec.node_rank == 0 else {-1}  # {-1}: no local rank of this node is shown
     timeout = max(1, round(spec.join_timeout))
+    if spec.rank0_only and not spec.prefix:
+        # rank 0 inherits this terminal; the other ranks write only to their log files
+        hidden = {r: Std.ALL for r in range(spec.nproc) if spec.node_rank != 0 or r != 0}
+        logs = DefaultLogsSpecs(log_dir=log_dir, redirects=hidden)
+    else:
+        logs = DefaultLogsSpecs(log_dir=log_dir, tee=Std.ALL, local_ranks_filter=shown)
     common: dict[str, Any] = dict(
         min_nodes=spec.nodes, max_nodes=spec.nodes, nproc_per_node=spec.nproc,
-        max_restarts=spec.max_restarts, log_line_prefix_template="[rank${rank}]: ",
-        logs_specs=DefaultLogsSpecs(log_dir=log_dir, tee=Std.ALL, local_ranks_filter=shown),
+        max_restarts=spec.max_restarts, log_line_prefix_template="[rank${rank}]: ", logs_specs=logs,
     )
     if spec.master is None:
         return LaunchConfig(

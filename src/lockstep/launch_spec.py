@@ -44,6 +44,8 @@ class LaunchSpec:
         max_restarts: how often the whole group is restarted after a failure.
         join_timeout: seconds to wait for every node to join.
         rank0_only: show only rank 0's output (every rank's output still goes to the log files).
+        prefix: start each shown line with ``[rankN]: ``; without it (with ``rank0_only``) rank 0
+            writes straight to this terminal, so progress bars draw as in a single process.
         local_rank_arg: pass ``--local_rank=N`` to the script (old ``torch.distributed.launch`` style).
         log_dir: keep every rank's stdout/stderr under this folder (a temporary one otherwise).
         verbose: keep torch's own agent logging.
@@ -63,6 +65,7 @@ class LaunchSpec:
     max_restarts: int = 0
     join_timeout: float = DEFAULT_JOIN_TIMEOUT
     rank0_only: bool = False
+    prefix: bool = True
     local_rank_arg: bool = False
     log_dir: str | None = None
     verbose: bool = False

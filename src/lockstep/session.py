@@ -343,6 +343,8 @@ class Session:
     def close(self) -> None:
         """End the job's communication (barrier + destroy). Safe to call twice."""
         self.comm.shutdown()
+        if self._model is not None:
+            self.strategy.release(self._model)
 
     def __enter__(self) -> Session:
         return self

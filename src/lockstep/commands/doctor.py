@@ -124,7 +124,7 @@ def main(args: argparse.Namespace) -> int:
         result = Path(tmp) / "verdict"
         spec = LaunchSpec(target="lockstep", module=True, args=_forwarded(args, str(result)), nproc=nproc,
                           nodes=args.nodes, node_rank=args.node_rank, master=args.master,
-                          join_timeout=args.join_timeout, rank0_only=True)
+                          join_timeout=args.join_timeout, rank0_only=True, prefix=False)
         try:
             code = launch(spec)
         except LockstepError as exc:

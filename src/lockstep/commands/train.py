@@ -174,7 +174,8 @@ def main(args: argparse.Namespace) -> int:
 
     spec = LaunchSpec(target="lockstep", args=("train", *worker_argv(config)), module=True,
                       nproc=config.processes, nodes=config.nodes, node_rank=config.node_rank,
-                      master=config.master, max_restarts=config.max_restarts, rank0_only=True)
+                      master=config.master, max_restarts=config.max_restarts, rank0_only=True,
+                      prefix=False)
     try:
         return launch(spec)
     except LockstepError as exc:

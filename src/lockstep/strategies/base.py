@@ -135,6 +135,16 @@ class Strategy:
         """
         return unwrap_module(model)
 
+    def release(self, model: nn.Module) -> None:
+        """Drop the wrapper's references to the process group once it is destroyed.
+
+        Called by ``Session.close``. A wrapper that still holds the group when the interpreter
+        exits destroys it during finalisation, which can abort the process (gloo).
+
+        Args:
+            model: the module returned by :meth:`setup_module`.
+        """
+
     # -- training ------------------------------------------------------------------------
 
     def no_backward_sync(self, model: nn.Module) -> ContextManager[Any]:

@@ -16,7 +16,8 @@ from lockstep.errors import EXIT_PREEMPTED, ConfigError, LockstepError
 
 __version__ = "0.1.0"
 __all__ = ["Session", "ResumeState", "spawn", "metrics", "init_comm", "detect_world", "World",
-           "ConfigError", "LockstepError", "EXIT_PREEMPTED", "__version__"]
+           "Preempted", "CollectiveTimeoutError", "ConfigError", "LockstepError", "EXIT_PREEMPTED",
+           "__version__"]
 
 _LAZY = {
     "Session": ("lockstep.session", "Session"),
@@ -26,6 +27,8 @@ _LAZY = {
     "init_comm": ("lockstep.comm", "init_comm"),
     "detect_world": ("lockstep.env", "detect_world"),
     "World": ("lockstep.env", "World"),
+    "Preempted": ("lockstep.preempt", "Preempted"),
+    "CollectiveTimeoutError": ("lockstep.watchdog", "CollectiveTimeoutError"),
 }
 
 

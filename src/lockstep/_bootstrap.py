@@ -93,6 +93,8 @@ def record_failure(exc: BaseException, exit_code: int, path: str) -> None:
             "module": kind.__module__,
             "text": str(exc),
             "exit_code": exit_code,
+            # ranks a collective timeout named as the ones that never came (see lockstep.watchdog)
+            "blame": [int(r) for r in getattr(exc, "blame", ())],
         },
     }
     try:
@@ -100,6 +102,16 @@ def record_failure(exc: BaseException, exit_code: int, path: str) -> None:
             json.dump(data, fp)
     except OSError:
         traceback.print_exception(kind, exc, exc.__traceback__)
+
+
+def _explained(exc: BaseException) -> BaseException:
+    """A backend timeout raised by a direct ``torch.distributed`` call, explained by the watchdog."""
+    watchdog = sys.modules.get("lockstep.watchdog")  # loaded only if the script formed a group
+    explained = watchdog.explain_escaped(exc) if watchdog is not None else None
+    if explained is None:
+        return exc
+    explained.__traceback__ = exc.__traceback__
+    return explained
 
 
 def _exit_code(code: object) -> int:
@@ -136,15 +148,32 @@ def main(argv: list[str]) -> int:
         code = _exit_code(exc.code)
         if code not in (0, EXIT_PREEMPTED) and error_file:
             record_failure(exc, code, error_file)
+            _release_group()
         return code
     except KeyboardInterrupt:
         return 130  # interrupted, like any Python program: not a failure worth a traceback
     except BaseException as exc:  # noqa: BLE001 - every failure is reported to the launcher
+        exc = _explained(exc)
         if not error_file:
-            raise
+            raise exc
         record_failure(exc, 1, error_file)
+        _release_group()
         return 1
     return 0
+
+
+def _release_group() -> None:
+    """Destroy a process group the failed script left behind (no barrier: the peers may be gone).
+
+    gloo aborts the interpreter's exit (SIGABRT) in about one failed run in four when the group
+    is still alive, and the launcher would then list this rank as killed by a signal.
+    """
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - best effort on the way out of a failed run
+        pass
 
 
 if __name__ == "__main__":

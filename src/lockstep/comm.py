@@ -9,7 +9,12 @@ create no process group. With several it returns :class:`GroupComm`, which
    disagree on the world size are refused with a message naming both (instead of a store
    timeout, or worse, a job that starts with a wrong world),
 3. then initialises ``torch.distributed`` on that store (nccl with CUDA, gloo otherwise) with an
-   explicit timeout, and tears it down with barrier + destroy.
+   explicit timeout, and tears it down with barrier + destroy,
+4. and starts a :class:`~lockstep.watchdog.Watchdog`, so that a collective that times out names
+   the rank that never came (:class:`~lockstep.watchdog.CollectiveTimeoutError`).
+
+The timeout is the ``timeout`` argument, else ``$LOCKSTEP_TIMEOUT`` (seconds; ``lockstep run
+--timeout``), else 10 minutes. On one host the store listens on the loopback interface only.
 
 Example (two processes)::
 
@@ -20,31 +25,24 @@ Example (two processes)::
 
 from __future__ import annotations
 
-import json
 import os
-import socket
-import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
-from urllib.parse import urlparse
 
 import torch
 
+from lockstep.comm_store import (
+    DEFAULT_TIMEOUT, CommError, Peer, describe_self, handshake, open_store, resolve_timeout,
+)
 from lockstep.env import World, detect_world
-from lockstep.errors import ConfigError, LockstepError
+from lockstep.errors import ConfigError
+from lockstep.watchdog import NullWatchdog, Watchdog
 
-__all__ = ["Comm", "GroupComm", "CommError", "init_comm", "DEFAULT_TIMEOUT", "Peer"]
+__all__ = ["Comm", "GroupComm", "CommError", "init_comm", "resolve_timeout", "DEFAULT_TIMEOUT", "Peer"]
 
-DEFAULT_TIMEOUT = timedelta(minutes=10)
 T = TypeVar("T")
 _OPS = {"sum", "mean", "max", "min"}
-
-
-class CommError(LockstepError):
-    """The process group could not be formed, or the ranks disagree about the job."""
-
-
-Peer = dict[str, Any]
 
 
 class Comm:
@@ -63,10 +61,11 @@ class Comm:
     """
 
     backend = "none"
+    watchdog: NullWatchdog = NullWatchdog()
 
     def __init__(self, world: World) -> None:
         self.world = world
-        self.peers: list[Peer] = [_describe_self(world)]
+        self.peers: list[Peer] = [describe_self(world)]
 
     @property
     def rank(self) -> int:
@@ -125,43 +124,60 @@ class Comm:
 
 
 class GroupComm(Comm):
-    """Collectives over a ``torch.distributed`` process group (see :func:`init_comm`)."""
+    """Collectives over a ``torch.distributed`` process group (see :func:`init_comm`).
 
-    def __init__(self, world: World, backend: str, peers: list[Peer]) -> None:
+    Each collective is a sync point of the :attr:`watchdog`: a timeout raises
+    :class:`~lockstep.watchdog.CollectiveTimeoutError` naming the ranks that never came.
+    """
+
+    def __init__(self, world: World, backend: str, peers: list[Peer], watchdog: NullWatchdog | None = None) -> None:
         super().__init__(world)
         self.backend = backend
         self.peers = peers
+        self.watchdog = watchdog or NullWatchdog()
+        self._calls = 0
         self._alive = True
 
+    def _call(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run one collective as a numbered sync point; explain a timeout."""
+        self._calls += 1
+        watch = self.watchdog
+        watch.enter(name + " #{}", self._calls)
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as exc:
+            raise watch.explain(exc) or exc
+        finally:
+            watch.leave()
+
     def barrier(self) -> None:
-        torch.distributed.barrier()
+        self._call("barrier", torch.distributed.barrier)
 
     def _all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         dist = torch.distributed
+        red = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+               "min": dist.ReduceOp.MIN}[op]
+        self._call("all_reduce", dist.all_reduce, tensor, op=red)
         if op == "mean":
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
             if tensor.is_floating_point() or tensor.is_complex():
                 tensor.div_(self.world_size)
             else:
                 tensor.floor_divide_(self.world_size)
-            return tensor
-        red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
-        dist.all_reduce(tensor, op=red)
         return tensor
 
     def _broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
-        torch.distributed.broadcast(tensor, src=src)
+        self._call("broadcast", torch.distributed.broadcast, tensor, src=src)
         return tensor
 
     def all_gather_object(self, obj: T) -> list[T]:
         out: list[Any] = [None] * self.world_size
-        torch.distributed.all_gather_object(out, obj)
+        self._call("all_gather_object", torch.distributed.all_gather_object, out, obj)
         return out
 
     def broadcast_object(self, obj: T, src: int = 0) -> T:
         self._check_src(src)
         box = [obj]
-        torch.distributed.broadcast_object_list(box, src=src)
+        self._call("broadcast_object", torch.distributed.broadcast_object_list, box, src=src)
         return box[0]
 
     def shutdown(self) -> None:
@@ -169,26 +185,20 @@ class GroupComm(Comm):
             return
         self._alive = False
         dist = torch.distributed
-        if dist.is_initialized():
-            try:
-                dist.barrier()
-            finally:
-                dist.destroy_process_group()
+        try:
+            if dist.is_initialized():
+                try:
+                    self.barrier()
+                finally:
+                    dist.destroy_process_group()
+        finally:
+            # after the barrier: rank 0 (the store's host) may exit while the others still tear down
+            self.watchdog.stop()
 
 
 def _check_op(op: str) -> None:
     if op not in _OPS:
         raise ValueError(f"unknown reduction {op!r}; choose one of {sorted(_OPS)}")
-
-
-def _describe_self(world: World) -> Peer:
-    return {
-        "rank": world.rank,
-        "world_size": world.world_size,
-        "local_rank": world.local_rank,
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-    }
 
 
 def pick_backend(requested: str = "auto") -> str:
@@ -206,93 +216,11 @@ def pick_backend(requested: str = "auto") -> str:
     return requested
 
 
-def _open_store(world: World, init_method: str, timeout: timedelta) -> torch.distributed.Store:
-    dist = torch.distributed
-    url = urlparse(init_method)
-    if url.scheme == "file":
-        path = url.path if not url.netloc else url.netloc + url.path
-        return dist.FileStore(path, -1)
-    if url.scheme == "env":
-        if world.master_port is None:
-            raise CommError("env:// rendezvous needs MASTER_PORT; run under `lockstep run` or set it")
-        host, port = world.master_addr, world.master_port
-    elif url.scheme == "tcp":
-        if url.hostname is None or url.port is None:
-            raise CommError(f"init method {init_method!r} must look like tcp://HOST:PORT")
-        host, port = url.hostname, url.port
-    else:
-        raise CommError(f"unknown init method {init_method!r}; use env://, tcp://HOST:PORT or file://PATH")
-    agent = (
-        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        and os.environ.get("MASTER_ADDR") == host
-        and os.environ.get("MASTER_PORT") == str(port)
-    )
-    try:
-        return dist.TCPStore(
-            host, port, is_master=(world.rank == 0 and not agent),
-            wait_for_workers=False, timeout=timeout, multi_tenant=not agent,
-        )
-    except (RuntimeError, OSError) as exc:
-        text = str(exc)
-        if "EADDRINUSE" in text or "address already in use" in text.lower():
-            raise CommError(
-                f"rank {world.rank} cannot listen on {host}:{port}: the port is already in use "
-                "(another job, or a second process that also claims rank 0). Pick a free port."
-            ) from None
-        raise CommError(f"rank {world.rank} could not reach the rendezvous store at {host}:{port}: {text}") from None
-
-
-def _handshake(store: Any, me: Peer, timeout: timedelta) -> list[Peer]:
-    """Every rank posts who it is; refuse duplicate ranks and disagreeing world sizes."""
-    store.set(f"hello/{store.add('count', 1)}", json.dumps(me))
-    deadline = time.monotonic() + timeout.total_seconds()
-    seen: list[Peer] = []
-    while True:
-        arrived = store.add("count", 0)
-        while len(seen) < arrived:
-            seen.append(json.loads(store.get(f"hello/{len(seen) + 1}")))
-        _check_peers(seen, me)
-        if arrived >= me["world_size"]:
-            return sorted(seen, key=lambda p: p["rank"])
-        if time.monotonic() > deadline:
-            joined = ", ".join(str(p["rank"]) for p in sorted(seen, key=lambda p: p["rank"]))
-            raise CommError(
-                f"only {arrived} of {me['world_size']} ranks joined within "
-                f"{timeout.total_seconds():.0f} s (ranks {joined}); the others never started or "
-                "cannot reach the master address"
-            )
-        time.sleep(0.02)
-
-
-def _who(p: Peer) -> str:
-    return f"rank {p['rank']} (host {p['host']}, pid {p['pid']})"
-
-
-def _check_peers(seen: list[Peer], me: Peer) -> None:
-    for p in seen:
-        if p["world_size"] != me["world_size"]:
-            raise CommError(
-                f"ranks disagree on the world size: {_who(me)} has WORLD_SIZE={me['world_size']} "
-                f"but {_who(p)} has WORLD_SIZE={p['world_size']}. Start every rank with the same "
-                "WORLD_SIZE."
-            )
-    by_rank: dict[int, Peer] = {}
-    for p in seen:
-        other = by_rank.setdefault(p["rank"], p)
-        if other is not p:
-            raise CommError(
-                f"two processes claim rank {p['rank']}: {_who(other)} and {_who(p)}. "
-                "Give every process a distinct RANK from 0 to WORLD_SIZE-1."
-            )
-    if len(seen) > me["world_size"]:
-        raise CommError(f"{len(seen)} processes joined a job of WORLD_SIZE={me['world_size']}")
-
-
 def init_comm(
     world: World | None = None,
     backend: str = "auto",
     init_method: str | None = None,
-    timeout: timedelta | float = DEFAULT_TIMEOUT,
+    timeout: timedelta | float | None = None,
 ) -> Comm:
     """Form the job's process group (or the null :class:`Comm` for one process).
 
@@ -301,18 +229,19 @@ def init_comm(
         backend: ``"auto"`` (nccl with CUDA, else gloo), ``"nccl"`` or ``"gloo"``.
         init_method: ``env://`` (MASTER_ADDR/PORT), ``tcp://HOST:PORT`` or ``file://PATH``;
             when omitted, ``$LOCKSTEP_INIT_METHOD`` or else ``env://``.
-        timeout: how long collectives (and the join) may wait, as a timedelta or seconds.
+        timeout: how long collectives (and the join) may wait, as a timedelta or seconds;
+            ``$LOCKSTEP_TIMEOUT`` or 10 minutes when omitted.
 
     Raises:
         CommError: ranks that disagree on the job, a busy port, or ranks that never join.
+        ConfigError: a timeout that is not a positive number of seconds.
 
     Example::
 
         comm = init_comm(init_method="file:///tmp/job1")
     """
     world = detect_world() if world is None else world
-    if not isinstance(timeout, timedelta):
-        timeout = timedelta(seconds=float(timeout))
+    timeout = resolve_timeout(timeout)
     if world.world_size == 1:
         return Comm(world)
     dist = torch.distributed
@@ -320,16 +249,22 @@ def init_comm(
         raise CommError("a torch.distributed process group already exists in this process")
     chosen = pick_backend(backend)
     init_method = init_method or os.environ.get("LOCKSTEP_INIT_METHOD") or "env://"
-    store = _open_store(world, init_method, timeout)
+    store = open_store(world, init_method, timeout)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     run = os.environ.get("TORCHELASTIC_RUN_ID", "")
     base = dist.PrefixStore(f"lockstep/{run}/{attempt}/", store)
-    peers = _handshake(dist.PrefixStore("hs/", base), _describe_self(world), timeout)
+    peers = handshake(dist.PrefixStore("hs/", base), describe_self(world), timeout)
     device_id = world.device if chosen == "nccl" else None
     if device_id is not None:
         torch.cuda.set_device(device_id)
+    watchdog = Watchdog(dist.PrefixStore("wd/", base), world.rank, world.world_size, timeout.total_seconds())
+    group_timeout = timeout
+    if chosen == "nccl":
+        # nccl ends the process at its timeout; give the watchdog's report (at its backstop) time first
+        group_timeout = timedelta(seconds=watchdog.backstop + 30)
     dist.init_process_group(
         chosen, store=dist.PrefixStore("pg/", base), rank=world.rank,
-        world_size=world.world_size, timeout=timeout, device_id=device_id,
+        world_size=world.world_size, timeout=group_timeout, device_id=device_id,
     )
-    return GroupComm(world, chosen, peers)
+    watchdog.start()
+    return GroupComm(world, chosen, peers, watchdog)

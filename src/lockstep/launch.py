@@ -13,6 +13,11 @@ chooses its configuration and explains the outcome. How it launches:
 * every worker runs :mod:`lockstep._bootstrap`, which records its exception in the elastic error
   file; when a rank fails, :mod:`lockstep.launch_report` prints one summary blaming the first
   real failure, not the ranks that were merely stopped or lost their peer.
+* SIGTERM, SIGINT, SIGHUP, SIGQUIT and SIGUSR1 to the launcher are forwarded to every worker,
+  which then has ``--grace`` seconds to save (see :mod:`lockstep.preempt`) before SIGKILL. A job
+  whose ranks stop with exit code 75 ends as preempted (exit 75) and uses up no restart.
+* ``--timeout`` is exported as ``LOCKSTEP_TIMEOUT``: the default timeout of the workers'
+  collectives, past which the rank that did not arrive is named (:mod:`lockstep.watchdog`).
 
 Example::
 
@@ -40,14 +45,17 @@ from typing import Any
 from lockstep.errors import EXIT_FAILURE, EXIT_PREEMPTED, LockstepError
 from lockstep.launch_report import Failure, signal_name, summarize
 from lockstep.launch_spec import (
-    DEFAULT_JOIN_TIMEOUT, LaunchSpec, exposure_warning, import_torch_quietly, parse_master,
+    DEFAULT_GRACE, DEFAULT_JOIN_TIMEOUT, LaunchSpec, exposure_warning, import_torch_quietly, parse_master,
     resolve_nproc, slurm_defaults,
 )
 
 __all__ = ["LaunchSpec", "LaunchError", "launch", "resolve_nproc", "parse_master",
-           "exposure_warning", "slurm_defaults", "import_torch_quietly", "DEFAULT_JOIN_TIMEOUT"]
+           "exposure_warning", "slurm_defaults", "import_torch_quietly", "DEFAULT_JOIN_TIMEOUT",
+           "DEFAULT_GRACE"]
 
 _PREFIX = "lockstep run: "
+# Forwarded to every worker; SIGUSR1 is what Slurm sends ahead of the end (`--signal=USR1@90`).
+_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")
 
 
 class LaunchError(LockstepError):
@@ -79,6 +87,9 @@ def _launch_config(spec: LaunchSpec, log_dir: str) -> Any:
     common: dict[str, Any] = dict(
         min_nodes=spec.nodes, max_nodes=spec.nodes, nproc_per_node=spec.nproc,
         max_restarts=spec.max_restarts, log_line_prefix_template="[rank${rank}]: ", logs_specs=logs,
+        # a stop signal is forwarded to the workers, which get `grace` seconds to save before SIGKILL
+        signals_to_handle=",".join(n for n in _SIGNALS if hasattr(signal, n)),
+        shutdown_timeout=max(0, round(spec.grace)),
     )
     if spec.master is None:
         return LaunchConfig(
@@ -97,12 +108,15 @@ def _launch_environment(spec: LaunchSpec) -> Iterator[None]:
     """Set the variables the agent and workers need; give back the caller's environment and
     signal handlers afterwards (the agent installs its own and leaves them in place)."""
     env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # workers inherit it; see the module docstring
+    if spec.timeout is not None:
+        env["LOCKSTEP_TIMEOUT"] = f"{spec.timeout:g}"  # the default of Session / init_comm
+    env["LOCKSTEP_GRACE"] = f"{spec.grace:g}"  # after it, a worker obeys a stop signal unsaved
     if spec.nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = "1"  # as torchrun: N processes must not oversubscribe the CPU
     # launch_agent also sets TORCHELASTIC_SIGNALS_TO_HANDLE for good; give back the caller's value.
     saved_env = {key: os.environ.get(key) for key in [*env, "TORCHELASTIC_SIGNALS_TO_HANDLE"]}
     in_main = threading.current_thread() is threading.main_thread()
-    signums = [getattr(signal, n) for n in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT") if hasattr(signal, n)]
+    signums = [getattr(signal, n) for n in _SIGNALS if hasattr(signal, n)]
     saved_handlers = {s: signal.getsignal(s) for s in signums} if in_main else {}
     os.environ.update(env)
     try:
@@ -204,6 +218,9 @@ def _reporting_agent(report: _Reporter) -> Iterator[None]:
             result = super()._monitor_workers(worker_group)
             if result.is_failed():
                 report.last_failures = dict(result.failures)
+                if all(f.exitcode == EXIT_PREEMPTED for f in result.failures.values()):
+                    # a preempted job saved and stopped on purpose: end it (exit 75), do not restart
+                    self._remaining_restarts = 0
             return result
 
         def _restart_workers(self, worker_group: Any) -> None:

@@ -4,7 +4,9 @@ When a worker fails, torch's elastic agent stops the others and reports every ra
 ended badly: the one that raised or was killed, but also the ones the agent terminated and the ones
 that died because their peer vanished. :func:`summarize` sorts them into the root cause and the
 ranks that are not at fault, using the error file each worker's bootstrap wrote
-(:mod:`lockstep._bootstrap`) and the exit code or signal of the others. It imports nothing from
+(:mod:`lockstep._bootstrap`) and the exit code or signal of the others. When ranks gave up
+waiting in a collective and named the rank that never came
+(:class:`lockstep.watchdog.CollectiveTimeoutError`), that rank is the root cause, not them. It imports nothing from
 torch: it reads the agent's ``ProcessFailure`` objects by their attributes.
 
 Example::
@@ -33,10 +35,11 @@ _PEER_TEXT = re.compile(
     re.IGNORECASE,
 )
 # The signals the agent (or a scheduler) uses to stop a rank: a rank that died of them was stopped.
-_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP} | (
+    {signal.SIGUSR1} if hasattr(signal, "SIGUSR1") else set())
 
 # Order in which kinds are suspected of being the root cause.
-_SUSPICION = {"exception": 0, "signal": 0, "exit": 0, "peer": 1, "preempted": 2, "stopped": 3}
+_SUSPICION = {"exception": 0, "signal": 0, "exit": 0, "waited": 1, "peer": 1, "preempted": 2, "stopped": 3}
 
 
 def signal_name(signum: int) -> str:
@@ -69,6 +72,7 @@ class Failure:
         error: ``"Type: message"`` of the exception it raised, or ``""``.
         error_type: the exception's class name, or ``""``.
         traceback: the worker's own traceback, or ``""``.
+        blame: the ranks this rank named as never arriving in a collective it waited in.
 
     Example::
 
@@ -85,6 +89,7 @@ class Failure:
     error: str = ""
     error_type: str = ""
     traceback: str = field(default="", repr=False)
+    blame: tuple[int, ...] = ()
 
     @classmethod
     def from_process_failure(cls, rank: int, failure: Any, host: str) -> Failure:
@@ -105,6 +110,7 @@ class Failure:
                 error=f"{ours.get('type', 'Error')}: {ours.get('text', '')}".rstrip(": "),
                 error_type=str(ours.get("type", "")),
                 traceback=str(message.get("extraInfo", {}).get("py_callstack", "")) if isinstance(message, dict) else "",
+                blame=tuple(int(r) for r in ours.get("blame") or ()),
             )
         text = message.get("message", "") if isinstance(message, dict) else ""
         return cls(
@@ -116,28 +122,33 @@ class Failure:
 
     @property
     def kind(self) -> str:
-        """``exception``, ``peer`` (lost its peer), ``preempted``, ``stopped``, ``signal`` or ``exit``."""
+        """``exception``, ``peer`` (lost its peer), ``waited`` (named who never came), ``preempted``,
+        ``stopped``, ``signal`` or ``exit``."""
+        if self.blame:
+            return "waited"
         if self.exitcode == EXIT_PREEMPTED:
             return "preempted"
-        if self.exitcode < 0:
-            return "stopped" if -self.exitcode in _STOP_SIGNALS else "signal"
-        if self.error:
+        if self.exitcode < 0 and -self.exitcode not in _STOP_SIGNALS:
+            return "signal"
+        if self.error:  # recorded before the process ended, even if the launcher stopped it meanwhile
             if self.error_type in _PEER_TYPES or (
                 self.error_type in _TRANSPORT_TYPES and _PEER_TEXT.search(self.error)
             ):
                 return "peer"
             return "exception"
-        return "exit"
+        return "stopped" if self.exitcode < 0 else "exit"
 
     def describe(self) -> str:
         """What happened, as the end of ``"rank 1 ..."``: ``"raised ValueError: bad"``."""
         kind = self.kind
-        if self.exitcode < 0:
+        if kind in ("signal", "stopped"):
             return f"was killed by {signal_name(-self.exitcode)}"
         if kind == "preempted":
             return f"stopped for preemption (exit code {EXIT_PREEMPTED})"
         if kind == "peer":
             return f"lost contact with the other ranks ({_first_sentence(self.error)})"
+        if kind == "waited":
+            return f"gave up waiting for rank(s) {', '.join(map(str, self.blame))}"
         if self.error_type == "SystemExit":
             return f"exited with code {self.exitcode}"
         if self.error:
@@ -157,6 +168,8 @@ class Summary:
         root: the failure to blame.
         others: the other failed ranks (stopped by the launcher, or lost their peer).
         preempted: every blamed rank stopped for preemption (exit code 75): resume the job.
+        hang: the report of a rank that gave up waiting in a collective and named ``root`` as the
+            rank that never came (``root`` is that report itself when the named rank is elsewhere).
 
     Example::
 
@@ -166,13 +179,18 @@ class Summary:
     root: Failure
     others: tuple[Failure, ...]
     preempted: bool
+    hang: Failure | None = None
 
     def headline(self) -> str:
         """``"rank 1 raised ValueError: bad (host h, local rank 1, pid 42)"``."""
+        if self.hang is not None:
+            return _hang_lines(self.hang)[0]
         return f"rank {self.root.rank} {self.root.describe()} ({self.root.where()})"
 
     def text(self, prefix: str = "lockstep run: ") -> str:
         """The full summary: headline, the root's traceback, and who else stopped and why."""
+        if self.hang is not None:
+            return self._hang_text(prefix)
         if self.preempted:
             ranks = ", ".join(str(f.rank) for f in (self.root, *self.others) if f.kind == "preempted")
             return (f"{prefix}the job was preempted: rank(s) {ranks} stopped with exit code "
@@ -195,6 +213,24 @@ class Summary:
         return "\n".join(lines)
 
 
+    def _hang_text(self, prefix: str) -> str:
+        assert self.hang is not None
+        first, *details = _hang_lines(self.hang)
+        waited = [f for f in (self.root, *self.others) if f.kind == "waited"]
+        lines = [f"{prefix}{first}", *("  " + line for line in details),
+                 f"{prefix}rank(s) {_ranks(waited)} gave up waiting after the timeout (lockstep run "
+                 "--timeout SECONDS, or Session(timeout=...)); they are not the cause."]
+        if self.root is not self.hang:
+            lines.append(f"{prefix}rank {self.root.rank} was then stopped ({self.root.describe()})")
+        return "\n".join(lines)
+
+
+def _hang_lines(report: Failure) -> list[str]:
+    """The explanation a waiting rank recorded, without its exception type."""
+    text = report.error.split(": ", 1)[1] if report.error.startswith(report.error_type + ": ") else report.error
+    return text.splitlines() or [f"rank(s) {', '.join(map(str, report.blame))} did not reach a collective"]
+
+
 def _first_sentence(text: str) -> str:
     """``"RuntimeError: Connection closed by peer [h]:1"`` from gloo's long, source-located message."""
     text = re.sub(r"\[/[^\]]*\]\s*", "", text)  # "[/__w/pytorch/.../pair.cc:561] "
@@ -210,7 +246,8 @@ def summarize(failures: list[Failure]) -> Summary:
 
     A rank that raised, exited non-zero or was killed by a signal other than the agent's stop
     signals comes first (the earliest of them); then ranks that lost their peer; then ranks that
-    were stopped. The job counts as preempted when every rank that was not merely stopped exited
+    were stopped. When ranks gave up waiting in a collective before anything else failed, the
+    rank they named as never arriving is the root cause. The job counts as preempted when every rank that was not merely stopped exited
     with :data:`~lockstep.errors.EXIT_PREEMPTED`.
 
     Args:
@@ -223,6 +260,13 @@ def summarize(failures: list[Failure]) -> Summary:
     if not failures:
         raise ValueError("summarize() needs at least one failure")
     ordered = sorted(failures, key=lambda f: (_SUSPICION[f.kind], f.time, f.rank))
+    reports = sorted((f for f in failures if f.kind == "waited"), key=lambda f: (f.time, f.rank))
+    if reports and not (_SUSPICION[ordered[0].kind] == 0 and ordered[0].time < reports[0].time):
+        # nothing failed before the first rank gave up waiting: blame the rank it named
+        named = [f for f in failures if f.rank in reports[0].blame]
+        root = named[0] if named else reports[0]
+        return Summary(root=root, others=tuple(f for f in ordered if f is not root), preempted=False,
+                       hang=reports[0])
     root = ordered[0]
     blamed = [f for f in failures if f.kind != "stopped"]
     preempted = bool(blamed) and all(f.kind == "preempted" for f in blamed)

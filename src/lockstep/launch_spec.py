@@ -23,9 +23,10 @@ from typing import Any
 from lockstep.errors import ConfigError
 
 __all__ = ["LaunchSpec", "parse_master", "exposure_warning", "resolve_nproc", "slurm_defaults",
-           "import_torch_quietly", "DEFAULT_JOIN_TIMEOUT"]
+           "import_torch_quietly", "DEFAULT_JOIN_TIMEOUT", "DEFAULT_GRACE"]
 
 DEFAULT_JOIN_TIMEOUT = 900.0
+DEFAULT_GRACE = 30.0
 _PREFIX = "lockstep run: "
 
 
@@ -49,6 +50,9 @@ class LaunchSpec:
         local_rank_arg: pass ``--local_rank=N`` to the script (old ``torch.distributed.launch`` style).
         log_dir: keep every rank's stdout/stderr under this folder (a temporary one otherwise).
         verbose: keep torch's own agent logging.
+        timeout: seconds a collective may wait for a missing rank (exported as
+            ``LOCKSTEP_TIMEOUT``; the session's default is 10 minutes).
+        grace: seconds the workers get to save and exit after a stop signal before SIGKILL.
 
     Example::
 
@@ -69,6 +73,8 @@ class LaunchSpec:
     local_rank_arg: bool = False
     log_dir: str | None = None
     verbose: bool = False
+    timeout: float | None = None
+    grace: float = DEFAULT_GRACE
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
@@ -82,6 +88,10 @@ class LaunchSpec:
             raise ConfigError(f"--max-restarts must be 0 or more, got {self.max_restarts}")
         if self.join_timeout <= 0:
             raise ConfigError(f"--join-timeout must be positive, got {self.join_timeout}")
+        if self.timeout is not None and self.timeout <= 0:
+            raise ConfigError(f"--timeout must be positive, got {self.timeout}")
+        if self.grace < 0:
+            raise ConfigError(f"--grace must be 0 or more, got {self.grace}")
         if self.nodes > 1 and self.master is None:
             raise ConfigError(f"--nodes {self.nodes} needs --master HOST:PORT (node 0's address and a "
                               "free port, the same on every node)")

@@ -17,7 +17,8 @@ from torch import nn
 from lockstep.comm import Comm
 from lockstep.errors import ConfigError, LockstepError
 
-__all__ = ["DeviceLoader", "PrecisionModule", "Accumulator", "NonFiniteLossError", "NONFINITE_POLICIES"]
+__all__ = ["DeviceLoader", "PrecisionModule", "Accumulator", "NonFiniteLossError", "NONFINITE_POLICIES",
+           "rebind_optimizer"]
 
 NONFINITE_POLICIES = ("skip", "stop", "ignore")
 
@@ -195,3 +196,25 @@ def name_nonfinite_ranks(comm: Comm, local_loss: torch.Tensor | None) -> list[in
     bad = local_loss is not None and not bool(torch.isfinite(local_loss).all().item())
     flags = comm.all_gather_object(bad)
     return [r for r, f in enumerate(flags) if f]
+
+
+def rebind_optimizer(optimizer: torch.optim.Optimizer, strategy: Any) -> torch.optim.Optimizer:
+    """Accept an optimizer built on the bare model's parameters, unless the strategy replaces them.
+
+    DDP keeps the parameters, so the optimizer still points at the right tensors; FSDP replaces
+    them, so its optimizer must come from a factory.
+
+    Args:
+        optimizer: the user's optimizer.
+        strategy: the session's strategy.
+
+    Example::
+
+        opt = rebind_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+    """
+    if strategy.sharded:
+        raise ConfigError(
+            f"strategy {strategy.name} replaces the model's parameters: pass an optimizer factory, "
+            "e.g. session.setup(model, lambda params: torch.optim.SGD(params, lr=0.1))"
+        )
+    return optimizer

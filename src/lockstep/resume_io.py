@@ -8,6 +8,7 @@ user's extras.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +20,7 @@ from lockstep.resume import ResumeState, capture_rng, restore_rng
 if TYPE_CHECKING:
     from lockstep.session import Session
 
-__all__ = ["save_session", "load_session"]
+__all__ = ["save_session", "load_session", "resumed_line"]
 
 
 def save_session(session: Session, directory: Path, model: nn.Module,
@@ -97,6 +98,21 @@ def load_session(session: Session, directory: Path, model: nn.Module,
     path = Path(state.get("path", directory))
     return ResumeState(epoch=epoch if mid else epoch + 1, step=session.global_step, path=path,
                        extras=dict(state.get("extras") or {}), mid_epoch=mid)
+
+
+def resumed_line(state: ResumeState) -> str:
+    """What rank 0 prints after a resume; names the attempt when the launcher restarted the job.
+
+    Args:
+        state: what ``Session.load`` restored.
+
+    Example::
+
+        resumed_line(state)   # "lockstep: resumed from ckpt/step-000006 at epoch 1, step 6 (attempt 2)"
+    """
+    count = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
+    attempt = f" (attempt {int(count) + 1})" if count.isdigit() else ""
+    return f"lockstep: resumed from {state.path} at epoch {state.epoch}, step {state.step}{attempt}"
 
 
 def _inner(model: nn.Module) -> nn.Module:

@@ -21,6 +21,7 @@ metrics, checkpoint).
 
 from __future__ import annotations
 
+import gc
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
@@ -30,14 +31,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from lockstep.comm import DEFAULT_TIMEOUT, Comm, init_comm
+from lockstep.comm import Comm, init_comm, resolve_timeout
 from lockstep.env import detect_world
 from lockstep.errors import ConfigError
 from lockstep.loop import (
     NONFINITE_POLICIES, Accumulator, DeviceLoader, NonFiniteLossError, PrecisionModule,
-    grads_finite, name_nonfinite_ranks,
+    grads_finite, name_nonfinite_ranks, rebind_optimizer,
 )
-from lockstep.resume import ResumeState, capture_rng, restore_rng, seed_everything
+from lockstep.preempt import StopGuard, stop_every_rank
+from lockstep.resume import ResumeState, seed_everything
 
 __all__ = ["Session", "ResumeState", "NonFiniteLossError"]
 
@@ -60,11 +62,18 @@ class Session:
         nonfinite: what to do when the loss turns NaN/inf on any rank: ``"skip"`` the step on
             every rank (warn, naming the rank), ``"stop"`` every rank with an error, or
             ``"ignore"`` (no check; fastest).
-        timeout: how long a collective may wait for a missing rank (seconds or timedelta).
+        timeout: how long a collective may wait for a missing rank (seconds or timedelta);
+            ``$LOCKSTEP_TIMEOUT`` (``lockstep run --timeout``) or 10 minutes by default. Past it
+            the job fails with a message naming the rank that did not arrive.
         backend: ``"auto"``, ``"nccl"`` or ``"gloo"``.
         init_method: rendezvous URL (``env://``, ``tcp://``, ``file://``); the launcher's by default.
         strategy_options: extra options for the strategy (e.g. ``{"bucket_cap_mb": 50}``).
-        quiet: do not print the start summary.
+        quiet: do not print the start summary and the "resumed from" line.
+        preemption: on SIGTERM/SIGUSR1 to any rank or the launcher: ``"save"`` (every rank stops
+            at the same step, saves to the folder last given to :meth:`save`/:meth:`load` and
+            exits with code 75), ``"flag"`` (only sets :attr:`should_stop`) or ``"off"``.
+        preempt_check_seconds: about how often the ranks agree on a stop signal (one
+            two-number all_reduce each time; see :mod:`lockstep.preempt`).
 
     Example::
 
@@ -81,11 +90,13 @@ class Session:
         clip_grad_norm: float | None = None,
         seed: int = 0,
         nonfinite: str = "skip",
-        timeout: float | timedelta = DEFAULT_TIMEOUT,
+        timeout: float | timedelta | None = None,
         backend: str = "auto",
         init_method: str | None = None,
         strategy_options: dict[str, Any] | None = None,
         quiet: bool = False,
+        preemption: str = "save",
+        preempt_check_seconds: float = 1.0,
     ) -> None:
         from lockstep.precision import get_precision
         from lockstep.strategies import get_strategy
@@ -95,14 +106,17 @@ class Session:
         self._accum = Accumulator(accumulate)
         self.world = detect_world()
         self.seed, self.nonfinite, self.clip = seed, nonfinite, clip_grad_norm
-        self.timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+        self.timeout = resolve_timeout(timeout)
         self.quiet = quiet
         self.device: torch.device = self.world.device
         get_precision(precision, self.device)  # refuse a bad name before any process group
         options = dict(strategy_options or {})
         if sync_bn:
             options["sync_bn"] = True
+        self._guard = StopGuard(preemption, preempt_check_seconds)
         self.comm: Comm = init_comm(self.world, backend, init_method, self.timeout)
+        self._guard.attach(self.comm, self.device)
+        self._watch = self.comm.watchdog
         self.precision = get_precision(precision, self.device, comm=self.comm)
         self.strategy = get_strategy(strategy, self.comm, self.device, **options)
         seed_everything(seed)
@@ -114,6 +128,7 @@ class Session:
         self._loss: torch.Tensor | None = None
         self._resume = ResumeState()
         self._announced = False
+        self._ckpt: tuple[Path, int | None, dict[str, Any]] | None = None  # where a preemption saves
 
     # -- where this rank is ---------------------------------------------------------------
     @property
@@ -141,6 +156,11 @@ class Session:
         """Micro-steps per optimizer step."""
         return self._accum.k
 
+    @property
+    def should_stop(self) -> bool:
+        """True once every rank agreed to stop for a SIGTERM/SIGUSR1 (``preemption="flag"``)."""
+        return self._guard.agreed
+
     # -- preparing the user's objects -----------------------------------------------------
     def setup(self, model: nn.Module, optimizer: Optimizer | OptimizerFactory | None = None) -> Any:
         """Move ``model`` to the device, apply precision and the strategy; build the optimizer.
@@ -163,7 +183,7 @@ class Session:
         opt: Optimizer | None = None
         if optimizer is not None:
             if isinstance(optimizer, Optimizer):
-                opt = _rebind(optimizer, model, wrapped, self.strategy)
+                opt = rebind_optimizer(optimizer, self.strategy)
             else:
                 opt = optimizer(wrapped.parameters())
             opt = self.precision.setup_optimizer(opt, wrapped)
@@ -223,7 +243,14 @@ class Session:
             self._loss = loss.detach()
         if self._accum.k > 1:
             loss = loss / self._accum.k
-        self.precision.backward(loss)
+        watch = self._watch
+        watch.enter("backward of step {}", self.global_step + 1)  # DDP's gradient all_reduce is in here
+        try:
+            self.precision.backward(loss)
+        except RuntimeError as exc:
+            raise watch.explain(exc) or exc  # a timeout names the rank that did not arrive
+        finally:
+            watch.leave()
         self._accum.after_backward()
 
     def step(self, optimizer: Optimizer) -> bool:
@@ -231,6 +258,10 @@ class Session:
 
         With ``accumulate=k`` only every k-th call steps. Every rank takes the same decision:
         gradients are already averaged over ranks, so a non-finite value is seen everywhere.
+
+        Raises:
+            Preempted: a stop signal reached a rank: every rank saved (see ``preemption``) and
+                stops here with exit code 75.
         """
         if not self._accum.ready:
             return False
@@ -250,6 +281,10 @@ class Session:
         optimizer.zero_grad(set_to_none=True)
         self._accum.after_step()
         self.global_step += int(took)
+        guard = self._guard
+        guard.steps += 1
+        if guard.steps >= guard.next_check and guard.check() and guard.mode == "save":
+            stop_every_rank(self, optimizer)  # saves, tears down, raises Preempted
         return took
 
     def _nonfinite(self) -> bool:
@@ -326,6 +361,7 @@ class Session:
         """
         from lockstep.resume_io import save_session
 
+        self._ckpt = (Path(directory), keep, extras)
         return save_session(self, Path(directory), model, optimizer, keep, extras)
 
     def load(self, directory: str | Path, *, model: nn.Module, optimizer: Optimizer | None = None) -> ResumeState:
@@ -333,18 +369,25 @@ class Session:
 
         Corrupt or unfinished checkpoints are skipped (with a warning) in favour of the previous
         good one. Resuming with another world size is supported: the data position is counted
-        in samples, not batches.
+        in samples, not batches. Rank 0 prints where it resumed from. A preemption saves into
+        ``directory`` (or the folder of the last :meth:`save`).
         """
-        from lockstep.resume_io import load_session
+        from lockstep.resume_io import load_session, resumed_line
 
+        if self._ckpt is None or self._ckpt[0] != Path(directory):
+            self._ckpt = (Path(directory), None, {})
         self._resume = load_session(self, Path(directory), model, optimizer)
+        if self._resume.resumed and not self.quiet:
+            self.print(resumed_line(self._resume))
         return self._resume
 
     def close(self) -> None:
         """End the job's communication (barrier + destroy). Safe to call twice."""
+        self._guard.uninstall()
         self.comm.shutdown()
         if self._model is not None:
             self.strategy.release(self._model)
+            gc.collect()  # wrappers in reference cycles would otherwise outlive the group
 
     def __enter__(self) -> Session:
         return self
@@ -353,13 +396,3 @@ class Session:
         if exc[0] is None:
             self.close()
 
-
-def _rebind(optimizer: Optimizer, bare: nn.Module, wrapped: nn.Module, strategy: Any) -> Optimizer:
-    """An optimizer built before wrapping still points at the bare parameters; FSDP replaces
-    them, so such an optimizer must be built by a factory instead."""
-    if strategy.sharded:
-        raise ConfigError(
-            f"strategy {strategy.name} replaces the model's parameters: pass an optimizer factory, "
-            "e.g. session.setup(model, lambda params: torch.optim.SGD(params, lr=0.1))"
-        )
-    return optimizer

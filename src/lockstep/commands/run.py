@@ -3,7 +3,7 @@
 Everything after the script name belongs to the script. Examples::
 
     lockstep run --nproc 2 train.py --epochs 3
-    lockstep run --nproc gpu --max-restarts 2 train.py
+    lockstep run --nproc gpu --max-restarts 2 --timeout 300 train.py
     lockstep run --nproc 2 -m mypackage.train --lr 0.1
     lockstep run --nodes 2 --node-rank 0 --master 10.0.0.1:29400 --nproc 4 train.py
 """
@@ -43,6 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="restart the whole group up to K times after a failure (default 0)")
     parser.add_argument("--join-timeout", type=float, default=None, metavar="SECONDS",
                         help="how long to wait for every node to join (default 900)")
+    parser.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                        help="how long a collective may wait for a missing rank before the job fails "
+                             "naming it (sets LOCKSTEP_TIMEOUT; default 600)")
+    parser.add_argument("--grace", type=float, default=None, metavar="SECONDS",
+                        help="after SIGTERM/SIGUSR1, how long the workers may take to save and exit "
+                             "before they are killed (default 30)")
     parser.add_argument("--rank0-only", action="store_true", help="show only rank 0's output")
     parser.add_argument("--local-rank-arg", action="store_true",
                         help="pass --local_rank=N to the script (scripts written for torch.distributed.launch)")
@@ -65,7 +71,8 @@ def main(args: argparse.Namespace) -> int:
         main(parser.parse_args(["--nproc", "2", "train.py"]))
     """
     from lockstep.launch import (
-        DEFAULT_JOIN_TIMEOUT, LaunchSpec, import_torch_quietly, launch, resolve_nproc, slurm_defaults,
+        DEFAULT_GRACE, DEFAULT_JOIN_TIMEOUT, LaunchSpec, import_torch_quietly, launch, resolve_nproc,
+        slurm_defaults,
     )
 
     import_torch_quietly(args.verbose)
@@ -79,7 +86,8 @@ def main(args: argparse.Namespace) -> int:
         max_restarts=args.max_restarts,
         join_timeout=args.join_timeout if args.join_timeout is not None else DEFAULT_JOIN_TIMEOUT,
         rank0_only=args.rank0_only, local_rank_arg=args.local_rank_arg, log_dir=args.log_dir,
-        verbose=args.verbose,
+        verbose=args.verbose, timeout=args.timeout,
+        grace=args.grace if args.grace is not None else DEFAULT_GRACE,
     )
     try:
         return launch(spec)

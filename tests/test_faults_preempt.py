@@ -1,0 +1,137 @@
+"""Preemption in one process and the launcher's side of it (FAULTS row 22, fast tier).
+
+The multi-process cases (SIGTERM to the launcher, to one rank) are in test_faults_recover.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import lockstep
+from lockstep.commands.run import add_arguments
+from lockstep.comm import Comm
+from lockstep.env import World
+from lockstep.errors import EXIT_PREEMPTED
+from lockstep.launch import LaunchSpec, _launch_config, _launch_environment
+from lockstep.preempt import Preempted, StopGuard
+
+
+def _loop(session: lockstep.Session, directory: Path, steps: int, signal_at: int, signum: int) -> list[int]:
+    model, opt = session.setup(nn.Linear(3, 1), lambda p: torch.optim.SGD(p, lr=0.1))
+    session.load(directory, model=model, optimizer=opt)
+    done = []
+    for i in range(steps):
+        if i == signal_at:
+            os.kill(os.getpid(), signum)
+        session.backward(model(torch.ones(2, 3)).sum())
+        session.step(opt)
+        done.append(session.global_step)
+    return done
+
+
+def test_signal_saves_and_exits_75(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    before = signal.getsignal(signal.SIGUSR1)
+    session = lockstep.Session(quiet=True, preempt_check_seconds=60)  # intervals 1, 4, 16...: checks at 2, 6
+    with pytest.raises(Preempted) as stop:
+        _loop(session, tmp_path, 20, signal_at=3, signum=signal.SIGUSR1)
+    assert stop.value.code == EXIT_PREEMPTED and stop.value.step == 6
+    assert stop.value.path == tmp_path / "step-000006" and stop.value.path.is_dir()
+    assert "lockstep: SIGUSR1 on rank 0: every rank stopped after step 6; saved" in capsys.readouterr().out
+    assert signal.getsignal(signal.SIGUSR1) == before  # the handlers are given back
+
+
+def test_flag_mode_only_sets_should_stop(tmp_path: Path) -> None:
+    session = lockstep.Session(quiet=True, preemption="flag", preempt_check_seconds=60)
+    assert not session.should_stop
+    done = _loop(session, tmp_path, 8, signal_at=3, signum=signal.SIGTERM)
+    assert done == list(range(1, 9)) and session.should_stop
+    assert not any(tmp_path.iterdir())  # nothing saved: the loop decides
+    session.close()
+
+
+def test_bad_preemption_options() -> None:
+    with pytest.raises(lockstep.ConfigError, match="preemption='later'; choose one of save, flag, off"):
+        lockstep.Session(preemption="later")
+    with pytest.raises(lockstep.ConfigError, match="preempt_check_seconds"):
+        lockstep.Session(preempt_check_seconds=0)
+    assert not torch.distributed.is_initialized()
+
+
+def test_check_interval_adapts_identically(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps of 10 ms and a 1 s target: checks at steps 1 (arm), 2, 6, 22, 86, then every 100."""
+    now = [0.0]
+    monkeypatch.setattr("lockstep.preempt.time.monotonic", lambda: now[0])
+    guard = StopGuard(check_seconds=1.0).attach(Comm(World()), torch.device("cpu"))
+    guard.install = lambda: None  # type: ignore[method-assign]  # no handlers in the test process
+    checks = []
+    for _ in range(300):
+        now[0] += 0.01
+        guard.steps += 1
+        if guard.steps >= guard.next_check:
+            assert not guard.check()
+            checks.append(guard.steps)
+    assert checks[:6] == [1, 2, 6, 22, 86, 186]
+
+
+def test_second_signal_ends_the_process_at_once(tmp_path: Path) -> None:
+    script = tmp_path / "twice.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, torch, lockstep
+        session = lockstep.Session(quiet=True)
+        model, opt = session.setup(torch.nn.Linear(2, 1), lambda p: torch.optim.SGD(p, lr=0.1))
+        session.backward(model(torch.ones(1, 2)).sum()); session.step(opt)   # arms the handlers
+        os.kill(os.getpid(), signal.SIGTERM)      # recorded; the next agreement would stop
+        print("still running", flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)      # asked twice: stop now
+        print("not reached", flush=True)
+    """))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGTERM and proc.stdout == "still running\n", proc.stderr
+
+
+def test_a_stop_nobody_agrees_on_ends_the_process_after_the_grace(tmp_path: Path) -> None:
+    script = tmp_path / "idle.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, time, torch, lockstep
+        session = lockstep.Session(quiet=True)
+        model, opt = session.setup(torch.nn.Linear(2, 1), lambda p: torch.optim.SGD(p, lr=0.1))
+        session.backward(model(torch.ones(1, 2)).sum()); session.step(opt)   # arms the handlers
+        os.kill(os.getpid(), signal.SIGTERM)      # but no step follows: nobody agrees
+        print("waiting", flush=True)
+        time.sleep(20)
+    """))
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "LOCKSTEP_GRACE": "1"})
+    assert proc.returncode == -signal.SIGTERM and proc.stdout == "waiting\n", proc.stderr
+    assert time.monotonic() - start < 15
+
+
+def test_launcher_forwards_stop_signals_with_a_grace_window(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--timeout", "5", "--grace", "45", "train.py"])
+    assert (args.timeout, args.grace) == (5.0, 45.0)
+    script = tmp_path / "train.py"
+    script.write_text("")
+    spec = LaunchSpec(str(script), nproc=2, timeout=5, grace=45)
+    config = _launch_config(spec, str(tmp_path))
+    assert config.shutdown_timeout == 45
+    assert {"SIGTERM", "SIGUSR1"} <= set(config.signals_to_handle.split(","))
+    with _launch_environment(spec):
+        assert (os.environ["LOCKSTEP_TIMEOUT"], os.environ["LOCKSTEP_GRACE"]) == ("5", "45")
+    assert "LOCKSTEP_TIMEOUT" not in os.environ and "LOCKSTEP_GRACE" not in os.environ
+    for bad in (dict(timeout=0), dict(grace=-1)):
+        with pytest.raises(lockstep.ConfigError):
+            LaunchSpec(str(script), **bad)  # type: ignore[arg-type]

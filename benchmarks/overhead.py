@@ -1,0 +1,239 @@
+"""What lockstep's Session costs per step, against the seed tutorial's hand-written DDP loop.
+
+Two ranks on gloo (``lockstep.spawn`` with a ``file://`` rendezvous) run three arms of the same
+model, data, seed and optimizer, interleaved round by round (the order rotates every round), so
+that the machine's background load falls on every arm alike:
+
+* ``raw``: the seed's loop: ``DistributedDataParallel``, ``DistributedSampler`` + ``set_epoch``,
+  SGD, ``zero_grad`` / ``backward`` / ``step``;
+* ``lockstep``: ``Session(strategy="ddp")`` with its defaults (``nonfinite="skip"``, which reads
+  one finiteness flag per step: a host sync), ``session.loader``, ``session.backward``,
+  ``session.step``; this is the headline number;
+* ``lockstep-ignore``: the same Session with ``nonfinite="ignore"`` (no per-step check), so the
+  cost of the check shows.
+
+Workloads: (a) the seed's ConvNet, batch 100 of 28x28 synthetic images; (b) a tiny model
+(``Linear(10, 10)``, batch 4), where the per-step overhead dominates. Targets: lockstep/raw
+>= 0.99 on the ConvNet, >= 0.97 on the tiny model, judged on the median of the per-round
+ratios (each round's arms run back to back, so the ratio cancels slow changes of the machine's
+load); the median and best steps/s of every arm are printed too.
+
+Run (pick a quiet moment; the load average is printed with the figures)::
+
+    OMP_NUM_THREADS=1 python benchmarks/overhead.py
+    OMP_NUM_THREADS=1 python benchmarks/overhead.py --workload tiny --rounds 9 --profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+import lockstep
+
+ARMS = ("raw", "lockstep", "lockstep-ignore")
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "convnet": {"batch": 100, "samples": 20000, "shape": (1, 28, 28)},
+    "tiny": {"batch": 4, "samples": 8192, "shape": (10,)},
+}
+
+
+def build_model(workload: str) -> nn.Module:
+    """The seed's ConvNet or the tiny Linear(10, 10), with the seed's fixed seed 0."""
+    torch.manual_seed(0)
+    if workload == "convnet":
+        from lockstep.recipes.models import ConvNet
+
+        return ConvNet(num_classes=10, channels=1, image_size=28)
+    return nn.Linear(10, 10)
+
+
+def build_data(workload: str) -> Dataset[Any]:
+    """Synthetic inputs and labels, identical on every rank and for every arm."""
+    spec = WORKLOADS[workload]
+    gen = torch.Generator().manual_seed(1)
+    inputs = torch.randn(spec["samples"], *spec["shape"], generator=gen)
+    return TensorDataset(inputs, torch.randint(10, (spec["samples"],), generator=gen))
+
+
+def raw_arm(workload: str, data: Dataset[Any], rank: int, world_size: int) -> Callable[[], None]:
+    """The seed tutorial's DDP loop, one step per call."""
+    model = nn.parallel.DistributedDataParallel(build_model(workload))
+    criterion = nn.CrossEntropyLoss()
+    optimizer = torch.optim.SGD(model.parameters(), 1e-4)
+    sampler: Any = torch.utils.data.distributed.DistributedSampler(data, num_replicas=world_size, rank=rank)
+    loader = DataLoader(dataset=data, batch_size=WORKLOADS[workload]["batch"], shuffle=False, num_workers=0,
+                        pin_memory=torch.cuda.is_available(), sampler=sampler)
+
+    def batches() -> Iterator[Any]:
+        epoch = 0
+        while True:
+            sampler.set_epoch(epoch)
+            yield from loader
+            epoch += 1
+
+    stream = batches()
+
+    def step() -> None:
+        images, labels = next(stream)
+        outputs = model(images)
+        loss = criterion(outputs, labels)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def lockstep_arm(workload: str, data: Dataset[Any], session: Any) -> Callable[[], None]:
+    """The same training written with the Session, one step per call."""
+    model, optimizer = session.setup(build_model(workload), lambda p: torch.optim.SGD(p, 1e-4))
+    criterion = nn.CrossEntropyLoss()
+    loader = session.loader(data, batch_size=WORKLOADS[workload]["batch"], shuffle=True)
+
+    def batches() -> Iterator[Any]:
+        for _ in session.epochs(sys.maxsize):
+            yield from loader
+
+    stream = batches()
+
+    def step() -> None:
+        images, labels = next(stream)
+        session.backward(criterion(model(images), labels))
+        session.step(optimizer)
+
+    return step
+
+
+def _window(step: Callable[[], None], steps: int) -> float:
+    """Steps per second over ``steps`` steps, between barriers (rank 0's clock)."""
+    dist.barrier()
+    began = time.perf_counter()
+    for _ in range(steps):
+        step()
+    dist.barrier()
+    return steps / (time.perf_counter() - began)
+
+
+def _calibrate(step: Callable[[], None], seconds: float) -> int:
+    """Steps that take about ``seconds`` (the same count on every rank: rank 0's)."""
+    rate = _window(step, 20)
+    count = torch.tensor([max(20, int(rate * seconds))])
+    dist.broadcast(count, 0)
+    return int(count.item())
+
+
+def rank_main(workload: str, rounds: int, seconds: float, profile: bool) -> dict[str, Any]:
+    """One rank: build the three arms, warm them up, time them interleaved; rank 0 reports."""
+    torch.set_num_threads(1)
+    session = lockstep.Session(strategy="ddp", precision="fp32", seed=0, quiet=True)
+    data = build_data(workload)
+    steps_of = {"raw": raw_arm(workload, data, session.rank, session.world_size),
+                "lockstep": lockstep_arm(workload, data, session)}
+    steps_of["lockstep-ignore"] = steps_of["lockstep"]  # the same loop, the check switched off
+    for arm in ARMS:
+        _window(steps_of[arm], 10)  # warm-up
+    steps = _calibrate(steps_of["raw"], seconds)
+    rates: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    for r in range(rounds):
+        for arm in ARMS[r % 3:] + ARMS[:r % 3]:  # rotate the order: no arm always runs first
+            session.nonfinite = "ignore" if arm == "lockstep-ignore" else "skip"
+            rates[arm].append(_window(steps_of[arm], steps))
+    session.nonfinite = "skip"
+    report: dict[str, Any] = {"rates": rates, "steps": steps}
+    if profile:
+        report["profile"] = _profile(steps_of, steps, session.rank)
+    session.close()
+    return report
+
+
+def _profile(steps_of: dict[str, Callable[[], None]], steps: int, rank: int) -> str:
+    """cProfile one window of the raw and the lockstep arm on rank 0 (both ranks step)."""
+    text = []
+    for arm in ("raw", "lockstep"):
+        prof = cProfile.Profile()
+        if rank == 0:
+            prof.enable()
+        _window(steps_of[arm], steps)
+        prof.disable()
+        if rank == 0:
+            out = io.StringIO()
+            stats = pstats.Stats(prof, stream=out)
+            stats.sort_stats("tottime").print_stats(15)
+            # the step path's own functions, by cumulative time: where lockstep spends it
+            stats.sort_stats("cumulative").print_stats(r"lockstep/|overhead\.py", 25)
+            text.append(f"=== {arm}: {steps} steps on rank 0 ===\n{out.getvalue()}")
+    return "\n".join(text)
+
+
+def run_workload(workload: str, rounds: int, seconds: float, profile: bool) -> dict[str, Any]:
+    """Start the 2-rank job for ``workload`` and return rank 0's report."""
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["LOCKSTEP_INIT_METHOD"] = f"file://{tmp}/rendezvous"
+        os.environ["OMP_NUM_THREADS"] = "1"
+        try:
+            return lockstep.spawn(rank_main, 2, args=(workload, rounds, seconds, profile))[0]
+        finally:
+            del os.environ["LOCKSTEP_INIT_METHOD"]
+
+
+def summarize(workload: str, report: dict[str, Any], target: float) -> str:
+    """Median and best steps/s per arm; lockstep/raw as the median of the paired (same-round) ratios.
+
+    The rounds interleave the arms, so the ratio within one round cancels the machine's slow
+    drifts in load; the median of those paired ratios is the verdict. The ratio of the medians
+    and of the best windows are printed beside it.
+    """
+    rates = report["rates"]
+    lines = [f"{workload}: {len(rates['raw'])} interleaved rounds of {report['steps']} steps at world 2 (gloo)",
+             f"  {'':16s} {'median steps/s':>15s} {'best steps/s':>13s}"]
+    for arm in ARMS:
+        lines.append(f"  {arm:16s} {statistics.median(rates[arm]):15.1f} {max(rates[arm]):13.1f}")
+    for arm in ARMS[1:]:
+        paired = statistics.median(a / b for a, b in zip(rates[arm], rates["raw"]))
+        of_medians = statistics.median(rates[arm]) / statistics.median(rates["raw"])
+        of_best = max(rates[arm]) / max(rates["raw"])
+        text = (f"  {arm}/raw = {paired:.3f} (median of paired rounds); ratio of medians {of_medians:.3f}, "
+                f"of best windows {of_best:.3f}")
+        if arm == "lockstep":
+            text += f"; target >= {target} -> {'meets' if paired >= target else 'below'}"
+        lines.append(text)
+    return "\n".join(lines)
+
+
+def main() -> int:
+    """Run the chosen workloads and print the table."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", choices=("all", *WORKLOADS), default="all")
+    parser.add_argument("--rounds", type=int, default=21, help="interleaved rounds per arm (default 21)")
+    parser.add_argument("--seconds", type=float, default=0.5, help="length of one timed window (default 0.5)")
+    parser.add_argument("--profile", action="store_true", help="cProfile one window per arm on rank 0")
+    args = parser.parse_args()
+    targets = {"convnet": 0.99, "tiny": 0.97}
+    names = list(WORKLOADS) if args.workload == "all" else [args.workload]
+    print(f"torch {torch.__version__}, lockstep {lockstep.__version__}, load average {os.getloadavg()}")
+    for name in names:
+        report = run_workload(name, args.rounds, args.seconds, args.profile)
+        print(summarize(name, report, targets[name]), flush=True)
+        if "profile" in report:
+            print(report["profile"])
+    print(f"load average after: {os.getloadavg()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

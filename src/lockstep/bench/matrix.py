@@ -1,0 +1,284 @@
+"""What ``lockstep bench`` measures: its configuration, the matrix of cells, and why a cell is skipped.
+
+A cell is one ``strategy x precision x nproc`` combination. Cells that cannot run on this
+machine are planned as skipped, with the reason, before any process starts:
+
+* ``single`` and ``dp`` run in one process, so they take only ``nproc 1``;
+* ``dp`` needs at least two CUDA GPUs (with one it is ``single`` plus a wrapper);
+* with GPUs, each process needs its own GPU (``nproc`` <= visible GPUs);
+* ``fsdp`` with ``fp16-o2``: O2's fp32 master weights do not work with sharded parameters;
+* bf16 precisions on a GPU without bf16 support.
+
+Example::
+
+    config = BenchConfig(model="convnet", strategies=("single", "ddp"), nprocs=(1, 2))
+    for cell in plan_cells(config, gpus=0):
+        print(cell.id, cell.reason)          # single/fp32/2 single runs in one process ...
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from lockstep.errors import ConfigError
+
+__all__ = ["BenchConfig", "Cell", "plan_cells", "skip_reason", "parse_list", "resolve_factory",
+           "ONE_PROCESS", "DEFAULT_STEPS", "DEFAULT_WARMUP"]
+
+ONE_PROCESS = ("single", "dp")
+DEFAULT_STEPS = 80
+DEFAULT_WARMUP = 5
+
+
+def parse_list(text: str | Sequence[Any], what: str, kind: Callable[[str], Any] = str) -> tuple[Any, ...]:
+    """Split a comma-separated option (``"1,2,4"``) into a tuple, refusing an empty one.
+
+    Args:
+        text: the option's text, or an already split sequence.
+        what: the option's name, for the error message.
+        kind: converts each item (``int`` for process counts).
+
+    Example::
+
+        parse_list("1, 2", "--nproc", int)   # (1, 2)
+    """
+    items = [str(t).strip() for t in (text.split(",") if isinstance(text, str) else text)]
+    items = [t for t in items if t]
+    if not items:
+        raise ConfigError(f"{what} needs at least one value, e.g. {what} 1,2")
+    try:
+        values = tuple(kind(t) for t in items)
+    except ValueError:
+        raise ConfigError(f"{what} {text!r} must be a comma-separated list of {kind.__name__} values") from None
+    return tuple(dict.fromkeys(values))  # keep the order, drop repeats
+
+
+def resolve_factory(spec: str) -> Callable[[], Any]:
+    """Import the user's model factory named ``pkg.module:function`` (called with no arguments).
+
+    The current directory is put on ``sys.path`` first, as ``python -m`` does, so that a module
+    next to the user's script is found; started processes inherit the path.
+
+    Args:
+        spec: ``module:attribute``, e.g. ``mypackage.models:make_net``.
+
+    Raises:
+        ConfigError: the module cannot be imported or has no such callable.
+
+    Example::
+
+        factory = resolve_factory("torchvision.models:resnet18")
+    """
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ConfigError(f"--model {spec!r}: a model of your own is given as pkg.module:factory")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"--model {spec!r}: cannot import {module_name}: {exc}") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ConfigError(f"--model {spec!r}: {module_name} has no callable {attr!r}")
+    return factory
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One ``lockstep bench`` run, validated at construction.
+
+    Args:
+        model: a ``lockstep train`` model name (``convnet``, ``resnet18``...) or ``pkg.module:factory``.
+        data: ``synthetic`` (one random batch kept on the device: the training step alone) or a
+            ``lockstep train`` data set (``digits``, ``mnist:DIR``, ``imagefolder:DIR``) read
+            through ``session.loader``, so that loading is timed too.
+        strategies: strategy names to try.
+        precisions: precision names to try (apex aliases are resolved).
+        nprocs: process counts to try.
+        batch_size: samples per batch per device; ``None``: 100 for convnet, 32 otherwise.
+        steps: timed steps per cell.
+        warmup: untimed steps before the window.
+        image_size: side of the input; ``None``: the model's default (28 convnet, 224 others).
+        channels: input channels; ``None``: the data's (1 for convnet), or 3 for other models.
+        num_classes: classes of synthetic labels.
+        out: folder for ``results.json`` and ``bench.png``.
+        nonfinite: the Session's non-finite loss policy (its default ``skip`` syncs once a step).
+        cell_timeout: seconds a cell may take before it is stopped and marked failed.
+        seed: seed of weights and data.
+        threads: CPU threads per rank; ``None``: the cores shared evenly (cores // nproc).
+
+    Example::
+
+        BenchConfig(model="resnet18", precisions=("bf16-mixed",), nprocs=(1, 2, 4), steps=30)
+    """
+
+    model: str = "convnet"
+    data: str = "synthetic"
+    strategies: tuple[str, ...] = ("single", "dp", "ddp", "fsdp")
+    precisions: tuple[str, ...] = ("fp32", "bf16-mixed")
+    nprocs: tuple[int, ...] = (1, 2)
+    batch_size: int | None = None
+    steps: int = DEFAULT_STEPS
+    warmup: int = DEFAULT_WARMUP
+    image_size: int | None = None
+    channels: int | None = None
+    num_classes: int = 10
+    out: str = "bench-results"
+    nonfinite: str = "skip"
+    cell_timeout: float = 900.0
+    seed: int = 0
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        from lockstep.precision import canonical_precision
+        from lockstep.strategies import available_strategies
+
+        known = [s for s in available_strategies() if s != "auto"]
+        for name in self.strategies:
+            if name not in known:
+                raise ConfigError(f"unknown strategy {name!r} in --strategies; choose from {', '.join(known)}")
+        object.__setattr__(self, "precisions", tuple(dict.fromkeys(canonical_precision(p) for p in self.precisions)))
+        limits = (("--nproc", min(self.nprocs, default=0), 1), ("--steps", self.steps, 1),
+                  ("--warmup", self.warmup, 0), ("--num-classes", self.num_classes, 1),
+                  ("--batch-size", self.batch_size, 1), ("--image-size", self.image_size, 4),
+                  ("--channels", self.channels, 1), ("--threads", self.threads, 1))
+        for label, value, low in limits:
+            if value is not None and value < low:  # None: the default is filled in later
+                raise ConfigError(f"{label} must be >= {low}, got {value}")
+        if self.nonfinite not in ("skip", "stop", "ignore"):
+            raise ConfigError(f"--nonfinite {self.nonfinite!r}; choose skip, stop or ignore")
+        if self.user_model:
+            resolve_factory(self.model)
+        else:
+            from lockstep.recipes.models import check_model
+
+            check_model(self.model)
+        if self.data != "synthetic":
+            from lockstep.recipes.datasets import parse_data
+
+            parse_data(self.data)
+
+    @property
+    def user_model(self) -> bool:
+        """True when ``model`` names the user's own factory (``pkg.module:factory``)."""
+        return ":" in self.model
+
+    @property
+    def per_device_batch(self) -> int:
+        """The batch size per device, with the model's default filled in."""
+        if self.batch_size is not None:
+            return self.batch_size
+        return 100 if self.model == "convnet" else 32
+
+    @property
+    def input_size(self) -> int:
+        """The side of the input images, with the model's default filled in."""
+        if self.image_size is not None:
+            return self.image_size
+        if self.user_model:
+            return 224
+        from lockstep.recipes.models import default_image_size
+
+        return default_image_size(self.model)
+
+    @property
+    def input_channels(self) -> int:
+        """Input channels: ``channels``, else what the model takes from this data."""
+        if self.channels is not None:
+            return self.channels
+        if self.user_model:
+            return 3
+        from lockstep.recipes.datasets import native_channels, parse_data
+        from lockstep.recipes.models import input_channels
+
+        native = 1 if self.data == "synthetic" else native_channels(parse_data(self.data))
+        return input_channels(self.model, native)
+
+
+@dataclass
+class Cell:
+    """One measurement of the matrix and, once run, its outcome.
+
+    Args:
+        strategy: strategy name.
+        precision: canonical precision name.
+        nproc: processes of the job.
+        status: ``planned``, then ``ran``, ``skipped`` or ``failed``.
+        reason: why it was skipped or how it failed.
+        result: the measured figures (see :mod:`lockstep.bench.report` for the fields).
+
+    Example::
+
+        Cell("ddp", "fp32", 2).id    # 'ddp/fp32/2'
+    """
+
+    strategy: str
+    precision: str
+    nproc: int
+    status: str = "planned"
+    reason: str | None = None
+    result: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def id(self) -> str:
+        """``strategy/precision/nproc``."""
+        return f"{self.strategy}/{self.precision}/{self.nproc}"
+
+
+def skip_reason(strategy: str, precision: str, nproc: int, gpus: int, bf16_supported: bool = True) -> str | None:
+    """Why the cell cannot run on a machine with ``gpus`` visible GPUs, or ``None`` when it can.
+
+    Args:
+        strategy: strategy name.
+        precision: canonical precision name.
+        nproc: processes of the job.
+        gpus: CUDA GPUs visible (0 on a CPU-only machine).
+        bf16_supported: whether those GPUs compute in bf16.
+
+    Example::
+
+        skip_reason("dp", "fp32", 1, gpus=0)   # 'dp needs CUDA GPUs ...'
+    """
+    if strategy in ONE_PROCESS and nproc > 1:
+        return f"{strategy} runs in one process; nproc {nproc} applies to ddp and fsdp"
+    if strategy == "dp" and gpus == 0:
+        return "dp needs CUDA GPUs (nn.DataParallel splits a batch over the GPUs of one process); none is visible"
+    if strategy == "dp" and gpus == 1:
+        return "dp needs 2 or more GPUs (on one GPU it is single plus a wrapper); 1 is visible"
+    if gpus > 0 and nproc > gpus:
+        return f"{nproc} processes need {nproc} GPUs (one each); {gpus} visible"
+    if strategy == "fsdp" and precision == "fp16-o2":
+        return "fp16-o2 keeps fp32 master weights that fsdp's sharded parameters cannot have; use bf16-mixed or fp16-mixed"
+    if gpus > 0 and precision.startswith("bf16") and not bf16_supported:
+        return f"{precision} needs a GPU with bf16 support (Ampere or newer)"
+    return None
+
+
+def plan_cells(config: BenchConfig, gpus: int, bf16_supported: bool = True) -> list[Cell]:
+    """Every cell of the matrix in run order (strategy, precision, then nproc), skips decided.
+
+    Args:
+        config: the bench configuration.
+        gpus: CUDA GPUs visible.
+        bf16_supported: whether those GPUs compute in bf16.
+
+    Example::
+
+        [c.id for c in plan_cells(BenchConfig(strategies=("ddp",), precisions=("fp32",)), 0)]
+    """
+    cells = []
+    for strategy in config.strategies:
+        for precision in config.precisions:
+            for nproc in sorted(config.nprocs):
+                cell = Cell(strategy, precision, nproc)
+                cell.reason = skip_reason(strategy, precision, nproc, gpus, bf16_supported)
+                if cell.reason is not None:
+                    cell.status = "skipped"
+                cells.append(cell)
+    return cells

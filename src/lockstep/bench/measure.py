@@ -1,0 +1,248 @@
+"""One cell of ``lockstep bench`` as every rank runs it: build, warm up, then time a window.
+
+Each rank builds the model, wraps it with ``lockstep.Session(strategy, precision)``, runs
+``warmup`` untimed steps, waits for its device and for the other ranks, then times ``steps``
+training steps and waits for its device once more. Nothing inside the window synchronises
+with the host except what the Session itself does (its default ``nonfinite="skip"`` check reads
+one flag per step; ``--nonfinite ignore`` removes it).
+
+Per-step times:
+
+* on CPU, operations run to completion before the call returns, so a ``perf_counter`` stamp
+  after each step is the step's time, with no extra synchronisation;
+* on CUDA, one ``torch.cuda.Event`` is recorded after each step (recording does not wait) and
+  the intervals are read after the window's final ``synchronize``: they are the times between
+  step ends as the GPU saw them.
+
+Peak memory: on CUDA the largest ``torch.cuda.max_memory_allocated``; on CPU the process's peak
+resident set (``VmHWM`` from ``/proc/self/status``, else ``ru_maxrss``), which includes the
+interpreter and torch itself (``base_mem_mb`` is the resident set before the model was built).
+
+Example (one rank of a two-process cell)::
+
+    results = lockstep.spawn(measure_cell, 2, args=(CellTask(model="convnet", strategy="ddp"),))
+"""
+
+from __future__ import annotations
+
+import itertools
+import resource
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lockstep.errors import ConfigError
+
+__all__ = ["CellTask", "measure_cell", "time_window", "resident_mb", "build_bench_model"]
+
+
+@dataclass(frozen=True)
+class CellTask:
+    """Everything a rank needs to measure one cell (sent to the worker processes).
+
+    Args:
+        model: a ``lockstep train`` model name or ``pkg.module:factory``.
+        data: ``synthetic`` or a ``lockstep train`` data set.
+        strategy: strategy name.
+        precision: precision name.
+        batch_size: samples per batch per device.
+        steps: timed steps.
+        warmup: untimed steps first.
+        image_size: side of the input images.
+        channels: input channels.
+        num_classes: classes of the synthetic labels.
+        nonfinite: the Session's non-finite loss policy.
+        seed: seed of weights and data.
+        threads: CPU threads per rank (0 leaves torch's choice).
+        timeout: seconds a collective may wait for a missing rank.
+
+    Example::
+
+        CellTask(model="convnet", strategy="ddp", precision="bf16-mixed", steps=10)
+    """
+
+    model: str = "convnet"
+    data: str = "synthetic"
+    strategy: str = "single"
+    precision: str = "fp32"
+    batch_size: int = 100
+    steps: int = 80
+    warmup: int = 5
+    image_size: int = 28
+    channels: int = 1
+    num_classes: int = 10
+    nonfinite: str = "skip"
+    seed: int = 0
+    threads: int = 0
+    timeout: float = 300.0
+
+
+def resident_mb(peak: bool) -> float:
+    """This process's resident memory in MiB: the peak (``peak=True``) or the current one.
+
+    Example::
+
+        resident_mb(peak=True)    # e.g. 412.5
+    """
+    key = "VmHWM:" if peak else "VmRSS:"
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(key):
+                    return int(line.split()[1]) / 1024  # the value is in kB
+    except OSError:
+        pass
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return maxrss / 2**20 if sys.platform == "darwin" else maxrss / 1024  # bytes on macOS, kB elsewhere
+
+
+def build_bench_model(model: str, channels: int, num_classes: int, image_size: int) -> nn.Module:
+    """Build a ``lockstep train`` model by name, or call the user's ``pkg.module:factory``.
+
+    Args:
+        model: the model name or factory spec.
+        channels: input channels (for named models).
+        num_classes: output classes (for named models).
+        image_size: input side (for named models).
+
+    Example::
+
+        net = build_bench_model("convnet", 1, 10, 28)
+    """
+    if ":" in model:
+        from lockstep.bench.matrix import resolve_factory
+
+        built = resolve_factory(model)()
+        if not isinstance(built, nn.Module):
+            raise ConfigError(f"--model {model!r} returned {type(built).__name__}, not a torch.nn.Module")
+        return built
+    from lockstep.recipes import build_model
+
+    return build_model(model, channels, num_classes, image_size)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_window(step: Callable[[], None], steps: int, device: torch.device,
+                barrier: Callable[[], None] = lambda: None) -> tuple[float, list[float]]:
+    """Time ``steps`` calls of ``step`` between device synchronisations.
+
+    Args:
+        step: one training step.
+        steps: how many to time.
+        device: the device to wait for at both ends of the window.
+        barrier: called after the first wait, so that every rank starts together.
+
+    Returns:
+        The window's wall time in seconds and each step's time in milliseconds.
+
+    Example::
+
+        elapsed, step_ms = time_window(lambda: None, 5, torch.device("cpu"))
+    """
+    _sync(device)
+    barrier()
+    cuda = device.type == "cuda"
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)] if cuda else []
+    stamps = [time.perf_counter()]
+    if cuda:
+        events[0].record()
+    for i in range(steps):
+        step()
+        if cuda:
+            events[i + 1].record()  # no wait: read after the final synchronize
+        else:
+            stamps.append(time.perf_counter())
+    _sync(device)
+    elapsed = time.perf_counter() - stamps[0]
+    if cuda:
+        return elapsed, [events[i].elapsed_time(events[i + 1]) for i in range(steps)]
+    return elapsed, [(b - a) * 1000.0 for a, b in zip(stamps, stamps[1:])]
+
+
+def _batches(session: Any, task: CellTask, batch_size: int) -> tuple[Iterator[Any], int]:
+    """The cell's input: one resident random batch, or a real loader cycled over epochs.
+
+    Returns the batch iterator and the number of classes.
+    """
+    if task.data == "synthetic":
+        gen = torch.Generator().manual_seed(task.seed + session.rank)
+        images = torch.randn(batch_size, task.channels, task.image_size, task.image_size, generator=gen)
+        labels = torch.randint(task.num_classes, (batch_size,), generator=gen)
+        return itertools.repeat((images.to(session.device), labels.to(session.device))), task.num_classes
+    from lockstep.recipes import open_data, parse_data
+
+    data = open_data(parse_data(task.data), task.image_size, task.channels)
+    convert = getattr(data.train, "materialized", None)
+    train = convert() if convert is not None else data.train
+    loader = session.loader(train, batch_size, shuffle=True, drop_last=True)
+
+    def forever() -> Iterator[Any]:
+        for _ in session.epochs(sys.maxsize):
+            yield from loader
+
+    return forever(), data.num_classes
+
+
+def measure_cell(task: CellTask) -> dict[str, Any]:
+    """Measure one cell on this rank (run it on every rank, e.g. with ``lockstep.spawn``).
+
+    Args:
+        task: what to measure.
+
+    Returns:
+        This rank's figures: ``elapsed_s``, ``step_ms`` (list), ``peak_mem_mb``,
+        ``base_mem_mb``, ``batch_size`` (samples per step of this process), ``devices``,
+        ``threads``, ``device``, ``skipped_steps``; or ``{"skipped": reason}`` when lockstep
+        refuses the configuration here (a :class:`ConfigError`).
+
+    Example::
+
+        lockstep.spawn(measure_cell, 2, args=(CellTask(strategy="ddp", steps=5),))
+    """
+    import lockstep
+
+    if task.threads > 0:
+        torch.set_num_threads(task.threads)
+    base = resident_mb(peak=False)
+    try:
+        session = lockstep.Session(task.strategy, task.precision, seed=task.seed, nonfinite=task.nonfinite,
+                                   timeout=task.timeout, quiet=True)
+        device = session.device
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        # dp feeds one batch per GPU to a single process: its batch is per device too
+        devices = torch.cuda.device_count() if session.strategy.name == "dp" else 1
+        batch_size = task.batch_size * devices
+        batches, classes = _batches(session, task, batch_size)
+        net = build_bench_model(task.model, task.channels, classes, task.image_size)
+        model, optimizer = session.setup(net, lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9))
+    except ConfigError as exc:
+        return {"skipped": str(exc)}
+    criterion = nn.CrossEntropyLoss()
+    model.train()
+
+    def step() -> None:
+        images, labels = next(batches)
+        loss = criterion(model(images).float(), labels)
+        session.backward(loss)
+        session.step(optimizer)
+
+    for _ in range(task.warmup):
+        step()
+    elapsed, step_ms = time_window(step, task.steps, device, session.barrier)
+    peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else resident_mb(peak=True)
+    result = {"rank": session.rank, "elapsed_s": elapsed, "step_ms": step_ms, "peak_mem_mb": peak,
+              "base_mem_mb": 0.0 if device.type == "cuda" else base, "batch_size": batch_size,
+              "devices": devices, "threads": torch.get_num_threads(), "device": str(device),
+              "skipped_steps": session.skipped_steps}
+    session.close()
+    return result

@@ -1,0 +1,208 @@
+"""The outputs of ``lockstep bench``: a terminal table, ``results.json`` and ``bench.png``.
+
+``results.json`` (schema ``lockstep-bench``, version 1)::
+
+    schema, version       "lockstep-bench", 1
+    created               UTC time, ISO 8601
+    host                  hostname, platform, python, cpu_cores, load_average (1, 5, 15 min at start)
+    torch, lockstep, cuda versions (cuda is null without CUDA)
+    device                type ("cpu" | "cuda"), count (GPUs), name
+    config                model, data, batch_size (per device), steps, warmup, image_size,
+                          channels, num_classes, nonfinite, seed, threads (null: cores // nproc)
+    winner                id of the cell with the highest samples_per_s, or null
+    cells                 list, in run order, of:
+      id                  "strategy/precision/nproc"
+      strategy, precision, nproc
+      status              "ran" | "skipped" | "failed"
+      reason              why skipped / how it failed (null when it ran)
+      winner              true for the fastest cell
+      batch_size, steps, warmup
+      samples_per_s       all ranks together: global samples / slowest rank's window
+      samples_per_s_per_rank
+      efficiency          samples_per_s / (baseline per device x devices); baseline: the
+                          1-device cell of the same strategy and precision, else single
+                          (always single for dp, whose one process drives every GPU)
+      step_ms_median, step_ms_p10, step_ms_p90   the slowest rank's time at each step
+      samples_per_s_at_median_step   global batch / median step time: the throughput
+                          without the window's stalls (compare with samples_per_s)
+      peak_mem_mb         CUDA max allocated, or the process's peak resident set on CPU
+      base_mem_mb         resident set before the model was built (CPU; 0 on CUDA)
+      devices, threads_per_rank, global_batch, skipped_steps, wall_s (with process start-up)
+
+Figures are null for cells that did not run; the fields after ``peak_mem_mb`` appear only for
+cells that ran (a failed cell has ``traceback`` instead).
+
+Example::
+
+    print(format_table(doc))
+    write_outputs(doc, Path("bench-results"))
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+__all__ = ["format_table", "write_outputs", "plot_results", "cell_label"]
+
+
+def cell_label(cell: dict[str, Any]) -> str:
+    """A short name of a cell for tables and plots, e.g. ``ddp bf16-mixed x2``.
+
+    Example::
+
+        cell_label({"strategy": "ddp", "precision": "fp32", "nproc": 2})   # 'ddp fp32 x2'
+    """
+    return f"{cell['strategy']} {cell['precision']} x{cell['nproc']}"
+
+
+def _num(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def _header(doc: dict[str, Any]) -> str:
+    cfg, dev = doc["config"], doc["device"]
+    where = f"{dev['count']} x {dev['name']}" if dev["type"] == "cuda" else f"cpu ({doc['host']['cpu_cores']} cores)"
+    load = doc["host"].get("load_average")
+    load_text = f", load {load[0]:.2f}" if load else ""
+    return (f"lockstep bench: {cfg['model']}, {cfg['data']} data {cfg['image_size']}px, batch {cfg['batch_size']} "
+            f"per device, {cfg['steps']} timed steps after {cfg['warmup']} warm-up; {where}{load_text}; "
+            f"torch {doc['torch']}")
+
+
+def format_table(doc: dict[str, Any]) -> str:
+    """The results as a table; the fastest cell is marked with ``*``, reasons listed below.
+
+    Args:
+        doc: the results document of :func:`lockstep.bench.run_bench`.
+
+    Example::
+
+        print(format_table(doc))
+    """
+    head = ("", "strategy", "precision", "nproc", "status", "samples/s", "per rank", "efficiency",
+            "step ms median (p10-p90)", "peak MB")
+    rows = [head]
+    notes: list[str] = []
+    for cell in doc["cells"]:
+        ran = cell["status"] == "ran"
+        spread = (f"{_num(cell['step_ms_median'])} ({_num(cell['step_ms_p10'])}-{_num(cell['step_ms_p90'])})"
+                  if ran else "-")
+        status = cell["status"] if ran else f"{cell['status']} [{len(notes) + 1}]"
+        if not ran:
+            notes.append(f"[{len(notes) + 1}] {cell['id']}: {cell['reason']}")
+        rows.append(("*" if cell["winner"] else "", cell["strategy"], cell["precision"], str(cell["nproc"]), status,
+                     _num(cell["samples_per_s"]), _num(cell["samples_per_s_per_rank"]),
+                     _num(cell["efficiency"], 2), spread, _num(cell["peak_mem_mb"], 0)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    right = {3, 5, 6, 7, 9}
+    lines = [_header(doc), ""]
+    for row in rows:
+        cols = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        lines.append("  ".join(cols).rstrip())
+    winner = next((c for c in doc["cells"] if c["winner"]), None)
+    lines.append("")
+    if winner is not None:
+        lines.append(f"* fastest: {cell_label(winner)}, {_num(winner['samples_per_s'])} samples/s")
+    else:
+        lines.append("no cell ran")
+    return "\n".join(lines + notes)
+
+
+def _annotate_bars(ax: Any, bars: Any, values: list[float]) -> None:
+    top = max(values, default=0.0)
+    for bar, value in zip(bars, values):
+        ax.text(bar.get_width() + top * 0.01, bar.get_y() + bar.get_height() / 2, f"{value:,.0f}",
+                va="center", fontsize=8)
+
+
+def plot_results(doc: dict[str, Any], path: Path) -> Path | None:
+    """Draw throughput bars (fastest highlighted) and scaling efficiency per strategy/precision.
+
+    Args:
+        doc: the results document.
+        path: the PNG to write.
+
+    Returns:
+        ``path``, or ``None`` when matplotlib is not installed (``pip install lockstep[plot]``).
+
+    Example::
+
+        plot_results(doc, Path("bench-results/bench.png"))
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display needed
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    ran = [c for c in doc["cells"] if c["status"] == "ran"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 2.2 + 0.4 * max(len(ran), 4)), layout="constrained",
+                                      gridspec_kw={"width_ratios": [3, 2]})
+    labels = [cell_label(c) for c in ran]
+    values = [c["samples_per_s"] for c in ran]
+    colors = ["tab:orange" if c["winner"] else "tab:blue" for c in ran]
+    bars = left.barh(range(len(ran)), values, color=colors)
+    left.set_yticks(range(len(ran)), labels)
+    left.invert_yaxis()  # run order from the top
+    left.set_xlabel("samples/s (all ranks)")
+    left.set_title("throughput (fastest in orange)")
+    left.set_xlim(0, max(values, default=1.0) * 1.15)
+    _annotate_bars(left, bars, values)
+    _plot_efficiency(right, ran)
+    skipped = [c for c in doc["cells"] if c["status"] != "ran"]
+    title = _header(doc).replace("; torch", "\ntorch")
+    if 0 < len(skipped) <= 4:
+        title += "\nnot run: " + "; ".join(f"{cell_label(c)} ({c['status']})" for c in skipped)
+    elif skipped:
+        title += f"\nnot run: {len(skipped)} cells (skipped or failed; the reasons are in results.json)"
+    fig.suptitle(title, fontsize=9)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _plot_efficiency(ax: Any, ran: list[dict[str, Any]]) -> None:
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for cell in ran:
+        if cell["efficiency"] is not None:
+            groups.setdefault(f"{cell['strategy']} {cell['precision']}", []).append(cell)
+    # a group with one process count has no scaling to show (single, dp)
+    groups = {name: cells for name, cells in groups.items() if len(cells) > 1}
+    counts = sorted({c["nproc"] for c in ran}) or [1]
+    for name, cells in groups.items():
+        cells.sort(key=lambda c: c["nproc"])
+        ax.plot([c["nproc"] for c in cells], [c["efficiency"] for c in cells], marker="o", label=name)
+    ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+    ax.set_xticks(counts)
+    ax.set_xlabel("processes")
+    ax.set_ylabel("scaling efficiency")
+    ax.set_ylim(0, max([1.1] + [c["efficiency"] * 1.1 for g in groups.values() for c in g]))
+    ax.set_title("efficiency vs. 1 process (1.0 = linear)")
+    if groups:
+        ax.legend(fontsize=7, loc="lower left")
+    else:
+        ax.text(0.5, 0.5, "needs one strategy at 2+ process counts", ha="center", transform=ax.transAxes)
+
+
+def write_outputs(doc: dict[str, Any], out: Path) -> dict[str, Path | None]:
+    """Write ``results.json`` and ``bench.png`` into ``out`` (created if needed).
+
+    Args:
+        doc: the results document.
+        out: the output folder.
+
+    Returns:
+        ``{"json": path, "png": path or None}`` (no PNG without matplotlib).
+
+    Example::
+
+        write_outputs(doc, Path("bench-results"))["json"]
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    json_path = out / "results.json"
+    json_path.write_text(json.dumps(doc, indent=2) + "\n")
+    return {"json": json_path, "png": plot_results(doc, out / "bench.png")}

@@ -1,0 +1,231 @@
+"""Run the bench matrix: each cell in fresh processes (``lockstep.spawn``), figures back to the parent.
+
+Every cell, one process included, runs in newly started processes, so that one cell's memory
+peak, threads or failure never leaks into the next. The parent only plans, spawns and
+aggregates: throughput is the global sample count over the slowest rank's window, step time is
+the slowest rank's at each step, memory the largest rank's.
+
+Example::
+
+    doc = run_bench(BenchConfig(model="convnet", strategies=("single", "ddp"), nprocs=(1, 2)))
+    print(doc["winner"])
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import sys
+import time
+from typing import Any
+
+import torch
+
+from lockstep.bench.matrix import BenchConfig, Cell, plan_cells
+from lockstep.bench.measure import CellTask, measure_cell
+
+__all__ = ["run_bench", "run_cell", "aggregate", "add_efficiency", "host_info", "percentile",
+           "SCHEMA_VERSION"]
+
+SCHEMA_VERSION = 1
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) of ``values``, interpolating linearly between ranks.
+
+    Example::
+
+        percentile([1.0, 2.0, 3.0, 4.0], 50)   # 2.5
+    """
+    ordered = sorted(values)
+    if not ordered:
+        raise ValueError("percentile of an empty list")
+    pos = (len(ordered) - 1) * q / 100.0
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def host_info() -> dict[str, Any]:
+    """The machine the figures come from: host, CPU, load, versions and devices.
+
+    Example::
+
+        host_info()["device"]["type"]     # 'cpu' or 'cuda'
+    """
+    import lockstep
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    names = sorted({torch.cuda.get_device_name(i) for i in range(gpus)})
+    load = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    return {
+        "host": {"hostname": platform.node(), "platform": platform.platform(), "python": platform.python_version(),
+                 "cpu_cores": _cores(), "load_average": load},
+        "torch": torch.__version__, "lockstep": lockstep.__version__, "cuda": torch.version.cuda,
+        "device": {"type": "cuda" if gpus else "cpu", "count": gpus, "name": ", ".join(names) or _cpu_name()},
+    }
+
+
+def _task(config: BenchConfig, cell: Cell, gpus: int) -> CellTask:
+    threads = config.threads or (0 if gpus else max(1, _cores() // cell.nproc))  # ranks share the cores
+    return CellTask(model=config.model, data=config.data, strategy=cell.strategy, precision=cell.precision,
+                    batch_size=config.per_device_batch, steps=config.steps, warmup=config.warmup,
+                    image_size=config.input_size, channels=config.input_channels,
+                    num_classes=config.num_classes, nonfinite=config.nonfinite, seed=config.seed,
+                    threads=threads, timeout=min(config.cell_timeout, 300.0))
+
+
+def aggregate(cell: Cell, ranks: list[dict[str, Any]], steps: int) -> None:
+    """Fill ``cell`` from its ranks' figures (see :func:`lockstep.bench.measure.measure_cell`).
+
+    Args:
+        cell: the cell, updated in place.
+        ranks: one dict per rank, in rank order.
+        steps: timed steps per rank.
+
+    Example::
+
+        aggregate(cell, [{"elapsed_s": 1.0, "step_ms": [10.0], "batch_size": 4, ...}], steps=1)
+    """
+    refused = [r["skipped"] for r in ranks if "skipped" in r]
+    if refused:
+        cell.status, cell.reason = "skipped", refused[0]
+        return
+    elapsed = max(r["elapsed_s"] for r in ranks)
+    samples = sum(r["batch_size"] for r in ranks) * steps
+    total = samples / elapsed
+    # the job moves at its slowest rank's pace: take each step's largest time
+    step_ms = [max(times) for times in zip(*(r["step_ms"] for r in ranks))]
+    cell.status = "ran"
+    cell.result = {
+        "samples_per_s": total, "samples_per_s_per_rank": total / len(ranks),
+        "step_ms_median": percentile(step_ms, 50), "step_ms_p10": percentile(step_ms, 10),
+        "step_ms_p90": percentile(step_ms, 90),
+        # what the window would give without its stalls (another process taking a core, say)
+        "samples_per_s_at_median_step": samples / steps / percentile(step_ms, 50) * 1000.0,
+        "peak_mem_mb": max(r["peak_mem_mb"] for r in ranks), "base_mem_mb": max(r["base_mem_mb"] for r in ranks),
+        "devices": sum(r["devices"] for r in ranks), "threads_per_rank": ranks[0]["threads"],
+        "global_batch": sum(r["batch_size"] for r in ranks), "skipped_steps": ranks[0]["skipped_steps"],
+    }
+
+
+def run_cell(config: BenchConfig, cell: Cell, gpus: int) -> None:
+    """Run one planned cell in ``cell.nproc`` new processes and record its outcome in ``cell``.
+
+    Args:
+        config: the bench configuration.
+        cell: a planned (not skipped) cell, updated in place.
+        gpus: CUDA GPUs visible.
+
+    Example::
+
+        run_cell(config, Cell("ddp", "fp32", 2), gpus=0)
+    """
+    from lockstep.spawn import SpawnError, spawn
+
+    began = time.perf_counter()
+    try:
+        ranks = spawn(measure_cell, cell.nproc, args=(_task(config, cell, gpus),), timeout=config.cell_timeout)
+    except SpawnError as exc:
+        cell.status = "failed"
+        cell.reason = str(exc).strip().splitlines()[0]
+        cell.result = {"traceback": exc.worker_traceback}
+    else:
+        aggregate(cell, ranks, config.steps)
+    cell.result["wall_s"] = time.perf_counter() - began
+
+
+def add_efficiency(cells: list[Cell]) -> None:
+    """Set each ran cell's scaling efficiency: its throughput over its devices' share of a baseline.
+
+    The baseline is the 1-device cell of the same strategy and precision, else the ``single``
+    cell of the same precision (always for ``dp``, whose one process drives every GPU): ``efficiency = samples_per_s / (baseline_per_device * devices)``.
+    It is 1.0 for a perfect linear speed-up and ``None`` when no baseline ran.
+
+    Args:
+        cells: the matrix, updated in place.
+
+    Example::
+
+        add_efficiency(cells); cells[1].result["efficiency"]    # e.g. 0.93
+    """
+    ran = {(c.strategy, c.precision, c.nproc): c for c in cells if c.status == "ran"}
+    for cell in ran.values():
+        # the baseline drives one device: dp's own 1-process cell drives them all, so dp uses single
+        bases = [ran.get(key) for key in ((cell.strategy, cell.precision, 1), ("single", cell.precision, 1))]
+        base = next((b for b in bases if b is not None and b.result["devices"] == 1), None)
+        if base is None:
+            cell.result["efficiency"] = None
+            continue
+        per_device = base.result["samples_per_s"] / base.result["devices"]
+        cell.result["efficiency"] = cell.result["samples_per_s"] / (per_device * cell.result["devices"])
+
+
+def _cell_doc(cell: Cell, config: BenchConfig, winner: str | None) -> dict[str, Any]:
+    doc: dict[str, Any] = {"id": cell.id, "strategy": cell.strategy, "precision": cell.precision,
+                           "nproc": cell.nproc, "status": cell.status, "reason": cell.reason,
+                           "winner": cell.id == winner, "batch_size": config.per_device_batch,
+                           "steps": config.steps, "warmup": config.warmup}
+    for key in ("samples_per_s", "samples_per_s_per_rank", "efficiency", "step_ms_median", "step_ms_p10",
+                "step_ms_p90", "peak_mem_mb"):
+        doc[key] = cell.result.get(key)
+    doc.update({k: v for k, v in cell.result.items() if k not in doc})
+    return doc
+
+
+def run_bench(config: BenchConfig, progress: bool = True) -> dict[str, Any]:
+    """Plan and run the whole matrix; return the results document (the ``results.json`` content).
+
+    Args:
+        config: the bench configuration.
+        progress: show a tqdm bar over the cells on stderr.
+
+    Example::
+
+        doc = run_bench(BenchConfig(strategies=("ddp",), nprocs=(1, 2), steps=5, warmup=1))
+    """
+    from tqdm.auto import tqdm
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    bf16 = bool(gpus) and torch.cuda.is_bf16_supported()
+    cells = plan_cells(config, gpus, bf16_supported=bf16 or not gpus)
+    info = host_info()  # before the run: the load average is the one the cells start under
+    bar = tqdm(cells, desc="lockstep bench", unit="cell", disable=not progress, file=sys.stderr)
+    for cell in bar:
+        bar.set_postfix_str(cell.id)
+        if cell.status == "planned":
+            run_cell(config, cell, gpus)
+    bar.close()
+    add_efficiency(cells)
+    ran = [c for c in cells if c.status == "ran"]
+    winner = max(ran, key=lambda c: c.result["samples_per_s"]).id if ran else None
+    return {
+        "schema": "lockstep-bench", "version": SCHEMA_VERSION,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **info,
+        "config": {"model": config.model, "data": config.data, "batch_size": config.per_device_batch,
+                   "steps": config.steps, "warmup": config.warmup, "image_size": config.input_size,
+                   "channels": config.input_channels, "num_classes": config.num_classes,
+                   "nonfinite": config.nonfinite, "seed": config.seed, "threads": config.threads},
+        "winner": winner,
+        "cells": [_cell_doc(c, config, winner) for c in cells],
+    }

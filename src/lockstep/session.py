@@ -124,6 +124,7 @@ class Session:
         self.global_step = 0
         self.skipped_steps = 0
         self._model: nn.Module | None = None
+        self._params: list[torch.Tensor] = []
         self._train: DeviceLoader | None = None
         self._loss: torch.Tensor | None = None
         self._resume = ResumeState()
@@ -191,6 +192,7 @@ class Session:
         if self.precision.name != "fp32":
             wrapped = PrecisionModule(wrapped, self.precision, self.strategy.unwrap(wrapped))
         self._model = wrapped
+        self._params = [p for p in wrapped.parameters() if p.requires_grad]  # checked every step
         return wrapped if opt is None else (wrapped, opt)
 
     def loader(self, dataset: Any, batch_size: int, shuffle: bool = True, *, eval: bool = False,
@@ -267,8 +269,8 @@ class Session:
             return False
         model = self._model
         took = True
-        if self.nonfinite != "ignore" and model is not None and not self.precision.scales_loss:
-            took = grads_finite(list(model.parameters())) or self._nonfinite()
+        if self.nonfinite != "ignore" and not self.precision.scales_loss:
+            took = grads_finite(self._params) or self._nonfinite()
         if took:
             clip = None
             if self.clip is not None and model is not None:

@@ -5,9 +5,10 @@ alternates every run) so that background load falls on both alike:
 
 * wall time of a no-op 2-rank job (the script is ``pass``): launcher start-up, worker start-up,
   rendezvous and teardown;
-* time from launch to the first training step: a tiny script builds ``lockstep.Session(ddp)``,
-  takes one optimizer step on a ``Linear(10, 10)`` and prints a timestamp; the figure is the
-  latest rank's timestamp minus the moment the launcher was started.
+* time from launch to the first training step: a tiny script prints a timestamp as its first
+  statement, then builds ``lockstep.Session(ddp)``, takes one optimizer step on a
+  ``Linear(10, 10)`` and prints another; the figures are the latest rank's timestamps minus the
+  moment the launcher was started (launch -> script starts, launch -> first step).
 
 Target: lockstep <= torchrun. Run (the load average is printed with the figures)::
 
@@ -30,7 +31,10 @@ from pathlib import Path
 
 NOOP = "pass\n"
 FIRST_STEP = textwrap.dedent("""\
+    import os
     import time
+
+    print(f"STARTED {os.environ.get('RANK')} {time.time():.6f}", flush=True)
 
     import torch
     from torch import nn
@@ -46,6 +50,7 @@ FIRST_STEP = textwrap.dedent("""\
     session.close()
 """)
 _STAMP = re.compile(r"FIRST_STEP (\d+) ([0-9.]+)")
+_STARTED = re.compile(r"STARTED (\d+) ([0-9.]+)")
 
 
 def launcher_command(launcher: str, script: Path) -> list[str]:
@@ -55,16 +60,20 @@ def launcher_command(launcher: str, script: Path) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
 
 
-def run_once(launcher: str, script: Path) -> tuple[float, float | None]:
-    """Start one job; return its wall time and the time to its last rank's first step (if printed)."""
+def run_once(launcher: str, script: Path) -> dict[str, float]:
+    """Start one job; return its wall time and, when the script prints them, the times from
+    launch to the last rank's start and to the last rank's first step."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     began = time.time()
     done = subprocess.run(launcher_command(launcher, script), env=env, capture_output=True, text=True, timeout=300)
-    wall = time.time() - began
+    times = {"wall": time.time() - began}
     if done.returncode != 0:
         raise RuntimeError(f"{launcher} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
-    stamps = [float(ts) for _, ts in _STAMP.findall(done.stdout + done.stderr)]
-    return wall, (max(stamps) - began if len(stamps) == 2 else None)
+    for key, pattern in (("started", _STARTED), ("first_step", _STAMP)):
+        stamps = [float(ts) for _, ts in pattern.findall(done.stdout + done.stderr)]
+        if len(stamps) == 2:
+            times[key] = max(stamps) - began
+    return times
 
 
 def measure(runs: int, folder: Path) -> dict[str, dict[str, list[float]]]:
@@ -73,23 +82,24 @@ def measure(runs: int, folder: Path) -> dict[str, dict[str, list[float]]]:
     noop.write_text(NOOP)
     first.write_text(FIRST_STEP)
     results: dict[str, dict[str, list[float]]] = {
-        name: {"noop_wall": [], "first_step": [], "first_wall": []} for name in ("lockstep", "torchrun")}
+        name: {"noop_wall": [], "started": [], "first_step": [], "first_wall": []} for name in ("lockstep", "torchrun")}
     for i in range(runs):
         order = ("lockstep", "torchrun") if i % 2 == 0 else ("torchrun", "lockstep")
         for launcher in order:
-            wall, _ = run_once(launcher, noop)
-            results[launcher]["noop_wall"].append(wall)
-            wall, to_step = run_once(launcher, first)
-            results[launcher]["first_wall"].append(wall)
-            if to_step is not None:
-                results[launcher]["first_step"].append(to_step)
+            results[launcher]["noop_wall"].append(run_once(launcher, noop)["wall"])
+            times = run_once(launcher, first)
+            results[launcher]["first_wall"].append(times["wall"])
+            for key in ("started", "first_step"):
+                if key in times:
+                    results[launcher][key].append(times[key])
         print(f"  run {i + 1}/{runs} done", file=sys.stderr, flush=True)
     return results
 
 
 def report(results: dict[str, dict[str, list[float]]]) -> str:
     """Median seconds per launcher and measurement, and lockstep/torchrun."""
-    labels = {"noop_wall": "no-op job, wall", "first_step": "launch -> first step", "first_wall": "first-step job, wall"}
+    labels = {"noop_wall": "no-op job, wall", "started": "launch -> script starts", "first_step": "launch -> first step",
+              "first_wall": "first-step job, wall"}
     lines = [f"{'':24s}{'lockstep run':>16s}{'torchrun':>16s}{'ratio':>8s}"]
     for key, label in labels.items():
         ls, tr = (statistics.median(results[n][key]) for n in ("lockstep", "torchrun"))

@@ -85,6 +85,9 @@ class CellTask:
 def resident_mb(peak: bool) -> float:
     """This process's resident memory in MiB: the peak (``peak=True``) or the current one.
 
+    Args:
+        peak: the peak since the process started instead of the current resident set.
+
     Example::
 
         resident_mb(peak=True)    # e.g. 412.5

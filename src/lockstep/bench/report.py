@@ -50,6 +50,9 @@ __all__ = ["format_table", "write_outputs", "plot_results", "cell_label"]
 def cell_label(cell: dict[str, Any]) -> str:
     """A short name of a cell for tables and plots, e.g. ``ddp bf16-mixed x2``.
 
+    Args:
+        cell: a cell of the results document.
+
     Example::
 
         cell_label({"strategy": "ddp", "precision": "fp32", "nproc": 2})   # 'ddp fp32 x2'

@@ -34,6 +34,10 @@ SCHEMA_VERSION = 1
 def percentile(values: list[float], q: float) -> float:
     """The ``q``-th percentile (0-100) of ``values``, interpolating linearly between ranks.
 
+    Args:
+        values: the sample (not empty).
+        q: the percentile, 0 to 100.
+
     Example::
 
         percentile([1.0, 2.0, 3.0, 4.0], 50)   # 2.5

@@ -18,8 +18,6 @@ Example::
 
 from __future__ import annotations
 
-import importlib
-import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -74,19 +72,9 @@ def resolve_factory(spec: str) -> Callable[[], Any]:
 
         factory = resolve_factory("torchvision.models:resnet18")
     """
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise ConfigError(f"--model {spec!r}: a model of your own is given as pkg.module:factory")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"--model {spec!r}: cannot import {module_name}: {exc}") from None
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise ConfigError(f"--model {spec!r}: {module_name} has no callable {attr!r}")
-    return factory
+    from lockstep.imports import load_object
+
+    return load_object(spec, "--model")  # type: ignore[no-any-return]
 
 
 @dataclass(frozen=True)

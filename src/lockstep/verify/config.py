@@ -9,13 +9,11 @@ Example::
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from lockstep.errors import ConfigError
+from lockstep.imports import load_object
 
 __all__ = ["VerifyConfig", "TOLERANCES", "STRATEGIES", "DROPOUT_MODES", "parse_shape", "load_object"]
 
@@ -44,36 +42,6 @@ def parse_shape(text: str) -> tuple[int, ...]:
     if not shape or any(d < 1 for d in shape):
         raise ConfigError(f"--shape {text!r} must be positive integers separated by commas, like 1,28,28")
     return shape
-
-
-def load_object(spec: str, what: str) -> Any:
-    """Import ``pkg.module:name`` and return ``name`` (the working directory is importable).
-
-    Args:
-        spec: ``module.path:attribute``.
-        what: what the object is, for the error message (``"model factory"``).
-
-    Example::
-
-        load_object("torch.nn:Linear", "model factory")   # the class torch.nn.Linear
-    """
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise ConfigError(f"{what} {spec!r} must look like package.module:function")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # like `python -m`: the user's own modules are importable
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"cannot import {module_name!r} for the {what} {spec!r}: {exc}") from None
-    obj = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ConfigError(f"{module_name!r} has no attribute {attr!r} (the {what} {spec!r})")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ConfigError(f"the {what} {spec!r} is not callable")
-    return obj
 
 
 @dataclass(frozen=True)

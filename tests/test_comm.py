@@ -153,3 +153,41 @@ def test_busy_port_named(tmp_path: Path) -> None:
         world = World(rank=0, world_size=2, local_world_size=2, master_port=port)
         with pytest.raises(CommError, match=str(port)):
             init_comm(world, timeout=5)
+
+
+def test_store_that_never_listens_is_named() -> None:
+    import socket
+
+    with socket.socket() as s:  # a port that nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    world = World(rank=1, world_size=2, local_world_size=2, master_port=port)
+    with pytest.raises(CommError, match=f"rank 1 could not reach the rendezvous store at 127.0.0.1:{port} within 1 s"):
+        init_comm(world, timeout=1)
+    assert not torch.distributed.is_initialized()
+
+
+def test_rank_that_starts_before_the_store_joins_when_it_listens(tmp_path: Path) -> None:
+    """Rank 1 starts first and waits for rank 0's store (probing it, not torch's backoff)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = textwrap.dedent(f"""
+        import sys, time
+        from lockstep.comm import init_comm
+        from lockstep.env import World
+        rank = int(sys.argv[1])
+        if rank == 0:
+            time.sleep(1.0)
+        comm = init_comm(World(rank=rank, world_size=2, local_world_size=2, master_port={port}), timeout=60)
+        print("sum", comm.all_reduce(__import__("torch").tensor([rank + 1.0])).item())
+        comm.shutdown()
+    """)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(r)], stdout=subprocess.PIPE, text=True, env=env)
+             for r in (1, 0)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert all("sum 3.0" in out for out in outs), outs

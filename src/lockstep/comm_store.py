@@ -71,6 +71,8 @@ def open_store(world: World, init_method: str, timeout: timedelta) -> Any:
     )
     hosting = world.rank == 0 and not agent
     try:
+        if not hosting:
+            _await_listener(host, port, world.rank, timeout)
         listen_fd = _loopback_listener(host, port) if hosting else None
         return dist.TCPStore(
             host, port, is_master=hosting, wait_for_workers=False, timeout=timeout,
@@ -84,6 +86,25 @@ def open_store(world: World, init_method: str, timeout: timedelta) -> Any:
                 "(another job, or a second process that also claims rank 0). Pick a free port."
             ) from None
         raise CommError(f"rank {world.rank} could not reach the rendezvous store at {host}:{port}: {text}") from None
+
+
+def _await_listener(host: str, port: int, rank: int, timeout: timedelta) -> None:
+    """Wait until the store at ``host:port`` accepts connections, trying every 10 ms.
+
+    A rank that starts before rank 0 listens would otherwise meet torch's client backoff, which
+    connects up to 0.6 s after the store is up; the probe connection is closed at once.
+    """
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=min(5.0, timeout.total_seconds())):
+                return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise CommError(f"rank {rank} could not reach the rendezvous store at {host}:{port} within "
+                                f"{timeout.total_seconds():.0f} s ({exc}): is rank 0 running, and is "
+                                "the master address reachable from this host?") from None
+            time.sleep(0.01)
 
 
 def _loopback_listener(host: str, port: int) -> int | None:

@@ -43,6 +43,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from lockstep.errors import EXIT_FAILURE, EXIT_PREEMPTED, LockstepError
+from lockstep.launch_output import OutputRelay, relay_for
 from lockstep.launch_report import Failure, signal_name, summarize
 from lockstep.launch_spec import (
     DEFAULT_GRACE, DEFAULT_JOIN_TIMEOUT, LaunchSpec, exposure_warning, import_torch_quietly, parse_master,
@@ -74,19 +75,17 @@ def _launch_config(spec: LaunchSpec, log_dir: str) -> Any:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.launcher.api import LaunchConfig
 
-    shown: set[int] | None = None
-    if spec.rank0_only:
-        shown = {0} if spec.node_rank == 0 else {-1}  # {-1}: no local rank of this node is shown
     timeout = max(1, round(spec.join_timeout))
     if spec.rank0_only and not spec.prefix:
         # rank 0 inherits this terminal; the other ranks write only to their log files
-        hidden = {r: Std.ALL for r in range(spec.nproc) if spec.node_rank != 0 or r != 0}
-        logs = DefaultLogsSpecs(log_dir=log_dir, redirects=hidden)
+        logs = DefaultLogsSpecs(log_dir=log_dir, redirects={
+            r: Std.ALL for r in range(spec.nproc) if spec.node_rank != 0 or r != 0})
     else:
-        logs = DefaultLogsSpecs(log_dir=log_dir, tee=Std.ALL, local_ranks_filter=shown)
+        # every rank writes to its log files; the agent's relay shows them (see launch_output)
+        logs = DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL)
     common: dict[str, Any] = dict(
         min_nodes=spec.nodes, max_nodes=spec.nodes, nproc_per_node=spec.nproc,
-        max_restarts=spec.max_restarts, log_line_prefix_template="[rank${rank}]: ", logs_specs=logs,
+        max_restarts=spec.max_restarts, logs_specs=logs,
         # a stop signal is forwarded to the workers, which get `grace` seconds to save before SIGKILL
         signals_to_handle=",".join(n for n in _SIGNALS if hasattr(signal, n)),
         shutdown_timeout=max(0, round(spec.grace)),
@@ -162,6 +161,17 @@ class _Reporter:
         self.exit_codes: dict[int, int | None] = {}
         self._shown_traceback = ""
 
+    @property
+    def relayed(self) -> bool:
+        """True when the ranks' output reaches this terminal through the relay (not inherited)."""
+        return self.spec.prefix or not self.spec.rank0_only
+
+    def shown_local_ranks(self) -> set[int] | None:
+        """The local ranks whose output is shown on this node (``None``: all)."""
+        if not self.spec.rank0_only:
+            return None
+        return {0} if self.spec.node_rank == 0 else set()
+
     def failures(self, raw: Mapping[int, Any]) -> list[Failure]:
         return [Failure.from_process_failure(rank, f, self.host) for rank, f in raw.items()]
 
@@ -212,10 +222,22 @@ def _reporting_agent(report: _Reporter) -> Iterator[None]:
     from torch.distributed.elastic.agent.server.api import WorkerState
 
     base = api.LocalElasticAgent
+    relay = OutputRelay([])
 
     class ReportingAgent(base):  # type: ignore[misc, valid-type]
+        def _start_workers(self, worker_group: Any) -> Any:
+            nonlocal relay
+            pids = super()._start_workers(worker_group)
+            if report.relayed:
+                relay.stop()
+                relay = relay_for(self._pcontext, worker_group.workers, sys.stdout, sys.stderr,
+                                  report.shown_local_ranks()).start()
+            return pids
+
         def _monitor_workers(self, worker_group: Any) -> Any:
             result = super()._monitor_workers(worker_group)
+            if result.state != WorkerState.HEALTHY:
+                relay.stop()  # the ranks are done: their last lines come before our summary
             if result.is_failed():
                 report.last_failures = dict(result.failures)
                 if all(f.exitcode == EXIT_PREEMPTED for f in result.failures.values()):
@@ -232,6 +254,7 @@ def _reporting_agent(report: _Reporter) -> Iterator[None]:
 
         def _shutdown(self, *args: Any, **kwargs: Any) -> None:
             super()._shutdown(*args, **kwargs)
+            relay.stop()
             handlers = getattr(self._pcontext, "subprocess_handlers", {}) or {}
             report.exit_codes = {r: h.proc.returncode for r, h in handlers.items()}
 
@@ -239,6 +262,7 @@ def _reporting_agent(report: _Reporter) -> Iterator[None]:
     try:
         yield
     finally:
+        relay.stop()
         setattr(api, "LocalElasticAgent", base)  # noqa: B010
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
+import weakref
 from typing import Any
 
 import torch
@@ -17,7 +18,7 @@ from torch import nn
 from lockstep.comm import Comm
 from lockstep.errors import ConfigError, LockstepError
 
-__all__ = ["DeviceLoader", "PrecisionModule", "Accumulator", "NonFiniteLossError", "NONFINITE_POLICIES",
+__all__ = ["DeviceLoader", "PrecisionModule", "Accumulator", "FiniteCheck", "NonFiniteLossError", "NONFINITE_POLICIES",
            "rebind_optimizer"]
 
 NONFINITE_POLICIES = ("skip", "stop", "ignore")
@@ -175,29 +176,71 @@ class Accumulator:
             ctx.__exit__(None, None, None)
 
 
-def grads_finite(params: list[torch.Tensor]) -> bool:
-    """True when every gradient in ``params`` is finite (one host sync)."""
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+class FiniteCheck:
+    """Whether every gradient an optimizer is about to apply is finite (one host read per step).
+
+    The check runs GradScaler's fused kernel (unscaling by 1 leaves the values as they are) on
+    the gradients of the optimizer's parameters, grouped by device and dtype. The grouping and
+    the flag tensors are kept between steps and rebuilt when the optimizer's parameter groups
+    change size, so a step costs one kernel per group and one read of the flag: on a
+    Linear(10, 10) about 2 us instead of 5 us when regrouping every step.
+
+    Checking the optimizer's parameters (not one model's) covers every model a session set up,
+    e.g. a GAN's generator and discriminator with their own optimizers.
+
+    Example::
+
+        check = FiniteCheck()
+        if check(optimizer):
+            optimizer.step()
+    """
+
+    def __init__(self) -> None:
+        self._plans: weakref.WeakKeyDictionary[Any, tuple[tuple[int, ...], list[_Group]]] = (
+            weakref.WeakKeyDictionary())
+
+    def __call__(self, optimizer: torch.optim.Optimizer) -> bool:
+        """True when every gradient of ``optimizer``'s parameters is finite (``None`` ones are skipped)."""
+        param_groups = optimizer.param_groups
+        size = tuple(len(g["params"]) for g in param_groups)
+        plan = self._plans.get(optimizer)
+        if plan is None or plan[0] != size:
+            plan = (size, _plan([p for g in param_groups for p in g["params"] if p.requires_grad]))
+            self._plans[optimizer] = plan
+        found: torch.Tensor | None = None
+        for group in plan[1]:
+            if group.sharded:
+                grads = [_local(p.grad) for p in group.params if p.grad is not None]
+            else:
+                grads = [p.grad for p in group.params if p.grad is not None]
+            if grads:
+                group.flag.zero_()
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, group.flag, group.one)
+                found = group.flag if found is None else found + group.flag.to(found.device)
+        return found is None or not bool(found.item())
+
+
+class _Group:
+    """Parameters whose gradients share a device and dtype, with the check's flag tensors."""
+
+    def __init__(self, params: list[torch.Tensor], device: torch.device, sharded: bool) -> None:
+        self.params, self.sharded = params, sharded
+        self.flag = torch.zeros(1, device=device)
+        self.one = torch.ones(1, device=device)
+
+
+def _plan(params: list[torch.Tensor]) -> list[_Group]:
+    by_key: dict[tuple[torch.device, torch.dtype, bool], list[torch.Tensor]] = {}
     for p in params:
-        if p.grad is not None:
-            g = _local(p.grad)
-            groups.setdefault((g.device, g.dtype), []).append(g)
-    if not groups:
-        return True
-    found: torch.Tensor | None = None
-    for (device, _), grads in groups.items():
-        # GradScaler's fused check (unscaling by 1 leaves the values as they are): about a
-        # seventh of the cost of norms + isfinite on a small model
-        flag = torch.zeros(1, device=device)
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, torch.ones(1, device=device))
-        found = flag if found is None else found + flag.to(found.device)
-    assert found is not None
-    return not bool(found.item())
+        sharded = hasattr(p, "to_local")
+        local = _local(p)
+        by_key.setdefault((local.device, local.dtype, sharded), []).append(p)
+    return [_Group(ps, device, sharded) for (device, _, sharded), ps in by_key.items()]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    # FSDP2 gradients are DTensors; a non-finite value on any rank reaches every shard
-    # through the reduce-scatter, so the local shard answers for all
+    # FSDP2 parameters and gradients are DTensors; a non-finite value on any rank reaches every
+    # shard through the reduce-scatter, so the local shard answers for all
     to_local = getattr(t, "to_local", None)
     return to_local() if to_local is not None else t
 

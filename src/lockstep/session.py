@@ -36,7 +36,7 @@ from lockstep.env import detect_world
 from lockstep.errors import ConfigError
 from lockstep.loop import (
     NONFINITE_POLICIES, Accumulator, DeviceLoader, NonFiniteLossError, PrecisionModule,
-    grads_finite, name_nonfinite_ranks, rebind_optimizer,
+    FiniteCheck, name_nonfinite_ranks, rebind_optimizer,
 )
 from lockstep.preempt import StopGuard, stop_every_rank
 from lockstep.resume import ResumeState, seed_everything
@@ -124,7 +124,7 @@ class Session:
         self.global_step = 0
         self.skipped_steps = 0
         self._model: nn.Module | None = None
-        self._params: list[torch.Tensor] = []
+        self._finite = FiniteCheck()
         self._train: DeviceLoader | None = None
         self._loss: torch.Tensor | None = None
         self._resume = ResumeState()
@@ -192,7 +192,6 @@ class Session:
         if self.precision.name != "fp32":
             wrapped = PrecisionModule(wrapped, self.precision, self.strategy.unwrap(wrapped))
         self._model = wrapped
-        self._params = [p for p in wrapped.parameters() if p.requires_grad]  # checked every step
         return wrapped if opt is None else (wrapped, opt)
 
     def loader(self, dataset: Any, batch_size: int, shuffle: bool = True, *, eval: bool = False,
@@ -270,7 +269,7 @@ class Session:
         model = self._model
         took = True
         if self.nonfinite != "ignore" and not self.precision.scales_loss:
-            took = grads_finite(self._params) or self._nonfinite()
+            took = self._finite(optimizer) or self._nonfinite()
         if took:
             clip = None
             if self.clip is not None and model is not None:

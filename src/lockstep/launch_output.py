@@ -1,0 +1,152 @@
+"""Show the ranks' output on the launcher's terminal, each line marked with its rank.
+
+Every worker writes its stdout and stderr to its own log file (torch's agent redirects them);
+:class:`OutputRelay` follows those files in one thread and copies each complete line to the
+launcher's stdout or stderr as ``[rankN]: line``. A line ends at ``\\n`` or at ``\\r``, so a
+progress bar that redraws itself with ``\\r`` keeps redrawing one prefixed line.
+
+Why not torch's own ``tee``: its tail threads sleep 0.1 s between reads and cannot be woken, and
+the agent stops the stdout and the stderr tailer one after the other, so every job (and every
+restart) ended 0.1-0.2 s after its last rank did. :meth:`OutputRelay.stop` wakes the thread at
+once, copies what is left (a last line without an ending included) and returns.
+
+Example::
+
+    relay = OutputRelay([Source("/logs/0/stdout.log", sys.stdout, "[rank0]: ")]).start()
+    ...  # the workers run
+    relay.stop()
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import IO, Any, TextIO
+
+__all__ = ["OutputRelay", "Source", "relay_for"]
+
+_LINE = re.compile(rb"[^\r\n]*(?:\r\n|\n|\r)")
+# a line still without its ending after this long is shown as it is (a prompt, a slow printer)
+_HOLD_PARTIAL_S = 0.5
+
+
+@dataclass
+class Source:
+    """One log file to follow.
+
+    Args:
+        path: the file the worker writes (it may not exist yet when the relay starts).
+        dst: where its lines go (the launcher's ``sys.stdout`` or ``sys.stderr``).
+        prefix: put in front of every line, e.g. ``"[rank3]: "``.
+    """
+
+    path: str
+    dst: TextIO
+    prefix: str
+    _file: IO[bytes] | None = field(default=None, repr=False)
+    _partial: bytes = field(default=b"", repr=False)
+    _partial_since: float = field(default=0.0, repr=False)
+
+    def pump(self, final: bool) -> bool:
+        """Copy the complete lines written since the last call; True when anything was read."""
+        if self._file is None:
+            try:
+                self._file = open(self.path, "rb")  # noqa: SIM115 - held open while following
+            except FileNotFoundError:
+                return False
+        new = self._file.read()
+        now = time.monotonic()
+        if new and not self._partial:
+            self._partial_since = now
+        data = self._partial + new
+        lines = _LINE.findall(data)
+        rest = data[sum(len(x) for x in lines):]
+        if rest and (final or now - self._partial_since >= _HOLD_PARTIAL_S):
+            lines.append(rest + b"\n")
+            rest = b""
+        self._partial = rest
+        if rest and lines:
+            self._partial_since = now
+        if lines:
+            # a bare "\r" (a progress bar about to redraw) moves the cursor; it needs no prefix
+            text = "".join(("" if line == b"\r" else self.prefix) + line.decode(errors="replace")
+                           for line in lines)
+            try:
+                self.dst.write(text)
+                self.dst.flush()
+            except (OSError, ValueError):
+                pass  # the terminal went away: the log file still has every line
+        return bool(new)
+
+    def close(self) -> None:
+        """Stop following the file."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class OutputRelay:
+    """Follow several log files in one thread and copy their lines, prefixed, to the terminal.
+
+    Args:
+        sources: the files to follow.
+        interval: seconds to wait when no file had anything new.
+    """
+
+    def __init__(self, sources: list[Source], interval: float = 0.05) -> None:
+        self.sources = sources
+        self.interval = interval
+        self._halt = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lockstep-output", daemon=True)
+
+    def start(self) -> OutputRelay:
+        """Start following; returns ``self``."""
+        if self.sources:
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Copy everything the files still hold, then stop (safe to call twice)."""
+        self._halt.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        try:
+            while not self._halt.is_set():
+                busy = False
+                for source in self.sources:
+                    busy = source.pump(final=False) or busy
+                if not busy:
+                    self._halt.wait(self.interval)
+            for source in self.sources:  # the workers are gone: what is left is final
+                while source.pump(final=True):
+                    pass
+        finally:
+            for source in self.sources:
+                source.close()
+
+
+def relay_for(pcontext: Any, workers: list[Any], stdout: TextIO, stderr: TextIO,
+              shown: set[int] | None) -> OutputRelay:
+    """An :class:`OutputRelay` for the log files of torch's process context ``pcontext``.
+
+    Args:
+        pcontext: the agent's process context (``stdouts``/``stderrs``: local rank -> path).
+        workers: the agent's workers (``local_rank`` and ``global_rank`` each).
+        stdout: where the ranks' stdout lines go.
+        stderr: where the ranks' stderr lines go.
+        shown: the local ranks to show; ``None`` shows all.
+    """
+    sources = []
+    for worker in sorted(workers, key=lambda w: w.local_rank):
+        if shown is not None and worker.local_rank not in shown:
+            continue
+        prefix = f"[rank{worker.global_rank}]: "
+        for paths, dst in ((pcontext.stdouts, stdout), (pcontext.stderrs, stderr)):
+            path = paths.get(worker.local_rank)
+            if path:
+                sources.append(Source(path, dst, prefix))
+    return OutputRelay(sources)

@@ -1,0 +1,72 @@
+"""The launcher's relay of the ranks' log files to its terminal."""
+
+from __future__ import annotations
+
+import io
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from lockstep.launch_output import OutputRelay, Source, relay_for
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_lines_are_prefixed_and_the_rest_is_drained_at_stop(tmp_path: Path) -> None:
+    out, err = io.StringIO(), io.StringIO()
+    log0, log1 = tmp_path / "0.log", tmp_path / "1.log"
+    log0.write_bytes(b"first\nsecond\n")
+    relay = OutputRelay([Source(str(log0), out, "[rank0]: "), Source(str(log1), err, "[rank1]: ")]).start()
+    with log1.open("ab") as f:  # created after the relay started
+        f.write(b"late\nno ending")
+    relay.stop()
+    assert out.getvalue() == "[rank0]: first\n[rank0]: second\n"
+    assert err.getvalue() == "[rank1]: late\n[rank1]: no ending\n"
+    relay.stop()  # twice is harmless
+
+
+def test_a_progress_bar_keeps_redrawing_one_prefixed_line(tmp_path: Path) -> None:
+    out = io.StringIO()
+    log = tmp_path / "0.log"
+    log.write_bytes(b"\rstep 1\rstep 2\r\nbad byte \xff\n")
+    relay = OutputRelay([Source(str(log), out, "[rank0]: ")]).start()
+    relay.stop()
+    assert out.getvalue() == "\r[rank0]: step 1\r[rank0]: step 2\r\n[rank0]: bad byte \ufffd\n"
+
+
+def test_a_line_without_ending_is_shown_after_a_while(tmp_path: Path) -> None:
+    out = io.StringIO()
+    log = tmp_path / "0.log"
+    log.write_bytes(b"Continue? ")
+    relay = OutputRelay([Source(str(log), out, "[rank0]: ")], interval=0.01).start()
+    deadline = time.monotonic() + 30
+    while not out.getvalue() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert out.getvalue() == "[rank0]: Continue? \n"  # shown while the relay still runs
+    relay.stop()
+    assert out.getvalue() == "[rank0]: Continue? \n"
+
+
+def test_relay_for_shows_the_chosen_local_ranks_with_global_ranks(tmp_path: Path) -> None:
+    paths = {}
+    for local in (0, 1):
+        for kind in ("stdout", "stderr"):
+            path = tmp_path / f"{local}-{kind}.log"
+            path.write_text(f"{kind} of local rank {local}\n")
+            paths[(local, kind)] = str(path)
+    pcontext = SimpleNamespace(stdouts={r: paths[(r, "stdout")] for r in (0, 1)},
+                               stderrs={r: paths[(r, "stderr")] for r in (0, 1)})
+    workers = [SimpleNamespace(local_rank=1, global_rank=3), SimpleNamespace(local_rank=0, global_rank=2)]
+    out, err = io.StringIO(), io.StringIO()
+    relay_for(pcontext, workers, out, err, shown=None).start().stop()
+    assert out.getvalue().splitlines() == ["[rank2]: stdout of local rank 0", "[rank3]: stdout of local rank 1"]
+    assert sorted(err.getvalue().splitlines()) == ["[rank2]: stderr of local rank 0",
+                                                   "[rank3]: stderr of local rank 1"]
+    out, err = io.StringIO(), io.StringIO()
+    relay_for(pcontext, workers, out, err, shown={0}).start().stop()
+    assert (out.getvalue(), err.getvalue()) == ("[rank2]: stdout of local rank 0\n", "[rank2]: stderr of local rank 0\n")
+    none = relay_for(pcontext, workers, out, err, shown=set())
+    assert none.sources == []
+    none.start().stop()

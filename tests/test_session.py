@@ -162,3 +162,38 @@ def test_bad_options_refused_before_any_group() -> None:
         lockstep.Session(accumulate=0)
     assert not torch.distributed.is_initialized()
     assert "RANK" not in os.environ
+
+
+def test_two_models_each_optimizer_checks_its_own_gradients() -> None:
+    """A GAN-like loop: the non-finite check follows the optimizer passed to step(), not the last model."""
+    session = lockstep.Session(quiet=True)
+    gen, opt_g = session.setup(nn.Linear(4, 4), lambda p: torch.optim.SGD(p, lr=0.1))
+    disc, opt_d = session.setup(nn.Linear(4, 1), lambda p: torch.optim.SGD(p, lr=0.1))
+    x = torch.randn(8, 4)
+    session.backward(gen(x).sum() * float("inf"))  # the generator's loss overflows
+    before = [p.detach().clone() for p in gen.parameters()]
+    assert session.step(opt_g) is False and session.skipped_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, gen.parameters()))
+    session.backward(disc(x).sum())
+    assert session.step(opt_d) is True
+    opt_d.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})  # the check regroups
+    session.backward(disc(x).sum())
+    opt_d.param_groups[1]["params"][0].grad = torch.tensor([1.0, float("nan")])
+    assert session.step(opt_d) is False and session.skipped_steps == 2
+    session.close()
+
+
+def test_finite_check_groups_by_dtype() -> None:
+    from lockstep.loop import FiniteCheck
+
+    a, b = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    opt = torch.optim.SGD([a, b], lr=0.1)
+    check = FiniteCheck()
+    assert check(opt)  # no gradients yet
+    a.grad, b.grad = torch.ones(3), torch.ones(3, dtype=torch.float64)
+    assert check(opt)
+    b.grad[1] = float("-inf")
+    assert not check(opt)
+    b.grad[1] = 0.0
+    a.grad[0] = float("nan")
+    assert not check(opt)

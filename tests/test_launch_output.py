@@ -70,3 +70,15 @@ def test_relay_for_shows_the_chosen_local_ranks_with_global_ranks(tmp_path: Path
     none = relay_for(pcontext, workers, out, err, shown=set())
     assert none.sources == []
     none.start().stop()
+
+
+def test_output_larger_than_one_read_keeps_its_lines_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lockstep import launch_output
+
+    monkeypatch.setattr(launch_output, "_CHUNK", 4096)  # reads end in the middle of lines
+    out = io.StringIO()
+    log = tmp_path / "0.log"
+    line = "x" * 1000 + "\n"
+    log.write_text(line * 3000)
+    OutputRelay([Source(str(log), out, "[rank0]: ")]).start().stop()
+    assert out.getvalue() == ("[rank0]: " + line) * 3000

@@ -30,6 +30,7 @@ __all__ = ["OutputRelay", "Source", "relay_for"]
 _LINE = re.compile(rb"[^\r\n]*(?:\r\n|\n|\r)")
 # a line still without its ending after this long is shown as it is (a prompt, a slow printer)
 _HOLD_PARTIAL_S = 0.5
+_CHUNK = 1 << 20  # read at most this much per file and pass: a flood of output stays bounded in memory
 
 
 @dataclass
@@ -56,14 +57,15 @@ class Source:
                 self._file = open(self.path, "rb")  # noqa: SIM115 - held open while following
             except FileNotFoundError:
                 return False
-        new = self._file.read()
+        new = self._file.read(_CHUNK)
         now = time.monotonic()
         if new and not self._partial:
             self._partial_since = now
         data = self._partial + new
         lines = _LINE.findall(data)
         rest = data[sum(len(x) for x in lines):]
-        if rest and (final or now - self._partial_since >= _HOLD_PARTIAL_S):
+        at_end = final and len(new) < _CHUNK  # the worker is gone and the file is read to its end
+        if rest and (at_end or now - self._partial_since >= _HOLD_PARTIAL_S):
             lines.append(rest + b"\n")
             rest = b""
         self._partial = rest

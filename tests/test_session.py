@@ -147,11 +147,12 @@ def test_nan_on_one_rank_stops_everywhere() -> None:
 def test_summary_and_world_one() -> None:
     session = lockstep.Session(quiet=True, accumulate=2)
     model, opt = session.setup(_model(), lambda p: torch.optim.SGD(p, lr=0.1))
-    session.loader(_data(), batch_size=10)
+    train = session.loader(_data(), batch_size=10)  # the summary describes the loaders in use
     text = session.summary()
     assert "world 1" in text and "strategy single" in text and "precision fp32" in text
     assert "global batch 20 (10 x 1 x 2)" in text and "12 steps per epoch" in text
     assert session.all_reduce(3.0) == 3.0
+    assert len(train) == 24
     session.close()
 
 
@@ -197,3 +198,55 @@ def test_finite_check_groups_by_dtype() -> None:
     b.grad[1] = 0.0
     a.grad[0] = float("nan")
     assert not check(opt)
+
+
+def _two_loaders(directory: str, stop_at: int | None, load_first: bool) -> list[tuple[int, ...]]:
+    """Two training sets read side by side (e.g. two tasks); returns the label ids each step saw."""
+    session = lockstep.Session(quiet=True)
+    model, opt = session.setup(_model(), lambda p: torch.optim.SGD(p, lr=0.1))
+    ids_a = torch.utils.data.TensorDataset(_data(40).tensors[0], torch.arange(40))
+    ids_b = torch.utils.data.TensorDataset(_data(24).tensors[0], torch.arange(100, 124))
+    state = session.load(directory, model=model, optimizer=opt) if load_first else None
+    a = session.loader(ids_a, batch_size=4)
+    b = session.loader(ids_b, batch_size=4)
+    if state is None:
+        state = session.load(directory, model=model, optimizer=opt)
+    seen: list[tuple[int, ...]] = []
+    for _ in session.epochs(3, start=state.epoch):
+        for (xa, ia), (xb, ib) in zip(a, b):  # an epoch ends with the shorter loader (6 steps)
+            session.backward(model(xa).square().mean() + model(xb).square().mean())
+            session.step(opt)
+            seen.append(tuple(ia.tolist() + ib.tolist()))
+            if stop_at is not None and session.global_step == stop_at:
+                session.save(directory, model=model, optimizer=opt)
+                session.close()
+                return seen
+    session.close()
+    return seen
+
+
+@pytest.mark.parametrize("load_first", [False, True])
+def test_every_training_loader_gets_each_epoch_and_resumes(tmp_path: Path, load_first: bool) -> None:
+    """Every training loader of a session is set to each epoch, saved and restored (also when
+    `session.load` runs before the loaders are made)."""
+    whole = _two_loaders(str(tmp_path / "whole"), None, load_first)
+    assert len(whole) == 3 * 6  # each loader yields batches in every epoch
+    for epoch in range(3):
+        steps = whole[6 * epoch:6 * epoch + 6]
+        assert sorted(i for s in steps for i in s[4:]) == list(range(100, 124))  # all of b, once
+        a_ids = [i for s in steps for i in s[:4]]
+        assert len(set(a_ids)) == 24 and all(0 <= i < 40 for i in a_ids)  # 24 distinct samples of a
+    first = _two_loaders(str(tmp_path / "cut"), 8, load_first)  # stops in the middle of epoch 1
+    rest = _two_loaders(str(tmp_path / "cut"), None, load_first)
+    assert first + rest == whole
+
+
+def test_a_loader_made_inside_the_epoch_loop_follows_the_epoch() -> None:
+    session = lockstep.Session(quiet=True, seed=3)
+    ids = torch.utils.data.TensorDataset(torch.arange(16))
+    orders = []
+    for _ in session.epochs(3):
+        orders.append([int(i) for (batch,) in session.loader(ids, batch_size=4) for i in batch])
+    assert all(sorted(o) == list(range(16)) for o in orders)
+    assert orders[0] != orders[1] != orders[2]  # reshuffled every epoch, not epoch 0's order again
+    session.close()

@@ -240,8 +240,10 @@ def _reporting_agent(report: _Reporter) -> Iterator[None]:
                 relay.stop()  # the ranks are done: their last lines come before our summary
             if result.is_failed():
                 report.last_failures = dict(result.failures)
-                if all(f.exitcode == EXIT_PREEMPTED for f in result.failures.values()):
-                    # a preempted job saved and stopped on purpose: end it (exit 75), do not restart
+                if summarize(report.failures(result.failures)).preempted:
+                    # a preempted job saved and stopped on purpose: end it (exit 75), do not restart.
+                    # Ranks still exiting when the first one did were SIGTERMed by the agent: they
+                    # count as stopped, not as failures (summarize's rule)
                     self._remaining_restarts = 0
             return result
 

@@ -18,7 +18,7 @@ from torch import nn
 from lockstep.comm import Comm
 from lockstep.errors import ConfigError, LockstepError
 
-__all__ = ["DeviceLoader", "PrecisionModule", "Accumulator", "FiniteCheck", "NonFiniteLossError", "NONFINITE_POLICIES",
+__all__ = ["DeviceLoader", "PrecisionModule", "Accumulator", "FiniteCheck", "TrainLoaders", "NonFiniteLossError", "NONFINITE_POLICIES",
            "rebind_optimizer"]
 
 NONFINITE_POLICIES = ("skip", "stop", "ignore")
@@ -174,6 +174,82 @@ class Accumulator:
         if self._ctx is not None:
             ctx, self._ctx = self._ctx, None
             ctx.__exit__(None, None, None)
+
+
+class TrainLoaders:
+    """The session's training loaders: each one's epoch is set, saved and restored.
+
+    Loaders are held weakly (a loader the script dropped is forgotten) and kept in creation
+    order, which pairs them with the sampler states of a checkpoint. A state loaded before its
+    loader exists (``session.load`` called before ``session.loader``) waits here and is applied
+    when the loader is made, so the epoch still resumes where it stopped.
+
+    Example::
+
+        loaders = TrainLoaders()
+        loaders.add(train)
+        loaders.set_epoch(3)
+    """
+
+    def __init__(self) -> None:
+        self._refs: list[weakref.ref[DeviceLoader]] = []
+        self._pending: list[dict[str, Any]] = []
+        self._epoch = 0
+
+    @property
+    def live(self) -> list[DeviceLoader]:
+        """The loaders still in use, oldest first."""
+        loaders = [loader for ref in self._refs if (loader := ref()) is not None]
+        if len(loaders) < len(self._refs):
+            self._refs = [weakref.ref(loader) for loader in loaders]
+        return loaders
+
+    @property
+    def first(self) -> DeviceLoader | None:
+        """The first training loader (its batches are the ones the summary describes)."""
+        live = self.live
+        return live[0] if live else None
+
+    def add(self, loader: DeviceLoader) -> None:
+        """Track ``loader``; a sampler state waiting for it is applied now.
+
+        A loader made inside an epoch (``for x in session.loader(...)`` in the epoch loop)
+        starts at that epoch, so its order changes from epoch to epoch.
+        """
+        if self._pending:
+            loader.sampler.load_state_dict(self._pending.pop(0))
+        else:
+            loader.sampler.set_epoch(self._epoch)
+        self._refs.append(weakref.ref(loader))
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` on every loader (one restored to this epoch keeps its position)."""
+        self._epoch = epoch
+        for loader in self.live:
+            loader.sampler.set_epoch(epoch)
+
+    def state_dicts(self) -> list[dict[str, Any]]:
+        """Every loader's sampler position, in creation order."""
+        return [loader.sampler.state_dict() for loader in self.live]
+
+    def restore(self, states: list[dict[str, Any]], epoch: int) -> bool:
+        """Load saved sampler ``states`` (pairing them with the loaders in creation order).
+
+        Returns True when the checkpoint was taken in the middle of ``epoch`` (each loader then
+        continues from its position); otherwise every loader starts the next epoch. States
+        without a loader yet wait for the next :meth:`add`.
+
+        Raises:
+            ConfigError: a state was saved for a dataset of another length.
+        """
+        mid = any(0 < int(s.get("seen", 0)) < int(s.get("dataset_len", 0)) for s in states)
+        live = self.live
+        for loader, state in zip(live, states):
+            loader.sampler.load_state_dict(state)
+            if not mid:
+                loader.sampler.set_epoch(epoch + 1)
+        self._pending = list(states[len(live):])
+        return mid
 
 
 class FiniteCheck:

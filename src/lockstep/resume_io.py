@@ -31,13 +31,14 @@ def save_session(session: Session, directory: Path, model: nn.Module,
 
     strategy = session.strategy
     inner = _inner(model)
-    sampler = session._train.sampler if session._train is not None else None
+    samplers = session._loaders.state_dicts()
     state: dict[str, Any] = {
         "format": 1,
         "epoch": session.epoch,
         "step": session.global_step,
         "world_size": session.world_size,
-        "sampler": sampler.state_dict() if sampler is not None else None,
+        "sampler": samplers[0] if samplers else None,  # the first loader's (read by older versions)
+        "samplers": samplers,
         "precision": session.precision.state_dict(),
         "rng": capture_rng(),
         "extras": extras,
@@ -85,16 +86,11 @@ def load_session(session: Session, directory: Path, model: nn.Module,
     if isinstance(rngs, list) and len(rngs) == session.world_size:
         restore_rng(rngs[session.rank])
     session.global_step = int(state["step"])
-    epoch, mid = int(state["epoch"]), False
-    sampler_state = state.get("sampler")
-    if session._train is not None and sampler_state is not None:
-        sampler = session._train.sampler
-        sampler.load_state_dict(sampler_state)
-        mid = 0 < int(sampler_state.get("seen", 0)) < sampler.dataset_len
-        if not mid:
-            sampler.set_epoch(epoch + 1)
-    elif sampler_state is None:
-        mid = False
+    epoch = int(state["epoch"])
+    states = state.get("samplers")
+    if states is None:  # written before checkpoints kept every loader's position
+        states = [state["sampler"]] if state.get("sampler") else []
+    mid = session._loaders.restore(list(states), epoch)
     path = Path(state.get("path", directory))
     return ResumeState(epoch=epoch if mid else epoch + 1, step=session.global_step, path=path,
                        extras=dict(state.get("extras") or {}), mid_epoch=mid)

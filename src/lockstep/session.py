@@ -35,8 +35,8 @@ from lockstep.comm import Comm, init_comm, resolve_timeout
 from lockstep.env import detect_world
 from lockstep.errors import ConfigError
 from lockstep.loop import (
-    NONFINITE_POLICIES, Accumulator, DeviceLoader, NonFiniteLossError, PrecisionModule,
-    FiniteCheck, name_nonfinite_ranks, rebind_optimizer,
+    NONFINITE_POLICIES, Accumulator, DeviceLoader, FiniteCheck, NonFiniteLossError, PrecisionModule,
+    TrainLoaders, name_nonfinite_ranks, rebind_optimizer,
 )
 from lockstep.preempt import StopGuard, stop_every_rank
 from lockstep.resume import ResumeState, seed_everything
@@ -120,12 +120,10 @@ class Session:
         self.precision = get_precision(precision, self.device, comm=self.comm)
         self.strategy = get_strategy(strategy, self.comm, self.device, **options)
         seed_everything(seed)
-        self.epoch = 0
-        self.global_step = 0
-        self.skipped_steps = 0
+        self.epoch = self.global_step = self.skipped_steps = 0
         self._model: nn.Module | None = None
         self._finite = FiniteCheck()
-        self._train: DeviceLoader | None = None
+        self._loaders = TrainLoaders()
         self._loss: torch.Tensor | None = None
         self._resume = ResumeState()
         self._announced = False
@@ -198,6 +196,9 @@ class Session:
                **options: Any) -> DeviceLoader:
         """A distributed loader whose batches arrive on this rank's device.
 
+        Every training loader in use follows :meth:`epochs` and has its position saved and
+        restored by :meth:`save` / :meth:`load` (loaders are paired in the order they are made).
+
         Args:
             dataset: a map-style dataset.
             batch_size: samples per batch **per device**.
@@ -215,7 +216,7 @@ class Session:
                              shuffle=shuffle and not eval, eval=eval, seed=self.seed, **options)
         wrapped = DeviceLoader(loader, self.device, train=not eval)
         if not eval:
-            self._train = wrapped
+            self._loaders.add(wrapped)
         return wrapped
 
     # -- the loop ---------------------------------------------------------------------------
@@ -230,9 +231,7 @@ class Session:
         """
         for epoch in range(start, n):
             self.epoch = epoch
-            resuming = self._resume.mid_epoch and epoch == self._resume.epoch
-            if self._train is not None and not resuming:
-                self._train.sampler.set_epoch(epoch)
+            self._loaders.set_epoch(epoch)  # a loader resumed mid-epoch keeps its position
             self._announce()
             yield epoch
         self._resume = ResumeState()
@@ -331,11 +330,12 @@ class Session:
         parts = [f"world {self.world_size}", f"strategy {self.strategy.name}",
                  f"precision {self.precision.name}", f"backend {self.comm.backend}",
                  f"timeout {self.timeout.total_seconds():.0f} s"]
-        if self._train is not None:
-            b = self._train.batch_size
+        train = self._loaders.first
+        if train is not None:
+            b = train.batch_size
             g = b * self.world_size * self.accumulate
             parts += [f"batch {b} per device", f"global batch {g} ({b} x {self.world_size} x {self.accumulate})",
-                      f"{len(self._train) // self.accumulate} steps per epoch"]
+                      f"{len(train) // self.accumulate} steps per epoch"]
         return "lockstep: " + ", ".join(parts)
 
     def _announce(self) -> None:

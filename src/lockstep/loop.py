@@ -283,17 +283,28 @@ class FiniteCheck:
         if plan is None or plan[0] != size:
             plan = (size, _plan([p for g in param_groups for p in g["params"] if p.requires_grad]))
             self._plans[optimizer] = plan
-        found: torch.Tensor | None = None
+        checked = []
         for group in plan[1]:
             if group.sharded:
                 grads = [_local(p.grad) for p in group.params if p.grad is not None]
             else:
                 grads = [p.grad for p in group.params if p.grad is not None]
             if grads:
-                group.flag.zero_()
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, group.flag, group.one)
-                found = group.flag if found is None else found + group.flag.to(found.device)
-        return found is None or not bool(found.item())
+                checked.append(group)
+        if not checked:
+            return True
+        if all(g.host is not None for g in checked):  # CPU: read the flags' memory, no tensor op
+            bad = any(g.host[0] for g in checked)  # type: ignore[index]
+        else:
+            total = checked[0].flag
+            for group in checked[1:]:
+                total = total + group.flag.to(total.device)
+            bad = bool(total.item())  # one host sync
+        if bad:
+            for group in checked:
+                group.flag.zero_()  # the kernel only ever sets a flag: clear it for the next step
+        return not bad
 
 
 class _Group:
@@ -301,8 +312,9 @@ class _Group:
 
     def __init__(self, params: list[torch.Tensor], device: torch.device, sharded: bool) -> None:
         self.params, self.sharded = params, sharded
-        self.flag = torch.zeros(1, device=device)
+        self.flag = torch.zeros(1, device=device)  # stays 0 until a non-finite value is found
         self.one = torch.ones(1, device=device)
+        self.host = self.flag.numpy() if self.flag.device.type == "cpu" else None  # a view of the flag
 
 
 def _plan(params: list[torch.Tensor]) -> list[_Group]:

@@ -10,7 +10,10 @@ that the machine's background load falls on every arm alike:
   one finiteness flag per step: a host sync), ``session.loader``, ``session.backward``,
   ``session.step``; this is the headline number;
 * ``lockstep-ignore``: the same Session with ``nonfinite="ignore"`` (no per-step check), so the
-  cost of the check shows.
+  cost of the check shows;
+* ``raw-again``: a second, identical copy of the raw loop: an A/A control. Its ratio to ``raw``
+  is what this machine's noise alone produces; a lockstep ratio within that distance of 1.0
+  cannot be told apart from the raw loop by this run.
 
 Workloads: (a) the seed's ConvNet, batch 100 of 28x28 synthetic images; (b) a tiny model
 (``Linear(10, 10)``, batch 4), where the per-step overhead dominates. Targets: lockstep/raw
@@ -46,7 +49,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import lockstep
 
-ARMS = ("raw", "lockstep", "lockstep-ignore")
+ARMS = ("raw", "raw-again", "lockstep", "lockstep-ignore")
 WORKLOADS: dict[str, dict[str, Any]] = {
     "convnet": {"batch": 100, "samples": 20000, "shape": (1, 28, 28)},
     "tiny": {"batch": 4, "samples": 8192, "shape": (10,)},
@@ -144,6 +147,7 @@ def rank_main(workload: str, rounds: int, seconds: float, profile: bool) -> dict
     session = lockstep.Session(strategy="ddp", precision="fp32", seed=0, quiet=True)
     data = build_data(workload)
     steps_of = {"raw": raw_arm(workload, data, session.rank, session.world_size),
+                "raw-again": raw_arm(workload, data, session.rank, session.world_size),
                 "lockstep": lockstep_arm(workload, data, session)}
     steps_of["lockstep-ignore"] = steps_of["lockstep"]  # the same loop, the check switched off
     for arm in ARMS:
@@ -151,7 +155,7 @@ def rank_main(workload: str, rounds: int, seconds: float, profile: bool) -> dict
     steps = _calibrate(steps_of["raw"], seconds)
     rates: dict[str, list[float]] = {arm: [] for arm in ARMS}
     for r in range(rounds):
-        for arm in ARMS[r % 3:] + ARMS[:r % 3]:  # rotate the order: no arm always runs first
+        for arm in ARMS[r % len(ARMS):] + ARMS[:r % len(ARMS)]:  # rotate: no arm always runs first
             session.nonfinite = "ignore" if arm == "lockstep-ignore" else "skip"
             rates[arm].append(_window(steps_of[arm], steps))
     session.nonfinite = "skip"
@@ -208,7 +212,7 @@ def summarize(workload: str, report: dict[str, Any], target: float) -> str:
 
     The rounds interleave the arms, so the ratio within one round cancels the machine's slow
     drifts in load; the median of those paired ratios is the verdict. The ratio of the medians
-    and of the best windows are printed beside it.
+    and of the best windows are printed beside it, and the A/A control's distance from 1.0.
     """
     rates = report["rates"]
     lines = [f"{workload}: {len(rates['raw'])} interleaved rounds of {report['steps']} steps at world 2 (gloo)",
@@ -226,6 +230,9 @@ def summarize(workload: str, report: dict[str, Any], target: float) -> str:
         if arm == "lockstep":
             text += f"; target >= {target} -> {'meets' if paired >= target else 'below'}"
         lines.append(text)
+    control = statistics.median(a / b for a, b in zip(rates["raw-again"], rates["raw"]))
+    lines.append(f"  A/A control: two copies of the raw loop differ by {abs(1 - control):.1%} in this run; "
+                 "smaller differences are this machine's noise")
     return "\n".join(lines)
 
 

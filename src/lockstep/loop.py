@@ -72,14 +72,17 @@ class DeviceLoader:
 
     def __iter__(self) -> Iterator[Any]:
         move, device, nb = self._move, self.device, self._non_blocking
+        on_host = device.type == "cpu"  # the loader's batches are already there
         advance = getattr(self.sampler, "advance", None) if self.train else None
         world = getattr(self.sampler, "world_size", 1)
+        full = self.loader.batch_size  # every batch but an epoch's last has it on every rank
         for batch in self.loader:
             if advance is not None:
-                # counted when handed out: a checkpoint taken after this batch's step
-                # resumes with the next one
-                advance(_batch_len(batch) * world)
-            yield move(batch, device, nb)
+                # counted when handed out: a checkpoint taken after this batch's step resumes
+                # with the next one. The sampler clamps the position at the epoch's end, which
+                # is where a last, smaller batch takes it.
+                advance((full or _batch_len(batch)) * world)
+            yield batch if on_host else move(batch, device, nb)
 
 
 def _batch_len(batch: Any) -> int:

@@ -250,3 +250,52 @@ def test_a_loader_made_inside_the_epoch_loop_follows_the_epoch() -> None:
     assert all(sorted(o) == list(range(16)) for o in orders)
     assert orders[0] != orders[1] != orders[2]  # reshuffled every epoch, not epoch 0's order again
     session.close()
+
+
+def _epoch_end_save(directory: str, inside: bool, epochs: int) -> tuple[int, list[int]]:
+    """Train with a checkpoint at the end of every epoch; returns (start epoch, steps per epoch).
+    ``inside``: the loaders are made inside the epoch loop, else once before it (two, zipped)."""
+    session = lockstep.Session(quiet=True)
+    model, opt = session.setup(_model(), lambda p: torch.optim.SGD(p, lr=0.1))
+    long_set, short_set = _data(40), _data(24)  # zip stops with the short one: the long one is part-read
+    made = None if inside else (session.loader(long_set, batch_size=4), session.loader(short_set, batch_size=4))
+    state = session.load(directory, model=model, optimizer=opt)
+    steps = []
+    for _ in session.epochs(epochs, start=state.epoch):
+        a, b = made or (session.loader(long_set, batch_size=4), session.loader(short_set, batch_size=4))
+        n = 0
+        for (xa, ya), (xb, yb) in zip(a, b):
+            session.backward(nn.functional.mse_loss(model(xa), ya) + nn.functional.mse_loss(model(xb), yb))
+            session.step(opt)
+            n += 1
+        steps.append(n)
+        session.save(directory, model=model, optimizer=opt)
+    session.close()
+    return state.epoch, steps
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_a_checkpoint_at_the_end_of_an_epoch_resumes_with_the_next_one(tmp_path: Path, inside: bool) -> None:
+    assert _epoch_end_save(str(tmp_path), inside, 1) == (0, [6])
+    assert _epoch_end_save(str(tmp_path), inside, 3) == (1, [6, 6])  # epochs 1 and 2, each whole
+
+
+def _nan_in_one_shard() -> list[bool]:
+    session = lockstep.Session(strategy="fsdp", quiet=True, timeout=60)
+    model, opt = session.setup(_model(), lambda p: torch.optim.SGD(p, lr=0.1))
+    x, y = _data(16).tensors
+    taken = []
+    for i in range(3):
+        session.backward(nn.functional.mse_loss(model(x), y))
+        if i == 1 and session.rank == 0:
+            with torch.no_grad():  # one element of rank 0's shard only: rank 1's shard stays finite
+                next(iter(model.parameters())).grad.to_local().view(-1)[0] = float("nan")
+        taken.append(session.step(opt))
+    session.close()
+    return taken
+
+
+@pytest.mark.timeout(90)
+def test_fsdp_ranks_agree_on_a_non_finite_value_in_one_shard() -> None:
+    """The shard holding the NaN is on one rank; every rank must skip that step (no split decision, no hang)."""
+    assert run_distributed(_nan_in_one_shard, 2, timeout=60) == [[True, False, True]] * 2

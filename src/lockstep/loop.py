@@ -46,6 +46,7 @@ class DeviceLoader:
         self.train = train
         self._move = move_to_device
         self._non_blocking = device.type == "cuda"
+        self.tracker: Any = None  # the session's TrainLoaders, told when a batch goes out or the loader runs out
 
     @property
     def sampler(self) -> Any:
@@ -82,7 +83,11 @@ class DeviceLoader:
                 # with the next one. The sampler clamps the position at the epoch's end, which
                 # is where a last, smaller batch takes it.
                 advance((full or _batch_len(batch)) * world)
+            if self.tracker is not None:
+                self.tracker.epoch_done = False
             yield batch if on_host else move(batch, device, nb)
+        if self.tracker is not None:
+            self.tracker.epoch_done = True
 
 
 def _batch_len(batch: Any) -> int:
@@ -184,8 +189,13 @@ class TrainLoaders:
 
     Loaders are held weakly (a loader the script dropped is forgotten) and kept in creation
     order, which pairs them with the sampler states of a checkpoint. A state loaded before its
-    loader exists (``session.load`` called before ``session.loader``) waits here and is applied
-    when the loader is made, so the epoch still resumes where it stopped.
+    loader exists (``session.load`` called before ``session.loader``, or a loader made inside the
+    epoch loop) waits here and is applied when the loader is made, so the epoch still resumes
+    where it stopped.
+
+    Whether a checkpoint was taken in the middle of an epoch is what the loaders last did: an
+    epoch is finished once a loader ran out after the last batch handed out (this covers one
+    loader, ``zip`` of loaders of different lengths, and loops that ``break``).
 
     Example::
 
@@ -198,6 +208,7 @@ class TrainLoaders:
         self._refs: list[weakref.ref[DeviceLoader]] = []
         self._pending: list[dict[str, Any]] = []
         self._epoch = 0
+        self.epoch_done = False  # written by the loaders: True once one ran out after the last batch
 
     @property
     def live(self) -> list[DeviceLoader]:
@@ -219,15 +230,18 @@ class TrainLoaders:
         A loader made inside an epoch (``for x in session.loader(...)`` in the epoch loop)
         starts at that epoch, so its order changes from epoch to epoch.
         """
-        if self._pending:
+        if self._pending and int(self._pending[0].get("epoch", -1)) == self._epoch:
             loader.sampler.load_state_dict(self._pending.pop(0))
         else:
+            self._pending = []
             loader.sampler.set_epoch(self._epoch)
+        loader.tracker = self
         self._refs.append(weakref.ref(loader))
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` on every loader (one restored to this epoch keeps its position)."""
         self._epoch = epoch
+        self.epoch_done = False
         for loader in self.live:
             loader.sampler.set_epoch(epoch)
 
@@ -235,23 +249,37 @@ class TrainLoaders:
         """Every loader's sampler position, in creation order."""
         return [loader.sampler.state_dict() for loader in self.live]
 
-    def restore(self, states: list[dict[str, Any]], epoch: int) -> bool:
-        """Load saved sampler ``states`` (pairing them with the loaders in creation order).
+    def restore(self, states: list[dict[str, Any]], epoch: int, epoch_done: bool | None,
+                legacy: bool = False) -> bool:
+        """Load saved sampler ``states``, paired with the loaders in creation order.
 
         Returns True when the checkpoint was taken in the middle of ``epoch`` (each loader then
-        continues from its position); otherwise every loader starts the next epoch. States
-        without a loader yet wait for the next :meth:`add`.
+        continues from its position); otherwise every loader starts the next epoch.
+
+        Args:
+            states: the saved sampler states.
+            epoch: the epoch the checkpoint was taken in.
+            epoch_done: whether that epoch had finished; ``None`` for a checkpoint that did not
+                record it (then a position short of the dataset's end means mid-epoch).
+            legacy: ``states`` is the one state of an older checkpoint, which was the last
+                loader's.
 
         Raises:
             ConfigError: a state was saved for a dataset of another length.
         """
-        mid = any(0 < int(s.get("seen", 0)) < int(s.get("dataset_len", 0)) for s in states)
-        live = self.live
+        if not states:
+            self._pending = []
+            return False
+        if epoch_done is None:
+            epoch_done = not any(0 < int(s.get("seen", 0)) < int(s.get("dataset_len", 0)) for s in states)
+        mid = not epoch_done
+        self._epoch, self.epoch_done = (epoch, False) if mid else (epoch + 1, False)
+        live = self.live[-1:] if legacy else self.live
         for loader, state in zip(live, states):
             loader.sampler.load_state_dict(state)
             if not mid:
                 loader.sampler.set_epoch(epoch + 1)
-        self._pending = list(states[len(live):])
+        self._pending = list(states[len(live):]) if mid else []
         return mid
 
 
@@ -274,7 +302,8 @@ class FiniteCheck:
             optimizer.step()
     """
 
-    def __init__(self) -> None:
+    def __init__(self, comm: Comm | None = None) -> None:
+        self.comm = comm
         self._plans: weakref.WeakKeyDictionary[Any, tuple[tuple[int, ...], list[_Group]]] = (
             weakref.WeakKeyDictionary())
 
@@ -284,7 +313,8 @@ class FiniteCheck:
         size = tuple(len(g["params"]) for g in param_groups)
         plan = self._plans.get(optimizer)
         if plan is None or plan[0] != size:
-            plan = (size, _plan([p for g in param_groups for p in g["params"] if p.requires_grad]))
+            # every parameter, frozen ones too: one unfrozen later has its gradient checked
+            plan = (size, _plan([p for g in param_groups for p in g["params"]]))
             self._plans[optimizer] = plan
         checked = []
         for group in plan[1]:
@@ -295,9 +325,18 @@ class FiniteCheck:
             if grads:
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, group.flag, group.one)
                 checked.append(group)
-        if not checked:
+        sharded = self.comm is not None and self.comm.world_size > 1 and any(g.sharded for g in plan[1])
+        if sharded:
+            # a shard holds only its part of each gradient: a non-finite element is seen by the
+            # rank that owns it alone, so the ranks agree on the flag (one small all_reduce)
+            assert self.comm is not None
+            total = torch.zeros(1, device=plan[1][0].flag.device)
+            for group in checked:
+                total += group.flag.to(total.device)
+            bad = bool(self.comm.all_reduce(total, "max").item())
+        elif not checked:
             return True
-        if all(g.host is not None for g in checked):  # CPU: read the flags' memory, no tensor op
+        elif all(g.host is not None for g in checked):  # CPU: read the flags' memory, no tensor op
             bad = any(g.host[0] for g in checked)  # type: ignore[index]
         else:
             total = checked[0].flag
@@ -330,8 +369,8 @@ def _plan(params: list[torch.Tensor]) -> list[_Group]:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    # FSDP2 parameters and gradients are DTensors; a non-finite value on any rank reaches every
-    # shard through the reduce-scatter, so the local shard answers for all
+    # FSDP2 parameters and gradients are DTensors: check this rank's shard (FiniteCheck then
+    # agrees with the other ranks, which hold the other parts)
     to_local = getattr(t, "to_local", None)
     return to_local() if to_local is not None else t
 

@@ -37,8 +37,9 @@ def save_session(session: Session, directory: Path, model: nn.Module,
         "epoch": session.epoch,
         "step": session.global_step,
         "world_size": session.world_size,
-        "sampler": samplers[0] if samplers else None,  # the first loader's (read by older versions)
+        "sampler": samplers[-1] if samplers else None,  # older versions read the last loader's
         "samplers": samplers,
+        "epoch_done": session._loaders.epoch_done,
         "precision": session.precision.state_dict(),
         "rng": capture_rng(),
         "extras": extras,
@@ -87,10 +88,11 @@ def load_session(session: Session, directory: Path, model: nn.Module,
         restore_rng(rngs[session.rank])
     session.global_step = int(state["step"])
     epoch = int(state["epoch"])
-    states = state.get("samplers")
+    states, legacy = state.get("samplers"), False
     if states is None:  # written before checkpoints kept every loader's position
-        states = [state["sampler"]] if state.get("sampler") else []
-    mid = session._loaders.restore(list(states), epoch)
+        states, legacy = ([state["sampler"]] if state.get("sampler") else []), True
+    done = state.get("epoch_done")
+    mid = session._loaders.restore(list(states), epoch, None if done is None else bool(done), legacy)
     path = Path(state.get("path", directory))
     return ResumeState(epoch=epoch if mid else epoch + 1, step=session.global_step, path=path,
                        extras=dict(state.get("extras") or {}), mid_epoch=mid)

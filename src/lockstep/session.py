@@ -122,7 +122,7 @@ class Session:
         seed_everything(seed)
         self.epoch = self.global_step = self.skipped_steps = 0
         self._model: nn.Module | None = None
-        self._finite = FiniteCheck()
+        self._finite = FiniteCheck(self.comm)
         self._loaders = TrainLoaders()
         self._loss: torch.Tensor | None = None
         self._resume = ResumeState()

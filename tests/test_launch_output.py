@@ -44,9 +44,9 @@ def test_a_line_without_ending_is_shown_after_a_while(tmp_path: Path) -> None:
     deadline = time.monotonic() + 30
     while not out.getvalue() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert out.getvalue() == "[rank0]: Continue? \n"  # shown while the relay still runs
+    assert out.getvalue() == "[rank0]: Continue? "  # shown while the relay still runs
     relay.stop()
-    assert out.getvalue() == "[rank0]: Continue? \n"
+    assert out.getvalue() == "[rank0]: Continue? \n"  # the open line is ended at the stop
 
 
 def test_relay_for_shows_the_chosen_local_ranks_with_global_ranks(tmp_path: Path) -> None:
@@ -82,3 +82,34 @@ def test_output_larger_than_one_read_keeps_its_lines_whole(tmp_path: Path, monke
     log.write_text(line * 3000)
     OutputRelay([Source(str(log), out, "[rank0]: ")]).start().stop()
     assert out.getvalue() == ("[rank0]: " + line) * 3000
+
+
+def test_a_slow_progress_bar_is_not_broken_into_lines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lockstep import launch_output
+
+    monkeypatch.setattr(launch_output, "_HOLD_PARTIAL_S", 0.0)  # every pass shows what it has
+    out = io.StringIO()
+    log = tmp_path / "0.log"
+    log.write_bytes(b"")
+    source = Source(str(log), out, "[rank0]: ")
+    for chunk in (b"\r 10%", b"\r 20%", b" done\r", b"\nnext\n"):
+        with log.open("ab") as f:
+            f.write(chunk)
+        source.pump(final=False)
+    source.pump(final=True)
+    assert out.getvalue() == "\r[rank0]:  10%\r[rank0]:  20% done\r\n[rank0]: next\n"
+    with log.open("ab") as f:
+        f.write(b"Continue? ")
+    source.pump(final=False)
+    source.finish()
+    assert out.getvalue().endswith("\n[rank0]: Continue? \n")
+
+
+def test_an_unreadable_file_stops_only_its_own_relay(tmp_path: Path) -> None:
+    out = io.StringIO()
+    good = tmp_path / "good.log"
+    good.write_text("fine\n")
+    bad = tmp_path / "a-directory"
+    bad.mkdir()  # opening it for reading fails with an OSError other than "not found"
+    OutputRelay([Source(str(bad), out, "[rank1]: "), Source(str(good), out, "[rank0]: ")]).start().stop()
+    assert out.getvalue() == "[rank0]: fine\n"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import random
 import socket
 import time
 from datetime import timedelta
@@ -89,22 +90,36 @@ def open_store(world: World, init_method: str, timeout: timedelta) -> Any:
 
 
 def _await_listener(host: str, port: int, rank: int, timeout: timedelta) -> None:
-    """Wait until the store at ``host:port`` accepts connections, trying every 10 ms.
+    """Wait until the store at ``host:port`` accepts connections.
 
     A rank that starts before rank 0 listens would otherwise meet torch's client backoff, which
-    connects up to 0.6 s after the store is up; the probe connection is closed at once.
+    connects up to 0.6 s after the store is up. The address is resolved once; probes start 10 ms
+    apart and back off (with jitter) to 200 ms, so a large job waiting for a slow rank 0 does
+    not flood it. Each probe connection is closed at once.
     """
-    deadline = time.monotonic() + timeout.total_seconds()
+    total = timeout.total_seconds()
+    deadline = time.monotonic() + total
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise CommError(f"rank {rank} cannot resolve the master address {host!r} ({exc}); "
+                        "set MASTER_ADDR to a name or address every node can resolve") from None
+    delay = 0.01
     while True:
+        probe = socket.socket(family, kind, proto)
+        probe.settimeout(max(0.1, min(5.0, deadline - time.monotonic())))
         try:
-            with socket.create_connection((host, port), timeout=min(5.0, timeout.total_seconds())):
-                return
+            probe.connect(address)
+            return
         except OSError as exc:
             if time.monotonic() >= deadline:
                 raise CommError(f"rank {rank} could not reach the rendezvous store at {host}:{port} within "
-                                f"{timeout.total_seconds():.0f} s ({exc}): is rank 0 running, and is "
-                                "the master address reachable from this host?") from None
-            time.sleep(0.01)
+                                f"{total:.0f} s ({exc}): is rank 0 (or the launcher hosting the store) "
+                                "running, and is the master address reachable from this host?") from None
+        finally:
+            probe.close()
+        time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+        delay = min(0.2, delay * 1.5) * random.uniform(0.8, 1.2)
 
 
 def _loopback_listener(host: str, port: int) -> int | None:

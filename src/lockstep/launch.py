@@ -236,7 +236,7 @@ def _reporting_agent(report: _Reporter) -> Iterator[None]:
 
         def _monitor_workers(self, worker_group: Any) -> Any:
             result = super()._monitor_workers(worker_group)
-            if result.state != WorkerState.HEALTHY:
+            if result.state in (WorkerState.SUCCEEDED, WorkerState.FAILED):
                 relay.stop()  # the ranks are done: their last lines come before our summary
             if result.is_failed():
                 report.last_failures = dict(result.failures)

@@ -30,6 +30,7 @@ __all__ = ["OutputRelay", "Source", "relay_for"]
 _LINE = re.compile(rb"[^\r\n]*(?:\r\n|\n|\r)")
 # a line still without its ending after this long is shown as it is (a prompt, a slow printer)
 _HOLD_PARTIAL_S = 0.5
+_FINAL_DRAIN_S = 5.0  # at most this long copying what the files still hold at stop
 _CHUNK = 1 << 20  # read at most this much per file and pass: a flood of output stays bounded in memory
 
 
@@ -49,15 +50,23 @@ class Source:
     _file: IO[bytes] | None = field(default=None, repr=False)
     _partial: bytes = field(default=b"", repr=False)
     _partial_since: float = field(default=0.0, repr=False)
+    _midline: bool = field(default=False, repr=False)
+    _after_cr: bool = field(default=False, repr=False)
+    _dead: bool = field(default=False, repr=False)
 
     def pump(self, final: bool) -> bool:
         """Copy the complete lines written since the last call; True when anything was read."""
-        if self._file is None:
-            try:
+        if self._dead:
+            return False
+        try:
+            if self._file is None:
                 self._file = open(self.path, "rb")  # noqa: SIM115 - held open while following
-            except FileNotFoundError:
-                return False
-        new = self._file.read(_CHUNK)
+            new = self._file.read(_CHUNK)
+        except FileNotFoundError:
+            return False
+        except OSError:
+            self._dead = True  # unreadable: the other ranks' output still flows
+            return False
         now = time.monotonic()
         if new and not self._partial:
             self._partial_since = now
@@ -65,22 +74,45 @@ class Source:
         lines = _LINE.findall(data)
         rest = data[sum(len(x) for x in lines):]
         at_end = final and len(new) < _CHUNK  # the worker is gone and the file is read to its end
-        if rest and (at_end or now - self._partial_since >= _HOLD_PARTIAL_S):
-            lines.append(rest + b"\n")
+        if lines and not rest and lines[-1].endswith(b"\r") and not at_end:
+            rest = lines.pop()  # perhaps the first half of "\r\n": wait for the next read
+        out = [self._render(line, partial=False) for line in lines]
+        if rest and at_end:
+            out.append(self._render(rest + b"\n", partial=False))
+            rest = b""
+        elif rest and now - self._partial_since >= _HOLD_PARTIAL_S:
+            # shown as it is (a prompt, a slow progress bar): the line's rest follows it later
+            out.append(self._render(rest, partial=True))
             rest = b""
         self._partial = rest
         if rest and lines:
             self._partial_since = now
-        if lines:
-            # a bare "\r" (a progress bar about to redraw) moves the cursor; it needs no prefix
-            text = "".join(("" if line == b"\r" else self.prefix) + line.decode(errors="replace")
-                           for line in lines)
+        if out:
             try:
-                self.dst.write(text)
+                self.dst.write("".join(out))
                 self.dst.flush()
             except (OSError, ValueError):
                 pass  # the terminal went away: the log file still has every line
         return bool(new)
+
+    def _render(self, line: bytes, partial: bool) -> str:
+        # a bare "\r" (a progress bar about to redraw) and the rest of a line already shown
+        # need no prefix
+        bare = line == b"\r" or (line == b"\n" and self._after_cr)  # or the end of a split "\r\n"
+        prefix = "" if self._midline or bare else self.prefix
+        self._midline = partial and not line.endswith(b"\r")
+        self._after_cr = line.endswith(b"\r")
+        return prefix + line.decode(errors="replace")
+
+    def finish(self) -> None:
+        """End a line left open (shown without its ending) so that what follows starts afresh."""
+        if self._midline:
+            self._midline = False
+            try:
+                self.dst.write("\n")
+                self.dst.flush()
+            except (OSError, ValueError):
+                pass
 
     def close(self) -> None:
         """Stop following the file."""
@@ -123,9 +155,12 @@ class OutputRelay:
                     busy = source.pump(final=False) or busy
                 if not busy:
                     self._halt.wait(self.interval)
-            for source in self.sources:  # the workers are gone: what is left is final
-                while source.pump(final=True):
+            # the workers are gone: what is left is final (bounded, should one still be writing)
+            deadline = time.monotonic() + _FINAL_DRAIN_S
+            for source in self.sources:
+                while source.pump(final=True) and time.monotonic() < deadline:
                     pass
+                source.finish()
         finally:
             for source in self.sources:
                 source.close()

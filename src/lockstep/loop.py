@@ -195,7 +195,8 @@ class TrainLoaders:
 
     Whether a checkpoint was taken in the middle of an epoch is what the loaders last did: an
     epoch is finished once a loader ran out after the last batch handed out (this covers one
-    loader, ``zip`` of loaders of different lengths, and loops that ``break``).
+    loader, ``zip`` of loaders of different lengths, and loops that ``break``), or when every
+    loader has handed out its whole epoch (a save right after the last step).
 
     Example::
 
@@ -270,9 +271,10 @@ class TrainLoaders:
         if not states:
             self._pending = []
             return False
+        at_end = all(int(s.get("seen", 0)) >= int(s.get("dataset_len", 0)) for s in states)
         if epoch_done is None:
-            epoch_done = not any(0 < int(s.get("seen", 0)) < int(s.get("dataset_len", 0)) for s in states)
-        mid = not epoch_done
+            epoch_done = at_end or not any(int(s.get("seen", 0)) > 0 for s in states)
+        mid = not (epoch_done or at_end)  # a save right after the last batch: every loader at its end
         self._epoch, self.epoch_done = (epoch, False) if mid else (epoch + 1, False)
         live = self.live[-1:] if legacy else self.live
         for loader, state in zip(live, states):

@@ -71,12 +71,18 @@ def _worker_args(spec: LaunchSpec) -> list[str]:
     return args + list(spec.args)
 
 
+def _relayed(spec: LaunchSpec) -> bool:
+    """True when the ranks' output reaches this terminal through the relay, False when rank 0
+    inherits the terminal (``rank0_only`` without prefixes)."""
+    return spec.prefix or not spec.rank0_only
+
+
 def _launch_config(spec: LaunchSpec, log_dir: str) -> Any:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.launcher.api import LaunchConfig
 
     timeout = max(1, round(spec.join_timeout))
-    if spec.rank0_only and not spec.prefix:
+    if not _relayed(spec):
         # rank 0 inherits this terminal; the other ranks write only to their log files
         logs = DefaultLogsSpecs(log_dir=log_dir, redirects={
             r: Std.ALL for r in range(spec.nproc) if spec.node_rank != 0 or r != 0})
@@ -161,11 +167,6 @@ class _Reporter:
         self.exit_codes: dict[int, int | None] = {}
         self._shown_traceback = ""
 
-    @property
-    def relayed(self) -> bool:
-        """True when the ranks' output reaches this terminal through the relay (not inherited)."""
-        return self.spec.prefix or not self.spec.rank0_only
-
     def shown_local_ranks(self) -> set[int] | None:
         """The local ranks whose output is shown on this node (``None``: all)."""
         if not self.spec.rank0_only:
@@ -228,7 +229,7 @@ def _reporting_agent(report: _Reporter) -> Iterator[None]:
         def _start_workers(self, worker_group: Any) -> Any:
             nonlocal relay
             pids = super()._start_workers(worker_group)
-            if report.relayed:
+            if _relayed(report.spec):
                 relay.stop()
                 relay = relay_for(self._pcontext, worker_group.workers, sys.stdout, sys.stderr,
                                   report.shown_local_ranks()).start()

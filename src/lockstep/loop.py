@@ -1,5 +1,6 @@
-"""The pieces of the training step that the session holds: device loaders, the precision-aware
-module wrapper, gradient accumulation and the non-finite loss policy.
+"""The pieces of the training step that the session holds: device loaders and their epochs,
+the precision-aware module wrapper and gradient accumulation (the non-finite policy is
+:mod:`lockstep.nonfinite`).
 
 They are separate from :mod:`lockstep.session` so that each stays small and testable; users
 meet them only through ``Session``.
@@ -7,26 +8,17 @@ meet them only through ``Session``.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
-import weakref
 from typing import Any
 
 import torch
 from torch import nn
 
-from lockstep.comm import Comm
-from lockstep.errors import ConfigError, LockstepError
+from lockstep.errors import ConfigError
 
-__all__ = ["DeviceLoader", "PrecisionModule", "Accumulator", "FiniteCheck", "TrainLoaders", "NonFiniteLossError", "NONFINITE_POLICIES",
-           "rebind_optimizer"]
-
-NONFINITE_POLICIES = ("skip", "stop", "ignore")
-
-
-class NonFiniteLossError(LockstepError):
-    """The loss became NaN or infinite and the session was told to stop (``nonfinite="stop"``)."""
-
+__all__ = ["DeviceLoader", "PrecisionModule", "Accumulator", "TrainLoaders", "rebind_optimizer"]
 
 class DeviceLoader:
     """Iterate a DataLoader, moving each batch to the device, and count what training consumed.
@@ -77,17 +69,18 @@ class DeviceLoader:
         advance = getattr(self.sampler, "advance", None) if self.train else None
         world = getattr(self.sampler, "world_size", 1)
         full = self.loader.batch_size  # every batch but an epoch's last has it on every rank
+        tracker = self.tracker
         for batch in self.loader:
             if advance is not None:
                 # counted when handed out: a checkpoint taken after this batch's step resumes
                 # with the next one. The sampler clamps the position at the epoch's end, which
                 # is where a last, smaller batch takes it.
                 advance((full or _batch_len(batch)) * world)
-            if self.tracker is not None:
-                self.tracker.epoch_done = False
+            if tracker is not None:
+                tracker.epoch_done = False
             yield batch if on_host else move(batch, device, nb)
-        if self.tracker is not None:
-            self.tracker.epoch_done = True
+        if tracker is not None:
+            tracker.epoch_done = True
 
 
 def _batch_len(batch: Any) -> int:
@@ -283,105 +276,6 @@ class TrainLoaders:
                 loader.sampler.set_epoch(epoch + 1)
         self._pending = list(states[len(live):]) if mid else []
         return mid
-
-
-class FiniteCheck:
-    """Whether every gradient an optimizer is about to apply is finite (one host read per step).
-
-    The check runs GradScaler's fused kernel (unscaling by 1 leaves the values as they are) on
-    the gradients of the optimizer's parameters, grouped by device and dtype. The grouping and
-    the flag tensors are kept between steps and rebuilt when the optimizer's parameter groups
-    change size, so a step costs one kernel per group and one read of the flag: on a
-    Linear(10, 10) about 2 us instead of 5 us when regrouping every step.
-
-    Checking the optimizer's parameters (not one model's) covers every model a session set up,
-    e.g. a GAN's generator and discriminator with their own optimizers.
-
-    Example::
-
-        check = FiniteCheck()
-        if check(optimizer):
-            optimizer.step()
-    """
-
-    def __init__(self, comm: Comm | None = None) -> None:
-        self.comm = comm
-        self._plans: weakref.WeakKeyDictionary[Any, tuple[tuple[int, ...], list[_Group]]] = (
-            weakref.WeakKeyDictionary())
-
-    def __call__(self, optimizer: torch.optim.Optimizer) -> bool:
-        """True when every gradient of ``optimizer``'s parameters is finite (``None`` ones are skipped)."""
-        param_groups = optimizer.param_groups
-        size = tuple(len(g["params"]) for g in param_groups)
-        plan = self._plans.get(optimizer)
-        if plan is None or plan[0] != size:
-            # every parameter, frozen ones too: one unfrozen later has its gradient checked
-            plan = (size, _plan([p for g in param_groups for p in g["params"]]))
-            self._plans[optimizer] = plan
-        checked = []
-        for group in plan[1]:
-            if group.sharded:
-                grads = [_local(p.grad) for p in group.params if p.grad is not None]
-            else:
-                grads = [p.grad for p in group.params if p.grad is not None]
-            if grads:
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, group.flag, group.one)
-                checked.append(group)
-        sharded = self.comm is not None and self.comm.world_size > 1 and any(g.sharded for g in plan[1])
-        if sharded:
-            # a shard holds only its part of each gradient: a non-finite element is seen by the
-            # rank that owns it alone, so the ranks agree on the flag (one small all_reduce)
-            assert self.comm is not None
-            total = torch.zeros(1, device=plan[1][0].flag.device)
-            for group in checked:
-                total += group.flag.to(total.device)
-            bad = bool(self.comm.all_reduce(total, "max").item())
-        elif not checked:
-            return True
-        elif all(g.host is not None for g in checked):  # CPU: read the flags' memory, no tensor op
-            bad = any(g.host[0] for g in checked)  # type: ignore[index]
-        else:
-            total = checked[0].flag
-            for group in checked[1:]:
-                total = total + group.flag.to(total.device)
-            bad = bool(total.item())  # one host sync
-        if bad:
-            for group in checked:
-                group.flag.zero_()  # the kernel only ever sets a flag: clear it for the next step
-        return not bad
-
-
-class _Group:
-    """Parameters whose gradients share a device and dtype, with the check's flag tensors."""
-
-    def __init__(self, params: list[torch.Tensor], device: torch.device, sharded: bool) -> None:
-        self.params, self.sharded = params, sharded
-        self.flag = torch.zeros(1, device=device)  # stays 0 until a non-finite value is found
-        self.one = torch.ones(1, device=device)
-        self.host = self.flag.numpy() if self.flag.device.type == "cpu" else None  # a view of the flag
-
-
-def _plan(params: list[torch.Tensor]) -> list[_Group]:
-    by_key: dict[tuple[torch.device, torch.dtype, bool], list[torch.Tensor]] = {}
-    for p in params:
-        sharded = hasattr(p, "to_local")
-        local = _local(p)
-        by_key.setdefault((local.device, local.dtype, sharded), []).append(p)
-    return [_Group(ps, device, sharded) for (device, _, sharded), ps in by_key.items()]
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    # FSDP2 parameters and gradients are DTensors: check this rank's shard (FiniteCheck then
-    # agrees with the other ranks, which hold the other parts)
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None else t
-
-
-def name_nonfinite_ranks(comm: Comm, local_loss: torch.Tensor | None) -> list[int]:
-    """Gather which ranks saw a non-finite loss (called only on the rare bad step)."""
-    bad = local_loss is not None and not bool(torch.isfinite(local_loss).all().item())
-    flags = comm.all_gather_object(bad)
-    return [r for r, f in enumerate(flags) if f]
 
 
 def rebind_optimizer(optimizer: torch.optim.Optimizer, strategy: Any) -> torch.optim.Optimizer:

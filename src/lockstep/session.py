@@ -34,10 +34,8 @@ from torch import nn
 from lockstep.comm import Comm, init_comm, resolve_timeout
 from lockstep.env import detect_world
 from lockstep.errors import ConfigError
-from lockstep.loop import (
-    NONFINITE_POLICIES, Accumulator, DeviceLoader, FiniteCheck, NonFiniteLossError, PrecisionModule,
-    TrainLoaders, name_nonfinite_ranks, rebind_optimizer,
-)
+from lockstep.loop import Accumulator, DeviceLoader, PrecisionModule, TrainLoaders, rebind_optimizer
+from lockstep.nonfinite import NONFINITE_POLICIES, FiniteCheck, NonFiniteLossError, name_nonfinite_ranks
 from lockstep.preempt import StopGuard, stop_every_rank
 from lockstep.resume import ResumeState, seed_everything
 

@@ -7,7 +7,7 @@ on the GPU, a window of steps between two ``torch.cuda.synchronize`` calls after
 * ``lockstep single``: ``Session(strategy="single", precision="bf16-mixed")`` with its defaults
   (``nonfinite="skip"`` reads one flag per step), and the same with ``nonfinite="ignore"``;
 * with more than one GPU: ``lockstep dp`` (one process, ``nn.DataParallel``, a batch per GPU)
-  and ``lockstep ddp`` (one process per GPU through ``lockstep.spawn``).
+  and ``lockstep ddp`` (one process per GPU through ``lockstep.launch.spawn``).
 
 The single-GPU rows are interleaved over ``--rounds`` rounds and their medians reported.
 Without CUDA the script stops at once with exit code 2 (``--allow-cpu`` runs it on the CPU with
@@ -123,7 +123,7 @@ def dp_row(args: argparse.Namespace, gpus: int) -> float:
 
 
 def ddp_rank(args: argparse.Namespace) -> float:
-    """One rank of the ddp row (run by ``lockstep.spawn``); returns its window in seconds."""
+    """One rank of the ddp row (run by ``lockstep.launch.spawn``); returns its window in seconds."""
     import lockstep
 
     session = lockstep.Session(strategy="ddp", precision="bf16-mixed", quiet=True)
@@ -168,7 +168,7 @@ def main() -> int:
         torch.cuda.empty_cache()  # the single-GPU rows' memory goes back before GPU 0 is shared
 
         dp = dp_row(args, gpus)
-        windows = lockstep.spawn(ddp_rank, gpus, args=(args,))
+        windows = lockstep.launch.spawn(ddp_rank, gpus, args=(args,))
         ddp = args.batch_size * gpus * args.steps / max(windows)
         for label, rate in ((f"lockstep dp ({gpus} GPUs, 1 process)", dp), (f"lockstep ddp ({gpus} processes)", ddp)):
             print(f"  {label:36s} {rate:10.1f} images/s   {rate / (base * gpus):6.3f} scaling efficiency")

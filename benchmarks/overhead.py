@@ -1,6 +1,6 @@
 """What lockstep's Session costs per step, against the seed tutorial's hand-written DDP loop.
 
-Two ranks on gloo (``lockstep.spawn`` with a ``file://`` rendezvous) run three arms of the same
+Two ranks on gloo (``lockstep.launch.spawn`` with a ``file://`` rendezvous) run three arms of the same
 model, data, seed and optimizer, interleaved round by round (the order rotates every round), so
 that the machine's background load falls on every arm alike:
 
@@ -60,7 +60,7 @@ def build_model(workload: str) -> nn.Module:
     """The seed's ConvNet or the tiny Linear(10, 10), with the seed's fixed seed 0."""
     torch.manual_seed(0)
     if workload == "convnet":
-        from lockstep.recipes.models import ConvNet
+        from lockstep.zoo.models import ConvNet
 
         return ConvNet(num_classes=10, channels=1, image_size=28)
     return nn.Linear(10, 10)
@@ -191,7 +191,7 @@ def run_workload(workload: str, rounds: int, seconds: float, profile: bool) -> d
         os.environ["LOCKSTEP_INIT_METHOD"] = f"file://{tmp}/rendezvous"
         os.environ["OMP_NUM_THREADS"] = "1"
         try:
-            return lockstep.spawn(rank_main, 2, args=(workload, rounds, seconds, profile))[0]
+            return lockstep.launch.spawn(rank_main, 2, args=(workload, rounds, seconds, profile))[0]
         finally:
             del os.environ["LOCKSTEP_INIT_METHOD"]
 

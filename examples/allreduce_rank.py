@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from lockstep.comm import init_comm
+from lockstep.comm.group import init_comm
 from lockstep.env import detect_world
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from lockstep import cli
+from lockstep.cli import main as cli_main
 from lockstep.bench import BenchConfig, Cell, CellTask, add_efficiency, format_table, plan_cells, skip_reason
 from lockstep.bench.matrix import parse_list
 from lockstep.bench.measure import measure_cell, time_window
@@ -149,7 +149,7 @@ def test_measure_cell_on_cuda_reports_allocated_memory() -> None:
 def _bench(tmp_path: Path, *flags: str) -> tuple[int, dict[str, Any]]:
     argv = ["bench", "--model", f"{__name__}:tiny_model", "--image-size", "4", "--channels", "1",
             "--batch-size", "4", "--steps", "2", "--warmup", "1", "--out", str(tmp_path), "--no-progress", *flags]
-    code = cli.main(argv)
+    code = cli_main(argv)
     doc = json.loads((tmp_path / "results.json").read_text()) if (tmp_path / "results.json").exists() else {}
     return code, doc
 
@@ -186,7 +186,7 @@ def test_bench_command_schema_and_skips(tmp_path: Path, capsys: pytest.CaptureFi
 @pytest.mark.timeout(120)
 def test_failing_cell_is_reported_not_raised(tmp_path: Path) -> None:
     argv_model = ["--model", f"{__name__}:broken_model"]
-    code = cli.main(["bench", *argv_model, "--image-size", "4", "--channels", "1", "--steps", "1", "--warmup", "0",
+    code = cli_main(["bench", *argv_model, "--image-size", "4", "--channels", "1", "--steps", "1", "--warmup", "0",
                      "--strategies", "single", "--precision", "fp32", "--nproc", "1", "--out", str(tmp_path),
                      "--no-progress"])
     doc = json.loads((tmp_path / "results.json").read_text())
@@ -196,8 +196,8 @@ def test_failing_cell_is_reported_not_raised(tmp_path: Path) -> None:
 
 
 def test_bad_flags_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["bench", "--nproc", "0", "--out", str(tmp_path)]) == 2
-    assert cli.main(["bench", "--strategies", "single,horde", "--out", str(tmp_path)]) == 2
+    assert cli_main(["bench", "--nproc", "0", "--out", str(tmp_path)]) == 2
+    assert cli_main(["bench", "--strategies", "single,horde", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "--nproc must be >= 1" in err and "unknown strategy 'horde'" in err
     assert not (tmp_path / "results.json").exists()

@@ -19,13 +19,13 @@ import numpy as np
 import pytest
 import torch
 
-import lockstep.checkpoint_io as cio
-from lockstep.checkpoint import (
+import lockstep.checkpoint.files as cio
+from lockstep.checkpoint.core import (
     CheckpointError, CorruptCheckpointError, UnsafeCheckpointError, UnsupportedStateError, latest_checkpoint,
     list_checkpoints, load_checkpoint, read_manifest, save_checkpoint,
 )
-from lockstep.checkpoint_manifest import write_manifest
-from lockstep.comm import Comm
+from lockstep.checkpoint.manifest import write_manifest
+from lockstep.comm.group import Comm
 from lockstep.env import World
 from lockstep.errors import ConfigError
 
@@ -188,9 +188,9 @@ def test_disk_full_from_the_kernel(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 
 _KILLER = textwrap.dedent("""
     import os, sys, torch
-    import lockstep.checkpoint_io as cio
-    from lockstep.checkpoint import save_checkpoint
-    from lockstep.comm import Comm
+    import lockstep.checkpoint.files as cio
+    from lockstep.checkpoint.core import save_checkpoint
+    from lockstep.comm.group import Comm
     from lockstep.env import World
     root, where = sys.argv[1], sys.argv[2]
     comm = Comm(World())
@@ -270,7 +270,7 @@ def test_bit_flip_in_tensor_data_is_refused(tmp_path: Path, caplog: pytest.LogCa
     with pytest.raises(CorruptCheckpointError, match="corrupt: checksum mismatch") as info:
         load_checkpoint(tmp_path, COMM, fallback=False)
     assert str(bad) in str(info.value)
-    with caplog.at_level(logging.WARNING, logger="lockstep.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="lockstep.checkpoint.core"):
         loaded = load_checkpoint(tmp_path, COMM)
     assert loaded is not None and loaded["step"] == 1 and torch.equal(loaded["w"], torch.zeros(4096))
     assert "step-000002" in caplog.text and "checksum mismatch" in caplog.text

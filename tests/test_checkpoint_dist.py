@@ -12,14 +12,14 @@ import pytest
 import torch
 from torch import nn
 
-import lockstep.checkpoint_io as cio
+import lockstep.checkpoint.files as cio
 from _dist import run_distributed
-from lockstep.checkpoint import (
+from lockstep.checkpoint.core import (
     CheckpointError, CorruptCheckpointError, UnsafeCheckpointError, list_checkpoints, load_checkpoint,
     read_manifest, save_checkpoint,
 )
-from lockstep.checkpoint_manifest import write_manifest
-from lockstep.comm import Comm, init_comm
+from lockstep.checkpoint.manifest import write_manifest
+from lockstep.comm.group import Comm, init_comm
 from lockstep.env import World
 
 COMM = Comm(World())

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from _dist import run_distributed
-from lockstep.comm import Comm, CommError, init_comm
+from lockstep.comm.group import Comm, CommError, init_comm
 from lockstep.env import World
 
 
@@ -68,7 +68,7 @@ def test_collectives_file_init(world_size: int) -> None:
 
 _SCRIPT = textwrap.dedent("""
     import sys, torch
-    from lockstep.comm import init_comm
+    from lockstep.comm.group import init_comm
     from lockstep.env import detect_world
     comm = init_comm(detect_world(), init_method=sys.argv[1] if len(sys.argv) > 1 else None, timeout=20)
     print("SUM", int(comm.all_reduce(torch.tensor([comm.rank])).item()), flush=True)
@@ -176,7 +176,7 @@ def test_rank_that_starts_before_the_store_joins_when_it_listens(tmp_path: Path)
         port = s.getsockname()[1]
     code = textwrap.dedent(f"""
         import sys, time
-        from lockstep.comm import init_comm
+        from lockstep.comm.group import init_comm
         from lockstep.env import World
         rank = int(sys.argv[1])
         if rank == 0:

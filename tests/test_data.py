@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
 from _dist import run_distributed
-from lockstep.data import (EvalSampler, TrainSampler, default_num_workers, describe_batch, epoch_order,
+from lockstep.data.loader import (EvalSampler, TrainSampler, default_num_workers, describe_batch, epoch_order,
                            make_loader, move_to_device, seed_worker)
 from lockstep.errors import ConfigError
 
@@ -275,7 +275,7 @@ def test_pinned_loader_and_non_blocking_copy_on_cuda() -> None:
 def _train_uneven(n: int, batch: int) -> dict:
     from torch.nn.parallel import DistributedDataParallel
 
-    from lockstep.comm import init_comm
+    from lockstep.comm.group import init_comm
 
     comm = init_comm(timeout=20)  # a rank left waiting would fail in 20 s, not hang the test
     torch.manual_seed(0)

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from _dist import run_distributed
-from lockstep.doctor import Report, diagnose, format_report, verdict_line
-from lockstep.doctor_bandwidth import BandwidthRow, bus_factor, format_size, parse_size, parse_sizes
+from lockstep.doctor.checks import Report, diagnose, format_report, verdict_line
+from lockstep.doctor.bandwidth import BandwidthRow, bus_factor, format_size, parse_size, parse_sizes
 from lockstep.errors import ConfigError
 
 
@@ -82,7 +82,7 @@ def test_clock_skew_and_single_rank_are_warnings() -> None:
 
 
 def _doctor(fake_torch_on_rank1: bool) -> int:
-    import lockstep.doctor as doctor
+    import lockstep.doctor.checks as doctor
 
     if fake_torch_on_rank1 and os.environ["RANK"] == "1":
         real = doctor.describe_rank
@@ -98,9 +98,9 @@ def test_world_two_version_mismatch_fails_on_every_rank() -> None:
 def _measure() -> list:
     import torch
 
-    from lockstep.comm import init_comm
-    from lockstep.doctor import clock_offsets
-    from lockstep.doctor_bandwidth import measure_allreduce
+    from lockstep.comm.group import init_comm
+    from lockstep.doctor.checks import clock_offsets
+    from lockstep.doctor.bandwidth import measure_allreduce
 
     comm = init_comm(timeout=90)
     rows = measure_allreduce(comm, [4096, 1 << 18], iters=4, warmup=1)
@@ -148,8 +148,8 @@ def test_cli_world_two_reports_bandwidth_table() -> None:
 
 
 def _doctor_gpu() -> list:
-    from lockstep.comm import init_comm
-    from lockstep.doctor_bandwidth import measure_allreduce
+    from lockstep.comm.group import init_comm
+    from lockstep.doctor.bandwidth import measure_allreduce
     from lockstep.env import detect_world
 
     world = detect_world()
@@ -170,7 +170,7 @@ def test_nccl_measurement_on_gpus() -> None:
 
 
 def test_cli_refuses_bad_flags_before_launching() -> None:
-    from lockstep.cli import main
+    from lockstep.cli.main import main
 
     assert main(["doctor", "--sizes", "lots"]) == 2
     assert main(["doctor", "--iters", "0"]) == 2
@@ -179,7 +179,7 @@ def test_cli_refuses_bad_flags_before_launching() -> None:
 
 
 def test_cli_single_process_reports_without_table(capsys: pytest.CaptureFixture) -> None:
-    from lockstep.cli import main
+    from lockstep.cli.main import main
 
     assert main(["doctor", "--nproc", "1", "--sizes", "4K"]) == 0
     out = capsys.readouterr().out

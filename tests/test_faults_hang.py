@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from _dist import run_distributed
-from lockstep.comm import resolve_timeout
+from lockstep.comm.group import resolve_timeout
 from lockstep.errors import ConfigError
-from lockstep.launch_report import Failure, summarize
-from lockstep.watchdog import Post, diagnose
+from lockstep.launch.report import Failure, summarize
+from lockstep.comm.watchdog import Post, diagnose
 
 
 def _post(rank: int, seq: int, inside: bool, what: str, where: str = "", in_torch: bool = False) -> Post:
@@ -89,7 +89,7 @@ def test_backstop_reports_when_the_backend_never_raises(tmp_path: Path) -> None:
     script = tmp_path / "stuck.py"
     script.write_text(textwrap.dedent(f"""
         import time, torch.distributed as dist
-        from lockstep.watchdog import Watchdog
+        from lockstep.comm.watchdog import Watchdog
         watch = Watchdog(dist.FileStore({str(tmp_path / "store")!r}, 1), rank=0, world_size=2, timeout=1.0,
                          backstop=2.0)
         watch.start()
@@ -122,8 +122,8 @@ def test_timeout_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 def _sleepy_all_reduce() -> dict:
     import torch
 
-    from lockstep.comm import init_comm
-    from lockstep.watchdog import CollectiveTimeoutError
+    from lockstep.comm.group import init_comm
+    from lockstep.comm.watchdog import CollectiveTimeoutError
 
     comm = init_comm(timeout=3)
     comm.all_reduce(torch.ones(1))

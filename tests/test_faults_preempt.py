@@ -19,12 +19,12 @@ import torch
 from torch import nn
 
 import lockstep
-from lockstep.commands.run import add_arguments
-from lockstep.comm import Comm
+from lockstep.cli.run import add_arguments
+from lockstep.comm.group import Comm
 from lockstep.env import World
 from lockstep.errors import EXIT_PREEMPTED
-from lockstep.launch import LaunchSpec, _launch_config, _launch_environment
-from lockstep.preempt import Preempted, StopGuard
+from lockstep.launch.elastic import LaunchSpec, _launch_config, _launch_environment
+from lockstep.session.preempt import Preempted, StopGuard
 
 
 def _loop(session: lockstep.Session, directory: Path, steps: int, signal_at: int, signum: int) -> list[int]:
@@ -71,7 +71,7 @@ def test_bad_preemption_options() -> None:
 def test_check_interval_adapts_identically(monkeypatch: pytest.MonkeyPatch) -> None:
     """Steps of 10 ms and a 1 s target: checks at steps 1 (arm), 2, 6, 22, 86, then every 100."""
     now = [0.0]
-    monkeypatch.setattr("lockstep.preempt.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("lockstep.session.preempt.time.monotonic", lambda: now[0])
     guard = StopGuard(check_seconds=1.0).attach(Comm(World()), torch.device("cpu"))
     guard.install = lambda: None  # type: ignore[method-assign]  # no handlers in the test process
     checks = []

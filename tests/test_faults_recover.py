@@ -35,8 +35,8 @@ TRAIN = textwrap.dedent("""
     from pathlib import Path
     from torch import nn
     import lockstep
-    import lockstep.checkpoint
-    from lockstep.preempt import Preempted
+    import lockstep.checkpoint.core
+    from lockstep.session.preempt import Preempted
 
     ckpt, out, mode = sys.argv[1], sys.argv[2], sys.argv[3]
     first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
@@ -50,13 +50,13 @@ TRAIN = textwrap.dedent("""
     Path(out).with_name(f"pid{session.rank}").write_text(str(os.getpid()))
 
     if mode == "kill-in-save" and first and session.rank == 0:
-        write = lockstep.checkpoint.write_state_file
+        write = lockstep.checkpoint.core.write_state_file
         def dying_write(path, obj):
             if session.global_step == 8:
                 path.write_bytes(b"half a checkpoint" * 1000)
                 os.kill(os.getpid(), signal.SIGKILL)
             return write(path, obj)
-        lockstep.checkpoint.write_state_file = dying_write
+        lockstep.checkpoint.core.write_state_file = dying_write
 
     try:
         for epoch in session.epochs(4, start=state.epoch):
@@ -199,7 +199,7 @@ def test_store_listens_on_loopback_only(tmp_path: Path) -> None:
     script = tmp_path / "listen.py"
     script.write_text(textwrap.dedent("""
         import os
-        from lockstep.comm import init_comm
+        from lockstep.comm.group import init_comm
         comm = init_comm(timeout=30)
         port = int(os.environ["MASTER_PORT"])
         if comm.rank == 0:

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from lockstep.commands.run import add_arguments
+from lockstep.cli.run import add_arguments
 from lockstep.errors import ConfigError
-from lockstep.launch import LaunchSpec, exposure_warning, parse_master, resolve_nproc, slurm_defaults
-from lockstep.launch_report import Failure, summarize
+from lockstep.launch.elastic import LaunchSpec, exposure_warning, parse_master, resolve_nproc, slurm_defaults
+from lockstep.launch.report import Failure, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "allreduce_rank.py"
@@ -27,7 +27,7 @@ EXAMPLE = ROOT / "examples" / "allreduce_rank.py"
 # Ranks all_reduce at every step; FAULT picks what rank 1 does at step 3.
 FAULT_SCRIPT = textwrap.dedent("""
     import os, sys, time, torch
-    from lockstep.comm import init_comm
+    from lockstep.comm.group import init_comm
     mode = sys.argv[1]
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     comm = init_comm(timeout=30)
@@ -143,7 +143,7 @@ def test_bootstrap_records_the_user_traceback(tmp_path: Path) -> None:
                       "    raise KeyError('missing')\nf()\n")
     error_file = tmp_path / "error.json"
     env = {**os.environ, "TORCHELASTIC_ERROR_FILE": str(error_file)}
-    proc = subprocess.run([sys.executable, "-m", "lockstep._bootstrap", str(script), "--x", "1"],
+    proc = subprocess.run([sys.executable, "-m", "lockstep.launch.bootstrap", str(script), "--x", "1"],
                           capture_output=True, text=True, env=env, timeout=30)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr  # the launcher prints it, once
     assert f"'--x', '1'] {tmp_path}" in proc.stdout

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from lockstep.launch_output import OutputRelay, Source, relay_for
+from lockstep.launch.output import OutputRelay, Source, relay_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -73,7 +73,7 @@ def test_relay_for_shows_the_chosen_local_ranks_with_global_ranks(tmp_path: Path
 
 
 def test_output_larger_than_one_read_keeps_its_lines_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from lockstep import launch_output
+    from lockstep.launch import output as launch_output
 
     monkeypatch.setattr(launch_output, "_CHUNK", 4096)  # reads end in the middle of lines
     out = io.StringIO()
@@ -85,7 +85,7 @@ def test_output_larger_than_one_read_keeps_its_lines_whole(tmp_path: Path, monke
 
 
 def test_a_slow_progress_bar_is_not_broken_into_lines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from lockstep import launch_output
+    from lockstep.launch import output as launch_output
 
     monkeypatch.setattr(launch_output, "_HOLD_PARTIAL_S", 0.0)  # every pass shows what it has
     out = io.StringIO()

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from _dist import run_distributed
-from lockstep.comm import Comm
-from lockstep.data import make_loader
+from lockstep.comm.group import Comm
+from lockstep.data.loader import make_loader
 from lockstep.env import World
 from lockstep.errors import ConfigError
 from lockstep.metrics import Reducer, SumCount, accuracy, evaluate
@@ -143,7 +143,7 @@ def test_evaluate_on_cuda_with_autocast() -> None:
 # --- FAULTS 11 with real processes ------------------------------------------------------------
 
 def _eval_on_ranks(kind: str, batch: int) -> dict:
-    from lockstep.comm import init_comm
+    from lockstep.comm.group import init_comm
 
     comm = init_comm(timeout=30)
     model, data = _digits() if kind == "digits" else _tiny()

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from _dist import run_distributed
-from lockstep.comm import init_comm
+from lockstep.comm.group import init_comm
 from lockstep.errors import ConfigError
 from lockstep.precision import (
     HalfPrecision,

@@ -13,10 +13,10 @@ from torch import nn
 
 from lockstep.errors import ConfigError
 from lockstep.recipes.config import TrainConfig, check_data
-from lockstep.recipes.datasets import ImageTensors, SyntheticImages, open_data, parse_data
-from lockstep.recipes.folders import CHECK_PER_CLASS
-from lockstep.recipes.idx import read_idx, read_mnist, write_idx
-from lockstep.recipes.models import ConvNet, build_model, input_channels, load_weights
+from lockstep.zoo.datasets import ImageTensors, SyntheticImages, open_data, parse_data
+from lockstep.zoo.folders import CHECK_PER_CLASS
+from lockstep.zoo.idx import read_idx, read_mnist, write_idx
+from lockstep.zoo.models import ConvNet, build_model, input_channels, load_weights
 from lockstep.recipes.outputs import RunLog
 
 
@@ -258,7 +258,7 @@ def test_batch_larger_than_shard() -> None:
 
 
 def test_worker_argv_round_trip(tmp_path: Path) -> None:
-    from lockstep.commands.train import add_arguments, config_from_args, worker_argv
+    from lockstep.cli.train import add_arguments, config_from_args, worker_argv
 
     config = TrainConfig(model="resnet18", epochs=2, lr=0.1, scale_lr=True, out=str(tmp_path), nproc=2,
                          max_steps=3, image_size=32)

@@ -185,7 +185,7 @@ def test_two_models_each_optimizer_checks_its_own_gradients() -> None:
 
 
 def test_finite_check_groups_by_dtype() -> None:
-    from lockstep.nonfinite import FiniteCheck
+    from lockstep.session.nonfinite import FiniteCheck
 
     a, b = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(3, dtype=torch.float64))
     opt = torch.optim.SGD([a, b], lr=0.1)

@@ -9,13 +9,13 @@ import types
 import pytest
 
 from lockstep.errors import ConfigError
-from lockstep.spawn import SpawnError, spawn
+from lockstep.launch.spawn import SpawnError, spawn
 
 
 def _allreduce_and_describe(offset: int) -> dict:
     import torch
 
-    from lockstep.comm import init_comm
+    from lockstep.comm.group import init_comm
 
     comm = init_comm(timeout=30)  # env:// with the MASTER_ADDR/PORT spawn chose
     total = int(comm.all_reduce(torch.tensor([comm.rank])).item())

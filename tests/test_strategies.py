@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from _dist import run_distributed
-from lockstep.comm import Comm, init_comm
+from lockstep.comm.group import Comm, init_comm
 from lockstep.env import World
 from lockstep.errors import ConfigError
 from lockstep.strategies import (

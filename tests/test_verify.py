@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from lockstep.cli import main as cli
+from lockstep.cli.main import main as cli
 from lockstep.errors import ConfigError
 from lockstep.verify.compare import Comparison, ForwardDiff, LossDiff, TensorDiff, relative_difference, update_ratio
 from lockstep.verify.config import VerifyConfig

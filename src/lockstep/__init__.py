@@ -21,14 +21,14 @@ __all__ = ["Session", "ResumeState", "spawn", "metrics", "init_comm", "detect_wo
 
 _LAZY = {
     "Session": ("lockstep.session", "Session"),
-    "spawn": ("lockstep.spawn", "spawn"),
-    "ResumeState": ("lockstep.resume", "ResumeState"),
+    "spawn": ("lockstep.launch.spawn", "spawn"),
+    "ResumeState": ("lockstep.session.resume", "ResumeState"),
     "metrics": ("lockstep.metrics", None),
     "init_comm": ("lockstep.comm", "init_comm"),
     "detect_world": ("lockstep.env", "detect_world"),
     "World": ("lockstep.env", "World"),
-    "Preempted": ("lockstep.preempt", "Preempted"),
-    "CollectiveTimeoutError": ("lockstep.watchdog", "CollectiveTimeoutError"),
+    "Preempted": ("lockstep.session.preempt", "Preempted"),
+    "CollectiveTimeoutError": ("lockstep.comm.watchdog", "CollectiveTimeoutError"),
 }
 
 

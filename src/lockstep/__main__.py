@@ -2,6 +2,6 @@
 
 import sys
 
-from lockstep.cli import main
+from lockstep.cli.main import main
 
 sys.exit(main())

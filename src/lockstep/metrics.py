@@ -3,7 +3,7 @@
 Averaging per-rank means is wrong whenever ranks hold different numbers of samples (and a padded
 sampler counts some samples twice). Here every rank sums its per-sample values and counts its
 samples, one ``all_reduce`` adds those up, and the mean is taken once. With an evaluation loader
-from :func:`lockstep.data.make_loader` (``eval=True``) the result is the single-process figure.
+from :func:`lockstep.data.loader.make_loader` (``eval=True``) the result is the single-process figure.
 
 Example (run under ``lockstep run --nproc 2 script.py``)::
 
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import default_collate
 
-from lockstep.data import move_to_device
+from lockstep.data.loader import move_to_device
 from lockstep.errors import ConfigError
 
 __all__ = ["SumCount", "Reducer", "accuracy", "evaluate", "SupportsAllReduce"]
@@ -34,7 +34,7 @@ Forward = Callable[[torch.nn.Module, Any], Any]
 
 
 class SupportsAllReduce(Protocol):
-    """Anything with ``all_reduce(tensor, op)``: a :class:`lockstep.comm.Comm` or a Session."""
+    """Anything with ``all_reduce(tensor, op)``: a :class:`lockstep.comm.group.Comm` or a Session."""
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor: ...
 
@@ -101,7 +101,7 @@ class SumCount:
         """Return ``(sum, count)`` over all ranks (one ``all_reduce``).
 
         Args:
-            comm: the job's :class:`~lockstep.comm.Comm` (or a Session).
+            comm: the job's :class:`~lockstep.comm.group.Comm` (or a Session).
 
         Example::
 
@@ -120,7 +120,7 @@ class SumCount:
         """Return the mean over all ranks: global sum / global count (NaN when no samples).
 
         Args:
-            comm: the job's :class:`~lockstep.comm.Comm` (or a Session).
+            comm: the job's :class:`~lockstep.comm.group.Comm` (or a Session).
 
         Example::
 
@@ -287,7 +287,7 @@ def accuracy(model: torch.nn.Module, loader: Iterable[Any], comm: SupportsAllRed
     Args:
         model: a classifier returning ``[batch, classes]`` scores (plain, DDP- or FSDP-wrapped).
         loader: yields ``(inputs, targets)``; use ``make_loader(..., eval=True)`` for exactness.
-        comm: the job's :class:`~lockstep.comm.Comm` (or a Session).
+        comm: the job's :class:`~lockstep.comm.group.Comm` (or a Session).
         device: where to run; default: the device of the model's parameters.
         forward: ``forward(model, inputs) -> outputs``, for autocast or unusual signatures.
 
@@ -311,7 +311,7 @@ def evaluate(model: torch.nn.Module, loader: Iterable[Any], comm: SupportsAllRed
     Args:
         model: a classifier returning ``[batch, classes]`` scores (plain, DDP- or FSDP-wrapped).
         loader: yields ``(inputs, targets)``; use ``make_loader(..., eval=True)`` for exactness.
-        comm: the job's :class:`~lockstep.comm.Comm` (or a Session).
+        comm: the job's :class:`~lockstep.comm.group.Comm` (or a Session).
         loss_fn: a loss accepting ``reduction="sum"`` (functional or an nn loss module).
         device: where to run; default: the device of the model's parameters.
         forward: ``forward(model, inputs) -> outputs``, for autocast or unusual signatures.

@@ -1,7 +1,7 @@
 """``lockstep bench``: which strategy x precision x process count is fastest on this machine.
 
 Every cell of the matrix trains the model with ``lockstep.Session(strategy, precision)`` in new
-processes (``lockstep.spawn``): warm-up steps, then a timed window between device
+processes (``lockstep.launch.spawn``): warm-up steps, then a timed window between device
 synchronisations. The figures (samples/s per rank and in total, scaling efficiency, step-time
 median and spread, peak memory) come back to the parent, which prints a table, writes
 ``results.json`` and draws ``bench.png``. Cells that cannot run here are listed with the reason.

@@ -72,7 +72,7 @@ def resolve_factory(spec: str) -> Callable[[], Any]:
 
         factory = resolve_factory("torchvision.models:resnet18")
     """
-    from lockstep.imports import load_object
+    from lockstep._imports import load_object
 
     return load_object(spec, "--model")  # type: ignore[no-any-return]
 
@@ -144,11 +144,11 @@ class BenchConfig:
         if self.user_model:
             resolve_factory(self.model)
         else:
-            from lockstep.recipes.models import check_model
+            from lockstep.zoo.models import check_model
 
             check_model(self.model)
         if self.data != "synthetic":
-            from lockstep.recipes.datasets import parse_data
+            from lockstep.zoo.datasets import parse_data
 
             parse_data(self.data)
 
@@ -171,7 +171,7 @@ class BenchConfig:
             return self.image_size
         if self.user_model:
             return 224
-        from lockstep.recipes.models import default_image_size
+        from lockstep.zoo.models import default_image_size
 
         return default_image_size(self.model)
 
@@ -182,8 +182,8 @@ class BenchConfig:
             return self.channels
         if self.user_model:
             return 3
-        from lockstep.recipes.datasets import native_channels, parse_data
-        from lockstep.recipes.models import input_channels
+        from lockstep.zoo.datasets import native_channels, parse_data
+        from lockstep.zoo.models import input_channels
 
         native = 1 if self.data == "synthetic" else native_channels(parse_data(self.data))
         return input_channels(self.model, native)

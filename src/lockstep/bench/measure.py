@@ -20,7 +20,7 @@ interpreter and torch itself (``base_mem_mb`` is the resident set before the mod
 
 Example (one rank of a two-process cell)::
 
-    results = lockstep.spawn(measure_cell, 2, args=(CellTask(model="convnet", strategy="ddp"),))
+    results = lockstep.launch.spawn(measure_cell, 2, args=(CellTask(model="convnet", strategy="ddp"),))
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ def _batches(session: Any, task: CellTask, batch_size: int) -> tuple[Iterator[An
 
 
 def measure_cell(task: CellTask) -> dict[str, Any]:
-    """Measure one cell on this rank (run it on every rank, e.g. with ``lockstep.spawn``).
+    """Measure one cell on this rank (run it on every rank, e.g. with ``lockstep.launch.spawn``).
 
     Args:
         task: what to measure.
@@ -209,7 +209,7 @@ def measure_cell(task: CellTask) -> dict[str, Any]:
 
     Example::
 
-        lockstep.spawn(measure_cell, 2, args=(CellTask(strategy="ddp", steps=5),))
+        lockstep.launch.spawn(measure_cell, 2, args=(CellTask(strategy="ddp", steps=5),))
     """
     import lockstep
 

@@ -1,4 +1,4 @@
-"""Run the bench matrix: each cell in fresh processes (``lockstep.spawn``), figures back to the parent.
+"""Run the bench matrix: each cell in fresh processes (``lockstep.launch.spawn``), figures back to the parent.
 
 Every cell, one process included, runs in newly started processes, so that one cell's memory
 peak, threads or failure never leaks into the next. The parent only plans, spawns and
@@ -144,7 +144,7 @@ def run_cell(config: BenchConfig, cell: Cell, gpus: int) -> None:
 
         run_cell(config, Cell("ddp", "fp32", 2), gpus=0)
     """
-    from lockstep.spawn import SpawnError, spawn
+    from lockstep.launch.spawn import SpawnError, spawn
 
     began = time.perf_counter()
     try:

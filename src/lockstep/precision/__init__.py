@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from lockstep.comm import Comm
+from lockstep.comm.group import Comm
 from lockstep.errors import ConfigError
 from lockstep.precision.amp import MixedPrecision
 from lockstep.precision.base import LossScaler, Precision

@@ -19,7 +19,7 @@ from typing import Any, ContextManager
 
 import torch
 
-from lockstep.comm import Comm
+from lockstep.comm.group import Comm
 from lockstep.precision.base import LossScaler, Precision
 
 __all__ = ["MixedPrecision"]

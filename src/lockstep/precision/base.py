@@ -23,7 +23,7 @@ from typing import Any, ClassVar, ContextManager
 import torch
 from torch import nn
 
-from lockstep.comm import Comm
+from lockstep.comm.group import Comm
 
 __all__ = ["Precision", "LossScaler"]
 

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from lockstep.comm import Comm
+from lockstep.comm.group import Comm
 from lockstep.errors import ConfigError
 from lockstep.precision.base import LossScaler, Precision, is_float
 

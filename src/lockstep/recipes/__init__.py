@@ -1,10 +1,11 @@
-"""The ready image-classification trainer behind ``lockstep train``, built on the public API only.
+"""The ready image-classification trainer behind ``lockstep train``, built on the public API only
+(models and datasets come from :mod:`lockstep.zoo`).
 
-* :mod:`~lockstep.recipes.models`: the seeds' ConvNet and torchvision's models by name.
-* :mod:`~lockstep.recipes.datasets`: digits (bundled), MNIST IDX files, image folders, synthetic.
 * :mod:`~lockstep.recipes.config`: the run's configuration, validated before any process starts.
 * :mod:`~lockstep.recipes.train`: the training program each worker runs (``lockstep.Session``).
 * :mod:`~lockstep.recipes.outputs`: ``metrics.csv``, ``config.json`` and TensorBoard events.
+
+An app: may import the library and ``lockstep.zoo``, never another app.
 
 Example::
 
@@ -15,8 +16,8 @@ Example::
 from __future__ import annotations
 
 from lockstep.recipes.config import TrainConfig, check_data
-from lockstep.recipes.datasets import DataSpec, ImageData, open_data, parse_data
-from lockstep.recipes.models import ConvNet, build_model, model_names
+from lockstep.zoo.datasets import DataSpec, ImageData, open_data, parse_data
+from lockstep.zoo.models import ConvNet, build_model, model_names
 from lockstep.recipes.train import train
 
 __all__ = ["TrainConfig", "check_data", "DataSpec", "ImageData", "open_data", "parse_data", "ConvNet",

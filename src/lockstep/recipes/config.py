@@ -100,8 +100,8 @@ class TrainConfig:
     progress: str = "auto"
 
     def __post_init__(self) -> None:
-        from lockstep.recipes.datasets import parse_data
-        from lockstep.recipes.models import check_model
+        from lockstep.zoo.datasets import parse_data
+        from lockstep.zoo.models import check_model
 
         check_model(self.model)
         parse_data(self.data)
@@ -201,7 +201,7 @@ class TrainConfig:
 
             TrainConfig(model="resnet18").input_size    # 224
         """
-        from lockstep.recipes.models import default_image_size
+        from lockstep.zoo.models import default_image_size
 
         return self.image_size or default_image_size(self.model)
 
@@ -223,14 +223,14 @@ def check_data(config: TrainConfig, world_size: int) -> Any:
         world_size: processes in the job.
 
     Returns:
-        The :class:`~lockstep.recipes.datasets.ImageData`.
+        The :class:`~lockstep.zoo.datasets.ImageData`.
 
     Example::
 
         data = check_data(TrainConfig(batch_size=64), world_size=2)
     """
-    from lockstep.recipes.datasets import native_channels, open_data, parse_data
-    from lockstep.recipes.models import input_channels
+    from lockstep.zoo.datasets import native_channels, open_data, parse_data
+    from lockstep.zoo.models import input_channels
 
     spec = parse_data(config.data)
     channels = input_channels(config.model, native_channels(spec))

@@ -25,7 +25,7 @@ from torch import nn
 
 import lockstep
 from lockstep.recipes.config import CHECKPOINTS, TrainConfig, check_data
-from lockstep.recipes.models import build_model, load_weights
+from lockstep.zoo.models import build_model, load_weights
 from lockstep.recipes.outputs import RunLog
 
 __all__ = ["train", "EVAL_BATCH", "POSTFIX_EVERY"]

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from lockstep.comm import Comm
+from lockstep.comm.group import Comm
 from lockstep.errors import ConfigError
 from lockstep.strategies.base import Strategy, apply_sync_bn, broadcast_module_state, unwrap_module
 from lockstep.strategies.ddp import DDPStrategy, UnusedParametersError, apply_ddp, explain_ddp_error

@@ -1,6 +1,6 @@
 """The :class:`Strategy` interface: how one way of parallelism prepares and saves a model.
 
-A strategy is built from a :class:`~lockstep.comm.Comm` (who the peers are) and a device, plus
+A strategy is built from a :class:`~lockstep.comm.group.Comm` (who the peers are) and a device, plus
 options it declares in ``defaults``. Its public methods check, its ``_hooks`` act, so that a new
 strategy overrides only what differs (usually ``_wrap``).
 
@@ -23,7 +23,7 @@ from typing import Any, ClassVar, ContextManager
 import torch
 from torch import nn
 
-from lockstep.comm import Comm
+from lockstep.comm.group import Comm
 from lockstep.errors import ConfigError
 from lockstep.strategies.modules import apply_sync_bn, broadcast_module_state, unwrap_module
 
@@ -34,7 +34,7 @@ class Strategy:
     """Base class of the parallel strategies (``single``, ``dp``, ``ddp``, ``fsdp``).
 
     Args:
-        comm: the job's collectives (the null :class:`~lockstep.comm.Comm` for one process).
+        comm: the job's collectives (the null :class:`~lockstep.comm.group.Comm` for one process).
         device: this rank's device.
         **options: strategy options; each strategy lists its own in ``defaults``
             (every strategy accepts ``sync_bn``). An unknown option is a :class:`ConfigError`.

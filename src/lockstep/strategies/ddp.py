@@ -100,7 +100,7 @@ def apply_ddp(
         model = apply_ddp(net.to(device), device, find_unused_parameters=True)
     """
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        raise ConfigError("apply_ddp needs a process group; call lockstep.comm.init_comm() first")
+        raise ConfigError("apply_ddp needs a process group; call lockstep.comm.group.init_comm() first")
     device = torch.device(device)
     # torch 2.14 renamed broadcast_buffers (now deprecated) to forward_sync_buffers.
     buffers: dict[str, Any] = {"forward_sync_buffers" if _HAS_FORWARD_SYNC else "broadcast_buffers": sync_buffers}

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from lockstep.comm import Comm
+from lockstep.comm.group import Comm
 from lockstep.errors import ConfigError
 from lockstep.strategies.base import Strategy
 

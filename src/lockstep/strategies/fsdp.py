@@ -84,7 +84,7 @@ def apply_fsdp(
         model = apply_fsdp(net.to(device), reshard_after_forward=False)
     """
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        raise ConfigError("apply_fsdp needs a process group; call lockstep.comm.init_comm() first")
+        raise ConfigError("apply_fsdp needs a process group; call lockstep.comm.group.init_comm() first")
     if mesh is None:
         from torch.distributed.device_mesh import init_device_mesh
 

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from lockstep.comm import Comm
+from lockstep.comm.group import Comm
 
 __all__ = ["apply_sync_bn", "broadcast_module_state", "unwrap_module"]
 

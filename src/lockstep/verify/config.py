@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from lockstep.errors import ConfigError
-from lockstep.imports import load_object
+from lockstep._imports import load_object
 
 __all__ = ["VerifyConfig", "TOLERANCES", "STRATEGIES", "DROPOUT_MODES", "parse_shape", "load_object"]
 
@@ -122,7 +122,7 @@ class VerifyConfig:
         if self.lr <= 0 or (self.tolerance is not None and self.tolerance <= 0) or self.timeout <= 0:
             raise ConfigError("--lr, --tolerance and --timeout must be positive")
         if ":" not in self.model:
-            from lockstep.recipes.models import check_model
+            from lockstep.zoo.models import check_model
 
             check_model(self.model)
         if ":" in self.model and self.data is None and self.shape is None:
@@ -150,7 +150,7 @@ class VerifyConfig:
         """One synthetic sample's shape: ``shape``, or the named model's default input."""
         if self.shape is not None:
             return self.shape
-        from lockstep.recipes.models import default_image_size, input_channels
+        from lockstep.zoo.models import default_image_size, input_channels
 
         side = default_image_size(self.model)
         return (input_channels(self.model, 1), side, side)

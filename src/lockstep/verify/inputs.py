@@ -47,7 +47,7 @@ def build_model(config: VerifyConfig) -> nn.Module:
         if not isinstance(model, nn.Module):
             raise ConfigError(f"the model factory {config.model!r} returned {type(model).__name__}, not an nn.Module")
         return model
-    from lockstep.recipes.models import build_model as build_named
+    from lockstep.zoo.models import build_model as build_named
 
     shape = config.sample_shape
     if len(shape) != 3 or shape[1] != shape[2]:

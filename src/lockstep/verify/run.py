@@ -145,7 +145,7 @@ def run_reference(config: VerifyConfig, init: dict[str, torch.Tensor], batches: 
 
         reference = run_reference(config, initial_state(config), make_batches(config))
     """
-    from lockstep.session import Session
+    from lockstep.session.session import Session
 
     with Session(strategy="single", precision=config.precision, seed=config.seed, quiet=True) as session:
         return train(session, config, init, [[batch] for batch in batches], reference=True)
@@ -166,7 +166,7 @@ def run_parallel(config: VerifyConfig, init: dict[str, torch.Tensor], batches: l
 
         parallel = run_parallel(config, init, batches)
     """
-    from lockstep.launch import LaunchSpec, launch
+    from lockstep.launch.elastic import LaunchSpec, launch
 
     with tempfile.TemporaryDirectory(prefix="lockstep-verify-") as tmp:
         job, out = Path(tmp) / "job.pt", Path(tmp) / "result.pt"
@@ -208,7 +208,7 @@ def worker_main(job_file: str) -> int:
 
         sys.exit(worker_main(sys.argv[1]))
     """
-    from lockstep.session import Session
+    from lockstep.session.session import Session
 
     job = torch.load(job_file, weights_only=True)
     sys.path[:0] = [p for p in job["sys_path"] if p not in sys.path]

@@ -1,0 +1,185 @@
+"""``lockstep train``: train the seeds' image classifiers with any strategy, on any number of processes.
+
+With no flags it trains the seeds' ConvNet on scikit-learn's bundled digits with one process
+per GPU, or 2 processes on a machine without GPUs. It starts its own workers (through
+``lockstep run``'s launcher) and also runs as a worker under ``lockstep run``, ``torchrun`` or
+Slurm. Examples::
+
+    lockstep train
+    lockstep train --model resnet18 --data imagefolder:data/flowers --image-size 64 --out runs/flowers
+    lockstep train --data mnist:data/mnist --strategy fsdp --precision bf16-mixed --nproc 4
+    lockstep train --out runs/flowers --resume          # continue from the last checkpoint
+    torchrun --nproc_per_node 2 -m lockstep train        # as a worker of another launcher
+
+Bad flags and bad data are refused before any process starts: one line, exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from typing import Any
+
+__all__ = ["add_arguments", "main", "config_from_args", "worker_argv"]
+
+_HELP = {
+    "model": "convnet, resnet18, resnet50 or any torchvision classification model",
+    "data": "digits (bundled with scikit-learn), mnist:DIR (IDX files), imagefolder:DIR, or synthetic",
+    "strategy": "auto, single, dp, ddp or fsdp",
+    "precision": "fp32, bf16-mixed, fp16-mixed, fp16-o2, bf16, fp16 or apex's O0-O3",
+    "nproc": "processes per node (default: one per GPU, or 2 without GPUs)",
+    "nodes": "number of nodes", "node_rank": "index of this node (0 hosts the store)",
+    "master": "HOST:PORT of node 0's store (needed with --nodes > 1)",
+    "epochs": "epochs to train in total", "batch_size": "samples per batch per device",
+    "lr": "learning rate (SGD with momentum)",
+    "scale_lr": "scale --lr by global batch / --base-batch (linear scaling rule)",
+    "base_batch": "the global batch --lr is meant for, with --scale-lr",
+    "momentum": "SGD momentum", "weight_decay": "SGD weight decay",
+    "workers": "data-loader workers per process (default: lockstep's choice)",
+    "sync_bn": "synchronise BatchNorm statistics across processes (GPU only)",
+    "accumulate": "micro-batches per optimizer step (gradient accumulation)",
+    "seed": "seed of weights, data order and augmentation",
+    "out": "folder for checkpoints, metrics.csv, config.json, TensorBoard events (nothing is written without it)",
+    "resume": "continue from the newest checkpoint in --out",
+    "keep": "checkpoints to keep in --out",
+    "image_size": "side of the input images (default 28 for convnet, 224 for torchvision models)",
+    "max_restarts": "restart the whole job up to K times after a failure (it resumes from --out)",
+    "max_steps": "stop each epoch after this many optimizer steps (quick tests, speed runs)",
+    "weights": "a local state-dict file to start from (e.g. torchvision's resnet50 .pth)",
+    "pretrained": "start from pretrained weights (needs --weights FILE; nothing is downloaded)",
+    "val_fraction": "held-out share of an image folder without train/ and val/",
+    "progress": "progress bar: auto (when the terminal shows one), on or off",
+}
+
+
+_METAVARS = {"data": "SPEC", "nproc": "N", "nodes": "N", "node_rank": "I", "master": "HOST:PORT", "epochs": "E",
+             "batch_size": "B", "base_batch": "B", "workers": "N", "accumulate": "K", "out": "DIR", "keep": "K",
+             "image_size": "PIXELS", "max_restarts": "K", "max_steps": "S", "weights": "FILE",
+             "val_fraction": "F", "progress": "auto|on|off"}
+
+
+def _fields() -> dict[str, Any]:
+    from lockstep.recipes.config import TrainConfig
+
+    return {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare the flags of ``lockstep train`` (one per :class:`~lockstep.recipes.TrainConfig` field).
+
+    Args:
+        parser: the subcommand's parser.
+
+    Example::
+
+        add_arguments(argparse.ArgumentParser(prog="lockstep train"))
+    """
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = __doc__.split("\n", 2)[2] if __doc__ else None
+    types = {"nproc": int, "nodes": int, "node_rank": int, "epochs": int, "batch_size": int, "lr": float,
+             "base_batch": int, "momentum": float, "weight_decay": float, "workers": int, "accumulate": int,
+             "seed": int, "keep": int, "image_size": int, "max_restarts": int, "max_steps": int,
+             "val_fraction": float}
+    for name, field in _fields().items():
+        flag = "--" + name.replace("_", "-")
+        default = field.default
+        text = _HELP[name] + ("" if default is None or default is False else f" (default {default})")
+        if isinstance(default, bool):
+            parser.add_argument(flag, action="store_true", help=_HELP[name])
+        else:
+            parser.add_argument(flag, type=types.get(name, str), default=default, help=text,
+                                metavar=_METAVARS.get(name, name.upper()))
+
+
+def config_from_args(args: argparse.Namespace) -> Any:
+    """Build the validated :class:`~lockstep.recipes.TrainConfig` from parsed flags.
+
+    Args:
+        args: the namespace of :func:`add_arguments`' parser.
+
+    Example::
+
+        config = config_from_args(parser.parse_args(["train", "--epochs", "1"]))
+    """
+    from lockstep.recipes.config import TrainConfig
+
+    return TrainConfig(**{name: getattr(args, name) for name in _fields()})
+
+
+def worker_argv(config: Any) -> list[str]:
+    """The ``lockstep train`` arguments that make a worker run ``config``.
+
+    Workers always get ``--resume`` when there is an ``--out``: the launcher has already refused a
+    folder with another run's checkpoints, so a restarted worker continues from the last one.
+
+    Args:
+        config: the launcher's configuration.
+
+    Example::
+
+        worker_argv(TrainConfig(epochs=1))    # ["--epochs", "1", "--progress", "off"]
+    """
+    argv: list[str] = []
+    progress = config.progress
+    if progress == "auto":
+        progress = "on" if sys.stderr.isatty() else "off"
+    values = {**dataclasses.asdict(config), "progress": progress, "resume": config.out is not None}
+    for name, field in _fields().items():
+        value = values[name]
+        if value == field.default and name != "progress":
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(field.default, bool):
+            argv += [flag] if value else []
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def _inside_job(config: Any) -> bool:
+    """True when a launcher started this process as one rank (torchrun, Slurm, OpenMPI)."""
+    if "RANK" in os.environ:
+        return True
+    if config.nproc is not None or config.nodes > 1:
+        return False  # asked to launch: e.g. one `srun` task per node running the launcher
+    from lockstep.env import detect_world
+
+    return detect_world().world_size > 1
+
+
+def main(args: argparse.Namespace) -> int:
+    """Validate, then train here (one process or inside a job) or launch the workers.
+
+    Args:
+        args: the parsed flags of :func:`add_arguments`.
+
+    Example::
+
+        main(parser.parse_args(["--epochs", "1", "--nproc", "1"]))
+    """
+    from lockstep.errors import ConfigError
+    from lockstep.recipes.config import check_data
+    from lockstep.recipes.train import train
+
+    config = config_from_args(args)
+    if _inside_job(config):
+        return train(config)
+    data = check_data(config, config.world_size)
+    if config.world_size == 1:
+        return train(config, data)
+    from lockstep.errors import LockstepError
+    from lockstep.launch.elastic import LaunchSpec, launch
+
+    spec = LaunchSpec(target="lockstep", args=("train", *worker_argv(config)), module=True,
+                      nproc=config.processes, nodes=config.nodes, node_rank=config.node_rank,
+                      master=config.master, max_restarts=config.max_restarts, rank0_only=True,
+                      prefix=False)
+    try:
+        return launch(spec)
+    except LockstepError as exc:
+        if isinstance(exc, ConfigError):
+            raise  # the CLI prints configuration errors itself
+        print(f"lockstep train: error: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code

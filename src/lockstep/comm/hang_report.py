@@ -1,0 +1,176 @@
+"""What a rank that waited in a collective past the timeout says: who never came, and where it was.
+
+:func:`diagnose` compares the positions the ranks posted (:class:`Post`) and names the ranks
+behind; :mod:`lockstep.comm.watchdog` collects the posts and raises the result.
+
+Example::
+
+    err = diagnose({0: waiting, 1: idle}, world_size=2, timeout=5.0, me=0)
+    err.blame   # (1,)
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import runpy
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from lockstep.errors import LockstepError
+
+__all__ = ["CollectiveTimeoutError", "Post", "diagnose", "is_own", "where_of"]
+
+
+class CollectiveTimeoutError(LockstepError):
+    """Ranks waited in a collective past the timeout; ``blame`` holds the ranks that never came.
+
+    Args:
+        message: the full explanation.
+        blame: the ranks that did not reach the collective.
+        waiting: the ranks that waited in it.
+
+    Example::
+
+        raise CollectiveTimeoutError("rank 1 did not reach all_reduce #3 within 5 s", (1,), (0,))
+    """
+
+    def __init__(self, message: str, blame: tuple[int, ...] = (), waiting: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.blame = blame
+        self.waiting = waiting
+
+
+@dataclass(frozen=True)
+class Post:
+    """Where one rank stands, as posted to the store.
+
+    Args:
+        rank: global rank.
+        seq: sync points entered so far (equal on every rank that kept up).
+        inside: True while the rank is inside that sync point.
+        what: the sync point, e.g. ``"backward of step 57"`` or ``"all_reduce #12"``.
+        host: host name.
+        pid: process id.
+        where: the innermost frame of the main thread outside torch and lockstep (``file:line in f``).
+        in_torch: the main thread was found inside ``torch.distributed`` code (a collective the
+            counter does not see, such as DDP's buffer broadcast in forward).
+
+    Example::
+
+        Post(rank=1, seq=56, inside=False, what="backward of step 56", host="n1", pid=42)
+    """
+
+    rank: int
+    seq: int
+    inside: bool
+    what: str
+    host: str
+    pid: int
+    where: str = ""
+    in_torch: bool = False
+
+    @property
+    def waiting(self) -> bool:
+        """True when the rank is blocked in a collective."""
+        return self.inside or self.in_torch
+
+    @property
+    def key(self) -> tuple[int, bool]:
+        """Order of progress: later sync points first, then inside before outside."""
+        return (self.seq, self.waiting)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def diagnose(posts: dict[int, Post | None], world_size: int, timeout: float, me: int) -> CollectiveTimeoutError:
+    """Name the ranks behind from every rank's post (``None``: the rank never posted).
+
+    Args:
+        posts: the posts by rank; this rank's own one must be present.
+        world_size: number of ranks in the job.
+        timeout: the timeout that expired, in seconds.
+        me: the rank asking (a waiting one).
+
+    Example::
+
+        diagnose({0: waiting_post, 1: idle_post}, 2, 5.0, me=0).blame   # (1,)
+    """
+    known = {r: p for r, p in posts.items() if p is not None}
+    top = max(p.key for p in known.values())
+    waiters = sorted(r for r, p in known.items() if p.key == top and p.waiting)
+    behind = sorted([r for r in range(world_size) if r not in known] +
+                    [r for r, p in known.items() if p.key < top])
+    place = known[waiters[0] if waiters else me]
+    what = place.what if place.inside else f"a torch.distributed collective at {place.where}"
+    if not behind:
+        labels = sorted({p.what for p in known.values()})
+        if len(labels) > 1:
+            text = ("ranks wait in different collectives: " + "; ".join(
+                f"{_ranks(sorted(r for r, p in known.items() if p.what == w))} in {w}" for w in labels)
+                + ". Every rank must call the same collectives in the same order.")
+        else:
+            text = (f"every rank waited in {what} for {timeout:g} s and none is behind: a rank's "
+                    "process or its network connection failed")
+        return CollectiveTimeoutError(text, (), tuple(waiters))
+    first = known.get(behind[0])
+    who = _ranks(behind)
+    if len(behind) == 1 and first is not None:
+        who += f" (host {first.host}, pid {first.pid})"
+    lines = [f"{who} did not reach {what} within {timeout:g} s; {_ranks(waiters)} waited there."]
+    for r in behind:
+        p = known.get(r)
+        if p is None:
+            lines.append(f"rank {r} never reported its position: it is stuck without releasing the "
+                         "Python interpreter lock, or its host is unreachable")
+        else:
+            state = (f"is in {p.what}" if p.inside else f"last finished {p.what}" if p.seq
+                     else "had not entered a collective through lockstep yet")
+            lines.append(f"rank {r} {state}" + (f" and was at {p.where}" if p.where else ""))
+    return CollectiveTimeoutError("\n".join(lines), tuple(behind), tuple(waiters))
+
+
+@functools.lru_cache(maxsize=1)
+def _folders() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Where collectives live (a frame there is waiting in one), and code that is not the user's."""
+    torch_dir = os.path.dirname(sys.modules["torch"].__file__ or "") if "torch" in sys.modules else "/torch"
+    collective = (os.path.join(torch_dir, "distributed", ""), os.path.join(torch_dir, "nn", "parallel", ""))
+    own = (os.path.join(torch_dir, ""), os.path.join(os.path.dirname(__file__), ""), threading.__file__,
+           runpy.__file__, "<frozen runpy>")
+    return collective, own
+
+
+def is_own(filename: str) -> bool:
+    """True for files of torch, lockstep and the interpreter's own machinery (not the user's code).
+
+    Args:
+        filename: a code object's ``co_filename``.
+
+    Example::
+
+        is_own(torch.__file__)   # True
+    """
+    return filename.startswith(_folders()[1])
+
+
+def where_of(frame: Any) -> tuple[str, bool]:
+    """The innermost user frame (``file:line in func``) and whether the thread is in torch.distributed.
+
+    Args:
+        frame: a thread's current frame (``sys._current_frames()[ident]``), or ``None``.
+
+    Example::
+
+        where_of(sys._getframe())   # ("train.py:12 in main", False)
+    """
+    in_torch = frame is not None and frame.f_code.co_filename.startswith(_folders()[0])
+    while frame is not None and is_own(frame.f_code.co_filename):
+        frame = frame.f_back
+    if frame is None:
+        return "", in_torch
+    code = frame.f_code
+    return f"{os.path.basename(code.co_filename)}:{frame.f_lineno} in {code.co_name}", in_torch

@@ -1,0 +1,220 @@
+"""The rendezvous store of a job: open it, check who joined, and the collectives' timeout.
+
+:func:`lockstep.comm.group.init_comm` calls these before the process group exists: every rank posts who
+it is, so duplicate ranks or ranks that disagree on the world size are refused with a message
+naming both, instead of a store timeout.
+
+Example::
+
+    store = open_store(world, "file:///tmp/rdzv", timedelta(seconds=30))
+    peers = handshake(store, describe_self(world), timedelta(seconds=30))
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import random
+import socket
+import time
+from datetime import timedelta
+from typing import Any
+from urllib.parse import urlparse
+
+import torch
+
+from lockstep.env import World
+from lockstep.errors import ConfigError, LockstepError
+
+__all__ = ["CommError", "Peer", "DEFAULT_TIMEOUT", "resolve_timeout", "open_store", "handshake", "describe_self"]
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+Peer = dict[str, Any]
+
+
+class CommError(LockstepError):
+    """The process group could not be formed, or the ranks disagree about the job."""
+
+
+def describe_self(world: World) -> Peer:
+    """Who this process is, as posted in the handshake: rank, sizes, host, pid."""
+    return {
+        "rank": world.rank,
+        "world_size": world.world_size,
+        "local_rank": world.local_rank,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+    }
+
+
+def open_store(world: World, init_method: str, timeout: timedelta) -> Any:
+    """Open the rendezvous store of ``init_method`` (rank 0 hosts a TCP one unless the agent does)."""
+    dist = torch.distributed
+    url = urlparse(init_method)
+    if url.scheme == "file":
+        path = url.path if not url.netloc else url.netloc + url.path
+        return dist.FileStore(path, -1)
+    if url.scheme == "env":
+        if world.master_port is None:
+            raise CommError("env:// rendezvous needs MASTER_PORT; run under `lockstep run` or set it")
+        host, port = world.master_addr, world.master_port
+    elif url.scheme == "tcp":
+        if url.hostname is None or url.port is None:
+            raise CommError(f"init method {init_method!r} must look like tcp://HOST:PORT")
+        host, port = url.hostname, url.port
+    else:
+        raise CommError(f"unknown init method {init_method!r}; use env://, tcp://HOST:PORT or file://PATH")
+    agent = (
+        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        and os.environ.get("MASTER_ADDR") == host
+        and os.environ.get("MASTER_PORT") == str(port)
+    )
+    hosting = world.rank == 0 and not agent
+    try:
+        if not hosting:
+            _await_listener(host, port, world.rank, timeout)
+        listen_fd = _loopback_listener(host, port) if hosting else None
+        return dist.TCPStore(
+            host, port, is_master=hosting, wait_for_workers=False, timeout=timeout,
+            multi_tenant=not agent, master_listen_fd=listen_fd,
+        )
+    except (RuntimeError, OSError) as exc:
+        text = str(exc)
+        if "EADDRINUSE" in text or "address already in use" in text.lower():
+            raise CommError(
+                f"rank {world.rank} cannot listen on {host}:{port}: the port is already in use "
+                "(another job, or a second process that also claims rank 0). Pick a free port."
+            ) from None
+        raise CommError(f"rank {world.rank} could not reach the rendezvous store at {host}:{port}: {text}") from None
+
+
+def _await_listener(host: str, port: int, rank: int, timeout: timedelta) -> None:
+    """Wait until the store at ``host:port`` accepts connections.
+
+    A rank that starts before rank 0 listens would otherwise meet torch's client backoff, which
+    connects up to 0.6 s after the store is up. The address is resolved once; probes start 10 ms
+    apart and back off (with jitter) to 200 ms, so a large job waiting for a slow rank 0 does
+    not flood it. Each probe connection is closed at once.
+    """
+    total = timeout.total_seconds()
+    deadline = time.monotonic() + total
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise CommError(f"rank {rank} cannot resolve the master address {host!r} ({exc}); "
+                        "set MASTER_ADDR to a name or address every node can resolve") from None
+    delay = 0.01
+    while True:
+        probe = socket.socket(family, kind, proto)
+        probe.settimeout(max(0.1, min(5.0, deadline - time.monotonic())))
+        try:
+            probe.connect(address)
+            return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise CommError(f"rank {rank} could not reach the rendezvous store at {host}:{port} within "
+                                f"{total:.0f} s ({exc}): is rank 0 (or the launcher hosting the store) "
+                                "running, and is the master address reachable from this host?") from None
+        finally:
+            probe.close()
+        time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+        delay = min(0.2, delay * 1.5) * random.uniform(0.8, 1.2)
+
+
+def _loopback_listener(host: str, port: int) -> int | None:
+    """A socket bound to ``host:port`` when ``host`` is a loopback address, else ``None``.
+
+    A TCPStore listens on every interface (and has no authentication); when every rank is on
+    this host, binding the loopback address keeps the store unreachable from other machines.
+    """
+    try:
+        addr = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if not addr.is_loopback:
+        return None
+    sock = socket.socket(socket.AF_INET6 if addr.version == 6 else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(socket.SOMAXCONN)
+    except OSError:
+        sock.close()
+        raise
+    return sock.detach()  # the store owns the descriptor from now on
+
+
+def resolve_timeout(timeout: timedelta | float | None = None) -> timedelta:
+    """The collectives' timeout: ``timeout``, else ``$LOCKSTEP_TIMEOUT`` seconds, else 10 minutes.
+
+    Args:
+        timeout: a timedelta, seconds, or ``None`` for the environment's or the default.
+
+    Raises:
+        ConfigError: the value is not a positive number of seconds.
+
+    Example::
+
+        resolve_timeout(30)   # timedelta(seconds=30)
+    """
+    source = "timeout"
+    if timeout is None:
+        text = os.environ.get("LOCKSTEP_TIMEOUT", "").strip()
+        if not text:
+            return DEFAULT_TIMEOUT
+        source = "LOCKSTEP_TIMEOUT"
+        try:
+            timeout = float(text)
+        except ValueError:
+            raise ConfigError(f"LOCKSTEP_TIMEOUT={text!r} is not a number of seconds") from None
+    value = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+    if value.total_seconds() <= 0:
+        raise ConfigError(f"{source} must be a positive number of seconds, got {value.total_seconds():g}")
+    return value
+
+
+def handshake(store: Any, me: Peer, timeout: timedelta) -> list[Peer]:
+    """Every rank posts who it is; refuse duplicate ranks and disagreeing world sizes."""
+    store.set(f"hello/{store.add('count', 1)}", json.dumps(me))
+    deadline = time.monotonic() + timeout.total_seconds()
+    seen: list[Peer] = []
+    while True:
+        arrived = store.add("count", 0)
+        while len(seen) < arrived:
+            seen.append(json.loads(store.get(f"hello/{len(seen) + 1}")))
+        _check_peers(seen, me)
+        if arrived >= me["world_size"]:
+            return sorted(seen, key=lambda p: p["rank"])
+        if time.monotonic() > deadline:
+            joined = ", ".join(str(p["rank"]) for p in sorted(seen, key=lambda p: p["rank"]))
+            raise CommError(
+                f"only {arrived} of {me['world_size']} ranks joined within "
+                f"{timeout.total_seconds():.0f} s (ranks {joined}); the others never started or "
+                "cannot reach the master address"
+            )
+        time.sleep(0.02)
+
+
+def _who(p: Peer) -> str:
+    return f"rank {p['rank']} (host {p['host']}, pid {p['pid']})"
+
+
+def _check_peers(seen: list[Peer], me: Peer) -> None:
+    for p in seen:
+        if p["world_size"] != me["world_size"]:
+            raise CommError(
+                f"ranks disagree on the world size: {_who(me)} has WORLD_SIZE={me['world_size']} "
+                f"but {_who(p)} has WORLD_SIZE={p['world_size']}. Start every rank with the same "
+                "WORLD_SIZE."
+            )
+    by_rank: dict[int, Peer] = {}
+    for p in seen:
+        other = by_rank.setdefault(p["rank"], p)
+        if other is not p:
+            raise CommError(
+                f"two processes claim rank {p['rank']}: {_who(other)} and {_who(p)}. "
+                "Give every process a distinct RANK from 0 to WORLD_SIZE-1."
+            )
+    if len(seen) > me["world_size"]:
+        raise CommError(f"{len(seen)} processes joined a job of WORLD_SIZE={me['world_size']}")

@@ -1,1 +1,0 @@
-"""Subcommands of the ``lockstep`` CLI; each module has ``add_arguments`` and ``main``."""

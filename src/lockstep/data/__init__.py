@@ -1,0 +1,21 @@
+"""data: samplers and loaders. Batch size is per device.
+
+* :mod:`~lockstep.data.samplers`: :class:`TrainSampler` (epoch order, resumable mid-epoch) and
+  :class:`EvalSampler` (every sample exactly once over all ranks, never padded);
+* :mod:`~lockstep.data.loader`: :func:`make_loader`, worker seeding, device transfer.
+
+May import: ``lockstep.errors``, ``lockstep.env``.
+
+Example::
+
+    from lockstep.data import make_loader
+    train = make_loader(dataset, 32, world_size=2, rank=0, shuffle=True)
+"""
+
+from __future__ import annotations
+
+from lockstep.data.loader import default_num_workers, make_loader, move_to_device, seed_worker
+from lockstep.data.samplers import EvalSampler, TrainSampler, epoch_order, shard_bounds
+
+__all__ = ["make_loader", "move_to_device", "seed_worker", "default_num_workers", "TrainSampler",
+           "EvalSampler", "epoch_order", "shard_bounds"]

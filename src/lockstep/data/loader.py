@@ -1,0 +1,260 @@
+"""Distributed data loading: the right sampler, seeded workers, pinned memory, batches on device.
+
+``batch_size`` is always per device; the global batch is ``batch_size * world_size``.
+Training loaders use :class:`~lockstep.data.samplers.TrainSampler` (equal batch counts on every rank,
+resumable mid-epoch); evaluation loaders use :class:`~lockstep.data.samplers.EvalSampler` (no padding,
+no duplicates, so metrics are exact).
+
+Example::
+
+    train = make_loader(train_set, 100, world_size=2, rank=0, seed=1)
+    train.sampler.set_epoch(epoch)
+    for inputs, labels in train:
+        inputs, labels = move_to_device((inputs, labels), torch.device("cuda", 0))
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+from collections.abc import Callable, Iterator, Mapping, Sized
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
+
+from lockstep.errors import ConfigError
+from lockstep.data.samplers import EvalSampler, TrainSampler, epoch_order, shard_bounds
+
+__all__ = ["TrainSampler", "EvalSampler", "epoch_order", "shard_bounds", "make_loader",
+           "default_num_workers", "move_to_device", "seed_worker", "describe_batch"]
+
+
+def _cpu_count() -> int:
+    # The affinity mask is what this process may use (Slurm, taskset, containers); cpu_count()
+    # counts the whole machine.
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def default_num_workers(device: torch.device, world_size_on_node: int) -> int:
+    """Return a sensible number of loader worker processes per rank.
+
+    On an accelerator the rank's main process only feeds the device, so up to 4 workers (one
+    core kept for the main process) overlap decoding with compute; more rarely helps and costs
+    memory. On CPU the rank's own compute wants the cores, so workers only pay off with many
+    cores per rank: a quarter of them, at most 2.
+
+    Args:
+        device: the device this rank trains on.
+        world_size_on_node: ranks sharing this machine's CPUs (the local world size).
+
+    Example::
+
+        default_num_workers(torch.device("cuda", 0), world_size_on_node=8)
+    """
+    per_rank = _cpu_count() // max(world_size_on_node, 1)
+    if device.type == "cpu":
+        return min(2, per_rank // 4)
+    return max(0, min(4, per_rank - 1))
+
+
+def seed_worker(worker_id: int) -> None:
+    """Seed Python's and NumPy's global RNGs in a loader worker from its torch seed.
+
+    The torch seed of a worker is ``base_seed + worker_id`` with ``base_seed`` drawn from the
+    loader's generator, which :func:`make_loader` seeds from ``(seed, rank, epoch)``; deriving
+    the other RNGs from it (PyTorch's reproducibility recipe) makes augmentations reproducible
+    and distinct across workers, ranks and epochs.
+
+    Args:
+        worker_id: index of the worker (unused: the torch seed already includes it).
+
+    Example::
+
+        DataLoader(dataset, num_workers=2, worker_init_fn=seed_worker, generator=gen)
+    """
+    seed = torch.initial_seed() % 2**32
+    random.seed(seed)
+    try:
+        import numpy as np
+    except ImportError:  # numpy is optional for torch
+        return
+    np.random.seed(seed)
+
+
+def _worker_base_seed(seed: int, rank: int, epoch: int) -> int:
+    digest = hashlib.blake2b(f"lockstep-workers/{seed}/{rank}/{epoch}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+class _Loader(DataLoader):
+    """A DataLoader whose worker seeds are a function of (seed, rank, epoch) only."""
+
+    def __init__(self, *args: Any, lockstep_seed: int, lockstep_rank: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._lockstep_seed = lockstep_seed
+        self._lockstep_rank = lockstep_rank
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        epoch = int(getattr(self.sampler, "epoch", 0))
+        if self.generator is not None:
+            self.generator.manual_seed(_worker_base_seed(self._lockstep_seed, self._lockstep_rank, epoch))
+        return super().__iter__()
+
+
+def _dataset_len(dataset: Dataset[Any]) -> int:
+    if isinstance(dataset, IterableDataset) or not isinstance(dataset, Sized):
+        raise ConfigError(
+            f"make_loader needs a map-style dataset with __len__ and __getitem__, got "
+            f"{type(dataset).__name__}; wrap an iterable one in a map-style dataset or shard it yourself"
+        )
+    return len(dataset)
+
+
+def _validate(n: int, batch_size: int, world_size: int, eval: bool, drop_last: bool) -> None:
+    if batch_size < 1:
+        raise ConfigError(f"batch size must be >= 1 (it is per device), got {batch_size}")
+    if eval:
+        if drop_last:
+            raise ConfigError("drop_last=True would leave samples out of an evaluation; "
+                              "evaluation loaders always read every sample exactly once")
+        return
+    if n == 0:
+        raise ConfigError("the training dataset is empty: there is nothing to train on")
+    per_rank = n // world_size if drop_last else -(-n // world_size)
+    if drop_last and per_rank < batch_size:
+        raise ConfigError(
+            f"a dataset of {n} samples over world size {world_size} leaves {per_rank} samples "
+            f"per rank, fewer than the batch size {batch_size} per device, so drop_last would "
+            "yield no batch at all; use a smaller batch size, fewer processes or drop_last=False"
+        )
+
+
+def make_loader(dataset: Dataset[Any], batch_size: int, *, world_size: int, rank: int,
+                shuffle: bool = True, eval: bool = False, num_workers: int | None = None,
+                seed: int = 0, drop_last: bool = False, pin_memory: bool | None = None,
+                collate_fn: Callable[[list[Any]], Any] | None = None,
+                persistent_workers: bool | None = None, device: torch.device | None = None,
+                local_world_size: int | None = None) -> DataLoader:
+    """Build this rank's DataLoader: the right sampler, seeded workers, pinned memory on CUDA.
+
+    Args:
+        dataset: a map-style dataset (``__len__`` and ``__getitem__``).
+        batch_size: samples per batch **per device**.
+        world_size: number of ranks reading the dataset.
+        rank: this rank.
+        shuffle: permute every epoch (training only; evaluation reads in order).
+        eval: use :class:`EvalSampler` (exact, never pads) instead of :class:`TrainSampler`.
+        num_workers: worker processes; default 0 for an in-memory ``TensorDataset`` (indexing a
+            tensor is cheaper than shipping the batch from a worker), else
+            :func:`default_num_workers`.
+        seed: data seed; the epoch order and worker seeds derive from it.
+        drop_last: training only: drop the tail that does not divide by ``world_size`` and the
+            last incomplete batch.
+        pin_memory: page-locked host batches for fast copies; default True only with CUDA.
+        collate_fn: as for ``DataLoader``.
+        persistent_workers: keep workers alive between epochs; default True when there are any.
+        device: the rank's device, for the defaults; CUDA when available, else CPU.
+        local_world_size: ranks on this machine, for the default worker count; read from the
+            launch environment when omitted.
+
+    Raises:
+        ConfigError: batch size < 1, an empty or iterable training dataset, drop_last on an
+            evaluation loader, or a training shard smaller than one batch with ``drop_last``.
+
+    Example::
+
+        loader = make_loader(dataset, 32, world_size=2, rank=1)
+        loader.sampler.load_state_dict(saved)   # resumes mid-epoch
+    """
+    n = _dataset_len(dataset)
+    _validate(n, batch_size, world_size, eval, drop_last)
+    sampler: TrainSampler | EvalSampler
+    if eval:
+        sampler = EvalSampler(n, world_size, rank)
+    else:
+        sampler = TrainSampler(n, world_size, rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+    if device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if num_workers is None:
+        if isinstance(dataset, TensorDataset):
+            num_workers = 0
+        else:
+            if local_world_size is None:
+                from lockstep.env import detect_world
+
+                local_world_size = detect_world().local_world_size
+            num_workers = default_num_workers(device, local_world_size)
+    if num_workers < 0:
+        raise ConfigError(f"num_workers must be >= 0, got {num_workers}")
+    if pin_memory is None:
+        pin_memory = device.type == "cuda"
+    if persistent_workers is None:
+        persistent_workers = num_workers > 0
+    generator = torch.Generator()
+    generator.manual_seed(_worker_base_seed(seed, rank, 0))
+    return _Loader(
+        dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
+        collate_fn=collate_fn, pin_memory=pin_memory, drop_last=drop_last and not eval,
+        worker_init_fn=seed_worker if num_workers > 0 else None, generator=generator,
+        persistent_workers=persistent_workers and num_workers > 0,
+        lockstep_seed=seed, lockstep_rank=rank,
+    )
+
+
+def describe_batch(batch_size: int, world_size: int, accumulation: int = 1) -> str:
+    """Return the one line that says what "batch size" means for this run.
+
+    Args:
+        batch_size: samples per batch per device.
+        world_size: number of ranks.
+        accumulation: micro-batches accumulated per optimizer step.
+
+    Example::
+
+        describe_batch(100, 4)   # "batch size 100 per device x 4 processes = global batch 400"
+    """
+    line = f"batch size {batch_size} per device x {world_size} process{'es' if world_size != 1 else ''}"
+    if accumulation != 1:
+        line += f" x {accumulation} accumulation steps"
+    return f"{line} = global batch {batch_size * world_size * accumulation}"
+
+
+def move_to_device(batch: Any, device: torch.device, non_blocking: bool = True) -> Any:
+    """Move every tensor in ``batch`` (tensors, tuples, named tuples, lists, dicts) to ``device``.
+
+    Other values pass through unchanged. ``non_blocking`` is used only for CUDA, where it lets
+    copies from pinned memory overlap with compute.
+
+    Args:
+        batch: a tensor or a nested structure of them.
+        device: the target device.
+        non_blocking: asynchronous host-to-device copies on CUDA.
+
+    Example::
+
+        images, labels = move_to_device(batch, torch.device("cuda", local_rank))
+    """
+    non_blocking = non_blocking and device.type == "cuda"
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=non_blocking)
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # named tuple
+        return type(batch)(*(move_to_device(x, device, non_blocking) for x in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(move_to_device(x, device, non_blocking) for x in batch)
+    if isinstance(batch, Mapping):
+        moved = {k: move_to_device(v, device, non_blocking) for k, v in batch.items()}
+        return moved if type(batch) is dict else _rebuild_mapping(batch, moved)
+    return batch
+
+
+def _rebuild_mapping(original: Mapping[Any, Any], moved: dict[Any, Any]) -> Any:
+    cls: Any = type(original)
+    try:
+        return cls(moved)  # OrderedDict and the like; others (defaultdict) come back as a dict
+    except TypeError:
+        return moved

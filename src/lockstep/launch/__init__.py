@@ -1,0 +1,18 @@
+"""launch: start the ranks. ``lockstep run`` over torch's elastic agent, and ``spawn()``.
+
+* :mod:`~lockstep.launch.spec`: what to launch (nodes, processes, master), validated up front;
+* :mod:`~lockstep.launch.elastic`: drive torch's elastic agent (what ``torchrun`` runs);
+* :mod:`~lockstep.launch.report`: one failure summary naming the rank, host and cause;
+* :mod:`~lockstep.launch.output`: relay each rank's output, prefixed with its rank;
+* :mod:`~lockstep.launch.bootstrap`: the first code every worker runs;
+* :mod:`~lockstep.launch.spawn`: ``spawn(fn, nprocs)`` for notebooks and tests.
+
+May import: ``lockstep.errors``, ``lockstep.env``, ``lockstep.comm``.
+
+Example::
+
+    from lockstep.launch import LaunchSpec, launch
+    launch(LaunchSpec(target="train.py", nproc=2))
+"""
+
+from __future__ import annotations

@@ -1,0 +1,180 @@
+"""The first code each worker of ``lockstep run`` executes; it then runs the user's script.
+
+The elastic agent starts every worker as::
+
+    python -u -m lockstep.launch.bootstrap script.py [args...]       # or: ... -m package.module [args...]
+
+This module runs the script exactly as ``python script.py args`` would (``sys.argv`` set, the
+script's folder first on ``sys.path``, ``__name__ == "__main__"``). When the script raises, the
+exception and its traceback are written to ``$TORCHELASTIC_ERROR_FILE`` in the format of
+``torch.distributed.elastic.multiprocessing.errors.ErrorHandler``, with a ``lockstep`` section that
+adds a sub-second timestamp (to tell the first failure from the ranks that merely lost their peer)
+and the host. The launcher prints that traceback once, in its failure summary, so the worker does
+not print it too. It imports nothing heavy: the script pays for its own imports.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import runpy
+import socket
+import sys
+import time
+import traceback
+from types import TracebackType
+
+from lockstep.errors import EXIT_PREEMPTED
+
+__all__ = ["main", "run_target", "record_failure"]
+
+_SKIP_FRAMES = {os.path.abspath(__file__), os.path.abspath(runpy.__file__), "<frozen runpy>"}
+
+
+def run_target(target: str, args: list[str], module: bool) -> None:
+    """Run ``target`` (a script path, or a module name when ``module``) as ``__main__``.
+
+    Args:
+        target: path of the script, or the dotted module name.
+        args: the script's own arguments (``sys.argv[1:]`` inside it).
+        module: run ``target`` like ``python -m target``.
+
+    Example::
+
+        run_target("train.py", ["--epochs", "3"], module=False)
+    """
+    if module:
+        sys.argv = [target, *args]
+        sys.path[0] = os.getcwd()  # like `python -m`: the working directory comes first
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+        return
+    path = os.path.abspath(target)
+    sys.argv = [target, *args]
+    sys.path[0] = os.path.dirname(path)  # like `python script.py`: the script's folder comes first
+    runpy.run_path(path, run_name="__main__")
+
+
+def _is_ours(filename: str) -> bool:
+    return filename in _SKIP_FRAMES or os.path.abspath(filename) in _SKIP_FRAMES
+
+
+def _user_traceback(exc: BaseException) -> str:
+    """The traceback without the frames of this module and runpy (the user never wrote them)."""
+    tb: TracebackType | None = exc.__traceback__
+    while tb is not None and _is_ours(tb.tb_frame.f_code.co_filename):
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def record_failure(exc: BaseException, exit_code: int, path: str) -> None:
+    """Write ``exc`` to the elastic error file ``path`` (what the launcher reads back).
+
+    Args:
+        exc: the exception the script raised.
+        exit_code: the exit code this worker is about to use.
+        path: the value of ``$TORCHELASTIC_ERROR_FILE``.
+
+    Example::
+
+        record_failure(ValueError("bad"), 1, os.environ["TORCHELASTIC_ERROR_FILE"])
+    """
+    now = time.time()
+    kind = type(exc)
+    data = {
+        "message": {
+            "message": f"{kind.__name__}: {exc}",
+            "extraInfo": {"py_callstack": _user_traceback(exc), "timestamp": str(int(now))},
+        },
+        "lockstep": {
+            "time": now,
+            "host": socket.gethostname(),
+            "type": kind.__name__,
+            "module": kind.__module__,
+            "text": str(exc),
+            "exit_code": exit_code,
+            # ranks a collective timeout named as the ones that never came (see lockstep.comm.watchdog)
+            "blame": [int(r) for r in getattr(exc, "blame", ())],
+        },
+    }
+    try:
+        with open(path, "w") as fp:
+            json.dump(data, fp)
+    except OSError:
+        traceback.print_exception(kind, exc, exc.__traceback__)
+
+
+def _explained(exc: BaseException) -> BaseException:
+    """A backend timeout raised by a direct ``torch.distributed`` call, explained by the watchdog."""
+    watchdog = sys.modules.get("lockstep.comm.watchdog")  # loaded only if the script formed a group
+    explained = watchdog.explain_escaped(exc) if watchdog is not None else None
+    if explained is None:
+        return exc
+    explained.__traceback__ = exc.__traceback__
+    return explained
+
+
+def _exit_code(code: object) -> int:
+    """What the interpreter would exit with for ``sys.exit(code)``."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def main(argv: list[str]) -> int:
+    """Run the target named in ``argv`` and return the worker's exit code.
+
+    Args:
+        argv: ``[-m] TARGET [ARGS...]`` as the launcher passes it.
+
+    Example::
+
+        sys.exit(main(["train.py", "--epochs", "3"]))
+    """
+    module = bool(argv) and argv[0] == "-m"
+    if module:
+        argv = argv[1:]
+    if not argv:
+        print("lockstep.launch.bootstrap: no script given", file=sys.stderr)
+        return 2
+    faulthandler.enable(all_threads=True)  # a crash in native code still leaves a Python stack
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE", "")
+    try:
+        run_target(argv[0], argv[1:], module)
+    except SystemExit as exc:
+        code = _exit_code(exc.code)
+        if code not in (0, EXIT_PREEMPTED) and error_file:
+            record_failure(exc, code, error_file)
+            _release_group()
+        return code
+    except KeyboardInterrupt:
+        return 130  # interrupted, like any Python program: not a failure worth a traceback
+    except BaseException as exc:  # noqa: BLE001 - every failure is reported to the launcher
+        exc = _explained(exc)
+        if not error_file:
+            raise exc
+        record_failure(exc, 1, error_file)
+        _release_group()
+        return 1
+    return 0
+
+
+def _release_group() -> None:
+    """Destroy a process group the failed script left behind (no barrier: the peers may be gone).
+
+    gloo aborts the interpreter's exit (SIGABRT) in about one failed run in four when the group
+    is still alive, and the launcher would then list this rank as killed by a signal.
+    """
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - best effort on the way out of a failed run
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

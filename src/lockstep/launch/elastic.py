@@ -1,0 +1,332 @@
+"""``lockstep run``: start a script on N processes per node with torch's elastic agent.
+
+The processes are started, watched, restarted and stopped by torch's own agent
+(``torch.distributed.launcher.api.elastic_launch``, the engine of ``torchrun``); this module only
+chooses its configuration and explains the outcome. How it launches:
+
+* one node, no ``--master``: a c10d rendezvous on ``127.0.0.1:0`` hosted by the agent, so the
+  operating system picks the port and two jobs on one machine never collide. The workers' store
+  does not share the rendezvous store (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``), because a
+  shared store keeps stale keys and a restarted gloo group would never form again.
+* ``--master HOST:PORT`` (required with ``--nodes N > 1``): a static rendezvous; node 0 hosts the
+  store on PORT, every node waits up to ``--join-timeout`` for the others.
+* every worker runs :mod:`lockstep.launch.bootstrap`, which records its exception in the elastic error
+  file; when a rank fails, :mod:`lockstep.launch.report` prints one summary blaming the first
+  real failure, not the ranks that were merely stopped or lost their peer.
+* SIGTERM, SIGINT, SIGHUP, SIGQUIT and SIGUSR1 to the launcher are forwarded to every worker,
+  which then has ``--grace`` seconds to save (see :mod:`lockstep.session.preempt`) before SIGKILL. A job
+  whose ranks stop with exit code 75 ends as preempted (exit 75) and uses up no restart.
+* ``--timeout`` is exported as ``LOCKSTEP_TIMEOUT``: the default timeout of the workers'
+  collectives, past which the rank that did not arrive is named (:mod:`lockstep.comm.watchdog`).
+
+Example::
+
+    lockstep run --nproc 2 train.py --epochs 3
+    lockstep run --nodes 2 --node-rank 0 --master 10.0.0.1:29400 --nproc 4 train.py   # on node 0
+    lockstep run --nodes 2 --node-rank 1 --master 10.0.0.1:29400 --nproc 4 train.py   # on node 1
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import uuid
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+from lockstep.errors import EXIT_FAILURE, EXIT_PREEMPTED, LockstepError
+from lockstep.launch.output import OutputRelay, relay_for
+from lockstep.launch.report import Failure, signal_name, summarize
+from lockstep.launch.spec import (
+    DEFAULT_GRACE, DEFAULT_JOIN_TIMEOUT, LaunchSpec, exposure_warning, import_torch_quietly, parse_master,
+    resolve_nproc, slurm_defaults,
+)
+
+__all__ = ["LaunchSpec", "LaunchError", "launch", "resolve_nproc", "parse_master",
+           "exposure_warning", "slurm_defaults", "import_torch_quietly", "DEFAULT_JOIN_TIMEOUT",
+           "DEFAULT_GRACE"]
+
+_PREFIX = "lockstep run: "
+# Forwarded to every worker; SIGUSR1 is what Slurm sends ahead of the end (`--signal=USR1@90`).
+_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")
+
+
+class LaunchError(LockstepError):
+    """The job could not start (busy port, nodes that never joined, unreachable master)."""
+
+
+def _worker_args(spec: LaunchSpec) -> list[str]:
+    # -u: unbuffered, so each rank's lines reach the console as they are printed.
+    args = ["-u", "-m", "lockstep.launch.bootstrap"] + (["-m"] if spec.module else []) + [spec.target]
+    if spec.local_rank_arg:
+        args.append("--local_rank=${local_rank}")  # filled in per worker by the agent
+    return args + list(spec.args)
+
+
+def _relayed(spec: LaunchSpec) -> bool:
+    """True when the ranks' output reaches this terminal through the relay, False when rank 0
+    inherits the terminal (``rank0_only`` without prefixes)."""
+    return spec.prefix or not spec.rank0_only
+
+
+def _launch_config(spec: LaunchSpec, log_dir: str) -> Any:
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.launcher.api import LaunchConfig
+
+    timeout = max(1, round(spec.join_timeout))
+    if not _relayed(spec):
+        # rank 0 inherits this terminal; the other ranks write only to their log files
+        logs = DefaultLogsSpecs(log_dir=log_dir, redirects={
+            r: Std.ALL for r in range(spec.nproc) if spec.node_rank != 0 or r != 0})
+    else:
+        # every rank writes to its log files; the agent's relay shows them (see launch_output)
+        logs = DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL)
+    common: dict[str, Any] = dict(
+        min_nodes=spec.nodes, max_nodes=spec.nodes, nproc_per_node=spec.nproc,
+        max_restarts=spec.max_restarts, logs_specs=logs,
+        # a stop signal is forwarded to the workers, which get `grace` seconds to save before SIGKILL
+        signals_to_handle=",".join(n for n in _SIGNALS if hasattr(signal, n)),
+        shutdown_timeout=max(0, round(spec.grace)),
+    )
+    if spec.master is None:
+        return LaunchConfig(
+            run_id=uuid.uuid4().hex, rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
+            rdzv_configs={"timeout": timeout, "join_timeout": timeout, "is_host": True},
+            local_addr="127.0.0.1", **common,
+        )
+    return LaunchConfig(
+        run_id="lockstep", rdzv_backend="static", rdzv_endpoint=spec.master,
+        rdzv_configs={"rank": spec.node_rank, "timeout": timeout}, **common,
+    )
+
+
+@contextmanager
+def _launch_environment(spec: LaunchSpec) -> Iterator[None]:
+    """Set the variables the agent and workers need; give back the caller's environment and
+    signal handlers afterwards (the agent installs its own and leaves them in place)."""
+    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # workers inherit it; see the module docstring
+    if spec.timeout is not None:
+        env["LOCKSTEP_TIMEOUT"] = f"{spec.timeout:g}"  # the default of Session / init_comm
+    env["LOCKSTEP_GRACE"] = f"{spec.grace:g}"  # after it, a worker obeys a stop signal unsaved
+    if spec.nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = "1"  # as torchrun: N processes must not oversubscribe the CPU
+    # launch_agent also sets TORCHELASTIC_SIGNALS_TO_HANDLE for good; give back the caller's value.
+    saved_env = {key: os.environ.get(key) for key in [*env, "TORCHELASTIC_SIGNALS_TO_HANDLE"]}
+    in_main = threading.current_thread() is threading.main_thread()
+    signums = [getattr(signal, n) for n in _SIGNALS if hasattr(signal, n)]
+    saved_handlers = {s: signal.getsignal(s) for s in signums} if in_main else {}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        for signum, handler in saved_handlers.items():
+            if handler is not None:
+                signal.signal(signum, handler)
+
+
+@contextmanager
+def _quiet_torch(verbose: bool) -> Iterator[None]:
+    """Hold back torch's agent logging: the user gets our summary, not pages of warnings."""
+    if verbose or os.environ.get("LOGLEVEL"):
+        yield
+        return
+    names = ("torch.distributed.elastic", "torch.distributed.launcher")
+    saved = [(logging.getLogger(n), logging.getLogger(n).propagate) for n in names]
+    sink = logging.NullHandler()
+    for logger, _ in saved:
+        logger.addHandler(sink)  # a handler in the chain keeps Python's last-resort printer away
+        logger.propagate = False
+    try:
+        yield
+    finally:
+        for logger, propagate in saved:
+            logger.removeHandler(sink)
+            logger.propagate = propagate
+
+
+class _Reporter:
+    """Prints restarts and the final verdict; fed by the agent subclass below."""
+
+    def __init__(self, spec: LaunchSpec) -> None:
+        self.spec = spec
+        self.host = socket.gethostname()
+        self.last_failures: dict[int, Any] = {}
+        self.exit_codes: dict[int, int | None] = {}
+        self._shown_traceback = ""
+
+    def shown_local_ranks(self) -> set[int] | None:
+        """The local ranks whose output is shown on this node (``None``: all)."""
+        if not self.spec.rank0_only:
+            return None
+        return {0} if self.spec.node_rank == 0 else set()
+
+    def failures(self, raw: Mapping[int, Any]) -> list[Failure]:
+        return [Failure.from_process_failure(rank, f, self.host) for rank, f in raw.items()]
+
+    def restarting(self, raw: Mapping[int, Any], attempt: int) -> None:
+        summary = summarize(self.failures(raw))
+        total = self.spec.max_restarts + 1
+        lines = [f"{_PREFIX}restarting the job (attempt {attempt} of {total}) after "
+                 f"rank {summary.root.rank} {summary.root.describe()}"]
+        if summary.root.traceback != self._shown_traceback:  # the same crash again: once is enough
+            lines += ["  " + line for line in summary.root.traceback.rstrip().splitlines()]
+            self._shown_traceback = summary.root.traceback
+        _say("\n".join(lines))
+
+    def failed(self, raw: Mapping[int, Any]) -> int:
+        summary = summarize(self.failures(raw))
+        _say(summary.text(_PREFIX))
+        if summary.preempted:
+            return EXIT_PREEMPTED
+        if self.spec.max_restarts:
+            _say(f"{_PREFIX}gave up after {self.spec.max_restarts} restarts")
+        if self.spec.log_dir:
+            _say(f"{_PREFIX}every rank's output is under {self.spec.log_dir}")
+        return EXIT_FAILURE
+
+    def signalled(self, signum: int) -> int:
+        codes = [c for c in self.exit_codes.values() if c is not None]
+        if codes and all(c == EXIT_PREEMPTED for c in codes):
+            _say(f"{_PREFIX}received {signal_name(signum)}: the job was preempted; every rank stopped with "
+                 f"exit code {EXIT_PREEMPTED}. Resume it by running the same command again.")
+            return EXIT_PREEMPTED
+        _say(f"{_PREFIX}received {signal_name(signum)}: stopped every rank")
+        return 128 + signum
+
+
+def _say(text: str) -> None:
+    sys.stdout.flush()
+    print(text, file=sys.stderr, flush=True)
+
+
+@contextmanager
+def _reporting_agent(report: _Reporter) -> Iterator[None]:
+    """Let torch's ``launch_agent`` build a ``LocalElasticAgent`` that also tells us about restarts.
+
+    ``elastic_launch`` offers no callback for restarts, so the agent class it instantiates is
+    swapped, for this call only, for a subclass that records failures and announces restarts.
+    """
+    import torch.distributed.launcher.api as api
+    from torch.distributed.elastic.agent.server.api import WorkerState
+
+    base = api.LocalElasticAgent
+    relay = OutputRelay([])
+
+    class ReportingAgent(base):  # type: ignore[misc, valid-type]
+        def _start_workers(self, worker_group: Any) -> Any:
+            nonlocal relay
+            pids = super()._start_workers(worker_group)
+            if _relayed(report.spec):
+                relay.stop()
+                relay = relay_for(self._pcontext, worker_group.workers, sys.stdout, sys.stderr,
+                                  report.shown_local_ranks()).start()
+            return pids
+
+        def _monitor_workers(self, worker_group: Any) -> Any:
+            result = super()._monitor_workers(worker_group)
+            if result.state in (WorkerState.SUCCEEDED, WorkerState.FAILED):
+                relay.stop()  # the ranks are done: their last lines come before our summary
+            if result.is_failed():
+                report.last_failures = dict(result.failures)
+                if summarize(report.failures(result.failures)).preempted:
+                    # a preempted job saved and stopped on purpose: end it (exit 75), do not restart.
+                    # Ranks still exiting when the first one did were SIGTERMed by the agent: they
+                    # count as stopped, not as failures (summarize's rule)
+                    self._remaining_restarts = 0
+            return result
+
+        def _restart_workers(self, worker_group: Any) -> None:
+            if report.last_failures and worker_group.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+                used = worker_group.spec.max_restarts - self._remaining_restarts
+                report.restarting(report.last_failures, attempt=used + 1)
+                report.last_failures = {}
+            super()._restart_workers(worker_group)
+
+        def _shutdown(self, *args: Any, **kwargs: Any) -> None:
+            super()._shutdown(*args, **kwargs)
+            relay.stop()
+            handlers = getattr(self._pcontext, "subprocess_handlers", {}) or {}
+            report.exit_codes = {r: h.proc.returncode for r, h in handlers.items()}
+
+    setattr(api, "LocalElasticAgent", ReportingAgent)  # noqa: B010 - patched for this launch only
+    try:
+        yield
+    finally:
+        relay.stop()
+        setattr(api, "LocalElasticAgent", base)  # noqa: B010
+
+
+def _start_error(exc: Exception, spec: LaunchSpec) -> LaunchError:
+    """Explain a failure of the rendezvous (before any worker ran) in the user's terms."""
+    text = f"{type(exc).__name__}: {exc}"
+    host, port = parse_master(spec.master) if spec.master else ("127.0.0.1", 0)
+    if "EADDRINUSE" in text or "address already in use" in text.lower():
+        return LaunchError(f"cannot host the rendezvous store on {host}:{port}: port {port} is already in "
+                           "use. Choose another --master port (or leave out --master on one node).")
+    joined = re.search(r"(\d+)/(\d+) clients joined", text)
+    if joined:
+        return LaunchError(f"expected {spec.nodes} nodes, {joined.group(1)} joined within "
+                           f"{spec.join_timeout:g} s. Start `lockstep run --nodes {spec.nodes} --node-rank I "
+                           f"--master {spec.master}` on every node, and check that they reach {host}:{port}.")
+    if spec.node_rank > 0 and ("connect" in text.lower() or "timed out" in text.lower()):
+        return LaunchError(f"node {spec.node_rank} could not reach node 0's store at {host}:{port} within "
+                           f"{spec.join_timeout:g} s: is node 0 started, and is the address reachable from here? "
+                           f"({text})")
+    return LaunchError(f"the job could not start: {text}")
+
+
+def launch(spec: LaunchSpec) -> int:
+    """Run the job described by ``spec`` on this node and return the exit code for the launcher.
+
+    0 on success; :data:`~lockstep.errors.EXIT_PREEMPTED` when every failed rank stopped for
+    preemption; ``128 + signal`` when the launcher itself was stopped by a signal; 1 when a rank failed
+    (after printing one summary that names it).
+
+    Args:
+        spec: what to run.
+
+    Raises:
+        LaunchError: the rendezvous failed (busy port, nodes that never joined).
+
+    Example::
+
+        sys.exit(launch(LaunchSpec("train.py", nproc=2)))
+    """
+    import_torch_quietly(spec.verbose)
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    if spec.master is not None:
+        warning = exposure_warning(parse_master(spec.master)[0])
+        if warning:
+            _say(warning)
+    log_dir = spec.log_dir or tempfile.mkdtemp(prefix="lockstep-run-")
+    report = _Reporter(spec)
+    try:
+        with _launch_environment(spec), _quiet_torch(spec.verbose), _reporting_agent(report):
+            elastic_launch(_launch_config(spec, log_dir), sys.executable)(*_worker_args(spec))
+        return 0
+    except ChildFailedError as exc:
+        return report.failed(exc.failures)
+    except SignalException as exc:
+        return report.signalled(int(exc.sigval))
+    except Exception as exc:  # noqa: BLE001 - anything else failed before a worker could run
+        raise _start_error(exc, spec) from None
+    finally:
+        sys.stdout.flush()
+        if spec.log_dir is None:
+            shutil.rmtree(log_dir, ignore_errors=True)

@@ -1,0 +1,273 @@
+"""What went wrong in a launch, in one summary: which rank failed first, where, and why.
+
+When a worker fails, torch's elastic agent stops the others and reports every rank whose process
+ended badly: the one that raised or was killed, but also the ones the agent terminated and the ones
+that died because their peer vanished. :func:`summarize` sorts them into the root cause and the
+ranks that are not at fault, using the error file each worker's bootstrap wrote
+(:mod:`lockstep.launch.bootstrap`) and the exit code or signal of the others. When ranks gave up
+waiting in a collective and named the rank that never came
+(:class:`lockstep.comm.watchdog.CollectiveTimeoutError`), that rank is the root cause, not them. It imports nothing from
+torch: it reads the agent's ``ProcessFailure`` objects by their attributes.
+
+Example::
+
+    failures = [Failure.from_process_failure(rank, f, host) for rank, f in err.failures.items()]
+    print(summarize(failures).text())
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from dataclasses import dataclass, field
+from typing import Any
+
+from lockstep.errors import EXIT_PREEMPTED
+
+__all__ = ["Failure", "Summary", "summarize", "signal_name"]
+
+# Errors a rank raises when another rank died under it: not the root cause.
+_PEER_TYPES = {"DistBackendError", "DistNetworkError", "DistStoreError"}
+_TRANSPORT_TYPES = {"RuntimeError", "ConnectionError", "ConnectionResetError", "BrokenPipeError", "TimeoutError"}
+_PEER_TEXT = re.compile(
+    r"connection closed by peer|connection reset by peer|broken pipe|ECONNRESET|EPIPE|"
+    r"connection refused|socket closed|remote worker crash|timed out|timeout",
+    re.IGNORECASE,
+)
+# The signals the agent (or a scheduler) uses to stop a rank: a rank that died of them was stopped.
+_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP} | (
+    {signal.SIGUSR1} if hasattr(signal, "SIGUSR1") else set())
+
+# Order in which kinds are suspected of being the root cause.
+_SUSPICION = {"exception": 0, "signal": 0, "exit": 0, "waited": 1, "peer": 1, "preempted": 2, "stopped": 3}
+
+
+def signal_name(signum: int) -> str:
+    """Return ``"SIGKILL"`` for 9, or ``"signal 99"`` for an unknown number.
+
+    Args:
+        signum: the signal number (positive).
+
+    Example::
+
+        signal_name(9)  # "SIGKILL"
+    """
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One rank whose process ended badly.
+
+    Args:
+        rank: global rank.
+        local_rank: rank on its node.
+        host: the node's host name.
+        pid: the worker's process id.
+        exitcode: exit code, or minus the signal number when a signal killed it.
+        time: when it failed (seconds since the epoch; sub-second when the worker recorded it).
+        error: ``"Type: message"`` of the exception it raised, or ``""``.
+        error_type: the exception's class name, or ``""``.
+        traceback: the worker's own traceback, or ``""``.
+        blame: the ranks this rank named as never arriving in a collective it waited in.
+
+    Example::
+
+        Failure(rank=1, local_rank=1, host="node1", pid=42, exitcode=-9, time=0.0).describe()
+        # "was killed by SIGKILL"
+    """
+
+    rank: int
+    local_rank: int
+    host: str
+    pid: int
+    exitcode: int
+    time: float
+    error: str = ""
+    error_type: str = ""
+    traceback: str = field(default="", repr=False)
+    blame: tuple[int, ...] = ()
+
+    @classmethod
+    def from_process_failure(cls, rank: int, failure: Any, host: str) -> Failure:
+        """Build a :class:`Failure` from the agent's ``ProcessFailure`` for ``rank``.
+
+        Args:
+            rank: the global rank the agent keyed the failure by.
+            failure: a ``torch.distributed.elastic.multiprocessing.errors.ProcessFailure``.
+            host: this node's host name (the agent only sees its own workers).
+        """
+        data = getattr(failure, "error_file_data", None) or {}
+        ours = data.get("lockstep") if isinstance(data, dict) else None
+        message = data.get("message") if isinstance(data, dict) else None
+        if isinstance(ours, dict):
+            return cls(
+                rank=rank, local_rank=failure.local_rank, host=ours.get("host", host), pid=failure.pid,
+                exitcode=failure.exitcode, time=float(ours.get("time", failure.timestamp)),
+                error=f"{ours.get('type', 'Error')}: {ours.get('text', '')}".rstrip(": "),
+                error_type=str(ours.get("type", "")),
+                traceback=str(message.get("extraInfo", {}).get("py_callstack", "")) if isinstance(message, dict) else "",
+                blame=tuple(int(r) for r in ours.get("blame") or ()),
+            )
+        text = message.get("message", "") if isinstance(message, dict) else ""
+        return cls(
+            rank=rank, local_rank=failure.local_rank, host=host, pid=failure.pid, exitcode=failure.exitcode,
+            time=float(failure.timestamp), error=str(text),
+            error_type=str(text).split(":", 1)[0] if text else "",
+            traceback=str(message.get("extraInfo", {}).get("py_callstack", "")) if isinstance(message, dict) else "",
+        )
+
+    @property
+    def kind(self) -> str:
+        """``exception``, ``peer`` (lost its peer), ``waited`` (named who never came), ``preempted``,
+        ``stopped``, ``signal`` or ``exit``."""
+        if self.blame:
+            return "waited"
+        if self.exitcode == EXIT_PREEMPTED:
+            return "preempted"
+        if self.exitcode < 0 and -self.exitcode not in _STOP_SIGNALS:
+            return "signal"
+        if self.error:  # recorded before the process ended, even if the launcher stopped it meanwhile
+            if self.error_type in _PEER_TYPES or (
+                self.error_type in _TRANSPORT_TYPES and _PEER_TEXT.search(self.error)
+            ):
+                return "peer"
+            return "exception"
+        return "stopped" if self.exitcode < 0 else "exit"
+
+    def describe(self) -> str:
+        """What happened, as the end of ``"rank 1 ..."``: ``"raised ValueError: bad"``."""
+        kind = self.kind
+        if kind in ("signal", "stopped"):
+            return f"was killed by {signal_name(-self.exitcode)}"
+        if kind == "preempted":
+            return f"stopped for preemption (exit code {EXIT_PREEMPTED})"
+        if kind == "peer":
+            return f"lost contact with the other ranks ({_first_sentence(self.error)})"
+        if kind == "waited":
+            return f"gave up waiting for rank(s) {', '.join(map(str, self.blame))}"
+        if self.error_type == "SystemExit":
+            return f"exited with code {self.exitcode}"
+        if self.error:
+            return f"raised {self.error}"
+        return f"exited with code {self.exitcode}"
+
+    def where(self) -> str:
+        """``"host node1, local rank 1, pid 42"``."""
+        return f"host {self.host}, local rank {self.local_rank}, pid {self.pid}"
+
+
+@dataclass(frozen=True)
+class Summary:
+    """The verdict on a failed attempt: the root cause and the ranks not at fault.
+
+    Args:
+        root: the failure to blame.
+        others: the other failed ranks (stopped by the launcher, or lost their peer).
+        preempted: every blamed rank stopped for preemption (exit code 75): resume the job.
+        hang: the report of a rank that gave up waiting in a collective and named ``root`` as the
+            rank that never came (``root`` is that report itself when the named rank is elsewhere).
+
+    Example::
+
+        print(summarize(failures).text())
+    """
+
+    root: Failure
+    others: tuple[Failure, ...]
+    preempted: bool
+    hang: Failure | None = None
+
+    def headline(self) -> str:
+        """``"rank 1 raised ValueError: bad (host h, local rank 1, pid 42)"``."""
+        if self.hang is not None:
+            return _hang_lines(self.hang)[0]
+        return f"rank {self.root.rank} {self.root.describe()} ({self.root.where()})"
+
+    def text(self, prefix: str = "lockstep run: ") -> str:
+        """The full summary: headline, the root's traceback, and who else stopped and why."""
+        if self.hang is not None:
+            return self._hang_text(prefix)
+        if self.preempted:
+            ranks = ", ".join(str(f.rank) for f in (self.root, *self.others) if f.kind == "preempted")
+            return (f"{prefix}the job was preempted: rank(s) {ranks} stopped with exit code "
+                    f"{EXIT_PREEMPTED}. Resume it by running the same command again.")
+        lines = [f"{prefix}{self.headline()}"]
+        if self.root.traceback:
+            lines += ["  " + line for line in self.root.traceback.rstrip().splitlines()]
+        stopped = [f for f in self.others if f.kind in ("stopped", "preempted")]
+        lost = [f for f in self.others if f.kind not in ("stopped", "preempted")]
+        if self.root.kind == "peer" and stopped:
+            lines.append(f"{prefix}rank(s) {_ranks(stopped)} had not failed when it gave up: if one of "
+                         "them was stuck (a hang, or slow work outside the collectives), it is the cause.")
+        elif self.root.kind == "peer":
+            lines.append(f"{prefix}no rank on this node failed first; look for the failing rank in "
+                         "the other nodes' output.")
+        elif stopped:
+            lines.append(f"{prefix}stopped because of it: rank(s) {_ranks(stopped)}")
+        for f in lost:
+            lines.append(f"{prefix}then rank {f.rank} {f.describe()}")
+        return "\n".join(lines)
+
+
+    def _hang_text(self, prefix: str) -> str:
+        assert self.hang is not None
+        first, *details = _hang_lines(self.hang)
+        waited = [f for f in (self.root, *self.others) if f.kind == "waited"]
+        lines = [f"{prefix}{first}", *("  " + line for line in details),
+                 f"{prefix}rank(s) {_ranks(waited)} gave up waiting after the timeout (lockstep run "
+                 "--timeout SECONDS, or Session(timeout=...)); they are not the cause."]
+        if self.root is not self.hang:
+            lines.append(f"{prefix}rank {self.root.rank} was then stopped ({self.root.describe()})")
+        return "\n".join(lines)
+
+
+def _hang_lines(report: Failure) -> list[str]:
+    """The explanation a waiting rank recorded, without its exception type."""
+    text = report.error.split(": ", 1)[1] if report.error.startswith(report.error_type + ": ") else report.error
+    return text.splitlines() or [f"rank(s) {', '.join(map(str, report.blame))} did not reach a collective"]
+
+
+def _first_sentence(text: str) -> str:
+    """``"RuntimeError: Connection closed by peer [h]:1"`` from gloo's long, source-located message."""
+    text = re.sub(r"\[/[^\]]*\]\s*", "", text)  # "[/__w/pytorch/.../pair.cc:561] "
+    return text.split(". ", 1)[0]
+
+
+def _ranks(failures: list[Failure]) -> str:
+    return ", ".join(str(f.rank) for f in sorted(failures, key=lambda f: f.rank))
+
+
+def summarize(failures: list[Failure]) -> Summary:
+    """Choose the root cause among the failed ranks of one attempt.
+
+    A rank that raised, exited non-zero or was killed by a signal other than the agent's stop
+    signals comes first (the earliest of them); then ranks that lost their peer; then ranks that
+    were stopped. When ranks gave up waiting in a collective before anything else failed, the
+    rank they named as never arriving is the root cause. The job counts as preempted when every rank that was not merely stopped exited
+    with :data:`~lockstep.errors.EXIT_PREEMPTED`.
+
+    Args:
+        failures: every failed rank the agent reported (at least one).
+
+    Example::
+
+        summarize(failures).root.rank   # 1
+    """
+    if not failures:
+        raise ValueError("summarize() needs at least one failure")
+    ordered = sorted(failures, key=lambda f: (_SUSPICION[f.kind], f.time, f.rank))
+    reports = sorted((f for f in failures if f.kind == "waited"), key=lambda f: (f.time, f.rank))
+    if reports and not (_SUSPICION[ordered[0].kind] == 0 and ordered[0].time < reports[0].time):
+        # nothing failed before the first rank gave up waiting: blame the rank it named
+        named = [f for f in failures if f.rank in reports[0].blame]
+        root = named[0] if named else reports[0]
+        return Summary(root=root, others=tuple(f for f in ordered if f is not root), preempted=False,
+                       hang=reports[0])
+    root = ordered[0]
+    blamed = [f for f in failures if f.kind != "stopped"]
+    preempted = bool(blamed) and all(f.kind == "preempted" for f in blamed)
+    return Summary(root=root, others=tuple(ordered[1:]), preempted=preempted)

@@ -1,0 +1,206 @@
+"""``spawn()``: run a function on N local processes, for notebooks and tests.
+
+The seeds' ``mp.spawn`` pattern (``rank = node_rank * nprocs + local_rank``) with the launch
+environment filled in: each worker sees ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` before ``fn`` is even
+unpickled, so ``lockstep.Session()``, ``init_comm()`` or ``dist.init_process_group("gloo")``
+inside ``fn`` join the job. Return values come back by rank; a failing rank raises
+:class:`SpawnError` in the parent with that rank's exception and traceback. Scripts should prefer
+``lockstep run``, which restarts, reports and handles signals.
+
+Example::
+
+    from mypackage.jobs import train       # fn must live in an importable module, not a notebook cell
+    results = lockstep.launch.spawn(train, nprocs=2, args=(0.1,))
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from lockstep.errors import ConfigError, LockstepError
+from lockstep.launch.report import signal_name
+
+__all__ = ["spawn", "SpawnError"]
+
+
+class SpawnError(LockstepError):
+    """A rank of :func:`spawn` failed; ``rank`` names it and ``worker_traceback`` is its traceback.
+
+    Args:
+        message: what happened, naming the rank.
+        rank: the failing global rank.
+        worker_traceback: the traceback printed in the worker, or ``""``.
+
+    Example::
+
+        try:
+            spawn(fn, 2)
+        except SpawnError as exc:
+            print(exc.rank)
+    """
+
+    def __init__(self, message: str, rank: int | None = None, worker_traceback: str = "") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.worker_traceback = worker_traceback
+
+
+def _free_port(host: str) -> int:
+    # The port is released before rank 0 binds it; the window is a few milliseconds, and the
+    # operating system hands out ephemeral ports in a random order.
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _worker(env: dict[str, str], payload: bytes, results: Any) -> None:
+    """Entry of each spawned process: set the environment, then unpickle and run ``fn``."""
+    os.environ.update(env)  # before unpickling fn: its module may read the environment on import
+    rank = int(env["RANK"])
+    try:
+        fn, args = pickle.loads(payload)
+        value = fn(*args)
+        results.put((rank, True, value, time.time()))
+    except BaseException as exc:  # noqa: BLE001 - every failure goes back to the parent
+        text = f"{type(exc).__name__}: {exc}"
+        results.put((rank, False, (text, traceback.format_exc()), time.time()))
+    finally:
+        dist = sys.modules.get("torch.distributed")
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()  # exiting with a live group can abort the process
+
+
+def _environments(nprocs: int, nodes: int, node_rank: int, host: str, port: int) -> list[dict[str, str]]:
+    world = nodes * nprocs
+    envs = []
+    for local_rank in range(nprocs):
+        envs.append({
+            "RANK": str(node_rank * nprocs + local_rank), "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(nprocs), "GROUP_RANK": str(node_rank),
+            "MASTER_ADDR": host, "MASTER_PORT": str(port), "LOCKSTEP_SOURCE": "spawn",
+        })
+        if nprocs > 1 and "OMP_NUM_THREADS" not in os.environ:
+            envs[-1]["OMP_NUM_THREADS"] = "1"  # as torchrun: N processes must not oversubscribe the CPU
+    return envs
+
+
+def _check(fn: Callable[..., Any], nprocs: int, nodes: int, node_rank: int, master: str | None) -> tuple[str, int]:
+    if nprocs < 1 or nodes < 1 or not 0 <= node_rank < nodes:
+        raise ConfigError(f"spawn needs nprocs >= 1, nodes >= 1 and 0 <= node_rank < nodes; got "
+                          f"nprocs={nprocs}, nodes={nodes}, node_rank={node_rank}")
+    if getattr(fn, "__module__", None) == "__main__" and not hasattr(sys.modules["__main__"], "__file__"):
+        raise ConfigError(f"spawn cannot send {getattr(fn, '__name__', fn)!r} to new processes: it is defined "
+                          "in a notebook cell. Put it in a .py file and import it from there.")
+    host, _, port_text = (master or "127.0.0.1:0").rpartition(":")
+    host = host.strip("[]") or "127.0.0.1"
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ConfigError(f"master {master!r} must look like HOST:PORT") from None
+    if port == 0 and nodes > 1:
+        raise ConfigError("spawn with nodes > 1 needs master='HOST:PORT' with a real port, the same on every node")
+    return host, (port or _free_port(host))
+
+
+def spawn(
+    fn: Callable[..., Any],
+    nprocs: int,
+    args: Sequence[Any] = (),
+    nodes: int = 1,
+    node_rank: int = 0,
+    master: str | None = None,
+    timeout: float | None = None,
+) -> list[Any]:
+    """Run ``fn(*args)`` on ``nprocs`` new processes of this node and return their results.
+
+    Args:
+        fn: a picklable function (defined at module level in an importable file).
+        nprocs: processes on this node.
+        args: positional arguments for ``fn``; they must be picklable.
+        nodes: number of nodes; run ``spawn`` on each with its own ``node_rank``.
+        node_rank: this node's index; its ranks are ``node_rank * nprocs + local_rank``.
+        master: ``HOST:PORT`` of rank 0's store; on one node ``None`` (or port 0) picks a free port.
+        timeout: seconds to wait for all ranks; ``None`` waits as long as they run.
+
+    Returns:
+        ``fn``'s return values of this node's ranks, in rank order.
+
+    Raises:
+        SpawnError: a rank raised, died or the timeout passed; the message names the rank and
+            carries its traceback. The other ranks are stopped.
+
+    Example::
+
+        spawn(mymodule.add_rank, nprocs=2, args=(10,))   # [10, 11]
+    """
+    import multiprocessing as mp
+
+    host, port = _check(fn, nprocs, nodes, node_rank, master)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    payload = pickle.dumps((fn, tuple(args)))
+    procs = [ctx.Process(target=_worker, args=(env, payload, results), daemon=False)
+             for env in _environments(nprocs, nodes, node_rank, host, port)]
+    for proc in procs:
+        proc.start()
+    try:
+        return _collect(procs, results, node_rank * nprocs, timeout)
+    finally:
+        _stop(procs)
+
+
+def _collect(procs: list[Any], results: Any, first_rank: int, timeout: float | None) -> list[Any]:
+    """Wait for every rank's result; raise on the first failure (the root cause)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    values: dict[int, Any] = {}
+    dead_since: dict[int, float] = {}
+    while len(values) < len(procs):
+        try:
+            rank, ok, value, _ = results.get(timeout=0.1)
+        except queue.Empty:
+            _check_dead(procs, values, first_rank, dead_since)
+            if deadline is not None and time.monotonic() > deadline:
+                waiting = [first_rank + i for i in range(len(procs)) if first_rank + i not in values]
+                raise SpawnError(f"spawn timed out after {timeout:g} s; ranks still running: {waiting}") from None
+            continue
+        if not ok:
+            text, tb = value
+            raise SpawnError(f"rank {rank} failed: {text}\n{tb}", rank=rank, worker_traceback=tb)
+        values[rank] = value
+    return [values[first_rank + i] for i in range(len(procs))]
+
+
+def _check_dead(procs: list[Any], values: dict[int, Any], first_rank: int, dead_since: dict[int, float]) -> None:
+    """Raise for a rank whose process ended without a result (killed, or ``os._exit``)."""
+    now = time.monotonic()
+    for local_rank, proc in enumerate(procs):
+        rank = first_rank + local_rank
+        if rank in values or proc.exitcode is None:
+            continue
+        # A result sent just before exiting may still be in the pipe: give it a second.
+        if now - dead_since.setdefault(rank, now) < 1.0:
+            continue
+        code = proc.exitcode
+        if code < 0:
+            raise SpawnError(f"rank {rank} was killed by {signal_name(-code)} (pid {proc.pid})", rank=rank)
+        raise SpawnError(f"rank {rank} exited with code {code} without returning (pid {proc.pid})", rank=rank)
+
+
+def _stop(procs: list[Any]) -> None:
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in procs:
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)

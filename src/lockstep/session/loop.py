@@ -1,0 +1,300 @@
+"""The pieces of the training step that the session holds: device loaders and their epochs,
+the precision-aware module wrapper and gradient accumulation (the non-finite policy is
+:mod:`lockstep.session.nonfinite`).
+
+They are separate from :mod:`lockstep.session.session` so that each stays small and testable; users
+meet them only through ``Session``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from torch import nn
+
+from lockstep.errors import ConfigError
+
+__all__ = ["DeviceLoader", "PrecisionModule", "Accumulator", "TrainLoaders", "rebind_optimizer"]
+
+class DeviceLoader:
+    """Iterate a DataLoader, moving each batch to the device, and count what training consumed.
+
+    Args:
+        loader: the torch DataLoader (its sampler is a lockstep sampler).
+        device: where batches go (``non_blocking`` copies on CUDA).
+        train: True for a training loader; its sampler position advances per batch so a
+            checkpoint taken mid-epoch knows how far the epoch got.
+    """
+
+    def __init__(self, loader: torch.utils.data.DataLoader, device: torch.device, train: bool) -> None:
+        from lockstep.data.loader import move_to_device
+
+        self.loader = loader
+        self.device = device
+        self.train = train
+        self._move = move_to_device
+        self._non_blocking = device.type == "cuda"
+        self.tracker: Any = None  # the session's TrainLoaders, told when a batch goes out or the loader runs out
+
+    @property
+    def sampler(self) -> Any:
+        """The lockstep sampler behind the loader."""
+        return self.loader.sampler
+
+    @property
+    def dataset(self) -> Any:
+        """The dataset behind the loader."""
+        return self.loader.dataset
+
+    @property
+    def collate_fn(self) -> Any:
+        """The loader's collate function."""
+        return self.loader.collate_fn
+
+    @property
+    def batch_size(self) -> int:
+        """Samples per batch on this rank."""
+        return int(self.loader.batch_size or 1)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        move, device, nb = self._move, self.device, self._non_blocking
+        on_host = device.type == "cpu"  # the loader's batches are already there
+        advance = getattr(self.sampler, "advance", None) if self.train else None
+        world = getattr(self.sampler, "world_size", 1)
+        full = self.loader.batch_size  # every batch but an epoch's last has it on every rank
+        tracker = self.tracker
+        for batch in self.loader:
+            if advance is not None:
+                # counted when handed out: a checkpoint taken after this batch's step resumes
+                # with the next one. The sampler clamps the position at the epoch's end, which
+                # is where a last, smaller batch takes it.
+                advance((full or _batch_len(batch)) * world)
+            if tracker is not None:
+                tracker.epoch_done = False
+            yield batch if on_host else move(batch, device, nb)
+        if tracker is not None:
+            tracker.epoch_done = True
+
+
+def _batch_len(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0])
+    if isinstance(batch, (list, tuple)) and batch:
+        return _batch_len(batch[0])
+    if isinstance(batch, dict) and batch:
+        return _batch_len(next(iter(batch.values())))
+    return 1
+
+
+class PrecisionModule(nn.Module):
+    """Run the wrapped model's forward under the precision plugin's autocast / input casting.
+
+    ``state_dict`` and ``load_state_dict`` go to the user's bare module, so saving the wrapped
+    model never adds a ``module.`` prefix.
+
+    Args:
+        module: the strategy-wrapped model.
+        precision: the precision plugin.
+        bare: the user's own module (for state dicts and attribute access).
+    """
+
+    def __init__(self, module: nn.Module, precision: Any, bare: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+        self._precision = precision
+        self._bare: nn.Module
+        object.__setattr__(self, "_bare", bare)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        precision = self._precision
+        args = tuple(precision.convert_input(a) if isinstance(a, torch.Tensor) else a for a in args)
+        with precision.forward_context():
+            out = self.module(*args, **kwargs)
+        return precision.convert_output(out)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        return self._bare.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        return self._bare.load_state_dict(*args, **kwargs)
+
+
+class Accumulator:
+    """Gradient accumulation over ``k`` micro-steps: no gradient sync on all but the last.
+
+    DDP decides whether to sync at *forward* time, so the no-sync state is entered before the
+    first micro-step's forward and left after the second-to-last backward.
+
+    Args:
+        k: micro-steps per optimizer step (1 disables accumulation).
+    """
+
+    def __init__(self, k: int) -> None:
+        if k < 1:
+            raise ConfigError(f"accumulate must be >= 1, got {k}")
+        self.k = k
+        self.micro = 0
+        self._ctx: AbstractContextManager[Any] | None = None
+        self._model: nn.Module | None = None
+        self._strategy: Any = None
+
+    def attach(self, strategy: Any, model: nn.Module) -> None:
+        """Bind the accumulation to the wrapped model and open the first no-sync window."""
+        self._strategy, self._model = strategy, model
+        self._open()
+
+    @property
+    def ready(self) -> bool:
+        """True when ``k`` micro-steps have run since the last optimizer step."""
+        return self.micro >= self.k
+
+    def after_backward(self) -> None:
+        """Advance one micro-step; the last one's forward runs with gradient sync."""
+        if self.micro == self.k - 2:
+            self._close()
+        self.micro += 1
+
+    def after_step(self) -> None:
+        """Start the next accumulation window."""
+        self.micro = 0
+        self._open()
+
+    def _open(self) -> None:
+        if self.k > 1 and self._model is not None and self._ctx is None:
+            self._ctx = self._strategy.no_backward_sync(self._model)
+            self._ctx.__enter__()
+
+    def _close(self) -> None:
+        if self._ctx is not None:
+            ctx, self._ctx = self._ctx, None
+            ctx.__exit__(None, None, None)
+
+
+class TrainLoaders:
+    """The session's training loaders: each one's epoch is set, saved and restored.
+
+    Loaders are held weakly (a loader the script dropped is forgotten) and kept in creation
+    order, which pairs them with the sampler states of a checkpoint. A state loaded before its
+    loader exists (``session.load`` called before ``session.loader``, or a loader made inside the
+    epoch loop) waits here and is applied when the loader is made, so the epoch still resumes
+    where it stopped.
+
+    Whether a checkpoint was taken in the middle of an epoch is what the loaders last did: an
+    epoch is finished once a loader ran out after the last batch handed out (this covers one
+    loader, ``zip`` of loaders of different lengths, and loops that ``break``), or when every
+    loader has handed out its whole epoch (a save right after the last step).
+
+    Example::
+
+        loaders = TrainLoaders()
+        loaders.add(train)
+        loaders.set_epoch(3)
+    """
+
+    def __init__(self) -> None:
+        self._refs: list[weakref.ref[DeviceLoader]] = []
+        self._pending: list[dict[str, Any]] = []
+        self._epoch = 0
+        self.epoch_done = False  # written by the loaders: True once one ran out after the last batch
+
+    @property
+    def live(self) -> list[DeviceLoader]:
+        """The loaders still in use, oldest first."""
+        loaders = [loader for ref in self._refs if (loader := ref()) is not None]
+        if len(loaders) < len(self._refs):
+            self._refs = [weakref.ref(loader) for loader in loaders]
+        return loaders
+
+    @property
+    def first(self) -> DeviceLoader | None:
+        """The first training loader (its batches are the ones the summary describes)."""
+        live = self.live
+        return live[0] if live else None
+
+    def add(self, loader: DeviceLoader) -> None:
+        """Track ``loader``; a sampler state waiting for it is applied now.
+
+        A loader made inside an epoch (``for x in session.loader(...)`` in the epoch loop)
+        starts at that epoch, so its order changes from epoch to epoch.
+        """
+        if self._pending and int(self._pending[0].get("epoch", -1)) == self._epoch:
+            loader.sampler.load_state_dict(self._pending.pop(0))
+        else:
+            self._pending = []
+            loader.sampler.set_epoch(self._epoch)
+        loader.tracker = self
+        self._refs.append(weakref.ref(loader))
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` on every loader (one restored to this epoch keeps its position)."""
+        self._epoch = epoch
+        self.epoch_done = False
+        for loader in self.live:
+            loader.sampler.set_epoch(epoch)
+
+    def state_dicts(self) -> list[dict[str, Any]]:
+        """Every loader's sampler position, in creation order."""
+        return [loader.sampler.state_dict() for loader in self.live]
+
+    def restore(self, states: list[dict[str, Any]], epoch: int, epoch_done: bool | None,
+                legacy: bool = False) -> bool:
+        """Load saved sampler ``states``, paired with the loaders in creation order.
+
+        Returns True when the checkpoint was taken in the middle of ``epoch`` (each loader then
+        continues from its position); otherwise every loader starts the next epoch.
+
+        Args:
+            states: the saved sampler states.
+            epoch: the epoch the checkpoint was taken in.
+            epoch_done: whether that epoch had finished; ``None`` for a checkpoint that did not
+                record it (then a position short of the dataset's end means mid-epoch).
+            legacy: ``states`` is the one state of an older checkpoint, which was the last
+                loader's.
+
+        Raises:
+            ConfigError: a state was saved for a dataset of another length.
+        """
+        if not states:
+            self._pending = []
+            return False
+        at_end = all(int(s.get("seen", 0)) >= int(s.get("dataset_len", 0)) for s in states)
+        if epoch_done is None:
+            epoch_done = at_end or not any(int(s.get("seen", 0)) > 0 for s in states)
+        mid = not (epoch_done or at_end)  # a save right after the last batch: every loader at its end
+        self._epoch, self.epoch_done = (epoch, False) if mid else (epoch + 1, False)
+        live = self.live[-1:] if legacy else self.live
+        for loader, state in zip(live, states):
+            loader.sampler.load_state_dict(state)
+            if not mid:
+                loader.sampler.set_epoch(epoch + 1)
+        self._pending = list(states[len(live):]) if mid else []
+        return mid
+
+
+def rebind_optimizer(optimizer: torch.optim.Optimizer, strategy: Any) -> torch.optim.Optimizer:
+    """Accept an optimizer built on the bare model's parameters, unless the strategy replaces them.
+
+    DDP keeps the parameters, so the optimizer still points at the right tensors; FSDP replaces
+    them, so its optimizer must come from a factory.
+
+    Args:
+        optimizer: the user's optimizer.
+        strategy: the session's strategy.
+
+    Example::
+
+        opt = rebind_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+    """
+    if strategy.sharded:
+        raise ConfigError(
+            f"strategy {strategy.name} replaces the model's parameters: pass an optimizer factory, "
+            "e.g. session.setup(model, lambda params: torch.optim.SGD(params, lr=0.1))"
+        )
+    return optimizer

@@ -1,0 +1,397 @@
+"""``lockstep.Session``: turn a plain PyTorch training loop into a correct data-parallel one.
+
+The same script runs as ``python train.py`` (one process), ``lockstep run --nproc 4 train.py``,
+``torchrun --nproc_per_node 4 train.py`` and under Slurm's ``srun``::
+
+    session = lockstep.Session(strategy="ddp", precision="bf16-mixed")
+    model, optimizer = session.setup(ConvNet(), lambda p: torch.optim.SGD(p, lr=0.1))
+    train = session.loader(train_set, batch_size=100, shuffle=True)     # per-device batch
+    test = session.loader(test_set, batch_size=500, eval=True)          # exact, no padding
+    state = session.load("checkpoints", model=model, optimizer=optimizer)
+    for epoch in session.epochs(10, start=state.epoch):               # set_epoch done here
+        for images, labels in session.progress(train):
+            session.backward(criterion(model(images), labels))
+            session.step(optimizer)
+        acc = lockstep.metrics.accuracy(model, test, session)
+        session.save("checkpoints", model=model, optimizer=optimizer, keep=2)
+
+The session is thin: it delegates to the layers below (env, comm, strategies, precision, data,
+metrics, checkpoint).
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lockstep.comm.group import Comm, init_comm, resolve_timeout
+from lockstep.env import detect_world
+from lockstep.errors import ConfigError
+from lockstep.session.loop import Accumulator, DeviceLoader, PrecisionModule, TrainLoaders, rebind_optimizer
+from lockstep.session.nonfinite import NONFINITE_POLICIES, FiniteCheck, NonFiniteLossError, name_nonfinite_ranks
+from lockstep.session.preempt import StopGuard, stop_every_rank
+from lockstep.session.resume import ResumeState, seed_everything
+
+__all__ = ["Session", "ResumeState", "NonFiniteLossError"]
+
+Optimizer = torch.optim.Optimizer
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
+
+
+class Session:
+    """One training job: where this rank is, how it talks, how the model is wrapped.
+
+    Args:
+        strategy: ``"auto"`` (ddp with several processes, dp with several GPUs in one process,
+            else single), ``"single"``, ``"dp"``, ``"ddp"`` or ``"fsdp"``.
+        precision: ``"fp32"``, ``"bf16-mixed"``, ``"fp16-mixed"``, ``"fp16-o2"``, ``"bf16"``,
+            ``"fp16"`` or apex's ``"O0"``-``"O3"``.
+        sync_bn: convert BatchNorm layers to SyncBatchNorm (GPU only).
+        accumulate: micro-steps per optimizer step (gradient accumulation).
+        clip_grad_norm: clip the global gradient norm to this value in ``step``.
+        seed: seed of every rank's RNG (identical, so models start equal), data order included.
+        nonfinite: what to do when the loss turns NaN/inf on any rank: ``"skip"`` the step on
+            every rank (warn, naming the rank), ``"stop"`` every rank with an error, or
+            ``"ignore"`` (no check; fastest).
+        timeout: how long a collective may wait for a missing rank (seconds or timedelta);
+            ``$LOCKSTEP_TIMEOUT`` (``lockstep run --timeout``) or 10 minutes by default. Past it
+            the job fails with a message naming the rank that did not arrive.
+        backend: ``"auto"``, ``"nccl"`` or ``"gloo"``.
+        init_method: rendezvous URL (``env://``, ``tcp://``, ``file://``); the launcher's by default.
+        strategy_options: extra options for the strategy (e.g. ``{"bucket_cap_mb": 50}``).
+        quiet: do not print the start summary and the "resumed from" line.
+        preemption: on SIGTERM/SIGUSR1 to any rank or the launcher: ``"save"`` (every rank stops
+            at the same step, saves to the folder last given to :meth:`save`/:meth:`load` and
+            exits with code 75), ``"flag"`` (only sets :attr:`should_stop`) or ``"off"``.
+        preempt_check_seconds: about how often the ranks agree on a stop signal (one
+            two-number all_reduce each time; see :mod:`lockstep.session.preempt`).
+
+    Example::
+
+        session = lockstep.Session(strategy="ddp", precision="bf16-mixed", accumulate=2)
+    """
+
+    def __init__(
+        self,
+        strategy: str = "auto",
+        precision: str = "fp32",
+        *,
+        sync_bn: bool = False,
+        accumulate: int = 1,
+        clip_grad_norm: float | None = None,
+        seed: int = 0,
+        nonfinite: str = "skip",
+        timeout: float | timedelta | None = None,
+        backend: str = "auto",
+        init_method: str | None = None,
+        strategy_options: dict[str, Any] | None = None,
+        quiet: bool = False,
+        preemption: str = "save",
+        preempt_check_seconds: float = 1.0,
+    ) -> None:
+        from lockstep.precision import get_precision
+        from lockstep.strategies import get_strategy
+
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ConfigError(f"nonfinite={nonfinite!r}; choose one of {', '.join(NONFINITE_POLICIES)}")
+        self._accum = Accumulator(accumulate)
+        self.world = detect_world()
+        self.seed, self.nonfinite, self.clip = seed, nonfinite, clip_grad_norm
+        self.timeout = resolve_timeout(timeout)
+        self.quiet = quiet
+        self.device: torch.device = self.world.device
+        get_precision(precision, self.device)  # refuse a bad name before any process group
+        options = dict(strategy_options or {})
+        if sync_bn:
+            options["sync_bn"] = True
+        self._guard = StopGuard(preemption, preempt_check_seconds)
+        self.comm: Comm = init_comm(self.world, backend, init_method, self.timeout)
+        self._guard.attach(self.comm, self.device)
+        self._watch = self.comm.watchdog
+        self.precision = get_precision(precision, self.device, comm=self.comm)
+        self.strategy = get_strategy(strategy, self.comm, self.device, **options)
+        seed_everything(seed)
+        self.epoch = self.global_step = self.skipped_steps = 0
+        self._model: nn.Module | None = None
+        self._finite = FiniteCheck(self.comm)
+        self._loaders = TrainLoaders()
+        self._loss: torch.Tensor | None = None
+        self._resume = ResumeState()
+        self._announced = False
+        self._ckpt: tuple[Path, int | None, dict[str, Any]] | None = None  # where a preemption saves
+
+    # -- where this rank is ---------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        """Global rank of this process."""
+        return self.world.rank
+
+    @property
+    def local_rank(self) -> int:
+        """Rank of this process on its node."""
+        return self.world.local_rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of processes in the job."""
+        return self.world.world_size
+
+    @property
+    def is_main(self) -> bool:
+        """True on rank 0."""
+        return self.world.is_main
+
+    @property
+    def accumulate(self) -> int:
+        """Micro-steps per optimizer step."""
+        return self._accum.k
+
+    @property
+    def should_stop(self) -> bool:
+        """True once every rank agreed to stop for a SIGTERM/SIGUSR1 (``preemption="flag"``)."""
+        return self._guard.agreed
+
+    # -- preparing the user's objects -----------------------------------------------------
+    def setup(self, model: nn.Module, optimizer: Optimizer | OptimizerFactory | None = None) -> Any:
+        """Move ``model`` to the device, apply precision and the strategy; build the optimizer.
+
+        Args:
+            model: the bare model (same initial weights are enforced on every rank).
+            optimizer: an optimizer factory ``params -> Optimizer`` (preferred: FSDP needs the
+                sharded parameters) or an optimizer built on ``model.parameters()``.
+
+        Returns:
+            ``model`` alone, or ``(model, optimizer)`` when an optimizer was given.
+
+        Example::
+
+            model, opt = session.setup(Net(), lambda p: torch.optim.AdamW(p, lr=1e-3))
+        """
+        self.strategy.validate(model)
+        model = self.precision.convert_module(model)
+        wrapped = self.strategy.setup_module(model)
+        opt: Optimizer | None = None
+        if optimizer is not None:
+            if isinstance(optimizer, Optimizer):
+                opt = rebind_optimizer(optimizer, self.strategy)
+            else:
+                opt = optimizer(wrapped.parameters())
+            opt = self.precision.setup_optimizer(opt, wrapped)
+        self._accum.attach(self.strategy, wrapped)
+        if self.precision.name != "fp32":
+            wrapped = PrecisionModule(wrapped, self.precision, self.strategy.unwrap(wrapped))
+        self._model = wrapped
+        return wrapped if opt is None else (wrapped, opt)
+
+    def loader(self, dataset: Any, batch_size: int, shuffle: bool = True, *, eval: bool = False,
+               **options: Any) -> DeviceLoader:
+        """A distributed loader whose batches arrive on this rank's device.
+
+        Every training loader in use follows :meth:`epochs` and has its position saved and
+        restored by :meth:`save` / :meth:`load` (loaders are paired in the order they are made).
+
+        Args:
+            dataset: a map-style dataset.
+            batch_size: samples per batch **per device**.
+            shuffle: reshuffle every epoch (training loaders).
+            eval: an evaluation loader: every sample exactly once over all ranks, no padding.
+            **options: passed to :func:`lockstep.data.loader.make_loader` (``num_workers``, ``drop_last``...).
+
+        Example::
+
+            train = session.loader(train_set, batch_size=64)
+        """
+        from lockstep.data.loader import make_loader
+
+        loader = make_loader(dataset, batch_size, world_size=self.world_size, rank=self.rank,
+                             shuffle=shuffle and not eval, eval=eval, seed=self.seed, **options)
+        wrapped = DeviceLoader(loader, self.device, train=not eval)
+        if not eval:
+            self._loaders.add(wrapped)
+        return wrapped
+
+    # -- the loop ---------------------------------------------------------------------------
+    def epochs(self, n: int, start: int = 0) -> Iterator[int]:
+        """Yield epoch numbers ``start .. n-1``, setting every training sampler's epoch.
+
+        A run resumed mid-epoch continues that epoch from the saved position.
+
+        Example::
+
+            for epoch in session.epochs(10, start=state.epoch): ...
+        """
+        for epoch in range(start, n):
+            self.epoch = epoch
+            self._loaders.set_epoch(epoch)  # a loader resumed mid-epoch keeps its position
+            self._announce()
+            yield epoch
+        self._resume = ResumeState()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate ``loss`` (scaled for fp16 and for accumulation)."""
+        self._announce()
+        if self.nonfinite != "ignore":
+            self._loss = loss.detach()
+        if self._accum.k > 1:
+            loss = loss / self._accum.k
+        watch = self._watch
+        watch.enter("backward of step {}", self.global_step + 1)  # DDP's gradient all_reduce is in here
+        try:
+            self.precision.backward(loss)
+        except RuntimeError as exc:
+            raise watch.explain(exc) or exc  # a timeout names the rank that did not arrive
+        finally:
+            watch.leave()
+        self._accum.after_backward()
+
+    def step(self, optimizer: Optimizer) -> bool:
+        """Unscale, clip, step and zero the gradients; returns False when no step was taken.
+
+        With ``accumulate=k`` only every k-th call steps. Every rank takes the same decision:
+        gradients are already averaged over ranks, so a non-finite value is seen everywhere.
+
+        Raises:
+            Preempted: a stop signal reached a rank: every rank saved (see ``preemption``) and
+                stops here with exit code 75.
+        """
+        if not self._accum.ready:
+            return False
+        model = self._model
+        took = True
+        if self.nonfinite != "ignore" and not self.precision.scales_loss:
+            took = self._finite(optimizer) or self._nonfinite()
+        if took:
+            clip = None
+            if self.clip is not None and model is not None:
+                clip_to, m = self.clip, model
+
+                def clip() -> object:
+                    return self.strategy.clip_grad_norm(m, clip_to)
+
+            took = self.precision.step(optimizer, clip)
+        optimizer.zero_grad(set_to_none=True)
+        self._accum.after_step()
+        self.global_step += int(took)
+        guard = self._guard
+        guard.steps += 1
+        if guard.steps >= guard.next_check and guard.check() and guard.mode == "save":
+            stop_every_rank(self, optimizer)  # saves, tears down, raises Preempted
+        return took
+
+    def _nonfinite(self) -> bool:
+        ranks = name_nonfinite_ranks(self.comm, self._loss)
+        who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if ranks else "a rank"
+        text = f"non-finite loss on {who} at step {self.global_step} (epoch {self.epoch})"
+        if self.nonfinite == "stop":
+            raise NonFiniteLossError(f"{text}; stopping every rank (nonfinite='stop')")
+        self.skipped_steps += 1
+        self.print(f"lockstep: warning: {text}; the step was skipped on every rank")
+        return False
+
+    # -- talking and printing ----------------------------------------------------------------
+    def all_reduce(self, value: torch.Tensor | float, op: str = "sum") -> Any:
+        """Reduce a tensor (in place) or a number over all ranks; returns the result."""
+        if isinstance(value, torch.Tensor):
+            return self.comm.all_reduce(value, op)
+        t = torch.tensor([float(value)], dtype=torch.float64)
+        return self.comm.all_reduce(t, op).item()
+
+    def barrier(self) -> None:
+        """Wait until every rank gets here."""
+        self.comm.barrier()
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on rank 0 only (flushed)."""
+        if self.is_main:
+            print(*args, **kwargs, flush=True)
+
+    def progress(self, iterable: Iterable[Any], **kwargs: Any) -> Iterable[Any]:
+        """Wrap ``iterable`` in a tqdm bar on rank 0 (other ranks iterate silently)."""
+        force = kwargs.pop("force", False)
+        if not self.is_main or not (force or sys.stderr.isatty()):
+            return iterable
+        from tqdm.auto import tqdm
+
+        kwargs.setdefault("desc", f"epoch {self.epoch}")
+        kwargs.setdefault("leave", False)
+        return tqdm(iterable, **kwargs)
+
+    def summary(self) -> str:
+        """The one-line description printed at start: world, strategy, precision, batches."""
+        parts = [f"world {self.world_size}", f"strategy {self.strategy.name}",
+                 f"precision {self.precision.name}", f"backend {self.comm.backend}",
+                 f"timeout {self.timeout.total_seconds():.0f} s"]
+        train = self._loaders.first
+        if train is not None:
+            b = train.batch_size
+            g = b * self.world_size * self.accumulate
+            parts += [f"batch {b} per device", f"global batch {g} ({b} x {self.world_size} x {self.accumulate})",
+                      f"{len(train) // self.accumulate} steps per epoch"]
+        return "lockstep: " + ", ".join(parts)
+
+    def _announce(self) -> None:
+        if not self._announced:
+            self._announced = True
+            if not self.quiet:
+                self.print(self.summary())
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def save(self, directory: str | Path, *, model: nn.Module, optimizer: Optimizer | None = None,
+             keep: int | None = None, **extras: Any) -> Path:
+        """Write a complete, crash-safe checkpoint (every rank must call it).
+
+        Args:
+            directory: folder of checkpoints (``step-000123`` inside).
+            model: the model returned by :meth:`setup`.
+            optimizer: its optimizer.
+            keep: keep only the newest ``keep`` checkpoints (pruned after the new one is committed).
+            **extras: your own values (numbers, strings, tensors, lists, dicts).
+
+        Example::
+
+            session.save("checkpoints", model=model, optimizer=optimizer, keep=3, best=acc)
+        """
+        from lockstep.session.resume_io import save_session
+
+        self._ckpt = (Path(directory), keep, extras)
+        return save_session(self, Path(directory), model, optimizer, keep, extras)
+
+    def load(self, directory: str | Path, *, model: nn.Module, optimizer: Optimizer | None = None) -> ResumeState:
+        """Restore the newest good checkpoint in ``directory``, if any; see :class:`ResumeState`.
+
+        Corrupt or unfinished checkpoints are skipped (with a warning) in favour of the previous
+        good one. Resuming with another world size is supported: the data position is counted
+        in samples, not batches. Rank 0 prints where it resumed from. A preemption saves into
+        ``directory`` (or the folder of the last :meth:`save`).
+        """
+        from lockstep.session.resume_io import load_session, resumed_line
+
+        if self._ckpt is None or self._ckpt[0] != Path(directory):
+            self._ckpt = (Path(directory), None, {})
+        self._resume = load_session(self, Path(directory), model, optimizer)
+        if self._resume.resumed and not self.quiet:
+            self.print(resumed_line(self._resume))
+        return self._resume
+
+    def close(self) -> None:
+        """End the job's communication (barrier + destroy). Safe to call twice."""
+        self._guard.uninstall()
+        self.comm.shutdown()
+        if self._model is not None:
+            self.strategy.release(self._model)
+            gc.collect()  # wrappers in reference cycles would otherwise outlive the group
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if exc[0] is None:
+            self.close()
+

@@ -1,0 +1,254 @@
+"""The data ``lockstep train`` reads: ``digits``, ``mnist:DIR``, ``imagefolder:DIR``, ``synthetic``.
+
+* ``digits`` (the default): scikit-learn's bundled 1,797 handwritten digits (8x8), upsampled to
+  the model's input size; 297 held out for testing by a fixed seeded split. Needs no download.
+* ``mnist:DIR``: MNIST's IDX files on disk (see :mod:`lockstep.zoo.idx`).
+* ``imagefolder:DIR``: one folder per class (see :mod:`lockstep.zoo.folders`).
+* ``synthetic``: random images of the model's input shape and random labels, for speed tests.
+
+Train/test splits use the fixed :data:`SPLIT_SEED`, not ``--seed``, so that runs with different
+seeds are scored on the same test images.
+
+Example::
+
+    data = open_data(parse_data("digits"), image_size=28, channels=1)
+    len(data.train), len(data.test), data.num_classes      # 1500, 297, 10
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset, TensorDataset
+
+from lockstep.errors import ConfigError
+
+__all__ = ["DataSpec", "ImageData", "ImageTensors", "SyntheticImages", "parse_data", "open_data",
+           "native_channels", "DIGITS_TEST", "SPLIT_SEED", "SYNTHETIC_SIZES", "DATA_KINDS"]
+
+DATA_KINDS = ("digits", "mnist", "imagefolder", "synthetic")
+SPLIT_SEED = 0
+DIGITS_TEST = 297
+SYNTHETIC_SIZES = (1024, 256)
+_MATERIALIZE_BYTES = 512 * 2**20  # resized copies smaller than this are computed once, up front
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """A parsed ``--data`` value.
+
+    Args:
+        kind: one of :data:`DATA_KINDS`.
+        path: the folder of ``mnist:DIR`` and ``imagefolder:DIR``; ``None`` otherwise.
+
+    Example::
+
+        DataSpec("mnist", Path("data/mnist"))
+    """
+
+    kind: str
+    path: Path | None = None
+
+    def __str__(self) -> str:
+        return self.kind if self.path is None else f"{self.kind}:{self.path}"
+
+
+@dataclass
+class ImageData:
+    """Training and test sets with what the model must match.
+
+    Args:
+        train: the training set of ``(image, label)`` pairs.
+        test: the test (validation) set.
+        num_classes: number of classes.
+        channels: channels of every image.
+        image_size: side of every (square) image.
+    """
+
+    train: Dataset[Any]
+    test: Dataset[Any]
+    num_classes: int
+    channels: int
+    image_size: int
+
+
+def parse_data(text: str) -> DataSpec:
+    """Parse and check a ``--data`` value; folders must exist and not be empty.
+
+    Args:
+        text: ``digits``, ``synthetic``, ``mnist:DIR`` or ``imagefolder:DIR``.
+
+    Example::
+
+        parse_data("imagefolder:~/data/flowers").path    # the expanded folder
+    """
+    kind, _, path = text.partition(":")
+    if kind not in DATA_KINDS:
+        raise ConfigError(f"unknown data {text!r}; choose digits, synthetic, mnist:DIR or imagefolder:DIR")
+    if kind in ("digits", "synthetic"):
+        if path:
+            raise ConfigError(f"--data {kind} takes no folder (got {text!r})")
+        return DataSpec(kind)
+    if not path:
+        raise ConfigError(f"--data {kind} needs a folder: --data {kind}:DIR")
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise ConfigError(f"data directory {folder} does not exist")
+    if not any(folder.iterdir()):
+        raise ConfigError(f"data directory {folder} is empty")
+    return DataSpec(kind, folder)
+
+
+def native_channels(spec: DataSpec) -> int:
+    """Channels of the data as stored: 1 for digits, MNIST and synthetic, 3 for image folders.
+
+    Example::
+
+        native_channels(DataSpec("digits"))   # 1
+    """
+    return 3 if spec.kind == "imagefolder" else 1
+
+
+class ImageTensors(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Images held in memory at their own size, resized and channel-repeated per sample.
+
+    Args:
+        images: ``(N, C, H, W)`` uint8 or float tensor.
+        labels: ``(N,)`` int64 tensor.
+        image_size: side of the images handed out.
+        channels: channels handed out (grayscale is repeated for RGB models).
+        scale: divides the stored values (255 for uint8 pixels, 16 for digits).
+
+    Example::
+
+        ds = ImageTensors(torch.zeros(4, 1, 8, 8), torch.zeros(4, dtype=torch.long), 28, 1, 16.0)
+        ds[0][0].shape      # (1, 28, 28)
+    """
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, image_size: int, channels: int,
+                 scale: float) -> None:
+        self.images, self.labels = images, labels
+        self.image_size, self.channels, self.scale = image_size, channels, scale
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def _convert(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float() / self.scale
+        if x.shape[-1] != self.image_size or x.shape[-2] != self.image_size:
+            x = F.interpolate(x, size=(self.image_size, self.image_size), mode="bilinear", align_corners=False)
+        if x.shape[1] != self.channels:
+            x = x.expand(-1, self.channels, -1, -1)
+        return x.contiguous()
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._convert(self.images[index:index + 1])[0], self.labels[index]
+
+    def materialized(self) -> Dataset[Any]:
+        """Convert all images at once into a TensorDataset when that fits in a modest memory.
+
+        Indexing one tensor is far cheaper per sample than resizing on every access; a large
+        set (MNIST at 224 pixels) stays as it is and converts each sample when it is read.
+
+        Example::
+
+            train = data.train.materialized()
+        """
+        size = len(self) * self.channels * self.image_size ** 2 * 4
+        if size > _MATERIALIZE_BYTES:
+            return self
+        return TensorDataset(self._convert(self.images), self.labels)
+
+
+class SyntheticImages(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Random images and labels, each a function of ``(seed, index)`` only (no memory held).
+
+    Args:
+        count: number of samples.
+        channels: image channels.
+        image_size: image side.
+        num_classes: labels are drawn from ``range(num_classes)``.
+        seed: distinguishes the training from the test set.
+
+    Example::
+
+        SyntheticImages(8, 3, 32, 10, seed=1)[0][0].shape   # (3, 32, 32)
+    """
+
+    def __init__(self, count: int, channels: int, image_size: int, num_classes: int, seed: int) -> None:
+        self.count, self.channels, self.image_size = count, channels, image_size
+        self.num_classes, self.seed = num_classes, seed
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        image = torch.randn(self.channels, self.image_size, self.image_size, generator=gen)
+        return image, torch.randint(self.num_classes, (), generator=gen)
+
+
+def _split(n: int, test: int) -> tuple[torch.Tensor, torch.Tensor]:
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(SPLIT_SEED))
+    return order[test:], order[:test]
+
+
+def _digits(image_size: int, channels: int) -> tuple[Dataset[Any], Dataset[Any], int]:
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    x = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1)  # values 0..16
+    y = torch.tensor(bunch.target, dtype=torch.long)
+    train, test = _split(len(y), DIGITS_TEST)
+    return (ImageTensors(x[train], y[train], image_size, channels, 16.0),
+            ImageTensors(x[test], y[test], image_size, channels, 16.0), 10)
+
+
+def _mnist(folder: Path, image_size: int, channels: int) -> tuple[Dataset[Any], Dataset[Any], int]:
+    from lockstep.zoo.idx import read_mnist
+
+    parts = []
+    for split in ("train", "test"):
+        images, labels = read_mnist(folder, split)
+        parts.append(ImageTensors(torch.from_numpy(np.array(images)).unsqueeze(1),
+                                  torch.from_numpy(labels), image_size, channels, 255.0))
+    num_classes = int(max(int(parts[0].labels.max()), int(parts[1].labels.max()))) + 1
+    return parts[0], parts[1], num_classes
+
+
+def open_data(spec: DataSpec, image_size: int, channels: int, *, val_fraction: float = 0.1) -> ImageData:
+    """Open (and check) the data named by ``spec``, shaped ``(channels, image_size, image_size)``.
+
+    Args:
+        spec: from :func:`parse_data`.
+        image_size: side of the images the model takes.
+        channels: channels the model takes (see :func:`native_channels`).
+        val_fraction: held-out share of an image folder without ``train/`` and ``val/``.
+
+    Raises:
+        ConfigError: missing or damaged files, unreadable images.
+
+    Example::
+
+        data = open_data(parse_data("synthetic"), image_size=32, channels=3)
+    """
+    if spec.kind == "digits":
+        train, test, k = _digits(image_size, channels)
+    elif spec.kind == "mnist":
+        assert spec.path is not None
+        train, test, k = _mnist(spec.path, image_size, channels)
+    elif spec.kind == "imagefolder":
+        from lockstep.zoo.folders import image_folders
+
+        assert spec.path is not None
+        train, test, k = image_folders(spec.path, image_size, SPLIT_SEED, val_fraction)
+    else:
+        k = 10
+        train = SyntheticImages(SYNTHETIC_SIZES[0], channels, image_size, k, seed=1)
+        test = SyntheticImages(SYNTHETIC_SIZES[1], channels, image_size, k, seed=2)
+    return ImageData(train, test, k, channels, image_size)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from lockstep.cli import main as cli_main
+from lockstep.cli.main import main as cli_main
 from lockstep.bench import BenchConfig, Cell, CellTask, add_efficiency, format_table, plan_cells, skip_reason
 from lockstep.bench.matrix import parse_list
 from lockstep.bench.measure import measure_cell, time_window

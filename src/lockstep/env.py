@@ -23,7 +23,7 @@ from typing import Any
 
 from lockstep.errors import ConfigError
 
-__all__ = ["World", "WorldError", "detect_world", "first_slurm_host"]
+__all__ = ["World", "WorldError", "Settings", "detect_world", "read_settings", "environment", "first_slurm_host"]
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 
@@ -208,6 +208,84 @@ def _from_openmpi(env: Mapping[str, str]) -> World:
         master_port=port,
         source="openmpi",
     )
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the launcher and the user told this process besides its place in the job.
+
+    Read once by :func:`read_settings`; the layers above take these values instead of reading
+    the environment themselves.
+
+    Args:
+        timeout: ``$LOCKSTEP_TIMEOUT`` as written (seconds; ``lockstep run --timeout``), or ``""``.
+        grace: ``$LOCKSTEP_GRACE`` as written (seconds a stop signal may wait for agreement), or ``""``.
+        init_method: ``$LOCKSTEP_INIT_METHOD``: the rendezvous URL ``lockstep run`` chose, or ``""``.
+        restart_count: ``$TORCHELASTIC_RESTART_COUNT``: how often the agent restarted the job
+            (``None`` outside the elastic agent).
+        run_id: ``$TORCHELASTIC_RUN_ID``: the elastic run's id, or ``""``.
+        error_file: ``$TORCHELASTIC_ERROR_FILE``: where a failing worker records its exception, or ``""``.
+        agent_store: the elastic agent shares its store with the workers
+            (``$TORCHELASTIC_USE_AGENT_STORE``), at ``$MASTER_ADDR:$MASTER_PORT``.
+        master_addr: ``$MASTER_ADDR`` as written, or ``""``.
+        master_port: ``$MASTER_PORT`` as written, or ``""``.
+        launched: a launcher described the job with ``$RANK`` (``lockstep run``, ``torchrun``,
+            ``spawn``): this process is a worker, not a command that should start workers.
+
+    Example::
+
+        read_settings({"LOCKSTEP_GRACE": "5"}).grace   # "5"
+    """
+
+    timeout: str = ""
+    grace: str = ""
+    init_method: str = ""
+    restart_count: int | None = None
+    run_id: str = ""
+    error_file: str = ""
+    agent_store: bool = False
+    master_addr: str = ""
+    master_port: str = ""
+    launched: bool = False
+
+
+def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
+    """Read :class:`Settings` from ``environ`` (``os.environ`` when omitted).
+
+    Args:
+        environ: the variables to read.
+
+    Example::
+
+        if read_settings().launched: ...   # running as a worker of a launcher
+    """
+    env = os.environ if environ is None else environ
+    count = env.get("TORCHELASTIC_RESTART_COUNT", "").strip()
+    return Settings(
+        timeout=env.get("LOCKSTEP_TIMEOUT", "").strip(),
+        grace=env.get("LOCKSTEP_GRACE", "").strip(),
+        init_method=env.get("LOCKSTEP_INIT_METHOD", ""),
+        restart_count=int(count) if count.isdigit() else None,
+        run_id=env.get("TORCHELASTIC_RUN_ID", ""),
+        error_file=env.get("TORCHELASTIC_ERROR_FILE", ""),
+        agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+        master_addr=env.get("MASTER_ADDR", ""),
+        master_port=env.get("MASTER_PORT", ""),
+        launched="RANK" in env,
+    )
+
+
+def environment() -> Mapping[str, str]:
+    """A read-only view of this process's environment, for readers that take a mapping
+    (``lockstep.launch.spec.slurm_defaults``); the only place outside this module that needs one.
+
+    Example::
+
+        slurm_defaults(environment())
+    """
+    from types import MappingProxyType
+
+    return MappingProxyType(os.environ)
 
 
 def detect_world(environ: Mapping[str, str] | None = None) -> World:

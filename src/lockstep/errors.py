@@ -10,7 +10,11 @@ Example::
 
 from __future__ import annotations
 
-__all__ = ["LockstepError", "ConfigError", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_PREEMPTED"]
+import signal
+from collections.abc import Iterable
+
+__all__ = ["LockstepError", "ConfigError", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_PREEMPTED", "DEFAULT_GRACE",
+           "format_ranks", "signal_name"]
 
 EXIT_FAILURE = 1
 """A worker failed (exception, signal, hang)."""
@@ -18,6 +22,8 @@ EXIT_USAGE = 2
 """Bad flags or input, refused before any process started."""
 EXIT_PREEMPTED = 75
 """The job was asked to stop (SIGTERM/SIGUSR1), saved a checkpoint and stopped; resume it."""
+DEFAULT_GRACE = 30.0
+"""Seconds a stop signal may wait for the ranks to agree (``lockstep run --grace``)."""
 
 
 class LockstepError(RuntimeError):
@@ -30,3 +36,33 @@ class ConfigError(LockstepError, ValueError):
     """Bad configuration or input, detected before training starts (exit code 2)."""
 
     exit_code = EXIT_USAGE
+
+
+def format_ranks(ranks: Iterable[int]) -> str:
+    """``"rank 1"`` or ``"ranks 0, 2"``: how every message of lockstep names ranks (sorted).
+
+    Args:
+        ranks: the rank numbers (at least one).
+
+    Example::
+
+        format_ranks([2, 0])   # "ranks 0, 2"
+    """
+    ordered = sorted(ranks)
+    return f"rank{'s' if len(ordered) > 1 else ''} {', '.join(map(str, ordered))}"
+
+
+def signal_name(signum: int) -> str:
+    """Return ``"SIGKILL"`` for 9, or ``"signal 99"`` for an unknown number.
+
+    Args:
+        signum: the signal number (positive).
+
+    Example::
+
+        signal_name(9)  # "SIGKILL"
+    """
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"

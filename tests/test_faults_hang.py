@@ -69,7 +69,7 @@ def test_summary_blames_the_named_rank_not_the_waiters() -> None:
     assert summary.root.rank == 1 and summary.hang is not None
     text = summary.text()
     assert text.startswith("lockstep run: rank 1 (host h, pid 101) did not reach all_reduce #5 within 5 s")
-    assert "rank(s) 0, 2 gave up waiting" in text and "rank 1 was then stopped (was killed by SIGTERM)" in text
+    assert "ranks 0, 2 gave up waiting" in text and "rank 1 was then stopped (was killed by SIGTERM)" in text
     assert "rank 0 raised" not in text and "CollectiveTimeoutError" not in text
     # a real failure before the timeout stays the root cause
     early = summarize([_failure(1, 1, 1.0, "ValueError: bad"), _failure(0, 1, 10.0, report, (1,))])

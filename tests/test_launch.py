@@ -124,7 +124,7 @@ def test_summary_blames_the_first_real_failure() -> None:
     assert summary.root.rank == 1 and not summary.preempted
     text = summary.text()
     assert "rank 1 raised ValueError: bad" in text
-    assert "stopped because of it: rank(s) 2" in text and "then rank 0 lost contact" in text
+    assert "stopped because of it: rank 2" in text and "then rank 0 lost contact" in text
     killed = summarize([_failure(0, 1, 1.0, peer), _failure(1, -9, 3.0)])
     assert killed.headline().startswith("rank 1 was killed by SIGKILL")
 

@@ -229,6 +229,7 @@ class Settings:
             (``$TORCHELASTIC_USE_AGENT_STORE``), at ``$MASTER_ADDR:$MASTER_PORT``.
         master_addr: ``$MASTER_ADDR`` as written, or ``""``.
         master_port: ``$MASTER_PORT`` as written, or ``""``.
+        loglevel: ``$LOGLEVEL`` (torchrun's: show the elastic agent's own logging), or ``""``.
         launched: a launcher described the job with ``$RANK`` (``lockstep run``, ``torchrun``,
             ``spawn``): this process is a worker, not a command that should start workers.
 
@@ -246,6 +247,7 @@ class Settings:
     agent_store: bool = False
     master_addr: str = ""
     master_port: str = ""
+    loglevel: str = ""
     launched: bool = False
 
 
@@ -271,6 +273,7 @@ def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
         agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
         master_addr=env.get("MASTER_ADDR", ""),
         master_port=env.get("MASTER_PORT", ""),
+        loglevel=env.get("LOGLEVEL", ""),
         launched="RANK" in env,
     )
 

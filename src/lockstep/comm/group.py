@@ -25,7 +25,6 @@ Example (two processes)::
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -35,7 +34,7 @@ import torch
 from lockstep.comm.store import (
     DEFAULT_TIMEOUT, CommError, Peer, describe_self, handshake, open_store, resolve_timeout,
 )
-from lockstep.env import World, detect_world
+from lockstep.env import World, detect_world, read_settings
 from lockstep.errors import ConfigError
 from lockstep.comm.watchdog import NullWatchdog, Watchdog
 
@@ -248,16 +247,17 @@ def init_comm(
     if dist.is_initialized():
         raise CommError("a torch.distributed process group already exists in this process")
     chosen = pick_backend(backend)
-    init_method = init_method or os.environ.get("LOCKSTEP_INIT_METHOD") or "env://"
-    store = open_store(world, init_method, timeout)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    run = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    base = dist.PrefixStore(f"lockstep/{run}/{attempt}/", store)
+    settings = read_settings()
+    init_method = init_method or settings.init_method or "env://"
+    store = open_store(world, init_method, timeout, settings)
+    attempt = settings.restart_count or 0
+    base = dist.PrefixStore(f"lockstep/{settings.run_id}/{attempt}/", store)
     peers = handshake(dist.PrefixStore("hs/", base), describe_self(world), timeout)
     device_id = world.device if chosen == "nccl" else None
     if device_id is not None:
         torch.cuda.set_device(device_id)
-    watchdog = Watchdog(dist.PrefixStore("wd/", base), world.rank, world.world_size, timeout.total_seconds())
+    watchdog = Watchdog(dist.PrefixStore("wd/", base), world.rank, world.world_size, timeout.total_seconds(),
+                        error_file=settings.error_file)
     group_timeout = timeout
     if chosen == "nccl":
         # nccl ends the process at its timeout; give the watchdog's report (at its backstop) time first

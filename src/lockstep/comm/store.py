@@ -24,7 +24,7 @@ from urllib.parse import urlparse
 
 import torch
 
-from lockstep.env import World
+from lockstep.env import Settings, World, read_settings
 from lockstep.errors import ConfigError, LockstepError
 
 __all__ = ["CommError", "Peer", "DEFAULT_TIMEOUT", "resolve_timeout", "open_store", "handshake", "describe_self"]
@@ -48,8 +48,20 @@ def describe_self(world: World) -> Peer:
     }
 
 
-def open_store(world: World, init_method: str, timeout: timedelta) -> Any:
-    """Open the rendezvous store of ``init_method`` (rank 0 hosts a TCP one unless the agent does)."""
+def open_store(world: World, init_method: str, timeout: timedelta, settings: Settings | None = None) -> Any:
+    """Open the rendezvous store of ``init_method`` (rank 0 hosts a TCP one unless the agent does).
+
+    Args:
+        world: where this process is.
+        init_method: ``env://``, ``tcp://HOST:PORT`` or ``file://PATH``.
+        timeout: how long to wait for the store.
+        settings: the launcher's settings (whether the agent hosts the store); read when omitted.
+
+    Example::
+
+        store = open_store(world, "file:///tmp/rdzv", timedelta(seconds=30))
+    """
+    settings = read_settings() if settings is None else settings
     dist = torch.distributed
     url = urlparse(init_method)
     if url.scheme == "file":
@@ -65,11 +77,7 @@ def open_store(world: World, init_method: str, timeout: timedelta) -> Any:
         host, port = url.hostname, url.port
     else:
         raise CommError(f"unknown init method {init_method!r}; use env://, tcp://HOST:PORT or file://PATH")
-    agent = (
-        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        and os.environ.get("MASTER_ADDR") == host
-        and os.environ.get("MASTER_PORT") == str(port)
-    )
+    agent = settings.agent_store and settings.master_addr == host and settings.master_port == str(port)
     hosting = world.rank == 0 and not agent
     try:
         if not hosting:
@@ -160,7 +168,7 @@ def resolve_timeout(timeout: timedelta | float | None = None) -> timedelta:
     """
     source = "timeout"
     if timeout is None:
-        text = os.environ.get("LOCKSTEP_TIMEOUT", "").strip()
+        text = read_settings().timeout
         if not text:
             return DEFAULT_TIMEOUT
         source = "LOCKSTEP_TIMEOUT"

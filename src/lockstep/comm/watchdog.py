@@ -30,18 +30,19 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
+from lockstep.comm import failure
 from lockstep.comm.hang_report import CollectiveTimeoutError, Post, diagnose, is_own, where_of
 
-__all__ = ["CollectiveTimeoutError", "Post", "Watchdog", "NullWatchdog", "diagnose", "explain_escaped"]
+__all__ = ["CollectiveTimeoutError", "Post", "Watchdog", "NullWatchdog", "diagnose"]
 
 # Errors a backend raises when a collective waited too long (gloo, nccl, the store).
 _TIMEOUT = re.compile(r"timed out|timeout|deadline", re.IGNORECASE)
 _VERDICT = "verdict"  # store keys: the first explanation posted, and how many ranks saw it
 _SEEN = "seen"
-_active: Watchdog | None = None
 
 
 class NullWatchdog:
@@ -53,7 +54,13 @@ class NullWatchdog:
     """
 
     job_failed = False
-    stop_signal: int | None = None
+
+    def on_job_failed(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once, from the watchdog's thread, when the job is found failed.
+
+        Args:
+            callback: what to do then (a preemption handler re-raises its signal, for example).
+        """
 
     def enter(self, what: str, number: int) -> None:
         """Mark the start of a sync point (``what`` formatted with ``number``)."""
@@ -79,6 +86,8 @@ class Watchdog(NullWatchdog):
         timeout: the collectives' timeout in seconds.
         backstop: seconds inside one sync point after which the process reports and exits even if
             the backend never raised (default: ``timeout`` plus 10%, at least 5 s).
+        error_file: where the backstop records its report for the launcher (``Settings.error_file``);
+            ``""``: print it only.
 
     Example::
 
@@ -87,19 +96,24 @@ class Watchdog(NullWatchdog):
     """
 
     def __init__(self, store: Any, rank: int, world_size: int, timeout: float,
-                 backstop: float | None = None) -> None:
+                 backstop: float | None = None, error_file: str = "") -> None:
         self.store, self.rank, self.world_size, self.timeout = store, rank, world_size, timeout
         self.backstop = backstop if backstop is not None else timeout + min(max(5.0, 0.1 * timeout), 60.0)
         self.poll = min(max(timeout / 10, 0.05), 2.0)
         self.seq, self.inside, self.entered = 0, False, time.monotonic()
         self._what, self._number = "start", 0
         self.job_failed = False
-        self.stop_signal = None
+        self.error_file = error_file
+        self._on_failed: list[Callable[[], None]] = []
+        self._remove_hooks: Callable[[], None] | None = None
         self._acked = False
         self._host, self._main = socket.gethostname(), threading.main_thread().ident
         self._view: dict[int, Post | None] = {}
         self._halt = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lockstep-watchdog", daemon=True)
+
+    def on_job_failed(self, callback: Callable[[], None]) -> None:
+        self._on_failed.append(callback)
 
     # -- the main thread's side (hot path: keep it to attribute writes) ------------------------
     def enter(self, what: str, number: int) -> None:
@@ -164,18 +178,17 @@ class Watchdog(NullWatchdog):
                     in_torch=in_torch or waiting)
 
     def start(self) -> None:
-        """Start the thread and make this the watchdog :func:`explain_escaped` consults."""
-        global _active
-        _active = self
+        """Start the thread and explain timeouts that escape the user's code (:mod:`lockstep.comm.failure`)."""
+        self._remove_hooks = failure.add_explainer(self.explain_escaped)
         self._thread.start()
         atexit.register(self.stop)  # also on the way out of a failed run, before the interpreter tears down
 
     def stop(self) -> None:
         """Stop the thread and let go of the store (safe to call twice)."""
-        global _active
         self._halt.set()
-        if _active is self:
-            _active = None
+        if self._remove_hooks is not None:
+            self._remove_hooks()
+            self._remove_hooks = None
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.poll + 1.0)
         # the store (hosted by rank 0's process) must be destroyed now, by the caller, not during
@@ -214,41 +227,39 @@ class Watchdog(NullWatchdog):
                     posted = mine
                     self._try(lambda: self.store.set(str(self.rank), json.dumps(asdict(mine))))
                 self._view = self._read() or self._view
-            if self.stop_signal is not None and self.job_failed:
-                os.kill(os.getpid(), self.stop_signal)  # the handler sees the failed job and exits now
-                self.stop_signal = None
+            if self.job_failed and self._on_failed:
+                callbacks, self._on_failed = self._on_failed, []
+                for callback in callbacks:
+                    callback()
             if self.inside and stalled >= self.backstop:
                 self._give_up()
+
+    def explain_escaped(self, exc: BaseException) -> CollectiveTimeoutError | None:
+        """Explain a backend timeout that escaped the user's code (a direct ``torch.distributed`` call).
+
+        Args:
+            exc: the exception that ends the process.
+
+        Example::
+
+            err = watch.explain_escaped(exc) or exc
+        """
+        if not isinstance(exc, RuntimeError) or not _TIMEOUT.search(str(exc)):
+            return None
+        tb, where = exc.__traceback__, ""
+        while tb is not None:  # the innermost frame that is the user's: where the collective was called
+            code = tb.tb_frame.f_code
+            if not is_own(code.co_filename):
+                where = f"{os.path.basename(code.co_filename)}:{tb.tb_lineno} in {code.co_name}"
+            tb = tb.tb_next
+        return self.explain(exc, where=where)
 
     def _give_up(self) -> None:
         """The backend never raised: report like an exception would and end the process."""
         err = self.explain(TimeoutError("timed out")) or CollectiveTimeoutError("timed out")
         print(f"lockstep: {err}", file=sys.stderr, flush=True)
-        path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-        if path:
-            from lockstep.launch.bootstrap import record_failure  # the launcher's error-file format
-
-            record_failure(err, 1, path)
+        if self.error_file:
+            failure.record_failure(err, 1, self.error_file)
         os._exit(1)
 
 
-def explain_escaped(exc: BaseException) -> CollectiveTimeoutError | None:
-    """Explain a backend timeout that escaped the user's code (a direct ``torch.distributed`` call).
-
-    Args:
-        exc: the exception that ends the process.
-
-    Example::
-
-        err = explain_escaped(exc) or exc
-    """
-    watch = _active
-    if watch is None or not isinstance(exc, RuntimeError) or not _TIMEOUT.search(str(exc)):
-        return None
-    tb, where = exc.__traceback__, ""
-    while tb is not None:  # the innermost frame that is the user's: where the collective was called
-        code = tb.tb_frame.f_code
-        if not is_own(code.co_filename):
-            where = f"{os.path.basename(code.co_filename)}:{tb.tb_lineno} in {code.co_name}"
-        tb = tb.tb_next
-    return watch.explain(exc, where=where)

@@ -16,15 +16,12 @@ not print it too. It imports nothing heavy: the script pays for its own imports.
 from __future__ import annotations
 
 import faulthandler
-import json
 import os
 import runpy
-import socket
 import sys
-import time
-import traceback
-from types import TracebackType
 
+from lockstep.comm import failure
+from lockstep.env import read_settings
 from lockstep.errors import EXIT_PREEMPTED
 
 __all__ = ["main", "run_target", "record_failure"]
@@ -55,63 +52,19 @@ def run_target(target: str, args: list[str], module: bool) -> None:
     runpy.run_path(path, run_name="__main__")
 
 
-def _is_ours(filename: str) -> bool:
-    return filename in _SKIP_FRAMES or os.path.abspath(filename) in _SKIP_FRAMES
-
-
-def _user_traceback(exc: BaseException) -> str:
-    """The traceback without the frames of this module and runpy (the user never wrote them)."""
-    tb: TracebackType | None = exc.__traceback__
-    while tb is not None and _is_ours(tb.tb_frame.f_code.co_filename):
-        tb = tb.tb_next
-    return "".join(traceback.format_exception(type(exc), exc, tb))
-
-
 def record_failure(exc: BaseException, exit_code: int, path: str) -> None:
-    """Write ``exc`` to the elastic error file ``path`` (what the launcher reads back).
+    """Write ``exc`` to the elastic error file ``path``, with the user's frames only.
 
     Args:
         exc: the exception the script raised.
         exit_code: the exit code this worker is about to use.
-        path: the value of ``$TORCHELASTIC_ERROR_FILE``.
+        path: the error file (``Settings.error_file``).
 
     Example::
 
-        record_failure(ValueError("bad"), 1, os.environ["TORCHELASTIC_ERROR_FILE"])
+        record_failure(ValueError("bad"), 1, read_settings().error_file)
     """
-    now = time.time()
-    kind = type(exc)
-    data = {
-        "message": {
-            "message": f"{kind.__name__}: {exc}",
-            "extraInfo": {"py_callstack": _user_traceback(exc), "timestamp": str(int(now))},
-        },
-        "lockstep": {
-            "time": now,
-            "host": socket.gethostname(),
-            "type": kind.__name__,
-            "module": kind.__module__,
-            "text": str(exc),
-            "exit_code": exit_code,
-            # ranks a collective timeout named as the ones that never came (see lockstep.comm.watchdog)
-            "blame": [int(r) for r in getattr(exc, "blame", ())],
-        },
-    }
-    try:
-        with open(path, "w") as fp:
-            json.dump(data, fp)
-    except OSError:
-        traceback.print_exception(kind, exc, exc.__traceback__)
-
-
-def _explained(exc: BaseException) -> BaseException:
-    """A backend timeout raised by a direct ``torch.distributed`` call, explained by the watchdog."""
-    watchdog = sys.modules.get("lockstep.comm.watchdog")  # loaded only if the script formed a group
-    explained = watchdog.explain_escaped(exc) if watchdog is not None else None
-    if explained is None:
-        return exc
-    explained.__traceback__ = exc.__traceback__
-    return explained
+    failure.record_failure(exc, exit_code, path, failure.user_traceback(exc, _SKIP_FRAMES))
 
 
 def _exit_code(code: object) -> int:
@@ -141,7 +94,7 @@ def main(argv: list[str]) -> int:
         print("lockstep.launch.bootstrap: no script given", file=sys.stderr)
         return 2
     faulthandler.enable(all_threads=True)  # a crash in native code still leaves a Python stack
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE", "")
+    error_file = read_settings().error_file
     try:
         run_target(argv[0], argv[1:], module)
     except SystemExit as exc:
@@ -153,7 +106,7 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         return 130  # interrupted, like any Python program: not a failure worth a traceback
     except BaseException as exc:  # noqa: BLE001 - every failure is reported to the launcher
-        exc = _explained(exc)
+        exc = failure.explain(exc)  # a backend timeout names the rank that never came
         if not error_file:
             raise exc
         record_failure(exc, 1, error_file)

@@ -28,23 +28,21 @@ Example::
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import threading
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from lockstep.errors import EXIT_FAILURE, EXIT_PREEMPTED, LockstepError
-from lockstep.launch.output import OutputRelay, relay_for
-from lockstep.launch.report import Failure, signal_name, summarize
+from lockstep.errors import LockstepError
+from lockstep.launch.report import JobReporter, say
+from lockstep.launch.torch_agent import quiet_torch, reporting_agent
 from lockstep.launch.spec import (
     DEFAULT_GRACE, DEFAULT_JOIN_TIMEOUT, LaunchSpec, exposure_warning, import_torch_quietly, parse_master,
     resolve_nproc, slurm_defaults,
@@ -54,7 +52,6 @@ __all__ = ["LaunchSpec", "LaunchError", "launch", "resolve_nproc", "parse_master
            "exposure_warning", "slurm_defaults", "import_torch_quietly", "DEFAULT_JOIN_TIMEOUT",
            "DEFAULT_GRACE"]
 
-_PREFIX = "lockstep run: "
 # Forwarded to every worker; SIGUSR1 is what Slurm sends ahead of the end (`--signal=USR1@90`).
 _SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")
 
@@ -71,18 +68,12 @@ def _worker_args(spec: LaunchSpec) -> list[str]:
     return args + list(spec.args)
 
 
-def _relayed(spec: LaunchSpec) -> bool:
-    """True when the ranks' output reaches this terminal through the relay, False when rank 0
-    inherits the terminal (``rank0_only`` without prefixes)."""
-    return spec.prefix or not spec.rank0_only
-
-
 def _launch_config(spec: LaunchSpec, log_dir: str) -> Any:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.launcher.api import LaunchConfig
 
     timeout = max(1, round(spec.join_timeout))
-    if not _relayed(spec):
+    if not spec.relayed:
         # rank 0 inherits this terminal; the other ranks write only to their log files
         logs = DefaultLogsSpecs(log_dir=log_dir, redirects={
             r: Std.ALL for r in range(spec.nproc) if spec.node_rank != 0 or r != 0})
@@ -137,138 +128,6 @@ def _launch_environment(spec: LaunchSpec) -> Iterator[None]:
                 signal.signal(signum, handler)
 
 
-@contextmanager
-def _quiet_torch(verbose: bool) -> Iterator[None]:
-    """Hold back torch's agent logging: the user gets our summary, not pages of warnings."""
-    if verbose or os.environ.get("LOGLEVEL"):
-        yield
-        return
-    names = ("torch.distributed.elastic", "torch.distributed.launcher")
-    saved = [(logging.getLogger(n), logging.getLogger(n).propagate) for n in names]
-    sink = logging.NullHandler()
-    for logger, _ in saved:
-        logger.addHandler(sink)  # a handler in the chain keeps Python's last-resort printer away
-        logger.propagate = False
-    try:
-        yield
-    finally:
-        for logger, propagate in saved:
-            logger.removeHandler(sink)
-            logger.propagate = propagate
-
-
-class _Reporter:
-    """Prints restarts and the final verdict; fed by the agent subclass below."""
-
-    def __init__(self, spec: LaunchSpec) -> None:
-        self.spec = spec
-        self.host = socket.gethostname()
-        self.last_failures: dict[int, Any] = {}
-        self.exit_codes: dict[int, int | None] = {}
-        self._shown_traceback = ""
-
-    def shown_local_ranks(self) -> set[int] | None:
-        """The local ranks whose output is shown on this node (``None``: all)."""
-        if not self.spec.rank0_only:
-            return None
-        return {0} if self.spec.node_rank == 0 else set()
-
-    def failures(self, raw: Mapping[int, Any]) -> list[Failure]:
-        return [Failure.from_process_failure(rank, f, self.host) for rank, f in raw.items()]
-
-    def restarting(self, raw: Mapping[int, Any], attempt: int) -> None:
-        summary = summarize(self.failures(raw))
-        total = self.spec.max_restarts + 1
-        lines = [f"{_PREFIX}restarting the job (attempt {attempt} of {total}) after "
-                 f"rank {summary.root.rank} {summary.root.describe()}"]
-        if summary.root.traceback != self._shown_traceback:  # the same crash again: once is enough
-            lines += ["  " + line for line in summary.root.traceback.rstrip().splitlines()]
-            self._shown_traceback = summary.root.traceback
-        _say("\n".join(lines))
-
-    def failed(self, raw: Mapping[int, Any]) -> int:
-        summary = summarize(self.failures(raw))
-        _say(summary.text(_PREFIX))
-        if summary.preempted:
-            return EXIT_PREEMPTED
-        if self.spec.max_restarts:
-            _say(f"{_PREFIX}gave up after {self.spec.max_restarts} restarts")
-        if self.spec.log_dir:
-            _say(f"{_PREFIX}every rank's output is under {self.spec.log_dir}")
-        return EXIT_FAILURE
-
-    def signalled(self, signum: int) -> int:
-        codes = [c for c in self.exit_codes.values() if c is not None]
-        if codes and all(c == EXIT_PREEMPTED for c in codes):
-            _say(f"{_PREFIX}received {signal_name(signum)}: the job was preempted; every rank stopped with "
-                 f"exit code {EXIT_PREEMPTED}. Resume it by running the same command again.")
-            return EXIT_PREEMPTED
-        _say(f"{_PREFIX}received {signal_name(signum)}: stopped every rank")
-        return 128 + signum
-
-
-def _say(text: str) -> None:
-    sys.stdout.flush()
-    print(text, file=sys.stderr, flush=True)
-
-
-@contextmanager
-def _reporting_agent(report: _Reporter) -> Iterator[None]:
-    """Let torch's ``launch_agent`` build a ``LocalElasticAgent`` that also tells us about restarts.
-
-    ``elastic_launch`` offers no callback for restarts, so the agent class it instantiates is
-    swapped, for this call only, for a subclass that records failures and announces restarts.
-    """
-    import torch.distributed.launcher.api as api
-    from torch.distributed.elastic.agent.server.api import WorkerState
-
-    base = api.LocalElasticAgent
-    relay = OutputRelay([])
-
-    class ReportingAgent(base):  # type: ignore[misc, valid-type]
-        def _start_workers(self, worker_group: Any) -> Any:
-            nonlocal relay
-            pids = super()._start_workers(worker_group)
-            if _relayed(report.spec):
-                relay.stop()
-                relay = relay_for(self._pcontext, worker_group.workers, sys.stdout, sys.stderr,
-                                  report.shown_local_ranks()).start()
-            return pids
-
-        def _monitor_workers(self, worker_group: Any) -> Any:
-            result = super()._monitor_workers(worker_group)
-            if result.state in (WorkerState.SUCCEEDED, WorkerState.FAILED):
-                relay.stop()  # the ranks are done: their last lines come before our summary
-            if result.is_failed():
-                report.last_failures = dict(result.failures)
-                if summarize(report.failures(result.failures)).preempted:
-                    # a preempted job saved and stopped on purpose: end it (exit 75), do not restart.
-                    # Ranks still exiting when the first one did were SIGTERMed by the agent: they
-                    # count as stopped, not as failures (summarize's rule)
-                    self._remaining_restarts = 0
-            return result
-
-        def _restart_workers(self, worker_group: Any) -> None:
-            if report.last_failures and worker_group.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
-                used = worker_group.spec.max_restarts - self._remaining_restarts
-                report.restarting(report.last_failures, attempt=used + 1)
-                report.last_failures = {}
-            super()._restart_workers(worker_group)
-
-        def _shutdown(self, *args: Any, **kwargs: Any) -> None:
-            super()._shutdown(*args, **kwargs)
-            relay.stop()
-            handlers = getattr(self._pcontext, "subprocess_handlers", {}) or {}
-            report.exit_codes = {r: h.proc.returncode for r, h in handlers.items()}
-
-    setattr(api, "LocalElasticAgent", ReportingAgent)  # noqa: B010 - patched for this launch only
-    try:
-        yield
-    finally:
-        relay.stop()
-        setattr(api, "LocalElasticAgent", base)  # noqa: B010
-
-
 def _start_error(exc: Exception, spec: LaunchSpec) -> LaunchError:
     """Explain a failure of the rendezvous (before any worker ran) in the user's terms."""
     text = f"{type(exc).__name__}: {exc}"
@@ -313,11 +172,11 @@ def launch(spec: LaunchSpec) -> int:
     if spec.master is not None:
         warning = exposure_warning(parse_master(spec.master)[0])
         if warning:
-            _say(warning)
+            say(warning)
     log_dir = spec.log_dir or tempfile.mkdtemp(prefix="lockstep-run-")
-    report = _Reporter(spec)
+    report = JobReporter(spec)
     try:
-        with _launch_environment(spec), _quiet_torch(spec.verbose), _reporting_agent(report):
+        with _launch_environment(spec), quiet_torch(spec.verbose), reporting_agent(report):
             elastic_launch(_launch_config(spec, log_dir), sys.executable)(*_worker_args(spec))
         return 0
     except ChildFailedError as exc:

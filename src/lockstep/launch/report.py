@@ -19,12 +19,16 @@ from __future__ import annotations
 
 import re
 import signal
+import socket
+import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lockstep.errors import EXIT_PREEMPTED
+from lockstep.errors import EXIT_FAILURE, EXIT_PREEMPTED, format_ranks, signal_name
+from lockstep.launch.spec import PREFIX, LaunchSpec
 
-__all__ = ["Failure", "Summary", "summarize", "signal_name"]
+__all__ = ["Failure", "Summary", "JobReporter", "summarize", "say", "signal_name"]
 
 # Errors a rank raises when another rank died under it: not the root cause.
 _PEER_TYPES = {"DistBackendError", "DistNetworkError", "DistStoreError"}
@@ -40,22 +44,6 @@ _STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP} | (
 
 # Order in which kinds are suspected of being the root cause.
 _SUSPICION = {"exception": 0, "signal": 0, "exit": 0, "waited": 1, "peer": 1, "preempted": 2, "stopped": 3}
-
-
-def signal_name(signum: int) -> str:
-    """Return ``"SIGKILL"`` for 9, or ``"signal 99"`` for an unknown number.
-
-    Args:
-        signum: the signal number (positive).
-
-    Example::
-
-        signal_name(9)  # "SIGKILL"
-    """
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
 
 
 @dataclass(frozen=True)
@@ -148,7 +136,7 @@ class Failure:
         if kind == "peer":
             return f"lost contact with the other ranks ({_first_sentence(self.error)})"
         if kind == "waited":
-            return f"gave up waiting for rank(s) {', '.join(map(str, self.blame))}"
+            return f"gave up waiting for {format_ranks(self.blame)}"
         if self.error_type == "SystemExit":
             return f"exited with code {self.exitcode}"
         if self.error:
@@ -187,13 +175,13 @@ class Summary:
             return _hang_lines(self.hang)[0]
         return f"rank {self.root.rank} {self.root.describe()} ({self.root.where()})"
 
-    def text(self, prefix: str = "lockstep run: ") -> str:
+    def text(self, prefix: str = PREFIX) -> str:
         """The full summary: headline, the root's traceback, and who else stopped and why."""
         if self.hang is not None:
             return self._hang_text(prefix)
         if self.preempted:
-            ranks = ", ".join(str(f.rank) for f in (self.root, *self.others) if f.kind == "preempted")
-            return (f"{prefix}the job was preempted: rank(s) {ranks} stopped with exit code "
+            ranks = format_ranks(f.rank for f in (self.root, *self.others) if f.kind == "preempted")
+            return (f"{prefix}the job was preempted: {ranks} stopped with exit code "
                     f"{EXIT_PREEMPTED}. Resume it by running the same command again.")
         lines = [f"{prefix}{self.headline()}"]
         if self.root.traceback:
@@ -201,24 +189,23 @@ class Summary:
         stopped = [f for f in self.others if f.kind in ("stopped", "preempted")]
         lost = [f for f in self.others if f.kind not in ("stopped", "preempted")]
         if self.root.kind == "peer" and stopped:
-            lines.append(f"{prefix}rank(s) {_ranks(stopped)} had not failed when it gave up: if one of "
+            lines.append(f"{prefix}{_ranks(stopped)} had not failed when it gave up: if one of "
                          "them was stuck (a hang, or slow work outside the collectives), it is the cause.")
         elif self.root.kind == "peer":
             lines.append(f"{prefix}no rank on this node failed first; look for the failing rank in "
                          "the other nodes' output.")
         elif stopped:
-            lines.append(f"{prefix}stopped because of it: rank(s) {_ranks(stopped)}")
+            lines.append(f"{prefix}stopped because of it: {_ranks(stopped)}")
         for f in lost:
             lines.append(f"{prefix}then rank {f.rank} {f.describe()}")
         return "\n".join(lines)
-
 
     def _hang_text(self, prefix: str) -> str:
         assert self.hang is not None
         first, *details = _hang_lines(self.hang)
         waited = [f for f in (self.root, *self.others) if f.kind == "waited"]
         lines = [f"{prefix}{first}", *("  " + line for line in details),
-                 f"{prefix}rank(s) {_ranks(waited)} gave up waiting after the timeout (lockstep run "
+                 f"{prefix}{_ranks(waited)} gave up waiting after the timeout (lockstep run "
                  "--timeout SECONDS, or Session(timeout=...)); they are not the cause."]
         if self.root is not self.hang:
             lines.append(f"{prefix}rank {self.root.rank} was then stopped ({self.root.describe()})")
@@ -228,7 +215,7 @@ class Summary:
 def _hang_lines(report: Failure) -> list[str]:
     """The explanation a waiting rank recorded, without its exception type."""
     text = report.error.split(": ", 1)[1] if report.error.startswith(report.error_type + ": ") else report.error
-    return text.splitlines() or [f"rank(s) {', '.join(map(str, report.blame))} did not reach a collective"]
+    return text.splitlines() or [f"{format_ranks(report.blame)} did not reach a collective"]
 
 
 def _first_sentence(text: str) -> str:
@@ -238,7 +225,7 @@ def _first_sentence(text: str) -> str:
 
 
 def _ranks(failures: list[Failure]) -> str:
-    return ", ".join(str(f.rank) for f in sorted(failures, key=lambda f: f.rank))
+    return format_ranks(f.rank for f in failures)
 
 
 def summarize(failures: list[Failure]) -> Summary:
@@ -271,3 +258,69 @@ def summarize(failures: list[Failure]) -> Summary:
     blamed = [f for f in failures if f.kind != "stopped"]
     preempted = bool(blamed) and all(f.kind == "preempted" for f in blamed)
     return Summary(root=root, others=tuple(ordered[1:]), preempted=preempted)
+
+
+def say(text: str) -> None:
+    """Print one of the launcher's own lines (on stderr, after the ranks' output so far)."""
+    sys.stdout.flush()
+    print(text, file=sys.stderr, flush=True)
+
+
+class JobReporter:
+    """Prints restarts and the final verdict of one ``lockstep run``; fed by the agent
+    (:func:`lockstep.launch.torch_agent.reporting_agent`).
+
+    Args:
+        spec: the job being launched (a :class:`~lockstep.launch.spec.LaunchSpec`).
+
+    Example::
+
+        report = JobReporter(spec)
+        sys.exit(report.failed(exc.failures))
+    """
+
+    def __init__(self, spec: LaunchSpec) -> None:
+        self.spec = spec
+        self.host = socket.gethostname()
+        self.last_failures: dict[int, Any] = {}
+        self.exit_codes: dict[int, int | None] = {}
+        self._shown_traceback = ""
+
+    def shown_local_ranks(self) -> set[int] | None:
+        """The local ranks whose output is shown on this node (``None``: all)."""
+        if not self.spec.rank0_only:
+            return None
+        return {0} if self.spec.node_rank == 0 else set()
+
+    def failures(self, raw: Mapping[int, Any]) -> list[Failure]:
+        return [Failure.from_process_failure(rank, f, self.host) for rank, f in raw.items()]
+
+    def restarting(self, raw: Mapping[int, Any], attempt: int) -> None:
+        summary = summarize(self.failures(raw))
+        total = self.spec.max_restarts + 1
+        lines = [f"{PREFIX}restarting the job (attempt {attempt} of {total}) after "
+                 f"rank {summary.root.rank} {summary.root.describe()}"]
+        if summary.root.traceback != self._shown_traceback:  # the same crash again: once is enough
+            lines += ["  " + line for line in summary.root.traceback.rstrip().splitlines()]
+            self._shown_traceback = summary.root.traceback
+        say("\n".join(lines))
+
+    def failed(self, raw: Mapping[int, Any]) -> int:
+        summary = summarize(self.failures(raw))
+        say(summary.text(PREFIX))
+        if summary.preempted:
+            return EXIT_PREEMPTED
+        if self.spec.max_restarts:
+            say(f"{PREFIX}gave up after {self.spec.max_restarts} restarts")
+        if self.spec.log_dir:
+            say(f"{PREFIX}every rank's output is under {self.spec.log_dir}")
+        return EXIT_FAILURE
+
+    def signalled(self, signum: int) -> int:
+        codes = [c for c in self.exit_codes.values() if c is not None]
+        if codes and all(c == EXIT_PREEMPTED for c in codes):
+            say(f"{PREFIX}received {signal_name(signum)}: the job was preempted; every rank stopped with "
+                 f"exit code {EXIT_PREEMPTED}. Resume it by running the same command again.")
+            return EXIT_PREEMPTED
+        say(f"{PREFIX}received {signal_name(signum)}: stopped every rank")
+        return 128 + signum

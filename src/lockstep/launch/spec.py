@@ -20,14 +20,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lockstep.errors import ConfigError
+from lockstep.errors import DEFAULT_GRACE, ConfigError
 
 __all__ = ["LaunchSpec", "parse_master", "exposure_warning", "resolve_nproc", "slurm_defaults",
-           "import_torch_quietly", "DEFAULT_JOIN_TIMEOUT", "DEFAULT_GRACE"]
+           "import_torch_quietly", "DEFAULT_JOIN_TIMEOUT", "DEFAULT_GRACE", "PREFIX"]
 
 DEFAULT_JOIN_TIMEOUT = 900.0
-DEFAULT_GRACE = 30.0
-_PREFIX = "lockstep run: "
+PREFIX = "lockstep run: "
+"""How every line of the launcher's own starts."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +101,12 @@ class LaunchSpec:
         if not self.module and not os.path.isfile(self.target):
             raise ConfigError(f"script {self.target!r} does not exist (use -m to run a module)")
 
+    @property
+    def relayed(self) -> bool:
+        """True when the ranks' output reaches this terminal through the relay, False when rank 0
+        inherits the terminal (``rank0_only`` without prefixes)."""
+        return self.prefix or not self.rank0_only
+
 
 def parse_master(text: str) -> tuple[str, int]:
     """Split ``HOST:PORT`` (``[IPv6]:PORT`` for IPv6) into host and port.
@@ -147,7 +153,7 @@ def exposure_warning(host: str) -> str | None:
         if addr.is_private or addr.is_loopback or addr.is_link_local:
             return None
         what = f"the public address {host}"
-    return (f"{_PREFIX}warning: --master names {what}; the rendezvous store has no authentication, "
+    return (f"{PREFIX}warning: --master names {what}; the rendezvous store has no authentication, "
             "so anyone who can reach it can join or disturb the job. Use a private interface.")
 
 

@@ -1,0 +1,107 @@
+"""Everything of ``lockstep run`` that reaches into torch's elastic agent beyond its public API.
+
+torch's ``elastic_launch`` offers no callback for restarts, worker start or shutdown, and logs
+pages of warnings through its own loggers. The overrides that give lockstep those hooks live here
+and nowhere else, so that a change in torch's private agent API breaks one module:
+
+* :func:`reporting_agent` swaps the ``LocalElasticAgent`` class that ``elastic_launch``
+  instantiates, for one launch, for a subclass that starts the output relay, records failures,
+  announces restarts, ends a preempted job without a restart and collects exit codes;
+* :func:`quiet_torch` holds back the agent's logging (the user gets lockstep's summary).
+
+Example::
+
+    with quiet_torch(False), reporting_agent(JobReporter(spec)):
+        elastic_launch(config, sys.executable)(*args)
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from lockstep.env import read_settings
+from lockstep.launch.output import OutputRelay, relay_for
+from lockstep.launch.report import JobReporter, summarize
+
+__all__ = ["reporting_agent", "quiet_torch"]
+
+
+@contextmanager
+def quiet_torch(verbose: bool) -> Iterator[None]:
+    """Hold back torch's agent logging: the user gets our summary, not pages of warnings."""
+    if verbose or read_settings().loglevel:
+        yield
+        return
+    names = ("torch.distributed.elastic", "torch.distributed.launcher")
+    saved = [(logging.getLogger(n), logging.getLogger(n).propagate) for n in names]
+    sink = logging.NullHandler()
+    for logger, _ in saved:
+        logger.addHandler(sink)  # a handler in the chain keeps Python's last-resort printer away
+        logger.propagate = False
+    try:
+        yield
+    finally:
+        for logger, propagate in saved:
+            logger.removeHandler(sink)
+            logger.propagate = propagate
+
+
+@contextmanager
+def reporting_agent(report: JobReporter) -> Iterator[None]:
+    """Let torch's ``launch_agent`` build a ``LocalElasticAgent`` that also tells us about restarts.
+
+    ``elastic_launch`` offers no callback for restarts, so the agent class it instantiates is
+    swapped, for this call only, for a subclass that records failures and announces restarts.
+    """
+    import torch.distributed.launcher.api as api
+    from torch.distributed.elastic.agent.server.api import WorkerState
+
+    base = api.LocalElasticAgent
+    relay = OutputRelay([])
+
+    class ReportingAgent(base):  # type: ignore[misc, valid-type]
+        def _start_workers(self, worker_group: Any) -> Any:
+            nonlocal relay
+            pids = super()._start_workers(worker_group)
+            if report.spec.relayed:
+                relay.stop()
+                relay = relay_for(self._pcontext, worker_group.workers, sys.stdout, sys.stderr,
+                                  report.shown_local_ranks()).start()
+            return pids
+
+        def _monitor_workers(self, worker_group: Any) -> Any:
+            result = super()._monitor_workers(worker_group)
+            if result.state in (WorkerState.SUCCEEDED, WorkerState.FAILED):
+                relay.stop()  # the ranks are done: their last lines come before our summary
+            if result.is_failed():
+                report.last_failures = dict(result.failures)
+                if summarize(report.failures(result.failures)).preempted:
+                    # a preempted job saved and stopped on purpose: end it (exit 75), do not restart.
+                    # Ranks still exiting when the first one did were SIGTERMed by the agent: they
+                    # count as stopped, not as failures (summarize's rule)
+                    self._remaining_restarts = 0
+            return result
+
+        def _restart_workers(self, worker_group: Any) -> None:
+            if report.last_failures and worker_group.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+                used = worker_group.spec.max_restarts - self._remaining_restarts
+                report.restarting(report.last_failures, attempt=used + 1)
+                report.last_failures = {}
+            super()._restart_workers(worker_group)
+
+        def _shutdown(self, *args: Any, **kwargs: Any) -> None:
+            super()._shutdown(*args, **kwargs)
+            relay.stop()
+            handlers = getattr(self._pcontext, "subprocess_handlers", {}) or {}
+            report.exit_codes = {r: h.proc.returncode for r, h in handlers.items()}
+
+    setattr(api, "LocalElasticAgent", ReportingAgent)  # noqa: B010 - patched for this launch only
+    try:
+        yield
+    finally:
+        relay.stop()
+        setattr(api, "LocalElasticAgent", base)  # noqa: B010

@@ -36,6 +36,7 @@ from typing import Any
 
 from lockstep.comm import failure
 from lockstep.comm.hang_report import CollectiveTimeoutError, Post, diagnose, is_own, where_of
+from lockstep.env import read_settings
 
 __all__ = ["CollectiveTimeoutError", "Post", "Watchdog", "NullWatchdog", "diagnose"]
 
@@ -86,8 +87,8 @@ class Watchdog(NullWatchdog):
         timeout: the collectives' timeout in seconds.
         backstop: seconds inside one sync point after which the process reports and exits even if
             the backend never raised (default: ``timeout`` plus 10%, at least 5 s).
-        error_file: where the backstop records its report for the launcher (``Settings.error_file``);
-            ``""``: print it only.
+        error_file: where the backstop records its report for the launcher; the launcher's
+            (``Settings.error_file``) when omitted; ``""``: print it only.
 
     Example::
 
@@ -96,14 +97,14 @@ class Watchdog(NullWatchdog):
     """
 
     def __init__(self, store: Any, rank: int, world_size: int, timeout: float,
-                 backstop: float | None = None, error_file: str = "") -> None:
+                 backstop: float | None = None, error_file: str | None = None) -> None:
         self.store, self.rank, self.world_size, self.timeout = store, rank, world_size, timeout
         self.backstop = backstop if backstop is not None else timeout + min(max(5.0, 0.1 * timeout), 60.0)
         self.poll = min(max(timeout / 10, 0.05), 2.0)
         self.seq, self.inside, self.entered = 0, False, time.monotonic()
         self._what, self._number = "start", 0
         self.job_failed = False
-        self.error_file = error_file
+        self.error_file = read_settings().error_file if error_file is None else error_file
         self._on_failed: list[Callable[[], None]] = []
         self._remove_hooks: Callable[[], None] | None = None
         self._acked = False

@@ -229,6 +229,9 @@ class Settings:
             (``$TORCHELASTIC_USE_AGENT_STORE``), at ``$MASTER_ADDR:$MASTER_PORT``.
         master_addr: ``$MASTER_ADDR`` as written, or ``""``.
         master_port: ``$MASTER_PORT`` as written, or ``""``.
+        secret: ``$LOCKSTEP_SECRET``: the job's secret that signs lockstep's values in the
+            rendezvous store (``lockstep run`` sets a random one per job, or the content of
+            ``--secret-file``), or ``""``.
         loglevel: ``$LOGLEVEL`` (torchrun's: show the elastic agent's own logging), or ``""``.
         launched: a launcher described the job with ``$RANK`` (``lockstep run``, ``torchrun``,
             ``spawn``): this process is a worker, not a command that should start workers.
@@ -247,6 +250,7 @@ class Settings:
     agent_store: bool = False
     master_addr: str = ""
     master_port: str = ""
+    secret: str = field(default="", repr=False)
     loglevel: str = ""
     launched: bool = False
 
@@ -273,6 +277,7 @@ def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
         agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
         master_addr=env.get("MASTER_ADDR", ""),
         master_port=env.get("MASTER_PORT", ""),
+        secret=env.get("LOCKSTEP_SECRET", ""),
         loglevel=env.get("LOGLEVEL", ""),
         launched="RANK" in env,
     )

@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from lockstep.comm.signed import SignedStore
 from lockstep.comm.store import (
     DEFAULT_TIMEOUT, CommError, Peer, describe_self, handshake, open_store, resolve_timeout,
 )
@@ -252,12 +253,13 @@ def init_comm(
     store = open_store(world, init_method, timeout, settings)
     attempt = settings.restart_count or 0
     base = dist.PrefixStore(f"lockstep/{settings.run_id}/{attempt}/", store)
-    peers = handshake(dist.PrefixStore("hs/", base), describe_self(world), timeout)
+    secret = settings.secret.encode()
+    peers = handshake(SignedStore(dist.PrefixStore("hs/", base), secret), describe_self(world), timeout)
     device_id = world.device if chosen == "nccl" else None
     if device_id is not None:
         torch.cuda.set_device(device_id)
     watchdog = Watchdog(dist.PrefixStore("wd/", base), world.rank, world.world_size, timeout.total_seconds(),
-                        error_file=settings.error_file)
+                        error_file=settings.error_file, secret=secret)
     group_timeout = timeout
     if chosen == "nccl":
         # nccl ends the process at its timeout; give the watchdog's report (at its backstop) time first

@@ -24,6 +24,7 @@ from urllib.parse import urlparse
 
 import torch
 
+from lockstep.comm.signed import SignedStore
 from lockstep.env import Settings, World, read_settings
 from lockstep.errors import ConfigError, LockstepError
 
@@ -182,15 +183,28 @@ def resolve_timeout(timeout: timedelta | float | None = None) -> timedelta:
     return value
 
 
-def handshake(store: Any, me: Peer, timeout: timedelta) -> list[Peer]:
-    """Every rank posts who it is; refuse duplicate ranks and disagreeing world sizes."""
+def handshake(store: SignedStore, me: Peer, timeout: timedelta) -> list[Peer]:
+    """Every rank posts who it is; refuse duplicate ranks and disagreeing world sizes.
+
+    Args:
+        store: the job's store, signing with the job's secret.
+        me: this rank's description (:func:`describe_self`).
+        timeout: how long to wait for every rank.
+
+    Raises:
+        CommError: ranks that disagree, never come, or a post the job did not sign.
+
+    Example::
+
+        peers = handshake(SignedStore(PrefixStore("hs/", store), secret), describe_self(world), timeout)
+    """
     store.set(f"hello/{store.add('count', 1)}", json.dumps(me))
     deadline = time.monotonic() + timeout.total_seconds()
     seen: list[Peer] = []
     while True:
         arrived = store.add("count", 0)
         while len(seen) < arrived:
-            seen.append(json.loads(store.get(f"hello/{len(seen) + 1}")))
+            seen.append(_hello(store, len(seen) + 1, me))
         _check_peers(seen, me)
         if arrived >= me["world_size"]:
             return sorted(seen, key=lambda p: p["rank"])
@@ -202,6 +216,22 @@ def handshake(store: Any, me: Peer, timeout: timedelta) -> list[Peer]:
                 "cannot reach the master address"
             )
         time.sleep(0.02)
+
+
+def _hello(store: SignedStore, number: int, me: Peer) -> Peer:
+    text = store.get(f"hello/{number}")
+    try:
+        peer = json.loads(text) if text is not None else None
+    except ValueError:
+        peer = None
+    if not isinstance(peer, dict):
+        raise CommError(
+            f"{_who(me)}: the rendezvous store's hello/{number} was not written by a rank of this job: "
+            "either the ranks were started with different secrets (--secret-file must hold the same "
+            "content on every node) or another process wrote to the job's port. See \"Keeping the "
+            "store private\" in the README."
+        )
+    return peer  # type: ignore[return-value]
 
 
 def _who(p: Peer) -> str:

@@ -36,6 +36,7 @@ from typing import Any
 
 from lockstep.comm import failure
 from lockstep.comm.hang_report import CollectiveTimeoutError, Post, diagnose, is_own, where_of
+from lockstep.comm.signed import SignedStore
 from lockstep.env import read_settings
 
 __all__ = ["CollectiveTimeoutError", "Post", "Watchdog", "NullWatchdog", "diagnose"]
@@ -82,6 +83,8 @@ class Watchdog(NullWatchdog):
 
     Args:
         store: a store every rank can reach (a prefix of the rendezvous store).
+        secret: the job's secret: positions and the verdict are signed with it, and a value
+            that does not check (an outsider's write) is ignored.
         rank: this rank.
         world_size: ranks in the job.
         timeout: the collectives' timeout in seconds.
@@ -97,8 +100,9 @@ class Watchdog(NullWatchdog):
     """
 
     def __init__(self, store: Any, rank: int, world_size: int, timeout: float,
-                 backstop: float | None = None, error_file: str | None = None) -> None:
-        self.store, self.rank, self.world_size, self.timeout = store, rank, world_size, timeout
+                 backstop: float | None = None, error_file: str | None = None, secret: bytes = b"") -> None:
+        self.store: SignedStore | None = SignedStore(store, secret)
+        self.rank, self.world_size, self.timeout = rank, world_size, timeout
         self.backstop = backstop if backstop is not None else timeout + min(max(5.0, 0.1 * timeout), 60.0)
         self.poll = min(max(timeout / 10, 0.05), 2.0)
         self.seq, self.inside, self.entered = 0, False, time.monotonic()
@@ -143,7 +147,7 @@ class Watchdog(NullWatchdog):
         posts[self.rank] = self.post(waiting=True, where=where)
         err = diagnose(posts, self.world_size, self.timeout, self.rank)
         err.__suppress_context__ = True  # raised in place of the backend's error: show ours only
-        self._try(lambda: self.store.set(_VERDICT, str(err)))
+        self._try(lambda: self._store().set(_VERDICT, str(err)))
         self._ack()
         self._await_acks()
         return err
@@ -152,7 +156,7 @@ class Watchdog(NullWatchdog):
         """Count this rank as having seen the verdict (once); from then on leave the store alone."""
         if not self._acked:
             self._acked = True
-            self._try(lambda: self.store.add(_SEEN, 1))
+            self._hint(lambda: self._store().add(_SEEN, 1))
         self.job_failed = True
 
     def _await_acks(self) -> None:
@@ -160,7 +164,7 @@ class Watchdog(NullWatchdog):
         that exits at once would leave the others reading from a store that is gone."""
         deadline = time.monotonic() + 2 * self.poll + 0.5
         while time.monotonic() < deadline:
-            seen = self._try(lambda: self.store.add(_SEEN, 0))
+            seen = self._hint(lambda: self._store().add(_SEEN, 0))
             if seen is None or seen >= self.world_size:
                 return
             time.sleep(0.05)
@@ -197,6 +201,20 @@ class Watchdog(NullWatchdog):
         self.store = None
         atexit.unregister(self.stop)
 
+    def _store(self) -> SignedStore:
+        if self.store is None:
+            raise RuntimeError("the watchdog was stopped")
+        return self.store
+
+    @staticmethod
+    def _hint(action: Any) -> Any:
+        """A counter only shortens a wait: an error (a store gone, or a counter overwritten by an
+        outsider) is not a sign that the job failed."""
+        try:
+            return action()
+        except Exception:  # noqa: BLE001
+            return None
+
     def _try(self, action: Any) -> Any:
         try:
             return action()
@@ -207,10 +225,10 @@ class Watchdog(NullWatchdog):
     def _read(self) -> dict[int, Post | None] | None:
         def read() -> dict[int, Post | None]:
             posts: dict[int, Post | None] = {}
+            store = self._store()
             for r in range(self.world_size):
-                key = str(r)
-                posts[r] = Post(**json.loads(self.store.get(key))) if self.store.check([key]) else None
-            if self.store.check([_VERDICT]):
+                posts[r] = _post(store.get_if_set(str(r)))
+            if store.get_if_set(_VERDICT) is not None:
                 self._ack()
             return posts
         return self._try(read)
@@ -226,7 +244,7 @@ class Watchdog(NullWatchdog):
                 mine = self.post()
                 if mine != posted:
                     posted = mine
-                    self._try(lambda: self.store.set(str(self.rank), json.dumps(asdict(mine))))
+                    self._try(lambda: self._store().set(str(self.rank), json.dumps(asdict(mine))))
                 self._view = self._read() or self._view
             if self.job_failed and self._on_failed:
                 callbacks, self._on_failed = self._on_failed, []
@@ -264,3 +282,11 @@ class Watchdog(NullWatchdog):
         os._exit(1)
 
 
+def _post(text: str | None) -> Post | None:
+    """A rank's position from its signed post; ``None`` when absent or not in the expected form."""
+    if text is None:
+        return None
+    try:
+        return Post(**json.loads(text))
+    except (ValueError, TypeError):
+        return None

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import shutil
 import signal
 import sys
@@ -42,6 +43,8 @@ from typing import Any
 
 from lockstep.errors import LockstepError
 from lockstep.launch.report import JobReporter, say
+from lockstep.launch.rendezvous import BACKEND as LOCAL_BACKEND
+from lockstep.launch.rendezvous import register as register_local_rendezvous
 from lockstep.launch.torch_agent import quiet_torch, reporting_agent
 from lockstep.launch.spec import (
     DEFAULT_GRACE, DEFAULT_JOIN_TIMEOUT, LaunchSpec, exposure_warning, import_torch_quietly, parse_master,
@@ -88,10 +91,10 @@ def _launch_config(spec: LaunchSpec, log_dir: str) -> Any:
         shutdown_timeout=max(0, round(spec.grace)),
     )
     if spec.master is None:
+        register_local_rendezvous()  # in memory: nothing listens, nothing is unpickled
         return LaunchConfig(
-            run_id=uuid.uuid4().hex, rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
-            rdzv_configs={"timeout": timeout, "join_timeout": timeout, "is_host": True},
-            local_addr="127.0.0.1", **common,
+            run_id=uuid.uuid4().hex, rdzv_backend=LOCAL_BACKEND, rdzv_endpoint="127.0.0.1:0",
+            rdzv_configs={"timeout": timeout, "join_timeout": timeout}, local_addr="127.0.0.1", **common,
         )
     return LaunchConfig(
         run_id="lockstep", rdzv_backend="static", rdzv_endpoint=spec.master,
@@ -107,6 +110,8 @@ def _launch_environment(spec: LaunchSpec) -> Iterator[None]:
     if spec.timeout is not None:
         env["LOCKSTEP_TIMEOUT"] = f"{spec.timeout:g}"  # the default of Session / init_comm
     env["LOCKSTEP_GRACE"] = f"{spec.grace:g}"  # after it, a worker obeys a stop signal unsaved
+    # signs lockstep's values in the workers' store (see lockstep.comm.signed)
+    env["LOCKSTEP_SECRET"] = spec.secret or secrets.token_hex(16)
     if spec.nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = "1"  # as torchrun: N processes must not oversubscribe the CPU
     # launch_agent also sets TORCHELASTIC_SIGNALS_TO_HANDLE for good; give back the caller's value.

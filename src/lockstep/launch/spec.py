@@ -12,12 +12,13 @@ Example::
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 import re
 import socket
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from lockstep.errors import DEFAULT_GRACE, ConfigError
@@ -53,6 +54,8 @@ class LaunchSpec:
         timeout: seconds a collective may wait for a missing rank (exported as
             ``LOCKSTEP_TIMEOUT``; the session's default is 10 minutes).
         grace: seconds the workers get to save and exit after a stop signal before SIGKILL.
+        secret: the job's secret (the content of ``--secret-file``), which signs lockstep's values
+            in the workers' store; a random one per job when empty. Every node must use the same.
 
     Example::
 
@@ -75,6 +78,7 @@ class LaunchSpec:
     verbose: bool = False
     timeout: float | None = None
     grace: float = DEFAULT_GRACE
+    secret: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
@@ -86,12 +90,10 @@ class LaunchSpec:
                               f"(use 0 to {self.nodes - 1})")
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts must be 0 or more, got {self.max_restarts}")
-        if self.join_timeout <= 0:
-            raise ConfigError(f"--join-timeout must be positive, got {self.join_timeout}")
-        if self.timeout is not None and self.timeout <= 0:
-            raise ConfigError(f"--timeout must be positive, got {self.timeout}")
-        if self.grace < 0:
-            raise ConfigError(f"--grace must be 0 or more, got {self.grace}")
+        _check_seconds("--join-timeout", self.join_timeout)
+        if self.timeout is not None:
+            _check_seconds("--timeout", self.timeout)
+        _check_seconds("--grace", self.grace, zero_ok=True)
         if self.nodes > 1 and self.master is None:
             raise ConfigError(f"--nodes {self.nodes} needs --master HOST:PORT (node 0's address and a "
                               "free port, the same on every node)")
@@ -106,6 +108,17 @@ class LaunchSpec:
         """True when the ranks' output reaches this terminal through the relay, False when rank 0
         inherits the terminal (``rank0_only`` without prefixes)."""
         return self.prefix or not self.rank0_only
+
+
+_MAX_SECONDS = 7 * 24 * 3600.0  # a week: longer is a typo, and torch's timers overflow far beyond
+
+
+def _check_seconds(flag: str, value: float, zero_ok: bool = False) -> None:
+    """Refuse NaN, infinity, negative (or zero) and absurdly long durations, naming the flag."""
+    low_ok = value >= 0 if zero_ok else value > 0
+    if not (low_ok and math.isfinite(value) and value <= _MAX_SECONDS):
+        least = "0 or more" if zero_ok else "a positive number of seconds"
+        raise ConfigError(f"{flag} must be {least}, at most {_MAX_SECONDS:g} (a week), got {value:g}")
 
 
 def parse_master(text: str) -> tuple[str, int]:

@@ -135,6 +135,7 @@ def test_summary_preemption() -> None:
     assert "preempted" in summarize([_failure(0, 75, 1.0)]).text()
 
 
+@pytest.mark.slow
 def test_bootstrap_records_the_user_traceback(tmp_path: Path) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
@@ -155,6 +156,7 @@ def test_bootstrap_records_the_user_traceback(tmp_path: Path) -> None:
 
 # ---------- real launches ----------
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("nproc, total", [(2, 1), (3, 3)])
 def test_allreduce_of_ranks(nproc: int, total: int) -> None:
@@ -163,6 +165,7 @@ def test_allreduce_of_ranks(nproc: int, total: int) -> None:
     assert f"[rank0]: world_size {nproc} sum of ranks {total}" in proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_example_runs_unchanged_under_python_and_torchrun() -> None:
     alone = subprocess.run([sys.executable, str(EXAMPLE)], capture_output=True, text=True, timeout=60)
@@ -173,6 +176,7 @@ def test_example_runs_unchanged_under_python_and_torchrun() -> None:
     assert proc.returncode == 0 and "world_size 2 sum of ranks 1" in proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_local_rank_arg_and_script_args(tmp_path: Path) -> None:
     script = tmp_path / "argv.py"
@@ -183,6 +187,7 @@ def test_local_rank_arg_and_script_args(tmp_path: Path) -> None:
     assert "[rank1]: argv 1 ['--local_rank=1', '--lr', '0.1']" in proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_module_and_rank0_only(tmp_path: Path) -> None:
     (tmp_path / "pkg").mkdir()
@@ -194,26 +199,29 @@ def test_module_and_rank0_only(tmp_path: Path) -> None:
     assert "[rank0]: module 0 ['a']" in proc.stdout and "[rank1]" not in proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_exception_on_rank_1_is_summarized_once(fault: str) -> None:
     start = time.monotonic()
     proc = _run(["--nproc", "2", fault, "raise"])
-    assert proc.returncode == 1 and time.monotonic() - start < 20
+    assert proc.returncode == 1 and time.monotonic() - start < 50  # a hang guard, not a speed test
     err = proc.stderr
     assert "rank 1 raised ValueError: bad value at step 3" in err
     assert err.count("Traceback") == 1 and 'fault.py", line' in err
     assert "rank 0 raised" not in err and "rank 0 was killed" not in err
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_sigkill_on_rank_1(fault: str) -> None:
     start = time.monotonic()
     proc = _run(["--nproc", "2", fault, "kill"])
-    assert proc.returncode == 1 and time.monotonic() - start < 20
+    assert proc.returncode == 1 and time.monotonic() - start < 50  # a hang guard, not a speed test
     assert "rank 1 was killed by SIGKILL" in proc.stderr
     assert "rank 0 was killed" not in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_restart_recovers_a_crash_on_the_first_attempt(fault: str) -> None:
     proc = _run(["--nproc", "2", "--max-restarts", "1", fault, "once"])
@@ -222,6 +230,7 @@ def test_restart_recovers_a_crash_on_the_first_attempt(fault: str) -> None:
     assert "finished rank 0" in proc.stdout and "finished rank 1" in proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_crash_on_every_attempt_gives_up(tmp_path: Path) -> None:
     script = tmp_path / "always.py"  # no torch: this test counts attempts, the one above checks gloo
@@ -235,6 +244,7 @@ def test_crash_on_every_attempt_gives_up(tmp_path: Path) -> None:
     assert "attempt 2 of 3" in proc.stderr and "attempt 3 of 3" in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_busy_port_fails_at_once() -> None:
     with socket.socket() as busy:
@@ -243,10 +253,11 @@ def test_busy_port_fails_at_once() -> None:
         port = busy.getsockname()[1]
         start = time.monotonic()
         proc = _run(["--nproc", "2", "--master", f"127.0.0.1:{port}", str(EXAMPLE)], timeout=30)
-    assert proc.returncode != 0 and time.monotonic() - start < 10
+    assert proc.returncode != 0 and time.monotonic() - start < 25  # not the 900 s join timeout
     assert f"port {port} is already in use" in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_node_that_never_joins() -> None:
     proc = _run(["--nodes", "2", "--node-rank", "0", "--master", f"127.0.0.1:{_free_port()}",
@@ -255,6 +266,7 @@ def test_node_that_never_joins() -> None:
     assert "expected 2 nodes, 1 joined" in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_two_nodes_of_two_processes() -> None:
     master = f"127.0.0.1:{_free_port()}"
@@ -268,6 +280,7 @@ def test_two_nodes_of_two_processes() -> None:
     assert "[rank0]: world_size 4 sum of ranks 6" in outs[1][0]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_parallel_launches_never_collide() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -279,6 +292,7 @@ def test_parallel_launches_never_collide() -> None:
     assert all("sum of ranks 1" in out for out, _ in outs)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_sigterm_reaches_the_workers_and_counts_as_preemption(tmp_path: Path) -> None:
     script = tmp_path / "wait.py"
@@ -293,3 +307,15 @@ def test_sigterm_reaches_the_workers_and_counts_as_preemption(tmp_path: Path) ->
     launcher.send_signal(signal.SIGTERM)
     _, err = launcher.communicate(timeout=30)
     assert launcher.returncode == 75 and "preempted" in err
+
+
+@pytest.mark.parametrize("flag, field", [("--timeout", "timeout"), ("--grace", "grace"),
+                                         ("--join-timeout", "join_timeout")])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 1e30, -1.0])
+def test_durations_that_are_not_numbers_of_seconds_are_refused(tmp_path: Path, flag: str, field: str,
+                                                               value: float) -> None:
+    script = tmp_path / "s.py"
+    script.write_text("")
+    with pytest.raises(ConfigError, match=flag):
+        LaunchSpec(str(script), **{field: value})
+    LaunchSpec(str(script), **{field: 30.0})  # an ordinary value passes

@@ -14,6 +14,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "lockstep"
 # Packages on the same layer (the apps) never import each other.
 LAYERS: list[tuple[str, ...]] = [
     ("errors",),
+    ("_cluster",),          # each engine's variables, read from a mapping
     ("env", "_imports"),
     ("comm",),
     ("strategies", "precision"),

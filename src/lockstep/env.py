@@ -16,20 +16,17 @@ Example::
 from __future__ import annotations
 
 import os
-import re
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lockstep.errors import ConfigError
+from lockstep import _cluster
+from lockstep.errors import WorldError
 
 __all__ = ["World", "WorldError", "Settings", "detect_world", "read_settings", "environment", "first_slurm_host"]
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
-
-
-class WorldError(ConfigError):
-    """The launch environment is inconsistent (for example RANK >= WORLD_SIZE)."""
 
 
 @dataclass(frozen=True)
@@ -114,99 +111,39 @@ class World:
         return torch.device("cpu")
 
 
-def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
-    raw = env.get(name)
-    if raw is None or raw == "":
-        if default is None:
-            raise WorldError(f"environment variable {name} is required but not set")
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise WorldError(f"environment variable {name}={raw!r} is not an integer") from None
-
-
 def first_slurm_host(nodelist: str) -> str:
     """Return the first host of a Slurm node list such as ``gpu[003-005,010],cpu01``.
 
     Args:
-        nodelist: the value of ``SLURM_JOB_NODELIST``.
+        nodelist: the value of ``SLURM_STEP_NODELIST`` or ``SLURM_JOB_NODELIST``.
 
     Example::
 
-        first_slurm_host("node[07-09,12]")  # "node07"
+        first_slurm_host("node[07-09,12]-ib")  # "node07-ib"
     """
-    nodelist = nodelist.strip()
-    if not nodelist:
+    if not nodelist.strip():
         raise WorldError("SLURM_JOB_NODELIST is empty")
-    match = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist)
-    if match is None:
-        raise WorldError(f"cannot read SLURM_JOB_NODELIST={nodelist!r}")
-    prefix, _, ranges = match.groups()
-    if not ranges:
-        return prefix
-    first = ranges.split(",")[0].split("-")[0]
-    return prefix + first
-
-
-def _master(env: Mapping[str, str], default_addr: str) -> tuple[str, int | None]:
-    addr = env.get("MASTER_ADDR") or default_addr
-    port = _int(env, "MASTER_PORT", -1)
-    return addr, (None if port == -1 else port)
+    return _cluster.expand_hostlist(nodelist)[0]
 
 
 def _from_torchrun(env: Mapping[str, str]) -> World:
-    world_size = _int(env, "WORLD_SIZE", 1)
-    local_world = _int(env, "LOCAL_WORLD_SIZE", world_size)
-    addr, port = _master(env, DEFAULT_MASTER_ADDR)
-    local_rank = _int(env, "LOCAL_RANK", 0)
+    world_size = _cluster.read_int(env, "WORLD_SIZE", 1)
+    rank = _cluster.read_int(env, "RANK")
+    # without LOCAL_RANK/LOCAL_WORLD_SIZE (Kubeflow's PyTorchJob: one process per pod) each rank is a node
+    local_world = _cluster.read_int(env, "LOCAL_WORLD_SIZE", world_size if "LOCAL_RANK" in env else 1)
+    node_rank = _cluster.read_int(env, "GROUP_RANK", _cluster.read_int(env, "NODE_RANK", rank // max(1, local_world)))
+    num_nodes = max(1, -(-world_size // max(1, local_world)))
+    port = _cluster.read_int(env, "MASTER_PORT", -1)
     return World(
-        rank=_int(env, "RANK"),
-        local_rank=local_rank,
+        rank=rank,
+        local_rank=_cluster.read_int(env, "LOCAL_RANK", 0),
         world_size=world_size,
         local_world_size=local_world,
-        node_rank=_int(env, "GROUP_RANK", _int(env, "NODE_RANK", 0)),
-        num_nodes=max(1, -(-world_size // max(1, local_world))),
-        master_addr=addr,
-        master_port=port,
-        source=env.get("LOCKSTEP_SOURCE", "torchrun"),
-    )
-
-
-def _from_slurm(env: Mapping[str, str]) -> World:
-    world_size = _int(env, "SLURM_NTASKS")
-    num_nodes = _int(env, "SLURM_JOB_NUM_NODES", _int(env, "SLURM_NNODES", 1))
-    local_world = _int(env, "SLURM_NTASKS_PER_NODE", -(-world_size // max(1, num_nodes)))
-    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
-    default_addr = first_slurm_host(nodelist) if nodelist else DEFAULT_MASTER_ADDR
-    addr, port = _master(env, default_addr)
-    return World(
-        rank=_int(env, "SLURM_PROCID"),
-        local_rank=_int(env, "SLURM_LOCALID", 0),
-        world_size=world_size,
-        local_world_size=min(local_world, world_size),
-        node_rank=_int(env, "SLURM_NODEID", 0),
+        node_rank=node_rank,
         num_nodes=num_nodes,
-        master_addr=addr,
-        master_port=port,
-        source="slurm",
-    )
-
-
-def _from_openmpi(env: Mapping[str, str]) -> World:
-    world_size = _int(env, "OMPI_COMM_WORLD_SIZE")
-    local_world = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", world_size)
-    addr, port = _master(env, DEFAULT_MASTER_ADDR)
-    return World(
-        rank=_int(env, "OMPI_COMM_WORLD_RANK"),
-        local_rank=_int(env, "OMPI_COMM_WORLD_LOCAL_RANK", 0),
-        world_size=world_size,
-        local_world_size=local_world,
-        node_rank=_int(env, "OMPI_COMM_WORLD_NODE_RANK", 0),
-        num_nodes=max(1, -(-world_size // max(1, local_world))),
-        master_addr=addr,
-        master_port=port,
-        source="openmpi",
+        master_addr=env.get("MASTER_ADDR") or DEFAULT_MASTER_ADDR,
+        master_port=None if port == -1 else port,
+        source=env.get("LOCKSTEP_SOURCE", "torchrun"),
     )
 
 
@@ -299,9 +236,12 @@ def environment() -> Mapping[str, str]:
 def detect_world(environ: Mapping[str, str] | None = None) -> World:
     """Read the launch environment into a validated :class:`World`.
 
-    Precedence: torchrun / ``lockstep run`` / ``spawn`` variables (``RANK``), then Slurm
-    (``SLURM_PROCID`` with ``SLURM_NTASKS`` > 1, only when not inside an interactive
-    allocation step of one task), then OpenMPI (``OMPI_COMM_WORLD_RANK``), then one process.
+    Precedence: torchrun / ``lockstep run`` / ``spawn`` / Kubeflow variables (``RANK``), then a
+    task of ``srun`` (``SLURM_PROCID`` with ``SLURM_NTASKS`` > 1; a batch script or ``salloc``
+    shell outside ``srun`` is one process, with a warning), then OpenMPI (``OMPI_COMM_WORLD_RANK``),
+    MPICH / Intel MPI (``PMI_RANK``), horovodrun (``HOROVOD_RANK``), then one process. Conventions
+    of each engine: :mod:`lockstep._cluster`. When the engine gives no port, every rank derives the
+    same one from the job id (or uses 29500).
 
     Args:
         environ: the variables to read; ``os.environ`` when omitted.
@@ -316,8 +256,16 @@ def detect_world(environ: Mapping[str, str] | None = None) -> World:
     env = os.environ if environ is None else environ
     if "RANK" in env:
         return _from_torchrun(env)
-    if "SLURM_PROCID" in env and _int(env, "SLURM_NTASKS", 1) > 1:
-        return _from_slurm(env)
-    if "OMPI_COMM_WORLD_RANK" in env:
-        return _from_openmpi(env)
+    if "SLURM_PROCID" in env and _cluster.read_int(env, "SLURM_NTASKS", 1) > 1:
+        if _cluster.in_slurm_step(env):
+            return World(**_cluster.from_slurm(env))
+        warnings.warn(
+            f"lockstep: running inside a Slurm allocation of {env['SLURM_NTASKS']} tasks but not started by "
+            "srun: this is one process. Start the ranks with `srun python script.py` or "
+            "`srun --ntasks-per-node=1 lockstep run --nproc N script.py`.", stacklevel=2)
+        return World()
+    for marker, reader in (("OMPI_COMM_WORLD_RANK", _cluster.from_openmpi), ("PMI_RANK", _cluster.from_pmi),
+                           ("HOROVOD_RANK", _cluster.from_horovod)):
+        if marker in env:
+            return World(**reader(env))
     return World()

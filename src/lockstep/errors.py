@@ -13,7 +13,7 @@ from __future__ import annotations
 import signal
 from collections.abc import Iterable
 
-__all__ = ["LockstepError", "ConfigError", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_PREEMPTED", "DEFAULT_GRACE",
+__all__ = ["LockstepError", "ConfigError", "WorldError", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_PREEMPTED", "DEFAULT_GRACE",
            "format_ranks", "signal_name"]
 
 EXIT_FAILURE = 1
@@ -36,6 +36,10 @@ class ConfigError(LockstepError, ValueError):
     """Bad configuration or input, detected before training starts (exit code 2)."""
 
     exit_code = EXIT_USAGE
+
+
+class WorldError(ConfigError):
+    """The launch environment is inconsistent (for example RANK >= WORLD_SIZE)."""
 
 
 def format_ranks(ranks: Iterable[int]) -> str:

@@ -194,30 +194,24 @@ def resolve_nproc(value: str | int) -> int:
 
 
 def slurm_defaults(env: Mapping[str, str]) -> dict[str, Any]:
-    """Read ``nodes``, ``node_rank`` and ``master`` from a Slurm step of one launcher per node.
-
-    Only inside ``srun`` with as many tasks as nodes (``srun --ntasks-per-node=1 lockstep run
-    ...``); the port is ``$MASTER_PORT`` or one derived from the job id, the same on every node.
+    """``nodes``, ``node_rank``, ``master`` (and ``nproc`` where the engine says it) of a job whose
+    engine starts one ``lockstep run`` per node: Slurm (``srun --ntasks-per-node=1``; the port is
+    ``$MASTER_PORT`` or derived from the job id, the same on every node), Kubeflow (``PET_*``),
+    SkyPilot (``SKYPILOT_*``). See :func:`lockstep._cluster.launch_defaults`.
 
     Args:
-        env: the environment to read (``os.environ``).
+        env: the environment to read (:func:`lockstep.env.environment`).
 
     Example::
 
         slurm_defaults({"SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NUM_TASKS": "2", ...})
     """
-    from lockstep.env import first_slurm_host
+    from lockstep._cluster import launch_defaults
 
     try:
-        nodes = int(env.get("SLURM_STEP_NUM_NODES", "0"))
-        tasks = int(env.get("SLURM_STEP_NUM_TASKS", "0"))
-        if nodes < 2 or tasks != nodes:
-            return {}
-        host = first_slurm_host(env.get("SLURM_STEP_NODELIST") or env["SLURM_JOB_NODELIST"])
-        port = int(env.get("MASTER_PORT") or 20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
-        return {"nodes": nodes, "node_rank": int(env["SLURM_NODEID"]), "master": f"{host}:{port}"}
-    except (KeyError, ValueError):
-        return {}
+        return launch_defaults(env)
+    except ConfigError:
+        return {}  # a malformed layout: the flags (or their defaults) decide
 
 
 def import_torch_quietly(verbose: bool = False) -> None:

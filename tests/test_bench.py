@@ -129,6 +129,7 @@ def test_time_window_times_each_step() -> None:
     assert elapsed * 1000 >= sum(step_ms) - 1e-6
 
 
+@pytest.mark.slow
 def test_measure_cell_in_this_process() -> None:
     task = CellTask(model=f"{__name__}:tiny_model", steps=3, warmup=1, image_size=4, channels=1, batch_size=4)
     result = measure_cell(task)
@@ -154,6 +155,7 @@ def _bench(tmp_path: Path, *flags: str) -> tuple[int, dict[str, Any]]:
     return code, doc
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_bench_command_schema_and_skips(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, doc = _bench(tmp_path, "--strategies", "single,dp,ddp", "--precision", "fp32", "--nproc", "1,2")
@@ -183,6 +185,7 @@ def test_bench_command_schema_and_skips(tmp_path: Path, capsys: pytest.CaptureFi
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_failing_cell_is_reported_not_raised(tmp_path: Path) -> None:
     argv_model = ["--model", f"{__name__}:broken_model"]

@@ -68,7 +68,7 @@ def test_wrong_sum_gpu_mix_and_shared_gpus_are_problems() -> None:
     report = diagnose(Report(ranks, "nccl", [0.0, 0.0], 0.0, [_row(4096, correct=False)]))
     text = verdict_line(report)
     assert "wrong sum at 4 KB" in text
-    assert "ranks [0] see a GPU but ranks [1] do not" in text
+    assert "rank 0 sees a GPU but rank 1 does not" in text
     assert "2 ranks on 1 GPU(s)" in text
 
 
@@ -90,6 +90,7 @@ def _doctor(fake_torch_on_rank1: bool) -> int:
     return doctor.run_doctor([4096, 65536], iters=3, warmup=1, timeout=90)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_world_two_version_mismatch_fails_on_every_rank() -> None:
     assert run_distributed(_doctor, 2, True, timeout=150) == [1, 1]
@@ -110,6 +111,7 @@ def _measure() -> list:
     return [rows, offsets, resolution]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_world_three_measures_every_size_with_bus_factor() -> None:
     results = run_distributed(_measure, 3, timeout=150)
@@ -129,6 +131,7 @@ _TABLE_ROW = re.compile(r"^(?:\[rank0\]: )?\s+(\d+ [KMG]?B)\s+([\d.]+) ms\s+([\d
                         r"\s+([\d.]+) GB/s\s+(\d+)\s+(\S+)")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_cli_world_two_reports_bandwidth_table() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -160,6 +163,7 @@ def _doctor_gpu() -> list:
     return [backend, rows]
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (nccl)")

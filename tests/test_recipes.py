@@ -16,7 +16,8 @@ from lockstep.recipes.config import TrainConfig, check_data
 from lockstep.zoo.datasets import ImageTensors, SyntheticImages, open_data, parse_data
 from lockstep.zoo.folders import CHECK_PER_CLASS
 from lockstep.zoo.idx import read_idx, read_mnist, write_idx
-from lockstep.zoo.models import ConvNet, build_model, input_channels, load_weights
+from lockstep.zoo.models import ConvNet, build_model, input_channels, load_weights, parse_model
+from lockstep.zoo.options import check_options
 from lockstep.recipes.outputs import RunLog
 
 
@@ -235,6 +236,40 @@ def test_synthetic_is_deterministic() -> None:
 def test_config_refuses(kwargs: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         TrainConfig(**kwargs)
+
+
+def tiny_factory() -> nn.Module:
+    """A factory for ``--model test_recipes:tiny_factory``."""
+    return nn.Linear(4, 2)
+
+
+def not_a_module() -> str:
+    return "a string"
+
+
+def test_check_options_canonical_names_and_refusals() -> None:
+    options = check_options(strategy=" DDP", precision="O1")
+    assert (options.strategy, options.precision) == ("ddp", "fp16-mixed")
+    assert check_options().strategy is None
+    with pytest.raises(ConfigError, match="strategy 'dp' cannot be used here; choose one of ddp, fsdp"):
+        check_options(strategy="dp", strategies=("ddp", "fsdp"))
+    with pytest.raises(ConfigError, match="--strategy dp drives every GPU from one process"):
+        check_options(strategy="dp", world_size=2)
+    with pytest.raises(ConfigError, match="--sync-bn needs GPUs"):
+        check_options(sync_bn=True, device="cpu")
+    check_options(sync_bn=True, device="cuda")  # checked against the device the ranks will use
+
+
+def test_model_spec_names_and_factories() -> None:
+    assert not parse_model("convnet").is_factory
+    assert parse_model("convnet").build(channels=1, num_classes=3, image_size=8)(torch.zeros(2, 1, 8, 8)).shape == (2, 3)
+    assert isinstance(parse_model("test_recipes:tiny_factory").build(), nn.Linear)
+    with pytest.raises(ConfigError, match="unknown model 'resnet19'"):
+        parse_model("resnet19")
+    with pytest.raises(ConfigError, match="no callable 'nothing'"):
+        parse_model("test_recipes:nothing")
+    with pytest.raises(ConfigError, match="returned str, not a torch.nn.Module"):
+        parse_model("test_recipes:not_a_module").build()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")

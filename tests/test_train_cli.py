@@ -23,6 +23,8 @@ import torch
 
 from test_recipes import write_image_folder, write_mnist
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 FAST = ["--epochs", "1", "--max-steps", "3", "--progress", "off"]
 
 

@@ -171,6 +171,7 @@ def test_cli_refuses_bad_flags_with_exit_2() -> None:
 
 # -- real processes ----------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("strategy, accumulate", [("ddp", 1), ("fsdp", 1), ("ddp", 2)])
 def test_batchnorm_free_model_is_equivalent(strategy: str, accumulate: int, capsys: pytest.CaptureFixture) -> None:
@@ -182,6 +183,7 @@ def test_batchnorm_free_model_is_equivalent(strategy: str, accumulate: int, caps
     assert "first forward pass: every module's output agrees on every rank" in out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_batchnorm_without_sync_bn_is_named(capsys: pytest.CaptureFixture) -> None:
     code = cli(["verify", "test_verify:bn_mlp", *_FLAGS])
@@ -192,6 +194,7 @@ def test_batchnorm_without_sync_bn_is_named(capsys: pytest.CaptureFixture) -> No
     assert "bn.running_mean" in out  # buffers are compared too
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_rank_dependent_layer_is_named(capsys: pytest.CaptureFixture) -> None:
     code = cli(["verify", "test_verify:broken", *_FLAGS])
@@ -221,6 +224,7 @@ def test_equivalent_verdict_states_tolerance() -> None:
     assert diagnosis.verdict.startswith("verdict: EQUIVALENT within tolerance 1e-02")
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (SyncBatchNorm over nccl)")

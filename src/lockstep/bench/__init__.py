@@ -11,6 +11,8 @@ median and spread, peak memory) come back to the parent, which prints a table, w
 * :mod:`~lockstep.bench.run`: the matrix over fresh processes, aggregation, efficiency;
 * :mod:`~lockstep.bench.report`: the table, ``results.json`` (its schema) and the PNG.
 
+An app: may import the library and ``lockstep.zoo`` (models, data, option checks), never another app.
+
 Example::
 
     lockstep bench --model convnet --nproc 1,2 --strategies single,ddp,fsdp --precision fp32,bf16-mixed

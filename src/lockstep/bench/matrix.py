@@ -18,15 +18,14 @@ Example::
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from lockstep.errors import ConfigError
 
-__all__ = ["BenchConfig", "Cell", "plan_cells", "skip_reason", "parse_list", "resolve_factory",
-           "ONE_PROCESS", "DEFAULT_STEPS", "DEFAULT_WARMUP"]
+__all__ = ["BenchConfig", "Cell", "plan_cells", "skip_reason", "parse_list", "ONE_PROCESS", "DEFAULT_STEPS",
+           "DEFAULT_WARMUP"]
 
 ONE_PROCESS = ("single", "dp")
 DEFAULT_STEPS = 80
@@ -54,27 +53,6 @@ def parse_list(text: str | Sequence[Any], what: str, kind: Callable[[str], Any] 
     except ValueError:
         raise ConfigError(f"{what} {text!r} must be a comma-separated list of {kind.__name__} values") from None
     return tuple(dict.fromkeys(values))  # keep the order, drop repeats
-
-
-def resolve_factory(spec: str) -> Callable[[], Any]:
-    """Import the user's model factory named ``pkg.module:function`` (called with no arguments).
-
-    The current directory is put on ``sys.path`` first, as ``python -m`` does, so that a module
-    next to the user's script is found; started processes inherit the path.
-
-    Args:
-        spec: ``module:attribute``, e.g. ``mypackage.models:make_net``.
-
-    Raises:
-        ConfigError: the module cannot be imported or has no such callable.
-
-    Example::
-
-        factory = resolve_factory("torchvision.models:resnet18")
-    """
-    from lockstep._imports import load_object
-
-    return load_object(spec, "--model")  # type: ignore[no-any-return]
 
 
 @dataclass(frozen=True)
@@ -124,14 +102,17 @@ class BenchConfig:
     threads: int | None = None
 
     def __post_init__(self) -> None:
-        from lockstep.precision import canonical_precision
+        from lockstep.session.nonfinite import NonFinitePolicy
         from lockstep.strategies import available_strategies
+        from lockstep.zoo.datasets import parse_data
+        from lockstep.zoo.models import parse_model
+        from lockstep.zoo.options import check_options
 
-        known = [s for s in available_strategies() if s != "auto"]
-        for name in self.strategies:
-            if name not in known:
-                raise ConfigError(f"unknown strategy {name!r} in --strategies; choose from {', '.join(known)}")
-        object.__setattr__(self, "precisions", tuple(dict.fromkeys(canonical_precision(p) for p in self.precisions)))
+        choices = [s for s in available_strategies() if s != "auto"]  # a cell measures one strategy
+        strategies = [check_options(strategy=name, strategies=choices).strategy for name in self.strategies]
+        precisions = [check_options(precision=name).precision for name in self.precisions]
+        object.__setattr__(self, "strategies", tuple(dict.fromkeys(strategies)))
+        object.__setattr__(self, "precisions", tuple(dict.fromkeys(precisions)))
         limits = (("--nproc", min(self.nprocs, default=0), 1), ("--steps", self.steps, 1),
                   ("--warmup", self.warmup, 0), ("--num-classes", self.num_classes, 1),
                   ("--batch-size", self.batch_size, 1), ("--image-size", self.image_size, 4),
@@ -139,23 +120,10 @@ class BenchConfig:
         for label, value, low in limits:
             if value is not None and value < low:  # None: the default is filled in later
                 raise ConfigError(f"{label} must be >= {low}, got {value}")
-        if self.nonfinite not in ("skip", "stop", "ignore"):
-            raise ConfigError(f"--nonfinite {self.nonfinite!r}; choose skip, stop or ignore")
-        if self.user_model:
-            resolve_factory(self.model)
-        else:
-            from lockstep.zoo.models import check_model
-
-            check_model(self.model)
+        NonFinitePolicy(self.nonfinite)  # the Session's own check of the policy
+        parse_model(self.model)
         if self.data != "synthetic":
-            from lockstep.zoo.datasets import parse_data
-
             parse_data(self.data)
-
-    @property
-    def user_model(self) -> bool:
-        """True when ``model`` names the user's own factory (``pkg.module:factory``)."""
-        return ":" in self.model
 
     @property
     def per_device_batch(self) -> int:
@@ -169,8 +137,6 @@ class BenchConfig:
         """The side of the input images, with the model's default filled in."""
         if self.image_size is not None:
             return self.image_size
-        if self.user_model:
-            return 224
         from lockstep.zoo.models import default_image_size
 
         return default_image_size(self.model)
@@ -180,8 +146,6 @@ class BenchConfig:
         """Input channels: ``channels``, else what the model takes from this data."""
         if self.channels is not None:
             return self.channels
-        if self.user_model:
-            return 3
         from lockstep.zoo.datasets import native_channels, parse_data
         from lockstep.zoo.models import input_channels
 

@@ -37,8 +37,9 @@ import torch
 from torch import nn
 
 from lockstep.errors import ConfigError
+from lockstep.zoo.models import ModelSpec
 
-__all__ = ["CellTask", "measure_cell", "time_window", "resident_mb", "build_bench_model"]
+__all__ = ["CellTask", "measure_cell", "time_window", "resident_mb"]
 
 
 @dataclass(frozen=True)
@@ -104,31 +105,6 @@ def resident_mb(peak: bool) -> float:
     return maxrss / 2**20 if sys.platform == "darwin" else maxrss / 1024  # bytes on macOS, kB elsewhere
 
 
-def build_bench_model(model: str, channels: int, num_classes: int, image_size: int) -> nn.Module:
-    """Build a ``lockstep train`` model by name, or call the user's ``pkg.module:factory``.
-
-    Args:
-        model: the model name or factory spec.
-        channels: input channels (for named models).
-        num_classes: output classes (for named models).
-        image_size: input side (for named models).
-
-    Example::
-
-        net = build_bench_model("convnet", 1, 10, 28)
-    """
-    if ":" in model:
-        from lockstep.bench.matrix import resolve_factory
-
-        built = resolve_factory(model)()
-        if not isinstance(built, nn.Module):
-            raise ConfigError(f"--model {model!r} returned {type(built).__name__}, not a torch.nn.Module")
-        return built
-    from lockstep.recipes import build_model
-
-    return build_model(model, channels, num_classes, image_size)
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -181,12 +157,10 @@ def _batches(session: Any, task: CellTask, batch_size: int) -> tuple[Iterator[An
         images = torch.randn(batch_size, task.channels, task.image_size, task.image_size, generator=gen)
         labels = torch.randint(task.num_classes, (batch_size,), generator=gen)
         return itertools.repeat((images.to(session.device), labels.to(session.device))), task.num_classes
-    from lockstep.recipes import open_data, parse_data
+    from lockstep.zoo.datasets import materialized, open_data, parse_data
 
     data = open_data(parse_data(task.data), task.image_size, task.channels)
-    convert = getattr(data.train, "materialized", None)
-    train = convert() if convert is not None else data.train
-    loader = session.loader(train, batch_size, shuffle=True, drop_last=True)
+    loader = session.loader(materialized(data.train), batch_size, shuffle=True, drop_last=True)
 
     def forever() -> Iterator[Any]:
         for _ in session.epochs(sys.maxsize):
@@ -226,7 +200,7 @@ def measure_cell(task: CellTask) -> dict[str, Any]:
         devices = torch.cuda.device_count() if session.strategy.name == "dp" else 1
         batch_size = task.batch_size * devices
         batches, classes = _batches(session, task, batch_size)
-        net = build_bench_model(task.model, task.channels, classes, task.image_size)
+        net = ModelSpec(task.model).build(task.channels, classes, task.image_size)
         model, optimizer = session.setup(net, lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9))
     except ConfigError as exc:
         return {"skipped": str(exc)}

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from lockstep.bench.matrix import DEFAULT_STEPS, DEFAULT_WARMUP, BenchConfig, parse_list
+from lockstep.cli.flags import add_launch_flags
 
 __all__ = ["add_arguments", "main", "config_from_args", "default_nprocs"]
 
@@ -53,6 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
         add_arguments(argparse.ArgumentParser(prog="lockstep bench"))
     """
+    from lockstep.session.nonfinite import NONFINITE_POLICIES
+
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = __doc__.split("\n", 2)[2].replace("::", ":").replace("``", "") if __doc__ else None
     add = parser.add_argument
@@ -66,8 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated strategies (default single,dp,ddp,fsdp)")
     add("--precision", default="fp32,bf16-mixed", metavar="LIST",
         help="comma-separated precisions: fp32, bf16-mixed, fp16-mixed, fp16-o2, bf16, fp16 (default fp32,bf16-mixed)")
-    add("--nproc", default=None, metavar="LIST",
-        help="comma-separated process counts (default 1,2,4... up to the GPUs, or 1,2 without GPUs)")
+    add_launch_flags(parser, ("nproc",), nproc_default=None, nproc_list=True,
+                     nproc_default_text="1,2,4... up to the GPUs, or 1,2 without GPUs")
     add("--batch-size", type=int, default=None, metavar="B",
         help="samples per batch per device (default 100 for convnet, 32 otherwise)")
     add("--steps", type=int, default=DEFAULT_STEPS, metavar="S", help=f"timed steps per cell (default {DEFAULT_STEPS})")
@@ -78,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--channels", type=int, default=None, metavar="C",
         help="input channels (default: the data's for convnet, 3 otherwise)")
     add("--num-classes", type=int, default=10, metavar="K", help="classes of the synthetic labels (default 10)")
-    add("--nonfinite", default="skip", choices=("skip", "stop", "ignore"),
+    add("--nonfinite", default="skip", metavar="|".join(NONFINITE_POLICIES),
         help="the Session's non-finite loss policy; skip (its default) reads one flag per step (default skip)")
     add("--threads", type=int, default=None, metavar="N",
         help="CPU threads per rank (default: the cores shared evenly between the ranks)")
@@ -99,10 +102,13 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
         config = config_from_args(parser.parse_args(["--nproc", "1,2"]))
     """
+    from lockstep.launch.spec import resolve_nproc
+
+    counts = parse_list(args.nproc or default_nprocs(), "--nproc")
     return BenchConfig(
         model=args.model, data=args.data, strategies=parse_list(args.strategies, "--strategies"),
         precisions=parse_list(args.precision, "--precision"),
-        nprocs=parse_list(args.nproc or default_nprocs(), "--nproc", int),
+        nprocs=tuple(dict.fromkeys(map(resolve_nproc, counts))),
         batch_size=args.batch_size, steps=args.steps, warmup=args.warmup, image_size=args.image_size,
         channels=args.channels, num_classes=args.num_classes, out=args.out, nonfinite=args.nonfinite,
         cell_timeout=args.cell_timeout, threads=args.threads,

@@ -1,6 +1,6 @@
 """The ``lockstep`` command: ``lockstep run | train | bench | verify | doctor``.
 
-Each subcommand lives in ``lockstep/commands/<name>.py`` with two functions,
+Each subcommand lives in ``lockstep/cli/<name>.py`` with two functions,
 ``add_arguments(parser)`` and ``main(args) -> int``; it is imported only when used, so that
 ``lockstep run`` starts as fast as ``torchrun``.
 
@@ -8,6 +8,7 @@ Example::
 
     lockstep run --nproc 2 train.py --epochs 3
     lockstep train --nproc 2
+    lockstep --version
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Args:
         argv: the arguments after ``lockstep``; ``sys.argv[1:]`` when omitted.
+
+    Example::
+
+        sys.exit(main(["train", "--epochs", "1"]))
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     parser, subparsers = _parser()

@@ -18,20 +18,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 from typing import Any
 
-__all__ = ["add_arguments", "main", "config_from_args", "worker_argv"]
+from lockstep.cli.flags import NPROC_PER_GPU, add_launch_flags, launch_options
+
+__all__ = ["add_arguments", "main", "config_from_args", "worker_argv", "LAUNCH"]
 
 _HELP = {
     "model": "convnet, resnet18, resnet50 or any torchvision classification model",
     "data": "digits (bundled with scikit-learn), mnist:DIR (IDX files), imagefolder:DIR, or synthetic",
     "strategy": "auto, single, dp, ddp or fsdp",
     "precision": "fp32, bf16-mixed, fp16-mixed, fp16-o2, bf16, fp16 or apex's O0-O3",
-    "nproc": "processes per node (default: one per GPU, or 2 without GPUs)",
-    "nodes": "number of nodes", "node_rank": "index of this node (0 hosts the store)",
-    "master": "HOST:PORT of node 0's store (needed with --nodes > 1)",
     "epochs": "epochs to train in total", "batch_size": "samples per batch per device",
     "lr": "learning rate (SGD with momentum)",
     "scale_lr": "scale --lr by global batch / --base-batch (linear scaling rule)",
@@ -45,7 +43,6 @@ _HELP = {
     "resume": "continue from the newest checkpoint in --out",
     "keep": "checkpoints to keep in --out",
     "image_size": "side of the input images (default 28 for convnet, 224 for torchvision models)",
-    "max_restarts": "restart the whole job up to K times after a failure (it resumes from --out)",
     "max_steps": "stop each epoch after this many optimizer steps (quick tests, speed runs)",
     "weights": "a local state-dict file to start from (e.g. torchvision's resnet50 .pth)",
     "pretrained": "start from pretrained weights (needs --weights FILE; nothing is downloaded)",
@@ -54,10 +51,12 @@ _HELP = {
 }
 
 
-_METAVARS = {"data": "SPEC", "nproc": "N", "nodes": "N", "node_rank": "I", "master": "HOST:PORT", "epochs": "E",
-             "batch_size": "B", "base_batch": "B", "workers": "N", "accumulate": "K", "out": "DIR", "keep": "K",
-             "image_size": "PIXELS", "max_restarts": "K", "max_steps": "S", "weights": "FILE",
+_METAVARS = {"data": "SPEC", "epochs": "E", "batch_size": "B", "base_batch": "B", "workers": "N", "accumulate": "K",
+             "out": "DIR", "keep": "K", "image_size": "PIXELS", "max_steps": "S", "weights": "FILE",
              "val_fraction": "F", "progress": "auto|on|off"}
+LAUNCH = ("nproc", "nodes", "node_rank", "master", "max_restarts")
+"""The launch flags ``lockstep train`` honours (declared by :func:`~lockstep.cli.flags.add_launch_flags`);
+after a failure the restarted workers resume from ``--out``."""
 
 
 def _fields() -> dict[str, Any]:
@@ -78,11 +77,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = __doc__.split("\n", 2)[2] if __doc__ else None
-    types = {"nproc": int, "nodes": int, "node_rank": int, "epochs": int, "batch_size": int, "lr": float,
-             "base_batch": int, "momentum": float, "weight_decay": float, "workers": int, "accumulate": int,
-             "seed": int, "keep": int, "image_size": int, "max_restarts": int, "max_steps": int,
-             "val_fraction": float}
+    types = {"epochs": int, "batch_size": int, "lr": float, "base_batch": int, "momentum": float,
+             "weight_decay": float, "workers": int, "accumulate": int, "seed": int, "keep": int, "image_size": int,
+             "max_steps": int, "val_fraction": float}
     for name, field in _fields().items():
+        if name == LAUNCH[0]:
+            add_launch_flags(parser, LAUNCH, nproc_default=None, nproc_default_text=NPROC_PER_GPU)
+        if name in LAUNCH:
+            continue
         flag = "--" + name.replace("_", "-")
         default = field.default
         text = _HELP[name] + ("" if default is None or default is False else f" (default {default})")
@@ -105,7 +107,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
     """
     from lockstep.recipes.config import TrainConfig
 
-    return TrainConfig(**{name: getattr(args, name) for name in _fields()})
+    return TrainConfig(**{name: getattr(args, name) for name in _fields() if name not in LAUNCH},
+                       **launch_options(args))
 
 
 def worker_argv(config: Any) -> list[str]:
@@ -138,17 +141,6 @@ def worker_argv(config: Any) -> list[str]:
     return argv
 
 
-def _inside_job(config: Any) -> bool:
-    """True when a launcher started this process as one rank (torchrun, Slurm, OpenMPI)."""
-    if "RANK" in os.environ:
-        return True
-    if config.nproc is not None or config.nodes > 1:
-        return False  # asked to launch: e.g. one `srun` task per node running the launcher
-    from lockstep.env import detect_world
-
-    return detect_world().world_size > 1
-
-
 def main(args: argparse.Namespace) -> int:
     """Validate, then train here (one process or inside a job) or launch the workers.
 
@@ -159,25 +151,21 @@ def main(args: argparse.Namespace) -> int:
 
         main(parser.parse_args(["--epochs", "1", "--nproc", "1"]))
     """
-    from lockstep.errors import ConfigError
+    from lockstep.errors import ConfigError, LockstepError
+    from lockstep.launch.relaunch import launched_as_worker, relaunch
     from lockstep.recipes.config import check_data
     from lockstep.recipes.train import train
 
     config = config_from_args(args)
-    if _inside_job(config):
+    # asked for processes or nodes: e.g. one `srun` task per node running the launcher
+    if launched_as_worker(asked_to_launch=config.nproc is not None or config.nodes > 1):
         return train(config)
     data = check_data(config, config.world_size)
     if config.world_size == 1:
         return train(config, data)
-    from lockstep.errors import LockstepError
-    from lockstep.launch.elastic import LaunchSpec, launch
-
-    spec = LaunchSpec(target="lockstep", args=("train", *worker_argv(config)), module=True,
-                      nproc=config.processes, nodes=config.nodes, node_rank=config.node_rank,
-                      master=config.master, max_restarts=config.max_restarts, rank0_only=True,
-                      prefix=False)
     try:
-        return launch(spec)
+        return relaunch(["train", *worker_argv(config)], nproc=config.processes, nodes=config.nodes,
+                        node_rank=config.node_rank, master=config.master, max_restarts=config.max_restarts)
     except LockstepError as exc:
         if isinstance(exc, ConfigError):
             raise  # the CLI prints configuration errors itself

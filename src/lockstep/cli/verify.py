@@ -1,11 +1,13 @@
 """``lockstep verify``: check that training on N processes equals training on one.
 
-MODEL is ``package.module:factory`` (called with no arguments; the working directory is
-importable) or a ``lockstep train`` model name such as ``convnet``. Examples::
+--model is ``package.module:factory`` (called with no arguments; the working directory is
+importable) or a ``lockstep train`` model name such as ``convnet``; it may also be given first,
+without the flag. Examples::
 
+    lockstep verify --model convnet --nproc 2
     lockstep verify convnet --nproc 2
-    lockstep verify mypkg.nets:make_mlp --shape 32 --classes 4 --strategy fsdp
-    lockstep verify mypkg.nets:make_cnn --data mypkg.data:train_set --accumulate 2 --precision bf16-mixed
+    lockstep verify --model mypkg.nets:make_mlp --shape 32 --classes 4 --strategy fsdp
+    lockstep verify --model mypkg.nets:make_cnn --data mypkg.data:train_set --accumulate 2 --precision bf16-mixed
 
 Both runs train with plain SGD on the same fixed global batches; rank r of N gets the r-th
 contiguous slice of every global batch. The exit code is 0 when the runs are equivalent within
@@ -15,15 +17,19 @@ the tolerance, 1 when they are not.
 from __future__ import annotations
 
 import argparse
-import os
 from typing import TYPE_CHECKING
 
+from lockstep.cli.flags import add_launch_flags, launch_options
 from lockstep.errors import ConfigError
 
 if TYPE_CHECKING:
     from lockstep.verify.config import VerifyConfig
 
-__all__ = ["add_arguments", "main", "config_from_args"]
+__all__ = ["add_arguments", "main", "config_from_args", "LAUNCH"]
+
+LAUNCH = ("nproc", "timeout")
+"""The launch flags ``lockstep verify`` honours: its parallel run is one node's processes."""
+_MODEL_HELP = "package.module:factory, or a lockstep train model name (convnet, resnet18)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,13 +47,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = VerifyConfig.__dataclass_fields__
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = __doc__.split("\n", 2)[2] if __doc__ else None
-    parser.add_argument("model", help="package.module:factory, or a lockstep train model name (convnet, resnet18)")
-    parser.add_argument("--nproc", type=int, default=d["nproc"].default,
-                        help="processes of the parallel run (default 2)")
+    parser.add_argument("model_arg", nargs="?", default=None, metavar="MODEL", help="the same as --model")
+    parser.add_argument("--model", default=None, help=_MODEL_HELP)
+    add_launch_flags(parser, LAUNCH, nproc_default=str(d["nproc"].default))
     parser.add_argument("--steps", type=int, default=d["steps"].default, help="optimizer steps (default 5)")
     parser.add_argument("--batch", type=int, default=d["batch"].default,
                         help="global batch: samples per step in both runs (default 32)")
-    parser.add_argument("--strategy", default="ddp", choices=STRATEGIES, help="parallel strategy (default ddp)")
+    parser.add_argument("--strategy", default="ddp",
+                        help=f"strategy of the parallel run: {' or '.join(STRATEGIES)} (default ddp)")
     parser.add_argument("--precision", default="fp32", help="precision of both runs (default fp32)")
     parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per step in the parallel run")
     parser.add_argument("--shape", default=None, metavar="C,H,W",
@@ -65,8 +72,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the data")
     parser.add_argument("--tolerance", type=float, default=None,
                         help="relative tolerance (default 1e-5 for fp32, 1e-2 otherwise)")
-    parser.add_argument("--timeout", type=float, default=d["timeout"].default,
-                        help="seconds a rank waits for the others (default 120)")
 
 
 def config_from_args(args: argparse.Namespace) -> VerifyConfig:
@@ -77,16 +82,22 @@ def config_from_args(args: argparse.Namespace) -> VerifyConfig:
 
     Example::
 
-        config_from_args(parser.parse_args(["convnet"]))
+        config_from_args(parser.parse_args(["--model", "convnet"]))
     """
     from lockstep.verify.config import VerifyConfig, parse_shape
 
+    if args.model is not None and args.model_arg is not None and args.model != args.model_arg:
+        raise ConfigError(f"two models: {args.model_arg!r} and --model {args.model!r}; give one")
+    model = args.model if args.model is not None else args.model_arg
+    if model is None:
+        raise ConfigError(f"which model? give --model MODEL: {_MODEL_HELP}")
+    launch = launch_options(args)
     return VerifyConfig(
-        model=args.model, nproc=args.nproc, steps=args.steps, batch=args.batch, strategy=args.strategy,
+        model=model, nproc=launch["nproc"], steps=args.steps, batch=args.batch, strategy=args.strategy,
         precision=args.precision, accumulate=args.accumulate,
         shape=parse_shape(args.shape) if args.shape else None, classes=args.classes, data=args.data,
         loss=args.loss, dropout=args.dropout, sync_bn=args.sync_bn, lr=args.lr, seed=args.seed,
-        tolerance=args.tolerance, timeout=args.timeout,
+        tolerance=args.tolerance, timeout=launch["timeout"],
     )
 
 
@@ -98,14 +109,15 @@ def main(args: argparse.Namespace) -> int:
 
     Example::
 
-        main(parser.parse_args(["convnet", "--nproc", "2"]))
+        main(parser.parse_args(["--model", "convnet", "--nproc", "2"]))
     """
     import sys
 
+    from lockstep.env import read_settings
     from lockstep.verify import run_verify
     from lockstep.verify.run import VerifyRunError
 
-    if "RANK" in os.environ:
+    if read_settings().launched:
         raise ConfigError("lockstep verify starts its own processes: run it directly, not under a launcher")
     config = config_from_args(args)
     try:

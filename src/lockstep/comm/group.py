@@ -259,7 +259,8 @@ def init_comm(
     if device_id is not None:
         torch.cuda.set_device(device_id)
     watchdog = Watchdog(dist.PrefixStore("wd/", base), world.rank, world.world_size, timeout.total_seconds(),
-                        error_file=settings.error_file, secret=secret)
+                        error_file=settings.error_file, secret=secret,
+                        hosts={p["rank"]: p["host"] for p in peers})
     group_timeout = timeout
     if chosen == "nccl":
         # nccl ends the process at its timeout; give the watchdog's report (at its backstop) time first

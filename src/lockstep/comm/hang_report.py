@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from lockstep.errors import LockstepError
+from lockstep.errors import LockstepError, format_ranks
 
 __all__ = ["CollectiveTimeoutError", "Post", "diagnose", "is_own", "where_of"]
 
@@ -83,11 +83,8 @@ class Post:
         return (self.seq, self.waiting)
 
 
-def _ranks(ranks: list[int]) -> str:
-    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
-
-
-def diagnose(posts: dict[int, Post | None], world_size: int, timeout: float, me: int) -> CollectiveTimeoutError:
+def diagnose(posts: dict[int, Post | None], world_size: int, timeout: float, me: int,
+             hosts: dict[int, str] | None = None) -> CollectiveTimeoutError:
     """Name the ranks behind from every rank's post (``None``: the rank never posted).
 
     Args:
@@ -95,6 +92,8 @@ def diagnose(posts: dict[int, Post | None], world_size: int, timeout: float, me:
         world_size: number of ranks in the job.
         timeout: the timeout that expired, in seconds.
         me: the rank asking (a waiting one).
+        hosts: every rank's host as the ranks told each other at the start; names the host of a rank
+            that never posted (a node that was cut off).
 
     Example::
 
@@ -111,21 +110,24 @@ def diagnose(posts: dict[int, Post | None], world_size: int, timeout: float, me:
         labels = sorted({p.what for p in known.values()})
         if len(labels) > 1:
             text = ("ranks wait in different collectives: " + "; ".join(
-                f"{_ranks(sorted(r for r, p in known.items() if p.what == w))} in {w}" for w in labels)
+                f"{format_ranks(sorted(r for r, p in known.items() if p.what == w))} in {w}" for w in labels)
                 + ". Every rank must call the same collectives in the same order.")
         else:
             text = (f"every rank waited in {what} for {timeout:g} s and none is behind: a rank's "
                     "process or its network connection failed")
         return CollectiveTimeoutError(text, (), tuple(waiters))
     first = known.get(behind[0])
-    who = _ranks(behind)
+    who = format_ranks(behind)
     if len(behind) == 1 and first is not None:
         who += f" (host {first.host}, pid {first.pid})"
-    lines = [f"{who} did not reach {what} within {timeout:g} s; {_ranks(waiters)} waited there."]
+    elif len(behind) == 1 and hosts and behind[0] in hosts:
+        who += f" (host {hosts[behind[0]]})"
+    lines = [f"{who} did not reach {what} within {timeout:g} s; {format_ranks(waiters)} waited there."]
     for r in behind:
         p = known.get(r)
         if p is None:
-            lines.append(f"rank {r} never reported its position: it is stuck without releasing the "
+            on = f" on host {hosts[r]}" if hosts and r in hosts else ""
+            lines.append(f"rank {r}{on} never reported its position: it is stuck without releasing the "
                          "Python interpreter lock, or its host is unreachable")
         else:
             state = (f"is in {p.what}" if p.inside else f"last finished {p.what}" if p.seq

@@ -83,8 +83,6 @@ class Watchdog(NullWatchdog):
 
     Args:
         store: a store every rank can reach (a prefix of the rendezvous store).
-        secret: the job's secret: positions and the verdict are signed with it, and a value
-            that does not check (an outsider's write) is ignored.
         rank: this rank.
         world_size: ranks in the job.
         timeout: the collectives' timeout in seconds.
@@ -92,6 +90,9 @@ class Watchdog(NullWatchdog):
             the backend never raised (default: ``timeout`` plus 10%, at least 5 s).
         error_file: where the backstop records its report for the launcher; the launcher's
             (``Settings.error_file``) when omitted; ``""``: print it only.
+        secret: the job's secret: positions and the verdict are signed with it, and a value
+            that does not check (an outsider's write) is ignored.
+        hosts: every rank's host (from the handshake), to name the host of a rank that never posts.
 
     Example::
 
@@ -100,9 +101,11 @@ class Watchdog(NullWatchdog):
     """
 
     def __init__(self, store: Any, rank: int, world_size: int, timeout: float,
-                 backstop: float | None = None, error_file: str | None = None, secret: bytes = b"") -> None:
+                 backstop: float | None = None, error_file: str | None = None, secret: bytes = b"",
+                 hosts: dict[int, str] | None = None) -> None:
         self.store: SignedStore | None = SignedStore(store, secret)
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
+        self.hosts = dict(hosts or {})
         self.backstop = backstop if backstop is not None else timeout + min(max(5.0, 0.1 * timeout), 60.0)
         self.poll = min(max(timeout / 10, 0.05), 2.0)
         self.seq, self.inside, self.entered = 0, False, time.monotonic()
@@ -116,6 +119,7 @@ class Watchdog(NullWatchdog):
         self._view: dict[int, Post | None] = {}
         self._halt = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lockstep-watchdog", daemon=True)
+        self._backstop = threading.Thread(target=self._backstop_run, name="lockstep-backstop", daemon=True)
 
     def on_job_failed(self, callback: Callable[[], None]) -> None:
         self._on_failed.append(callback)
@@ -145,7 +149,7 @@ class Watchdog(NullWatchdog):
             return None
         posts = self._read() or dict(self._view)
         posts[self.rank] = self.post(waiting=True, where=where)
-        err = diagnose(posts, self.world_size, self.timeout, self.rank)
+        err = diagnose(posts, self.world_size, self.timeout, self.rank, self.hosts)
         err.__suppress_context__ = True  # raised in place of the backend's error: show ours only
         self._try(lambda: self._store().set(_VERDICT, str(err)))
         self._ack()
@@ -186,6 +190,7 @@ class Watchdog(NullWatchdog):
         """Start the thread and explain timeouts that escape the user's code (:mod:`lockstep.comm.failure`)."""
         self._remove_hooks = failure.add_explainer(self.explain_escaped)
         self._thread.start()
+        self._backstop.start()
         atexit.register(self.stop)  # also on the way out of a failed run, before the interpreter tears down
 
     def stop(self) -> None:
@@ -194,8 +199,9 @@ class Watchdog(NullWatchdog):
         if self._remove_hooks is not None:
             self._remove_hooks()
             self._remove_hooks = None
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=self.poll + 1.0)
+        for thread in (self._thread, self._backstop):
+            if thread.is_alive() and thread is not threading.current_thread():
+                thread.join(timeout=self.poll + 1.0)
         # the store (hosted by rank 0's process) must be destroyed now, by the caller, not during
         # the interpreter's exit, where its server thread is torn down in no particular order
         self.store = None
@@ -250,7 +256,12 @@ class Watchdog(NullWatchdog):
                 callbacks, self._on_failed = self._on_failed, []
                 for callback in callbacks:
                     callback()
-            if self.inside and stalled >= self.backstop:
+
+    def _backstop_run(self) -> None:
+        """The backstop has its own thread and never touches the store: a store on a node that was cut
+        off blocks its callers for as long as TCP retries (minutes), and the report must not wait."""
+        while not self._halt.wait(self.poll):
+            if self.inside and time.monotonic() - self.entered >= self.backstop:
                 self._give_up()
 
     def explain_escaped(self, exc: BaseException) -> CollectiveTimeoutError | None:
@@ -274,8 +285,10 @@ class Watchdog(NullWatchdog):
         return self.explain(exc, where=where)
 
     def _give_up(self) -> None:
-        """The backend never raised: report like an exception would and end the process."""
-        err = self.explain(TimeoutError("timed out")) or CollectiveTimeoutError("timed out")
+        """The backend never raised: report from what the ranks last posted and end the process."""
+        posts = dict(self._view)
+        posts[self.rank] = self.post(waiting=True)
+        err = diagnose(posts, self.world_size, self.timeout, self.rank, self.hosts)
         print(f"lockstep: {err}", file=sys.stderr, flush=True)
         if self.error_file:
             failure.record_failure(err, 1, self.error_file)

@@ -27,7 +27,6 @@ import socket
 import statistics
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -35,7 +34,7 @@ import torch
 from lockstep.comm.group import Comm, init_comm
 from lockstep.doctor.bandwidth import BandwidthRow, format_size, format_table, measure_allreduce
 from lockstep.env import World, detect_world
-from lockstep.errors import LockstepError
+from lockstep.errors import LockstepError, format_ranks
 
 __all__ = ["Report", "describe_rank", "clock_offsets", "diagnose", "format_report", "run_doctor",
            "verdict_line", "VERSION_KEYS", "SKEW_WARNING_S"]
@@ -142,7 +141,7 @@ def _disagreements(ranks: list[dict[str, Any]]) -> list[str]:
         for info in ranks:
             values.setdefault(str(info[key]), []).append(info["rank"])
         if len(values) > 1:
-            parts = [f"{v} on rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}" for v, rs in values.items()]
+            parts = [f"{v} on {format_ranks(rs)}" for v, rs in values.items()]
             out.append(f"ranks disagree on {key}: " + "; ".join(parts))
     return out
 
@@ -153,8 +152,10 @@ def _device_problems(ranks: list[dict[str, Any]], backend: str) -> tuple[list[st
     with_gpu = [i["rank"] for i in ranks if i["cuda_available"]]
     if with_gpu and len(with_gpu) < len(ranks):
         without = [i["rank"] for i in ranks if not i["cuda_available"]]
-        problems.append(f"ranks {with_gpu} see a GPU but ranks {without} do not: check CUDA_VISIBLE_DEVICES "
-                        "and drivers on every node")
+        see = "see" if len(with_gpu) > 1 else "sees"
+        do = "do" if len(without) > 1 else "does"
+        problems.append(f"{format_ranks(with_gpu)} {see} a GPU but {format_ranks(without)} {do} not: check "
+                        "CUDA_VISIBLE_DEVICES and drivers on every node")
     for info in ranks:
         if info["cuda_available"] and info["local_world_size"] > info["gpus"]:
             gpus = info["gpus"]
@@ -254,7 +255,7 @@ def format_report(report: Report) -> str:
 
 
 def run_doctor(sizes: list[int], iters: int = 20, warmup: int = 3, backend: str = "auto",
-               timeout: float = 60.0, world: World | None = None) -> int:
+               timeout: float | None = None, world: World | None = None) -> int:
     """Run every check on this rank (all ranks of the job call it); rank 0 prints the report.
 
     Args:
@@ -262,7 +263,8 @@ def run_doctor(sizes: list[int], iters: int = 20, warmup: int = 3, backend: str 
         iters: timed allreduces per size at most.
         warmup: untimed allreduces per size first.
         backend: ``"auto"``, ``"nccl"`` or ``"gloo"``.
-        timeout: seconds a rank waits for the others before giving up.
+        timeout: seconds a rank waits for the others before giving up; ``None``:
+            ``$LOCKSTEP_TIMEOUT`` or 10 minutes (as ``lockstep run --timeout``).
         world: where this process is; read from the environment when omitted.
 
     Returns:
@@ -274,7 +276,7 @@ def run_doctor(sizes: list[int], iters: int = 20, warmup: int = 3, backend: str 
     """
     world = detect_world() if world is None else world
     try:
-        comm = init_comm(world, backend, timeout=timedelta(seconds=timeout))
+        comm = init_comm(world, backend, timeout=timeout)
     except LockstepError as exc:
         print(f"verdict: PROBLEM: rank {world.rank} could not join the job: {exc}", flush=True)
         return 1

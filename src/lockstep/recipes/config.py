@@ -20,10 +20,9 @@ from typing import Any, cast
 
 from lockstep.errors import ConfigError
 
-__all__ = ["TrainConfig", "check_data", "CHECKPOINTS", "DEFAULT_NPROC_CPU"]
+__all__ = ["TrainConfig", "check_data", "CHECKPOINTS"]
 
 CHECKPOINTS = "checkpoints"
-DEFAULT_NPROC_CPU = 2
 _PROGRESS = ("auto", "on", "off")
 
 
@@ -130,27 +129,10 @@ class TrainConfig:
             raise ConfigError(f"--nodes {self.nodes} needs --master HOST:PORT (node 0's address, the same on every node)")
 
     def _check_strategy(self) -> None:
-        from lockstep.precision import canonical_precision
-        from lockstep.strategies import available_strategies
+        from lockstep.zoo.options import check_options
 
-        choices = ", ".join(available_strategies())
-        parts = {p.strip().lower() for p in self.strategy.replace(",", "+").split("+") if p.strip()}
-        if len(parts) > 1:
-            why = ("fsdp shards the model over processes and dp copies it to every GPU of one process, "
-                   "so they cannot be combined" if {"fsdp", "dp"} <= parts else "strategies do not combine")
-            raise ConfigError(f"--strategy {self.strategy!r}: {why}; choose one of {choices}")
-        if self.strategy.strip().lower() not in available_strategies():
-            raise ConfigError(f"unknown strategy {self.strategy!r}; choose one of {choices}")
-        canonical_precision(self.precision)
-        if self.strategy.strip().lower() == "dp" and self.world_size > 1:
-            raise ConfigError("--strategy dp drives every GPU from one process; with several processes "
-                              "use ddp (or fsdp), or pass --nproc 1")
-        if self.sync_bn:
-            import torch
-
-            if not torch.cuda.is_available():
-                raise ConfigError("--sync-bn needs GPUs (SyncBatchNorm only works with CUDA modules); "
-                                  "leave it out on CPU")
+        check_options(strategy=self.strategy, precision=self.precision, sync_bn=self.sync_bn,
+                      world_size=self.world_size)
 
     def _check_files(self) -> None:
         if self.pretrained and self.weights is None:
@@ -179,9 +161,9 @@ class TrainConfig:
         """
         if self.nproc is not None:
             return self.nproc
-        import torch
+        from lockstep.launch.relaunch import default_nproc
 
-        return torch.cuda.device_count() if torch.cuda.is_available() else DEFAULT_NPROC_CPU
+        return default_nproc()
 
     @property
     def world_size(self) -> int:

@@ -25,8 +25,9 @@ from torch import nn
 
 import lockstep
 from lockstep.recipes.config import CHECKPOINTS, TrainConfig, check_data
-from lockstep.zoo.models import build_model, load_weights
 from lockstep.recipes.outputs import RunLog
+from lockstep.zoo.datasets import materialized
+from lockstep.zoo.models import build_model, load_weights
 
 __all__ = ["train", "EVAL_BATCH", "POSTFIX_EVERY"]
 
@@ -66,8 +67,8 @@ def _prepare(session: lockstep.Session, config: TrainConfig, data: Any) -> tuple
     model, optimizer = session.setup(model, lambda params: torch.optim.SGD(
         params, lr=lr, momentum=config.momentum, weight_decay=config.weight_decay))
     options = {} if config.workers is None else {"num_workers": config.workers}
-    train_loader = session.loader(_materialized(data.train), config.batch_size, shuffle=True, **options)
-    test_loader = session.loader(_materialized(data.test), EVAL_BATCH, eval=True, **options)
+    train_loader = session.loader(materialized(data.train), config.batch_size, shuffle=True, **options)
+    test_loader = session.loader(materialized(data.test), EVAL_BATCH, eval=True, **options)
     return model, optimizer, train_loader, test_loader, lr
 
 
@@ -107,11 +108,6 @@ def _run(session: lockstep.Session, config: TrainConfig, data: Any) -> None:
         session.print(f"lockstep train: nothing to train: the checkpoint already covers {start} of "
                       f"{config.epochs} epochs (raise --epochs to train more)")
     session.print(f"Training complete in {time.perf_counter() - began:.1f} s")
-
-
-def _materialized(dataset: Any) -> Any:
-    convert = getattr(dataset, "materialized", None)
-    return convert() if convert is not None else dataset
 
 
 def _epoch(session: lockstep.Session, config: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer,

@@ -13,10 +13,21 @@ compared (see :mod:`lockstep.verify.compare`), and a verdict is printed: ``EQUIV
 tolerance T`` (1e-5 relative for fp32, 1e-2 for bf16 and fp16), or ``NOT EQUIVALENT`` naming the
 first differing layers and the likely cause (see :mod:`lockstep.verify.diagnose`).
 
+* :mod:`~lockstep.verify.config`: what to compare, validated before any process starts;
+* :mod:`~lockstep.verify.inputs`: the model, loss and fixed batches, and each rank's slice;
+* :mod:`~lockstep.verify.run`: the two trainings (the N ranks started with
+  :func:`lockstep.launch.relaunch.relaunch`), and the workers' entry point;
+* :mod:`~lockstep.verify.record`: every module's output in the first forward pass;
+* :mod:`~lockstep.verify.compare`: the loss curves, weights and outputs side by side;
+* :mod:`~lockstep.verify.diagnose`: the likely cause of a difference;
+* :mod:`~lockstep.verify.report`: the text printed.
+
+An app: may import the library and ``lockstep.zoo``, never another app.
+
 Example::
 
-    lockstep verify convnet --nproc 2
-    lockstep verify mypkg.nets:make_mlp --shape 32 --strategy fsdp --accumulate 2
+    lockstep verify --model convnet --nproc 2
+    lockstep verify --model mypkg.nets:make_mlp --shape 32 --strategy fsdp --accumulate 2
 
 or from Python::
 

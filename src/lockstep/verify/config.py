@@ -13,14 +13,14 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from lockstep.errors import ConfigError
-from lockstep._imports import load_object
 
-__all__ = ["VerifyConfig", "TOLERANCES", "STRATEGIES", "DROPOUT_MODES", "parse_shape", "load_object"]
+__all__ = ["VerifyConfig", "TOLERANCES", "STRATEGIES", "DROPOUT_MODES", "parse_shape"]
 
 TOLERANCES = {"fp32": 1e-5}
 """Relative tolerance per precision; every other precision (bf16, fp16, apex O1-O3) gets 1e-2."""
 LOW_PRECISION_TOLERANCE = 1e-2
 STRATEGIES = ("ddp", "fsdp")
+"""The strategies of the parallel run: the ones that spread one model over N processes."""
 DROPOUT_MODES = ("disable", "align")
 LOSSES = ("cross_entropy", "mse")
 
@@ -68,7 +68,8 @@ class VerifyConfig:
         lr: learning rate of plain SGD (no momentum, no weight decay).
         seed: seed of the initial weights and of the synthetic data.
         tolerance: relative tolerance; by default 1e-5 for fp32 and 1e-2 otherwise.
-        timeout: seconds a rank waits for the others.
+        timeout: seconds a rank waits for the others; ``None``: ``$LOCKSTEP_TIMEOUT`` or 10
+            minutes (as ``lockstep run --timeout``).
 
     Example::
 
@@ -91,19 +92,21 @@ class VerifyConfig:
     lr: float = 0.01
     seed: int = 0
     tolerance: float | None = None
-    timeout: float = 120.0
+    timeout: float | None = None
 
     def __post_init__(self) -> None:
-        from lockstep.precision import canonical_precision
+        from lockstep.zoo.models import parse_model
+        from lockstep.zoo.options import check_options
 
-        object.__setattr__(self, "precision", canonical_precision(self.precision))  # "O0" -> "fp32"
+        options = check_options(strategy=self.strategy, precision=self.precision, sync_bn=self.sync_bn,
+                                strategies=STRATEGIES)
+        object.__setattr__(self, "strategy", options.strategy)
+        object.__setattr__(self, "precision", options.precision)  # "O0" -> "fp32"
         for name in ("steps", "batch", "accumulate", "classes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name} must be at least 1, got {getattr(self, name)}")
         if self.nproc < 2:
             raise ConfigError(f"--nproc must be at least 2 (verify compares N processes with 1), got {self.nproc}")
-        if self.strategy not in STRATEGIES:
-            raise ConfigError(f"--strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
         if self.dropout not in DROPOUT_MODES:
             raise ConfigError(f"--dropout {self.dropout!r}; choose one of {', '.join(DROPOUT_MODES)}")
         if self.loss not in LOSSES and ":" not in self.loss:
@@ -113,19 +116,10 @@ class VerifyConfig:
             raise ConfigError(
                 f"--batch {self.batch} cannot be split evenly over {self.nproc} processes x {self.accumulate} "
                 f"micro-batches; use a multiple of {split} (e.g. --batch {split * max(1, self.batch // split)})")
-        if self.sync_bn:
-            import torch
-
-            if not torch.cuda.is_available():
-                raise ConfigError("--sync-bn needs GPUs: SyncBatchNorm only works on CUDA devices, and none is "
-                                  "visible. Drop --sync-bn (each rank then normalises over its own batch).")
-        if self.lr <= 0 or (self.tolerance is not None and self.tolerance <= 0) or self.timeout <= 0:
+        if self.lr <= 0 or (self.tolerance is not None and self.tolerance <= 0) or (
+                self.timeout is not None and self.timeout <= 0):
             raise ConfigError("--lr, --tolerance and --timeout must be positive")
-        if ":" not in self.model:
-            from lockstep.zoo.models import check_model
-
-            check_model(self.model)
-        if ":" in self.model and self.data is None and self.shape is None:
+        if parse_model(self.model).is_factory and self.data is None and self.shape is None:
             raise ConfigError(f"give the input shape of {self.model!r} with --shape C,H,W (or a dataset with --data)")
 
     @property

@@ -22,8 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lockstep._imports import load_object
 from lockstep.errors import ConfigError
-from lockstep.verify.config import VerifyConfig, load_object
+from lockstep.verify.config import VerifyConfig
+from lockstep.zoo.models import ModelSpec
 
 __all__ = ["build_model", "make_loss", "make_batches", "shard", "apply_dropout_mode", "batchnorm_layers",
            "dropout_layers", "first_tensor", "Batch"]
@@ -42,17 +44,13 @@ def build_model(config: VerifyConfig) -> nn.Module:
 
         model = build_model(VerifyConfig(model="convnet"))
     """
-    if ":" in config.model:
-        model = load_object(config.model, "model factory")()
-        if not isinstance(model, nn.Module):
-            raise ConfigError(f"the model factory {config.model!r} returned {type(model).__name__}, not an nn.Module")
-        return model
-    from lockstep.zoo.models import build_model as build_named
-
+    spec = ModelSpec(config.model)
+    if spec.is_factory:
+        return spec.build()  # the factory sizes the model itself
     shape = config.sample_shape
     if len(shape) != 3 or shape[1] != shape[2]:
         raise ConfigError(f"model {config.model!r} takes square images: give --shape C,H,H, not {shape}")
-    return build_named(config.model, channels=shape[0], num_classes=config.classes, image_size=shape[1])
+    return spec.build(channels=shape[0], num_classes=config.classes, image_size=shape[1])
 
 
 def make_loss(config: VerifyConfig) -> LossFn:

@@ -20,11 +20,8 @@ Example::
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -166,36 +163,20 @@ def run_parallel(config: VerifyConfig, init: dict[str, torch.Tensor], batches: l
 
         parallel = run_parallel(config, init, batches)
     """
-    from lockstep.launch.elastic import LaunchSpec, launch
+    from lockstep.launch.relaunch import relaunch
 
     with tempfile.TemporaryDirectory(prefix="lockstep-verify-") as tmp:
         job, out = Path(tmp) / "job.pt", Path(tmp) / "result.pt"
         paths = [p for p in sys.path if p and os.path.isdir(p)]  # where the user's factories import from
         torch.save({"config": config.to_dict(), "init": init, "batches": batches, "out": str(out),
                     "sys_path": paths}, job)
-        spec = LaunchSpec(target="lockstep.verify.run", module=True, args=(str(job),), nproc=config.nproc,
-                          rank0_only=True)
-        with _kept_signal_handlers():
-            code = launch(spec)
+        code = relaunch([str(job)], module="lockstep.verify.run", prefix=True, nproc=config.nproc,
+                        timeout=config.timeout)
         if code != 0 or not out.exists():
             raise VerifyRunError(f"the {config.nproc}-process training failed (exit code {code}); "
                                  "the launcher's message above names the rank and the error")
         values = torch.load(out, weights_only=True)
     return RunResult(**values)
-
-
-@contextmanager
-def _kept_signal_handlers() -> Iterator[None]:
-    """The elastic agent installs its own SIGTERM/SIGINT handlers and leaves them in place;
-    a library call must give the caller's back (Ctrl-C should again raise KeyboardInterrupt)."""
-    names = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
-    saved = {sig: signal.getsignal(sig) for sig in (getattr(signal, n) for n in names if hasattr(signal, n))}
-    try:
-        yield
-    finally:
-        for sig, handler in saved.items():
-            if handler is not None:
-                signal.signal(sig, handler)
 
 
 def worker_main(job_file: str) -> int:

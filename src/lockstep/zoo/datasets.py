@@ -29,7 +29,7 @@ from torch.utils.data import Dataset, TensorDataset
 from lockstep.errors import ConfigError
 
 __all__ = ["DataSpec", "ImageData", "ImageTensors", "SyntheticImages", "parse_data", "open_data",
-           "native_channels", "DIGITS_TEST", "SPLIT_SEED", "SYNTHETIC_SIZES", "DATA_KINDS"]
+           "native_channels", "materialized", "DIGITS_TEST", "SPLIT_SEED", "SYNTHETIC_SIZES", "DATA_KINDS"]
 
 DATA_KINDS = ("digits", "mnist", "imagefolder", "synthetic")
 SPLIT_SEED = 0
@@ -112,6 +112,20 @@ def native_channels(spec: DataSpec) -> int:
         native_channels(DataSpec("digits"))   # 1
     """
     return 3 if spec.kind == "imagefolder" else 1
+
+
+def materialized(dataset: Dataset[Any]) -> Dataset[Any]:
+    """``dataset`` with its images converted up front where it can (see :meth:`ImageTensors.materialized`).
+
+    Args:
+        dataset: a data set of :func:`open_data`, or any other (returned as it is).
+
+    Example::
+
+        train = materialized(open_data(parse_data("digits"), 28, 1).train)
+    """
+    convert = getattr(dataset, "materialized", None)
+    return convert() if convert is not None else dataset
 
 
 class ImageTensors(Dataset[tuple[torch.Tensor, torch.Tensor]]):

@@ -1,26 +1,30 @@
-"""The classifiers ``lockstep train`` knows: the seeds' ConvNet and torchvision's models by name.
+"""The classifiers the apps know: the seeds' ConvNet and torchvision's models by name.
 
 ``convnet`` is the seed tutorial's network, sized to the input (channels, side, classes). Any
 torchvision classification model (``resnet18``, ``resnet50``, ``vit_b_16``...) is built with random
 weights: nothing is downloaded. Pretrained weights come from a local file (``--weights FILE``).
+``bench`` and ``verify`` also take the user's own ``pkg.module:factory`` (:func:`parse_model`).
 
 Example::
 
     model = build_model("convnet", channels=1, num_classes=10, image_size=28)
     model = build_model("resnet50", channels=3, num_classes=10, image_size=32)
+    model = parse_model("mypackage.models:make_net").build(channels=3, num_classes=10, image_size=32)
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from lockstep._imports import load_object
 from lockstep.errors import ConfigError
 
-__all__ = ["ConvNet", "build_model", "model_names", "check_model", "input_channels",
+__all__ = ["ConvNet", "ModelSpec", "parse_model", "build_model", "model_names", "check_model", "input_channels",
            "default_image_size", "load_weights"]
 
 
@@ -86,11 +90,85 @@ def check_model(name: str) -> None:
         )
 
 
-def input_channels(name: str, data_channels: int) -> int:
-    """Channels the model takes: convnet adapts to the data, torchvision models want RGB.
+@dataclass(frozen=True)
+class ModelSpec:
+    """A checked ``--model`` value: a model name, or the user's ``pkg.module:factory``.
+
+    Made by :func:`parse_model`; plain text inside, so it travels to started processes.
 
     Args:
-        name: the model name.
+        text: the ``--model`` value.
+
+    Example::
+
+        net = ModelSpec("convnet").build(channels=1, num_classes=10, image_size=28)
+    """
+
+    text: str
+
+    @property
+    def is_factory(self) -> bool:
+        """True for the user's own ``pkg.module:factory`` (called with no arguments)."""
+        return ":" in self.text
+
+    def build(self, channels: int | None = None, num_classes: int = 10, image_size: int | None = None) -> nn.Module:
+        """A fresh model: the factory's, or the named one sized to the input (see :func:`build_model`).
+
+        A factory is called with no arguments and sizes the model itself; the sizes are for named
+        models only.
+
+        Args:
+            channels: input channels; ``None``: the model's own for grayscale data (see :func:`input_channels`).
+            num_classes: output classes.
+            image_size: side of the square input; ``None``: see :func:`default_image_size`.
+
+        Raises:
+            ConfigError: the factory returned something that is not a ``torch.nn.Module``.
+
+        Example::
+
+            parse_model("resnet18").build(channels=3, num_classes=100, image_size=64)
+        """
+        if not self.is_factory:
+            channels = input_channels(self.text, 1) if channels is None else channels
+            side = default_image_size(self.text) if image_size is None else image_size
+            return build_model(self.text, channels, num_classes, side)
+        built = load_object(self.text, "model factory")()
+        if not isinstance(built, nn.Module):
+            raise ConfigError(f"the model factory {self.text!r} returned {type(built).__name__}, "
+                              "not a torch.nn.Module")
+        return built
+
+
+def parse_model(text: str) -> ModelSpec:
+    """Check a ``--model`` value: a known model name, or a ``pkg.module:factory`` that imports.
+
+    The working directory is importable (as with ``python -m``), so a module next to the user's
+    script is found; started processes inherit the path.
+
+    Args:
+        text: ``convnet``, a torchvision classification model name, or ``pkg.module:factory``.
+
+    Raises:
+        ConfigError: an unknown name, a module that does not import, or no such callable.
+
+    Example::
+
+        parse_model("mypackage.models:make_net").is_factory    # True
+    """
+    spec = ModelSpec(text)
+    if spec.is_factory:
+        load_object(text, "model factory")
+    else:
+        check_model(text)
+    return spec
+
+
+def input_channels(name: str, data_channels: int) -> int:
+    """Channels the model takes: convnet adapts to the data, the others (torchvision's, a factory) want RGB.
+
+    Args:
+        name: the model name or ``pkg.module:factory``.
         data_channels: the data's own channels (grayscale data is repeated to 3 for RGB models).
 
     Example::
@@ -102,6 +180,9 @@ def input_channels(name: str, data_channels: int) -> int:
 
 def default_image_size(name: str) -> int:
     """The input side used when ``--image-size`` is not given: 28 for convnet, 224 otherwise.
+
+    Args:
+        name: the model name or ``pkg.module:factory``.
 
     Example::
 

@@ -1,0 +1,123 @@
+"""The launch flags of ``lockstep run``, declared once for every command that starts processes.
+
+``run``, ``train``, ``bench``, ``verify`` and ``doctor`` take the same ``--nproc``, ``--nodes``,
+``--node-rank``, ``--master``... with the same meaning, type and default; each command offers
+only the flags it honours. The one default a command chooses is ``--nproc``'s: how many
+processes it starts when not told (``run``: 1; ``train`` and ``doctor``: one per GPU, or 2).
+
+Example::
+
+    add_launch_flags(parser, PLACEMENT_FLAGS, nproc_default=None, nproc_default_text=NPROC_PER_GPU)
+    spec_options = launch_options(parser.parse_args(["--nproc", "2"]))    # {"nproc": 2, "nodes": 1, ...}
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["add_launch_flags", "launch_options", "LAUNCH_FLAGS", "PLACEMENT_FLAGS", "NPROC_PER_GPU"]
+
+LAUNCH_FLAGS = ("nproc", "nodes", "node_rank", "master", "max_restarts", "join_timeout", "timeout", "grace",
+                "rank0_only", "local_rank_arg", "log_dir", "verbose")
+"""Every launch flag of ``lockstep run``, by its destination name."""
+PLACEMENT_FLAGS = ("nproc", "nodes", "node_rank", "master")
+"""Where the processes run: the flags of a command that starts a job over several nodes."""
+NPROC_PER_GPU = "one per GPU, or 2 without GPUs"
+"""The ``--nproc`` default of ``train`` and ``doctor`` (:func:`lockstep.launch.relaunch.default_nproc`)."""
+
+_NPROC = "processes on this node: a number, one per GPU (gpu), one per CPU (cpu), or gpu if there are GPUs else cpu (auto)"
+_NPROC_LIST = "comma-separated process counts, each a number or auto, gpu, cpu (see lockstep run --nproc)"
+
+_DECLARATIONS: dict[str, tuple[str, dict[str, Any]]] = {
+    "nodes": ("--nodes", dict(type=int, default=None, metavar="N", help="number of nodes (default 1{slurm})")),
+    "node_rank": ("--node-rank", dict(type=int, default=None, metavar="I",
+                                      help="index of this node, 0 hosts the store")),
+    "master": ("--master", dict(default=None, metavar="HOST:PORT",
+                                help="node 0's address and a free port, the same on every node (needed for "
+                                     "--nodes > 1; on one node a free port is picked when omitted)")),
+    "max_restarts": ("--max-restarts", dict(type=int, default=0, metavar="K",
+                                            help="restart the whole group up to K times after a failure (default 0)")),
+    "join_timeout": ("--join-timeout", dict(type=float, default=None, metavar="SECONDS",
+                                            help="how long to wait for every node to join (default 900)")),
+    "timeout": ("--timeout", dict(type=float, default=None, metavar="SECONDS",
+                                  help="how long a collective may wait for a missing rank before the job fails "
+                                       "naming it (sets LOCKSTEP_TIMEOUT; default 600)")),
+    "grace": ("--grace", dict(type=float, default=None, metavar="SECONDS",
+                              help="after SIGTERM/SIGUSR1, how long the workers may take to save and exit "
+                                   "before they are killed (default 30)")),
+    "rank0_only": ("--rank0-only", dict(action="store_true", help="show only rank 0's output")),
+    "local_rank_arg": ("--local-rank-arg", dict(action="store_true",
+                                                help="pass --local_rank=N to the script (scripts written for "
+                                                     "torch.distributed.launch)")),
+    "log_dir": ("--log-dir", dict(default=None, metavar="DIR",
+                                  help="keep every rank's stdout/stderr under this folder")),
+    "verbose": ("--verbose", dict(action="store_true", help="show torch's own agent logging")),
+}
+
+
+def add_launch_flags(parser: argparse.ArgumentParser, names: Sequence[str] = LAUNCH_FLAGS, *,
+                     nproc_default: str | None = "1", nproc_default_text: str | None = None,
+                     nproc_list: bool = False, slurm: bool = False) -> None:
+    """Declare the launch flags ``names`` (destination names, in :data:`LAUNCH_FLAGS`) on ``parser``.
+
+    Args:
+        parser: the command's parser.
+        names: the flags the command honours.
+        nproc_default: ``--nproc``'s default as typed (``None``: the command decides, see below).
+        nproc_default_text: how the help describes that default (default: ``nproc_default``).
+        nproc_list: ``--nproc`` takes a comma-separated list of counts (``lockstep bench``).
+        slurm: the help says that ``--nodes`` defaults to a Slurm step's (``lockstep run``; see
+            :func:`launch_options`).
+
+    Example::
+
+        add_launch_flags(argparse.ArgumentParser(), ("nproc", "timeout"), nproc_default="2")
+    """
+    unknown = sorted(set(names) - set(LAUNCH_FLAGS))
+    if unknown:
+        raise ValueError(f"not launch flags: {unknown}")
+    for name in LAUNCH_FLAGS:  # run's order, whatever the order of names
+        if name not in names:
+            continue
+        if name == "nproc":
+            text = f"{_NPROC_LIST if nproc_list else _NPROC}; default {nproc_default_text or nproc_default}"
+            parser.add_argument("--nproc", default=nproc_default, metavar="LIST" if nproc_list else "N|auto|gpu|cpu",
+                                help=text)
+            continue
+        flag, options = _DECLARATIONS[name]
+        if name == "nodes":
+            options = {**options, "help": options["help"].replace("{slurm}", ", or Slurm's" if slurm else "")}
+        parser.add_argument(flag, **options)
+
+
+def launch_options(args: argparse.Namespace, slurm: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The :class:`~lockstep.launch.spec.LaunchSpec` fields of the launch flags ``args`` holds.
+
+    Flags left unset take ``lockstep run``'s defaults; ``--nproc`` is resolved to a number
+    (``None`` stays ``None``: the command's own default).
+
+    Args:
+        args: the parsed flags of a parser given :func:`add_launch_flags`.
+        slurm: ``nodes``, ``node_rank`` and ``master`` of a Slurm step
+            (:func:`~lockstep.launch.spec.slurm_defaults`), used where neither ``--nodes`` nor
+            ``--master`` was given.
+
+    Example::
+
+        LaunchSpec("train.py", **launch_options(args))
+    """
+    from lockstep.errors import DEFAULT_GRACE
+    from lockstep.launch.spec import DEFAULT_JOIN_TIMEOUT, resolve_nproc
+
+    values = {name: getattr(args, name) for name in LAUNCH_FLAGS if hasattr(args, name)}
+    if slurm and values.get("nodes") is None and values.get("master") is None:
+        values.update({key: value for key, value in slurm.items() if key in values and values[key] is None})
+    defaults = {"nodes": 1, "node_rank": 0, "join_timeout": DEFAULT_JOIN_TIMEOUT, "grace": DEFAULT_GRACE}
+    for key, default in defaults.items():
+        if key in values and values[key] is None:
+            values[key] = default
+    if values.get("nproc") is not None:
+        values["nproc"] = resolve_nproc(values["nproc"])
+    return values

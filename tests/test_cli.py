@@ -1,0 +1,82 @@
+"""The ``lockstep`` command line as parsed: ``--version``, the launch flags every command shares,
+``lockstep verify --model``. Nothing here starts a process."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+import pytest
+
+from lockstep import __version__
+from lockstep.cli.flags import LAUNCH_FLAGS, add_launch_flags, launch_options
+from lockstep.cli.main import main
+from lockstep.errors import ConfigError
+
+COMMANDS = ("run", "train", "bench", "verify", "doctor")
+
+
+def _parser(command: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"lockstep {command}")
+    importlib.import_module(f"lockstep.cli.{command}").add_arguments(parser)
+    return parser
+
+
+def _actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    return {a.dest: a for a in parser._actions}
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"lockstep {__version__}"
+
+
+def test_launch_flags_match_lockstep_run() -> None:
+    run = _actions(_parser("run"))
+    assert set(LAUNCH_FLAGS) <= set(run)
+    for command in COMMANDS[1:]:
+        for dest, action in _actions(_parser(command)).items():
+            if dest not in LAUNCH_FLAGS:
+                continue
+            theirs = run[dest]
+            assert action.option_strings == theirs.option_strings, (command, dest)
+            assert action.type == theirs.type, (command, dest)
+            if dest != "nproc":  # how many processes a command starts unasked is its own choice
+                assert action.default == theirs.default, (command, dest)
+                assert action.help == theirs.help.replace(", or Slurm's", ""), (command, dest)  # run reads Slurm's
+
+
+def test_launch_options_fill_in_runs_defaults() -> None:
+    parser = argparse.ArgumentParser()
+    add_launch_flags(parser, ("nproc", "nodes", "node_rank", "master", "join_timeout"))
+    options = launch_options(parser.parse_args([]))
+    assert options == {"nproc": 1, "nodes": 1, "node_rank": 0, "master": None, "join_timeout": 900.0}
+    slurm = {"nodes": 2, "node_rank": 1, "master": "n0:20000"}
+    assert launch_options(parser.parse_args(["--node-rank", "0"]), slurm=slurm)["node_rank"] == 0
+    assert launch_options(parser.parse_args([]), slurm=slurm)["master"] == "n0:20000"
+    assert launch_options(parser.parse_args(["--nodes", "1"]), slurm=slurm)["master"] is None
+    with pytest.raises(ConfigError, match="--nproc 'many'"):
+        launch_options(parser.parse_args(["--nproc", "many"]))
+
+
+@pytest.mark.parametrize("argv", [["--model", "convnet", "--nproc", "3"], ["convnet", "--nproc", "3"],
+                                  ["convnet", "--model", "convnet", "--nproc", "3"]])
+def test_verify_takes_model_as_flag_or_first_argument(argv: list[str]) -> None:
+    from lockstep.cli.verify import config_from_args
+
+    config = config_from_args(_parser("verify").parse_args([*argv, "--batch", "30"]))
+    assert (config.model, config.nproc, config.timeout) == ("convnet", 3, None)
+
+
+def test_verify_refuses_no_model_or_two(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify", "--nproc", "2"]) == 2
+    assert main(["verify", "resnet18", "--model", "convnet"]) == 2
+    err = capsys.readouterr().err
+    assert "give --model MODEL" in err and "two models" in err
+
+
+def test_train_flags_round_trip_through_launch_flags() -> None:
+    from lockstep.cli.train import config_from_args
+
+    config = config_from_args(_parser("train").parse_args(["--nproc", "3", "--max-restarts", "1"]))
+    assert (config.nproc, config.nodes, config.node_rank, config.master, config.max_restarts) == (3, 1, 0, None, 1)

@@ -96,9 +96,10 @@ def test_keep_prunes_oldest_but_never_the_new_one(tmp_path: Path) -> None:
     for step in range(1, 5):
         save_checkpoint(tmp_path, {"step": step}, COMM, step=step, keep=2)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000003", "step-000004"]
-    # resumed from an older step (say step 4 was bad): the new save survives its own pruning
+    # resumed from an older step (say step 4 was bad): the new save survives its own pruning, and
+    # checkpoints newer than it are never pruned (they may be another attempt's, or the good ones)
     save_checkpoint(tmp_path, {"step": 2}, COMM, step=2, keep=1)
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000002", "step-000004"]
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000002", "step-000003", "step-000004"]
     assert _leftovers(tmp_path) == []
 
 
@@ -226,6 +227,7 @@ _KILLER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("where", ["data", "manifest"])
 def test_killed_mid_save_resumes_from_previous(tmp_path: Path, where: str) -> None:

@@ -1,25 +1,34 @@
 """checkpoint: complete, crash-safe, verified training state on disk.
 
 * :mod:`~lockstep.checkpoint.core`: :func:`save_checkpoint` / :func:`load_checkpoint` (every rank);
-* :mod:`~lockstep.checkpoint.files`: folder names, atomic writes, publish by rename, pruning;
+* :mod:`~lockstep.checkpoint.files`: errors, atomic writes, publish by rename;
+* :mod:`~lockstep.checkpoint.layout`: ``step-N`` names, listing (no symbolic links), pruning;
 * :mod:`~lockstep.checkpoint.manifest`: the sha256 manifest written last and checked first;
-* :mod:`~lockstep.checkpoint.safety`: ``weights_only`` loading and the allowlist for DCP metadata.
+* :mod:`~lockstep.checkpoint.confine`: opening a checkpoint's files without leaving its folder;
+* :mod:`~lockstep.checkpoint.safety`: ``weights_only`` loading and the allowlist for DCP metadata;
+* :mod:`~lockstep.checkpoint.sharded`: the ``torch.distributed.checkpoint`` part, read through
+  a reader that only uses verified bytes;
+* :mod:`~lockstep.checkpoint.lock`: :func:`lock_folder`, one live job per checkpoint folder.
 
 May import: ``lockstep.errors``, ``lockstep.comm``.
 
 Example::
 
-    from lockstep.checkpoint import save_checkpoint, load_checkpoint
-    save_checkpoint("ckpt", {"model": model.state_dict()}, comm, step=10)
+    from lockstep.checkpoint import lock_folder, save_checkpoint, load_checkpoint
+    with lock_folder("ckpt", comm):
+        state = load_checkpoint("ckpt", comm)
+        save_checkpoint("ckpt", {"model": model.state_dict()}, comm, step=10)
 """
 
 from __future__ import annotations
 
 from lockstep.checkpoint.core import load_checkpoint, save_checkpoint
-from lockstep.checkpoint.files import CheckpointError, CorruptCheckpointError, latest_checkpoint, list_checkpoints
+from lockstep.checkpoint.files import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
+from lockstep.checkpoint.layout import latest_checkpoint, list_checkpoints
+from lockstep.checkpoint.lock import FolderInUseError, FolderLock, lock_folder
 from lockstep.checkpoint.manifest import read_manifest, verify_checkpoint
-from lockstep.checkpoint.safety import UnsafeCheckpointError, UnsupportedStateError
+from lockstep.checkpoint.safety import UnsupportedStateError
 
 __all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError", "CorruptCheckpointError",
            "UnsafeCheckpointError", "UnsupportedStateError", "latest_checkpoint", "list_checkpoints",
-           "read_manifest", "verify_checkpoint"]
+           "read_manifest", "verify_checkpoint", "lock_folder", "FolderLock", "FolderInUseError"]

@@ -34,23 +34,21 @@ Example (any world size; run with ``lockstep run --nproc 2 train.py`` or plain `
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from lockstep.checkpoint.files import (
-    STATE_FILE, CheckpointError, CorruptCheckpointError, discard, fsync_dir, hash_file, io_error,
-    latest_checkpoint, list_checkpoints, publish, prune, remove_stale, step_name, temp_name, write_state_file,
+    SHARDED_DIR, STATE_FILE, CheckpointError, CorruptCheckpointError, UnsafeCheckpointError, discard, fsync_dir,
+    hash_file, io_error, publish, write_state_file,
 )
+from lockstep.checkpoint.layout import latest_checkpoint, list_checkpoints, prune, remove_stale, step_name, temp_name
 from lockstep.checkpoint.manifest import read_manifest, verify_checkpoint, write_manifest
 from lockstep.checkpoint.safety import (
-    UnsafeCheckpointError, UnsupportedStateError, check_dcp_metadata, check_loadable, load_state_file,
-    safe_load_planner,
+    UnsupportedStateError, check_loadable, load_state_file, read_dcp_metadata,
 )
 from lockstep.comm.group import Comm
 from lockstep.errors import ConfigError
@@ -58,19 +56,31 @@ from lockstep.errors import ConfigError
 __all__ = [
     "CheckpointError", "CorruptCheckpointError", "UnsafeCheckpointError", "UnsupportedStateError",
     "save_checkpoint", "load_checkpoint", "list_checkpoints", "latest_checkpoint", "read_manifest",
-    "verify_checkpoint", "SHARDED_DIR",
+    "verify_checkpoint", "agree", "SHARDED_DIR",
 ]
 
 logger = logging.getLogger("lockstep.checkpoint.core")
 
-SHARDED_DIR = "sharded"
 
-
-def _agree(comm: Comm, error: CheckpointError | None, payload: Any = None,
-           on_error: Callable[[], None] | None = None) -> list[Any]:
+def agree(comm: Comm, error: CheckpointError | None, payload: Any = None,
+          on_error: Callable[[], None] | None = None) -> list[Any]:
     """Exchange (payload, error) between all ranks; if any rank failed, raise on every rank.
 
-    This is also the barrier of each phase: no rank goes on before every rank got here.
+    This is also the barrier of each phase: no rank goes on before every rank got here. The
+    failing rank raises its own error; the others raise a copy naming the rank that reported it.
+
+    Args:
+        comm: the job's :class:`~lockstep.comm.group.Comm` (every rank calls this).
+        error: this rank's failure, or ``None``.
+        payload: a small picklable value to share (for example rank 0's choice).
+        on_error: called on every rank before raising (clean-up).
+
+    Returns:
+        Every rank's payload, by rank.
+
+    Example::
+
+        choice = agree(comm, error, choice if comm.is_main else None)[0]
     """
     gathered = comm.all_gather_object((payload, error))
     failed = [(rank, exc) for rank, (_, exc) in enumerate(gathered) if exc is not None]
@@ -104,8 +114,10 @@ def save_checkpoint(directory: str | Path, state: dict[str, Any], comm: Comm, *,
             ``torch.load(weights_only=True)`` accepts (tensors, dicts, lists, numbers, strings).
         comm: the job's :class:`~lockstep.comm.group.Comm`.
         step: the global step; names the folder. Saving a step again replaces it.
-        keep: keep only the newest (highest step) ``keep`` checkpoints, pruned after the commit;
-            the one just written is never pruned. ``None`` keeps all.
+        keep: keep only the newest (highest step) ``keep`` checkpoints up to this one, pruned
+            after the commit; the one just written is never pruned, nor any with a higher step
+            (left by a run that went further before this one resumed from an earlier step;
+            saving their step again replaces them). ``None`` keeps all.
         sharded: state dicts holding ``DTensor`` s (FSDP2), written by every rank with
             ``torch.distributed.checkpoint`` into ``sharded/`` of the same checkpoint.
 
@@ -134,10 +146,12 @@ def save_checkpoint(directory: str | Path, state: dict[str, Any], comm: Comm, *,
             staged, record = _stage(root, full, step)
     except CheckpointError as exc:
         error = exc
-    tmp = Path(_agree(comm, error, str(staged or ""), on_error=lambda: discard(staged))[0])
+    tmp = Path(agree(comm, error, str(staged or ""), on_error=lambda: discard(staged))[0])
     if sharded is not None:
-        error = _save_sharded(tmp / SHARDED_DIR, sharded, comm)
-        _agree(comm, error, on_error=lambda: discard(staged))
+        from lockstep.checkpoint.sharded import save_sharded
+
+        error = save_sharded(tmp / SHARDED_DIR, sharded, comm)
+        agree(comm, error, on_error=lambda: discard(staged))
     final, error = None, None
     if comm.is_main:
         try:
@@ -149,7 +163,7 @@ def save_checkpoint(directory: str | Path, state: dict[str, Any], comm: Comm, *,
                 prune(root, keep, protect=final)
             except OSError as exc:  # the new checkpoint is committed; an old one left over is harmless
                 logger.warning("could not prune old checkpoints in %s: %s", root, exc)
-    return Path(_agree(comm, error, str(final or ""))[0])
+    return Path(agree(comm, error, str(final or ""))[0])
 
 
 def _stage(root: Path, full: dict[str, Any], step: int) -> tuple[Path, dict[str, Any]]:
@@ -190,54 +204,16 @@ def _commit(root: Path, tmp: Path, step: int, world_size: int, files: dict[str, 
         raise
 
 
-@contextlib.contextmanager
-def _quiet_single_process() -> Iterator[None]:
-    # dcp warns "assuming the intent is to save in a single process" even when told so (no_dist).
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to .* in a single process")
-        yield
-
-
-def _save_sharded(target: Path, sharded: dict[str, Any], comm: Comm) -> CheckpointError | None:
-    """All ranks: ``dcp.save`` into ``target``; return this rank's error, if any."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    try:
-        with _quiet_single_process():
-            dcp.save(sharded, checkpoint_id=target, no_dist=comm.world_size == 1)
-    except (Exception, CheckpointException) as exc:
-        return _sharded_error(exc, target, "write")
-    return None
-
-
-def _sharded_error(exc: BaseException, target: Path, action: str) -> CheckpointError:
-    """Find the real cause inside a ``CheckpointException`` (which wraps each rank's error)."""
-    causes: list[BaseException] = [exc]
-    for failure in getattr(exc, "failures", {}).values():
-        causes.append(failure[0] if isinstance(failure, tuple) else failure)
-    for cause in list(causes):
-        while (nxt := cause.__cause__ or cause.__context__) is not None and nxt not in causes:
-            causes.append(nxt)
-            cause = nxt
-    for cause in causes:
-        if isinstance(cause, CheckpointError):
-            return cause
-    for cause in causes:
-        if isinstance(cause, OSError):
-            return io_error(cause, target, action)
-    lines = str(exc).strip().splitlines()
-    return CheckpointError(f"cannot {action} the sharded state {target}: {lines[-1] if lines else type(exc).__name__}")
-
-
 def load_checkpoint(directory: str | Path, comm: Comm, *, map_location: torch.device | str | None = None,
                     sharded: dict[str, Any] | None = None, fallback: bool = True) -> dict[str, Any] | None:
     """Load the newest good checkpoint in ``directory``; every rank must call it.
 
     Rank 0 picks the newest committed checkpoint whose files all match its manifest and tells
     the others, so every rank loads the same step even if a file is altered meanwhile. Each
-    rank then checks ``state.pt`` again and unpickles it with ``weights_only=True`` (never
-    anything else).
+    rank then reads every file it uses once, checks those bytes against the manifest and
+    unpickles the same bytes, with ``weights_only=True`` (never anything else). No file outside
+    the checkpoint folder is read, nor one the manifest does not list; ``step-N`` symbolic
+    links and folders whose manifest records another step are skipped.
 
     Args:
         directory: the checkpoint folder; missing or empty means no checkpoint (``None``).
@@ -247,8 +223,8 @@ def load_checkpoint(directory: str | Path, comm: Comm, *, map_location: torch.de
         sharded: templates of the state dicts given to ``save_checkpoint(sharded=...)`` (for
             FSDP2, from ``get_state_dict`` on a freshly sharded model); filled in place by
             ``torch.distributed.checkpoint``.
-        fallback: when the newest checkpoint is corrupt, log a warning naming it and use the
-            previous good one; with ``False`` raise instead.
+        fallback: when the newest checkpoint is corrupt (or misnamed), log a warning naming it
+            and use the previous good one; with ``False`` raise instead.
 
     Returns:
         The saved state plus ``"path"`` (the checkpoint folder, a str), with ``"rng"`` the list
@@ -258,8 +234,12 @@ def load_checkpoint(directory: str | Path, comm: Comm, *, map_location: torch.de
 
     Raises:
         CorruptCheckpointError: the newest (``fallback=False``) or every checkpoint is corrupt.
-        UnsafeCheckpointError: the file holds a pickle ``weights_only=True`` refuses. This is
-            never skipped by ``fallback``: a planted file is a reason to stop, not to go on.
+        CheckpointError: the newest checkpoint (``fallback=False``) is named after another
+            step than its manifest records.
+        UnsafeCheckpointError: a file holds a pickle ``weights_only=True`` refuses, or the
+            checkpoint points outside its folder (a link, an absolute or ``..`` name, a shard
+            the manifest does not list). This is never skipped by ``fallback``: a planted file
+            is a reason to stop, not to go on.
 
     Example::
 
@@ -273,19 +253,21 @@ def load_checkpoint(directory: str | Path, comm: Comm, *, map_location: torch.de
             choice = _choose(root, fallback)
         except CheckpointError as exc:
             error = exc
-    choice = _agree(comm, error, choice)[0]
+    choice = agree(comm, error, choice)[0]
     if choice is None:
         return None
-    path, manifest = Path(choice[0]), choice[1]
-    state, error = None, None
+    path, files = Path(choice[0]), choice[1]["files"]
+    state, metadata, error = None, None, None
     try:
-        state = _read_state(path, manifest, "cpu" if map_location is None else map_location, sharded)
+        state, metadata = _read_state(path, files, "cpu" if map_location is None else map_location, sharded)
     except CheckpointError as exc:
         error = exc
-    _agree(comm, error)
+    agree(comm, error)
     assert state is not None
     if sharded is not None:
-        _load_sharded(path / SHARDED_DIR, sharded, comm)
+        from lockstep.checkpoint.sharded import load_sharded
+
+        agree(comm, load_sharded(path, files, metadata, sharded, comm))
     state["path"] = str(path)
     return state
 
@@ -296,6 +278,8 @@ def _choose(root: Path, fallback: bool) -> tuple[str, dict[str, Any]] | None:
     for path in reversed(list_checkpoints(root)):
         try:
             return str(path), verify_checkpoint(path)
+        except UnsafeCheckpointError:
+            raise
         except CheckpointError as exc:
             if not fallback:
                 raise
@@ -307,28 +291,15 @@ def _choose(root: Path, fallback: bool) -> tuple[str, dict[str, Any]] | None:
     return None
 
 
-def _read_state(path: Path, manifest: dict[str, Any], map_location: Any,
-                sharded: dict[str, Any] | None) -> dict[str, Any]:
-    state = load_state_file(path / STATE_FILE, manifest["files"][STATE_FILE], map_location)
+def _read_state(path: Path, files: dict[str, Any], map_location: Any,
+                sharded: dict[str, Any] | None) -> tuple[dict[str, Any], Any]:
+    """This rank's ``state.pt`` and, when ``sharded`` is given, the verified DCP metadata."""
+    state = load_state_file(path, files, map_location)
     if not isinstance(state, dict):
         raise CheckpointError(f"{path / STATE_FILE} holds a {type(state).__name__}, not a checkpoint dict")
-    if sharded is not None:
-        if not any(name.startswith(SHARDED_DIR + "/") for name in manifest["files"]):
-            raise CheckpointError(f"checkpoint {path} has no sharded state, but sharded= templates were "
-                                  "given: it was saved without sharded= (another strategy?)")
-        check_dcp_metadata(path / SHARDED_DIR / ".metadata")
-    return state
-
-
-def _load_sharded(target: Path, sharded: dict[str, Any], comm: Comm) -> None:
-    """All ranks: ``dcp.load`` into the templates, non-tensor values with ``weights_only=True``."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    error = None
-    try:
-        with _quiet_single_process():
-            dcp.load(sharded, checkpoint_id=target, planner=safe_load_planner(), no_dist=comm.world_size == 1)
-    except (Exception, CheckpointException) as exc:
-        error = _sharded_error(exc, target, "read")
-    _agree(comm, error)
+    if sharded is None:
+        return state, None
+    if not any(name.startswith(SHARDED_DIR + "/") for name in files):
+        raise CheckpointError(f"checkpoint {path} has no sharded state, but sharded= templates were "
+                              "given: it was saved without sharded= (another strategy?)")
+    return state, read_dcp_metadata(path, files)

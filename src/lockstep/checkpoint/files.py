@@ -1,11 +1,12 @@
-"""The files of a checkpoint: naming, crash-safe writing, commit and pruning.
+"""The files of a checkpoint: errors, crash-safe writing and the commit by rename.
 
 A committed checkpoint is a folder ``step-000123`` holding ``state.pt`` (one ``torch.save``
 file), an optional ``sharded/`` folder (``torch.distributed.checkpoint``) and ``manifest.json``
 (see :mod:`lockstep.checkpoint.manifest`). It is written under a temporary name
 (``.tmp-step-000123-PID``), every file and folder is fsync'd, and only then renamed to its final
-name, so a folder called ``step-*`` is always complete. This module does the file work of one
-process; the collectives live in :mod:`lockstep.checkpoint.core`.
+name, so a folder called ``step-*`` is always complete. Names, listing and pruning live in
+:mod:`lockstep.checkpoint.layout`. This module does the file work of one process; the
+collectives live in :mod:`lockstep.checkpoint.core`.
 
 Example::
 
@@ -18,9 +19,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import logging
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import IO, Any
@@ -30,16 +29,13 @@ import torch
 from lockstep.errors import LockstepError
 
 __all__ = [
-    "CheckpointError", "CorruptCheckpointError", "STATE_FILE", "step_name", "temp_name",
-    "list_checkpoints", "latest_checkpoint", "write_state_file", "write_bytes", "hash_file",
-    "fsync_dir", "publish", "prune", "remove_stale", "discard", "io_error",
+    "CheckpointError", "CorruptCheckpointError", "UnsafeCheckpointError", "STATE_FILE", "SHARDED_DIR",
+    "write_state_file",
+    "write_bytes", "hash_file", "hash_stream", "fsync_dir", "publish", "discard", "io_error",
 ]
 
-logger = logging.getLogger("lockstep.checkpoint.core")
-
 STATE_FILE = "state.pt"
-_STEP = re.compile(r"^step-(\d+)$")
-_LEFTOVER = (".tmp-step-", ".trash-step-")
+SHARDED_DIR = "sharded"
 _CHUNK = 8 << 20
 _NO_SPACE = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 
@@ -52,68 +48,8 @@ class CorruptCheckpointError(CheckpointError):
     """A checkpoint's files do not match its manifest (truncated, bit-flipped, missing)."""
 
 
-def step_name(step: int) -> str:
-    """The folder name of the checkpoint of ``step``: ``step-000123`` (wider past a million).
-
-    Args:
-        step: the global step the checkpoint was taken at.
-
-    Example::
-
-        step_name(42)   # "step-000042"
-    """
-    return f"step-{step:06d}"
-
-
-def temp_name(step: int) -> str:
-    """The name a checkpoint of ``step`` is written under before its commit (unique per process).
-
-    Args:
-        step: the global step being saved.
-
-    Example::
-
-        temp_name(42)   # ".tmp-step-000042-31337"
-    """
-    return f".tmp-{step_name(step)}-{os.getpid()}"
-
-
-def list_checkpoints(directory: str | Path) -> list[Path]:
-    """The committed checkpoints in ``directory``, oldest (lowest step) first.
-
-    Unfinished temporary folders are never listed: they do not carry a ``step-N`` name
-    until their commit.
-
-    Args:
-        directory: the folder ``save_checkpoint`` writes into; a missing one has none.
-
-    Example::
-
-        list_checkpoints("ckpt")   # [PosixPath('ckpt/step-000100'), PosixPath('ckpt/step-000200')]
-    """
-    root = Path(directory)
-    if not root.is_dir():
-        return []
-    found = []
-    for entry in root.iterdir():
-        match = _STEP.match(entry.name)
-        if match and entry.is_dir():
-            found.append((int(match.group(1)), entry))
-    return [path for _, path in sorted(found)]
-
-
-def latest_checkpoint(directory: str | Path) -> Path | None:
-    """The newest committed checkpoint in ``directory`` (not verified), or ``None``.
-
-    Args:
-        directory: the folder ``save_checkpoint`` writes into.
-
-    Example::
-
-        latest_checkpoint("ckpt")   # PosixPath('ckpt/step-000200')
-    """
-    found = list_checkpoints(directory)
-    return found[-1] if found else None
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint holds content that could run code or reach outside its folder if loaded."""
 
 
 def io_error(exc: OSError, path: Path, action: str = "write") -> CheckpointError:
@@ -240,17 +176,39 @@ def hash_file(path: Path) -> dict[str, Any]:
 
         hash_file(Path("ckpt/step-000001/state.pt"))["sha256"]
     """
+    with open(path, "rb") as f:
+        return hash_stream(f)
+
+
+def hash_stream(f: IO[bytes]) -> dict[str, Any]:
+    """The manifest record (size, sha256) of what is left to read in ``f``.
+
+    Args:
+        f: a file open for reading in binary mode.
+
+    Example::
+
+        with open(path, "rb") as f:
+            record = hash_stream(f)
+    """
     sha = hashlib.sha256()
     size = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            sha.update(chunk)
-            size += len(chunk)
+    while chunk := f.read(_CHUNK):
+        sha.update(chunk)
+        size += len(chunk)
     return {"size": size, "sha256": sha.hexdigest()}
 
 
 def fsync_dir(path: Path) -> None:
-    """Make the entries of folder ``path`` (new files, renames) durable."""
+    """Make the entries of folder ``path`` (new files, renames) durable.
+
+    Args:
+        path: a folder.
+
+    Example::
+
+        fsync_dir(Path("ckpt"))   # after renaming a checkpoint into it
+    """
     if os.name == "nt":  # Windows cannot open a folder for fsync; its renames are journaled
         return
     fd = os.open(path, os.O_RDONLY)
@@ -275,7 +233,7 @@ def publish(tmp: Path, final: Path) -> Path:
         publish(root / ".tmp-step-000003-41", root / "step-000003")
     """
     trash = None
-    if final.exists():
+    if os.path.lexists(final):  # a dangling link too: a folder cannot be renamed over it
         trash = final.with_name(f".trash-{final.name}-{os.getpid()}")
         os.replace(final, trash)
     try:
@@ -291,51 +249,20 @@ def publish(tmp: Path, final: Path) -> Path:
 
 
 def discard(path: Path | None) -> None:
-    """Delete a temporary or retired checkpoint folder, ignoring errors (best effort)."""
-    if path is not None and path.exists():
-        shutil.rmtree(path, ignore_errors=True)
+    """Delete a temporary or retired checkpoint folder, ignoring errors (best effort).
 
-
-def remove_stale(root: Path) -> None:
-    """Delete temporary folders left by saves that were killed before their commit.
+    A symbolic link is removed itself; what it points to is never touched.
 
     Args:
-        root: the checkpoint folder; only one job may write into it at a time.
-    """
-    for entry in root.iterdir():
-        if entry.name.startswith(_LEFTOVER):
-            logger.info("removing unfinished checkpoint %s left by an interrupted save", entry)
-            if entry.is_dir():
-                discard(entry)
-            else:
-                entry.unlink(missing_ok=True)
-
-
-def prune(root: Path, keep: int | None, protect: Path) -> None:
-    """Delete all but the ``keep`` newest checkpoints; never ``protect`` (the one just written).
-
-    Each is renamed to a temporary name before deletion, so a crash mid-delete never leaves a
-    half-deleted folder that looks committed.
-
-    Args:
-        root: the checkpoint folder.
-        keep: how many to keep (``None`` keeps all).
-        protect: the checkpoint that was just committed.
+        path: the folder (or link, or file) to delete; ``None`` does nothing.
 
     Example::
 
-        prune(Path("ckpt"), 2, Path("ckpt/step-000300"))   # leaves step-000200 and step-000300
+        discard(root / ".trash-step-000001-41")
     """
-    if keep is None:
+    if path is None:
         return
-    found = list_checkpoints(root)
-    for old in found[: max(0, len(found) - keep)]:
-        if old == protect:
-            continue
-        trash = old.with_name(f".trash-{old.name}-{os.getpid()}")
-        try:
-            os.replace(old, trash)
-        except OSError as exc:
-            logger.warning("could not remove old checkpoint %s: %s", old, exc)
-            continue
-        discard(trash)
+    if path.is_symlink() or path.is_file():
+        path.unlink(missing_ok=True)
+    elif path.exists():
+        shutil.rmtree(path, ignore_errors=True)

@@ -5,6 +5,11 @@ world size that wrote it, the torch version and the time. It carries its own sha
 altered manifest is caught like an altered file. Nothing is unpickled before this check passes:
 ``torch.load`` of a bit-flipped file would otherwise return wrong tensors without a word.
 
+The manifest guards against accidents, not against someone who may write into the folder (they
+can write a matching manifest too). Against them, every file is read through
+:func:`~lockstep.checkpoint.confine.open_file` (never outside the folder) and
+:func:`read_verified` (read once: the bytes that were hashed are the bytes that are unpickled).
+
 Example::
 
     write_manifest(tmp, {"state.pt": record}, step=100, world_size=2)
@@ -18,16 +23,23 @@ import datetime
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
-from lockstep.checkpoint.files import STATE_FILE, CorruptCheckpointError, hash_file, io_error, write_bytes
+from lockstep.checkpoint.confine import open_file
+from lockstep.checkpoint.files import (
+    STATE_FILE, CheckpointError, CorruptCheckpointError, UnsafeCheckpointError, hash_stream, io_error,
+    write_bytes,
+)
+from lockstep.checkpoint.layout import step_name, step_of
 
-__all__ = ["MANIFEST_FILE", "FORMAT", "write_manifest", "read_manifest", "check_record", "verify_checkpoint"]
+__all__ = ["MANIFEST_FILE", "FORMAT", "write_manifest", "read_manifest", "check_record", "verify_checkpoint",
+           "read_verified"]
 
 MANIFEST_FILE = "manifest.json"
 FORMAT = "lockstep-checkpoint/1"
+_MANIFEST_LIMIT = 64 << 20
 
 
 def _manifest_digest(body: dict[str, Any]) -> str:
@@ -63,32 +75,52 @@ def write_manifest(folder: Path, files: dict[str, dict[str, Any]], *, step: int,
     write_bytes(folder / MANIFEST_FILE, json.dumps(body, indent=1, sort_keys=True).encode())
 
 
+def _is_record(record: Any) -> bool:
+    return (isinstance(record, dict) and isinstance(record.get("size"), int)
+            and isinstance(record.get("sha256"), str))
+
+
 def read_manifest(checkpoint: str | Path) -> dict[str, Any]:
     """Read and check ``manifest.json`` of a committed checkpoint (not the files it lists).
+
+    The step it records must be the one the folder is named after: a checkpoint renamed (or
+    copied in under another name) would otherwise be resumed at the wrong place, or shadow
+    newer ones. A checkpoint copied in from another run under its own name is accepted and
+    loads like one of this run's: that is how a run is started from another's on purpose.
 
     Args:
         checkpoint: a ``step-N`` folder.
 
     Raises:
         CorruptCheckpointError: the manifest is missing, unreadable or altered.
+        CheckpointError: it records another step than the folder's name.
+        UnsafeCheckpointError: ``manifest.json`` or the folder is a symbolic link.
 
     Example::
 
         read_manifest("ckpt/step-000100")["world_size"]   # 2
     """
-    where = f"checkpoint {checkpoint} is corrupt"
-    path = Path(checkpoint) / MANIFEST_FILE
+    folder = Path(checkpoint)
+    where = f"checkpoint {folder} is corrupt"
     try:
-        body = json.loads(path.read_bytes())
+        with open_file(folder, MANIFEST_FILE) as f:
+            body = json.loads(f.read(_MANIFEST_LIMIT))
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{where}: {MANIFEST_FILE} is missing, nothing to verify it by") from None
     except (OSError, ValueError) as exc:
         raise CorruptCheckpointError(f"{where}: unreadable {MANIFEST_FILE} ({exc})") from None
     if not isinstance(body, dict) or body.get("manifest_sha256") != _manifest_digest(body):
         raise CorruptCheckpointError(f"{where}: checksum mismatch in {MANIFEST_FILE}")
-    files = body.get("files")
-    if body.get("format") != FORMAT or not isinstance(files, dict) or STATE_FILE not in files:
+    files, step = body.get("files"), body.get("step")
+    if (body.get("format") != FORMAT or not isinstance(files, dict) or STATE_FILE not in files
+            or not all(_is_record(r) for r in files.values()) or type(step) is not int):
         raise CorruptCheckpointError(f"{where}: {MANIFEST_FILE} is not a {FORMAT} manifest")
+    named = step_of(folder.name)
+    if named is not None and named != step:
+        raise CheckpointError(
+            f"checkpoint {folder} is not what its name says: its {MANIFEST_FILE} records step {step}. It "
+            f"was renamed or copied in under another name; rename it to {step_name(step)} to resume from it."
+        )
     return body
 
 
@@ -129,14 +161,52 @@ def verify_checkpoint(checkpoint: str | Path) -> dict[str, Any]:
     folder = Path(checkpoint)
     manifest = read_manifest(folder)
     for name, record in manifest["files"].items():
-        path = folder / name
-        if Path(name).is_absolute() or ".." in Path(name).parts:
-            raise CorruptCheckpointError(f"checkpoint {folder} is corrupt: {MANIFEST_FILE} names {name!r}")
-        try:
-            actual = hash_file(path)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"checkpoint {folder} is corrupt: {name} is missing") from None
-        except OSError as exc:
-            raise io_error(exc, path, "read") from exc
-        check_record(path, record, actual)
+        with _open_listed(folder, name) as f:
+            try:
+                actual = hash_stream(f)
+            except OSError as exc:
+                raise io_error(exc, folder / name, "read") from exc
+        check_record(folder / name, record, actual)
     return manifest
+
+
+def _open_listed(folder: Path, name: str) -> IO[bytes]:
+    try:
+        return open_file(folder, name)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"checkpoint {folder} is corrupt: {name} is missing") from None
+    except OSError as exc:
+        raise io_error(exc, folder / name, "read") from exc
+
+
+def read_verified(checkpoint: Path, name: str, files: dict[str, dict[str, Any]]) -> bytes:
+    """Read file ``name`` of ``checkpoint`` once, check it against the manifest, return its bytes.
+
+    The bytes returned are the bytes that were hashed: whoever unpickles them unpickles what
+    the manifest vouches for, even if the file is replaced or rewritten meanwhile.
+
+    Args:
+        checkpoint: the ``step-N`` folder.
+        name: the file's name in the manifest (``"state.pt"``, ``"sharded/.metadata"``).
+        files: the manifest's ``"files"`` table.
+
+    Raises:
+        UnsafeCheckpointError: ``name`` is not in the manifest, leaves the folder, or is a link.
+        CorruptCheckpointError: the bytes do not match the manifest, or the file is missing.
+        CheckpointError: the file cannot be read.
+
+    Example::
+
+        data = read_verified(ckpt, "state.pt", manifest["files"])
+    """
+    record = files.get(name)
+    if record is None:
+        raise UnsafeCheckpointError(f"refusing to read {name!r} of checkpoint {checkpoint}: {MANIFEST_FILE} "
+                                    "does not list it, so nothing vouches for its content")
+    with _open_listed(checkpoint, name) as f:
+        try:
+            data = f.read(record["size"] + 1)   # one byte more shows a longer file without reading it all
+        except OSError as exc:
+            raise io_error(exc, checkpoint / name, "read") from exc
+    check_record(checkpoint / name, record, {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+    return data

@@ -2,23 +2,24 @@
 
 * :func:`check_loadable` refuses, at save time, values that ``torch.load(weights_only=True)``
   would refuse at load time, so no checkpoint is written that could never be loaded.
-* :func:`load_state_file` hashes the file it is about to unpickle, compares with the manifest,
-  and calls ``torch.load(..., weights_only=True, map_location=...)``. A refusal is reported as
-  :class:`UnsafeCheckpointError`; there is no retry with ``weights_only=False``.
+* :func:`load_state_file` reads the file once, compares its bytes with the manifest and calls
+  ``torch.load(..., weights_only=True, map_location=...)`` on those same bytes. A refusal is
+  reported as :class:`UnsafeCheckpointError` with torch's reason; there is no retry with
+  ``weights_only=False``.
 * ``torch.distributed.checkpoint`` reads its ``.metadata`` with plain ``pickle`` and its
-  non-tensor values with ``weights_only=False``; :func:`check_dcp_metadata` and
+  non-tensor values with ``weights_only=False``; :func:`read_dcp_metadata` (an allowlist
+  unpickler over verified bytes, handed to the loader so the file is never read again) and
   :func:`safe_load_planner` close those two doors for the sharded part of a checkpoint.
 
 Example::
 
     check_loadable({"step": 3, "w": torch.ones(2)})      # fine
     check_loadable({"best": numpy.float64(0.9)})         # UnsupportedStateError naming state['best']
-    state = load_state_file(path, manifest["files"]["state.pt"], "cpu")
+    state = load_state_file(ckpt, manifest["files"], "cpu")
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import io
 import pickle
@@ -28,22 +29,20 @@ from typing import Any
 
 import torch
 
-from lockstep.checkpoint.files import CheckpointError, io_error
-from lockstep.checkpoint.manifest import check_record
+from lockstep.checkpoint.files import SHARDED_DIR, STATE_FILE, CheckpointError, UnsafeCheckpointError
+from lockstep.checkpoint.manifest import read_verified
 from lockstep.errors import ConfigError
 
 __all__ = ["UnsafeCheckpointError", "UnsupportedStateError", "check_loadable", "load_state_file",
-           "check_dcp_metadata", "safe_load_planner"]
+           "read_dcp_metadata", "safe_load_planner", "DCP_METADATA"]
+
+DCP_METADATA = f"{SHARDED_DIR}/.metadata"
 
 _LEAVES = (str, bytes, bytearray, int, float, bool, complex, type(None),
            torch.dtype, torch.device, torch.layout, torch.Size)
 _MAPPINGS = (dict, OrderedDict, Counter)
 _SEQUENCES = (list, tuple, set)
-_CHUNK = 8 << 20
-
-
-class UnsafeCheckpointError(CheckpointError):
-    """A checkpoint holds content that ``torch.load(weights_only=True)`` refuses to unpickle."""
+_TORCH_ADVICE = ("weights_only", "Weights only load failed", "trust", "Check the documentation", "Please use")
 
 
 class UnsupportedStateError(CheckpointError, ConfigError):
@@ -101,26 +100,40 @@ def check_loadable(obj: Any, where: str = "state", *, allow_dtensor: bool = Fals
     )
 
 
+def _refusal_detail(exc: Exception) -> str:
+    """The reason in a ``weights_only`` refusal, without torch's advice to switch the check off.
+
+    Torch words it differently from version to version (``WeightsUnpickler error: Unsupported
+    global: GLOBAL io.open ...`` or ``Trying to load unsupported GLOBAL posix.system ...``), and
+    wraps it in advice to rerun with ``weights_only=False``, which lockstep never gives.
+    """
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    for line in lines:
+        if "WeightsUnpickler error:" in line:
+            return line.split("WeightsUnpickler error:", 1)[1].split(" Please use", 1)[0].strip()
+    for line in lines:
+        if "GLOBAL" in line or "nsupported" in line:
+            return line.split(" Please use", 1)[0].strip()
+    plain = [line for line in lines if not any(word in line for word in _TORCH_ADVICE)]
+    return plain[0] if plain else f"{type(exc).__name__} from the restricted unpickler"
+
+
 def _unsafe_message(path: Path, exc: Exception) -> str:
-    text = str(exc)
-    detail = next((line.strip() for line in text.splitlines() if "WeightsUnpickler error" in line), "")
-    detail = detail.split("WeightsUnpickler error:", 1)[-1].split(" Please use", 1)[0].strip()
-    detail = detail or text.strip().splitlines()[0]
     return (f"refusing to load {path}: it holds content that torch.load(weights_only=True) does not "
-            f"allow ({detail}). This may be a malicious (unsafe) pickle; lockstep never loads "
-            "checkpoints with weights_only=False. Use a checkpoint written by lockstep from "
-            "plain values.")
+            f"allow ({_refusal_detail(exc)}). This may be a malicious (unsafe) pickle, and lockstep loads "
+            "checkpoints only with weights_only=True: use a checkpoint written by lockstep from plain "
+            "values, or remove this one if nobody here wrote it.")
 
 
-def load_state_file(path: Path, record: dict[str, Any], map_location: Any) -> Any:
-    """Verify ``path`` against its manifest ``record`` and unpickle it with ``weights_only=True``.
+def load_state_file(checkpoint: Path, files: dict[str, dict[str, Any]], map_location: Any) -> Any:
+    """Read ``state.pt`` of ``checkpoint`` once, verify it and unpickle it with ``weights_only=True``.
 
-    The file is hashed and loaded through one open handle, so the bytes that were checked are
-    the bytes that are unpickled.
+    The bytes that were checked against the manifest are the bytes that are unpickled, even
+    if the file is replaced or rewritten while it is read.
 
     Args:
-        path: the checkpoint's ``state.pt``.
-        record: its manifest entry (size, sha256).
+        checkpoint: the ``step-N`` folder.
+        files: the manifest's ``"files"`` table.
         map_location: where tensors go (``"cpu"``, a device, ...), passed to ``torch.load``.
 
     Raises:
@@ -129,23 +142,14 @@ def load_state_file(path: Path, record: dict[str, Any], map_location: Any) -> An
 
     Example::
 
-        load_state_file(ckpt / "state.pt", manifest["files"]["state.pt"], "cpu")
+        load_state_file(ckpt, manifest["files"], "cpu")
     """
+    path = checkpoint / STATE_FILE
+    data = read_verified(checkpoint, STATE_FILE, files)
     try:
-        with open(path, "rb") as f:
-            sha, size = hashlib.sha256(), 0
-            while chunk := f.read(_CHUNK):
-                sha.update(chunk)
-                size += len(chunk)
-            check_record(path, record, {"size": size, "sha256": sha.hexdigest()})
-            f.seek(0)
-            return torch.load(f, map_location=map_location, weights_only=True)
+        return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
         raise UnsafeCheckpointError(_unsafe_message(path, exc)) from None
-    except OSError as exc:
-        raise io_error(exc, path, "read") from exc
-    except CheckpointError:
-        raise
     except Exception as exc:  # checksum fine but torch cannot read it (another torch's format)
         raise CheckpointError(f"cannot load {path}: {type(exc).__name__}: {exc}") from exc
 
@@ -161,7 +165,8 @@ def _metadata_global_ok(module: str, name: str) -> bool:
     if module in _DCP_CLASSES:
         names = _DCP_CLASSES[module]
         obj = getattr(importlib.import_module(module), name, None)
-        return isinstance(obj, type) and (names is None or name in names)
+        # only the module's own classes, not what it imported (Enum, typing...)
+        return isinstance(obj, type) and obj.__module__ == module and (names is None or name in names)
     if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
         return True
     return (module, name) in _OTHER_GLOBALS
@@ -171,34 +176,42 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if _metadata_global_ok(module, name):
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"WeightsUnpickler error: unsupported global {module}.{name}")
+        raise pickle.UnpicklingError(f"WeightsUnpickler error: unsupported GLOBAL {module}.{name}")
 
 
-def check_dcp_metadata(path: Path) -> None:
-    """Refuse a ``torch.distributed.checkpoint`` ``.metadata`` file that names unexpected globals.
+def read_dcp_metadata(checkpoint: Path, files: dict[str, dict[str, Any]]) -> Any:
+    """Read, verify and unpickle ``sharded/.metadata`` with an allowlist; return the ``Metadata``.
 
-    ``dcp.load`` reads this file with plain ``pickle.load``; unpickling it here first with an
-    allowlist (the metadata classes, torch dtypes and sizes) stops a crafted file from running code.
+    ``dcp.load`` would read this file with plain ``pickle.load``. Here its bytes are read once,
+    checked against the manifest and unpickled with an allowlist (the metadata classes, torch
+    dtypes and sizes); the object is then handed to the loader, which never opens the file.
 
     Args:
-        path: the ``.metadata`` file of the sharded folder.
+        checkpoint: the ``step-N`` folder.
+        files: the manifest's ``"files"`` table.
 
     Raises:
         UnsafeCheckpointError: it names anything outside the allowlist.
+        CorruptCheckpointError: its bytes do not match the manifest.
 
     Example::
 
-        check_dcp_metadata(ckpt / "sharded" / ".metadata")
+        metadata = read_dcp_metadata(ckpt, manifest["files"])
     """
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    path = checkpoint / DCP_METADATA
+    data = read_verified(checkpoint, DCP_METADATA, files)
     try:
-        data = path.read_bytes()
-        _MetadataUnpickler(io.BytesIO(data)).load()
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
     except pickle.UnpicklingError as exc:
         raise UnsafeCheckpointError(_unsafe_message(path, exc)) from None
-    except OSError as exc:
-        raise io_error(exc, path, "read") from exc
     except Exception as exc:
         raise CheckpointError(f"cannot read {path}: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
+        raise CheckpointError(f"cannot read {path}: it holds a {type(metadata).__name__}, not the metadata "
+                              "of torch.distributed.checkpoint")
+    return metadata
 
 
 def safe_load_planner() -> Any:

@@ -1,0 +1,217 @@
+"""One live job per checkpoint folder.
+
+Two jobs saving into (or resuming from) the same folder overwrite and prune each other's
+checkpoints. :func:`lock_folder` lets one job hold a folder for as long as it lives: rank 0
+holds an exclusive ``flock`` on ``<folder>/.lockstep.lock``, whose body names the holder's host
+and pid; the kernel drops the lock when that process ends, however it ends (``kill -9``
+included), so a lock left by a dead job is simply taken over by the next one. Every rank learns
+rank 0's outcome, so either all ranks hold the folder or all raise the same one-line
+:class:`FolderInUseError`.
+
+On a file system shared between machines, whether ``flock`` reaches the other machines depends
+on the file system (NFS and Lustre with the ``flock`` mount option do; a local-only mode does
+not); only rank 0 takes the lock, and where the file system refuses locks it is skipped with a
+warning.
+
+Example::
+
+    lock = lock_folder("checkpoints", comm)       # once per folder, on every rank
+    try:
+        ...                                       # save_checkpoint / load_checkpoint
+    finally:
+        lock.release()
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import json
+import logging
+import os
+import socket
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from lockstep.checkpoint.core import agree
+from lockstep.checkpoint.files import CheckpointError, io_error
+from lockstep.comm.group import Comm
+
+__all__ = ["LOCK_FILE", "FolderInUseError", "FolderLock", "lock_folder"]
+
+logger = logging.getLogger("lockstep.checkpoint.core")
+
+LOCK_FILE = ".lockstep.lock"
+_UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
+_TRIES = 5
+
+
+class FolderInUseError(CheckpointError):
+    """Another live job holds the checkpoint folder."""
+
+
+class FolderLock:
+    """A checkpoint folder held by this job, from :func:`lock_folder`; :meth:`release` when done.
+
+    Only rank 0's lock holds a file; the other ranks' is empty and :meth:`release` does nothing
+    there. Also a context manager.
+
+    Args:
+        path: the lock file (``None`` on the other ranks or where locks are unsupported).
+        fd: its open descriptor holding the ``flock``.
+
+    Example::
+
+        with lock_folder("checkpoints", comm):
+            save_checkpoint("checkpoints", state, comm, step=10)
+    """
+
+    def __init__(self, path: Path | None = None, fd: int | None = None) -> None:
+        self.path = path
+        self._fd = fd
+
+    @property
+    def held(self) -> bool:
+        """True while this process holds the lock file (rank 0 only).
+
+        Example::
+
+            lock_folder("checkpoints", comm).held   # True on rank 0
+        """
+        return self._fd is not None
+
+    def release(self) -> None:
+        """Give the folder up: remove the lock file, then drop the lock (safe to call twice).
+
+        Example::
+
+            lock.release()
+        """
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            if self.path is not None and _same_file(self.path, fd):
+                self.path.unlink(missing_ok=True)   # still locked: nobody can take the file meanwhile
+        except OSError as exc:
+            logger.warning("could not remove the lock file %s: %s", self.path, exc)
+        finally:
+            os.close(fd)                            # drops the flock
+
+    def __enter__(self) -> FolderLock:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.release()
+
+
+def lock_folder(directory: str | Path, comm: Comm) -> FolderLock:
+    """Hold checkpoint folder ``directory`` for this job until :meth:`FolderLock.release`.
+
+    Every rank calls it (collective); rank 0 takes the lock and all ranks learn the outcome.
+    Call it once per folder, before the first save or load, and release it when the job is
+    done with the folder (the lock also ends with rank 0's process). A second call for a
+    folder this job already holds is refused like any other holder.
+
+    Args:
+        directory: the checkpoint folder (created if missing).
+        comm: the job's :class:`~lockstep.comm.group.Comm`.
+
+    Returns:
+        The held lock (empty on ranks other than 0).
+
+    Raises:
+        FolderInUseError: another live job (or this one) holds the folder; the message names
+            its host and pid.
+        CheckpointError: the folder or lock file cannot be created.
+
+    Example::
+
+        lock = lock_folder("checkpoints", comm)
+        state = load_checkpoint("checkpoints", comm)
+        ...
+        lock.release()
+    """
+    lock, error = FolderLock(), None
+    if comm.is_main:
+        try:
+            lock = _acquire(Path(directory))
+        except CheckpointError as exc:
+            error = exc
+    agree(comm, error, on_error=lock.release)
+    return lock
+
+
+def _same_file(path: Path, fd: int) -> bool:
+    try:
+        on_disk = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (on_disk.st_dev, on_disk.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def _acquire(root: Path) -> FolderLock:
+    """Rank 0: open, lock and stamp the lock file; raise :class:`FolderInUseError` if held."""
+    try:
+        import fcntl
+    except ImportError:  # no flock on this platform
+        logger.warning("cannot lock checkpoint folder %s on this platform; make sure no other job uses it", root)
+        return FolderLock()
+    path = root / LOCK_FILE
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        for _ in range(_TRIES):
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0), 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read_holder(fd)
+                os.close(fd)
+                raise FolderInUseError(f"checkpoint folder {root} is in use by another job ({holder}); "
+                                       "wait for it to end, or give this job another folder") from None
+            except OSError as exc:
+                os.close(fd)
+                if exc.errno not in _UNSUPPORTED:
+                    raise
+                logger.warning("cannot lock checkpoint folder %s (the file system does not support locks: "
+                               "%s); make sure no other job uses it", root, exc.strerror)
+                return FolderLock()
+            if _same_file(path, fd):    # not a file its last holder removed before we locked it
+                try:
+                    _stamp(fd, path)
+                except BaseException:
+                    os.close(fd)
+                    raise
+                return FolderLock(path, fd)
+            os.close(fd)
+    except OSError as exc:
+        raise io_error(exc, path, "lock") from exc
+    raise CheckpointError(f"cannot lock checkpoint folder {root}: {path} keeps being replaced")
+
+
+def _read_holder(fd: int) -> str:
+    """Describe the holder from the lock file's body: ``host node7, pid 4242, since ...``."""
+    try:
+        body: Any = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except (OSError, ValueError):
+        body = {}
+    if not isinstance(body, dict) or "pid" not in body:
+        return "holder not yet recorded"
+    same = body.get("host") == socket.gethostname() and body.get("pid") == os.getpid()
+    return (f"host {body.get('host')}, pid {body.get('pid')}, since {body.get('since')}"
+            + (": this process, which already holds it" if same else ""))
+
+
+def _stamp(fd: int, path: Path) -> None:
+    """Write who holds the lock, over what a dead holder left."""
+    previous = _read_holder(fd)
+    if previous != "holder not yet recorded":
+        logger.info("taking over %s: its holder (%s) is gone", path, previous)
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    body = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": now}).encode()
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, body, 0)
+    os.fsync(fd)

@@ -1,0 +1,194 @@
+"""The sharded part of a checkpoint: ``torch.distributed.checkpoint`` (DCP) in ``sharded/``.
+
+Saving is plain ``dcp.save``. Loading goes through :class:`VerifiedReader`, a DCP
+``FileSystemReader`` that reads nothing DCP would otherwise trust on its own:
+
+* the metadata is the object :func:`~lockstep.checkpoint.safety.read_dcp_metadata` already
+  verified and unpickled with an allowlist (DCP would ``pickle.load`` the file a second time);
+* a shard file is opened only if the manifest lists it, never outside the checkpoint folder
+  (a ``relative_path`` that is absolute, climbs with ``..`` or meets a link is refused), and
+  its bytes are read once and checked against the manifest before any of them is used;
+* non-tensor values are unpickled with ``weights_only=True`` (:func:`safe_load_planner`).
+
+This module does one process's part; :mod:`lockstep.checkpoint.core` makes the ranks agree (and
+imports it only when a checkpoint has a sharded part, so ``torch.distributed.checkpoint`` is
+not loaded otherwise).
+
+Example::
+
+    error = save_sharded(tmp / SHARDED_DIR, {"model": msd}, comm)
+    ...
+    metadata = read_dcp_metadata(ckpt, manifest["files"])
+    error = load_sharded(ckpt, manifest["files"], metadata, template, comm)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.filesystem import FileSystem
+
+from lockstep.checkpoint.confine import check_name
+from lockstep.checkpoint.files import SHARDED_DIR, CheckpointError, io_error
+from lockstep.checkpoint.manifest import read_verified
+from lockstep.checkpoint.safety import safe_load_planner
+from lockstep.comm.group import Comm
+
+__all__ = ["VerifiedReader", "save_sharded", "load_sharded", "sharded_error"]
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    # dcp warns "assuming the intent is to save in a single process" even when told so (no_dist).
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to .* in a single process")
+        yield
+
+
+class _ManifestFileSystem(FileSystem):
+    """The file access of :class:`VerifiedReader`: names checked, bytes verified, read only."""
+
+    def __init__(self, checkpoint: Path, files: dict[str, dict[str, Any]]) -> None:
+        super().__init__()
+        self.checkpoint = checkpoint
+        self.files = files
+
+    def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str:
+        # ``suffix`` is a shard's ``relative_path`` from the metadata: check it before joining,
+        # since joining would turn "/abs" into an absolute path
+        check_name(self.checkpoint, suffix)
+        return f"{path}/{suffix}"
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
+        if mode != "rb":
+            raise CheckpointError(f"checkpoint {self.checkpoint} is read-only while it is loaded")
+        yield io.BytesIO(read_verified(self.checkpoint, os.fspath(path), self.files))
+
+
+class VerifiedReader(FileSystemReader):
+    """A DCP reader of ``checkpoint/sharded`` that only reads files the manifest vouches for.
+
+    Args:
+        checkpoint: the ``step-N`` folder.
+        files: its manifest's ``"files"`` table.
+        metadata: the DCP ``Metadata`` from
+            :func:`~lockstep.checkpoint.safety.read_dcp_metadata`; returned by
+            :meth:`read_metadata` instead of reading the file again.
+
+    Example::
+
+        reader = VerifiedReader(ckpt, manifest["files"], read_dcp_metadata(ckpt, manifest["files"]))
+        dcp.load(template, storage_reader=reader, planner=safe_load_planner())
+    """
+
+    def __init__(self, checkpoint: Path, files: dict[str, dict[str, Any]], metadata: Any) -> None:
+        super().__init__(checkpoint / SHARDED_DIR)
+        self.fs = _ManifestFileSystem(checkpoint, files)
+        self.path = SHARDED_DIR        # names are relative to the checkpoint folder
+        self.verified_metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        """Return the metadata given at construction (already verified), never the file's.
+
+        Args:
+            args: ignored (DCP's signature).
+            kwargs: ignored, except that per-rank metadata (``rank=``) is never used.
+
+        Example::
+
+            reader.read_metadata().storage_data
+        """
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        metadata = self.verified_metadata
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def save_sharded(target: Path, sharded: dict[str, Any], comm: Comm) -> CheckpointError | None:
+    """``dcp.save`` ``sharded`` into ``target`` (every rank); return this rank's error, if any.
+
+    Args:
+        target: the ``sharded/`` folder of the temporary checkpoint.
+        sharded: the state dicts holding ``DTensor`` s.
+        comm: the job's communicator (world size 1 saves without a process group).
+
+    Example::
+
+        error = save_sharded(tmp / SHARDED_DIR, {"model": msd}, comm)
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with _quiet_single_process():
+            dcp.save(sharded, checkpoint_id=target, no_dist=comm.world_size == 1)
+    except (Exception, CheckpointException) as exc:
+        return sharded_error(exc, target, "write")
+    return None
+
+
+def load_sharded(checkpoint: Path, files: dict[str, dict[str, Any]], metadata: Any, sharded: dict[str, Any],
+                 comm: Comm) -> CheckpointError | None:
+    """``dcp.load`` into the templates ``sharded`` (every rank); return this rank's error, if any.
+
+    Args:
+        checkpoint: the ``step-N`` folder.
+        files: its manifest's ``"files"`` table.
+        metadata: the verified DCP metadata (see :class:`VerifiedReader`).
+        sharded: the templates, filled in place.
+        comm: the job's communicator.
+
+    Example::
+
+        error = load_sharded(ckpt, manifest["files"], metadata, {"model": msd}, comm)
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    reader = VerifiedReader(checkpoint, files, metadata)
+    try:
+        with _quiet_single_process():
+            dcp.load(sharded, storage_reader=reader, planner=safe_load_planner(), no_dist=comm.world_size == 1)
+    except (Exception, CheckpointException) as exc:
+        return sharded_error(exc, checkpoint / SHARDED_DIR, "read")
+    return None
+
+
+def sharded_error(exc: BaseException, target: Path, action: str) -> CheckpointError:
+    """Find the real cause inside a ``CheckpointException`` (which wraps each rank's error).
+
+    Args:
+        exc: what ``dcp.save`` / ``dcp.load`` raised.
+        target: the sharded folder, for the message.
+        action: ``"write"`` or ``"read"``.
+
+    Example::
+
+        sharded_error(exc, ckpt / SHARDED_DIR, "read")   # the CheckpointError a rank raised inside
+    """
+    causes: list[BaseException] = [exc]
+    for failure in getattr(exc, "failures", {}).values():
+        causes.append(failure[0] if isinstance(failure, tuple) else failure)
+    for cause in list(causes):
+        while (nxt := cause.__cause__ or cause.__context__) is not None and nxt not in causes:
+            causes.append(nxt)
+            cause = nxt
+    for cause in causes:
+        if isinstance(cause, CheckpointError):
+            return cause
+    for cause in causes:
+        if isinstance(cause, OSError):
+            return io_error(cause, target, action)
+    lines = str(exc).strip().splitlines()
+    return CheckpointError(f"cannot {action} the sharded state {target}: {lines[-1] if lines else type(exc).__name__}")

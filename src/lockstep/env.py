@@ -169,6 +169,8 @@ class Settings:
         secret: ``$LOCKSTEP_SECRET``: the job's secret that signs lockstep's values in the
             rendezvous store (``lockstep run`` sets a random one per job, or the content of
             ``--secret-file``), or ``""``.
+        gloo_ifname: ``$GLOO_SOCKET_IFNAME``: the interface gloo uses, or ``""``.
+        nccl_ifname: ``$NCCL_SOCKET_IFNAME``: the interface nccl uses, or ``""``.
         loglevel: ``$LOGLEVEL`` (torchrun's: show the elastic agent's own logging), or ``""``.
         launched: a launcher described the job with ``$RANK`` (``lockstep run``, ``torchrun``,
             ``spawn``): this process is a worker, not a command that should start workers.
@@ -188,6 +190,8 @@ class Settings:
     master_addr: str = ""
     master_port: str = ""
     secret: str = field(default="", repr=False)
+    gloo_ifname: str = ""
+    nccl_ifname: str = ""
     loglevel: str = ""
     launched: bool = False
 
@@ -215,6 +219,8 @@ def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
         master_addr=env.get("MASTER_ADDR", ""),
         master_port=env.get("MASTER_PORT", ""),
         secret=env.get("LOCKSTEP_SECRET", ""),
+        gloo_ifname=env.get("GLOO_SOCKET_IFNAME", ""),
+        nccl_ifname=env.get("NCCL_SOCKET_IFNAME", ""),
         loglevel=env.get("LOGLEVEL", ""),
         launched="RANK" in env,
     )

@@ -25,6 +25,8 @@ Example (two processes)::
 
 from __future__ import annotations
 
+import ipaddress
+import socket
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -35,11 +37,12 @@ from lockstep.comm.signed import SignedStore
 from lockstep.comm.store import (
     DEFAULT_TIMEOUT, CommError, Peer, describe_self, handshake, open_store, resolve_timeout,
 )
-from lockstep.env import World, detect_world, read_settings
-from lockstep.errors import ConfigError
 from lockstep.comm.watchdog import NullWatchdog, Watchdog
+from lockstep.env import Settings, World, detect_world, read_settings
+from lockstep.errors import ConfigError
 
-__all__ = ["Comm", "GroupComm", "CommError", "init_comm", "resolve_timeout", "DEFAULT_TIMEOUT", "Peer"]
+__all__ = ["Comm", "GroupComm", "CommError", "init_comm", "resolve_timeout", "DEFAULT_TIMEOUT", "Peer",
+           "check_reachable_host"]
 
 T = TypeVar("T")
 _OPS = {"sum", "mean", "max", "min"}
@@ -130,9 +133,10 @@ class GroupComm(Comm):
     :class:`~lockstep.comm.watchdog.CollectiveTimeoutError` naming the ranks that never came.
     """
 
-    def __init__(self, world: World, backend: str, peers: list[Peer], watchdog: NullWatchdog | None = None) -> None:
+    def __init__(self, world: World, backend: str, peers: list[Peer], watchdog: NullWatchdog | None = None,
+                 owned: bool = True) -> None:
         super().__init__(world)
-        self.backend = backend
+        self.backend, self.owned = backend, owned
         self.peers = peers
         self.watchdog = watchdog or NullWatchdog()
         self._calls = 0
@@ -190,7 +194,8 @@ class GroupComm(Comm):
                 try:
                     self.barrier()
                 finally:
-                    dist.destroy_process_group()
+                    if self.owned:  # an adopted group belongs to whoever formed it
+                        dist.destroy_process_group()
         finally:
             # after the barrier: rank 0 (the store's host) may exit while the others still tear down
             self.watchdog.stop()
@@ -242,13 +247,15 @@ def init_comm(
     """
     world = detect_world() if world is None else world
     timeout = resolve_timeout(timeout)
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return _adopt(world)  # formed by the framework that started us (Ray Train, a user's own code)
     if world.world_size == 1:
         return Comm(world)
-    dist = torch.distributed
-    if dist.is_initialized():
-        raise CommError("a torch.distributed process group already exists in this process")
     chosen = pick_backend(backend)
     settings = read_settings()
+    if world.num_nodes > 1:
+        check_reachable_host(chosen, settings)
     init_method = init_method or settings.init_method or "env://"
     store = open_store(world, init_method, timeout, settings)
     attempt = settings.restart_count or 0
@@ -271,3 +278,56 @@ def init_comm(
     )
     watchdog.start()
     return GroupComm(world, chosen, peers, watchdog)
+
+
+def _adopt(world: World) -> Comm:
+    """Use the process group that already exists (Ray Train forms it before the user's function runs).
+
+    The group's rank and size are the truth; the environment's world, when it names one, must agree.
+    lockstep does not destroy a group it did not form, and has no store to watch it with.
+    """
+    dist = torch.distributed
+    rank, size = dist.get_rank(), dist.get_world_size()
+    if world.world_size > 1 and (world.rank, world.world_size) != (rank, size):
+        raise CommError(f"the existing process group says rank {rank} of {size}, but the environment says "
+                        f"rank {world.rank} of {world.world_size} ({world.source}); start the job one way only")
+    if world.world_size == 1 and size > 1:  # nothing in the environment: the group tells
+        world = World(rank=rank, world_size=size, local_rank=0, local_world_size=1, node_rank=rank,
+                      num_nodes=size, source="existing group")
+    return GroupComm(world, str(dist.get_backend()), [], NullWatchdog(), owned=False)
+
+
+def check_reachable_host(backend: str, settings: Settings) -> None:
+    """Refuse a multi-node job whose host name resolves to a loopback address.
+
+    gloo and nccl tell the other nodes to connect to the address the host name resolves to; with
+    Debian's ``127.0.1.1 <hostname>`` line in /etc/hosts that is a loopback address, and every node
+    waits for the others until the timeout, each blaming the other. Setting the interface
+    (``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``) avoids the name lookup.
+
+    Args:
+        backend: ``"gloo"`` or ``"nccl"``.
+        settings: the environment's settings (the interface variables).
+
+    Raises:
+        CommError: the host resolves to loopback and no interface is set.
+
+    Example::
+
+        check_reachable_host("gloo", read_settings())
+    """
+    variable = "NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME"
+    if (settings.nccl_ifname if backend == "nccl" else settings.gloo_ifname):
+        return
+    host = socket.gethostname()
+    try:
+        address = socket.gethostbyname(host)
+    except OSError:
+        return  # unresolvable: the backend's own error names it
+    if ipaddress.ip_address(address).is_loopback:
+        raise CommError(
+            f"this node's host name {host!r} resolves to {address}, a loopback address (a "
+            f"'{address} {host}' line in /etc/hosts), so {backend} would tell the other nodes to connect "
+            f"to it and every node would wait for the others. Set {variable}=<the interface that reaches "
+            "the other nodes, e.g. eth0 or ib0>, or make the host name resolve to that interface's address."
+        )

@@ -99,8 +99,9 @@ def test_nproc_values() -> None:
 
 def test_exposure_warning() -> None:
     for host in ("0.0.0.0", "::", "8.8.8.8"):
-        assert "no authentication" in (exposure_warning(host) or "")
-    for host in ("127.0.0.1", "10.1.2.3", "192.168.0.5", "::1"):
+        assert "anyone who reaches it" in (exposure_warning(host) or "")
+    # 100.64.0.1: carrier-grade NAT (Tailscale and the like) is not public
+    for host in ("127.0.0.1", "10.1.2.3", "192.168.0.5", "::1", "100.64.0.1"):
         assert exposure_warning(host) is None
 
 

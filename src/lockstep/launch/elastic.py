@@ -141,10 +141,13 @@ def _start_error(exc: Exception, spec: LaunchSpec) -> LaunchError:
         return LaunchError(f"cannot host the rendezvous store on {host}:{port}: port {port} is already in "
                            "use. Choose another --master port (or leave out --master on one node).")
     joined = re.search(r"(\d+)/(\d+) clients joined", text)
+    reach = (f"node 0's address on port {port} (--master names the wildcard {host}, which the other nodes "
+             "cannot connect to: give node 0's real address)" if host in ("0.0.0.0", "::", "*")
+             else f"{host}:{port}")
     if joined:
         return LaunchError(f"expected {spec.nodes} nodes, {joined.group(1)} joined within "
                            f"{spec.join_timeout:g} s. Start `lockstep run --nodes {spec.nodes} --node-rank I "
-                           f"--master {spec.master}` on every node, and check that they reach {host}:{port}.")
+                           f"--master {spec.master}` on every node, and check that they reach {reach}.")
     if spec.node_rank > 0 and ("connect" in text.lower() or "timed out" in text.lower()):
         return LaunchError(f"node {spec.node_rank} could not reach node 0's store at {host}:{port} within "
                            f"{spec.join_timeout:g} s: is node 0 started, and is the address reachable from here? "

@@ -163,11 +163,12 @@ def exposure_warning(host: str) -> str | None:
                 addr = ipaddress.ip_address(socket.getaddrinfo(host, None)[0][4][0])
             except (OSError, ValueError, IndexError):
                 return None  # unresolvable: the launch itself will say so
-        if addr.is_private or addr.is_loopback or addr.is_link_local:
+        if not addr.is_global:  # private, loopback, link-local, carrier-grade NAT (100.64/10)...
             return None
         what = f"the public address {host}"
-    return (f"{PREFIX}warning: --master names {what}; the rendezvous store has no authentication, "
-            "so anyone who can reach it can join or disturb the job. Use a private interface.")
+    return (f"{PREFIX}warning: --master names {what}; the rendezvous store listens there and anyone who "
+            "reaches it can disturb the job (lockstep's own values are signed with the job's secret, "
+            "torch's are not). Use a private interface.")
 
 
 def resolve_nproc(value: str | int) -> int:

@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
 from _dist import run_distributed
-from lockstep.data.loader import (EvalSampler, TrainSampler, default_num_workers, describe_batch, epoch_order,
+from lockstep.data.loader import (EvalSampler, TrainSampler, default_num_workers, epoch_order,
                            make_loader, move_to_device, seed_worker)
 from lockstep.errors import ConfigError
 
@@ -245,12 +245,6 @@ def test_default_num_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     assert default_num_workers(torch.device("cuda", 0), 2) == 0
 
 
-def test_describe_batch() -> None:
-    assert describe_batch(100, 4) == "batch size 100 per device x 4 processes = global batch 400"
-    assert describe_batch(8, 1, accumulation=2) == (
-        "batch size 8 per device x 1 process x 2 accumulation steps = global batch 16")
-
-
 def test_move_to_device_recurses_and_keeps_types() -> None:
     Pair = collections.namedtuple("Pair", "x y")
     batch = {"a": torch.ones(2), "b": [torch.zeros(1), (torch.ones(1), "tag")], "c": Pair(torch.ones(1), 3)}
@@ -303,6 +297,7 @@ def _train_uneven(n: int, batch: int) -> dict:
     return {"steps": steps, "left": left, "epoch0": epoch0, "weights": weights}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world_size,n", [(2, 13), (3, 22)])
 def test_uneven_dataset_trains_with_equal_step_counts(world_size: int, n: int) -> None:

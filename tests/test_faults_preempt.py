@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,8 @@ from lockstep.comm.group import Comm
 from lockstep.env import World
 from lockstep.errors import EXIT_PREEMPTED
 from lockstep.launch.elastic import LaunchSpec, _launch_config, _launch_environment
-from lockstep.session.preempt import Preempted, StopGuard
+from lockstep.comm.watchdog import NullWatchdog
+from lockstep.session.preempt import Preempted, StopGuard, parse_grace
 
 
 def _loop(session: lockstep.Session, directory: Path, steps: int, signal_at: int, signum: int) -> list[int]:
@@ -84,6 +84,43 @@ def test_check_interval_adapts_identically(monkeypatch: pytest.MonkeyPatch) -> N
     assert checks[:6] == [1, 2, 6, 22, 86, 186]
 
 
+def test_grace_is_read_once_and_bad_values_fall_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert parse_grace("5") == 5.0 and parse_grace("0") == 0.0
+    assert {parse_grace(bad) for bad in ("", "soon", "-1", "inf", "nan")} == {lockstep.errors.DEFAULT_GRACE}
+    monkeypatch.setenv("LOCKSTEP_GRACE", "7")
+    assert StopGuard().grace == 7.0 and StopGuard(grace=2.0).grace == 2.0
+
+
+class _Watch(NullWatchdog):
+    """Keeps the callbacks the guard registers, to play the watchdog finding the job failed."""
+
+    def __init__(self) -> None:
+        self.callbacks: list[Callable[[], None]] = []
+
+    def on_job_failed(self, callback: Callable[[], None]) -> None:
+        self.callbacks.append(callback)
+
+
+def test_poll_and_a_failed_job_resending_the_recorded_signal(monkeypatch: pytest.MonkeyPatch) -> None:
+    comm = Comm(World())
+    comm.watchdog = _Watch()
+    guard = StopGuard(check_seconds=1.0).attach(comm, torch.device("cpu"))
+    guard.install = lambda: None  # type: ignore[method-assign]  # no handlers in the test process
+    sent: list[tuple[int, int]] = []
+    monkeypatch.setattr("lockstep.session.preempt.os.kill", lambda pid, signum: sent.append((pid, signum)))
+    [on_failed] = comm.watchdog.callbacks
+    on_failed()  # no signal recorded: nothing to send
+    assert sent == []
+    assert not guard.poll() and guard.steps == 1  # the first step arms
+    guard.requested = signal.SIGTERM  # what the handler records
+    on_failed()
+    assert sent == [(os.getpid(), signal.SIGTERM)]  # the handler, seeing it twice, ends the process
+    assert guard.poll() and guard.agreed and guard.signals() == [signal.SIGTERM]
+    on_failed()
+    assert len(sent) == 1  # agreed: the stop goes ahead, nothing is sent
+
+
+@pytest.mark.slow
 def test_second_signal_ends_the_process_at_once(tmp_path: Path) -> None:
     script = tmp_path / "twice.py"
     script.write_text(textwrap.dedent("""
@@ -100,6 +137,7 @@ def test_second_signal_ends_the_process_at_once(tmp_path: Path) -> None:
     assert proc.returncode == -signal.SIGTERM and proc.stdout == "still running\n", proc.stderr
 
 
+@pytest.mark.slow
 def test_a_stop_nobody_agrees_on_ends_the_process_after_the_grace(tmp_path: Path) -> None:
     script = tmp_path / "idle.py"
     script.write_text(textwrap.dedent("""
@@ -111,11 +149,10 @@ def test_a_stop_nobody_agrees_on_ends_the_process_after_the_grace(tmp_path: Path
         print("waiting", flush=True)
         time.sleep(20)
     """))
-    start = time.monotonic()
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "LOCKSTEP_GRACE": "1"})
+    # the grace ended it: the sleep would have exited 0
     assert proc.returncode == -signal.SIGTERM and proc.stdout == "waiting\n", proc.stderr
-    assert time.monotonic() - start < 15
 
 
 def test_launcher_forwards_stop_signals_with_a_grace_window(tmp_path: Path) -> None:

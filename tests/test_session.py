@@ -57,6 +57,7 @@ def reference() -> dict[str, torch.Tensor]:
     return _train("single", global_batch=24, steps=50)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("strategy,world_size", [("ddp", 2), ("ddp", 3), ("fsdp", 2), ("fsdp", 3)])
 def test_parity_with_one_process(reference: dict, strategy: str, world_size: int) -> None:
@@ -65,6 +66,7 @@ def test_parity_with_one_process(reference: dict, strategy: str, world_size: int
         assert _max_rel(weights, reference) <= 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_accumulation_equals_bigger_batch(reference: dict) -> None:
     results = run_distributed(_train, 2, "ddp", 24, 50, 2, timeout=100)
@@ -90,6 +92,7 @@ def _resumable(directory: str, stop_at: int | None, epochs: int = 2) -> dict[str
     return weights
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_resume_mid_epoch_is_bit_identical(tmp_path: Path, world_size: int) -> None:
@@ -126,6 +129,7 @@ def _nan_on_rank1(policy: str) -> dict:
     return {"taken": taken, "skipped": session.skipped_steps, "finite": finite}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_nan_on_one_rank_skipped_everywhere(capfd: pytest.CaptureFixture) -> None:
     """FAULTS row 15: same decision at the same step on every rank; the rank is named."""
@@ -136,6 +140,7 @@ def test_nan_on_one_rank_skipped_everywhere(capfd: pytest.CaptureFixture) -> Non
     assert "non-finite loss on rank 1 at step 3" in capfd.readouterr().out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_nan_on_one_rank_stops_everywhere() -> None:
     results = run_distributed(_nan_on_rank1, 2, "stop")
@@ -147,6 +152,7 @@ def test_nan_on_one_rank_stops_everywhere() -> None:
 def test_summary_and_world_one() -> None:
     session = lockstep.Session(quiet=True, accumulate=2)
     model, opt = session.setup(_model(), lambda p: torch.optim.SGD(p, lr=0.1))
+    assert "batch" not in session.summary()  # no training loader yet
     train = session.loader(_data(), batch_size=10)  # the summary describes the loaders in use
     text = session.summary()
     assert "world 1" in text and "strategy single" in text and "precision fp32" in text
@@ -154,6 +160,32 @@ def test_summary_and_world_one() -> None:
     assert session.all_reduce(3.0) == 3.0
     assert len(train) == 24
     session.close()
+
+
+def test_train_state_round_trip_and_older_checkpoints() -> None:
+    from lockstep.session.state import TrainState
+
+    state = TrainState(rank=0, world_size=1)
+    state.global_step, state.skipped_steps = 7, 2
+    saved = state.state_dict()
+    assert {"epoch", "step", "world_size", "sampler", "samplers", "epoch_done", "rng"} <= set(saved)
+    want = torch.rand(3)
+    again = TrainState()
+    assert again.load_state_dict({**saved, "rng": [saved["rng"]]}) is False  # no loader: not mid-epoch
+    assert torch.equal(torch.rand(3), want)  # this rank's RNG is back
+    assert (again.epoch, again.global_step, again.skipped_steps) == (1, 7, 2)
+    old = TrainState()  # a checkpoint of an older version: one "sampler", no epoch_done or skipped_steps
+    assert old.load_state_dict({"epoch": 2, "step": 5, "sampler": None, "rng": []}) is False
+    assert (old.epoch, old.global_step, old.skipped_steps) == (3, 5, 0)
+
+
+def test_resumed_line_names_the_attempt(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lockstep.session.state import ResumeState, resumed_line
+
+    state = ResumeState(epoch=1, step=6, path=Path("ckpt/step-000006"))
+    assert resumed_line(state) == "lockstep: resumed from ckpt/step-000006 at epoch 1, step 6"
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert resumed_line(state).endswith("step 6 (attempt 2)")
 
 
 def test_bad_options_refused_before_any_group() -> None:
@@ -248,7 +280,8 @@ def test_a_loader_made_inside_the_epoch_loop_follows_the_epoch() -> None:
     for _ in session.epochs(3):
         orders.append([int(i) for (batch,) in session.loader(ids, batch_size=4) for i in batch])
     assert all(sorted(o) == list(range(16)) for o in orders)
-    assert orders[0] != orders[1] != orders[2]  # reshuffled every epoch, not epoch 0's order again
+    # reshuffled every epoch, never an earlier epoch's order again (every pair, epoch 0 with 2 too)
+    assert orders[0] != orders[1] and orders[1] != orders[2] and orders[0] != orders[2]
     session.close()
 
 
@@ -295,6 +328,7 @@ def _nan_in_one_shard() -> list[bool]:
     return taken
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_fsdp_ranks_agree_on_a_non_finite_value_in_one_shard() -> None:
     """The shard holding the NaN is on one rank; every rank must skip that step (no split decision, no hang)."""

@@ -29,6 +29,7 @@ from lockstep.strategies import (
     explain_ddp_error,
     get_strategy,
     register_strategy,
+    strategy_for_model,
     unwrap_module,
 )
 from lockstep.strategies.ddp import reducer_parameter_names
@@ -178,6 +179,32 @@ def test_single_state_dicts_round_trip() -> None:
         assert fresh.state[p]["step"] == opt.state[p]["step"]
 
 
+def test_checkpoint_eval_and_optimizer_hooks() -> None:
+    strategy = get_strategy("single", _null_comm(), CPU)
+    model = strategy.setup_module(_make_model(0))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    x, y = _data()
+    _train(model, opt, x, y, 2)
+    assert strategy.sharded_state(model, opt) is None
+    full, sharded = strategy.checkpoint_state(model, opt)
+    assert sharded is None and full is not None and set(full) == {"model", "optimizer"}
+    assert set(strategy.checkpoint_state(model, None)[0] or {}) == {"model"}
+    other = strategy.setup_module(_make_model(1))
+    fresh = torch.optim.Adam(other.parameters(), lr=0.5)
+    strategy.load_checkpoint_state(other, fresh, full, None)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters()))
+    assert fresh.param_groups[0]["lr"] == 0.01
+    # evaluation hooks of a strategy without collectives in its forward: nothing to do
+    with strategy.eval_context(model):
+        model(x)
+    assert strategy.extra_eval_forwards(model, 3) == 0
+    assert strategy_for_model(model, _null_comm(), CPU).name == "single"
+    # an optimizer built on the bare model is fine unless the strategy replaces the parameters
+    strategy.check_optimizer(opt)
+    with pytest.raises(ConfigError, match="replaces the model's parameters: pass an optimizer factory"):
+        get_strategy("fsdp", _null_comm(), CPU).check_optimizer(opt)
+
+
 def test_load_refuses_mismatched_keys() -> None:
     strategy = get_strategy("single", _null_comm(), CPU)
     model = strategy.setup_module(_make_model(0))
@@ -189,6 +216,7 @@ def test_load_refuses_mismatched_keys() -> None:
         strategy.load_model_state_dict(model, wrong)
 
 
+@pytest.mark.slow
 def test_unwrap_strips_wrappers_and_clip_matches_torch() -> None:
     bare = _make_model(0)
     assert unwrap_module(nn.DataParallel(bare)) is bare  # without GPUs DataParallel is a shell
@@ -332,6 +360,7 @@ def _parity_body(name: str) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("name,world_size", [("ddp", 2), ("ddp", 3), ("fsdp", 2), ("fsdp", 3)])
 def test_parity_with_single_process(name: str, world_size: int) -> None:
@@ -384,6 +413,7 @@ def _fault_body() -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_unused_parameter_and_sync_bn_errors_at_two_ranks() -> None:
     for rank, res in enumerate(run_distributed(_fault_body, 2, timeout=100)):

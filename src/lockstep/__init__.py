@@ -22,7 +22,7 @@ __all__ = ["Session", "ResumeState", "spawn", "metrics", "init_comm", "detect_wo
 _LAZY = {
     "Session": ("lockstep.session", "Session"),
     "spawn": ("lockstep.launch.spawn", "spawn"),
-    "ResumeState": ("lockstep.session.resume", "ResumeState"),
+    "ResumeState": ("lockstep.session.state", "ResumeState"),
     "metrics": ("lockstep.metrics", None),
     "init_comm": ("lockstep.comm", "init_comm"),
     "detect_world": ("lockstep.env", "detect_world"),

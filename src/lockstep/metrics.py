@@ -27,8 +27,9 @@ from torch.utils.data import default_collate
 
 from lockstep.data.loader import move_to_device
 from lockstep.errors import ConfigError
+from lockstep.strategies import Strategy, strategy_for_model
 
-__all__ = ["SumCount", "Reducer", "accuracy", "evaluate", "SupportsAllReduce"]
+__all__ = ["SumCount", "accuracy", "evaluate", "SupportsAllReduce"]
 
 Forward = Callable[[torch.nn.Module, Any], Any]
 
@@ -130,9 +131,6 @@ class SumCount:
         return total / count if count else math.nan
 
 
-Reducer = SumCount
-
-
 def _summed_loss(loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """Return ``loss_fn`` with ``reduction="sum"``, so that loss sum / count is the exact mean."""
     if isinstance(loss_fn, torch.nn.Module) and hasattr(loss_fn, "reduction"):
@@ -167,56 +165,12 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _sync_ddp_buffers(ddp: Any, comm: Any) -> None:
-    """Give every rank rank 0's buffers (BatchNorm statistics), as DDP's next forward would.
-
-    DDP refreshes buffers from rank 0 at the start of each forward, so after the last training
-    forward they differ between ranks; evaluating without this would score a different model on
-    each rank.
-    """
-    if not getattr(ddp, "broadcast_buffers", False):
-        return
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for buf in ddp.module.buffers():
-        by_dtype.setdefault(buf.dtype, []).append(buf)
-    for bufs in by_dtype.values():  # one broadcast per dtype rather than per buffer
-        flat = torch.cat([b.detach().reshape(-1) for b in bufs])
-        if hasattr(comm, "broadcast"):
-            comm.broadcast(flat, 0)
-        else:
-            torch.distributed.broadcast(flat, 0)
-        offset = 0
-        for b in bufs:
-            b.data.copy_(flat[offset:offset + b.numel()].view_as(b))
-            offset += b.numel()
-
-
-def _quiet_ddp(model: torch.nn.Module, comm: Any) -> list[tuple[Any, bool]]:
-    """Sync the buffers of every DDP inside ``model`` once, then stop its per-forward sync.
-
-    A DDP forward may broadcast buffers, a collective; with shards of different batch counts
-    (or an empty one) the ranks would then call different collectives and hang. The DDP may sit
-    inside other wrappers (autocast, compile), so it is found among the modules, not unwrapped.
-    Returns what to restore afterwards.
-    """
-    from torch.nn.parallel import DistributedDataParallel
-
-    saved = []
-    for m in model.modules():
-        if isinstance(m, DistributedDataParallel):
-            _sync_ddp_buffers(m, comm)
-            saved.append((m, m.require_forward_param_sync))
-            m.require_forward_param_sync = False
-    return saved
-
-
-def _gathers_in_forward(model: torch.nn.Module) -> bool:
-    """True for FSDP models: their forward all-gathers, so every rank must run as many forwards."""
-    try:
-        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-    except ImportError:  # torch built without distributed
-        return False
-    return any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in model.modules())
+def _strategy(comm: Any, model: torch.nn.Module, device: torch.device) -> Strategy:
+    """The strategy that wrapped ``model``: a Session's own, else the one its wrappers show."""
+    strategy = getattr(comm, "strategy", None)  # a Session carries its strategy
+    if isinstance(strategy, Strategy):
+        return strategy
+    return strategy_for_model(model, _resolve(comm), device)
 
 
 def _padding_inputs(loader: Any, seen: Any) -> Any:
@@ -227,31 +181,28 @@ def _padding_inputs(loader: Any, seen: Any) -> Any:
     return _split(collate([loader.dataset[0]]))[0]
 
 
-def _extra_forwards(loader: Any, comm: Any, device: torch.device) -> int:
-    """Agree, before any forward, on how many batches the longest shard has; return the excess."""
+def _batches(loader: Any) -> int | None:
     try:
-        mine = len(loader)
+        return len(loader)
     except TypeError:
-        raise ConfigError("evaluating an FSDP model needs a loader with len(); use make_loader") from None
-    most = comm.all_reduce(torch.tensor([mine], device=device), "max")
-    return int(most.item()) - mine
+        return None
 
 
 def _totals(model: torch.nn.Module, loader: Iterable[Any], comm: Any, loss_fn: Callable[..., torch.Tensor] | None,
             device: torch.device | None, forward: Forward | None) -> tuple[float, float, int]:
     """Run the evaluation; return (loss sum, correct, count) summed over all ranks."""
-    comm = _resolve(comm)
     device = device or _model_device(model)
+    strategy = _strategy(comm, model, device)
+    comm = _resolve(comm)
     run: Forward = forward or (lambda m, x: m(x))
     summed = _summed_loss(loss_fn) if loss_fn is not None else None
-    extra = _extra_forwards(loader, comm, device) if _gathers_in_forward(model) else 0
+    extra = strategy.extra_eval_forwards(model, _batches(loader))
     acc = torch.zeros(2, dtype=_acc_dtype(device), device=device)  # loss sum, correct
     count, first = 0, None
     modes = [(m, m.training) for m in model.modules()]
-    quieted = _quiet_ddp(model, comm)
     model.eval()
     try:
-        with torch.no_grad():
+        with strategy.eval_context(model), torch.no_grad():
             for batch in loader:
                 inputs, targets = move_to_device(_split(batch), device)
                 outputs = run(model, inputs)
@@ -261,13 +212,11 @@ def _totals(model: torch.nn.Module, loader: Iterable[Any], comm: Any, loss_fn: C
                 acc[1] += (outputs.argmax(1) == labels).sum().to(acc.dtype)
                 count += int(targets.shape[0])
                 first = inputs if first is None else first
-            for _ in range(extra):  # outputs discarded: they only keep FSDP's collectives matched
+            for _ in range(extra):  # outputs discarded: they only keep the strategy's collectives matched
                 run(model, move_to_device(_padding_inputs(loader, first), device))
     finally:
         for module, mode in modes:  # restore each module's own mode, not one mode for all
             module.training = mode
-        for ddp, sync in quieted:
-            ddp.require_forward_param_sync = sync
     result = torch.cat([acc, torch.tensor([count], dtype=acc.dtype, device=device)])
     comm.all_reduce(result, "sum")
     loss_sum, correct, total = result.tolist()

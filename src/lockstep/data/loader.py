@@ -28,7 +28,7 @@ from lockstep.errors import ConfigError
 from lockstep.data.samplers import EvalSampler, TrainSampler, epoch_order, shard_bounds
 
 __all__ = ["TrainSampler", "EvalSampler", "epoch_order", "shard_bounds", "make_loader",
-           "default_num_workers", "move_to_device", "seed_worker", "describe_batch"]
+           "default_num_workers", "move_to_device", "seed_worker"]
 
 
 def _cpu_count() -> int:
@@ -204,24 +204,6 @@ def make_loader(dataset: Dataset[Any], batch_size: int, *, world_size: int, rank
         persistent_workers=persistent_workers and num_workers > 0,
         lockstep_seed=seed, lockstep_rank=rank,
     )
-
-
-def describe_batch(batch_size: int, world_size: int, accumulation: int = 1) -> str:
-    """Return the one line that says what "batch size" means for this run.
-
-    Args:
-        batch_size: samples per batch per device.
-        world_size: number of ranks.
-        accumulation: micro-batches accumulated per optimizer step.
-
-    Example::
-
-        describe_batch(100, 4)   # "batch size 100 per device x 4 processes = global batch 400"
-    """
-    line = f"batch size {batch_size} per device x {world_size} process{'es' if world_size != 1 else ''}"
-    if accumulation != 1:
-        line += f" x {accumulation} accumulation steps"
-    return f"{line} = global batch {batch_size * world_size * accumulation}"
 
 
 def move_to_device(batch: Any, device: torch.device, non_blocking: bool = True) -> Any:

@@ -2,11 +2,13 @@
 the training state, and stays thin: each concern lives in its own module.
 
 * :mod:`~lockstep.session.session`: :class:`Session`;
-* :mod:`~lockstep.session.loop`: device loaders, accumulation, the precision module wrapper;
+* :mod:`~lockstep.session.state`: :class:`~lockstep.session.state.TrainState` (the loop's
+  counters, every training loader's position, every rank's RNG, with ``state_dict`` /
+  ``load_state_dict``), the checkpoint built from it and the model, and :class:`ResumeState`;
+* :mod:`~lockstep.session.loop`: device loaders, accumulation, the precision module wrapper,
+  the progress bar;
 * :mod:`~lockstep.session.nonfinite`: the non-finite policy (one decision on every rank);
-* :mod:`~lockstep.session.preempt`: preemption signals, one agreed stop and save;
-* :mod:`~lockstep.session.resume` / :mod:`~lockstep.session.resume_io`: what a checkpoint holds
-  besides the model and optimizer (counters, loader positions, RNG).
+* :mod:`~lockstep.session.preempt`: preemption signals, one agreed stop (the session saves).
 
 May import: every library layer below it (errors, env, comm, strategies, precision, data,
 metrics, checkpoint).
@@ -20,5 +22,6 @@ Example::
 from __future__ import annotations
 
 from lockstep.session.session import NonFiniteLossError, ResumeState, Session
+from lockstep.session.state import TrainState
 
-__all__ = ["Session", "ResumeState", "NonFiniteLossError"]
+__all__ = ["Session", "ResumeState", "TrainState", "NonFiniteLossError"]

@@ -1,6 +1,6 @@
 """The pieces of the training step that the session holds: device loaders and their epochs,
-the precision-aware module wrapper and gradient accumulation (the non-finite policy is
-:mod:`lockstep.session.nonfinite`).
+the precision-aware module wrapper, gradient accumulation and the progress bar (the non-finite
+policy is :mod:`lockstep.session.nonfinite`).
 
 They are separate from :mod:`lockstep.session.session` so that each stays small and testable; users
 meet them only through ``Session``.
@@ -8,8 +8,9 @@ meet them only through ``Session``.
 
 from __future__ import annotations
 
+import sys
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -18,7 +19,7 @@ from torch import nn
 
 from lockstep.errors import ConfigError
 
-__all__ = ["DeviceLoader", "PrecisionModule", "Accumulator", "TrainLoaders", "rebind_optimizer"]
+__all__ = ["DeviceLoader", "PrecisionModule", "Accumulator", "TrainLoaders", "progress_bar"]
 
 class DeviceLoader:
     """Iterate a DataLoader, moving each batch to the device, and count what training consumed.
@@ -218,6 +219,24 @@ class TrainLoaders:
         live = self.live
         return live[0] if live else None
 
+    def describe(self, world_size: int, accumulate: int) -> list[str]:
+        """What the session's summary says about the batches of the first loader (nothing without one).
+
+        Args:
+            world_size: ranks in the job.
+            accumulate: micro-steps per optimizer step.
+
+        Example::
+
+            loaders.describe(4, 1)   # ['batch 100 per device', 'global batch 400 (100 x 4 x 1)', '...']
+        """
+        first = self.first
+        if first is None:
+            return []
+        b, g = first.batch_size, first.batch_size * world_size * accumulate
+        return [f"batch {b} per device", f"global batch {g} ({b} x {world_size} x {accumulate})",
+                f"{len(first) // accumulate} steps per epoch"]
+
     def add(self, loader: DeviceLoader) -> None:
         """Track ``loader``; a sampler state waiting for it is applied now.
 
@@ -278,23 +297,22 @@ class TrainLoaders:
         return mid
 
 
-def rebind_optimizer(optimizer: torch.optim.Optimizer, strategy: Any) -> torch.optim.Optimizer:
-    """Accept an optimizer built on the bare model's parameters, unless the strategy replaces them.
-
-    DDP keeps the parameters, so the optimizer still points at the right tensors; FSDP replaces
-    them, so its optimizer must come from a factory.
+def progress_bar(iterable: Iterable[Any], show: bool, *, force: bool = False, **kwargs: Any) -> Iterable[Any]:
+    """Wrap ``iterable`` in a tqdm bar where ``show`` is True and stderr is a terminal (or ``force``).
 
     Args:
-        optimizer: the user's optimizer.
-        strategy: the session's strategy.
+        iterable: what the loop goes over.
+        show: draw a bar in this process (rank 0 only, so ranks do not print over each other).
+        force: draw it even when stderr is not a terminal.
+        **kwargs: passed to tqdm (``leave`` is False unless given).
 
     Example::
 
-        opt = rebind_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+        for batch in progress_bar(train, session.is_main, desc="epoch 0"): ...
     """
-    if strategy.sharded:
-        raise ConfigError(
-            f"strategy {strategy.name} replaces the model's parameters: pass an optimizer factory, "
-            "e.g. session.setup(model, lambda params: torch.optim.SGD(params, lr=0.1))"
-        )
-    return optimizer
+    if not show or not (force or sys.stderr.isatty()):
+        return iterable
+    from tqdm.auto import tqdm
+
+    kwargs.setdefault("leave", False)
+    return tqdm(iterable, **kwargs)

@@ -1,13 +1,14 @@
-"""The non-finite loss policy's pieces: the per-step gradient check and naming the ranks.
+"""The non-finite loss policy: the per-step gradient check, naming the ranks, one decision.
 
-:class:`FiniteCheck` runs once per optimizer step (the hot path) unless the session's policy is
-``nonfinite="ignore"``; :func:`name_nonfinite_ranks` runs only on the rare bad step.
+:class:`NonFinitePolicy` is what the session holds. Its :class:`FiniteCheck` runs once per
+optimizer step (the hot path) unless the policy is ``nonfinite="ignore"``;
+:func:`name_nonfinite_ranks` runs only on the rare bad step.
 
 Example::
 
-    check = FiniteCheck(comm)
-    if not check(optimizer):
-        print("non-finite loss on", name_nonfinite_ranks(comm, loss))
+    policy = NonFinitePolicy("skip", comm)
+    policy.record(loss)
+    warning = policy.verdict(optimizer, step=3, epoch=0)   # None: the step goes ahead
 """
 
 from __future__ import annotations
@@ -18,15 +19,78 @@ from typing import Any
 import torch
 
 from lockstep.comm.group import Comm
-from lockstep.errors import LockstepError
+from lockstep.errors import ConfigError, LockstepError, format_ranks
 
-__all__ = ["FiniteCheck", "NonFiniteLossError", "NONFINITE_POLICIES", "name_nonfinite_ranks"]
+__all__ = ["FiniteCheck", "NonFinitePolicy", "NonFiniteLossError", "NONFINITE_POLICIES", "name_nonfinite_ranks"]
 
 NONFINITE_POLICIES = ("skip", "stop", "ignore")
 
 
 class NonFiniteLossError(LockstepError):
     """The loss became NaN or infinite and the session was told to stop (``nonfinite="stop"``)."""
+
+
+class NonFinitePolicy:
+    """What a session does when the loss turns NaN/inf on any rank; every rank decides alike.
+
+    Args:
+        policy: ``"skip"`` the step on every rank, ``"stop"`` every rank with an error, or
+            ``"ignore"`` (no check; fastest).
+        comm: the job's collectives (to name the ranks, and to agree on sharded gradients).
+
+    Raises:
+        ConfigError: an unknown policy.
+
+    Example::
+
+        policy = NonFinitePolicy("stop", comm)
+    """
+
+    def __init__(self, policy: str, comm: Comm | None = None) -> None:
+        if policy not in NONFINITE_POLICIES:
+            raise ConfigError(f"nonfinite={policy!r}; choose one of {', '.join(NONFINITE_POLICIES)}")
+        self.policy = policy
+        self.active = policy != "ignore"
+        self.loss: torch.Tensor | None = None
+        self.attach(comm)
+
+    def attach(self, comm: Comm | None) -> NonFinitePolicy:
+        """Name ranks and agree over ``comm`` (the job's, once it exists); returns self.
+
+        Args:
+            comm: the job's collectives.
+        """
+        self.comm = comm
+        self.check = FiniteCheck(comm)
+        return self
+
+    def record(self, loss: torch.Tensor) -> None:
+        """Keep this micro-step's loss, to tell which ranks saw a non-finite one.
+
+        Args:
+            loss: the loss given to ``Session.backward``.
+        """
+        if self.active:
+            self.loss = loss.detach()
+
+    def verdict(self, optimizer: torch.optim.Optimizer, step: int, epoch: int) -> str | None:
+        """``None`` when the step may go ahead, else the warning of a step skipped on every rank.
+
+        Args:
+            optimizer: the optimizer about to step (its gradients are checked).
+            step: the global step, for the message.
+            epoch: the epoch, for the message.
+
+        Raises:
+            NonFiniteLossError: a non-finite gradient under ``policy="stop"`` (on every rank).
+        """
+        if not self.active or self.check(optimizer):
+            return None
+        ranks = name_nonfinite_ranks(self.comm, self.loss) if self.comm is not None else []
+        text = f"non-finite loss on {format_ranks(ranks) if ranks else 'a rank'} at step {step} (epoch {epoch})"
+        if self.policy == "stop":
+            raise NonFiniteLossError(f"{text}; stopping every rank (nonfinite='stop')")
+        return f"lockstep: warning: {text}; the step was skipped on every rank"
 
 
 class FiniteCheck:

@@ -14,16 +14,19 @@ and :class:`StopGuard` makes the ranks agree on it inside ``Session.step``:
   (far below 0.1 % of the step time); a signal is acted on within about ``check_seconds`` plus
   one step. The handlers are installed at the first ``Session.step`` and removed by
   ``Session.close``.
-* **Then everyone stops at that step.** With ``preemption="save"`` (the default) every rank
-  saves a checkpoint into the folder last given to ``Session.save``/``Session.load``, passes
-  a barrier, destroys the process group and raises :class:`Preempted`, a ``SystemExit`` with
-  code 75 (:data:`~lockstep.errors.EXIT_PREEMPTED`): the job ends with "run me again".
+* **Then everyone stops at that step.** :meth:`StopGuard.poll` returns True on every rank at
+  once. With ``preemption="save"`` (the default) the session then saves a checkpoint into the
+  folder last given to ``Session.save``/``Session.load``, passes a barrier, destroys the process
+  group and raises :class:`Preempted`, a ``SystemExit`` with code 75
+  (:data:`~lockstep.errors.EXIT_PREEMPTED`): the job ends with "run me again".
   ``preemption="flag"`` only sets ``session.should_stop``; ``"off"`` installs no handler.
 
 A second signal before the ranks agreed (or one that arrives after the job already failed)
 ends the process at once, with the signal's default action; so does the first one if the ranks
 have not agreed within the grace window (``$LOCKSTEP_GRACE`` seconds, set by ``lockstep run
 --grace``; 30 by default): a process that stopped calling ``Session.step`` still obeys SIGTERM.
+The watchdog tells the guard when the job has failed (:meth:`~lockstep.comm.watchdog.NullWatchdog.on_job_failed`),
+and a signal waiting for agreement then ends the process too.
 
 Example::
 
@@ -44,24 +47,20 @@ import threading
 import time
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any
 
 import torch
 
 from lockstep.comm.group import Comm
-from lockstep.env import World
-from lockstep.errors import EXIT_PREEMPTED, ConfigError
+from lockstep.env import World, read_settings
+from lockstep.errors import DEFAULT_GRACE, EXIT_PREEMPTED, ConfigError, format_ranks, signal_name
 
-if TYPE_CHECKING:
-    from lockstep.session.session import Session
-
-__all__ = ["Preempted", "StopGuard", "PREEMPTION_MODES", "stop_message", "stop_every_rank"]
+__all__ = ["Preempted", "StopGuard", "PREEMPTION_MODES", "stop_message", "parse_grace"]
 
 PREEMPTION_MODES = ("save", "flag", "off")
 _SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name))
 _FIRST_INTERVAL = 1  # then at most 4x longer each time: 1, 4, 16... steps until checks are ~1 s apart
 _MAX_INTERVAL = 100_000
-_DEFAULT_GRACE = 30.0
 
 
 class Preempted(SystemExit):
@@ -88,18 +87,24 @@ class Preempted(SystemExit):
         return self.message
 
 
-def _grace() -> float:
-    try:
-        return float(os.environ.get("LOCKSTEP_GRACE") or _DEFAULT_GRACE)
-    except ValueError:
-        return _DEFAULT_GRACE
+def parse_grace(text: str) -> float:
+    """Seconds a stop signal may wait for the ranks to agree, from ``$LOCKSTEP_GRACE`` as written.
 
+    Empty, unreadable, negative or infinite values give :data:`~lockstep.errors.DEFAULT_GRACE`.
 
-def _name(signum: int) -> str:
+    Args:
+        text: the setting (``read_settings().grace``).
+
+    Example::
+
+        parse_grace("5")     # 5.0
+        parse_grace("soon")  # 30.0
+    """
     try:
-        return signal.Signals(signum).name
+        grace = float(text) if text else DEFAULT_GRACE
     except ValueError:
-        return f"signal {signum}"
+        return DEFAULT_GRACE
+    return grace if 0 <= grace < math.inf else DEFAULT_GRACE
 
 
 def stop_message(signals: list[int | None], step: int, path: Path | None) -> str:
@@ -118,8 +123,7 @@ def stop_message(signals: list[int | None], step: int, path: Path | None) -> str
     for rank, signum in enumerate(signals):
         if signum is not None:
             by_signal.setdefault(signum, []).append(rank)
-    got = "; ".join(f"{_name(s)} on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}"
-                    for s, r in sorted(by_signal.items()))
+    got = "; ".join(f"{signal_name(s)} on {format_ranks(r)}" for s, r in sorted(by_signal.items()))
     saved = (f"saved {path}" if path is not None else
              "no checkpoint was saved (call session.save or session.load with a folder first)")
     return (f"lockstep: {got or 'a stop signal'}: every rank stopped after step {step}; {saved}; "
@@ -129,12 +133,14 @@ def stop_message(signals: list[int | None], step: int, path: Path | None) -> str
 class StopGuard:
     """Record stop signals and make every rank agree on them at the same step.
 
-    The session increments :attr:`steps` once per optimizer step and calls :meth:`check` when
+    The session calls :meth:`poll` once per optimizer step; it runs :meth:`check` only when
     ``steps >= next_check``: a comparison of two integers is all the hot path pays.
 
     Args:
         mode: ``"save"``, ``"flag"`` or ``"off"`` (see the module docstring).
         check_seconds: the target time between two agreements.
+        grace: seconds a signal may wait for agreement before it ends the process; by default
+            ``lockstep run --grace`` (:func:`parse_grace` of ``read_settings().grace``).
 
     Raises:
         ConfigError: an unknown mode or a check time that is not positive.
@@ -142,16 +148,16 @@ class StopGuard:
     Example::
 
         guard = StopGuard().attach(comm, torch.device("cpu"))
-        guard.steps += 1
-        if guard.steps >= guard.next_check and guard.check(): ...   # every rank stops here
+        if guard.poll(): ...   # every rank agreed to stop at this step
     """
 
-    def __init__(self, mode: str = "save", check_seconds: float = 1.0) -> None:
+    def __init__(self, mode: str = "save", check_seconds: float = 1.0, grace: float | None = None) -> None:
         if mode not in PREEMPTION_MODES:
             raise ConfigError(f"preemption={mode!r}; choose one of {', '.join(PREEMPTION_MODES)}")
         if not check_seconds > 0:
             raise ConfigError(f"preempt_check_seconds must be positive, got {check_seconds!r}")
         self.mode, self.check_seconds = mode, check_seconds
+        self.grace = parse_grace(read_settings().grace) if grace is None else grace
         self.comm: Comm = Comm(World())
         self.device = torch.device("cpu")
         self.steps = 0
@@ -167,11 +173,15 @@ class StopGuard:
     def attach(self, comm: Comm, device: torch.device) -> StopGuard:
         """Agree over ``comm`` with tensors on ``device`` (nccl needs the rank's GPU); returns self.
 
+        The comm's watchdog reports a failed job to the guard: a signal then waiting for an
+        agreement that cannot come ends the process.
+
         Args:
             comm: the job's communication.
             device: this rank's device.
         """
         self.comm, self.device = comm, device
+        comm.watchdog.on_job_failed(self._resend)
         return self
 
     def install(self) -> None:
@@ -197,14 +207,35 @@ class StopGuard:
             os.kill(os.getpid(), signum)
             return
         self.requested = signum
-        watch.stop_signal = signum  # the watchdog sends it again if the job turns out failed
-        overdue = threading.Timer(_grace(), self._overdue, args=(signum,))
+        overdue = threading.Timer(self.grace, self._resend)
         overdue.daemon = True
         overdue.start()
 
-    def _overdue(self, signum: int) -> None:
-        if not self.agreed:  # no step reached an agreement in time: the second signal stops us
+    def _resend(self) -> None:
+        # from the grace timer or the watchdog's thread (the job failed): a recorded signal that
+        # no step agreed on is sent again, and the handler, seeing it twice, ends the process
+        signum = self.requested
+        if signum is not None and not self.agreed:
             os.kill(os.getpid(), signum)
+
+    def poll(self) -> bool:
+        """Count one optimizer step; True on every rank at once when the ranks agreed to stop here.
+
+        Example::
+
+            if guard.poll() and guard.mode == "save": ...   # save and exit on every rank
+        """
+        self.steps += 1
+        return self.steps >= self.next_check and self.check()
+
+    def signals(self) -> list[int | None]:
+        """The signal each rank recorded (``None``: none), by rank; every rank must call it.
+
+        Example::
+
+            stop_message(guard.signals(), step, path)
+        """
+        return self.comm.all_gather_object(self.requested)
 
     def check(self) -> bool:
         """Agree with every rank on whether to stop now; returns True on every rank, or on none."""
@@ -228,30 +259,3 @@ class StopGuard:
         self.next_check = self.steps + self._interval
         return False
 
-
-def stop_every_rank(session: Session, optimizer: torch.optim.Optimizer) -> NoReturn:
-    """The ranks agreed to stop: save where the session last saved or loaded, tear down, exit 75.
-
-    Every rank calls it at the same step (from ``Session.step``).
-
-    Args:
-        session: the session that agreed.
-        optimizer: the optimizer ``Session.step`` was given (saved with the model).
-
-    Raises:
-        Preempted: always, on every rank, after the process group is gone.
-
-    Example::
-
-        if guard.check():
-            stop_every_rank(session, optimizer)
-    """
-    signals = session.comm.all_gather_object(session._guard.requested)
-    path = None
-    if session._ckpt is not None and session._model is not None:
-        directory, keep, extras = session._ckpt
-        path = session.save(directory, model=session._model, optimizer=optimizer, keep=keep, **extras)
-    message = stop_message(signals, session.global_step, path)
-    session.print(message)
-    session.close()
-    raise Preempted(message, session.global_step, path)

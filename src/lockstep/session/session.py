@@ -22,22 +22,21 @@ metrics, checkpoint).
 from __future__ import annotations
 
 import gc
-import sys
 from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
 
 from lockstep.comm.group import Comm, init_comm, resolve_timeout
 from lockstep.env import detect_world
-from lockstep.errors import ConfigError
-from lockstep.session.loop import Accumulator, DeviceLoader, PrecisionModule, TrainLoaders, rebind_optimizer
-from lockstep.session.nonfinite import NONFINITE_POLICIES, FiniteCheck, NonFiniteLossError, name_nonfinite_ranks
-from lockstep.session.preempt import StopGuard, stop_every_rank
-from lockstep.session.resume import ResumeState, seed_everything
+from lockstep.session.loop import Accumulator, DeviceLoader, PrecisionModule, progress_bar
+from lockstep.session.nonfinite import NonFiniteLossError, NonFinitePolicy
+from lockstep.session.preempt import Preempted, StopGuard, stop_message
+from lockstep.session.state import ResumeState, TrainState, load_state, resumed_line, save_state, seed_everything
 
 __all__ = ["Session", "ResumeState", "NonFiniteLossError"]
 
@@ -47,6 +46,9 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
 
 class Session:
     """One training job: where this rank is, how it talks, how the model is wrapped.
+
+    The loop's counters, loader positions and RNG are :attr:`state`, a
+    :class:`~lockstep.session.state.TrainState` that :meth:`save` and :meth:`load` checkpoint.
 
     Args:
         strategy: ``"auto"`` (ddp with several processes, dp with several GPUs in one process,
@@ -99,8 +101,7 @@ class Session:
         from lockstep.precision import get_precision
         from lockstep.strategies import get_strategy
 
-        if nonfinite not in NONFINITE_POLICIES:
-            raise ConfigError(f"nonfinite={nonfinite!r}; choose one of {', '.join(NONFINITE_POLICIES)}")
+        self._finite = NonFinitePolicy(nonfinite)  # a bad option is refused before any process group
         self._accum = Accumulator(accumulate)
         self.world = detect_world()
         self.seed, self.nonfinite, self.clip = seed, nonfinite, clip_grad_norm
@@ -114,16 +115,12 @@ class Session:
         self._guard = StopGuard(preemption, preempt_check_seconds)
         self.comm: Comm = init_comm(self.world, backend, init_method, self.timeout)
         self._guard.attach(self.comm, self.device)
-        self._watch = self.comm.watchdog
+        self._finite.attach(self.comm)
         self.precision = get_precision(precision, self.device, comm=self.comm)
         self.strategy = get_strategy(strategy, self.comm, self.device, **options)
         seed_everything(seed)
-        self.epoch = self.global_step = self.skipped_steps = 0
+        self.state = TrainState(self.rank, self.world_size)
         self._model: nn.Module | None = None
-        self._finite = FiniteCheck(self.comm)
-        self._loaders = TrainLoaders()
-        self._loss: torch.Tensor | None = None
-        self._resume = ResumeState()
         self._announced = False
         self._ckpt: tuple[Path, int | None, dict[str, Any]] | None = None  # where a preemption saves
 
@@ -147,6 +144,21 @@ class Session:
     def is_main(self) -> bool:
         """True on rank 0."""
         return self.world.is_main
+
+    @property
+    def epoch(self) -> int:
+        """The current epoch (:attr:`state` holds it with the other counters)."""
+        return self.state.epoch
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken so far."""
+        return self.state.global_step
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for a non-finite loss (``nonfinite="skip"``)."""
+        return self.state.skipped_steps
 
     @property
     def accumulate(self) -> int:
@@ -180,7 +192,8 @@ class Session:
         opt: Optimizer | None = None
         if optimizer is not None:
             if isinstance(optimizer, Optimizer):
-                opt = rebind_optimizer(optimizer, self.strategy)
+                self.strategy.check_optimizer(optimizer)
+                opt = optimizer
             else:
                 opt = optimizer(wrapped.parameters())
             opt = self.precision.setup_optimizer(opt, wrapped)
@@ -214,7 +227,7 @@ class Session:
                              shuffle=shuffle and not eval, eval=eval, seed=self.seed, **options)
         wrapped = DeviceLoader(loader, self.device, train=not eval)
         if not eval:
-            self._loaders.add(wrapped)
+            self.state.loaders.add(wrapped)
         return wrapped
 
     # -- the loop ---------------------------------------------------------------------------
@@ -228,20 +241,17 @@ class Session:
             for epoch in session.epochs(10, start=state.epoch): ...
         """
         for epoch in range(start, n):
-            self.epoch = epoch
-            self._loaders.set_epoch(epoch)  # a loader resumed mid-epoch keeps its position
+            self.state.start_epoch(epoch)  # a loader resumed mid-epoch keeps its position
             self._announce()
             yield epoch
-        self._resume = ResumeState()
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate ``loss`` (scaled for fp16 and for accumulation)."""
         self._announce()
-        if self.nonfinite != "ignore":
-            self._loss = loss.detach()
+        self._finite.record(loss)
         if self._accum.k > 1:
             loss = loss / self._accum.k
-        watch = self._watch
+        watch = self.comm.watchdog
         watch.enter("backward of step {}", self.global_step + 1)  # DDP's gradient all_reduce is in here
         try:
             self.precision.backward(loss)
@@ -264,36 +274,35 @@ class Session:
         if not self._accum.ready:
             return False
         model = self._model
-        took = True
-        if self.nonfinite != "ignore" and not self.precision.scales_loss:
-            took = self._finite(optimizer) or self._nonfinite()
-        if took:
+        # a loss-scaling precision skips a non-finite step itself (and every rank sees the same grads)
+        warning = None if self.precision.scales_loss else self._finite.verdict(optimizer, self.global_step, self.epoch)
+        took = warning is None
+        if warning is not None:
+            self.state.skipped_steps += 1
+            self.print(warning)
+        else:
             clip = None
             if self.clip is not None and model is not None:
-                clip_to, m = self.clip, model
-
-                def clip() -> object:
-                    return self.strategy.clip_grad_norm(m, clip_to)
-
+                clip = partial(self.strategy.clip_grad_norm, model, self.clip)
             took = self.precision.step(optimizer, clip)
         optimizer.zero_grad(set_to_none=True)
         self._accum.after_step()
-        self.global_step += int(took)
-        guard = self._guard
-        guard.steps += 1
-        if guard.steps >= guard.next_check and guard.check() and guard.mode == "save":
-            stop_every_rank(self, optimizer)  # saves, tears down, raises Preempted
+        self.state.global_step += int(took)
+        if self._guard.poll() and self._guard.mode == "save":
+            self._stop_every_rank(optimizer)
         return took
 
-    def _nonfinite(self) -> bool:
-        ranks = name_nonfinite_ranks(self.comm, self._loss)
-        who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if ranks else "a rank"
-        text = f"non-finite loss on {who} at step {self.global_step} (epoch {self.epoch})"
-        if self.nonfinite == "stop":
-            raise NonFiniteLossError(f"{text}; stopping every rank (nonfinite='stop')")
-        self.skipped_steps += 1
-        self.print(f"lockstep: warning: {text}; the step was skipped on every rank")
-        return False
+    def _stop_every_rank(self, optimizer: Optimizer) -> NoReturn:
+        """The ranks agreed to stop: save where the last save or load was, tear down, exit 75."""
+        signals = self._guard.signals()
+        path = None
+        if self._ckpt is not None and self._model is not None:
+            directory, keep, extras = self._ckpt
+            path = self.save(directory, model=self._model, optimizer=optimizer, keep=keep, **extras)
+        message = stop_message(signals, self.global_step, path)
+        self.print(message)
+        self.close()
+        raise Preempted(message, self.global_step, path)
 
     # -- talking and printing ----------------------------------------------------------------
     def all_reduce(self, value: torch.Tensor | float, op: str = "sum") -> Any:
@@ -314,26 +323,15 @@ class Session:
 
     def progress(self, iterable: Iterable[Any], **kwargs: Any) -> Iterable[Any]:
         """Wrap ``iterable`` in a tqdm bar on rank 0 (other ranks iterate silently)."""
-        force = kwargs.pop("force", False)
-        if not self.is_main or not (force or sys.stderr.isatty()):
-            return iterable
-        from tqdm.auto import tqdm
-
         kwargs.setdefault("desc", f"epoch {self.epoch}")
-        kwargs.setdefault("leave", False)
-        return tqdm(iterable, **kwargs)
+        return progress_bar(iterable, self.is_main, **kwargs)
 
     def summary(self) -> str:
         """The one-line description printed at start: world, strategy, precision, batches."""
         parts = [f"world {self.world_size}", f"strategy {self.strategy.name}",
                  f"precision {self.precision.name}", f"backend {self.comm.backend}",
                  f"timeout {self.timeout.total_seconds():.0f} s"]
-        train = self._loaders.first
-        if train is not None:
-            b = train.batch_size
-            g = b * self.world_size * self.accumulate
-            parts += [f"batch {b} per device", f"global batch {g} ({b} x {self.world_size} x {self.accumulate})",
-                      f"{len(train) // self.accumulate} steps per epoch"]
+        parts += self.state.loaders.describe(self.world_size, self.accumulate)
         return "lockstep: " + ", ".join(parts)
 
     def _announce(self) -> None:
@@ -358,10 +356,9 @@ class Session:
 
             session.save("checkpoints", model=model, optimizer=optimizer, keep=3, best=acc)
         """
-        from lockstep.session.resume_io import save_session
-
         self._ckpt = (Path(directory), keep, extras)
-        return save_session(self, Path(directory), model, optimizer, keep, extras)
+        return save_state(Path(directory), self.state, comm=self.comm, strategy=self.strategy,
+                          precision=self.precision, model=model, optimizer=optimizer, keep=keep, extras=extras)
 
     def load(self, directory: str | Path, *, model: nn.Module, optimizer: Optimizer | None = None) -> ResumeState:
         """Restore the newest good checkpoint in ``directory``, if any; see :class:`ResumeState`.
@@ -371,14 +368,13 @@ class Session:
         in samples, not batches. Rank 0 prints where it resumed from. A preemption saves into
         ``directory`` (or the folder of the last :meth:`save`).
         """
-        from lockstep.session.resume_io import load_session, resumed_line
-
         if self._ckpt is None or self._ckpt[0] != Path(directory):
             self._ckpt = (Path(directory), None, {})
-        self._resume = load_session(self, Path(directory), model, optimizer)
-        if self._resume.resumed and not self.quiet:
-            self.print(resumed_line(self._resume))
-        return self._resume
+        resume = load_state(Path(directory), self.state, comm=self.comm, device=self.device, strategy=self.strategy,
+                            precision=self.precision, model=model, optimizer=optimizer)
+        if resume.resumed and not self.quiet:
+            self.print(resumed_line(resume))
+        return resume
 
     def close(self) -> None:
         """End the job's communication (barrier + destroy). Safe to call twice."""

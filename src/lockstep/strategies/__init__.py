@@ -22,19 +22,21 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
 from lockstep.comm.group import Comm
 from lockstep.errors import ConfigError
 from lockstep.strategies.base import Strategy, apply_sync_bn, broadcast_module_state, unwrap_module
 from lockstep.strategies.ddp import DDPStrategy, UnusedParametersError, apply_ddp, explain_ddp_error
 from lockstep.strategies.dp import DataParallelStrategy, apply_dp
-from lockstep.strategies.fsdp import FSDPStrategy, apply_fsdp
+from lockstep.strategies.fsdp import FSDPStrategy, apply_fsdp, holds_fsdp
 from lockstep.strategies.single import SingleStrategy
+from lockstep.strategies.state import StateDicts
 
 __all__ = [
     "Strategy", "SingleStrategy", "DataParallelStrategy", "DDPStrategy", "FSDPStrategy",
     "UnusedParametersError", "register_strategy", "get_strategy", "available_strategies",
-    "resolve_auto", "apply_ddp", "apply_fsdp", "apply_dp", "apply_sync_bn",
+    "resolve_auto", "strategy_for_model", "StateDicts", "apply_ddp", "apply_fsdp", "apply_dp", "apply_sync_bn",
     "broadcast_module_state", "unwrap_module", "explain_ddp_error",
 ]
 
@@ -92,6 +94,29 @@ def resolve_auto(comm: Comm, device: torch.device) -> str:
     if torch.device(device).type == "cuda" and torch.cuda.device_count() > 1:
         return "dp"
     return "single"
+
+
+def strategy_for_model(model: nn.Module, comm: Comm, device: torch.device) -> Strategy:
+    """The strategy whose wrapper ``model`` holds: ``fsdp``, ``ddp``, else ``single``.
+
+    For code handed a wrapped model without the strategy that wrapped it (a model passed to
+    :mod:`lockstep.metrics` with a plain Comm); the wrapper may sit inside others (autocast,
+    ``torch.compile``).
+
+    Args:
+        model: the module, wrapped or not.
+        comm: the job's collectives.
+        device: this rank's device.
+
+    Example::
+
+        strategy_for_model(apply_ddp(net, device), comm, device).name   # 'ddp'
+    """
+    if holds_fsdp(model):
+        return FSDPStrategy(comm, device)
+    if any(isinstance(m, nn.parallel.DistributedDataParallel) for m in model.modules()):
+        return DDPStrategy(comm, device)
+    return SingleStrategy(comm, device)
 
 
 def get_strategy(name: str, comm: Comm, device: torch.device, **options: Any) -> Strategy:

@@ -4,9 +4,9 @@ A strategy is built from a :class:`~lockstep.comm.group.Comm` (who the peers are
 options it declares in ``defaults``. Its public methods check, its ``_hooks`` act, so that a new
 strategy overrides only what differs (usually ``_wrap``).
 
-State dicts leave a strategy in one portable form: the bare module's keys, full (unsharded) CPU
-tensors, identical on every rank; optimizer state in ``torch.optim``'s own positional format.
-Either loads back under any strategy and any world size.
+What a strategy saves (portable state dicts, checkpoint state) is its base
+:class:`~lockstep.strategies.state.StateDicts`; evaluation has two hooks (:meth:`Strategy.eval_context`,
+:meth:`Strategy.extra_eval_forwards`) so that metrics need not know the wrappers.
 
 Example::
 
@@ -26,11 +26,12 @@ from torch import nn
 from lockstep.comm.group import Comm
 from lockstep.errors import ConfigError
 from lockstep.strategies.modules import apply_sync_bn, broadcast_module_state, unwrap_module
+from lockstep.strategies.state import StateDicts
 
 __all__ = ["Strategy", "apply_sync_bn", "broadcast_module_state", "unwrap_module"]
 
 
-class Strategy:
+class Strategy(StateDicts):
     """Base class of the parallel strategies (``single``, ``dp``, ``ddp``, ``fsdp``).
 
     Args:
@@ -201,122 +202,59 @@ class Strategy:
         """
         return None
 
-    # -- state dicts -----------------------------------------------------------------------
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Refuse an optimizer built on the bare model when the wrapping replaces its parameters.
 
-    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """Return the full state dict with the bare module's keys as CPU tensors (every rank).
-
-        Args:
-            model: the module returned by :meth:`setup_module`.
-
-        Example::
-
-            torch.save(strategy.model_state_dict(model), "weights.pt")
-        """
-        state = self.unwrap(model).state_dict()
-        return {key: _to_cpu(self._full_tensor(value)) for key, value in state.items()}
-
-    def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        """Load a full state dict (as :meth:`model_state_dict` returns) into ``model``.
+        DDP keeps the parameters, so such an optimizer still points at the right tensors; FSDP
+        replaces them, so its optimizer must come from a factory.
 
         Args:
-            model: the module returned by :meth:`setup_module`.
-            state: bare-module keys to full tensors, on any device.
+            optimizer: the user's optimizer, built on the bare model's parameters.
 
         Raises:
-            ConfigError: when the keys or shapes do not match the model.
+            ConfigError: this strategy replaces the parameters.
 
         Example::
 
-            strategy.load_model_state_dict(model, torch.load("weights.pt", weights_only=True))
+            strategy.check_optimizer(torch.optim.SGD(net.parameters(), lr=0.1))
         """
-        bare = self.unwrap(model)
-        current = bare.state_dict()
-        _check_same_keys(current, state)
-        converted = {key: self._shard_like(value, current[key]) for key, value in state.items()}
-        bare.load_state_dict(converted)
-
-    def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """Return the optimizer's full state (``torch.optim`` format, CPU tensors, every rank).
-
-        Args:
-            model: the module returned by :meth:`setup_module`.
-            optimizer: the optimizer over its parameters.
-
-        Example::
-
-            torch.save(strategy.optimizer_state_dict(model, optimizer), "optim.pt")
-        """
-        raw = optimizer.state_dict()
-        state = {
-            index: {key: _to_cpu(self._full_tensor(v)) if isinstance(v, torch.Tensor) else v
-                    for key, v in entry.items()}
-            for index, entry in sorted(raw["state"].items())
-        }
-        groups = [dict(group, params=list(group["params"])) for group in raw["param_groups"]]
-        return {"state": state, "param_groups": groups}
-
-    def load_optimizer_state_dict(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
-    ) -> None:
-        """Load optimizer state saved by :meth:`optimizer_state_dict` (at any world size).
-
-        Args:
-            model: the module returned by :meth:`setup_module`.
-            optimizer: the optimizer to load into.
-            state: the saved optimizer state.
-
-        Example::
-
-            strategy.load_optimizer_state_dict(model, optimizer, saved)
-        """
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        converted: dict[Any, Any] = {}
-        for index, entry in state["state"].items():
-            if not 0 <= int(index) < len(params):
-                raise ConfigError(
-                    f"the optimizer state has an entry for parameter {index}, but the optimizer "
-                    f"has only {len(params)} parameters; was it saved from another model?"
-                )
-            param = params[int(index)]
-            converted[index] = {key: self._shard_state(v, param) for key, v in entry.items()}
-        optimizer.load_state_dict({"state": converted, "param_groups": state["param_groups"]})
-
-    def _shard_state(self, value: Any, param: torch.Tensor) -> Any:
-        # Per-parameter state (momentum, exp_avg) has the parameter's full shape; scalars
-        # such as Adam's "step" stay as they are.
-        if isinstance(value, torch.Tensor) and value.shape == param.shape:
-            return self._shard_like(value, param)
-        return value
-
-    def _full_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Gather a sharded tensor into the full one (override for sharded strategies)."""
-        return tensor
-
-    def _shard_like(self, full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        """Turn a full tensor into this rank's piece of ``like`` (override for sharding)."""
-        return full
-
-
-def _to_cpu(tensor: torch.Tensor) -> torch.Tensor:
-    # .cpu() of a CPU tensor is the live tensor itself; a saved state must not change later.
-    tensor = tensor.detach()
-    return tensor.clone() if tensor.device.type == "cpu" else tensor.cpu()
-
-
-def _check_same_keys(current: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> None:
-    missing = sorted(set(current) - set(state))
-    unexpected = sorted(set(state) - set(current))
-    if missing or unexpected:
-        raise ConfigError(
-            "the state dict does not match the model: "
-            f"missing keys {missing[:5]}{' ...' if len(missing) > 5 else ''}, "
-            f"unexpected keys {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}. "
-            "Was it saved from another model? Keys must be the bare module's (no 'module.' prefix)."
-        )
-    for key, value in state.items():
-        if tuple(value.shape) != tuple(current[key].shape):
+        if self.sharded:
             raise ConfigError(
-                f"the state dict does not match the model: {key!r} has shape {tuple(value.shape)} "
-                f"in the state dict but {tuple(current[key].shape)} in the model"
+                f"strategy {self.name} replaces the model's parameters: pass an optimizer factory, "
+                "e.g. session.setup(model, lambda params: torch.optim.SGD(params, lr=0.1))"
             )
+
+    # -- evaluation ----------------------------------------------------------------------
+
+    def eval_context(self, model: nn.Module) -> ContextManager[Any]:
+        """Context of an evaluation in which ranks may run different numbers of forwards.
+
+        The base does nothing; DDP first gives every rank rank 0's buffers, then turns off its
+        per-forward buffer broadcast, which would otherwise leave a rank waiting.
+
+        Args:
+            model: the module to evaluate (wrapped, possibly inside other wrappers).
+
+        Example::
+
+            with strategy.eval_context(model), torch.no_grad():
+                outputs = [model(x) for x in batches]
+        """
+        return contextlib.nullcontext()
+
+    def extra_eval_forwards(self, model: nn.Module, batches: int | None) -> int:
+        """How many extra, discarded forwards this rank runs after its evaluation batches.
+
+        Where a forward is a collective (FSDP all-gathers), every rank must run as many; the
+        ranks agree on it here, before any forward. The base needs none.
+
+        Args:
+            model: the module to evaluate.
+            batches: this rank's number of evaluation batches (``None``: the loader has no length).
+
+        Example::
+
+            for _ in range(strategy.extra_eval_forwards(model, len(loader))):
+                model(padding_inputs)
+        """
+        return 0

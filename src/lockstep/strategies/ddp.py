@@ -16,8 +16,10 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import re
+from collections.abc import Iterator
 from typing import Any, ClassVar, ContextManager
 
 import torch
@@ -227,3 +229,51 @@ class DDPStrategy(Strategy):
         if isinstance(exc, UnusedParametersError):
             return None  # already explained by the wrapper's forward
         return explain_ddp_error(exc, model)
+
+    def eval_context(self, model: nn.Module) -> ContextManager[Any]:
+        return _quiet_ddp(model, self.comm)
+
+
+@contextlib.contextmanager
+def _quiet_ddp(model: nn.Module, comm: Any) -> Iterator[None]:
+    """Sync the buffers of every DDP inside ``model`` once, then stop its per-forward sync.
+
+    A DDP forward may broadcast buffers, a collective; with shards of different batch counts
+    (or an empty one) the ranks would then call different collectives and hang. The DDP may sit
+    inside other wrappers (autocast, compile), so it is found among the modules, not unwrapped.
+    """
+    saved = []
+    for m in model.modules():
+        if isinstance(m, DistributedDataParallel):
+            _sync_ddp_buffers(m, comm)
+            saved.append((m, m.require_forward_param_sync))
+            m.require_forward_param_sync = False
+    try:
+        yield
+    finally:
+        for ddp, sync in saved:
+            ddp.require_forward_param_sync = sync
+
+
+def _sync_ddp_buffers(ddp: DistributedDataParallel, comm: Any) -> None:
+    """Give every rank rank 0's buffers (BatchNorm statistics), as DDP's next forward would.
+
+    DDP refreshes buffers from rank 0 at the start of each forward, so after the last training
+    forward they differ between ranks; evaluating without this would score a different model on
+    each rank.
+    """
+    if not getattr(ddp, "broadcast_buffers", False):
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for buf in ddp.module.buffers():
+        by_dtype.setdefault(buf.dtype, []).append(buf)
+    for bufs in by_dtype.values():  # one broadcast per dtype rather than per buffer
+        flat = torch.cat([b.detach().reshape(-1) for b in bufs])
+        if hasattr(comm, "broadcast"):
+            comm.broadcast(flat, 0)
+        else:  # an object that only reduces (see lockstep.metrics.SupportsAllReduce)
+            torch.distributed.broadcast(flat, 0)
+        offset = 0
+        for b in bufs:
+            b.data.copy_(flat[offset:offset + b.numel()].view_as(b))
+            offset += b.numel()

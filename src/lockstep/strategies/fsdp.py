@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # the FSDP modules take about a second to import: load them o
 from lockstep.errors import ConfigError
 from lockstep.strategies.base import Strategy
 
-__all__ = ["FSDPStrategy", "apply_fsdp", "fsdp_blocks"]
+__all__ = ["FSDPStrategy", "apply_fsdp", "fsdp_blocks", "holds_fsdp"]
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 
@@ -100,6 +100,23 @@ def apply_fsdp(
     return model
 
 
+def holds_fsdp(model: nn.Module) -> bool:
+    """True when ``model`` holds FSDP units (FSDP2 or FSDP1): their forward all-gathers parameters.
+
+    Args:
+        model: a module, wrapped or not.
+
+    Example::
+
+        holds_fsdp(apply_fsdp(net.to(device)))   # True
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    except ImportError:  # torch built without distributed
+        return False
+    return any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in model.modules())
+
+
 class FSDPStrategy(Strategy):
     """Fully sharded data parallelism (FSDP2); state dicts are gathered to full tensors.
 
@@ -152,6 +169,30 @@ class FSDPStrategy(Strategy):
             total = total.full_tensor()
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
         return total
+
+    def extra_eval_forwards(self, model: nn.Module, batches: int | None) -> int:
+        if not holds_fsdp(model):
+            return 0  # one process: nothing was sharded, a forward gathers nothing
+        if batches is None:
+            raise ConfigError("evaluating an FSDP model needs a loader with len(); use make_loader")
+        most = self.comm.all_reduce(torch.tensor([batches], device=self.device), "max")
+        return int(most.item()) - batches
+
+    def sharded_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any] | None:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(model, [optimizer] if optimizer is not None else [])
+        return {"model": model_sd, "optimizer": optim_sd}
+
+    def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                              state: dict[str, Any], sharded: dict[str, Any] | None) -> None:
+        if sharded is None:  # a checkpoint of full state dicts
+            super().load_checkpoint_state(model, optimizer, state, sharded)
+            return
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(model, [optimizer] if optimizer is not None else [],
+                       model_state_dict=sharded["model"], optim_state_dict=sharded["optimizer"])
 
     def _full_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
         full = getattr(tensor, "full_tensor", None)  # only DTensors have it

@@ -1,0 +1,306 @@
+"""What a checkpoint holds besides the model and optimizer, and how a session is put back.
+
+:class:`TrainState` is the loop's own state, with ``state_dict`` / ``load_state_dict``: the
+counters (epoch, global step, skipped steps), every training loader's position (counted in
+global samples, so it resumes at another world size), whether the epoch had finished, and the
+RNG of every rank (Python, NumPy, torch CPU and CUDA). :func:`save_state` / :func:`load_state`
+build the checkpoint from it and the model, optimizer, precision and the user's extras;
+:class:`ResumeState` is what ``Session.load`` returns.
+
+Example::
+
+    state = session.load("checkpoints", model=model, optimizer=optimizer)
+    for epoch in session.epochs(10, start=state.epoch):
+        ...
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from lockstep.comm.group import Comm
+from lockstep.env import read_settings
+from lockstep.session.loop import PrecisionModule, TrainLoaders
+
+if TYPE_CHECKING:  # the session builds them; importing them here would only cost import time
+    from lockstep.precision.base import Precision
+    from lockstep.strategies.base import Strategy
+
+__all__ = ["ResumeState", "TrainState", "save_state", "load_state", "resumed_line", "capture_rng",
+           "restore_rng", "seed_everything"]
+
+FORMAT = 1
+
+
+@dataclass(frozen=True)
+class ResumeState:
+    """Where training continues after ``Session.load``.
+
+    Args:
+        epoch: the epoch to start (or continue) from; pass it to ``Session.epochs(n, start=...)``.
+        step: optimizer steps taken so far.
+        path: the checkpoint that was loaded, or ``None`` when training starts fresh.
+        extras: the user's own values given to ``Session.save`` (``{}`` when fresh).
+        mid_epoch: True when the checkpoint was taken in the middle of ``epoch``; the training
+            loader then continues from the saved position.
+
+    Example::
+
+        ResumeState().epoch   # 0: nothing was loaded
+    """
+
+    epoch: int = 0
+    step: int = 0
+    path: Path | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
+    mid_epoch: bool = False
+
+    @property
+    def resumed(self) -> bool:
+        """True when a checkpoint was loaded."""
+        return self.path is not None
+
+
+class TrainState:
+    """The training loop's own state: counters, loader positions, the epoch's end, every rank's RNG.
+
+    Args:
+        rank: this process's rank (picks its RNG state out of a checkpoint).
+        world_size: ranks in the job (RNG states are restored only at the same world size).
+
+    Example::
+
+        state = TrainState(rank=0, world_size=1)
+        state.loaders.add(train_loader)
+        saved = state.state_dict()
+        state.load_state_dict({**saved, "rng": [saved["rng"]]})
+    """
+
+    def __init__(self, rank: int = 0, world_size: int = 1) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.epoch = 0
+        self.global_step = 0
+        self.skipped_steps = 0
+        self.loaders = TrainLoaders()
+
+    @property
+    def epoch_done(self) -> bool:
+        """True once a training loader ran out after the epoch's last batch."""
+        return self.loaders.epoch_done
+
+    def start_epoch(self, epoch: int) -> None:
+        """Enter ``epoch``: every training loader follows (one resumed mid-epoch keeps its position).
+
+        Args:
+            epoch: the epoch number.
+        """
+        self.epoch = epoch
+        self.loaders.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's part of a checkpoint (``"rng"`` is this rank's; the save gathers every rank's).
+
+        Example::
+
+            state.state_dict()["step"]
+        """
+        samplers = self.loaders.state_dicts()
+        return {
+            "epoch": self.epoch,
+            "step": self.global_step,
+            "skipped_steps": self.skipped_steps,
+            "world_size": self.world_size,
+            "sampler": samplers[-1] if samplers else None,  # older versions read the last loader's
+            "samplers": samplers,
+            "epoch_done": self.loaders.epoch_done,
+            "rng": capture_rng(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> bool:
+        """Put back a checkpoint's counters, loader positions and this rank's RNG.
+
+        Afterwards :attr:`epoch` is the epoch training continues in. The RNG is restored only
+        when the checkpoint was written at the same world size.
+
+        Args:
+            state: the loaded checkpoint, ``"rng"`` being the list of every rank's state.
+
+        Returns:
+            True when the checkpoint was taken in the middle of its epoch.
+
+        Example::
+
+            mid_epoch = state.load_state_dict(load_checkpoint("ckpt", comm))
+        """
+        rngs = state.get("rng")
+        if isinstance(rngs, list) and len(rngs) == self.world_size:
+            restore_rng(rngs[self.rank])
+        self.global_step = int(state["step"])
+        self.skipped_steps = int(state.get("skipped_steps") or 0)  # older checkpoints lack it
+        epoch = int(state["epoch"])
+        states, legacy = state.get("samplers"), False
+        if states is None:  # written before checkpoints kept every loader's position
+            states, legacy = ([state["sampler"]] if state.get("sampler") else []), True
+        done = state.get("epoch_done")
+        mid = self.loaders.restore(list(states), epoch, None if done is None else bool(done), legacy)
+        self.epoch = epoch if mid else epoch + 1
+        return mid
+
+
+def save_state(directory: Path, train: TrainState, *, comm: Comm, strategy: Strategy, precision: Precision,
+               model: nn.Module, optimizer: torch.optim.Optimizer | None, keep: int | None,
+               extras: dict[str, Any]) -> Path:
+    """Write ``train`` with the model, optimizer, precision state and ``extras`` as one checkpoint.
+
+    Args:
+        directory: the checkpoint folder.
+        train: the loop's state.
+        comm: the job's collectives (every rank calls this).
+        strategy: what wrapped ``model``; gives its (and the optimizer's) state.
+        precision: the precision plugin (its loss scaler is saved).
+        model: the model ``Session.setup`` returned.
+        optimizer: its optimizer, if any.
+        keep: keep only the newest ``keep`` checkpoints.
+        extras: the user's own values.
+
+    Example::
+
+        save_state(Path("ckpt"), session.state, comm=session.comm, strategy=session.strategy,
+                   precision=session.precision, model=model, optimizer=opt, keep=2, extras={})
+    """
+    from lockstep.checkpoint.core import save_checkpoint
+
+    full, sharded = strategy.checkpoint_state(_inner(model), optimizer)
+    state: dict[str, Any] = {"format": FORMAT, **train.state_dict(), "precision": precision.state_dict(),
+                             "extras": extras, **(full or {})}
+    return save_checkpoint(directory, state, comm, step=train.global_step, keep=keep, sharded=sharded)
+
+
+def load_state(directory: Path, train: TrainState, *, comm: Comm, device: torch.device, strategy: Strategy,
+               precision: Precision, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> ResumeState:
+    """Load the newest good checkpoint in ``directory`` into ``train``, the model and the optimizer.
+
+    Args:
+        directory: the checkpoint folder.
+        train: the loop's state.
+        comm: the job's collectives (every rank calls this).
+        device: where the checkpoint's tensors are loaded.
+        strategy: what wrapped ``model``.
+        precision: the precision plugin.
+        model: the model ``Session.setup`` returned.
+        optimizer: its optimizer, if any.
+
+    Returns:
+        Where training continues (a fresh :class:`ResumeState` when there is no checkpoint).
+
+    Example::
+
+        resume = load_state(Path("ckpt"), session.state, comm=session.comm, device=session.device,
+                            strategy=session.strategy, precision=session.precision, model=model,
+                            optimizer=opt)
+    """
+    from lockstep.checkpoint.core import load_checkpoint
+
+    inner = _inner(model)
+    sharded = strategy.sharded_state(inner, optimizer)
+    state = load_checkpoint(directory, comm, map_location=device, sharded=sharded)
+    if state is None:
+        return ResumeState()
+    strategy.load_checkpoint_state(inner, optimizer, state, sharded)
+    precision.load_state_dict(state.get("precision") or {})
+    mid = train.load_state_dict(state)
+    return ResumeState(epoch=train.epoch, step=train.global_step, path=Path(state.get("path", directory)),
+                       extras=dict(state.get("extras") or {}), mid_epoch=mid)
+
+
+def resumed_line(state: ResumeState) -> str:
+    """What rank 0 prints after a resume; names the attempt when the launcher restarted the job.
+
+    Args:
+        state: what ``Session.load`` restored.
+
+    Example::
+
+        resumed_line(state)   # "lockstep: resumed from ckpt/step-000006 at epoch 1, step 6 (attempt 2)"
+    """
+    count = read_settings().restart_count
+    attempt = f" (attempt {count + 1})" if count is not None else ""
+    return f"lockstep: resumed from {state.path} at epoch {state.epoch}, step {state.step}{attempt}"
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (CPU and every CUDA device) with ``seed``.
+
+    Args:
+        seed: the seed; lockstep uses the same one on every rank so models start equal.
+
+    Example::
+
+        seed_everything(0)
+    """
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def capture_rng() -> dict[str, Any]:
+    """Return this process's RNG states in a form ``torch.load(weights_only=True)`` accepts.
+
+    Example::
+
+        saved = capture_rng(); torch.rand(1); restore_rng(saved)
+    """
+    # plain lists and numbers only: the states travel through all_gather_object (whose
+    # unpickler cannot rebuild tensors) and must pass torch.load(weights_only=True)
+    np_state: tuple[Any, ...] = tuple(np.random.get_state())
+    state: dict[str, Any] = {
+        "python": _python_state_to_list(random.getstate()),
+        "numpy": [str(np_state[0]), np.asarray(np_state[1]).tolist(),
+                  int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "torch": torch.get_rng_state().tolist(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Put back RNG states captured by :func:`capture_rng` (on the same rank).
+
+    Args:
+        state: what :func:`capture_rng` returned.
+
+    Example::
+
+        restore_rng(saved)
+    """
+    version, inner, gauss = state["python"]
+    random.setstate((version, tuple(inner), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(_bytes(state["torch"]))
+    if "cuda" in state and torch.cuda.is_available():
+        cuda = [_bytes(s) for s in state["cuda"]][: torch.cuda.device_count()]
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def _bytes(values: Any) -> torch.Tensor:
+    if isinstance(values, torch.Tensor):
+        return values.detach().cpu().to(torch.uint8)
+    return torch.tensor(values, dtype=torch.uint8)
+
+
+def _python_state_to_list(state: tuple) -> list[Any]:
+    version, inner, gauss = state
+    return [version, list(inner), gauss]
+
+
+def _inner(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, PrecisionModule) else model

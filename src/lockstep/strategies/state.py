@@ -1,0 +1,230 @@
+"""How a strategy's model and optimizer state leave it and come back (the base of :class:`Strategy`).
+
+State dicts leave a strategy in one portable form: the bare module's keys, full (unsharded) CPU
+tensors, identical on every rank; optimizer state in ``torch.optim``'s own positional format.
+Either loads back under any strategy and any world size. A sharded strategy (FSDP) checkpoints
+its shards instead, through :meth:`StateDicts.sharded_state`.
+
+Example::
+
+    full, sharded = strategy.checkpoint_state(model, optimizer)
+    torch.save(strategy.model_state_dict(model), "weights.pt")
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from lockstep.errors import ConfigError
+
+__all__ = ["StateDicts"]
+
+
+class StateDicts:
+    """The state-dict half of :class:`~lockstep.strategies.base.Strategy`: portable state and checkpoints.
+
+    A sharded strategy overrides :meth:`_full_tensor` and :meth:`_shard_like` (its tensors are
+    pieces of the full ones) and, to checkpoint its shards, :meth:`sharded_state` and
+    :meth:`load_checkpoint_state`.
+
+    Example::
+
+        strategy.load_model_state_dict(model, strategy.model_state_dict(model))
+    """
+
+    sharded: ClassVar[bool] = False
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The user's bare module inside ``model`` (:meth:`Strategy.unwrap <lockstep.strategies.base.Strategy.unwrap>`).
+
+        Args:
+            model: a module returned by ``setup_module``.
+        """
+        raise NotImplementedError
+
+    # -- checkpoints -----------------------------------------------------------------------
+
+    def sharded_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any] | None:
+        """What a sharded strategy saves, and loads in place, with ``torch.distributed.checkpoint``.
+
+        Args:
+            model: the module returned by ``setup_module``.
+            optimizer: its optimizer, if any.
+
+        Returns:
+            ``{"model": ..., "optimizer": ...}`` of sharded tensors, or ``None`` (the base: full
+            state dicts are checkpointed instead).
+
+        Example::
+
+            template = strategy.sharded_state(model, optimizer)   # None for single/dp/ddp
+        """
+        return None
+
+    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None
+                         ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """The model's and optimizer's state for a checkpoint: ``(full, sharded)``, one of them ``None``.
+
+        ``full`` (single, dp, ddp) holds ``"model"`` and, with an optimizer, ``"optimizer"`` in
+        the portable form of :meth:`model_state_dict` / :meth:`optimizer_state_dict`, to be
+        stored with the rest of the checkpoint; ``sharded`` is :meth:`sharded_state`.
+
+        Args:
+            model: the module returned by ``setup_module``.
+            optimizer: its optimizer, if any.
+
+        Example::
+
+            full, sharded = strategy.checkpoint_state(model, optimizer)
+            save_checkpoint("ckpt", {**(full or {}), "step": 10}, comm, step=10, sharded=sharded)
+        """
+        sharded = self.sharded_state(model, optimizer)
+        if sharded is not None:
+            return None, sharded
+        full = {"model": self.model_state_dict(model)}
+        if optimizer is not None:
+            full["optimizer"] = self.optimizer_state_dict(model, optimizer)
+        return full, None
+
+    def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                              state: dict[str, Any], sharded: dict[str, Any] | None) -> None:
+        """Put back what :meth:`checkpoint_state` saved.
+
+        Args:
+            model: the module returned by ``setup_module``.
+            optimizer: its optimizer, if any (an optimizer state missing from ``state`` is skipped).
+            state: the loaded checkpoint (``"model"`` and ``"optimizer"`` for a full one).
+            sharded: the :meth:`sharded_state` the checkpoint was loaded into, or ``None``.
+
+        Example::
+
+            template = strategy.sharded_state(model, optimizer)
+            state = load_checkpoint("ckpt", comm, sharded=template)
+            strategy.load_checkpoint_state(model, optimizer, state, template)
+        """
+        self.load_model_state_dict(model, state["model"])
+        if optimizer is not None and "optimizer" in state:
+            self.load_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+    # -- state dicts -----------------------------------------------------------------------
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Return the full state dict with the bare module's keys as CPU tensors (every rank).
+
+        Args:
+            model: the module returned by ``setup_module``.
+
+        Example::
+
+            torch.save(strategy.model_state_dict(model), "weights.pt")
+        """
+        state = self.unwrap(model).state_dict()
+        return {key: _to_cpu(self._full_tensor(value)) for key, value in state.items()}
+
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        """Load a full state dict (as :meth:`model_state_dict` returns) into ``model``.
+
+        Args:
+            model: the module returned by ``setup_module``.
+            state: bare-module keys to full tensors, on any device.
+
+        Raises:
+            ConfigError: when the keys or shapes do not match the model.
+
+        Example::
+
+            strategy.load_model_state_dict(model, torch.load("weights.pt", weights_only=True))
+        """
+        bare = self.unwrap(model)
+        current = bare.state_dict()
+        _check_same_keys(current, state)
+        converted = {key: self._shard_like(value, current[key]) for key, value in state.items()}
+        bare.load_state_dict(converted)
+
+    def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Return the optimizer's full state (``torch.optim`` format, CPU tensors, every rank).
+
+        Args:
+            model: the module returned by ``setup_module``.
+            optimizer: the optimizer over its parameters.
+
+        Example::
+
+            torch.save(strategy.optimizer_state_dict(model, optimizer), "optim.pt")
+        """
+        raw = optimizer.state_dict()
+        state = {
+            index: {key: _to_cpu(self._full_tensor(v)) if isinstance(v, torch.Tensor) else v
+                    for key, v in entry.items()}
+            for index, entry in sorted(raw["state"].items())
+        }
+        groups = [dict(group, params=list(group["params"])) for group in raw["param_groups"]]
+        return {"state": state, "param_groups": groups}
+
+    def load_optimizer_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        """Load optimizer state saved by :meth:`optimizer_state_dict` (at any world size).
+
+        Args:
+            model: the module returned by ``setup_module``.
+            optimizer: the optimizer to load into.
+            state: the saved optimizer state.
+
+        Example::
+
+            strategy.load_optimizer_state_dict(model, optimizer, saved)
+        """
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        converted: dict[Any, Any] = {}
+        for index, entry in state["state"].items():
+            if not 0 <= int(index) < len(params):
+                raise ConfigError(
+                    f"the optimizer state has an entry for parameter {index}, but the optimizer "
+                    f"has only {len(params)} parameters; was it saved from another model?"
+                )
+            param = params[int(index)]
+            converted[index] = {key: self._shard_state(v, param) for key, v in entry.items()}
+        optimizer.load_state_dict({"state": converted, "param_groups": state["param_groups"]})
+
+    def _shard_state(self, value: Any, param: torch.Tensor) -> Any:
+        # Per-parameter state (momentum, exp_avg) has the parameter's full shape; scalars
+        # such as Adam's "step" stay as they are.
+        if isinstance(value, torch.Tensor) and value.shape == param.shape:
+            return self._shard_like(value, param)
+        return value
+
+    def _full_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Gather a sharded tensor into the full one (override for sharded strategies)."""
+        return tensor
+
+    def _shard_like(self, full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """Turn a full tensor into this rank's piece of ``like`` (override for sharding)."""
+        return full
+
+
+def _to_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    # .cpu() of a CPU tensor is the live tensor itself; a saved state must not change later.
+    tensor = tensor.detach()
+    return tensor.clone() if tensor.device.type == "cpu" else tensor.cpu()
+
+
+def _check_same_keys(current: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> None:
+    missing = sorted(set(current) - set(state))
+    unexpected = sorted(set(state) - set(current))
+    if missing or unexpected:
+        raise ConfigError(
+            "the state dict does not match the model: "
+            f"missing keys {missing[:5]}{' ...' if len(missing) > 5 else ''}, "
+            f"unexpected keys {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}. "
+            "Was it saved from another model? Keys must be the bare module's (no 'module.' prefix)."
+        )
+    for key, value in state.items():
+        if tuple(value.shape) != tuple(current[key].shape):
+            raise ConfigError(
+                f"the state dict does not match the model: {key!r} has shape {tuple(value.shape)} "
+                f"in the state dict but {tuple(current[key].shape)} in the model"
+            )

@@ -114,6 +114,7 @@ class Session:
             options["sync_bn"] = True
         self._guard = StopGuard(preemption, preempt_check_seconds)
         self.comm: Comm = init_comm(self.world, backend, init_method, self.timeout)
+        self.world = self.comm.world  # an adopted group (Ray Train) may say more than the environment
         self._guard.attach(self.comm, self.device)
         self._finite.attach(self.comm)
         self.precision = get_precision(precision, self.device, comm=self.comm)

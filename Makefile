@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install demo test typecheck clean
+.PHONY: install demo test test-fast typecheck clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -23,9 +23,14 @@ demo: install
 typecheck: install
 	$(BIN)/mypy
 
+# Two test tiers: `test-fast` runs the single-process tests (pytest -m "not slow", under a minute);
+# `test` runs every test, the multi-process ones marked `slow` included, then the type checker.
 test: install
 	$(BIN)/python -m pytest -q tests
 	$(BIN)/mypy
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow" tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

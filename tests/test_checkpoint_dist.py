@@ -138,6 +138,7 @@ def _load_with_three(root: str) -> dict[str, Any]:
             "path": state["path"]}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_world_size_change_and_shared_failure(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
@@ -209,6 +210,7 @@ def _fsdp_round_trip(root: str) -> dict[str, Any]:
             "step": state["step"]}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_fsdp2_sharded_save_and_load(tmp_path: Path) -> None:
     results = run_distributed(_fsdp_round_trip, 2, str(tmp_path), timeout=150)

@@ -50,6 +50,7 @@ def _collectives() -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_collectives_file_init(world_size: int) -> None:
@@ -100,6 +101,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("scheme", ["env", "tcp"])
 def test_init_by_env_and_tcp(tmp_path: Path, scheme: str) -> None:
@@ -112,6 +114,7 @@ def test_init_by_env_and_tcp(tmp_path: Path, scheme: str) -> None:
         assert "SUM 1" in o.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_world_size_mismatch_refused(tmp_path: Path) -> None:
     """FAULTS row 8: both ranks and both values are named."""
@@ -124,6 +127,7 @@ def test_world_size_mismatch_refused(tmp_path: Path) -> None:
         assert "rank 0" in o.stdout and "rank 1" in o.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_duplicate_rank_refused(tmp_path: Path) -> None:
     """FAULTS row 9: RANK=0 twice is a configuration error, not a store timeout."""
@@ -167,6 +171,7 @@ def test_store_that_never_listens_is_named() -> None:
     assert not torch.distributed.is_initialized()
 
 
+@pytest.mark.slow
 def test_rank_that_starts_before_the_store_joins_when_it_listens(tmp_path: Path) -> None:
     """Rank 1 starts first and waits for rank 0's store (probing it, not torch's backoff)."""
     import socket
@@ -175,19 +180,21 @@ def test_rank_that_starts_before_the_store_joins_when_it_listens(tmp_path: Path)
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     code = textwrap.dedent(f"""
-        import sys, time
+        import sys
         from lockstep.comm.group import init_comm
         from lockstep.env import World
         rank = int(sys.argv[1])
-        if rank == 0:
-            time.sleep(1.0)
+        print("joining", flush=True)
         comm = init_comm(World(rank=rank, world_size=2, local_world_size=2, master_port={port}), timeout=60)
         print("sum", comm.all_reduce(__import__("torch").tensor([rank + 1.0])).item())
         comm.shutdown()
     """)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(r)], stdout=subprocess.PIPE, text=True, env=env)
-             for r in (1, 0)]
+    procs = []
+    for r in (1, 0):  # rank 0 (the store) starts only once rank 1 is joining, however slow the machine
+        procs.append(subprocess.Popen([sys.executable, "-c", code, str(r)], stdout=subprocess.PIPE, text=True,
+                                      env=env))
+        assert procs[-1].stdout is not None and procs[-1].stdout.readline() == "joining\n"
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0]
     assert all("sum 3.0" in out for out in outs), outs

@@ -84,6 +84,7 @@ def test_a_rank_stopped_after_it_failed_keeps_its_error() -> None:
     assert _failure(1, -15, 1.0).kind == "stopped" and _failure(1, -9, 1.0, "ValueError: x").kind == "signal"
 
 
+@pytest.mark.slow
 def test_backstop_reports_when_the_backend_never_raises(tmp_path: Path) -> None:
     """A collective stuck past the timeout with no error from the backend: the watchdog reports and exits."""
     script = tmp_path / "stuck.py"
@@ -97,10 +98,9 @@ def test_backstop_reports_when_the_backend_never_raises(tmp_path: Path) -> None:
         time.sleep(30)   # rank 1 never posts; nothing raises
     """))
     error_file = tmp_path / "error.json"
-    start = time.monotonic()
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "TORCHELASTIC_ERROR_FILE": str(error_file)})
-    assert proc.returncode == 1 and time.monotonic() - start < 20
+    assert proc.returncode == 1  # the watchdog ended it: the sleep would have exited 0
     assert "lockstep: rank 1 did not reach all_reduce #7 within 1 s; rank 0 waited there." in proc.stderr
     assert "rank 1 never reported its position" in proc.stderr
     recorded = json.loads(error_file.read_text())["lockstep"]
@@ -119,7 +119,7 @@ def test_timeout_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         resolve_timeout(0)
 
 
-def _sleepy_all_reduce() -> dict:
+def _sleepy_all_reduce(released: str) -> dict:
     import torch
 
     from lockstep.comm.group import init_comm
@@ -127,8 +127,10 @@ def _sleepy_all_reduce() -> dict:
 
     comm = init_comm(timeout=3)
     comm.all_reduce(torch.ones(1))
-    if comm.rank == 1:
-        time.sleep(5)
+    if comm.rank == 1:  # falls behind until rank 0 has given up on it; 40 s is only a hang guard
+        deadline = time.monotonic() + 40
+        while not os.path.exists(released) and time.monotonic() < deadline:
+            time.sleep(0.05)
     start = time.monotonic()
     try:
         comm.all_reduce(torch.ones(1))
@@ -136,14 +138,18 @@ def _sleepy_all_reduce() -> dict:
         return {"error": str(exc), "blame": exc.blame, "waited": time.monotonic() - start}
     except RuntimeError as exc:  # rank 1, awake again: its peer is gone
         return {"error": type(exc).__name__}
+    finally:
+        if comm.rank == 0:
+            Path(released).touch()
     return {}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
-def test_comm_timeout_names_the_sleeping_rank() -> None:
-    results = run_distributed(_sleepy_all_reduce, 2, timeout=45)
+def test_comm_timeout_names_the_sleeping_rank(tmp_path: Path) -> None:
+    results = run_distributed(_sleepy_all_reduce, 2, str(tmp_path / "released"), timeout=45)
     waiter = results[0]
-    assert waiter["blame"] == (1,) and 2.9 < waiter["waited"] < 6
+    assert waiter["blame"] == (1,) and waiter["waited"] > 2.9  # the whole timeout, however loaded the machine
     assert waiter["error"].startswith("rank 1 (host ")
     assert "did not reach all_reduce #2 within 3 s; rank 0 waited there" in waiter["error"]
     assert "rank 1 last finished all_reduce #1 and was at test_faults_hang.py" in waiter["error"]
@@ -181,10 +187,11 @@ def _launch_hang(tmp_path: Path, nproc: int, mode: str) -> tuple[subprocess.Comp
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), time.monotonic() - hung
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_hung_rank_in_backward_is_named(tmp_path: Path) -> None:
     proc, took = _launch_hang(tmp_path, 3, "session")
-    assert proc.returncode == 1 and took < 5 + 10, (took, proc.stderr)
+    assert proc.returncode == 1 and took < 45, (took, proc.stderr)  # a hang guard: rank 1 sleeps 60 s
     err = proc.stderr
     assert re.search(r"lockstep run: rank 1 \(host \S+, pid \d+\) did not reach backward of step 4 within "
                      r"5 s; ranks 0, 2 waited there\.", err), err
@@ -192,11 +199,12 @@ def test_hung_rank_in_backward_is_named(tmp_path: Path) -> None:
     assert "rank 0 raised" not in err and "rank 2 raised" not in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_backend_timeout_outside_lockstep_is_explained(tmp_path: Path) -> None:
     """gloo's own timeout, raised by a torch.distributed call in the script, gets the same message."""
     proc, took = _launch_hang(tmp_path, 2, "direct")
-    assert proc.returncode == 1 and took < 5 + 10, (took, proc.stderr)
+    assert proc.returncode == 1 and took < 45, (took, proc.stderr)  # a hang guard: rank 1 sleeps 60 s
     assert re.search(r"rank 1 \(host \S+, pid \d+\) did not reach a torch.distributed collective at "
                      r"hang.py:12 in <module> within 5 s; rank 0 waited there", proc.stderr), proc.stderr
     assert "rank 0 raised" not in proc.stderr

@@ -23,6 +23,8 @@ import torch
 
 from lockstep.errors import EXIT_PREEMPTED
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "allreduce_rank.py"
 

@@ -72,6 +72,7 @@ def test_relay_for_shows_the_chosen_local_ranks_with_global_ranks(tmp_path: Path
     none.start().stop()
 
 
+@pytest.mark.slow
 def test_output_larger_than_one_read_keeps_its_lines_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from lockstep.launch import output as launch_output
 

@@ -257,6 +257,7 @@ def _agreement_body() -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_ranks_agree_on_skipped_steps() -> None:
     results = run_distributed(_agreement_body, 2, timeout=100)

@@ -27,6 +27,7 @@ def test_readme_has_the_setup_commands_first() -> None:
     assert text.index("make test") < text.index("## Usage")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("launcher", [[], ["-m", "lockstep", "run", "--nproc", "2"]], ids=["python", "lockstep-run"])
 def test_readme_training_script_runs(tmp_path: Path, launcher: list[str]) -> None:

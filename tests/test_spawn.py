@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import types
+from typing import Any
 
 import pytest
 
@@ -37,6 +38,7 @@ def _die_on_rank_1() -> int:
     return 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_spawn_returns_values_by_rank_with_the_environment_set() -> None:
     results = spawn(_allreduce_and_describe, nprocs=3, args=(10,), timeout=80)
@@ -48,6 +50,7 @@ def test_spawn_returns_values_by_rank_with_the_environment_set() -> None:
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_spawn_names_the_failing_rank_with_its_traceback() -> None:
     with pytest.raises(SpawnError) as info:
@@ -58,6 +61,7 @@ def test_spawn_names_the_failing_rank_with_its_traceback() -> None:
     assert "_fail_on_rank_1" in info.value.worker_traceback and "Traceback" in text
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_spawn_reports_a_killed_rank() -> None:
     with pytest.raises(SpawnError, match="rank 1 was killed by SIGKILL") as info:
@@ -81,3 +85,18 @@ def test_spawn_refuses_bad_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
     cell_fn.__module__ = "__main__"
     with pytest.raises(ConfigError, match="notebook"):
         spawn(cell_fn, nprocs=1)
+
+
+def _tensor_of_rank() -> Any:
+    import torch
+
+    return torch.full((3,), float(int(os.environ["RANK"])))
+
+
+@pytest.mark.slow
+def test_tensors_come_back_by_value() -> None:
+    import torch
+
+    for _ in range(3):  # shared-memory tensors died with their process here, most of the time
+        values = spawn(_tensor_of_rank, 2, timeout=60)
+        assert [v.tolist() for v in values] == [[0.0] * 3, [1.0] * 3] and all(isinstance(v, torch.Tensor) for v in values)

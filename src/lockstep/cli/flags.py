@@ -20,7 +20,7 @@ from typing import Any
 __all__ = ["add_launch_flags", "launch_options", "LAUNCH_FLAGS", "PLACEMENT_FLAGS", "NPROC_PER_GPU"]
 
 LAUNCH_FLAGS = ("nproc", "nodes", "node_rank", "master", "max_restarts", "join_timeout", "timeout", "grace",
-                "rank0_only", "local_rank_arg", "log_dir", "verbose")
+                "secret_file", "rank0_only", "local_rank_arg", "log_dir", "verbose")
 """Every launch flag of ``lockstep run``, by its destination name."""
 PLACEMENT_FLAGS = ("nproc", "nodes", "node_rank", "master")
 """Where the processes run: the flags of a command that starts a job over several nodes."""
@@ -47,6 +47,11 @@ _DECLARATIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "grace": ("--grace", dict(type=float, default=None, metavar="SECONDS",
                               help="after SIGTERM/SIGUSR1, how long the workers may take to save and exit "
                                    "before they are killed (default 30)")),
+    "secret_file": ("--secret-file", dict(default=None, metavar="FILE",
+                                          help="a file holding the job's secret, the same content on every node: "
+                                               "it signs lockstep's values in the rendezvous store so that other "
+                                               "hosts cannot forge them (default: a random secret per job on one "
+                                               "node; unsigned across nodes)")),
     "rank0_only": ("--rank0-only", dict(action="store_true", help="show only rank 0's output")),
     "local_rank_arg": ("--local-rank-arg", dict(action="store_true",
                                                 help="pass --local_rank=N to the script (scripts written for "
@@ -109,9 +114,12 @@ def launch_options(args: argparse.Namespace, slurm: Mapping[str, Any] | None = N
         LaunchSpec("train.py", **launch_options(args))
     """
     from lockstep.errors import DEFAULT_GRACE
-    from lockstep.launch.spec import DEFAULT_JOIN_TIMEOUT, resolve_nproc
+    from lockstep.launch.spec import DEFAULT_JOIN_TIMEOUT, read_secret, resolve_nproc
 
     values = {name: getattr(args, name) for name in LAUNCH_FLAGS if hasattr(args, name)}
+    if "secret_file" in values:
+        path = values.pop("secret_file")
+        values["secret"] = read_secret(path) if path else ""
     if slurm and values.get("nodes") is None and values.get("master") is None:
         values.update({key: value for key, value in slurm.items() if key in values and values[key] is None})
     defaults = {"nodes": 1, "node_rank": 0, "join_timeout": DEFAULT_JOIN_TIMEOUT, "grace": DEFAULT_GRACE}

@@ -110,8 +110,9 @@ def _launch_environment(spec: LaunchSpec) -> Iterator[None]:
     if spec.timeout is not None:
         env["LOCKSTEP_TIMEOUT"] = f"{spec.timeout:g}"  # the default of Session / init_comm
     env["LOCKSTEP_GRACE"] = f"{spec.grace:g}"  # after it, a worker obeys a stop signal unsaved
-    # signs lockstep's values in the workers' store (see lockstep.comm.signed)
-    env["LOCKSTEP_SECRET"] = spec.secret or secrets.token_hex(16)
+    # signs lockstep's values in the workers' store (see lockstep.comm.signed); a random secret per job
+    # on one node, the --secret-file content across nodes (the nodes' launchers share nothing else)
+    env["LOCKSTEP_SECRET"] = spec.secret or (secrets.token_hex(16) if spec.nodes == 1 else "")
     if spec.nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = "1"  # as torchrun: N processes must not oversubscribe the CPU
     # launch_agent also sets TORCHELASTIC_SIGNALS_TO_HANDLE for good; give back the caller's value.

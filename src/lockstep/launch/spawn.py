@@ -68,7 +68,9 @@ def _worker(env: dict[str, str], payload: bytes, results: Any) -> None:
     rank = int(env["RANK"])
     try:
         fn, args = pickle.loads(payload)
-        value = fn(*args)
+        # plain pickle copies tensors by value; the queue's own pickler would share them through a file
+        # descriptor that dies with this process
+        value = pickle.dumps(fn(*args))
         results.put((rank, True, value, time.time()))
     except BaseException as exc:  # noqa: BLE001 - every failure goes back to the parent
         text = f"{type(exc).__name__}: {exc}"
@@ -175,7 +177,10 @@ def _collect(procs: list[Any], results: Any, first_rank: int, timeout: float | N
         if not ok:
             text, tb = value
             raise SpawnError(f"rank {rank} failed: {text}\n{tb}", rank=rank, worker_traceback=tb)
-        values[rank] = value
+        try:
+            values[rank] = pickle.loads(value)
+        except Exception as exc:  # noqa: BLE001 - a result that cannot be read names its rank
+            raise SpawnError(f"rank {rank} returned a value that cannot be unpickled here: {exc}", rank=rank) from None
     return [values[first_rank + i] for i in range(len(procs))]
 
 

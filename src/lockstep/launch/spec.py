@@ -24,7 +24,7 @@ from typing import Any
 from lockstep.errors import DEFAULT_GRACE, ConfigError
 
 __all__ = ["LaunchSpec", "parse_master", "exposure_warning", "resolve_nproc", "slurm_defaults",
-           "import_torch_quietly", "DEFAULT_JOIN_TIMEOUT", "DEFAULT_GRACE", "PREFIX"]
+           "import_torch_quietly", "read_secret", "DEFAULT_JOIN_TIMEOUT", "DEFAULT_GRACE", "PREFIX"]
 
 DEFAULT_JOIN_TIMEOUT = 900.0
 PREFIX = "lockstep run: "
@@ -119,6 +119,29 @@ def _check_seconds(flag: str, value: float, zero_ok: bool = False) -> None:
     if not (low_ok and math.isfinite(value) and value <= _MAX_SECONDS):
         least = "0 or more" if zero_ok else "a positive number of seconds"
         raise ConfigError(f"{flag} must be {least}, at most {_MAX_SECONDS:g} (a week), got {value:g}")
+
+
+def read_secret(path: str) -> str:
+    """The job's secret from ``--secret-file`` (surrounding whitespace dropped).
+
+    Args:
+        path: the file; every node of the job must read the same content.
+
+    Raises:
+        ConfigError: the file cannot be read or holds nothing.
+
+    Example::
+
+        read_secret("/etc/lockstep/job.secret")
+    """
+    try:
+        with open(path, encoding="utf-8") as fp:
+            secret = fp.read().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--secret-file {path}: cannot read it ({exc.__class__.__name__}: {exc})") from None
+    if not secret:
+        raise ConfigError(f"--secret-file {path} is empty; put a random string in it, e.g. `openssl rand -hex 32`")
+    return secret
 
 
 def parse_master(text: str) -> tuple[str, int]:

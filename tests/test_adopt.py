@@ -51,5 +51,8 @@ def test_host_name_resolving_to_loopback_is_refused(monkeypatch: pytest.MonkeyPa
     with pytest.raises(CommError, match="NCCL_SOCKET_IFNAME"):
         check_reachable_host("nccl", Settings())
     check_reachable_host("gloo", Settings(gloo_ifname="eth0"))  # the interface is named: no lookup
+    check_reachable_host("gloo", Settings(), master_addr="127.0.0.1")  # every "node" is this host
+    with pytest.raises(CommError):
+        check_reachable_host("gloo", Settings(), master_addr="192.0.2.1")
     monkeypatch.setattr(socket, "gethostbyname", lambda host: "192.0.2.7")
     check_reachable_host("gloo", Settings())

@@ -255,7 +255,7 @@ def init_comm(
     chosen = pick_backend(backend)
     settings = read_settings()
     if world.num_nodes > 1:
-        check_reachable_host(chosen, settings)
+        check_reachable_host(chosen, settings, world.master_addr)
     init_method = init_method or settings.init_method or "env://"
     store = open_store(world, init_method, timeout, settings)
     attempt = settings.restart_count or 0
@@ -297,7 +297,7 @@ def _adopt(world: World) -> Comm:
     return GroupComm(world, str(dist.get_backend()), [], NullWatchdog(), owned=False)
 
 
-def check_reachable_host(backend: str, settings: Settings) -> None:
+def check_reachable_host(backend: str, settings: Settings, master_addr: str = "") -> None:
     """Refuse a multi-node job whose host name resolves to a loopback address.
 
     gloo and nccl tell the other nodes to connect to the address the host name resolves to; with
@@ -308,6 +308,8 @@ def check_reachable_host(backend: str, settings: Settings) -> None:
     Args:
         backend: ``"gloo"`` or ``"nccl"``.
         settings: the environment's settings (the interface variables).
+        master_addr: rank 0's address; when it is a loopback address too, every "node" is this host
+            (a test of a multi-node job on one machine) and loopback is right.
 
     Raises:
         CommError: the host resolves to loopback and no interface is set.
@@ -317,17 +319,26 @@ def check_reachable_host(backend: str, settings: Settings) -> None:
         check_reachable_host("gloo", read_settings())
     """
     variable = "NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME"
-    if (settings.nccl_ifname if backend == "nccl" else settings.gloo_ifname):
+    if (settings.nccl_ifname if backend == "nccl" else settings.gloo_ifname) or _is_loopback(master_addr):
         return
     host = socket.gethostname()
     try:
         address = socket.gethostbyname(host)
     except OSError:
         return  # unresolvable: the backend's own error names it
-    if ipaddress.ip_address(address).is_loopback:
+    if _is_loopback(address):
         raise CommError(
             f"this node's host name {host!r} resolves to {address}, a loopback address (a "
             f"'{address} {host}' line in /etc/hosts), so {backend} would tell the other nodes to connect "
             f"to it and every node would wait for the others. Set {variable}=<the interface that reaches "
             "the other nodes, e.g. eth0 or ib0>, or make the host name resolve to that interface's address."
         )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -3,10 +3,12 @@
 * :mod:`~lockstep.launch.spec`: what to launch (nodes, processes, master), validated up front;
 * :mod:`~lockstep.launch.elastic`: drive torch's elastic agent (what ``torchrun`` runs);
 * :mod:`~lockstep.launch.torch_agent`: the only overrides of torch's private agent API;
+* :mod:`~lockstep.launch.rendezvous`: the in-memory rendezvous of a one-node job (nothing listens);
 * :mod:`~lockstep.launch.report`: one failure summary naming the rank, host and cause, and the
   launcher's own lines (restarts, verdict);
 * :mod:`~lockstep.launch.output`: relay each rank's output, prefixed with its rank;
 * :mod:`~lockstep.launch.bootstrap`: the first code every worker runs;
+* :mod:`~lockstep.launch.relaunch`: start this command again on N processes (train, doctor, verify);
 * :mod:`~lockstep.launch.spawn`: ``spawn(fn, nprocs)`` for notebooks and tests.
 
 May import: ``lockstep.errors``, ``lockstep.env``, ``lockstep.comm``.

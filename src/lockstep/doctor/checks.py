@@ -33,7 +33,8 @@ import torch
 
 from lockstep.comm.group import Comm, init_comm
 from lockstep.doctor.bandwidth import BandwidthRow, format_size, format_table, measure_allreduce
-from lockstep.env import World, detect_world
+from lockstep.doctor.network import NetworkProbe, network_lines, network_warnings
+from lockstep.env import World, detect_world, read_settings
 from lockstep.errors import LockstepError, format_ranks
 
 __all__ = ["Report", "describe_rank", "clock_offsets", "diagnose", "format_report", "run_doctor",
@@ -112,6 +113,8 @@ class Report:
         offsets: clock offset of every rank from rank 0, in seconds.
         resolution: how precisely the offsets are known, in seconds.
         rows: the allreduce measurements.
+        network: every rank's network facts (:class:`~lockstep.doctor.network.NetworkProbe`).
+        missed: for every rank, the ranks on other hosts it could not reach.
         problems: what makes the job unsafe to run.
         warnings: what deserves a look but does not stop a job.
 
@@ -125,6 +128,8 @@ class Report:
     offsets: list[float]
     resolution: float
     rows: list[BandwidthRow]
+    network: list[dict[str, Any]] = field(default_factory=list)
+    missed: list[list[int]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
@@ -180,6 +185,10 @@ def diagnose(report: Report) -> Report:
     problems, warnings = _device_problems(report.ranks, report.backend)
     report.problems += problems
     report.warnings = warnings
+    if report.network:
+        problems, warnings = network_warnings(report.network, report.missed)
+        report.problems += problems
+        report.warnings += warnings
     wrong = [format_size(r.size) for r in report.rows if not r.correct]
     if wrong:
         report.problems.append(f"allreduce returned a wrong sum at {', '.join(wrong)}: the interconnect or "
@@ -246,12 +255,26 @@ def format_report(report: Report) -> str:
     lines += _rank_lines(report.ranks, report.offsets)
     lines.append(f"clock: max offset {max(abs(o) for o in report.offsets) * 1e3:.2f} ms "
                  f"(resolution {report.resolution * 1e3:.2f} ms)")
+    if report.network:
+        lines += network_lines(report.network, report.missed)
     if report.rows:
         lines.append(format_table(report.rows, len(report.ranks), report.backend))
     lines += [f"warning: {w}" for w in report.warnings]
     lines += [f"problem: {p}" for p in report.problems]
     lines.append(verdict_line(report))
     return "\n".join(lines)
+
+
+def _probe_network(comm: Comm, world: World) -> tuple[list[dict[str, Any]], list[list[int]]]:
+    """Every rank's interface, and which other hosts each rank reached (listeners stay open meanwhile)."""
+    probe = NetworkProbe(comm.world, read_settings()).open()
+    try:
+        infos = comm.all_gather_object(probe.info)
+        missed = comm.all_gather_object(probe.reach(infos))
+        comm.barrier()  # nobody closes its listener before every rank tried it
+    finally:
+        probe.close()
+    return infos, missed
 
 
 def run_doctor(sizes: list[int], iters: int = 20, warmup: int = 3, backend: str = "auto",
@@ -282,10 +305,11 @@ def run_doctor(sizes: list[int], iters: int = 20, warmup: int = 3, backend: str 
         return 1
     try:
         ranks = comm.all_gather_object(describe_rank(world))
+        network, missed = _probe_network(comm, world)
         offsets, resolution = clock_offsets(comm)
         device = world.device if comm.backend == "nccl" else torch.device("cpu")
         rows = measure_allreduce(comm, sizes, iters=iters, warmup=warmup, device=device)
-        report = diagnose(Report(ranks, comm.backend, offsets, resolution, rows))
+        report = diagnose(Report(ranks, comm.backend, offsets, resolution, rows, network, missed))
         if comm.is_main:
             print(format_report(report), flush=True)
     finally:

@@ -34,3 +34,18 @@ test-fast: install
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info
+
+# Optional: Horovod 0.28.1 built from its sdist for the torch in .venv, gloo ops (NCCL ops too
+# where nvcc, nccl.h and a GPU are present). The wheel is cached in ~/.cache/lockstep/horovod per
+# torch version: the first build takes minutes, later ones seconds. Not part of `make demo`.
+.PHONY: horovod
+horovod: install
+	tools/build_horovod.sh $(BIN)/python
+
+# lockstep under the real engines, on two network-namespace hosts: Slurm (srun, sbatch, scancel and
+# requeue), OpenMPI, Ray Train, a Kubeflow PyTorchJob's pods, `lockstep run` across hosts. Needs root;
+# installs slurm-wlm, munge, openmpi-bin (apt) and ray[train] (pip) when missing; skipped without
+# root or network namespaces. About 15 minutes on 2 cores; logs in build/test-engines/.
+.PHONY: test-engines
+test-engines: install
+	bash tests/engines/run.sh

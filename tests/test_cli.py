@@ -43,7 +43,8 @@ def test_launch_flags_match_lockstep_run() -> None:
             assert action.type == theirs.type, (command, dest)
             if dest != "nproc":  # how many processes a command starts unasked is its own choice
                 assert action.default == theirs.default, (command, dest)
-                assert action.help == theirs.help.replace(", or Slurm's", ""), (command, dest)  # run reads Slurm's
+                slurm = command == "train"  # run and train read Slurm's layout
+                assert action.help == (theirs.help if slurm else theirs.help.replace(", or Slurm's", "")), (command, dest)
 
 
 def test_launch_options_fill_in_runs_defaults() -> None:

@@ -209,10 +209,13 @@ class _Noisy(Dataset):
         return torch.tensor([torch.rand(1).item(), float(np.random.rand()), random.random()])
 
 
-def test_worker_seeds_are_reproducible_and_differ_by_rank_and_epoch() -> None:
+@pytest.mark.parametrize("persistent", [False, True])
+def test_worker_seeds_are_reproducible_and_differ_by_rank_and_epoch(persistent: bool) -> None:
     def draw(rank: int, epoch: int) -> torch.Tensor:
         loader = make_loader(_Noisy(), 4, world_size=2, rank=rank, num_workers=2, seed=9,
-                             shuffle=False, persistent_workers=False)
+                             shuffle=False, persistent_workers=persistent)
+        if epoch:
+            list(loader)  # persistent workers live on from the epoch before
         loader.sampler.set_epoch(epoch)
         return torch.cat(list(loader))
 

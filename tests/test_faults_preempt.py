@@ -56,7 +56,7 @@ def test_flag_mode_only_sets_should_stop(tmp_path: Path) -> None:
     assert not session.should_stop
     done = _loop(session, tmp_path, 8, signal_at=3, signum=signal.SIGTERM)
     assert done == list(range(1, 9)) and session.should_stop
-    assert not any(tmp_path.iterdir())  # nothing saved: the loop decides
+    assert not list(tmp_path.glob("step-*"))  # nothing saved: the loop decides
     session.close()
 
 
@@ -118,23 +118,6 @@ def test_poll_and_a_failed_job_resending_the_recorded_signal(monkeypatch: pytest
     assert guard.poll() and guard.agreed and guard.signals() == [signal.SIGTERM]
     on_failed()
     assert len(sent) == 1  # agreed: the stop goes ahead, nothing is sent
-
-
-@pytest.mark.slow
-def test_second_signal_ends_the_process_at_once(tmp_path: Path) -> None:
-    script = tmp_path / "twice.py"
-    script.write_text(textwrap.dedent("""
-        import os, signal, torch, lockstep
-        session = lockstep.Session(quiet=True)
-        model, opt = session.setup(torch.nn.Linear(2, 1), lambda p: torch.optim.SGD(p, lr=0.1))
-        session.backward(model(torch.ones(1, 2)).sum()); session.step(opt)   # arms the handlers
-        os.kill(os.getpid(), signal.SIGTERM)      # recorded; the next agreement would stop
-        print("still running", flush=True)
-        os.kill(os.getpid(), signal.SIGTERM)      # asked twice: stop now
-        print("not reached", flush=True)
-    """))
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == -signal.SIGTERM and proc.stdout == "still running\n", proc.stderr
 
 
 @pytest.mark.slow

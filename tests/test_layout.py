@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("launch",),
     ("lockstep",),          # the package's public facade (``import lockstep``)
     ("zoo",),               # models and datasets shared by the apps
-    ("recipes", "bench", "verify", "doctor"),
+    ("recipes", "bench", "verify", "doctor", "integrations"),
     ("cli",),
     ("__main__",),
 ]

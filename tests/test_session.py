@@ -137,7 +137,7 @@ def test_nan_on_one_rank_skipped_everywhere(capfd: pytest.CaptureFixture) -> Non
     for res in results:
         assert res["taken"] == [True, True, True, False, True, True, True]
         assert res["skipped"] == 1 and res["finite"]
-    assert "non-finite loss on rank 1 at step 3" in capfd.readouterr().out
+    assert "non-finite loss on rank 1 at step 4" in capfd.readouterr().out  # the 4th step, counted from 1
 
 
 @pytest.mark.slow
@@ -145,7 +145,7 @@ def test_nan_on_one_rank_skipped_everywhere(capfd: pytest.CaptureFixture) -> Non
 def test_nan_on_one_rank_stops_everywhere() -> None:
     results = run_distributed(_nan_on_rank1, 2, "stop")
     for res in results:
-        assert "non-finite loss on rank 1 at step 3" in res["error"]
+        assert "non-finite loss on rank 1 at step 4" in res["error"]
         assert res["taken"] == [True, True, True]
 
 

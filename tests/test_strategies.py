@@ -97,7 +97,7 @@ def _reference(steps: int) -> dict[str, Any]:
 # -- registry and options ----------------------------------------------------------------------
 
 def test_registry_lists_and_refuses_unknown() -> None:
-    assert available_strategies() == ["auto", "ddp", "dp", "fsdp", "single"]
+    assert available_strategies() == ["auto", "ddp", "dp", "fsdp", "horovod", "single"]
     with pytest.raises(ConfigError) as info:
         get_strategy("horovodd", _null_comm(), CPU)
     for name in available_strategies():

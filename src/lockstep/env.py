@@ -24,7 +24,8 @@ from typing import Any
 from lockstep import _cluster
 from lockstep.errors import WorldError
 
-__all__ = ["World", "WorldError", "Settings", "detect_world", "read_settings", "environment", "first_slurm_host"]
+__all__ = ["World", "WorldError", "Settings", "detect_world", "read_settings", "environment", "export_environment",
+           "first_slurm_host"]
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 
@@ -174,6 +175,8 @@ class Settings:
         loglevel: ``$LOGLEVEL`` (torchrun's: show the elastic agent's own logging), or ``""``.
         launched: a launcher described the job with ``$RANK`` (``lockstep run``, ``torchrun``,
             ``spawn``): this process is a worker, not a command that should start workers.
+        launcher_pid: ``$LOCKSTEP_LAUNCHER_PID``: the process id of the ``lockstep run`` launcher
+            that started this worker (its parent), or ``None``.
 
     Example::
 
@@ -194,6 +197,7 @@ class Settings:
     nccl_ifname: str = ""
     loglevel: str = ""
     launched: bool = False
+    launcher_pid: int | None = None
 
 
 def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
@@ -208,6 +212,7 @@ def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
     """
     env = os.environ if environ is None else environ
     count = env.get("TORCHELASTIC_RESTART_COUNT", "").strip()
+    launcher = env.get("LOCKSTEP_LAUNCHER_PID", "").strip()
     return Settings(
         timeout=env.get("LOCKSTEP_TIMEOUT", "").strip(),
         grace=env.get("LOCKSTEP_GRACE", "").strip(),
@@ -223,6 +228,7 @@ def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
         nccl_ifname=env.get("NCCL_SOCKET_IFNAME", ""),
         loglevel=env.get("LOGLEVEL", ""),
         launched="RANK" in env,
+        launcher_pid=int(launcher) if launcher.isdigit() else None,
     )
 
 
@@ -237,6 +243,22 @@ def environment() -> Mapping[str, str]:
     from types import MappingProxyType
 
     return MappingProxyType(os.environ)
+
+
+def export_environment(values: Mapping[str, str]) -> None:
+    """Set variables in this process's environment, for a library that reads them itself.
+
+    Horovod's core reads its rendezvous from the environment in ``hvd.init()``; the ``horovod``
+    strategy sets there what ``horovodrun`` would have exported.
+
+    Args:
+        values: variable names and their values.
+
+    Example::
+
+        export_environment({"HOROVOD_RANK": "0", "HOROVOD_SIZE": "1"})
+    """
+    os.environ.update(values)
 
 
 def detect_world(environ: Mapping[str, str] | None = None) -> World:

@@ -131,23 +131,49 @@ class SumCount:
         return total / count if count else math.nan
 
 
-def _summed_loss(loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """Return ``loss_fn`` with ``reduction="sum"``, so that loss sum / count is the exact mean."""
+def _with_reduction(loss_fn: Callable[..., torch.Tensor], reduction: str) -> Callable[..., torch.Tensor]:
+    """Return ``loss_fn`` with the given ``reduction`` (an nn loss module is copied, not changed)."""
     if isinstance(loss_fn, torch.nn.Module) and hasattr(loss_fn, "reduction"):
-        summed = copy.copy(loss_fn)  # leave the caller's module as it is
-        setattr(summed, "reduction", "sum")
-        return summed
+        reduced = copy.copy(loss_fn)  # leave the caller's module as it is
+        setattr(reduced, "reduction", reduction)
+        return reduced
     try:
         params = list(inspect.signature(loss_fn).parameters.values())
     except (TypeError, ValueError):  # some builtins have no signature
         params = []
     if any(p.name == "reduction" or p.kind is p.VAR_KEYWORD for p in params):
-        return functools.partial(loss_fn, reduction="sum")
+        return functools.partial(loss_fn, reduction=reduction)
     raise ConfigError(
         f"loss_fn {getattr(loss_fn, '__name__', loss_fn)!r} takes no `reduction` argument, so "
         "the exact per-sample mean cannot be formed; pass a loss such as "
-        "torch.nn.functional.cross_entropy or an nn loss module (it is called with reduction='sum')"
+        "torch.nn.functional.cross_entropy or an nn loss module (it is called with reduction='none')"
     )
+
+
+class _LossSum:
+    """Sum a loss over a batch in float64 from its per-sample values (``reduction="none"``).
+
+    A float32 ``reduction="sum"`` rounds each batch's sum, so the figure would depend on the
+    batch size and the number of ranks. A loss that knows only ``"mean"`` and ``"sum"`` (it
+    refuses ``"none"`` with a ValueError, or answers it with one number for a whole batch) is
+    asked for ``"sum"`` from then on.
+    """
+
+    def __init__(self, loss_fn: Callable[..., torch.Tensor]) -> None:
+        self._none = _with_reduction(loss_fn, "none")
+        self._sum = _with_reduction(loss_fn, "sum")
+        self._per_sample = True
+
+    def __call__(self, outputs: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self._per_sample:
+            try:
+                losses = self._none(outputs, targets)
+            except ValueError:
+                losses = None  # a genuine error comes back from the "sum" call below
+            if losses is not None and (losses.dim() > 0 or targets.shape[:1] == (1,)):
+                return losses.to(dtype).sum()
+            self._per_sample = False
+        return self._sum(outputs, targets).to(dtype)
 
 
 def _split(batch: Any) -> tuple[Any, torch.Tensor]:
@@ -195,7 +221,7 @@ def _totals(model: torch.nn.Module, loader: Iterable[Any], comm: Any, loss_fn: C
     strategy = _strategy(comm, model, device)
     comm = _resolve(comm)
     run: Forward = forward or (lambda m, x: m(x))
-    summed = _summed_loss(loss_fn) if loss_fn is not None else None
+    summed = _LossSum(loss_fn) if loss_fn is not None else None
     extra = strategy.extra_eval_forwards(model, _batches(loader))
     acc = torch.zeros(2, dtype=_acc_dtype(device), device=device)  # loss sum, correct
     count, first = 0, None
@@ -207,7 +233,7 @@ def _totals(model: torch.nn.Module, loader: Iterable[Any], comm: Any, loss_fn: C
                 inputs, targets = move_to_device(_split(batch), device)
                 outputs = run(model, inputs)
                 if summed is not None:
-                    acc[0] += summed(outputs.float(), targets).to(acc.dtype)
+                    acc[0] += summed(outputs.float(), targets, acc.dtype)
                 labels = targets.argmax(-1) if targets.dim() == outputs.dim() else targets
                 acc[1] += (outputs.argmax(1) == labels).sum().to(acc.dtype)
                 count += int(targets.shape[0])
@@ -253,15 +279,17 @@ def evaluate(model: torch.nn.Module, loader: Iterable[Any], comm: SupportsAllRed
              device: torch.device | None = None, forward: Forward | None = None) -> dict[str, float]:
     """Return ``{"loss", "accuracy", "count"}`` over the whole (distributed) evaluation set.
 
-    ``loss`` is the mean per sample: the sum of per-sample losses over all ranks divided by the
-    number of samples, so it does not depend on the batch size or the number of ranks. Wrapped
-    models are handled as in :func:`accuracy`.
+    ``loss`` is the mean per sample: the per-sample losses (``reduction="none"``) summed in
+    float64 over all ranks, divided by the number of samples, so it does not depend on the batch
+    size or the number of ranks: it is the single-process figure. Wrapped models are handled as
+    in :func:`accuracy`.
 
     Args:
         model: a classifier returning ``[batch, classes]`` scores (plain, DDP- or FSDP-wrapped).
         loader: yields ``(inputs, targets)``; use ``make_loader(..., eval=True)`` for exactness.
         comm: the job's :class:`~lockstep.comm.group.Comm` (or a Session).
-        loss_fn: a loss accepting ``reduction="sum"`` (functional or an nn loss module).
+        loss_fn: a loss accepting ``reduction="none"`` (functional or an nn loss module); one
+            that only knows ``"mean"`` and ``"sum"`` is summed per batch in its own precision.
         device: where to run; default: the device of the model's parameters.
         forward: ``forward(model, inputs) -> outputs``, for autocast or unusual signatures.
 

@@ -7,6 +7,7 @@ machine are planned as skipped, with the reason, before any process starts:
 * ``dp`` needs at least two CUDA GPUs (with one it is ``single`` plus a wrapper);
 * with GPUs, each process needs its own GPU (``nproc`` <= visible GPUs);
 * ``fsdp`` with ``fp16-o2``: O2's fp32 master weights do not work with sharded parameters;
+* ``horovod`` where Horovod does not import (``horovod not installed: make horovod``);
 * bf16 precisions on a GPU without bf16 support.
 
 Example::
@@ -197,6 +198,12 @@ def skip_reason(strategy: str, precision: str, nproc: int, gpus: int, bf16_suppo
 
         skip_reason("dp", "fp32", 1, gpus=0)   # 'dp needs CUDA GPUs ...'
     """
+    if strategy == "horovod":
+        from lockstep.strategies import horovod_unavailable
+
+        missing = horovod_unavailable()
+        if missing is not None:
+            return missing
     if strategy in ONE_PROCESS and nproc > 1:
         return f"{strategy} runs in one process; nproc {nproc} applies to ddp and fsdp"
     if strategy == "dp" and gpus == 0:

@@ -42,8 +42,8 @@ from typing import Any
 import torch
 
 from lockstep.checkpoint.files import (
-    SHARDED_DIR, STATE_FILE, CheckpointError, CorruptCheckpointError, UnsafeCheckpointError, discard, fsync_dir,
-    hash_file, io_error, publish, write_state_file,
+    SHARDED_DIR, STATE_FILE, CheckpointError, CorruptCheckpointError, DiskFullError, UnsafeCheckpointError, discard,
+    fsync_dir, hash_file, io_error, publish, write_state_file,
 )
 from lockstep.checkpoint.layout import latest_checkpoint, list_checkpoints, prune, remove_stale, step_name, temp_name
 from lockstep.checkpoint.manifest import read_manifest, verify_checkpoint, write_manifest
@@ -145,25 +145,37 @@ def save_checkpoint(directory: str | Path, state: dict[str, Any], comm: Comm, *,
         if comm.is_main:
             staged, record = _stage(root, full, step)
     except CheckpointError as exc:
-        error = exc
+        error = _what_is_left(exc, root)
     tmp = Path(agree(comm, error, str(staged or ""), on_error=lambda: discard(staged))[0])
     if sharded is not None:
         from lockstep.checkpoint.sharded import save_sharded
 
-        error = save_sharded(tmp / SHARDED_DIR, sharded, comm)
+        error = _what_is_left(save_sharded(tmp / SHARDED_DIR, sharded, comm), root)
         agree(comm, error, on_error=lambda: discard(staged))
     final, error = None, None
     if comm.is_main:
         try:
             final = _commit(root, tmp, step, comm.world_size, {STATE_FILE: record})
         except CheckpointError as exc:
-            error = exc
+            error = _what_is_left(exc, root)
         else:
             try:
                 prune(root, keep, protect=final)
             except OSError as exc:  # the new checkpoint is committed; an old one left over is harmless
                 logger.warning("could not prune old checkpoints in %s: %s", root, exc)
     return Path(agree(comm, error, str(final or ""))[0])
+
+
+def _what_is_left(error: CheckpointError | None, root: Path) -> CheckpointError | None:
+    """A disk-full error that says which earlier checkpoint is left, or that there is none."""
+    if not isinstance(error, DiskFullError):
+        return error
+    try:
+        newest = latest_checkpoint(root)
+    except OSError:
+        return error
+    left = f"the newest checkpoint, {newest}, is intact" if newest else f"there is no earlier checkpoint in {root}"
+    return DiskFullError(f"{error}; {left}.")
 
 
 def _stage(root: Path, full: dict[str, Any], step: int) -> tuple[Path, dict[str, Any]]:

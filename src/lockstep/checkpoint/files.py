@@ -29,7 +29,7 @@ import torch
 from lockstep.errors import LockstepError
 
 __all__ = [
-    "CheckpointError", "CorruptCheckpointError", "UnsafeCheckpointError", "STATE_FILE", "SHARDED_DIR",
+    "CheckpointError", "CorruptCheckpointError", "UnsafeCheckpointError", "DiskFullError", "STATE_FILE", "SHARDED_DIR",
     "write_state_file",
     "write_bytes", "hash_file", "hash_stream", "fsync_dir", "publish", "discard", "io_error",
 ]
@@ -48,6 +48,10 @@ class CorruptCheckpointError(CheckpointError):
     """A checkpoint's files do not match its manifest (truncated, bit-flipped, missing)."""
 
 
+class DiskFullError(CheckpointError):
+    """The disk (or a quota) filled up while a checkpoint was written; nothing of that save is kept."""
+
+
 class UnsafeCheckpointError(CheckpointError):
     """A checkpoint holds content that could run code or reach outside its folder if loaded."""
 
@@ -64,11 +68,9 @@ def io_error(exc: OSError, path: Path, action: str = "write") -> CheckpointError
 
         raise io_error(OSError(errno.ENOSPC, "full"), Path("ckpt/step-000001"))
     """
-    if exc.errno in _NO_SPACE:
-        return CheckpointError(
-            f"cannot {action} checkpoint {path}: no space left on device. Free disk space or keep "
-            "fewer checkpoints (keep=); the previous checkpoint is intact."
-        )
+    if exc.errno in _NO_SPACE:  # what is left of earlier saves, save_checkpoint says (it knows the folder)
+        return DiskFullError(f"cannot {action} checkpoint {path}: no space left on device. Free disk space or "
+                             "keep fewer checkpoints (keep=)")
     return CheckpointError(f"cannot {action} checkpoint {path}: {exc.strerror or exc}")
 
 

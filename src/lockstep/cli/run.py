@@ -14,7 +14,7 @@ import argparse
 import sys
 
 from lockstep.cli.flags import LAUNCH_FLAGS, add_launch_flags, launch_options
-from lockstep.errors import LockstepError
+from lockstep.errors import ConfigError, LockstepError
 
 __all__ = ["add_arguments", "main"]
 
@@ -57,7 +57,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         return launch(spec)
     except LockstepError as exc:
-        if exc.exit_code == 2:
-            raise  # the CLI prints configuration errors itself
+        if isinstance(exc, ConfigError):
+            raise  # the CLI prints configuration errors itself (a busy port is printed here, also exit 2)
         print(f"lockstep run: error: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code

@@ -9,9 +9,11 @@ Slurm. Examples::
     lockstep train --model resnet18 --data imagefolder:data/flowers --image-size 64 --out runs/flowers
     lockstep train --data mnist:data/mnist --strategy fsdp --precision bf16-mixed --nproc 4
     lockstep train --out runs/flowers --resume          # continue from the last checkpoint
+    srun -N2 --ntasks-per-node 1 lockstep train --out runs/a   # one launcher per node, Slurm's layout
     torchrun --nproc_per_node 2 -m lockstep train        # as a worker of another launcher
 
-Bad flags and bad data are refused before any process starts: one line, exit code 2.
+Bad flags and bad data are refused before any process starts: one line, exit code 2. A run
+stopped for preemption (exit code 75) continues when the same command is run again.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ __all__ = ["add_arguments", "main", "config_from_args", "worker_argv", "LAUNCH"]
 _HELP = {
     "model": "convnet, resnet18, resnet50 or any torchvision classification model",
     "data": "digits (bundled with scikit-learn), mnist:DIR (IDX files), imagefolder:DIR, or synthetic",
-    "strategy": "auto, single, dp, ddp or fsdp",
+    "strategy": "auto, single, dp, ddp, fsdp or horovod (make horovod installs it)",
     "precision": "fp32, bf16-mixed, fp16-mixed, fp16-o2, bf16, fp16 or apex's O0-O3",
     "epochs": "epochs to train in total", "batch_size": "samples per batch per device",
     "lr": "learning rate (SGD with momentum)",
@@ -54,9 +56,10 @@ _HELP = {
 _METAVARS = {"data": "SPEC", "epochs": "E", "batch_size": "B", "base_batch": "B", "workers": "N", "accumulate": "K",
              "out": "DIR", "keep": "K", "image_size": "PIXELS", "max_steps": "S", "weights": "FILE",
              "val_fraction": "F", "progress": "auto|on|off"}
-LAUNCH = ("nproc", "nodes", "node_rank", "master", "max_restarts")
+LAUNCH = ("nproc", "nodes", "node_rank", "master", "max_restarts", "timeout")
 """The launch flags ``lockstep train`` honours (declared by :func:`~lockstep.cli.flags.add_launch_flags`);
-after a failure the restarted workers resume from ``--out``."""
+after a failure the restarted workers resume from ``--out``. Under Slurm (one task per node), Kubeflow
+or SkyPilot, ``--nodes``, ``--node-rank``, ``--master`` and ``--nproc`` default to the engine's layout."""
 
 
 def _fields() -> dict[str, Any]:
@@ -82,7 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "max_steps": int, "val_fraction": float}
     for name, field in _fields().items():
         if name == LAUNCH[0]:
-            add_launch_flags(parser, LAUNCH, nproc_default=None, nproc_default_text=NPROC_PER_GPU)
+            add_launch_flags(parser, LAUNCH, nproc_default=None, nproc_default_text=NPROC_PER_GPU, slurm=True)
         if name in LAUNCH:
             continue
         flag = "--" + name.replace("_", "-")
@@ -105,17 +108,20 @@ def config_from_args(args: argparse.Namespace) -> Any:
 
         config = config_from_args(parser.parse_args(["train", "--epochs", "1"]))
     """
+    from lockstep.env import environment
+    from lockstep.launch.spec import slurm_defaults
     from lockstep.recipes.config import TrainConfig
 
     return TrainConfig(**{name: getattr(args, name) for name in _fields() if name not in LAUNCH},
-                       **launch_options(args))
+                       **launch_options(args, slurm=slurm_defaults(environment())))
 
 
 def worker_argv(config: Any) -> list[str]:
     """The ``lockstep train`` arguments that make a worker run ``config``.
 
     Workers always get ``--resume`` when there is an ``--out``: the launcher has already refused a
-    folder with another run's checkpoints, so a restarted worker continues from the last one.
+    folder with another run's checkpoints, so a restarted worker continues from the last one. The
+    layout flags are given explicitly, so a worker never reads the engine's layout again.
 
     Args:
         config: the launcher's configuration.
@@ -153,7 +159,7 @@ def main(args: argparse.Namespace) -> int:
     """
     from lockstep.errors import ConfigError, LockstepError
     from lockstep.launch.relaunch import launched_as_worker, relaunch
-    from lockstep.recipes.config import check_data
+    from lockstep.recipes.config import check_data, check_out
     from lockstep.recipes.train import train
 
     config = config_from_args(args)
@@ -161,11 +167,15 @@ def main(args: argparse.Namespace) -> int:
     if launched_as_worker(asked_to_launch=config.nproc is not None or config.nodes > 1):
         return train(config)
     data = check_data(config, config.world_size)
-    if config.world_size == 1:
-        return train(config, data)
+    for note in data.notes:
+        print(f"lockstep train: warning: {note}", file=sys.stderr, flush=True)
+    check_out(config)
     try:
+        if config.world_size == 1:
+            return train(config, data)
         return relaunch(["train", *worker_argv(config)], nproc=config.processes, nodes=config.nodes,
-                        node_rank=config.node_rank, master=config.master, max_restarts=config.max_restarts)
+                        node_rank=config.node_rank, master=config.master, max_restarts=config.max_restarts,
+                        timeout=config.timeout)
     except LockstepError as exc:
         if isinstance(exc, ConfigError):
             raise  # the CLI prints configuration errors itself

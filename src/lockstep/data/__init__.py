@@ -2,7 +2,9 @@
 
 * :mod:`~lockstep.data.samplers`: :class:`TrainSampler` (epoch order, resumable mid-epoch) and
   :class:`EvalSampler` (every sample exactly once over all ranks, never padded);
-* :mod:`~lockstep.data.loader`: :func:`make_loader`, worker seeding, device transfer.
+* :mod:`~lockstep.data.seeding`: each sample's randomness a function of ``(seed, epoch, index)``
+  (:class:`SeededDataset`), loader workers that ignore the job's stop signals;
+* :mod:`~lockstep.data.loader`: :func:`make_loader`, device transfer.
 
 May import: ``lockstep.errors``, ``lockstep.env``.
 
@@ -14,8 +16,9 @@ Example::
 
 from __future__ import annotations
 
-from lockstep.data.loader import default_num_workers, make_loader, move_to_device, seed_worker
-from lockstep.data.samplers import EvalSampler, TrainSampler, epoch_order, shard_bounds
+from lockstep.data.loader import default_num_workers, make_loader, move_to_device
+from lockstep.data.samplers import ORDERS, EvalSampler, TrainSampler, epoch_order, shard_bounds
+from lockstep.data.seeding import SampleKey, SeededDataset, init_worker, sample_seed, seed_worker
 
-__all__ = ["make_loader", "move_to_device", "seed_worker", "default_num_workers", "TrainSampler",
-           "EvalSampler", "epoch_order", "shard_bounds"]
+__all__ = ["make_loader", "move_to_device", "seed_worker", "init_worker", "default_num_workers", "TrainSampler",
+           "EvalSampler", "epoch_order", "shard_bounds", "ORDERS", "SampleKey", "SeededDataset", "sample_seed"]

@@ -1,9 +1,10 @@
-"""Distributed data loading: the right sampler, seeded workers, pinned memory, batches on device.
+"""Distributed data loading: the right sampler, seeded samples, pinned memory, batches on device.
 
 ``batch_size`` is always per device; the global batch is ``batch_size * world_size``.
 Training loaders use :class:`~lockstep.data.samplers.TrainSampler` (equal batch counts on every rank,
-resumable mid-epoch); evaluation loaders use :class:`~lockstep.data.samplers.EvalSampler` (no padding,
-no duplicates, so metrics are exact).
+resumable mid-epoch) and seed each sample's randomness from ``(seed, epoch, index)``
+(:mod:`lockstep.data.seeding`); evaluation loaders use :class:`~lockstep.data.samplers.EvalSampler`
+(no padding, no duplicates, so metrics are exact).
 
 Example::
 
@@ -15,20 +16,19 @@ Example::
 
 from __future__ import annotations
 
-import hashlib
 import os
-import random
 from collections.abc import Callable, Iterator, Mapping, Sized
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
-from lockstep.errors import ConfigError
 from lockstep.data.samplers import EvalSampler, TrainSampler, epoch_order, shard_bounds
+from lockstep.data.seeding import SeededDataset, derive_seed, init_worker, seed_worker
+from lockstep.errors import ConfigError
 
 __all__ = ["TrainSampler", "EvalSampler", "epoch_order", "shard_bounds", "make_loader",
-           "default_num_workers", "move_to_device", "seed_worker"]
+           "default_num_workers", "move_to_device", "seed_worker", "init_worker", "SeededDataset"]
 
 
 def _cpu_count() -> int:
@@ -62,33 +62,8 @@ def default_num_workers(device: torch.device, world_size_on_node: int) -> int:
     return max(0, min(4, per_rank - 1))
 
 
-def seed_worker(worker_id: int) -> None:
-    """Seed Python's and NumPy's global RNGs in a loader worker from its torch seed.
-
-    The torch seed of a worker is ``base_seed + worker_id`` with ``base_seed`` drawn from the
-    loader's generator, which :func:`make_loader` seeds from ``(seed, rank, epoch)``; deriving
-    the other RNGs from it (PyTorch's reproducibility recipe) makes augmentations reproducible
-    and distinct across workers, ranks and epochs.
-
-    Args:
-        worker_id: index of the worker (unused: the torch seed already includes it).
-
-    Example::
-
-        DataLoader(dataset, num_workers=2, worker_init_fn=seed_worker, generator=gen)
-    """
-    seed = torch.initial_seed() % 2**32
-    random.seed(seed)
-    try:
-        import numpy as np
-    except ImportError:  # numpy is optional for torch
-        return
-    np.random.seed(seed)
-
-
 def _worker_base_seed(seed: int, rank: int, epoch: int) -> int:
-    digest = hashlib.blake2b(f"lockstep-workers/{seed}/{rank}/{epoch}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
+    return derive_seed("lockstep-workers", seed, rank, epoch)
 
 
 class _Loader(DataLoader):
@@ -139,8 +114,15 @@ def make_loader(dataset: Dataset[Any], batch_size: int, *, world_size: int, rank
                 seed: int = 0, drop_last: bool = False, pin_memory: bool | None = None,
                 collate_fn: Callable[[list[Any]], Any] | None = None,
                 persistent_workers: bool | None = None, device: torch.device | None = None,
-                local_world_size: int | None = None) -> DataLoader:
-    """Build this rank's DataLoader: the right sampler, seeded workers, pinned memory on CUDA.
+                local_world_size: int | None = None, order: str = "lockstep",
+                seed_samples: bool | None = None) -> DataLoader:
+    """Build this rank's DataLoader: the right sampler, seeded samples, pinned memory on CUDA.
+
+    A training loader reads every sample with torch's CPU generator, ``random`` and NumPy
+    seeded from ``(seed, epoch, index)`` (see :mod:`lockstep.data.seeding`): a random
+    augmentation in ``__getitem__`` is the same whatever the worker count, the worker that
+    reads the sample, the world size, and after a resume, mid-epoch included. Workers ignore
+    SIGTERM, SIGUSR1 and SIGINT (their rank handles them).
 
     Args:
         dataset: a map-style dataset (``__len__`` and ``__getitem__``).
@@ -152,7 +134,7 @@ def make_loader(dataset: Dataset[Any], batch_size: int, *, world_size: int, rank
         num_workers: worker processes; default 0 for an in-memory ``TensorDataset`` (indexing a
             tensor is cheaper than shipping the batch from a worker), else
             :func:`default_num_workers`.
-        seed: data seed; the epoch order and worker seeds derive from it.
+        seed: data seed; the epoch order and the samples' and workers' seeds derive from it.
         drop_last: training only: drop the tail that does not divide by ``world_size`` and the
             last incomplete batch.
         pin_memory: page-locked host batches for fast copies; default True only with CUDA.
@@ -161,10 +143,17 @@ def make_loader(dataset: Dataset[Any], batch_size: int, *, world_size: int, rank
         device: the rank's device, for the defaults; CUDA when available, else CPU.
         local_world_size: ranks on this machine, for the default worker count; read from the
             launch environment when omitted.
+        order: training order: ``"lockstep"`` (default) or ``"torch"``, which reads exactly
+            what ``DistributedSampler(shuffle=shuffle, seed=seed)`` with ``set_epoch`` reads at
+            this world size (see :class:`TrainSampler`).
+        seed_samples: seed each training sample's randomness (the ``dataset`` is read through
+            :class:`SeededDataset`, ``loader.dataset``); default: True except for a plain
+            ``TensorDataset``, whose items draw no random numbers.
 
     Raises:
         ConfigError: batch size < 1, an empty or iterable training dataset, drop_last on an
-            evaluation loader, or a training shard smaller than one batch with ``drop_last``.
+            evaluation loader, a training shard smaller than one batch with ``drop_last``, or
+            an unknown order.
 
     Example::
 
@@ -174,10 +163,14 @@ def make_loader(dataset: Dataset[Any], batch_size: int, *, world_size: int, rank
     n = _dataset_len(dataset)
     _validate(n, batch_size, world_size, eval, drop_last)
     sampler: TrainSampler | EvalSampler
+    if seed_samples is None:
+        seed_samples = type(dataset) is not TensorDataset
+    seed_samples = seed_samples and not eval
     if eval:
         sampler = EvalSampler(n, world_size, rank)
     else:
-        sampler = TrainSampler(n, world_size, rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        sampler = TrainSampler(n, world_size, rank, shuffle=shuffle, seed=seed, drop_last=drop_last,
+                               order=order, sample_seeds=seed_samples)
     if device is None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if num_workers is None:
@@ -198,9 +191,9 @@ def make_loader(dataset: Dataset[Any], batch_size: int, *, world_size: int, rank
     generator = torch.Generator()
     generator.manual_seed(_worker_base_seed(seed, rank, 0))
     return _Loader(
-        dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-        collate_fn=collate_fn, pin_memory=pin_memory, drop_last=drop_last and not eval,
-        worker_init_fn=seed_worker if num_workers > 0 else None, generator=generator,
+        SeededDataset(dataset) if seed_samples else dataset, batch_size=batch_size, sampler=sampler,
+        num_workers=num_workers, collate_fn=collate_fn, pin_memory=pin_memory, drop_last=drop_last and not eval,
+        worker_init_fn=init_worker if num_workers > 0 else None, generator=generator,
         persistent_workers=persistent_workers and num_workers > 0,
         lockstep_seed=seed, lockstep_rank=rank,
     )

@@ -3,7 +3,8 @@
 :class:`TrainSampler` plays the part of ``torch.utils.data.DistributedSampler`` with two additions:
 the epoch order is a function of ``(seed, epoch)`` only, and the position inside an epoch is a
 count of *global* samples consumed, so a run stopped mid-epoch resumes with exactly the indices it
-would have read next, on the same world size or on another one.
+would have read next, on the same world size or on another one. With ``order="torch"`` it reads
+exactly what ``DistributedSampler(shuffle=True, seed=seed)`` with ``set_epoch`` reads.
 
 :class:`EvalSampler` never pads nor duplicates: the shards of all ranks together are exactly
 ``range(n)``, so sums and counts reduced over ranks are the single-process figures.
@@ -17,16 +18,19 @@ Example::
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.utils.data import Sampler
 
+from lockstep.data.seeding import SampleKey, derive_seed, sample_seed
 from lockstep.errors import ConfigError
 
-__all__ = ["TrainSampler", "EvalSampler", "epoch_order", "shard_bounds"]
+__all__ = ["TrainSampler", "EvalSampler", "epoch_order", "shard_bounds", "ORDERS"]
+
+ORDERS = ("lockstep", "torch")
+"""The epoch orders :class:`TrainSampler` offers (see :func:`epoch_order`)."""
 
 
 def _check_world(world_size: int, rank: int) -> None:
@@ -41,28 +45,35 @@ def _check_len(dataset_len: int) -> None:
         raise ConfigError(f"dataset length must be >= 0, got {dataset_len}")
 
 
-def epoch_order(dataset_len: int, seed: int, epoch: int, shuffle: bool = True) -> list[int]:
+def _check_order(order: str) -> None:
+    if order not in ORDERS:
+        raise ConfigError(f"unknown data order {order!r}; choose one of {', '.join(ORDERS)}")
+
+
+def epoch_order(dataset_len: int, seed: int, epoch: int, shuffle: bool = True, order: str = "lockstep") -> list[int]:
     """Return the global sample order of one epoch: a permutation of ``range(dataset_len)``.
 
-    The generator seed mixes ``seed`` and ``epoch`` through a hash, so that (seed 0, epoch 1) and
-    (seed 1, epoch 0) give unrelated orders (``seed + epoch`` would make them equal). The hash is
-    stable across processes and Python versions, unlike the built-in ``hash``.
+    ``order="lockstep"`` seeds the permutation with a stable hash of ``seed`` and ``epoch``, so
+    that (seed 0, epoch 1) and (seed 1, epoch 0) give unrelated orders. ``order="torch"`` seeds
+    it with ``seed + epoch``, as ``torch.utils.data.DistributedSampler`` does, and gives its
+    permutation.
 
     Args:
         dataset_len: number of samples.
         seed: the run's data seed.
         epoch: the epoch number.
         shuffle: when False the order is ``range(dataset_len)``.
+        order: ``"lockstep"`` or ``"torch"``.
 
     Example::
 
         epoch_order(5, seed=0, epoch=0, shuffle=False)   # [0, 1, 2, 3, 4]
     """
+    _check_order(order)
     if not shuffle:
         return list(range(dataset_len))
-    digest = hashlib.blake2b(f"lockstep/{seed}/{epoch}".encode(), digest_size=8).digest()
     gen = torch.Generator()
-    gen.manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+    gen.manual_seed(seed + epoch if order == "torch" else derive_seed("lockstep", seed, epoch))
     return torch.randperm(dataset_len, generator=gen).tolist()
 
 
@@ -80,6 +91,15 @@ class TrainSampler(Sampler[int]):
     exactly the first ``k * world_size`` of the epoch's order. The position is kept in those
     global units (see :meth:`advance`), so it carries over to another world size.
 
+    The padding, the interleaving and the cut are those of ``DistributedSampler``; with
+    ``order="torch"`` the permutation is its too, so every rank reads what
+    ``DistributedSampler(num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed,
+    drop_last=drop_last)`` reads after ``set_epoch(epoch)``, epoch after epoch, and a run resumed
+    mid-epoch at the same world size reads the rest of it. Resumed at another world size, either
+    order continues the same global order from the position reached (no ``DistributedSampler``
+    run reads that). The default ``order="lockstep"`` mixes seed and epoch through a hash
+    instead of adding them (under ``"torch"``, seed 0 epoch 1 repeats seed 1 epoch 0).
+
     Args:
         dataset_len: number of samples in the dataset.
         world_size: number of ranks reading the dataset.
@@ -87,6 +107,10 @@ class TrainSampler(Sampler[int]):
         shuffle: permute each epoch (True) or read in dataset order.
         seed: the data seed; the order is a function of ``(seed, epoch)`` only.
         drop_last: drop the tail that does not divide by ``world_size`` instead of padding.
+        order: ``"lockstep"`` (default) or ``"torch"`` (``DistributedSampler``'s permutation).
+        sample_seeds: yield every index as a :class:`~lockstep.data.seeding.SampleKey` carrying
+            the seed of that sample's randomness, a function of ``(seed, epoch, index)``, for
+            :class:`~lockstep.data.seeding.SeededDataset`.
 
     Example::
 
@@ -98,15 +122,19 @@ class TrainSampler(Sampler[int]):
     """
 
     def __init__(self, dataset_len: int, world_size: int, rank: int, *, shuffle: bool = True,
-                 seed: int = 0, drop_last: bool = False) -> None:
+                 seed: int = 0, drop_last: bool = False, order: str = "lockstep",
+                 sample_seeds: bool = False) -> None:
         _check_len(dataset_len)
         _check_world(world_size, rank)
+        _check_order(order)
         self.dataset_len = dataset_len
         self.world_size = world_size
         self.rank = rank
         self.shuffle = shuffle
         self.seed = seed
         self.drop_last = drop_last
+        self.order = order
+        self.sample_seeds = sample_seeds
         self.epoch = 0
         self.seen = 0
         # Set by load_state_dict: the next set_epoch() of that same epoch keeps the loaded
@@ -152,20 +180,20 @@ class TrainSampler(Sampler[int]):
         self.seen = min(self.seen + global_samples, self.dataset_len)
 
     def state_dict(self) -> dict[str, Any]:
-        """Return the position: epoch, global samples consumed, seed, shuffle, dataset length.
+        """Return the position: epoch, global samples consumed, seed, shuffle, order, dataset length.
 
         Example::
 
             state = sampler.state_dict()   # {"epoch": 2, "seen": 400, "seed": 0, ...}
         """
         return {"epoch": self.epoch, "seen": self.seen, "seed": self.seed,
-                "shuffle": self.shuffle, "dataset_len": self.dataset_len}
+                "shuffle": self.shuffle, "order": self.order, "dataset_len": self.dataset_len}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a saved position; the next iteration reads from ``state["seen"]`` on.
 
-        The saved seed and shuffle flag win over the constructor's, because the order being
-        resumed is the saved run's. The world size may differ from the saved run's.
+        The saved seed, shuffle flag and order win over the constructor's, because the order
+        being resumed is the saved run's. The world size may differ from the saved run's.
 
         Args:
             state: a dict from :meth:`state_dict`.
@@ -188,23 +216,35 @@ class TrainSampler(Sampler[int]):
             raise ConfigError(f"bad sampler state: epoch {epoch}, seen {seen} (both must be >= 0)")
         self.seed = int(state.get("seed", self.seed))
         self.shuffle = bool(state.get("shuffle", self.shuffle))
+        order = str(state.get("order", self.order))
+        _check_order(order)
+        self.order = order
         self.epoch = epoch
         self.seen = min(seen, self.dataset_len)
         self._resume_epoch = epoch
 
-    def _rest(self) -> int:
-        return max(self.dataset_len - self.seen, 0)
+    def _per_rank(self, samples: int) -> int:
+        if self.drop_last:
+            return samples // self.world_size
+        return -(-samples // self.world_size)
+
+    @property
+    def num_samples(self) -> int:
+        """Samples this rank reads in a whole epoch (``len`` counts those left from the position).
+
+        Example::
+
+            TrainSampler(10, world_size=3, rank=0).num_samples   # 4
+        """
+        return self._per_rank(self.dataset_len)
 
     def __len__(self) -> int:
-        rest = self._rest()
-        if self.drop_last:
-            return rest // self.world_size
-        return -(-rest // self.world_size)
+        return self._per_rank(max(self.dataset_len - self.seen, 0))
 
     def __iter__(self) -> Iterator[int]:
         # The iterator is being consumed: a later set_epoch() of the same epoch starts it over.
         self._resume_epoch = None
-        order = epoch_order(self.dataset_len, self.seed, self.epoch, self.shuffle)
+        order = epoch_order(self.dataset_len, self.seed, self.epoch, self.shuffle, self.order)
         rest = order[self.seen:]
         total = len(self) * self.world_size
         if total > len(rest):
@@ -212,7 +252,11 @@ class TrainSampler(Sampler[int]):
             # exactly as the uninterrupted run pads its tail.
             pad = total - len(rest)
             rest += (order * (-(-pad // len(order))))[:pad]
-        return iter(rest[self.rank:total:self.world_size])
+        mine = rest[self.rank:total:self.world_size]
+        if not self.sample_seeds:
+            return iter(mine)
+        seed, epoch = self.seed, self.epoch
+        return (SampleKey(i, sample_seed(seed, epoch, i)) for i in mine)
 
 
 def shard_bounds(dataset_len: int, world_size: int, rank: int) -> tuple[int, int]:

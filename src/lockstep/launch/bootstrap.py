@@ -11,22 +11,67 @@ exception and its traceback are written to ``$TORCHELASTIC_ERROR_FILE`` in the f
 adds a sub-second timestamp (to tell the first failure from the ranks that merely lost their peer)
 and the host. The launcher prints that traceback once, in its failure summary, so the worker does
 not print it too. It imports nothing heavy: the script pays for its own imports.
+
+A worker dies with its launcher. The elastic agent runs inside the launcher process and starts
+every worker itself (in a session of its own, so a signal to the launcher's process group does
+not reach it), so the worker's parent is the launcher. Before the script runs, the worker asks
+the kernel for SIGKILL when that parent ends (``prctl(PR_SET_PDEATHSIG)``, Linux), then checks
+that its parent is still the launcher that started it (``$LOCKSTEP_LAUNCHER_PID``): a launcher
+killed with ``kill -9``, or one that failed to start the rest of the group, leaves no worker
+training on its own.
 """
 
 from __future__ import annotations
 
+import ctypes
 import faulthandler
 import os
 import runpy
+import signal
 import sys
 
 from lockstep.comm import failure
 from lockstep.env import read_settings
 from lockstep.errors import EXIT_PREEMPTED
 
-__all__ = ["main", "run_target", "record_failure"]
+__all__ = ["main", "run_target", "record_failure", "die_with_launcher"]
 
 _SKIP_FRAMES = {os.path.abspath(__file__), os.path.abspath(runpy.__file__), "<frozen runpy>"}
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+EXIT_ORPHANED = 128 + signal.SIGKILL
+"""What a worker whose launcher was already gone exits with (as if the parent-death signal hit it)."""
+
+
+def die_with_launcher(launcher_pid: int | None) -> bool:
+    """Have the kernel SIGKILL this process when its parent, the launcher, ends (Linux only).
+
+    The parent-death signal fires when the thread that started this process ends; the elastic
+    agent starts its workers from the thread that runs the launch and waits for them, so that
+    is the launcher's lifetime. A launcher that died before the signal was set is caught by
+    comparing the parent with ``launcher_pid`` right after setting it.
+
+    Args:
+        launcher_pid: the pid of the launcher that started this worker; ``None`` (not started by
+            ``lockstep run``) does nothing.
+
+    Returns:
+        False when the launcher is already gone (the caller must exit), True otherwise
+        (including platforms without ``prctl``, where nothing is done).
+
+    Example::
+
+        if not die_with_launcher(read_settings().launcher_pid):
+            sys.exit(EXIT_ORPHANED)
+    """
+    if launcher_pid is None or not sys.platform.startswith("linux"):
+        return True
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            return True  # refused (a sandbox): the worker simply keeps the old behaviour
+    except (OSError, AttributeError):
+        return True
+    return os.getppid() == launcher_pid
 
 
 def run_target(target: str, args: list[str], module: bool) -> None:
@@ -93,8 +138,13 @@ def main(argv: list[str]) -> int:
     if not argv:
         print("lockstep.launch.bootstrap: no script given", file=sys.stderr)
         return 2
+    settings = read_settings()
+    if not die_with_launcher(settings.launcher_pid):
+        print(f"lockstep.launch.bootstrap: the launcher (pid {settings.launcher_pid}) is gone; not starting",
+              file=sys.stderr)
+        return EXIT_ORPHANED
     faulthandler.enable(all_threads=True)  # a crash in native code still leaves a Python stack
-    error_file = read_settings().error_file
+    error_file = settings.error_file
     try:
         run_target(argv[0], argv[1:], module)
     except SystemExit as exc:

@@ -18,6 +18,9 @@ chooses its configuration and explains the outcome. How it launches:
   whose ranks stop with exit code 75 ends as preempted (exit 75) and uses up no restart.
 * ``--timeout`` is exported as ``LOCKSTEP_TIMEOUT``: the default timeout of the workers'
   collectives, past which the rank that did not arrive is named (:mod:`lockstep.comm.watchdog`).
+* the workers die with the launcher: the agent runs in this process and starts them itself, and
+  each worker's bootstrap asks for SIGKILL when its parent, this process
+  (``LOCKSTEP_LAUNCHER_PID``), ends, however it ends (``kill -9`` included).
 
 Example::
 
@@ -28,6 +31,7 @@ Example::
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import secrets
@@ -41,17 +45,17 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from lockstep.errors import LockstepError
+from lockstep.errors import EXIT_USAGE, LockstepError
 from lockstep.launch.report import JobReporter, say
 from lockstep.launch.rendezvous import BACKEND as LOCAL_BACKEND
 from lockstep.launch.rendezvous import register as register_local_rendezvous
 from lockstep.launch.torch_agent import quiet_torch, reporting_agent
 from lockstep.launch.spec import (
-    DEFAULT_GRACE, DEFAULT_JOIN_TIMEOUT, LaunchSpec, exposure_warning, import_torch_quietly, parse_master,
-    resolve_nproc, slurm_defaults,
+    DEFAULT_GRACE, DEFAULT_JOIN_TIMEOUT, LaunchSpec, exposure_warning, import_torch_quietly, oversubscription_warning,
+    parse_master, resolve_nproc, slurm_defaults,
 )
 
-__all__ = ["LaunchSpec", "LaunchError", "launch", "resolve_nproc", "parse_master",
+__all__ = ["LaunchSpec", "LaunchError", "PortInUseError", "launch", "resolve_nproc", "parse_master",
            "exposure_warning", "slurm_defaults", "import_torch_quietly", "DEFAULT_JOIN_TIMEOUT",
            "DEFAULT_GRACE"]
 
@@ -61,6 +65,12 @@ _SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")
 
 class LaunchError(LockstepError):
     """The job could not start (busy port, nodes that never joined, unreachable master)."""
+
+
+class PortInUseError(LaunchError):
+    """The ``--master`` port is taken: refused before any worker started, like bad flags (exit 2)."""
+
+    exit_code = EXIT_USAGE
 
 
 def _worker_args(spec: LaunchSpec) -> list[str]:
@@ -110,6 +120,7 @@ def _launch_environment(spec: LaunchSpec) -> Iterator[None]:
     if spec.timeout is not None:
         env["LOCKSTEP_TIMEOUT"] = f"{spec.timeout:g}"  # the default of Session / init_comm
     env["LOCKSTEP_GRACE"] = f"{spec.grace:g}"  # after it, a worker obeys a stop signal unsaved
+    env["LOCKSTEP_LAUNCHER_PID"] = str(os.getpid())  # the workers' parent: they die with it (bootstrap)
     # signs lockstep's values in the workers' store (see lockstep.comm.signed); a random secret per job
     # on one node, the --secret-file content across nodes (the nodes' launchers share nothing else)
     env["LOCKSTEP_SECRET"] = spec.secret or (secrets.token_hex(16) if spec.nodes == 1 else "")
@@ -139,8 +150,12 @@ def _start_error(exc: Exception, spec: LaunchSpec) -> LaunchError:
     text = f"{type(exc).__name__}: {exc}"
     host, port = parse_master(spec.master) if spec.master else ("127.0.0.1", 0)
     if "EADDRINUSE" in text or "address already in use" in text.lower():
-        return LaunchError(f"cannot host the rendezvous store on {host}:{port}: port {port} is already in "
-                           "use. Choose another --master port (or leave out --master on one node).")
+        return PortInUseError(f"cannot host the rendezvous store on {host}:{port}: port {port} is already in "
+                              "use. Choose another --master port (or leave out --master on one node).")
+    if isinstance(exc, OSError) and exc.errno in (errno.EAGAIN, errno.ENOMEM):
+        # fork refused part-way: the workers already started die with this process (bootstrap)
+        return LaunchError(f"could not start {spec.nproc} processes: the system refused a new process ({text}); "
+                           "a process limit (ulimit -u) or memory ran out. Start fewer with --nproc.")
     joined = re.search(r"(\d+)/(\d+) clients joined", text)
     reach = (f"node 0's address on port {port} (--master names the wildcard {host}, which the other nodes "
              "cannot connect to: give node 0's real address)" if host in ("0.0.0.0", "::", "*")
@@ -167,7 +182,8 @@ def launch(spec: LaunchSpec) -> int:
         spec: what to run.
 
     Raises:
-        LaunchError: the rendezvous failed (busy port, nodes that never joined).
+        PortInUseError: the ``--master`` port is taken (exit code 2).
+        LaunchError: the rendezvous failed (nodes that never joined), or not every worker could start.
 
     Example::
 
@@ -178,8 +194,10 @@ def launch(spec: LaunchSpec) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
+    warnings = [oversubscription_warning(spec.nproc)]
     if spec.master is not None:
-        warning = exposure_warning(parse_master(spec.master)[0])
+        warnings.append(exposure_warning(parse_master(spec.master)[0]))
+    for warning in warnings:
         if warning:
             say(warning)
     log_dir = spec.log_dir or tempfile.mkdtemp(prefix="lockstep-run-")

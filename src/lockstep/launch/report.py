@@ -42,8 +42,12 @@ _PEER_TEXT = re.compile(
 _STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP} | (
     {signal.SIGUSR1} if hasattr(signal, "SIGUSR1") else set())
 
+# An error a rank raised because another rank reported it (lockstep.checkpoint.core.agree): not its own.
+_RELAYED = re.compile(r"\(reported by rank (\d+)\)$")
+
 # Order in which kinds are suspected of being the root cause.
-_SUSPICION = {"exception": 0, "signal": 0, "exit": 0, "waited": 1, "peer": 1, "preempted": 2, "stopped": 3}
+_SUSPICION = {"exception": 0, "signal": 0, "exit": 0, "waited": 1, "peer": 1, "relayed": 1, "preempted": 2,
+              "stopped": 3}
 
 
 @dataclass(frozen=True)
@@ -110,8 +114,8 @@ class Failure:
 
     @property
     def kind(self) -> str:
-        """``exception``, ``peer`` (lost its peer), ``waited`` (named who never came), ``preempted``,
-        ``stopped``, ``signal`` or ``exit``."""
+        """``exception``, ``peer`` (lost its peer), ``relayed`` (raised another rank's error),
+        ``waited`` (named who never came), ``preempted``, ``stopped``, ``signal`` or ``exit``."""
         if self.blame:
             return "waited"
         if self.exitcode == EXIT_PREEMPTED:
@@ -123,8 +127,14 @@ class Failure:
                 self.error_type in _TRANSPORT_TYPES and _PEER_TEXT.search(self.error)
             ):
                 return "peer"
-            return "exception"
+            return "exception" if self.relayed_from is None else "relayed"
         return "stopped" if self.exitcode < 0 else "exit"
+
+    @property
+    def relayed_from(self) -> int | None:
+        """The rank whose error this rank raised as its own ("... (reported by rank 0)"), or ``None``."""
+        found = _RELAYED.search(self.error)
+        return int(found.group(1)) if found and int(found.group(1)) != self.rank else None
 
     def describe(self) -> str:
         """What happened, as the end of ``"rank 1 ..."``: ``"raised ValueError: bad"``."""
@@ -137,6 +147,8 @@ class Failure:
             return f"lost contact with the other ranks ({_first_sentence(self.error)})"
         if kind == "waited":
             return f"gave up waiting for {format_ranks(self.blame)}"
+        if kind == "relayed":
+            return f"stopped on the error rank {self.relayed_from} reported"
         if self.error_type == "SystemExit":
             return f"exited with code {self.exitcode}"
         if self.error:

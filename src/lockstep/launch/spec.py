@@ -23,12 +23,15 @@ from typing import Any
 
 from lockstep.errors import DEFAULT_GRACE, ConfigError
 
-__all__ = ["LaunchSpec", "parse_master", "exposure_warning", "resolve_nproc", "slurm_defaults",
-           "import_torch_quietly", "read_secret", "DEFAULT_JOIN_TIMEOUT", "DEFAULT_GRACE", "PREFIX"]
+__all__ = ["LaunchSpec", "parse_master", "exposure_warning", "oversubscription_warning", "resolve_nproc",
+           "slurm_defaults", "check_seconds", "import_torch_quietly", "read_secret", "DEFAULT_JOIN_TIMEOUT",
+           "DEFAULT_GRACE", "PREFIX", "OVERSUBSCRIBE_PER_CORE"]
 
 DEFAULT_JOIN_TIMEOUT = 900.0
 PREFIX = "lockstep run: "
 """How every line of the launcher's own starts."""
+OVERSUBSCRIBE_PER_CORE = 4
+"""Processes per CPU core past which ``lockstep run`` warns on a machine without GPUs."""
 
 
 @dataclass(frozen=True)
@@ -90,10 +93,10 @@ class LaunchSpec:
                               f"(use 0 to {self.nodes - 1})")
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts must be 0 or more, got {self.max_restarts}")
-        _check_seconds("--join-timeout", self.join_timeout)
+        check_seconds("--join-timeout", self.join_timeout)
         if self.timeout is not None:
-            _check_seconds("--timeout", self.timeout)
-        _check_seconds("--grace", self.grace, zero_ok=True)
+            check_seconds("--timeout", self.timeout)
+        check_seconds("--grace", self.grace, zero_ok=True)
         if self.nodes > 1 and self.master is None:
             raise ConfigError(f"--nodes {self.nodes} needs --master HOST:PORT (node 0's address and a "
                               "free port, the same on every node)")
@@ -113,8 +116,21 @@ class LaunchSpec:
 _MAX_SECONDS = 7 * 24 * 3600.0  # a week: longer is a typo, and torch's timers overflow far beyond
 
 
-def _check_seconds(flag: str, value: float, zero_ok: bool = False) -> None:
-    """Refuse NaN, infinity, negative (or zero) and absurdly long durations, naming the flag."""
+def check_seconds(flag: str, value: float, zero_ok: bool = False) -> None:
+    """Refuse NaN, infinity, negative (or zero) and absurdly long durations, naming the flag.
+
+    Args:
+        flag: the flag, for the message (``"--timeout"``).
+        value: the duration in seconds.
+        zero_ok: accept 0.
+
+    Raises:
+        ConfigError: one line naming the flag and the accepted range.
+
+    Example::
+
+        check_seconds("--timeout", float("inf"))   # ConfigError
+    """
     low_ok = value >= 0 if zero_ok else value > 0
     if not (low_ok and math.isfinite(value) and value <= _MAX_SECONDS):
         least = "0 or more" if zero_ok else "a positive number of seconds"
@@ -192,6 +208,36 @@ def exposure_warning(host: str) -> str | None:
     return (f"{PREFIX}warning: --master names {what}; the rendezvous store listens there and anyone who "
             "reaches it can disturb the job (lockstep's own values are signed with the job's secret, "
             "torch's are not). Use a private interface.")
+
+
+def oversubscription_warning(nproc: int, cpus: int | None = None, gpus: int | None = None) -> str | None:
+    """A warning when ``nproc`` processes are far more than this machine can run side by side.
+
+    With GPUs, more processes than GPUs share them (and nccl refuses two ranks on one GPU); without,
+    more than :data:`OVERSUBSCRIBE_PER_CORE` processes per CPU core mostly wait for each other.
+
+    Args:
+        nproc: processes per node.
+        cpus: CPU cores (default: those this process may use).
+        gpus: visible GPUs (default: ``torch.cuda.device_count()``, 0 without CUDA).
+
+    Example::
+
+        oversubscription_warning(64, cpus=2, gpus=0)   # "lockstep run: warning: 64 processes ..."
+    """
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if gpus is None:
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus > 0 and nproc > gpus:
+        return (f"{PREFIX}warning: {nproc} processes on this node but {gpus} GPU{'s' if gpus > 1 else ''}: "
+                "ranks will share GPUs (nccl refuses two ranks on one GPU); use --nproc gpu for one per GPU")
+    if gpus == 0 and nproc > OVERSUBSCRIBE_PER_CORE * cpus:
+        return (f"{PREFIX}warning: {nproc} processes on {cpus} CPU core{'s' if cpus > 1 else ''}: they will mostly "
+                "wait for each other (and each needs its own memory); use --nproc cpu for one per core")
+    return None
 
 
 def resolve_nproc(value: str | int) -> int:

@@ -13,6 +13,9 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Sized
@@ -20,15 +23,26 @@ from typing import Any, cast
 
 from lockstep.errors import ConfigError
 
-__all__ = ["TrainConfig", "check_data", "CHECKPOINTS"]
+__all__ = ["TrainConfig", "check_data", "check_out", "CHECKPOINTS", "RUN_FLAGS"]
 
 CHECKPOINTS = "checkpoints"
 _PROGRESS = ("auto", "on", "off")
+RUN_FLAGS = ("model", "data", "strategy", "precision", "epochs", "batch_size", "lr", "scale_lr", "base_batch",
+             "momentum", "weight_decay", "sync_bn", "accumulate", "seed", "out", "keep", "image_size", "max_steps",
+             "weights", "pretrained", "val_fraction")
+"""The fields that say what a run computes: a preempted run continues only with the same ones
+(where, how many processes and how it is shown may change)."""
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 def _positive(name: str, value: float | None, minimum: float = 1) -> None:
-    if value is not None and value < minimum:
-        raise ConfigError(f"--{name.replace('_', '-')} must be at least {minimum:g}, got {value:g}")
+    # `not >=` also refuses NaN, which every comparison passes the other way
+    if value is not None and not (math.isfinite(value) and value >= minimum):
+        finite = "" if math.isfinite(value) else "a finite number, "
+        raise ConfigError(f"{_flag(name)} must be {finite}at least {minimum:g}, got {value:g}")
 
 
 @dataclass(frozen=True)
@@ -38,7 +52,7 @@ class TrainConfig:
     Args:
         model: ``convnet`` or a torchvision classification model name.
         data: ``digits``, ``synthetic``, ``mnist:DIR`` or ``imagefolder:DIR``.
-        strategy: ``auto``, ``single``, ``dp``, ``ddp`` or ``fsdp``.
+        strategy: ``auto``, ``single``, ``dp``, ``ddp``, ``fsdp`` or ``horovod``.
         precision: ``fp32``, ``bf16-mixed``, ``fp16-mixed``... (see :class:`lockstep.Session`).
         nproc: processes per node (``None``: one per GPU, or 2 on a machine without GPUs).
         nodes, node_rank, master: the multi-node job (see ``lockstep run``).
@@ -57,6 +71,8 @@ class TrainConfig:
         keep: checkpoints kept in ``out``.
         image_size: input side (``None``: 28 for convnet, 224 otherwise).
         max_restarts: restarts of the whole job after a failure.
+        timeout: seconds a collective may wait for a missing rank (``None``: ``$LOCKSTEP_TIMEOUT``
+            or 600; see ``lockstep run --timeout``).
         max_steps: optimizer steps per epoch at most (short test and speed runs).
         weights: a local state-dict file to start from.
         pretrained: ask for pretrained weights (needs ``weights``; nothing is downloaded).
@@ -92,6 +108,7 @@ class TrainConfig:
     keep: int = 2
     image_size: int | None = None
     max_restarts: int = 0
+    timeout: float | None = None
     max_steps: int | None = None
     weights: str | None = None
     pretrained: bool = False
@@ -119,8 +136,12 @@ class TrainConfig:
         _positive("max_restarts", self.max_restarts, 0)
         _positive("weight_decay", self.weight_decay, 0)
         _positive("momentum", self.momentum, 0)
-        if not self.lr > 0:
-            raise ConfigError(f"--lr must be positive, got {self.lr:g}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ConfigError(f"--lr must be a positive, finite number, got {self.lr:g}")
+        if self.timeout is not None:
+            from lockstep.launch.spec import check_seconds
+
+            check_seconds("--timeout", self.timeout)
         if not 0 < self.val_fraction < 1:
             raise ConfigError(f"--val-fraction must be between 0 and 1, got {self.val_fraction:g}")
         if not 0 <= self.node_rank < self.nodes:
@@ -129,10 +150,14 @@ class TrainConfig:
             raise ConfigError(f"--nodes {self.nodes} needs --master HOST:PORT (node 0's address, the same on every node)")
 
     def _check_strategy(self) -> None:
+        from lockstep.strategies import horovod_unavailable
         from lockstep.zoo.options import check_options
 
-        check_options(strategy=self.strategy, precision=self.precision, sync_bn=self.sync_bn,
-                      world_size=self.world_size)
+        options = check_options(strategy=self.strategy, precision=self.precision, sync_bn=self.sync_bn,
+                                world_size=self.world_size)
+        missing = horovod_unavailable() if options.strategy == "horovod" else None
+        if missing is not None:
+            raise ConfigError(f"--strategy horovod: {missing}")
 
     def _check_files(self) -> None:
         if self.pretrained and self.weights is None:
@@ -148,8 +173,22 @@ class TrainConfig:
                 raise ConfigError(f"--out {out} exists and is not a folder")
             ckpts = out / CHECKPOINTS
             if not self.resume and ckpts.is_dir() and any(p.name.startswith("step-") for p in ckpts.iterdir()):
-                raise ConfigError(f"--out {out} holds checkpoints of an earlier run; pass --resume to "
-                                  "continue it, or choose another --out")
+                self._check_continues(out)
+
+    def _check_continues(self, out: Path) -> None:
+        """``out`` holds checkpoints and no ``--resume``: only a preempted run of these flags continues."""
+        from lockstep.recipes.outputs import read_preempted
+
+        marker = read_preempted(out)
+        if marker is None:
+            raise ConfigError(f"--out {out} holds checkpoints of an earlier run; pass --resume to "
+                              "continue it, or choose another --out")
+        theirs, mine = marker.get("config", {}), self.to_dict()
+        differ = [f"{_flag(k)} {theirs.get(k)} there, {mine[k]} here" for k in RUN_FLAGS if theirs.get(k) != mine[k]]
+        if differ:
+            raise ConfigError(f"--out {out} holds a preempted run with other flags ({'; '.join(differ[:3])}); "
+                              "run its own command again to continue it, pass --resume to continue it with "
+                              "these flags, or choose another --out")
 
     @property
     def processes(self) -> int:
@@ -195,6 +234,44 @@ class TrainConfig:
             TrainConfig().to_dict()["model"]    # "convnet"
         """
         return dataclasses.asdict(self)
+
+
+def check_out(config: TrainConfig) -> None:
+    """Check, in the launching process, that ``--out`` can be written and is no other job's.
+
+    Creates the folder (as the run would), writes and removes a probe file, and tries the lock
+    of its checkpoint folder (:func:`lockstep.checkpoint.lock_folder`) without keeping it.
+
+    Args:
+        config: the run's configuration (nothing is checked without ``out``).
+
+    Raises:
+        ConfigError: the folder cannot be created or written (a read-only file system, a file
+            in its path), or a live job holds its checkpoints (naming its host and pid).
+
+    Example::
+
+        check_out(TrainConfig(out="runs/a"))
+    """
+    if config.out is None:
+        return
+    from lockstep.checkpoint import CheckpointError, lock_folder
+    from lockstep.comm.group import Comm
+    from lockstep.env import World
+
+    out = Path(config.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".lockstep-probe-", dir=out)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ConfigError(f"--out {out}: cannot write there ({exc.strerror or exc}); "
+                          "choose a writable folder") from None
+    try:
+        lock_folder(out / CHECKPOINTS, Comm(World())).release()
+    except CheckpointError as exc:
+        raise ConfigError(f"--out {out}: {exc}") from None
 
 
 def check_data(config: TrainConfig, world_size: int) -> Any:

@@ -3,7 +3,9 @@
 Only rank 0 writes. ``metrics.csv`` has one row per finished epoch; a resumed run keeps the rows
 of the epochs its checkpoint covers and drops any later ones (an epoch logged but not saved is
 trained again, so it would otherwise appear twice). TensorBoard events are written when the
-``tensorboard`` package is installed, and silently skipped when it is not.
+``tensorboard`` package is installed, and silently skipped when it is not. A run stopped for
+preemption leaves ``preempted.json`` (its flags, the step and the checkpoint): the same command
+run again (a scheduler's requeue) continues it without ``--resume``; a run that finishes removes it.
 
 Example::
 
@@ -20,10 +22,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RunLog", "METRICS_FILE", "CONFIG_FILE", "COLUMNS"]
+__all__ = ["RunLog", "read_preempted", "METRICS_FILE", "CONFIG_FILE", "PREEMPTED_FILE", "COLUMNS"]
 
 METRICS_FILE = "metrics.csv"
 CONFIG_FILE = "config.json"
+PREEMPTED_FILE = "preempted.json"
 COLUMNS = ("epoch", "step", "train_loss", "test_loss", "test_accuracy", "test_count", "samples_per_s",
            "epoch_time_s", "lr")
 
@@ -100,6 +103,34 @@ class RunLog:
                     self._tb.add_scalar(key, row[key], int(row["epoch"]))
             self._tb.flush()
 
+    def preempted(self, config: dict[str, Any], step: int, checkpoint: Path | None) -> None:
+        """Leave ``preempted.json``: the run stopped for preemption and its command may be run again.
+
+        Args:
+            config: the run's flags (:meth:`~lockstep.recipes.config.TrainConfig.to_dict`).
+            step: the global step every rank stopped after.
+            checkpoint: the checkpoint saved then.
+
+        Example::
+
+            log.preempted(config.to_dict(), 120, Path("runs/a/checkpoints/step-000120"))
+        """
+        if self.out is not None:
+            body = {"step": step, "checkpoint": None if checkpoint is None else str(checkpoint), "config": config}
+            tmp = self.out / (PREEMPTED_FILE + ".tmp")
+            tmp.write_text(json.dumps(body, indent=2, sort_keys=True) + "\n")
+            tmp.replace(self.out / PREEMPTED_FILE)
+
+    def finished(self) -> None:
+        """The run trained every epoch: remove ``preempted.json`` if an earlier attempt left one.
+
+        Example::
+
+            log.finished()
+        """
+        if self.out is not None:
+            (self.out / PREEMPTED_FILE).unlink(missing_ok=True)
+
     def close(self) -> None:
         """Close the TensorBoard writer (the CSV file is closed after every row).
 
@@ -110,3 +141,20 @@ class RunLog:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+
+def read_preempted(out: Path) -> dict[str, Any] | None:
+    """What ``preempted.json`` in ``out`` says, or ``None`` when the last run there was not preempted.
+
+    Args:
+        out: the ``--out`` folder.
+
+    Example::
+
+        read_preempted(Path("runs/a"))    # {"step": 120, "checkpoint": "...", "config": {...}}
+    """
+    try:
+        body = json.loads((out / PREEMPTED_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return body if isinstance(body, dict) else None

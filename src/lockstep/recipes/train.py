@@ -1,9 +1,10 @@
 """The training program of ``lockstep train``, as every worker process runs it.
 
 It is the seed tutorials' program written against :class:`lockstep.Session` only: build the
-model, wrap it, load the data with per-device batches, resume from ``--out`` when asked, train
-with a progress bar on rank 0, evaluate exactly over all ranks after every epoch, save a
-checkpoint and a row of ``metrics.csv``.
+model, wrap it, load the data with per-device batches, continue from the checkpoints in ``--out``
+(the configuration allowed them: ``--resume``, or a preempted run of the same flags), train with a
+progress bar on rank 0, evaluate exactly over all ranks after every epoch, save a checkpoint and a
+row of ``metrics.csv``. An epoch whose every step was skipped for a non-finite loss fails the run.
 
 Run it through the command line (which starts the workers)::
 
@@ -29,10 +30,14 @@ from lockstep.recipes.outputs import RunLog
 from lockstep.zoo.datasets import materialized
 from lockstep.zoo.models import build_model, load_weights
 
-__all__ = ["train", "EVAL_BATCH", "POSTFIX_EVERY"]
+__all__ = ["train", "DivergedError", "EVAL_BATCH", "POSTFIX_EVERY"]
 
 EVAL_BATCH = 256
 POSTFIX_EVERY = 10  # steps between progress-bar updates of loss and speed (each costs a sync)
+
+
+class DivergedError(lockstep.LockstepError):
+    """Every optimizer step of an epoch was skipped for a non-finite loss: the model learns nothing."""
 
 
 def train(config: TrainConfig, data: Any = None) -> int:
@@ -50,7 +55,7 @@ def train(config: TrainConfig, data: Any = None) -> int:
     if data is None:
         data = check_data(config, world.world_size)  # before the process group: errors stay one line
     session = lockstep.Session(strategy=config.strategy, precision=config.precision, sync_bn=config.sync_bn,
-                               accumulate=config.accumulate, seed=config.seed, quiet=True)
+                               accumulate=config.accumulate, seed=config.seed, timeout=config.timeout, quiet=True)
     with session:
         _run(session, config, data)
     return 0
@@ -76,7 +81,7 @@ def _run(session: lockstep.Session, config: TrainConfig, data: Any) -> None:
     model, optimizer, train_loader, test_loader, lr = _prepare(session, config, data)
     out = Path(config.out) if config.out is not None else None
     state = lockstep.ResumeState()
-    if config.resume and out is not None:
+    if out is not None:  # also the folder a preemption saves into
         state = session.load(out / CHECKPOINTS, model=model, optimizer=optimizer)
     # The recipe saves after whole epochs only; the count it stored is authoritative even when
     # --max-steps ended the epoch before its last batch.
@@ -102,8 +107,12 @@ def _run(session: lockstep.Session, config: TrainConfig, data: Any) -> None:
                 session.save(out / CHECKPOINTS, model=model, optimizer=optimizer, keep=config.keep,
                              epochs_done=epoch + 1)
             log.epoch(row)
+    except lockstep.Preempted as stop:
+        log.preempted(config.to_dict(), stop.step, stop.path)  # the same command continues it
+        raise
     finally:
         log.close()
+    log.finished()
     if start >= config.epochs:
         session.print(f"lockstep train: nothing to train: the checkpoint already covers {start} of "
                       f"{config.epochs} epochs (raise --epochs to train more)")
@@ -116,6 +125,7 @@ def _epoch(session: lockstep.Session, config: TrainConfig, model: nn.Module, opt
     criterion = nn.CrossEntropyLoss()
     limit = config.max_steps * config.accumulate if config.max_steps is not None else None
     totals = torch.zeros(2, dtype=torch.float64, device=session.device)  # loss sum, samples
+    skipped, took = session.skipped_steps, 0
     model.train()
     bar = _progress(session, config, train_loader)
     began = time.perf_counter()
@@ -123,7 +133,7 @@ def _epoch(session: lockstep.Session, config: TrainConfig, model: nn.Module, opt
         for i, (images, labels) in enumerate(bar):
             loss = criterion(model(images).float(), labels)
             session.backward(loss)
-            session.step(optimizer)
+            took += session.step(optimizer)
             totals[0] += loss.detach().double() * labels.shape[0]
             totals[1] += labels.shape[0]
             if hasattr(bar, "set_postfix") and i % POSTFIX_EVERY == 0:
@@ -135,6 +145,10 @@ def _epoch(session: lockstep.Session, config: TrainConfig, model: nn.Module, opt
         if hasattr(bar, "close"):
             bar.close()
     elapsed = time.perf_counter() - began
+    if took == 0 and session.skipped_steps > skipped:  # the same decision on every rank
+        raise DivergedError(f"every step of epoch {session.epoch + 1} was skipped: the loss was not finite "
+                            f"({session.skipped_steps - skipped} steps); lower --lr, or check the data and "
+                            "--weights")
     session.all_reduce(totals)
     loss_sum, samples = totals.tolist()
     result = lockstep.metrics.evaluate(model, test_loader, session)

@@ -5,8 +5,10 @@ the training state, and stays thin: each concern lives in its own module.
 * :mod:`~lockstep.session.state`: :class:`~lockstep.session.state.TrainState` (the loop's
   counters, every training loader's position, every rank's RNG, with ``state_dict`` /
   ``load_state_dict``), the checkpoint built from it and the model, and :class:`ResumeState`;
-* :mod:`~lockstep.session.loop`: device loaders, accumulation, the precision module wrapper,
-  the progress bar;
+* :mod:`~lockstep.session.loaders`: device loaders (constant ``len``, ``remaining``), every
+  training loader's epoch, the progress bar;
+* :mod:`~lockstep.session.loop`: accumulation (an epoch ends with a step), the precision module
+  wrapper;
 * :mod:`~lockstep.session.nonfinite`: the non-finite policy (one decision on every rank);
 * :mod:`~lockstep.session.preempt`: preemption signals, one agreed stop (the session saves).
 

@@ -1,16 +1,18 @@
-"""The pieces of the training step that the session holds: device loaders and their epochs,
-the precision-aware module wrapper, gradient accumulation and the progress bar (the non-finite
-policy is :mod:`lockstep.session.nonfinite`).
+"""The pieces of the training step that the session holds: the precision-aware module wrapper
+and gradient accumulation (the loaders are :mod:`lockstep.session.loaders`, the non-finite
+policy :mod:`lockstep.session.nonfinite`).
 
 They are separate from :mod:`lockstep.session.session` so that each stays small and testable; users
 meet them only through ``Session``.
+
+Example::
+
+    accum = Accumulator(2)
+    accum.attach(strategy, wrapped_model)   # opens the first no-sync window
 """
 
 from __future__ import annotations
 
-import sys
-import weakref
-from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -19,79 +21,7 @@ from torch import nn
 
 from lockstep.errors import ConfigError
 
-__all__ = ["DeviceLoader", "PrecisionModule", "Accumulator", "TrainLoaders", "progress_bar"]
-
-class DeviceLoader:
-    """Iterate a DataLoader, moving each batch to the device, and count what training consumed.
-
-    Args:
-        loader: the torch DataLoader (its sampler is a lockstep sampler).
-        device: where batches go (``non_blocking`` copies on CUDA).
-        train: True for a training loader; its sampler position advances per batch so a
-            checkpoint taken mid-epoch knows how far the epoch got.
-    """
-
-    def __init__(self, loader: torch.utils.data.DataLoader, device: torch.device, train: bool) -> None:
-        from lockstep.data.loader import move_to_device
-
-        self.loader = loader
-        self.device = device
-        self.train = train
-        self._move = move_to_device
-        self._non_blocking = device.type == "cuda"
-        self.tracker: Any = None  # the session's TrainLoaders, told when a batch goes out or the loader runs out
-
-    @property
-    def sampler(self) -> Any:
-        """The lockstep sampler behind the loader."""
-        return self.loader.sampler
-
-    @property
-    def dataset(self) -> Any:
-        """The dataset behind the loader."""
-        return self.loader.dataset
-
-    @property
-    def collate_fn(self) -> Any:
-        """The loader's collate function."""
-        return self.loader.collate_fn
-
-    @property
-    def batch_size(self) -> int:
-        """Samples per batch on this rank."""
-        return int(self.loader.batch_size or 1)
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __iter__(self) -> Iterator[Any]:
-        move, device, nb = self._move, self.device, self._non_blocking
-        on_host = device.type == "cpu"  # the loader's batches are already there
-        advance = getattr(self.sampler, "advance", None) if self.train else None
-        world = getattr(self.sampler, "world_size", 1)
-        full = self.loader.batch_size  # every batch but an epoch's last has it on every rank
-        tracker = self.tracker
-        for batch in self.loader:
-            if advance is not None:
-                # counted when handed out: a checkpoint taken after this batch's step resumes
-                # with the next one. The sampler clamps the position at the epoch's end, which
-                # is where a last, smaller batch takes it.
-                advance((full or _batch_len(batch)) * world)
-            if tracker is not None:
-                tracker.epoch_done = False
-            yield batch if on_host else move(batch, device, nb)
-        if tracker is not None:
-            tracker.epoch_done = True
-
-
-def _batch_len(batch: Any) -> int:
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0])
-    if isinstance(batch, (list, tuple)) and batch:
-        return _batch_len(batch[0])
-    if isinstance(batch, dict) and batch:
-        return _batch_len(next(iter(batch.values())))
-    return 1
+__all__ = ["PrecisionModule", "Accumulator"]
 
 
 class PrecisionModule(nn.Module):
@@ -128,13 +58,28 @@ class PrecisionModule(nn.Module):
 
 
 class Accumulator:
-    """Gradient accumulation over ``k`` micro-steps: no gradient sync on all but the last.
+    """Gradient accumulation over windows of ``k`` micro-steps: no gradient sync on all but the last.
+
+    A window closes early at the end of a training loader's epoch: with ``k=3`` and 10 batches
+    an epoch takes 4 optimizer steps, on 3, 3, 3 and 1 micro-batches, so no micro-batch is
+    carried into the next epoch and a run resumed at an epoch's end takes the same steps as one
+    that was not stopped. Each micro-batch's loss is divided by the size of its window, so every
+    step applies the mean gradient over the micro-batches it saw (a last window of one applies
+    that micro-batch's gradient at full weight, as a step without accumulation would).
 
     DDP decides whether to sync at *forward* time, so the no-sync state is entered before the
-    first micro-step's forward and left after the second-to-last backward.
+    first micro-step's forward and left before the window's last forward. The window's size is
+    decided when its first batch is handed out (:meth:`on_batch`); micro-batches that do not come
+    from a session loader make windows of ``k``.
 
     Args:
         k: micro-steps per optimizer step (1 disables accumulation).
+
+    Example::
+
+        accum = Accumulator(3)
+        accum.on_batch(1)          # the epoch's last batch: a window of one
+        accum.scale(loss)          # loss / 1
     """
 
     def __init__(self, k: int) -> None:
@@ -142,6 +87,7 @@ class Accumulator:
             raise ConfigError(f"accumulate must be >= 1, got {k}")
         self.k = k
         self.micro = 0
+        self.window = k  # micro-steps of the current window
         self._ctx: AbstractContextManager[Any] | None = None
         self._model: nn.Module | None = None
         self._strategy: Any = None
@@ -153,18 +99,38 @@ class Accumulator:
 
     @property
     def ready(self) -> bool:
-        """True when ``k`` micro-steps have run since the last optimizer step."""
-        return self.micro >= self.k
+        """True when the window's micro-steps have run since the last optimizer step."""
+        return self.micro >= self.window
+
+    def on_batch(self, left: int) -> None:
+        """A training loader handed out a batch; ``left`` batches of its epoch remain, this one included.
+
+        At a window's first batch this sizes the window: ``k``, or fewer at the epoch's end.
+
+        Args:
+            left: the loader's remaining batches before this one was handed out.
+        """
+        if self.micro == 0:
+            self.window = max(1, min(self.k, left))
+            if self.window == 1:
+                self._close()  # this forward is the window's last: it syncs
+            else:
+                self._open()
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` divided by the window's size, so that the step applies the window's mean."""
+        return loss / self.window if self.window > 1 else loss
 
     def after_backward(self) -> None:
         """Advance one micro-step; the last one's forward runs with gradient sync."""
-        if self.micro == self.k - 2:
+        if self.micro == self.window - 2:
             self._close()
         self.micro += 1
 
     def after_step(self) -> None:
         """Start the next accumulation window."""
         self.micro = 0
+        self.window = self.k
         self._open()
 
     def _open(self) -> None:
@@ -176,143 +142,3 @@ class Accumulator:
         if self._ctx is not None:
             ctx, self._ctx = self._ctx, None
             ctx.__exit__(None, None, None)
-
-
-class TrainLoaders:
-    """The session's training loaders: each one's epoch is set, saved and restored.
-
-    Loaders are held weakly (a loader the script dropped is forgotten) and kept in creation
-    order, which pairs them with the sampler states of a checkpoint. A state loaded before its
-    loader exists (``session.load`` called before ``session.loader``, or a loader made inside the
-    epoch loop) waits here and is applied when the loader is made, so the epoch still resumes
-    where it stopped.
-
-    Whether a checkpoint was taken in the middle of an epoch is what the loaders last did: an
-    epoch is finished once a loader ran out after the last batch handed out (this covers one
-    loader, ``zip`` of loaders of different lengths, and loops that ``break``), or when every
-    loader has handed out its whole epoch (a save right after the last step).
-
-    Example::
-
-        loaders = TrainLoaders()
-        loaders.add(train)
-        loaders.set_epoch(3)
-    """
-
-    def __init__(self) -> None:
-        self._refs: list[weakref.ref[DeviceLoader]] = []
-        self._pending: list[dict[str, Any]] = []
-        self._epoch = 0
-        self.epoch_done = False  # written by the loaders: True once one ran out after the last batch
-
-    @property
-    def live(self) -> list[DeviceLoader]:
-        """The loaders still in use, oldest first."""
-        loaders = [loader for ref in self._refs if (loader := ref()) is not None]
-        if len(loaders) < len(self._refs):
-            self._refs = [weakref.ref(loader) for loader in loaders]
-        return loaders
-
-    @property
-    def first(self) -> DeviceLoader | None:
-        """The first training loader (its batches are the ones the summary describes)."""
-        live = self.live
-        return live[0] if live else None
-
-    def describe(self, world_size: int, accumulate: int) -> list[str]:
-        """What the session's summary says about the batches of the first loader (nothing without one).
-
-        Args:
-            world_size: ranks in the job.
-            accumulate: micro-steps per optimizer step.
-
-        Example::
-
-            loaders.describe(4, 1)   # ['batch 100 per device', 'global batch 400 (100 x 4 x 1)', '...']
-        """
-        first = self.first
-        if first is None:
-            return []
-        b, g = first.batch_size, first.batch_size * world_size * accumulate
-        return [f"batch {b} per device", f"global batch {g} ({b} x {world_size} x {accumulate})",
-                f"{len(first) // accumulate} steps per epoch"]
-
-    def add(self, loader: DeviceLoader) -> None:
-        """Track ``loader``; a sampler state waiting for it is applied now.
-
-        A loader made inside an epoch (``for x in session.loader(...)`` in the epoch loop)
-        starts at that epoch, so its order changes from epoch to epoch.
-        """
-        if self._pending and int(self._pending[0].get("epoch", -1)) == self._epoch:
-            loader.sampler.load_state_dict(self._pending.pop(0))
-        else:
-            self._pending = []
-            loader.sampler.set_epoch(self._epoch)
-        loader.tracker = self
-        self._refs.append(weakref.ref(loader))
-
-    def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch`` on every loader (one restored to this epoch keeps its position)."""
-        self._epoch = epoch
-        self.epoch_done = False
-        for loader in self.live:
-            loader.sampler.set_epoch(epoch)
-
-    def state_dicts(self) -> list[dict[str, Any]]:
-        """Every loader's sampler position, in creation order."""
-        return [loader.sampler.state_dict() for loader in self.live]
-
-    def restore(self, states: list[dict[str, Any]], epoch: int, epoch_done: bool | None,
-                legacy: bool = False) -> bool:
-        """Load saved sampler ``states``, paired with the loaders in creation order.
-
-        Returns True when the checkpoint was taken in the middle of ``epoch`` (each loader then
-        continues from its position); otherwise every loader starts the next epoch.
-
-        Args:
-            states: the saved sampler states.
-            epoch: the epoch the checkpoint was taken in.
-            epoch_done: whether that epoch had finished; ``None`` for a checkpoint that did not
-                record it (then a position short of the dataset's end means mid-epoch).
-            legacy: ``states`` is the one state of an older checkpoint, which was the last
-                loader's.
-
-        Raises:
-            ConfigError: a state was saved for a dataset of another length.
-        """
-        if not states:
-            self._pending = []
-            return False
-        at_end = all(int(s.get("seen", 0)) >= int(s.get("dataset_len", 0)) for s in states)
-        if epoch_done is None:
-            epoch_done = at_end or not any(int(s.get("seen", 0)) > 0 for s in states)
-        mid = not (epoch_done or at_end)  # a save right after the last batch: every loader at its end
-        self._epoch, self.epoch_done = (epoch, False) if mid else (epoch + 1, False)
-        live = self.live[-1:] if legacy else self.live
-        for loader, state in zip(live, states):
-            loader.sampler.load_state_dict(state)
-            if not mid:
-                loader.sampler.set_epoch(epoch + 1)
-        self._pending = list(states[len(live):]) if mid else []
-        return mid
-
-
-def progress_bar(iterable: Iterable[Any], show: bool, *, force: bool = False, **kwargs: Any) -> Iterable[Any]:
-    """Wrap ``iterable`` in a tqdm bar where ``show`` is True and stderr is a terminal (or ``force``).
-
-    Args:
-        iterable: what the loop goes over.
-        show: draw a bar in this process (rank 0 only, so ranks do not print over each other).
-        force: draw it even when stderr is not a terminal.
-        **kwargs: passed to tqdm (``leave`` is False unless given).
-
-    Example::
-
-        for batch in progress_bar(train, session.is_main, desc="epoch 0"): ...
-    """
-    if not show or not (force or sys.stderr.isatty()):
-        return iterable
-    from tqdm.auto import tqdm
-
-    kwargs.setdefault("leave", False)
-    return tqdm(iterable, **kwargs)

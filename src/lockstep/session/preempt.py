@@ -21,10 +21,14 @@ and :class:`StopGuard` makes the ranks agree on it inside ``Session.step``:
   (:data:`~lockstep.errors.EXIT_PREEMPTED`): the job ends with "run me again".
   ``preemption="flag"`` only sets ``session.should_stop``; ``"off"`` installs no handler.
 
-A second signal before the ranks agreed (or one that arrives after the job already failed)
-ends the process at once, with the signal's default action; so does the first one if the ranks
-have not agreed within the grace window (``$LOCKSTEP_GRACE`` seconds, set by ``lockstep run
---grace``; 30 by default): a process that stopped calling ``Session.step`` still obeys SIGTERM.
+The same signal again before the ranks agreed is the same request: Slurm signals every process
+of a step and ``lockstep run`` forwards what it receives, so a rank sees one preemption twice
+(``kill -USR1 <rank>; kill -USR1 <launcher>`` does the same). A *different* second signal
+(SIGUSR1, then SIGTERM), or one that arrives after the job already failed, ends the process at
+once with the signal's default action; so does the first one if the ranks have not agreed
+within the grace window (``$LOCKSTEP_GRACE`` seconds, set by ``lockstep run --grace``; 30 by
+default): a process that stopped calling ``Session.step`` still obeys SIGTERM, at the latest
+when the grace is over.
 The watchdog tells the guard when the job has failed (:meth:`~lockstep.comm.watchdog.NullWatchdog.on_job_failed`),
 and a signal waiting for agreement then ends the process too.
 
@@ -169,6 +173,7 @@ class StopGuard:
         self._clock = 0.0
         self._last = 0
         self._saved: dict[int, Any] = {}
+        self._overdue = False  # the grace is over (or the job failed): a signal now ends the process
 
     def attach(self, comm: Comm, device: torch.device) -> StopGuard:
         """Agree over ``comm`` with tensors on ``device`` (nccl needs the rank's GPU); returns self.
@@ -201,8 +206,10 @@ class StopGuard:
         if self.agreed:
             return
         watch = self.comm.watchdog
+        if signum == self.requested and not (self._overdue or watch.job_failed):
+            return  # the same request again: the scheduler's own signal and the launcher's forward of it
         if self.requested is not None or watch.job_failed:
-            # asked twice, or the other ranks are gone: nobody is left to agree with
+            # asked otherwise, past the grace, or the other ranks are gone: nobody is left to agree with
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
@@ -213,9 +220,10 @@ class StopGuard:
 
     def _resend(self) -> None:
         # from the grace timer or the watchdog's thread (the job failed): a recorded signal that
-        # no step agreed on is sent again, and the handler, seeing it twice, ends the process
+        # no step agreed on is sent again, and the handler, now overdue, ends the process
         signum = self.requested
         if signum is not None and not self.agreed:
+            self._overdue = True
             os.kill(os.getpid(), signum)
 
     def poll(self) -> bool:

@@ -32,8 +32,11 @@ import torch
 from torch import nn
 
 from lockstep.comm.group import Comm, init_comm, resolve_timeout
+from lockstep.data.loader import make_loader
 from lockstep.env import detect_world
-from lockstep.session.loop import Accumulator, DeviceLoader, PrecisionModule, progress_bar
+from lockstep.session.loaders import DeviceLoader, progress_bar
+from lockstep.session.locks import FolderLocks
+from lockstep.session.loop import Accumulator, PrecisionModule
 from lockstep.session.nonfinite import NonFiniteLossError, NonFinitePolicy
 from lockstep.session.preempt import Preempted, StopGuard, stop_message
 from lockstep.session.state import ResumeState, TrainState, load_state, resumed_line, save_state, seed_everything
@@ -56,7 +59,8 @@ class Session:
         precision: ``"fp32"``, ``"bf16-mixed"``, ``"fp16-mixed"``, ``"fp16-o2"``, ``"bf16"``,
             ``"fp16"`` or apex's ``"O0"``-``"O3"``.
         sync_bn: convert BatchNorm layers to SyncBatchNorm (GPU only).
-        accumulate: micro-steps per optimizer step (gradient accumulation).
+        accumulate: micro-steps per optimizer step; an epoch ends with a step on its last window
+            (the mean over its micro-batches): 10 batches with 3 make 4 steps (3, 3, 3 and 1).
         clip_grad_norm: clip the global gradient norm to this value in ``step``.
         seed: seed of every rank's RNG (identical, so models start equal), data order included.
         nonfinite: what to do when the loss turns NaN/inf on any rank: ``"skip"`` the step on
@@ -124,6 +128,7 @@ class Session:
         self._model: nn.Module | None = None
         self._announced = False
         self._ckpt: tuple[Path, int | None, dict[str, Any]] | None = None  # where a preemption saves
+        self._locks = FolderLocks(self.comm)  # one live job per checkpoint folder
 
     # -- where this rank is ---------------------------------------------------------------
     @property
@@ -197,6 +202,7 @@ class Session:
                 opt = optimizer
             else:
                 opt = optimizer(wrapped.parameters())
+            opt = self.strategy.setup_optimizer(opt, wrapped, self.accumulate)
             opt = self.precision.setup_optimizer(opt, wrapped)
         self._accum.attach(self.strategy, wrapped)
         if self.precision.name != "fp32":
@@ -210,23 +216,23 @@ class Session:
 
         Every training loader in use follows :meth:`epochs` and has its position saved and
         restored by :meth:`save` / :meth:`load` (loaders are paired in the order they are made).
+        ``len()`` is the batches of a whole epoch on this rank, ``.remaining`` those not read yet.
 
         Args:
             dataset: a map-style dataset.
             batch_size: samples per batch **per device**.
             shuffle: reshuffle every epoch (training loaders).
             eval: an evaluation loader: every sample exactly once over all ranks, no padding.
-            **options: passed to :func:`lockstep.data.loader.make_loader` (``num_workers``, ``drop_last``...).
+            **options: passed to :func:`lockstep.data.loader.make_loader` (``num_workers``,
+                ``drop_last``, ``order="torch"`` for ``DistributedSampler``'s order...).
 
         Example::
 
             train = session.loader(train_set, batch_size=64)
         """
-        from lockstep.data.loader import make_loader
-
         loader = make_loader(dataset, batch_size, world_size=self.world_size, rank=self.rank,
                              shuffle=shuffle and not eval, eval=eval, seed=self.seed, **options)
-        wrapped = DeviceLoader(loader, self.device, train=not eval)
+        wrapped = DeviceLoader(loader, self.device, train=not eval, on_batch=self._accum.on_batch)
         if not eval:
             self.state.loaders.add(wrapped)
         return wrapped
@@ -250,8 +256,7 @@ class Session:
         """Backpropagate ``loss`` (scaled for fp16 and for accumulation)."""
         self._announce()
         self._finite.record(loss)
-        if self._accum.k > 1:
-            loss = loss / self._accum.k
+        loss = self._accum.scale(loss)
         watch = self.comm.watchdog
         watch.enter("backward of step {}", self.global_step + 1)  # DDP's gradient all_reduce is in here
         try:
@@ -265,8 +270,8 @@ class Session:
     def step(self, optimizer: Optimizer) -> bool:
         """Unscale, clip, step and zero the gradients; returns False when no step was taken.
 
-        With ``accumulate=k`` only every k-th call steps. Every rank takes the same decision:
-        gradients are already averaged over ranks, so a non-finite value is seen everywhere.
+        With ``accumulate=k`` only every k-th call steps, and an epoch's last. Every rank takes the
+        same decision: gradients are already averaged over ranks, so a non-finite value is seen everywhere.
 
         Raises:
             Preempted: a stop signal reached a rank: every rank saved (see ``preemption``) and
@@ -276,7 +281,8 @@ class Session:
             return False
         model = self._model
         # a loss-scaling precision skips a non-finite step itself (and every rank sees the same grads)
-        warning = None if self.precision.scales_loss else self._finite.verdict(optimizer, self.global_step, self.epoch)
+        attempt = self.global_step + self.skipped_steps + 1  # the step's number counts skipped ones too
+        warning = None if self.precision.scales_loss else self._finite.verdict(optimizer, attempt, self.epoch)
         took = warning is None
         if warning is not None:
             self.state.skipped_steps += 1
@@ -298,8 +304,7 @@ class Session:
         signals = self._guard.signals()
         path = None
         if self._ckpt is not None and self._model is not None:
-            directory, keep, extras = self._ckpt
-            path = self.save(directory, model=self._model, optimizer=optimizer, keep=keep, **extras)
+            path = self.save(self._ckpt[0], model=self._model, optimizer=optimizer, keep=self._ckpt[1], **self._ckpt[2])
         message = stop_message(signals, self.global_step, path)
         self.print(message)
         self.close()
@@ -318,9 +323,9 @@ class Session:
         self.comm.barrier()
 
     def print(self, *args: Any, **kwargs: Any) -> None:
-        """``print`` on rank 0 only (flushed)."""
+        """``print`` on rank 0 only (flushed unless ``flush=False``)."""
         if self.is_main:
-            print(*args, **kwargs, flush=True)
+            print(*args, **{"flush": True, **kwargs})
 
     def progress(self, iterable: Iterable[Any], **kwargs: Any) -> Iterable[Any]:
         """Wrap ``iterable`` in a tqdm bar on rank 0 (other ranks iterate silently)."""
@@ -329,10 +334,9 @@ class Session:
 
     def summary(self) -> str:
         """The one-line description printed at start: world, strategy, precision, batches."""
-        parts = [f"world {self.world_size}", f"strategy {self.strategy.name}",
-                 f"precision {self.precision.name}", f"backend {self.comm.backend}",
-                 f"timeout {self.timeout.total_seconds():.0f} s"]
-        parts += self.state.loaders.describe(self.world_size, self.accumulate)
+        parts = [f"world {self.world_size}", f"strategy {self.strategy.name}", f"precision {self.precision.name}",
+                 f"backend {self.comm.backend}", f"timeout {self.timeout.total_seconds():g} s",
+                 *self.state.loaders.describe(self.world_size, self.accumulate)]
         return "lockstep: " + ", ".join(parts)
 
     def _announce(self) -> None:
@@ -347,7 +351,7 @@ class Session:
         """Write a complete, crash-safe checkpoint (every rank must call it).
 
         Args:
-            directory: folder of checkpoints (``step-000123`` inside).
+            directory: folder of checkpoints (``step-000123`` inside); no other live job may use it.
             model: the model returned by :meth:`setup`.
             optimizer: its optimizer.
             keep: keep only the newest ``keep`` checkpoints (pruned after the new one is committed).
@@ -357,8 +361,8 @@ class Session:
 
             session.save("checkpoints", model=model, optimizer=optimizer, keep=3, best=acc)
         """
-        self._ckpt = (Path(directory), keep, extras)
-        return save_state(Path(directory), self.state, comm=self.comm, strategy=self.strategy,
+        self._ckpt = ((directory := self._locks.hold(directory)), keep, extras)
+        return save_state(directory, self.state, comm=self.comm, strategy=self.strategy,
                           precision=self.precision, model=model, optimizer=optimizer, keep=keep, extras=extras)
 
     def load(self, directory: str | Path, *, model: nn.Module, optimizer: Optimizer | None = None) -> ResumeState:
@@ -367,19 +371,20 @@ class Session:
         Corrupt or unfinished checkpoints are skipped (with a warning) in favour of the previous
         good one. Resuming with another world size is supported: the data position is counted
         in samples, not batches. Rank 0 prints where it resumed from. A preemption saves into
-        ``directory`` (or the folder of the last :meth:`save`).
+        ``directory`` (or the folder of the last :meth:`save`). The folder is locked as by :meth:`save`.
         """
-        if self._ckpt is None or self._ckpt[0] != Path(directory):
-            self._ckpt = (Path(directory), None, {})
-        resume = load_state(Path(directory), self.state, comm=self.comm, device=self.device, strategy=self.strategy,
+        if (directory := self._locks.hold(directory)) != (self._ckpt[0] if self._ckpt else None):
+            self._ckpt = (directory, None, {})
+        resume = load_state(directory, self.state, comm=self.comm, device=self.device, strategy=self.strategy,
                             precision=self.precision, model=model, optimizer=optimizer)
         if resume.resumed and not self.quiet:
             self.print(resumed_line(resume))
         return resume
 
     def close(self) -> None:
-        """End the job's communication (barrier + destroy). Safe to call twice."""
+        """Give up the checkpoint folders, end the job's communication (barrier + destroy). Safe to call twice."""
         self._guard.uninstall()
+        self._locks.release()
         self.comm.shutdown()
         if self._model is not None:
             self.strategy.release(self._model)

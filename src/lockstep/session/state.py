@@ -27,7 +27,8 @@ from torch import nn
 
 from lockstep.comm.group import Comm
 from lockstep.env import read_settings
-from lockstep.session.loop import PrecisionModule, TrainLoaders
+from lockstep.session.loaders import TrainLoaders
+from lockstep.session.loop import PrecisionModule
 
 if TYPE_CHECKING:  # the session builds them; importing them here would only cost import time
     from lockstep.precision.base import Precision

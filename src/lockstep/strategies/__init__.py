@@ -1,4 +1,4 @@
-"""Parallel strategies, registered by name: ``single``, ``dp``, ``ddp``, ``fsdp`` and ``auto``.
+"""Parallel strategies, registered by name: ``single``, ``dp``, ``ddp``, ``fsdp``, ``horovod`` and ``auto``.
 
 ``auto`` picks ``ddp`` when the job has several processes, ``dp`` when one process sees several
 GPUs, and ``single`` otherwise. The wrapping itself lives in plain functions (:func:`apply_ddp`,
@@ -30,11 +30,13 @@ from lockstep.strategies.base import Strategy, apply_sync_bn, broadcast_module_s
 from lockstep.strategies.ddp import DDPStrategy, UnusedParametersError, apply_ddp, explain_ddp_error
 from lockstep.strategies.dp import DataParallelStrategy, apply_dp
 from lockstep.strategies.fsdp import FSDPStrategy, apply_fsdp, holds_fsdp
+from lockstep.strategies.horovod import HorovodStrategy, HorovodUnavailableError, horovod_unavailable
 from lockstep.strategies.single import SingleStrategy
 from lockstep.strategies.state import StateDicts
 
 __all__ = [
-    "Strategy", "SingleStrategy", "DataParallelStrategy", "DDPStrategy", "FSDPStrategy",
+    "Strategy", "SingleStrategy", "DataParallelStrategy", "DDPStrategy", "FSDPStrategy", "HorovodStrategy",
+    "HorovodUnavailableError", "horovod_unavailable",
     "UnusedParametersError", "register_strategy", "get_strategy", "available_strategies",
     "resolve_auto", "strategy_for_model", "StateDicts", "apply_ddp", "apply_fsdp", "apply_dp", "apply_sync_bn",
     "broadcast_module_state", "unwrap_module", "explain_ddp_error",
@@ -73,7 +75,7 @@ def available_strategies() -> list[str]:
 
     Example::
 
-        available_strategies()   # ['auto', 'ddp', 'dp', 'fsdp', 'single']
+        available_strategies()   # ['auto', 'ddp', 'dp', 'fsdp', 'horovod', 'single']
     """
     return ["auto", *sorted(_REGISTRY)]
 
@@ -153,5 +155,6 @@ def get_strategy(name: str, comm: Comm, device: torch.device, **options: Any) ->
     return _REGISTRY[key](comm, device, **options)
 
 
-for _cls in (SingleStrategy, DataParallelStrategy, DDPStrategy, FSDPStrategy):
+# horovod is registered whether or not Horovod is installed: it is imported when the strategy is built
+for _cls in (SingleStrategy, DataParallelStrategy, DDPStrategy, FSDPStrategy, HorovodStrategy):
     register_strategy(_cls.name)(_cls)

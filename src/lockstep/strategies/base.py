@@ -32,7 +32,7 @@ __all__ = ["Strategy", "apply_sync_bn", "broadcast_module_state", "unwrap_module
 
 
 class Strategy(StateDicts):
-    """Base class of the parallel strategies (``single``, ``dp``, ``ddp``, ``fsdp``).
+    """Base class of the parallel strategies (``single``, ``dp``, ``ddp``, ``fsdp``, ``horovod``).
 
     Args:
         comm: the job's collectives (the null :class:`~lockstep.comm.group.Comm` for one process).
@@ -123,6 +123,23 @@ class Strategy(StateDicts):
     def _wrap(self, model: nn.Module) -> nn.Module:
         """Wrap the prepared module (override); the base returns it unchanged."""
         return model
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module,
+                        accumulate: int = 1) -> torch.optim.Optimizer:
+        """Prepare the optimizer of the module :meth:`setup_module` returned; the base returns it.
+
+        A strategy that averages gradients in the optimizer (``horovod``) wraps it here.
+
+        Args:
+            optimizer: the user's optimizer over ``model``'s parameters.
+            model: the module returned by :meth:`setup_module`.
+            accumulate: backward passes per optimizer step (gradient accumulation).
+
+        Example::
+
+            optimizer = strategy.setup_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+        """
+        return optimizer
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """Return the user's bare module inside DDP, DataParallel or ``torch.compile`` wrappers.

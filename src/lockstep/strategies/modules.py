@@ -52,13 +52,14 @@ def apply_sync_bn(model: nn.Module) -> nn.Module:
     return nn.SyncBatchNorm.convert_sync_batchnorm(model)
 
 
-def broadcast_module_state(comm: Comm, model: nn.Module, src: int = 0) -> None:
+def broadcast_module_state(comm: Comm, model: nn.Module, src: int = 0, parameters: bool = True) -> None:
     """Overwrite every rank's parameters and buffers with rank ``src``'s, in few collectives.
 
     Args:
         comm: the job's collectives; with one process nothing happens.
         model: the module, already on this rank's device.
         src: the rank whose values win.
+        parameters: False to broadcast the buffers alone (BatchNorm statistics).
 
     Example::
 
@@ -67,7 +68,8 @@ def broadcast_module_state(comm: Comm, model: nn.Module, src: int = 0) -> None:
     if comm.world_size == 1:
         return
     # parameters() and buffers() already drop shared tensors; dict keys keep the order.
-    tensors = list({id(t): t for t in (*model.parameters(), *model.buffers())}.values())
+    chosen = (*model.parameters(), *model.buffers()) if parameters else tuple(model.buffers())
+    tensors = list({id(t): t for t in chosen}.values())
     for bucket in _buckets(tensors):
         flat = torch.cat([t.detach().reshape(-1) for t in bucket])
         comm.broadcast(flat, src=src)

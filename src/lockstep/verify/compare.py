@@ -12,9 +12,11 @@ not blow the ratio up):
   the first module whose output differs while the modules before it agree is where the runs
   part ways: a BatchNorm normalising over a smaller batch, a dropout mask, a rank-dependent bug.
 
-For each parameter the ratio of the two updates (``(parallel - init)`` fitted against
-``(reference - init)``) is kept too: every layer moving N times too far is the signature of a
-gradient summed instead of averaged.
+For each parameter the ratio of the two runs' first updates (``(parallel - init)`` fitted
+against ``(reference - init)`` after the first step, where both started from the same weights
+and data) is kept too: every layer moving N times too far is the signature of a gradient summed
+instead of averaged. Later steps start from weights that already differ, so the ratio is read
+from the first one whatever the number of steps.
 
 Example::
 
@@ -100,7 +102,7 @@ class TensorDiff:
         kind: ``parameter`` or ``buffer``.
         module: the name of the module that owns it (``""`` for the root).
         rel: relative difference.
-        ratio: the update ratio (parameters only; see :func:`update_ratio`).
+        ratio: the update ratio of the first step (parameters only; see :func:`update_ratio`).
 
     Example::
 
@@ -244,14 +246,16 @@ def compare_runs(reference: RunResult, parallel: RunResult, init: dict[str, torc
         compare_runs(reference, parallel, init, build_model(config), config).equivalent
     """
     params = {name for name, _ in model.named_parameters()}
+    # the first step's updates (runs recorded before first_state existed: the final weights)
+    ref_first, par_first = reference.first_state or reference.state, parallel.first_state or parallel.state
     tensors = []
     for key, ref in reference.state.items():
         par = parallel.state.get(key)
         rel = float("inf") if par is None else relative_difference(par, ref)
-        is_param = key in params
-        ratio = update_ratio(par, ref, init[key]) if is_param and par is not None and key in init else None
+        moved = par_first.get(key) if key in params and key in init else None
+        ratio = None if moved is None else update_ratio(moved, ref_first[key], init[key])
         module = key.rsplit(".", 1)[0] if "." in key else ""
-        tensors.append(TensorDiff(key, "parameter" if is_param else "buffer", module, rel, ratio))
+        tensors.append(TensorDiff(key, "parameter" if key in params else "buffer", module, rel, ratio))
     losses = [LossDiff(step, r, p, abs(p - r) / max(abs(r), 1e-12) if p == p else float("inf"))
               for step, (r, p) in enumerate(zip(reference.losses, parallel.losses))]
     return Comparison(config.effective_tolerance, losses, tensors, compare_forward(reference, parallel, config))

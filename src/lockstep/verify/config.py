@@ -19,7 +19,7 @@ __all__ = ["VerifyConfig", "TOLERANCES", "STRATEGIES", "DROPOUT_MODES", "parse_s
 TOLERANCES = {"fp32": 1e-5}
 """Relative tolerance per precision; every other precision (bf16, fp16, apex O1-O3) gets 1e-2."""
 LOW_PRECISION_TOLERANCE = 1e-2
-STRATEGIES = ("ddp", "fsdp")
+STRATEGIES = ("ddp", "fsdp", "horovod")
 """The strategies of the parallel run: the ones that spread one model over N processes."""
 DROPOUT_MODES = ("disable", "align")
 LOSSES = ("cross_entropy", "mse")
@@ -54,7 +54,7 @@ class VerifyConfig:
         nproc: processes of the parallel run (at least 2).
         steps: optimizer steps of each run.
         batch: the global batch: samples per optimizer step, the same in both runs.
-        strategy: ``ddp`` or ``fsdp`` for the parallel run.
+        strategy: ``ddp``, ``fsdp`` or ``horovod`` for the parallel run.
         precision: precision of both runs (``fp32``, ``bf16-mixed``...).
         accumulate: micro-batches per optimizer step in the parallel run.
         shape: one sample's shape for synthetic data (``None``: the model name's default).

@@ -8,9 +8,11 @@ The rules, in the order they are tried:
    * a module that draws random numbers (dropout): masks cannot match across batch splits;
    * any other module: its forward depends on the rank or on the batch split; it is named.
 
-2. The forward pass matches but every parameter moved by the same factor ``c`` times the
-   single process's update: ``c ~ N`` (gradients summed, not averaged), ``c ~ 1/N`` (a loss
-   summed over the batch, or averaged twice), ``c ~ A`` or ``1/A`` (accumulation scaling).
+2. The forward pass matches but in the first step every parameter moved by the same factor
+   ``c`` times the single process's update: ``c ~ N`` (gradients summed, not averaged),
+   ``c ~ 1/N`` (a loss summed over the batch, or averaged twice), ``c ~ A`` or ``1/A``
+   (accumulation scaling). The first step is read whatever ``--steps``: later steps start from
+   weights that already differ.
 3. Only one module's weights differ: its gradient is not synchronised; it is named.
 4. Only buffers differ: state updated in forward from each rank's own data.
 5. Small differences in a reduced precision: rounding.
@@ -187,7 +189,7 @@ def _scale_cause(comparison: Comparison, config: VerifyConfig) -> str | None:
     if abs(c - 1) < 0.05 or any(not _near(r, c) for r in ratios if r is not None):
         return None
     n, a = config.nproc, config.accumulate
-    text = f"every layer moved {c:.3g}x as far as in the single process"
+    text = f"in the first step every layer moved {c:.3g}x as far as in the single process"
     if _near(c, n):
         return f"{text} (~{n} = the world size): gradients are summed over ranks instead of averaged, " \
                "or the loss is multiplied by the world size"

@@ -54,12 +54,15 @@ def _tensors(comparison: Comparison) -> list[str]:
     else:
         shown, note = rows, []
     width = max((len(t.name) for t in shown), default=4)
-    lines = [f"parameters and buffers after training (relative difference max|a-b| / max|b|, tolerance {tol:.0e}):"]
+    lines = []
     for t in shown:
         ratio = f"  update x{t.ratio:.3g}" if t.ratio is not None and abs(t.ratio - 1) > 0.05 else ""
         mark = "  differs" if not t.rel <= tol else ""
         lines.append(f"  {t.name:<{width}}  {t.kind:<9}  {t.rel:>8.1e}{mark}{ratio}")
-    return lines + note
+    scaled = "; update xC: its first step moved C times as far" if any("update x" in line for line in lines) else ""
+    head = (f"parameters and buffers after training (relative difference max|a-b| / max|b|, "
+            f"tolerance {tol:.0e}{scaled}):")
+    return [head] + lines + note
 
 
 def _forward(comparison: Comparison, facts: ModelFacts) -> list[str]:

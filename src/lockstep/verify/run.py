@@ -3,8 +3,8 @@
 Both start from the same initial weights (built here with the config's seed and sent to the
 workers), train with plain SGD on the same fixed global batches (see
 :mod:`lockstep.verify.inputs`) and record the mean loss of every step over the whole global
-batch, the final full state dict, and every module's output of the very first forward pass
-(to find the layer where the two runs part ways). The workers get everything in a job file
+batch, the full state dict after the first step and at the end, and every module's output of
+the very first forward pass (to find the layer where the two runs part ways). The workers get everything in a job file
 and rank 0 writes the results back with ``torch.save``.
 
 This module is also the workers' entry point::
@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,8 @@ class RunResult:
         state: final full state dict (bare-module keys, CPU tensors).
         activations: per rank, every module's output in the first forward pass (CPU, float).
         order: module names in the order their forward finished in that pass.
+        first_state: full state dict after the first optimizer step (the first updates are
+            compared before the runs' trajectories part).
 
     Example::
 
@@ -65,6 +67,7 @@ class RunResult:
     state: dict[str, torch.Tensor]
     activations: list[dict[str, torch.Tensor]]
     order: list[str]
+    first_state: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def train(session: Any, config: VerifyConfig, init: dict[str, torch.Tensor], steps: list[list[Batch]],
@@ -98,7 +101,7 @@ def train(session: Any, config: VerifyConfig, init: dict[str, torch.Tensor], ste
     recorder = ActivationRecorder(bare, *recorded_rows(config, reference))
     loss_fn = make_loss(config)
     model.train()
-    losses = []
+    losses, first_state = [], {}
     for step, micro_batches in enumerate(steps):
         if config.dropout == "align":
             torch.manual_seed(config.seed + 1 + step)  # the same stream on every rank and in the reference
@@ -109,11 +112,13 @@ def train(session: Any, config: VerifyConfig, init: dict[str, torch.Tensor], ste
             session.backward(loss)
             total += loss.detach().double()
         session.step(optimizer)
+        if step == 0:
+            first_state = session.strategy.model_state_dict(model)
         # equal micro-batches on every rank: the mean of the means is the global mean
         losses.append(float(session.all_reduce(total / len(micro_batches), "mean").item()))
     state = session.strategy.model_state_dict(model)
     activations = session.comm.all_gather_object(recorder.outputs)
-    return RunResult(losses, state, activations, recorder.order)
+    return RunResult(losses, state, activations, recorder.order, first_state)
 
 
 def initial_state(config: VerifyConfig) -> dict[str, torch.Tensor]:

@@ -17,7 +17,7 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +68,7 @@ class ImageData:
         num_classes: number of classes.
         channels: channels of every image.
         image_size: side of every (square) image.
+        notes: warnings about the data that do not stop training, for the command to show once.
     """
 
     train: Dataset[Any]
@@ -75,6 +76,7 @@ class ImageData:
     num_classes: int
     channels: int
     image_size: int
+    notes: list[str] = field(default_factory=list)
 
 
 def parse_data(text: str) -> DataSpec:
@@ -223,15 +225,17 @@ def _digits(image_size: int, channels: int) -> tuple[Dataset[Any], Dataset[Any],
             ImageTensors(x[test], y[test], image_size, channels, 16.0), 10)
 
 
-def _mnist(folder: Path, image_size: int, channels: int) -> tuple[Dataset[Any], Dataset[Any], int]:
-    from lockstep.zoo.idx import read_mnist
+def _mnist(folder: Path, image_size: int, channels: int,
+           notes: list[str]) -> tuple[Dataset[Any], Dataset[Any], int]:
+    from lockstep.zoo.idx import check_labels, read_mnist
 
     parts = []
     for split in ("train", "test"):
         images, labels = read_mnist(folder, split)
         parts.append(ImageTensors(torch.from_numpy(np.array(images)).unsqueeze(1),
                                   torch.from_numpy(labels), image_size, channels, 255.0))
-    num_classes = int(max(int(parts[0].labels.max()), int(parts[1].labels.max()))) + 1
+    num_classes, note = check_labels(folder, parts[0].labels.numpy(), parts[1].labels.numpy())
+    notes += [note] if note else []
     return parts[0], parts[1], num_classes
 
 
@@ -245,17 +249,18 @@ def open_data(spec: DataSpec, image_size: int, channels: int, *, val_fraction: f
         val_fraction: held-out share of an image folder without ``train/`` and ``val/``.
 
     Raises:
-        ConfigError: missing or damaged files, unreadable images.
+        ConfigError: missing or damaged files, unreadable images, labels that cannot be classes.
 
     Example::
 
         data = open_data(parse_data("synthetic"), image_size=32, channels=3)
     """
+    notes: list[str] = []
     if spec.kind == "digits":
         train, test, k = _digits(image_size, channels)
     elif spec.kind == "mnist":
         assert spec.path is not None
-        train, test, k = _mnist(spec.path, image_size, channels)
+        train, test, k = _mnist(spec.path, image_size, channels, notes)
     elif spec.kind == "imagefolder":
         from lockstep.zoo.folders import image_folders
 
@@ -265,4 +270,4 @@ def open_data(spec: DataSpec, image_size: int, channels: int, *, val_fraction: f
         k = 10
         train = SyntheticImages(SYNTHETIC_SIZES[0], channels, image_size, k, seed=1)
         test = SyntheticImages(SYNTHETIC_SIZES[1], channels, image_size, k, seed=2)
-    return ImageData(train, test, k, channels, image_size)
+    return ImageData(train, test, k, channels, image_size, notes)

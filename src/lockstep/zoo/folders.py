@@ -64,9 +64,13 @@ def _folder(root: Path, image_size: int, train: bool) -> Any:
     if not any(p.is_dir() for p in root.iterdir()):
         raise ConfigError(f"data directory {root} is empty: it needs one sub-folder of images per class")
     try:
-        return ImageFolder(str(root), transform=_transforms(image_size, train), loader=_load_rgb)
+        folder = ImageFolder(str(root), transform=_transforms(image_size, train), loader=_load_rgb)
     except FileNotFoundError as exc:  # a class folder without images
         raise ConfigError(f"{root}: {exc}") from None
+    if train and len(folder.classes) < 2:  # e.g. DIR/images/*.jpg: every image in one "class"
+        raise ConfigError(f"{root} holds one class folder ({folder.classes[0]}): a classifier needs at least two; "
+                          "put each class's images in a sub-folder of its own")
+    return folder
 
 
 def check_images(dataset: Any, per_class: int = CHECK_PER_CLASS) -> int:
@@ -102,8 +106,8 @@ def image_folders(root: Path, image_size: int, seed: int,
         val_fraction: share of images held out in that case.
 
     Raises:
-        ConfigError: missing or empty folders, classes that differ between train and val, an
-            unreadable image.
+        ConfigError: missing or empty folders, fewer than two classes, classes that differ between
+            train and val, an unreadable image.
 
     Example::
 

@@ -12,6 +12,7 @@ Example::
 from __future__ import annotations
 
 import gzip
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ import numpy as np
 
 from lockstep.errors import ConfigError
 
-__all__ = ["read_idx", "write_idx", "find_mnist_file", "read_mnist", "MNIST_FILES"]
+__all__ = ["read_idx", "write_idx", "find_mnist_file", "read_mnist", "check_labels", "MNIST_FILES", "MNIST_CLASSES"]
 
 MNIST_FILES = {
     ("train", "images"): "train-images-idx3-ubyte",
@@ -27,6 +28,7 @@ MNIST_FILES = {
     ("test", "images"): "t10k-images-idx3-ubyte",
     ("test", "labels"): "t10k-labels-idx1-ubyte",
 }
+MNIST_CLASSES = 10
 _DTYPES: dict[int, Any] = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
 
 
@@ -50,6 +52,8 @@ def read_idx(path: str | Path) -> np.ndarray:
             raw = f.read()
     except OSError as exc:
         raise ConfigError(f"cannot read MNIST file {path}: {exc}") from None
+    except (EOFError, zlib.error) as exc:  # a .gz cut short, or damaged inside
+        raise ConfigError(f"{path} is truncated or damaged: its gzip stream is incomplete ({exc})") from None
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _DTYPES:
         raise ConfigError(f"{path} is not an IDX file (bad magic number)")
     ndim = raw[3]
@@ -131,4 +135,33 @@ def read_mnist(folder: str | Path, split: str) -> tuple[np.ndarray, np.ndarray]:
         raise ConfigError(f"{images_path} holds {len(images)} images but {labels_path} {len(labels)} labels")
     if len(images) == 0:
         raise ConfigError(f"{images_path} holds no images")
+    if labels.dtype.kind not in "iu" or int(labels.min()) < 0:
+        raise ConfigError(f"{labels_path} must hold class numbers 0, 1, 2...; it holds "
+                          f"{labels.dtype} values from {labels.min()} to {labels.max()}")
     return images, labels.astype(np.int64)
+
+
+def check_labels(folder: Path, train: np.ndarray, test: np.ndarray) -> tuple[int, str | None]:
+    """The number of classes of MNIST-style labels, and a warning when it is not MNIST's 10.
+
+    Args:
+        folder: the ``mnist:DIR`` folder, for the messages.
+        train: the training labels (integers >= 0).
+        test: the test labels.
+
+    Raises:
+        ConfigError: a test label the training set never shows (the model would have no such class).
+
+    Example::
+
+        check_labels(Path("data"), np.array([0, 1, 9]), np.array([3]))   # (10, None)
+    """
+    classes = int(train.max()) + 1
+    if int(test.max()) >= classes:
+        raise ConfigError(f"{folder}: the test labels run to {int(test.max())} but the training labels only to "
+                          f"{classes - 1}; the two label files do not belong together")
+    if classes == MNIST_CLASSES:
+        return classes, None
+    missing = classes - len(np.unique(train))
+    return classes, (f"{folder}: the labels run from 0 to {classes - 1}, so the model gets {classes} classes "
+                     f"(MNIST has {MNIST_CLASSES}){f', {missing} of them without a training image' if missing else ''}")

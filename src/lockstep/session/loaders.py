@@ -1,0 +1,273 @@
+"""The session's training and evaluation loaders: batches on the device, each training loader's
+epoch and position, and the progress bar.
+
+:class:`DeviceLoader` wraps the DataLoader of :func:`lockstep.data.loader.make_loader`;
+:class:`TrainLoaders` sets, saves and restores the epoch of every training loader in use.
+
+Example::
+
+    loaders = TrainLoaders()
+    loaders.add(DeviceLoader(make_loader(data, 32, world_size=1, rank=0), torch.device("cpu"), train=True))
+    loaders.set_epoch(0)
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+
+from lockstep.data.seeding import SeededDataset
+
+__all__ = ["DeviceLoader", "TrainLoaders", "progress_bar"]
+
+
+class DeviceLoader:
+    """Iterate a DataLoader, moving each batch to the device, and count what training consumed.
+
+    ``len()`` is the number of batches of a whole epoch on this rank, like a DataLoader's, and
+    does not change while iterating; :attr:`remaining` counts the batches of the current epoch
+    not handed out yet (fewer than ``len()`` in an epoch resumed mid-way, 0 after the epoch).
+
+    Args:
+        loader: the torch DataLoader (its sampler is a lockstep sampler).
+        device: where batches go (``non_blocking`` copies on CUDA).
+        train: True for a training loader; its sampler position advances per batch so a
+            checkpoint taken mid-epoch knows how far the epoch got.
+        on_batch: called with :attr:`remaining` (the batch included) as each training batch
+            is handed out, before the model sees it (the session's accumulation window).
+
+    Example::
+
+        train = DeviceLoader(make_loader(data, 32, world_size=1, rank=0), torch.device("cpu"), train=True)
+        len(train), train.remaining   # (n, n) before the epoch, (n, 0) after it
+    """
+
+    def __init__(self, loader: torch.utils.data.DataLoader, device: torch.device, train: bool,
+                 on_batch: Callable[[int], None] | None = None) -> None:
+        from lockstep.data.loader import move_to_device
+
+        self.loader = loader
+        self.device = device
+        self.train = train
+        self._move = move_to_device
+        self._non_blocking = device.type == "cuda"
+        self._on_batch = on_batch if train else None
+        self.tracker: Any = None  # the session's TrainLoaders, told when a batch goes out or the loader runs out
+
+    @property
+    def sampler(self) -> Any:
+        """The lockstep sampler behind the loader."""
+        return self.loader.sampler
+
+    @property
+    def dataset(self) -> Any:
+        """The dataset behind the loader (the one given, not the per-sample seeding wrapper)."""
+        dataset = self.loader.dataset
+        return dataset.dataset if isinstance(dataset, SeededDataset) else dataset
+
+    @property
+    def collate_fn(self) -> Any:
+        """The loader's collate function."""
+        return self.loader.collate_fn
+
+    @property
+    def batch_size(self) -> int:
+        """Samples per batch on this rank."""
+        return int(self.loader.batch_size or 1)
+
+    @property
+    def remaining(self) -> int:
+        """Batches of the current epoch not handed out yet (training: the sampler's position).
+
+        Example::
+
+            done = len(train) - train.remaining
+        """
+        return len(self.loader)
+
+    def __len__(self) -> int:
+        samples = getattr(self.sampler, "num_samples", None)  # a whole epoch; len(sampler) counts the rest
+        if samples is None or not self.loader.batch_size:
+            return len(self.loader)
+        size = self.loader.batch_size
+        return samples // size if self.loader.drop_last else -(-samples // size)
+
+    def __iter__(self) -> Iterator[Any]:
+        move, device, nb = self._move, self.device, self._non_blocking
+        on_host = device.type == "cpu"  # the loader's batches are already there
+        advance = getattr(self.sampler, "advance", None) if self.train else None
+        world = getattr(self.sampler, "world_size", 1)
+        full = self.loader.batch_size  # every batch but an epoch's last has it on every rank
+        tracker, on_batch = self.tracker, self._on_batch
+        for batch in self.loader:
+            left = self.remaining if on_batch is not None else 0  # this batch and those after it
+            if advance is not None:
+                # counted when handed out: a checkpoint taken after this batch's step resumes
+                # with the next one. The sampler clamps the position at the epoch's end, which
+                # is where a last, smaller batch takes it.
+                advance((full or _batch_len(batch)) * world)
+            if tracker is not None:
+                tracker.epoch_done = False
+            if on_batch is not None:
+                on_batch(left)
+            yield batch if on_host else move(batch, device, nb)
+        if tracker is not None:
+            tracker.epoch_done = True
+
+
+def _batch_len(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0])
+    if isinstance(batch, (list, tuple)) and batch:
+        return _batch_len(batch[0])
+    if isinstance(batch, dict) and batch:
+        return _batch_len(next(iter(batch.values())))
+    return 1
+
+
+class TrainLoaders:
+    """The session's training loaders: each one's epoch is set, saved and restored.
+
+    Loaders are held weakly (a loader the script dropped is forgotten) and kept in creation
+    order, which pairs them with the sampler states of a checkpoint. A state loaded before its
+    loader exists (``session.load`` called before ``session.loader``, or a loader made inside the
+    epoch loop) waits here and is applied when the loader is made, so the epoch still resumes
+    where it stopped.
+
+    Whether a checkpoint was taken in the middle of an epoch is what the loaders last did: an
+    epoch is finished once a loader ran out after the last batch handed out (this covers one
+    loader, ``zip`` of loaders of different lengths, and loops that ``break``), or when every
+    loader has handed out its whole epoch (a save right after the last step).
+
+    Example::
+
+        loaders = TrainLoaders()
+        loaders.add(train)
+        loaders.set_epoch(3)
+    """
+
+    def __init__(self) -> None:
+        self._refs: list[weakref.ref[DeviceLoader]] = []
+        self._pending: list[dict[str, Any]] = []
+        self._epoch = 0
+        self.epoch_done = False  # written by the loaders: True once one ran out after the last batch
+
+    @property
+    def live(self) -> list[DeviceLoader]:
+        """The loaders still in use, oldest first."""
+        loaders = [loader for ref in self._refs if (loader := ref()) is not None]
+        if len(loaders) < len(self._refs):
+            self._refs = [weakref.ref(loader) for loader in loaders]
+        return loaders
+
+    @property
+    def first(self) -> DeviceLoader | None:
+        """The first training loader (its batches are the ones the summary describes)."""
+        live = self.live
+        return live[0] if live else None
+
+    def describe(self, world_size: int, accumulate: int) -> list[str]:
+        """What the session's summary says about the batches of the first loader (nothing without one).
+
+        Args:
+            world_size: ranks in the job.
+            accumulate: micro-steps per optimizer step.
+
+        Example::
+
+            loaders.describe(4, 1)   # ['batch 100 per device', 'global batch 400 (100 x 4 x 1)', '...']
+        """
+        first = self.first
+        if first is None:
+            return []
+        b, g = first.batch_size, first.batch_size * world_size * accumulate
+        return [f"batch {b} per device", f"global batch {g} ({b} x {world_size} x {accumulate})",
+                f"{-(-len(first) // accumulate)} steps per epoch"]  # an epoch ends with a step
+
+    def add(self, loader: DeviceLoader) -> None:
+        """Track ``loader``; a sampler state waiting for it is applied now.
+
+        A loader made inside an epoch (``for x in session.loader(...)`` in the epoch loop)
+        starts at that epoch, so its order changes from epoch to epoch.
+        """
+        if self._pending and int(self._pending[0].get("epoch", -1)) == self._epoch:
+            loader.sampler.load_state_dict(self._pending.pop(0))
+        else:
+            self._pending = []
+            loader.sampler.set_epoch(self._epoch)
+        loader.tracker = self
+        self._refs.append(weakref.ref(loader))
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` on every loader (one restored to this epoch keeps its position)."""
+        self._epoch = epoch
+        self.epoch_done = False
+        for loader in self.live:
+            loader.sampler.set_epoch(epoch)
+
+    def state_dicts(self) -> list[dict[str, Any]]:
+        """Every loader's sampler position, in creation order."""
+        return [loader.sampler.state_dict() for loader in self.live]
+
+    def restore(self, states: list[dict[str, Any]], epoch: int, epoch_done: bool | None,
+                legacy: bool = False) -> bool:
+        """Load saved sampler ``states``, paired with the loaders in creation order.
+
+        Returns True when the checkpoint was taken in the middle of ``epoch`` (each loader then
+        continues from its position); otherwise every loader starts the next epoch.
+
+        Args:
+            states: the saved sampler states.
+            epoch: the epoch the checkpoint was taken in.
+            epoch_done: whether that epoch had finished; ``None`` for a checkpoint that did not
+                record it (then a position short of the dataset's end means mid-epoch).
+            legacy: ``states`` is the one state of an older checkpoint, which was the last
+                loader's.
+
+        Raises:
+            ConfigError: a state was saved for a dataset of another length.
+        """
+        if not states:
+            self._pending = []
+            return False
+        at_end = all(int(s.get("seen", 0)) >= int(s.get("dataset_len", 0)) for s in states)
+        if epoch_done is None:
+            epoch_done = at_end or not any(int(s.get("seen", 0)) > 0 for s in states)
+        mid = not (epoch_done or at_end)  # a save right after the last batch: every loader at its end
+        self._epoch, self.epoch_done = (epoch, False) if mid else (epoch + 1, False)
+        live = self.live[-1:] if legacy else self.live
+        for loader, state in zip(live, states):
+            loader.sampler.load_state_dict(state)
+            if not mid:
+                loader.sampler.set_epoch(epoch + 1)
+        self._pending = list(states[len(live):]) if mid else []
+        return mid
+
+
+def progress_bar(iterable: Iterable[Any], show: bool, *, force: bool = False, **kwargs: Any) -> Iterable[Any]:
+    """Wrap ``iterable`` in a tqdm bar where ``show`` is True and stderr is a terminal (or ``force``).
+
+    The bar of a training loader resumed mid-epoch starts at the batches already done.
+
+    Args:
+        iterable: what the loop goes over.
+        show: draw a bar in this process (rank 0 only, so ranks do not print over each other).
+        force: draw it even when stderr is not a terminal.
+        **kwargs: passed to tqdm (``leave`` is False unless given).
+
+    Example::
+
+        for batch in progress_bar(train, session.is_main, desc="epoch 0"): ...
+    """
+    if not show or not (force or sys.stderr.isatty()):
+        return iterable
+    from tqdm.auto import tqdm
+
+    kwargs.setdefault("leave", False)
+    if isinstance(iterable, DeviceLoader) and iterable.train:
+        kwargs.setdefault("initial", len(iterable) - iterable.remaining)
+    return tqdm(iterable, **kwargs)

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Run a command "on" one of the test hosts: inside its network namespace, with its own host name,
+# its own /etc/hosts and its own process namespace (so that nothing it starts outlives it).
+#
+#   nsrun.sh STATE_DIR NODE COMMAND [ARGS...]
+#
+# STATE_DIR holds `hosts` (the /etc/hosts of every test host; $NSRUN_HOSTS names another file
+# for this command) and `netns-NODE` (the name of NODE's network namespace). The command runs as
+# a child of a small shell that is process 1 of a fresh PID namespace: when this script's process
+# (unshare, by then) is killed, the kernel kills everything inside. unshare blocks SIGTERM while it
+# waits for that shell: stop it with SIGKILL.
+set -euo pipefail
+state=$1 node=$2
+shift 2
+ns=$(cat "$state/netns-$node")
+hosts=${NSRUN_HOSTS:-$state/hosts}
+exec nsenter --net="/run/netns/$ns" -- \
+    unshare --uts --mount --pid --fork --kill-child --mount-proc -- \
+    /bin/bash -c 'hostname "$1"; mount --bind "$2" /etc/hosts; shift 2; "$@"; exit $?' \
+    nsrun "$node" "$hosts" "$@"

@@ -1,0 +1,344 @@
+# shellcheck shell=bash
+# The scenarios of `make test-engines`. run.sh runs each one as `scenario_NAME` in a fresh bash,
+# under a hang guard, with these variables set: ROOT (the repository), ENGINES_DIR, STATE (the
+# run's folder: hosts, daemons, logs), W (this scenario's own empty folder), SLURM_CONF, PATH
+# with the repository's .venv/bin first. A scenario passes when it returns 0; `fail` ends it with
+# one line saying why. Every wait is for an event (a file, a process, a job state) and carries a
+# generous bound; nothing depends on how fast this machine is.
+
+# shellcheck source=tests/engines/cluster.sh
+source "$ENGINES_DIR/cluster.sh"
+
+TINY=tests/engines/scripts/tiny_train.py
+EPOCHS=6                    # the reference run's length: 6 epochs of 16 steps with two ranks
+FINAL_STEP=96
+SLOW=(--step-sleep 0.05)    # long enough that a signal finds the job mid-run
+
+fail() {
+    echo "ENGINES-FAIL: $*"
+    exit 1
+}
+
+expect() {  # expect FILE REGEX WHAT: FILE must contain a line matching REGEX
+    grep -E -q -- "$2" "$1" || fail "$3 (no line matching '$2' in $(basename "$1"))"
+}
+
+reject() {  # reject FILE REGEX WHAT: FILE must not contain a line matching REGEX
+    if grep -E -q -- "$2" "$1"; then
+        fail "$3: $(grep -E -m1 -- "$2" "$1")"
+    fi
+}
+
+wait_for() {  # wait_for SECONDS PID FILE...: until every FILE exists; fails if PID ends first
+    local limit=$1 pid=$2 start=$SECONDS f missing
+    shift 2
+    while :; do
+        missing=""
+        for f in "$@"; do [ -e "$f" ] || missing="$f"; done
+        [ -z "$missing" ] && return 0
+        kill -0 "$pid" 2>/dev/null || fail "the job ended before $(basename "$missing") appeared"
+        [ $((SECONDS - start)) -lt "$limit" ] || fail "$(basename "$missing") did not appear within $limit s"
+        sleep 0.2
+    done
+}
+
+same_weights() {  # same_weights RESULT REFERENCE: the two runs ended with bit-identical weights
+    [ -f "$2" ] || fail "no reference result $(basename "$2") (the one-host scenario failed)"
+    [ -f "$1" ] || fail "the run wrote no result $(basename "$1")"
+    local why
+    why=$("$ROOT/.venv/bin/python" - "$1" "$2" <<'EOF'
+import json, sys
+a, b = (json.load(open(p)) for p in sys.argv[1:3])
+if a != b:
+    diff = sum(x != y for x, y in zip(a["weights"], b["weights"]))
+    print(f"final weights differ from the one-host reference: step {a['step']} vs {b['step']}, world "
+          f"{a['world_size']} vs {b['world_size']}, {diff} of {len(b['weights'])} values differ")
+EOF
+)
+    [ -z "$why" ] || fail "$why"
+}
+
+# ---- Slurm helpers -------------------------------------------------------------------------
+sq() { on node0 "$@"; }  # Slurm's client commands run on node0, next to the controller
+
+job_id() {  # job_id NAME: the id of the newest job called NAME
+    sq squeue -h -n "$1" -o %i 2>/dev/null | sort -n | tail -1
+}
+
+job_field() {  # job_field JOBID FIELD: e.g. JobState, ExitCode, Restarts, Reason
+    sq scontrol -o show job "$1" 2>/dev/null | tr ' ' '\n' | sed -n "s/^$2=//p" | head -1
+}
+
+slurm_idle() {  # no job left from an earlier scenario
+    sq scancel --full --quiet --user root 2>/dev/null
+    local i
+    for i in $(seq 300); do
+        [ -z "$(sq squeue -h -o %i 2>/dev/null)" ] && return 0
+        sleep 0.2
+    done
+    fail "jobs of an earlier scenario did not end: $(sq squeue -h 2>&1 | head -3)"
+}
+
+wait_job_end() {  # wait_job_end JOBID SECONDS: until the job left the queue; a requeued job is
+    local jid=$1 limit=$2 start=$SECONDS state reason   # started again at once (Slurm would wait ~2 min)
+    while :; do
+        state=$(job_field "$jid" JobState)
+        case "$state" in
+            COMPLETED | FAILED | CANCELLED | TIMEOUT | NODE_FAIL | OUT_OF_MEMORY | BOOT_FAIL | DEADLINE | PREEMPTED)
+                return 0 ;;
+            PENDING)
+                reason=$(job_field "$jid" Reason)
+                [ "$reason" = BeginTime ] && sq scontrol update JobId="$jid" StartTime=now >/dev/null 2>&1 ;;
+        esac
+        [ $((SECONDS - start)) -lt "$limit" ] || fail "job $jid did not end within $limit s (state $state)"
+        sleep 0.5
+    done
+}
+
+preempt_step() {  # preempt_step FILE: the step every rank stopped after, from rank 0's line
+    sed -n 's/.*every rank stopped after step \([0-9]*\);.*/\1/p' "$1" | head -1
+}
+
+check_preempted() {  # check_preempted OUTPUT: every rank saved and stopped with exit 75
+    reject "$1" "exit code 138|Exited with exit code 1[0-9][0-9]" "a process ended by a signal, not by the preemption"
+    expect "$1" "every rank stopped after step [0-9]+; saved .*step-[0-9]+; exiting with code 75" \
+        "rank 0 did not report a saved preemption checkpoint"
+}
+
+check_resumed() {  # check_resumed OUTPUT STEP: the rerun continued from the preemption checkpoint
+    expect "$1" "resumed from .*step-0*$2\b" "the rerun did not resume from the preemption checkpoint (step $2)"
+    expect "$1" "final step $FINAL_STEP world 2" "the rerun did not train to the end"
+}
+
+# ---- lockstep run on one host and on two ---------------------------------------------------
+scenario_one_host_reference() {
+    on node0 lockstep run --nproc 2 "$TINY" --epochs $EPOCHS --result "$STATE/reference.json" >"$W/out" 2>&1 \
+        || fail "lockstep run --nproc 2 exited $?"
+    expect "$W/out" "final step $FINAL_STEP world 2" "the one-host run did not finish"
+}
+
+scenario_two_hosts_equal() {
+    local n pids=() rc
+    head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$W/job.secret"   # the same on both nodes
+    for n in 0 1; do
+        "$ENGINES_DIR/nsrun.sh" "$STATE" node$n lockstep run --nodes 2 --node-rank $n --master node0:24100 --nproc 1 \
+            --secret-file "$W/job.secret" "$TINY" \
+            --epochs $EPOCHS --result "$W/result.json" >"$W/node$n.out" 2>&1 &
+        pids+=($!)
+    done
+    for n in 0 1; do
+        wait "${pids[$n]}"
+        rc=$?
+        [ $rc -eq 0 ] || fail "lockstep run on node$n exited $rc: $(tail -2 "$W/node$n.out" | tr '\n' ' ')"
+    done
+    expect "$W/node0.out" "world 2" "the job was not one world of 2 ranks"
+    same_weights "$W/result.json" "$STATE/reference.json"
+}
+
+scenario_link_down() {
+    local n pids=() rc cut elapsed ns
+    ns=$(cat "$STATE/netns-node1")
+    trap "ip -n '$ns' link set eth1 up 2>/dev/null" EXIT   # the later scenarios need the link
+    for n in 0 1; do
+        "$ENGINES_DIR/nsrun.sh" "$STATE" node$n lockstep run --timeout 10 --nodes 2 --node-rank $n --master node0:24200 --nproc 1 "$TINY" \
+            --epochs 100 "${SLOW[@]}" --started "$W/started" >"$W/node$n.out" 2>&1 &
+        pids+=($!)
+    done
+    wait_for 300 "${pids[0]}" "$W/started.rank0" "$W/started.rank1"
+    ip -n "$ns" link set eth1 down
+    cut=$SECONDS
+    for n in 0 1; do
+        wait "${pids[$n]}"
+        rc=$?
+        elapsed=$((SECONDS - cut))
+        echo "node$n: exit $rc, $elapsed s after the link went down"
+        [ $rc -ne 0 ] || fail "node$n finished although node1 was cut off"
+    done
+    # --timeout 10: both fail within about the timeout (the bound is a hang guard, not a window)
+    [ "$elapsed" -le 120 ] || fail "the nodes took $elapsed s to fail after the cut (--timeout 10)"
+    expect "$W/node0.out" "^lockstep run: rank 1 .*node1" "node0's summary did not name the lost node (node1, rank 1)"
+    expect "$W/node1.out" "^lockstep run: rank 0 .*node0" "node1's summary did not name the node it lost (node0, rank 0)"
+}
+
+scenario_loopback_hostname() {
+    # Debian's "127.0.1.1 <host name>" line: each host's own name resolves to a loopback address
+    local n pids=() rc
+    for n in 0 1; do
+        printf '127.0.0.1 localhost\n127.0.1.1 node%s\n192.0.2.1 node0\n192.0.2.2 node1\n' "$n" >"$W/hosts-node$n"
+    done
+    for n in 0 1; do
+        NSRUN_HOSTS="$W/hosts-node$n" "$ENGINES_DIR/nsrun.sh" "$STATE" node$n lockstep run --nodes 2 --node-rank $n \
+            --master 192.0.2.1:24300 --nproc 1 examples/allreduce_rank.py >"$W/refused$n.out" 2>&1 &
+        pids+=($!)
+    done
+    for n in 0 1; do
+        wait "${pids[$n]}"
+        rc=$?
+        [ $rc -ne 0 ] || fail "node$n ran although its host name resolves to loopback"
+        expect "$W/refused$n.out" "host name 'node$n' resolves to 127\.0\.1\.1, a loopback address" \
+            "node$n did not say that its host name resolves to loopback"
+    done
+}
+
+# ---- Slurm ---------------------------------------------------------------------------------
+scenario_slurm_srun_direct() {
+    slurm_idle
+    # three ranks on two nodes (2 + 1): the step's own layout, and no MASTER_PORT anywhere
+    sq env -u MASTER_PORT -u MASTER_ADDR srun -J direct -N2 -n3 python examples/allreduce_rank.py >"$W/out" 2>&1 \
+        || fail "srun -N2 -n3 exited $?: $(tail -2 "$W/out" | tr '\n' ' ')"
+    expect "$W/out" "^world_size 3 sum of ranks 3$" "the three ranks did not all-reduce 0+1+2"
+    # a batch job of 4 tasks whose step has 2: the ranks follow the step, not the job
+    local jid
+    jid=$(sq sbatch --parsable -J steplayout -N2 --ntasks-per-node=2 -o "$W/batch.out" \
+        --wrap "srun -N2 -n2 --ntasks-per-node=1 python examples/allreduce_rank.py") || fail "sbatch refused the job"
+    wait_job_end "$jid" 300
+    [ "$(job_field "$jid" ExitCode)" = 0:0 ] || fail "the batch job ended $(job_field "$jid" JobState) $(job_field "$jid" ExitCode): $(tail -3 "$W/batch.out" | tr '\n' ' ')"
+    expect "$W/batch.out" "^world_size 2 sum of ranks 1$" "the 2-task step of a 4-task job did not form a world of 2"
+}
+
+scenario_slurm_lockstep_run() {
+    slurm_idle
+    sq env -u MASTER_PORT -u MASTER_ADDR srun -J perhost -N2 --ntasks-per-node=1 \
+        lockstep run --nproc 2 examples/allreduce_rank.py >"$W/out" 2>&1 \
+        || fail "srun ... lockstep run --nproc 2 exited $?: $(tail -2 "$W/out" | tr '\n' ' ')"
+    expect "$W/out" "world_size 4 sum of ranks 6" "two launchers of 2 ranks did not form one world of 4"
+}
+
+scenario_slurm_lockstep_train() {
+    slurm_idle
+    sq srun -J train -N2 --ntasks-per-node=1 lockstep train --nproc 1 --epochs 1 --max-steps 4 --workers 1 \
+        --out "$W/run" >"$W/out" 2>&1 || fail "srun ... lockstep train --nproc 1 exited $?: $(tail -2 "$W/out" | tr '\n' ' ')"
+    expect "$W/out" "^lockstep: world 2," "lockstep train under srun did not read the two nodes from Slurm"
+    [ "$(grep -c '^lockstep: world' "$W/out")" -eq 1 ] || fail "more than one job started (each node trained alone)"
+}
+
+scenario_slurm_sbatch_usr1_requeue() {
+    slurm_idle
+    local jid step
+    jid=$(sq sbatch --parsable --export=ALL,NPROC=1 -o "$W/job.out" examples/slurm/train.sbatch \
+        "$TINY" --epochs $EPOCHS --workers 1 "${SLOW[@]}" --checkpoints "$W/ck" --started "$W/started" \
+        --started-step 20 --result "$W/result.json") || fail "sbatch refused the job"
+    local start=$SECONDS
+    until [ -e "$W/started.rank0" ] && [ -e "$W/started.rank1" ]; do
+        [ $((SECONDS - start)) -lt 300 ] || fail "the job did not start training within 300 s"
+        [ "$(job_field "$jid" JobState)" = RUNNING ] || [ "$(job_field "$jid" JobState)" = PENDING ] \
+            || fail "the job ended before it was signalled: $(tail -3 "$W/job.out" | tr '\n' ' ')"
+        sleep 0.2
+    done
+    # what `#SBATCH --signal=USR1@90` does 90 s before the time limit: SIGUSR1 to every process of the step
+    sq scancel --signal=USR1 "$jid" || fail "scancel --signal=USR1 failed"
+    wait_job_end "$jid" 400
+    check_preempted "$W/job.out"
+    expect "$W/job.out" "requeueing job $jid" "the batch script did not requeue the preempted job"
+    [ "$(job_field "$jid" Restarts)" = 1 ] || fail "the job was not requeued (Restarts=$(job_field "$jid" Restarts))"
+    [ "$(job_field "$jid" JobState) $(job_field "$jid" ExitCode)" = "COMPLETED 0:0" ] \
+        || fail "the requeued job ended $(job_field "$jid" JobState) $(job_field "$jid" ExitCode)"
+    step=$(preempt_step "$W/job.out")
+    check_resumed "$W/job.out" "$step"
+    same_weights "$W/result.json" "$STATE/reference.json"
+}
+
+# A two-node job under `srun` stopped by `scancel [--signal=USR1]`, then the same command again.
+# $1: usr1, term, or usr1+term (SIGUSR1, and SIGTERM right after it: the stop is under way);
+# $2: perhost (one `lockstep run` per node) or direct (srun starts every rank); $3: rerun or
+# norerun (stop after checking that every rank saved and exited 75).
+preempt_and_rerun() {
+    local how=$1 mode=$2 rerun=${3:-rerun} cmd pid rc jid step
+    slurm_idle
+    if [ "$mode" = perhost ]; then
+        cmd=(srun -J "preempt-$mode" -N2 --ntasks-per-node=1 lockstep run --nproc 1)
+    else
+        cmd=(srun -J "preempt-$mode" -N2 --ntasks-per-node=1 python)
+    fi
+    cmd+=("$TINY" --epochs $EPOCHS --workers 1 "${SLOW[@]}" --checkpoints "$W/ck" --started "$W/started"
+          --started-step 20 --result "$W/result.json")
+    "$ENGINES_DIR/nsrun.sh" "$STATE" node0 "${cmd[@]}" >"$W/first.out" 2>&1 &
+    pid=$!
+    wait_for 300 "$pid" "$W/started.rank0" "$W/started.rank1"
+    jid=$(job_id "preempt-$mode")
+    [ -n "$jid" ] || fail "no job id for the running step"
+    case $how in
+        usr1) sq scancel --signal=USR1 "$jid" || fail "scancel --signal=USR1 failed" ;;
+        term) sq scancel "$jid" || fail "scancel failed" ;;
+        usr1+term) sq scancel --signal=USR1 "$jid" && sq scancel "$jid" || fail "scancel failed" ;;
+    esac
+    wait "$pid"
+    rc=$?
+    check_preempted "$W/first.out"
+    [ $rc -eq 75 ] || fail "srun exited $rc after the preemption, not 75: $(grep -E 'Exited|error' "$W/first.out" | head -3 | tr '\n' ' ')"
+    step=$(preempt_step "$W/first.out")
+    [ "$rerun" = rerun ] || return 0
+    rm -f "$W"/started.rank*
+    slurm_idle
+    sq "${cmd[@]}" >"$W/rerun.out" 2>&1 || fail "the rerun exited $?: $(tail -2 "$W/rerun.out" | tr '\n' ' ')"
+    check_resumed "$W/rerun.out" "$step"
+    same_weights "$W/result.json" "$STATE/reference.json"
+}
+
+scenario_slurm_direct_usr1() { preempt_and_rerun usr1 direct; }
+scenario_slurm_direct_scancel() { preempt_and_rerun term direct norerun; }
+scenario_slurm_perhost_scancel() { preempt_and_rerun term perhost; }
+scenario_slurm_perhost_usr1_then_scancel() { preempt_and_rerun usr1+term perhost; }
+
+scenario_slurm_perhost_usr1_repeat() {
+    # the two-node USR1 case, several times over: every launcher must exit 75, never 138
+    local i pid rc jid codes bad=0 summary=""
+    for i in 1 2 3; do
+        slurm_idle
+        mkdir -p "$W/$i"
+        "$ENGINES_DIR/nsrun.sh" "$STATE" node0 srun -J "usr1-$i" -N2 --ntasks-per-node=1 lockstep run --nproc 1 "$TINY" --epochs $EPOCHS --workers 1 \
+            "${SLOW[@]}" --checkpoints "$W/$i/ck" --started "$W/$i/started" --started-step 20 >"$W/$i/out" 2>&1 &
+        pid=$!
+        wait_for 300 "$pid" "$W/$i/started.rank0" "$W/$i/started.rank1"
+        jid=$(job_id "usr1-$i")
+        sq scancel --signal=USR1 "$jid" || fail "scancel --signal=USR1 failed"
+        wait "$pid"
+        rc=$?
+        codes=$(sed -n 's/.*task \([0-9]\): Exited with exit code \([0-9]*\).*/node\1:\2/p' "$W/$i/out" | sort | tr '\n' ' ')
+        summary+="run $i: srun $rc (${codes% }); "
+        [ $rc -eq 75 ] || bad=$((bad + 1))
+    done
+    echo "$summary"
+    [ $bad -eq 0 ] || fail "$bad of 3 runs did not exit 75: ${summary%; }"
+}
+
+# ---- OpenMPI -------------------------------------------------------------------------------
+scenario_mpi_one_node() {
+    on node0 env -u MASTER_PORT -u MASTER_ADDR MPIRUN_ARGS="--allow-run-as-root --oversubscribe" \
+        bash examples/mpi.sh 2 examples/allreduce_rank.py >"$W/out" 2>&1 \
+        || fail "examples/mpi.sh 2 exited $?: $(tail -2 "$W/out" | tr '\n' ' ')"
+    expect "$W/out" "^world_size 2 sum of ranks 1$" "mpirun -np 2 did not form a world of 2"
+}
+
+scenario_mpi_two_nodes() {
+    # no ssh between the test hosts: mpirun reaches node1 through an agent that enters its namespaces
+    on node0 env -u MASTER_PORT -u MASTER_ADDR HOSTS=node0:2,node1:2 ENGINES_STATE="$STATE" \
+        MPIRUN_ARGS="--allow-run-as-root --oversubscribe --mca plm_rsh_agent $ENGINES_DIR/mpi_agent.sh --mca oob_tcp_if_include 192.0.2.0/24 --mca btl_tcp_if_include 192.0.2.0/24" \
+        bash examples/mpi.sh 4 examples/allreduce_rank.py >"$W/out" 2>&1 \
+        || fail "examples/mpi.sh 4 across node0,node1 exited $?: $(tail -2 "$W/out" | tr '\n' ' ')"
+    expect "$W/out" "^world_size 4 sum of ranks 6$" "mpirun across two nodes did not form a world of 4"
+}
+
+# ---- Kubeflow ------------------------------------------------------------------------------
+scenario_kubeflow_pytorchjob() {
+    # the training operator's environment for each pod, the pods as processes on one test host
+    on node0 python "$ENGINES_DIR/scripts/pods.py" examples/kubernetes/pytorchjob.yaml --workdir "$ROOT" \
+        --master-addr 127.0.0.1 >"$W/out" 2>&1 || fail "the pods exited $?: $(tail -3 "$W/out" | tr '\n' ' ')"
+    local world
+    world=$(sed -n 's/^pods: WORLD_SIZE=\([0-9]*\).*/\1/p' "$W/out" | head -1)
+    expect "$W/out" "lockstep: world $world," "the pods' ranks did not form the world of $world processes the job describes ($(grep -E -o 'lockstep: world [0-9]+' "$W/out" | head -1))"
+}
+
+# ---- Ray -----------------------------------------------------------------------------------
+scenario_ray_torchtrainer() {
+    "$ROOT/.venv/bin/python" -c "import ray.train.torch" 2>/dev/null || fail "ray[train] is not installed"
+    mkdir -p "$STATE/ray"   # short: Ray's socket paths under it must stay within 107 bytes
+    # a local Ray cluster inside node0's namespaces: nothing of it outlives the scenario
+    on node0 env RAY_TMPDIR="$STATE/ray" RAY_USAGE_STATS_ENABLED=0 RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS=0 \
+        python examples/ray_train.py --workers 2 --storage "$W/storage" >"$W/out" 2>&1 \
+        || fail "examples/ray_train.py exited $?: $(grep -v PlacementGroupCleaner "$W/out" | tail -3 | tr '\n' ' ')"
+    expect "$W/out" "lockstep: world 2, strategy ddp" "the Ray workers' sessions did not adopt a group of 2"
+    expect "$W/out" "first fit ended at epoch 1 step 16" "the first fit did not train 2 epochs"
+    expect "$W/out" "second fit resumed at step 16 and ended at epoch 3 step 32, world size 2" \
+        "the second fit did not resume from Ray's checkpoint"
+}

@@ -1,0 +1,88 @@
+"""A scheduler's signal seen twice is one request (FAULTS row 33).
+
+Slurm signals every process of a job step, and ``lockstep run`` forwards what it receives to its
+workers: a rank sees the same SIGUSR1 twice, a fraction of a second apart. That is one
+preemption (save, exit 75), not "stop now". A different second signal, or one after the grace
+window, still ends the process at once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lockstep.comm.group import Comm
+from lockstep.env import World
+from lockstep.session.preempt import StopGuard
+
+from test_faults_recover import TRAIN, _checkpoints, _finish, _start_slow
+
+
+@pytest.fixture
+def guard(monkeypatch: pytest.MonkeyPatch) -> tuple[StopGuard, list[int]]:
+    """A guard whose handler is called by hand; ``ended`` lists the signals that ended the process."""
+    ended: list[int] = []
+    monkeypatch.setattr("lockstep.session.preempt.os.kill", lambda pid, signum: ended.append(signum))
+    monkeypatch.setattr("lockstep.session.preempt.signal.signal", lambda signum, handler: None)
+    monkeypatch.setattr("lockstep.session.preempt.threading.Timer.start", lambda self: None)  # no grace timer
+    return StopGuard(grace=30).attach(Comm(World()), torch.device("cpu")), ended
+
+
+def test_the_same_signal_again_is_the_same_request(guard: tuple[StopGuard, list[int]]) -> None:
+    stop, ended = guard
+    stop._on_signal(signal.SIGUSR1, None)   # the scheduler's own signal
+    stop._on_signal(signal.SIGUSR1, None)   # forwarded by the launcher
+    assert stop.requested == signal.SIGUSR1 and ended == []
+    stop._on_signal(signal.SIGTERM, None)   # a different request: stop now
+    assert ended == [signal.SIGTERM]
+
+
+def test_after_the_grace_the_same_signal_ends_the_process(guard: tuple[StopGuard, list[int]]) -> None:
+    stop, ended = guard
+    stop._on_signal(signal.SIGTERM, None)
+    stop._resend()                           # the grace timer: nobody agreed in time
+    assert ended == [signal.SIGTERM]         # sent again to the process...
+    stop._on_signal(signal.SIGTERM, None)    # ...whose handler now lets it end
+    assert ended == [signal.SIGTERM, signal.SIGTERM]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_different_second_signal_ends_the_process_at_once(tmp_path: Path) -> None:
+    script = tmp_path / "twice.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, torch, lockstep
+        session = lockstep.Session(quiet=True)
+        model, opt = session.setup(torch.nn.Linear(2, 1), lambda p: torch.optim.SGD(p, lr=0.1))
+        session.backward(model(torch.ones(1, 2)).sum()); session.step(opt)   # arms the handlers
+        os.kill(os.getpid(), signal.SIGUSR1)      # recorded; the next agreement would stop
+        os.kill(os.getpid(), signal.SIGUSR1)      # the same request again
+        print("still running", flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)      # asked otherwise: stop now
+        print("not reached", flush=True)
+    """))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=50)
+    assert proc.returncode == -signal.SIGTERM and proc.stdout == "still running\n", proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_signal_to_a_rank_then_to_the_launcher_is_one_preemption(tmp_path: Path) -> None:
+    """What Slurm does: the rank gets SIGUSR1 directly, then again from the launcher."""
+    (tmp_path / "train.py").write_text(TRAIN)
+    launcher = _start_slow(tmp_path)
+    os.kill(int((tmp_path / "pid1").read_text()), signal.SIGUSR1)
+    time.sleep(0.3)
+    launcher.send_signal(signal.SIGUSR1)
+    out, err, step = _finish(launcher)       # exit 75, every rank stopped at one step
+    assert "every rank stopped after step" in out and "SIGUSR1 on rank" in out
+    assert f"step-{step:06d}" in _checkpoints(tmp_path)
+    assert "killed" not in err

@@ -1,0 +1,73 @@
+"""How ``lockstep train`` launches: Slurm's layout read as ``lockstep run`` reads it, ``--timeout``.
+
+``srun -N2 --ntasks-per-node 1 lockstep train --nproc 2`` must make one job of two nodes, not two
+single-node jobs. Nothing here starts a process: the launcher is replaced by a recorder.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import pytest
+
+from lockstep.cli import train as train_cli
+from lockstep.errors import ConfigError
+
+SLURM_TWO_NODES = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_NUM_NODES": "2",
+                   "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "node[07-08]", "SLURM_NODEID": "1",
+                   "SLURM_JOB_ID": "4242", "MASTER_PORT": "29411"}
+
+
+def _args(*flags: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    train_cli.add_arguments(parser)
+    return parser.parse_args(list(flags))
+
+
+@pytest.fixture
+def launched(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """What ``lockstep train`` would have launched, one dict of ``relaunch`` options per call."""
+    calls: list[dict[str, Any]] = []
+
+    def record(args: list[str], **options: Any) -> int:
+        calls.append({"argv": args, **options})
+        return 0
+
+    monkeypatch.setattr("lockstep.launch.relaunch.relaunch", record)
+    return calls
+
+
+def test_one_launcher_per_slurm_node_makes_one_job(monkeypatch: pytest.MonkeyPatch,
+                                                   launched: list[dict[str, Any]]) -> None:
+    for key, value in SLURM_TWO_NODES.items():
+        monkeypatch.setenv(key, value)
+    assert train_cli.main(_args("--nproc", "2", "--epochs", "1")) == 0
+    [call] = launched
+    assert (call["nproc"], call["nodes"], call["node_rank"], call["master"]) == (2, 2, 1, "node07:29411")
+    assert call["argv"][:1] == ["train"] and "--nodes" in call["argv"]  # the workers get the layout as flags
+    # explicit flags win over the engine's layout
+    config = train_cli.config_from_args(_args("--nodes", "1", "--nproc", "2"))
+    assert (config.nodes, config.master) == (1, None)
+
+
+def test_the_engines_process_count_when_nproc_is_not_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in {"PET_NNODES": "2", "PET_NODE_RANK": "0", "PET_MASTER_ADDR": "head",
+                       "PET_MASTER_PORT": "23456", "PET_NPROC_PER_NODE": "3"}.items():
+        monkeypatch.setenv(key, value)
+    config = train_cli.config_from_args(_args())
+    assert (config.nproc, config.nodes, config.master) == (3, 2, "head:23456")
+    assert train_cli.config_from_args(_args("--nproc", "1")).nproc == 1
+
+
+def test_timeout_flag(launched: list[dict[str, Any]]) -> None:
+    args = _args("--timeout", "2.5", "--nproc", "2", "--epochs", "1")
+    config = train_cli.config_from_args(args)
+    assert config.timeout == 2.5
+    argv = train_cli.worker_argv(config)
+    assert argv[argv.index("--timeout") + 1] == "2.5"
+    assert train_cli.main(args) == 0
+    assert launched[0]["timeout"] == 2.5
+    for bad in ("0", "nan", "inf"):
+        with pytest.raises(ConfigError, match="--timeout must be a positive number of seconds"):
+            train_cli.config_from_args(_args("--timeout", bad))

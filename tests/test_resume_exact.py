@@ -101,7 +101,7 @@ def test_an_epoch_ends_with_a_step_on_its_partial_window() -> None:
     session = lockstep.Session(quiet=True, accumulate=3)
     torch.manual_seed(0)
     model, opt = session.setup(nn.Linear(2, 1), lambda p: torch.optim.SGD(p, lr=0.1))
-    reference = nn.Linear(2, 1)
+    reference = nn.Linear(2, 1).to(session.device)
     reference.load_state_dict(model.state_dict())
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     train = session.loader(data, batch_size=1, shuffle=False)
@@ -113,7 +113,7 @@ def test_an_epoch_ends_with_a_step_on_its_partial_window() -> None:
             taken.append(session.step(opt))
         for start, stop in [(0, 3), (3, 6), (6, 9), (9, 10)]:
             for i in range(start, stop):
-                x, y = data[i:i + 1]
+                x, y = (t.to(session.device) for t in data[i:i + 1])
                 (nn.functional.mse_loss(reference(x), y) / (stop - start)).backward()
             ref_opt.step()
             ref_opt.zero_grad()

@@ -188,6 +188,25 @@ class TrainLoaders:
         return [f"batch {b} per device", f"global batch {g} ({b} x {world_size} x {accumulate})",
                 f"{-(-len(first) // accumulate)} steps per epoch"]  # an epoch ends with a step
 
+    def wrap(self, loader: torch.utils.data.DataLoader, device: torch.device, *, train: bool,
+             on_batch: Callable[[int], None] | None = None) -> DeviceLoader:
+        """Return ``loader`` as a :class:`DeviceLoader` on ``device``; a training one is tracked (:meth:`add`).
+
+        Args:
+            loader: a DataLoader of :func:`~lockstep.data.loader.make_loader`.
+            device: where its batches go.
+            train: a training loader (its epoch and position are the session's).
+            on_batch: told as each training batch is handed out (see :class:`DeviceLoader`).
+
+        Example::
+
+            train = loaders.wrap(make_loader(data, 32, world_size=1, rank=0), torch.device("cpu"), train=True)
+        """
+        wrapped = DeviceLoader(loader, device, train, on_batch)
+        if train:
+            self.add(wrapped)
+        return wrapped
+
     def add(self, loader: DeviceLoader) -> None:
         """Track ``loader``; a sampler state waiting for it is applied now.
 

@@ -232,10 +232,7 @@ class Session:
         """
         loader = make_loader(dataset, batch_size, world_size=self.world_size, rank=self.rank,
                              shuffle=shuffle and not eval, eval=eval, seed=self.seed, **options)
-        wrapped = DeviceLoader(loader, self.device, train=not eval, on_batch=self._accum.on_batch)
-        if not eval:
-            self.state.loaders.add(wrapped)
-        return wrapped
+        return self.state.loaders.wrap(loader, self.device, train=not eval, on_batch=self._accum.on_batch)
 
     # -- the loop ---------------------------------------------------------------------------
     def epochs(self, n: int, start: int = 0) -> Iterator[int]:

@@ -45,7 +45,7 @@ horovod: install
 # lockstep under the real engines, on two network-namespace hosts: Slurm (srun, sbatch, scancel and
 # requeue), OpenMPI, Ray Train, a Kubeflow PyTorchJob's pods, `lockstep run` across hosts. Needs root;
 # installs slurm-wlm, munge, openmpi-bin (apt) and ray[train] (pip) when missing; skipped without
-# root or network namespaces. About 15 minutes on 2 cores; logs in build/test-engines/.
+# root or network namespaces. 6 to 20 minutes on 2 cores (more when busy); logs in build/test-engines/.
 .PHONY: test-engines
 test-engines: install
 	bash tests/engines/run.sh

@@ -26,7 +26,15 @@ import lockstep
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
-    """One Ray Train worker: a lockstep session on Ray's process group, checkpoints reported to Ray."""
+    """One Ray Train worker: a lockstep session on Ray's process group, checkpoints reported to Ray.
+
+    Args:
+        config: ``epochs`` (train up to this epoch) and ``folder`` (the worker's checkpoint folder).
+
+    Example::
+
+        TorchTrainer(train_loop_per_worker, train_loop_config={"epochs": 2, "folder": "ckpt"}).fit()
+    """
     from lockstep.integrations import ray as lockstep_ray
 
     session = lockstep_ray.ray_session(strategy="auto", seed=0)
@@ -52,6 +60,15 @@ def fit(args: argparse.Namespace, epochs: int, attempt: int) -> Any:
     """Run one ``TorchTrainer`` fit of the run up to ``epochs`` epochs; returns Ray's ``Result``.
 
     A fit of a run Ray has checkpoints for starts from its latest one (``ray.train.get_checkpoint``).
+
+    Args:
+        args: the command line (``workers``, ``gpu``, ``storage``).
+        epochs: train up to this epoch.
+        attempt: numbers the worker checkpoint folder, empty at each fit.
+
+    Example::
+
+        result = fit(args, epochs=2, attempt=1)
     """
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer

@@ -149,7 +149,11 @@ cluster_down() {
     local name
     # no scancel first: killing each slurmd's PID namespace ends every job step it started
     # the scenarios' own background processes, then the daemons (each in its own PID namespace)
-    for name in $(ls "$STATE/pids" 2>/dev/null | grep -v -e '^slurm' -e '^munged$'); do kill_recorded "$name"; done
+    local file
+    for file in "$STATE"/pids/*; do
+        name=${file##*/}
+        case $name in slurm* | munged | "*") ;; *) kill_recorded "$name" ;; esac
+    done
     for name in slurmd-node0 slurmd-node1 slurmctld munged; do kill_recorded "$name"; done
     local veth ns
     for node in "${NODES[@]}"; do
@@ -165,8 +169,8 @@ cluster_down() {
     fi
     # `ip netns add` made /run/netns a mount point of its own; undo that when it was us and it is empty
     if [ -f "$STATE/created-run-netns" ] && [ -z "$(ls -A /run/netns 2>/dev/null)" ]; then
-        local tries
-        for tries in 1 2 3 4 5; do
+        local _
+        for _ in 1 2 3 4 5; do
             mountpoint -q /run/netns || break
             umount /run/netns 2>/dev/null || break
         done

@@ -6,5 +6,5 @@
 set -euo pipefail
 host=$1
 shift
-echo "agent: $host :: $*" >> "$ENGINES_STATE/mpi-agent.log"
+echo "agent: $host :: $*" >>"$ENGINES_STATE/logs/mpi-agent.log"
 exec "$(dirname "$0")/nsrun.sh" "$ENGINES_STATE" "$host" /bin/sh -c "$*"

@@ -14,6 +14,7 @@ state=$1 node=$2
 shift 2
 ns=$(cat "$state/netns-$node")
 hosts=${NSRUN_HOSTS:-$state/hosts}
+# shellcheck disable=SC2016  # the inner shell expands its own arguments
 exec nsenter --net="/run/netns/$ns" -- \
     unshare --uts --mount --pid --fork --kill-child --mount-proc -- \
     /bin/bash -c 'hostname "$1"; mount --bind "$2" /etc/hosts; shift 2; "$@"; exit $?' \

@@ -142,6 +142,7 @@ run_scenario() {  # run_scenario NAME GUARD: prints its line; sets OUTCOME to pa
         export W="$STATE/work/$name"
         mkdir -p "$W"
         start=$SECONDS
+        # shellcheck disable=SC2016  # the inner shell expands its own arguments
         ( cd "$ROOT" && exec timeout --kill-after=20 "$guard" bash -c \
             'source "$ENGINES_DIR/scenarios.sh"; "scenario_$1"' _ "$name" ) >"$log" 2>&1 &
         SCENARIO_PID=$!

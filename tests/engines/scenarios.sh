@@ -79,13 +79,19 @@ slurm_idle() {  # no job left from an earlier scenario
     fail "jobs of an earlier scenario did not end: $(sq squeue -h 2>&1 | head -3)"
 }
 
+job_ended() {  # job_ended STATE: a final job state (anything else, even none yet, is still under way)
+    case "$1" in
+        COMPLETED | FAILED | CANCELLED | TIMEOUT | NODE_FAIL | OUT_OF_MEMORY | BOOT_FAIL | DEADLINE | PREEMPTED) return 0 ;;
+    esac
+    return 1
+}
+
 wait_job_end() {  # wait_job_end JOBID SECONDS: until the job left the queue; a requeued job is
     local jid=$1 limit=$2 start=$SECONDS state reason   # started again at once (Slurm would wait ~2 min)
     while :; do
         state=$(job_field "$jid" JobState)
+        job_ended "$state" && return 0
         case "$state" in
-            COMPLETED | FAILED | CANCELLED | TIMEOUT | NODE_FAIL | OUT_OF_MEMORY | BOOT_FAIL | DEADLINE | PREEMPTED)
-                return 0 ;;
             PENDING)
                 reason=$(job_field "$jid" Reason)
                 [ "$reason" = BeginTime ] && sq scontrol update JobId="$jid" StartTime=now >/dev/null 2>&1 ;;
@@ -138,6 +144,7 @@ scenario_two_hosts_equal() {
 scenario_link_down() {
     local n pids=() rc cut elapsed ns
     ns=$(cat "$STATE/netns-node1")
+    # shellcheck disable=SC2064  # expanded now on purpose: $ns is local to this function
     trap "ip -n '$ns' link set eth1 up 2>/dev/null" EXIT   # the later scenarios need the link
     for n in 0 1; do
         "$ENGINES_DIR/nsrun.sh" "$STATE" node$n lockstep run --timeout 10 --nodes 2 --node-rank $n --master node0:24200 --nproc 1 "$TINY" \
@@ -218,11 +225,13 @@ scenario_slurm_sbatch_usr1_requeue() {
     jid=$(sq sbatch --parsable --export=ALL,NPROC=1 -o "$W/job.out" examples/slurm/train.sbatch \
         "$TINY" --epochs $EPOCHS --workers 1 "${SLOW[@]}" --checkpoints "$W/ck" --started "$W/started" \
         --started-step 20 --result "$W/result.json") || fail "sbatch refused the job"
-    local start=$SECONDS
+    local start=$SECONDS state
     until [ -e "$W/started.rank0" ] && [ -e "$W/started.rank1" ]; do
         [ $((SECONDS - start)) -lt 300 ] || fail "the job did not start training within 300 s"
-        [ "$(job_field "$jid" JobState)" = RUNNING ] || [ "$(job_field "$jid" JobState)" = PENDING ] \
-            || fail "the job ended before it was signalled: $(tail -3 "$W/job.out" | tr '\n' ' ')"
+        state=$(job_field "$jid" JobState)
+        if job_ended "$state"; then
+            fail "the job ended $state before it was signalled: $(tail -3 "$W/job.out" 2>/dev/null | tr '\n' ' ')"
+        fi
         sleep 0.2
     done
     # what `#SBATCH --signal=USR1@90` does 90 s before the time limit: SIGUSR1 to every process of the step
@@ -250,7 +259,7 @@ preempt_and_rerun() {
     else
         cmd=(srun -J "preempt-$mode" -N2 --ntasks-per-node=1 python)
     fi
-    cmd+=("$TINY" --epochs $EPOCHS --workers 1 "${SLOW[@]}" --checkpoints "$W/ck" --started "$W/started"
+    cmd+=("$TINY" --epochs "$EPOCHS" --workers 1 "${SLOW[@]}" --checkpoints "$W/ck" --started "$W/started"
           --started-step 20 --result "$W/result.json")
     "$ENGINES_DIR/nsrun.sh" "$STATE" node0 "${cmd[@]}" >"$W/first.out" 2>&1 &
     pid=$!
@@ -260,7 +269,9 @@ preempt_and_rerun() {
     case $how in
         usr1) sq scancel --signal=USR1 "$jid" || fail "scancel --signal=USR1 failed" ;;
         term) sq scancel "$jid" || fail "scancel failed" ;;
-        usr1+term) sq scancel --signal=USR1 "$jid" && sq scancel "$jid" || fail "scancel failed" ;;
+        usr1+term)
+            sq scancel --signal=USR1 "$jid" || fail "scancel --signal=USR1 failed"
+            sq scancel "$jid" || fail "scancel failed" ;;
     esac
     wait "$pid"
     rc=$?

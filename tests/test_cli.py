@@ -81,3 +81,18 @@ def test_train_flags_round_trip_through_launch_flags() -> None:
 
     config = config_from_args(_parser("train").parse_args(["--nproc", "3", "--max-restarts", "1"]))
     assert (config.nproc, config.nodes, config.node_rank, config.master, config.max_restarts) == (3, 1, 0, None, 1)
+
+
+def test_run_takes_the_engines_process_count_when_nproc_is_not_given() -> None:
+    import argparse
+
+    from lockstep._cluster import launch_defaults
+    from lockstep.cli.flags import launch_options
+    from lockstep.cli.run import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    env = {"PET_NNODES": "1", "PET_NPROC_PER_NODE": "2"}  # a Kubeflow pod of 2 processes
+    assert launch_options(parser.parse_args(["s.py"]), slurm=launch_defaults(env))["nproc"] == 2
+    assert launch_options(parser.parse_args(["--nproc", "3", "s.py"]), slurm=launch_defaults(env))["nproc"] == 3
+    assert launch_options(parser.parse_args(["s.py"]), slurm={}).get("nproc") is None  # run then uses 1

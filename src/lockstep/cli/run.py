@@ -31,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = __doc__.split("\n", 2)[2].replace("::", ":") if __doc__ else None
-    add_launch_flags(parser, LAUNCH_FLAGS, nproc_default="1", slurm=True)
+    add_launch_flags(parser, LAUNCH_FLAGS, nproc_default=None, nproc_default_text="1, or the engine's (Kubeflow, SkyPilot)",
+                     slurm=True)
     parser.add_argument("-m", dest="module", action="store_true",
                         help="the target is a module name, run like `python -m`")
     parser.add_argument("target", metavar="script.py", help="the script (or module with -m) to run")
@@ -52,8 +53,10 @@ def main(args: argparse.Namespace) -> int:
     from lockstep.launch.elastic import LaunchSpec, import_torch_quietly, launch, slurm_defaults
 
     import_torch_quietly(args.verbose)
-    spec = LaunchSpec(target=args.target, args=tuple(args.script_args), module=args.module,
-                      **launch_options(args, slurm=slurm_defaults(environment())))
+    options = launch_options(args, slurm=slurm_defaults(environment()))
+    if options.get("nproc") is None:  # neither --nproc nor the engine (PET_NPROC_PER_NODE...) said
+        options["nproc"] = 1
+    spec = LaunchSpec(target=args.target, args=tuple(args.script_args), module=args.module, **options)
     try:
         return launch(spec)
     except LockstepError as exc:

@@ -49,7 +49,6 @@ SCENARIOS=(
 # Scenarios that fail because of a known lockstep bug, not because of the harness: they are
 # reported as "xfail" and do not fail the run (one that passes is reported as "xpass").
 declare -A XFAIL=(
-    [kubeflow_pytorchjob]="lockstep run ignores PET_NPROC_PER_NODE (its --nproc default 1 wins over the engine's value)"
     [slurm_perhost_usr1_then_scancel]="SIGTERM arriving while a SIGUSR1 stop is being agreed kills the ranks unsaved"
 )
 

@@ -10,7 +10,6 @@ exception on any rank fails the test with that rank's traceback, and the other r
 from __future__ import annotations
 
 import os
-import pickle
 import tempfile
 from collections.abc import Callable
 from typing import Any
@@ -18,14 +17,12 @@ from typing import Any
 from lockstep.launch.spawn import SpawnError, spawn
 
 
-def _rank_body(fn: Callable[..., Any], init: str, args: tuple[Any, ...]) -> bytes:
+def _rank_body(fn: Callable[..., Any], init: str, args: tuple[Any, ...]) -> Any:
     os.environ.update({"LOCKSTEP_INIT_METHOD": init, "OMP_NUM_THREADS": "1"})
     import torch
 
     torch.set_num_threads(1)
-    # plain pickle copies tensors by value; the result queue's own pickler would share them by file
-    # descriptor, which dies with this process
-    return pickle.dumps(fn(*args))
+    return fn(*args)  # spawn sends results back by value (tensors included)
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60) -> list[Any]:
@@ -35,7 +32,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
             results = spawn(_rank_body, world_size, args=(fn, f"file://{tmp}/rdzv", args), timeout=timeout)
         except SpawnError as exc:
             raise AssertionError(f"distributed test failed:\n{exc}") from None
-    return [pickle.loads(value) for value in results]
+    return list(results)
 
 
 def run_expecting_errors(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60) -> list[str]:

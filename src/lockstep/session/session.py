@@ -232,7 +232,8 @@ class Session:
         """
         loader = make_loader(dataset, batch_size, world_size=self.world_size, rank=self.rank,
                              shuffle=shuffle and not eval, eval=eval, seed=self.seed, **options)
-        return self.state.loaders.wrap(loader, self.device, train=not eval, on_batch=self._accum.on_batch)
+        return self.state.loaders.wrap(loader, self.device, train=not eval,
+                                       on_batch=self._accum.on_batch if self.accumulate > 1 else None)
 
     # -- the loop ---------------------------------------------------------------------------
     def epochs(self, n: int, start: int = 0) -> Iterator[int]:

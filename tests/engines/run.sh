@@ -48,9 +48,7 @@ SCENARIOS=(
 )
 # Scenarios that fail because of a known lockstep bug, not because of the harness: they are
 # reported as "xfail" and do not fail the run (one that passes is reported as "xpass").
-declare -A XFAIL=(
-    [slurm_perhost_usr1_then_scancel]="SIGTERM arriving while a SIGUSR1 stop is being agreed kills the ranks unsaved"
-)
+declare -A XFAIL=()
 
 say() { printf '%s\n' "$*"; }
 

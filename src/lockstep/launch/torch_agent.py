@@ -7,6 +7,8 @@ and nowhere else, so that a change in torch's private agent API breaks one modul
 * :func:`reporting_agent` swaps the ``LocalElasticAgent`` class that ``elastic_launch``
   instantiates, for one launch, for a subclass that starts the output relay, records failures,
   announces restarts, ends a preempted job without a restart and collects exit codes;
+  while it shuts the workers down it ignores further stop signals (SIGUSR1 then SIGTERM from a
+  scheduler is one preemption: the workers already have theirs and save; SIGINT still ends it);
 * :func:`quiet_torch` holds back the agent's logging (the user gets lockstep's summary).
 
 Example::
@@ -18,7 +20,9 @@ Example::
 from __future__ import annotations
 
 import logging
+import signal
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -28,6 +32,25 @@ from lockstep.launch.output import OutputRelay, relay_for
 from lockstep.launch.report import JobReporter, summarize
 
 __all__ = ["reporting_agent", "quiet_torch"]
+
+
+# A stop signal during the workers' shutdown would raise out of the agent's wait, and the workers,
+# bound to the launcher's life, would die unsaved. SIGINT (Ctrl-C) is left alone: it still ends all.
+_HELD = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGUSR1", "SIGHUP") if hasattr(signal, n))
+
+
+@contextmanager
+def _held_signals() -> Iterator[None]:
+    """Ignore further stop signals while the workers shut down (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {s: signal.signal(s, signal.SIG_IGN) for s in _HELD}
+    try:
+        yield
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
 
 @contextmanager
@@ -94,7 +117,8 @@ def reporting_agent(report: JobReporter) -> Iterator[None]:
             super()._restart_workers(worker_group)
 
         def _shutdown(self, *args: Any, **kwargs: Any) -> None:
-            super()._shutdown(*args, **kwargs)
+            with _held_signals():
+                super()._shutdown(*args, **kwargs)
             relay.stop()
             handlers = getattr(self._pcontext, "subprocess_handlers", {}) or {}
             report.exit_codes = {r: h.proc.returncode for r, h in handlers.items()}

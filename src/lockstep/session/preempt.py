@@ -21,14 +21,15 @@ and :class:`StopGuard` makes the ranks agree on it inside ``Session.step``:
   (:data:`~lockstep.errors.EXIT_PREEMPTED`): the job ends with "run me again".
   ``preemption="flag"`` only sets ``session.should_stop``; ``"off"`` installs no handler.
 
-The same signal again before the ranks agreed is the same request: Slurm signals every process
-of a step and ``lockstep run`` forwards what it receives, so a rank sees one preemption twice
-(``kill -USR1 <rank>; kill -USR1 <launcher>`` does the same). A *different* second signal
-(SIGUSR1, then SIGTERM), or one that arrives after the job already failed, ends the process at
-once with the signal's default action; so does the first one if the ranks have not agreed
-within the grace window (``$LOCKSTEP_GRACE`` seconds, set by ``lockstep run --grace``; 30 by
-default): a process that stopped calling ``Session.step`` still obeys SIGTERM, at the latest
-when the grace is over.
+A stop signal that arrives while the ranks are still agreeing on an earlier one is part of the
+same request, whichever it is: Slurm signals every process of a step and ``lockstep run``
+forwards what it receives, so a rank sees one preemption twice (``kill -USR1 <rank>; kill -USR1
+<launcher>`` does the same), and a scheduler that warns with SIGUSR1 and then cancels with
+SIGTERM (``scancel --signal=USR1`` then ``scancel``) still gets one save and exit 75. What ends a
+process at once is a signal after the grace window (``$LOCKSTEP_GRACE`` seconds, set by
+``lockstep run --grace``; 30 by default) passed without an agreement, or after the job already
+failed: a process that stopped calling ``Session.step`` still obeys SIGTERM, at the latest when
+the grace is over. SIGINT (Ctrl-C) and SIGKILL are never held back.
 The watchdog tells the guard when the job has failed (:meth:`~lockstep.comm.watchdog.NullWatchdog.on_job_failed`),
 and a signal waiting for agreement then ends the process too.
 
@@ -205,14 +206,13 @@ class StopGuard:
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if self.agreed:
             return
-        watch = self.comm.watchdog
-        if signum == self.requested and not (self._overdue or watch.job_failed):
-            return  # the same request again: the scheduler's own signal and the launcher's forward of it
-        if self.requested is not None or watch.job_failed:
-            # asked otherwise, past the grace, or the other ranks are gone: nobody is left to agree with
+        if self._overdue or self.comm.watchdog.job_failed:
+            # past the grace, or the other ranks are gone: nobody is left to agree with
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
+        if self.requested is not None:
+            return  # the same request again: the scheduler's own signal, the launcher's forward, a cancel after a warning
         self.requested = signum
         overdue = threading.Timer(self.grace, self._resend)
         overdue.daemon = True

@@ -49,6 +49,21 @@ def test_diagnose_missing_post_and_hidden_collective() -> None:
     assert "rank 2 never reported its position" in text
 
 
+def test_diagnose_shows_an_old_post_as_the_last_report() -> None:
+    # rank 1 posted during an earlier stall, then its host went off the network: what it posted is
+    # its last report, not where it is now (a rank that still answers posts every quarter timeout)
+    now = 1_000_000.0
+    posts = {0: Post(0, 57, True, "all_reduce #57", "h0", 100, at=now - 1),
+             1: Post(1, 12, False, "all_reduce #12", "h1", 101, "train.py:9 in f", at=now - 300)}
+    err = diagnose(posts, 2, 30.0, me=0, now=now)
+    assert err.blame == (1,)
+    assert str(err).splitlines()[1] == (
+        "rank 1 has not reported for 300 s (its host is unreachable, or it is stuck without releasing the "
+        "Python interpreter lock); then it had finished all_reduce #12 at train.py:9 in f")
+    fresh = {**posts, 1: Post(1, 56, False, "all_reduce #56", "h1", 101, "train.py:9 in f", at=now - 5)}
+    assert "rank 1 last finished all_reduce #56" in str(diagnose(fresh, 2, 30.0, me=0, now=now))
+
+
 def test_diagnose_without_a_rank_behind() -> None:
     same = {r: _post(r, 4, True, "barrier #4") for r in range(2)}
     assert "none is behind" in str(diagnose(same, 2, 5.0, me=0))

@@ -57,6 +57,8 @@ class Post:
         where: the innermost frame of the main thread outside torch and lockstep (``file:line in f``).
         in_torch: the main thread was found inside ``torch.distributed`` code (a collective the
             counter does not see, such as DDP's buffer broadcast in forward).
+        at: when it was posted (``time.time()`` of the posting host); a stalled rank posts again
+            every quarter timeout, so an old post means the rank stopped answering since.
 
     Example::
 
@@ -71,6 +73,7 @@ class Post:
     pid: int
     where: str = ""
     in_torch: bool = False
+    at: float = 0.0
 
     @property
     def waiting(self) -> bool:
@@ -84,7 +87,7 @@ class Post:
 
 
 def diagnose(posts: dict[int, Post | None], world_size: int, timeout: float, me: int,
-             hosts: dict[int, str] | None = None) -> CollectiveTimeoutError:
+             hosts: dict[int, str] | None = None, now: float | None = None) -> CollectiveTimeoutError:
     """Name the ranks behind from every rank's post (``None``: the rank never posted).
 
     Args:
@@ -94,6 +97,8 @@ def diagnose(posts: dict[int, Post | None], world_size: int, timeout: float, me:
         me: the rank asking (a waiting one).
         hosts: every rank's host as the ranks told each other at the start; names the host of a rank
             that never posted (a node that was cut off).
+        now: the time (``time.time()``) of the diagnosis; a post older than the timeout is shown as
+            the rank's last report, not as where it is now. ``None``: every post is taken as fresh.
 
     Example::
 
@@ -129,6 +134,12 @@ def diagnose(posts: dict[int, Post | None], world_size: int, timeout: float, me:
             on = f" on host {hosts[r]}" if hosts and r in hosts else ""
             lines.append(f"rank {r}{on} never reported its position: it is stuck without releasing the "
                          "Python interpreter lock, or its host is unreachable")
+        elif now is not None and p.at and now - p.at > timeout:
+            state = (f"was in {p.what}" if p.inside else f"had finished {p.what}" if p.seq
+                     else "had not entered a collective through lockstep yet")
+            lines.append(f"rank {r} has not reported for {now - p.at:.0f} s (its host is unreachable, or it is "
+                         f"stuck without releasing the Python interpreter lock); then it {state}"
+                         + (f" at {p.where}" if p.where else ""))
         else:
             state = (f"is in {p.what}" if p.inside else f"last finished {p.what}" if p.seq
                      else "had not entered a collective through lockstep yet")

@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from lockstep.comm import failure
@@ -149,7 +149,7 @@ class Watchdog(NullWatchdog):
             return None
         posts = self._read() or dict(self._view)
         posts[self.rank] = self.post(waiting=True, where=where)
-        err = diagnose(posts, self.world_size, self.timeout, self.rank, self.hosts)
+        err = diagnose(posts, self.world_size, self.timeout, self.rank, self.hosts, now=time.time())
         err.__suppress_context__ = True  # raised in place of the backend's error: show ours only
         self._try(lambda: self._store().set(_VERDICT, str(err)))
         self._ack()
@@ -184,7 +184,7 @@ class Watchdog(NullWatchdog):
         sampled, in_torch = where_of(sys._current_frames().get(self._main or 0))
         return Post(rank=self.rank, seq=self.seq, inside=self.inside, what=self._what.format(self._number),
                     host=self._host, pid=os.getpid(), where=sampled if where is None else where,
-                    in_torch=in_torch or waiting)
+                    in_torch=in_torch or waiting, at=time.time())
 
     def start(self) -> None:
         """Start the thread and explain timeouts that escape the user's code (:mod:`lockstep.comm.failure`)."""
@@ -240,7 +240,7 @@ class Watchdog(NullWatchdog):
         return self._try(read)
 
     def _run(self) -> None:
-        last, changed, posted = (-1, False), time.monotonic(), None
+        last, changed, posted, posted_at = (-1, False), time.monotonic(), None, 0.0
         while not self._halt.wait(self.poll):
             now, mark = time.monotonic(), (self.seq, self.inside)
             if mark != last:
@@ -248,8 +248,10 @@ class Watchdog(NullWatchdog):
             stalled = now - changed
             if stalled >= self.timeout / 2 and not self.job_failed:
                 mine = self.post()
-                if mine != posted:
-                    posted = mine
+                # post what changed, and the same again every quarter timeout: a fresh stamp says
+                # this rank still answers (diagnose shows an old one as the rank's last report)
+                if replace(mine, at=0.0) != posted or now - posted_at >= self.timeout / 4:
+                    posted, posted_at = replace(mine, at=0.0), now
                     self._try(lambda: self._store().set(str(self.rank), json.dumps(asdict(mine))))
                 self._view = self._read() or self._view
             if self.job_failed and self._on_failed:
@@ -288,7 +290,7 @@ class Watchdog(NullWatchdog):
         """The backend never raised: report from what the ranks last posted and end the process."""
         posts = dict(self._view)
         posts[self.rank] = self.post(waiting=True)
-        err = diagnose(posts, self.world_size, self.timeout, self.rank, self.hosts)
+        err = diagnose(posts, self.world_size, self.timeout, self.rank, self.hosts, now=time.time())
         print(f"lockstep: {err}", file=sys.stderr, flush=True)
         if self.error_file:
             failure.record_failure(err, 1, self.error_file)

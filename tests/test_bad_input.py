@@ -155,3 +155,19 @@ def test_every_step_skipped_fails_the_run(tmp_path: Path, capsys: pytest.Capture
     for step in (1, 2, 3):  # the true step of each skip, not the count of steps taken
         assert f"non-finite loss on rank 0 at step {step} (epoch 0)" in out
     assert "Training complete" not in out
+
+
+def test_only_node_0_probes_the_checkpoint_lock(tmp_path: Path) -> None:
+    """Every node's launcher checks --out; on a shared file system only node 0 may try the lock,
+    or the nodes' probes meet and one node refuses its own job (``srun -N2 lockstep train``)."""
+    from lockstep.checkpoint import lock_folder
+    from lockstep.comm.group import Comm
+    from lockstep.env import World
+
+    held = lock_folder(tmp_path / "run" / "checkpoints", Comm(World()))   # another node's probe
+    try:
+        check_out(TrainConfig(out=str(tmp_path / "run"), nodes=2, node_rank=1, master="node0:29400"))
+        with pytest.raises(ConfigError, match="is in use by another job"):
+            check_out(TrainConfig(out=str(tmp_path / "run"), nodes=2, node_rank=0, master="node0:29400"))
+    finally:
+        held.release()

@@ -239,8 +239,9 @@ class TrainConfig:
 def check_out(config: TrainConfig) -> None:
     """Check, in the launching process, that ``--out`` can be written and is no other job's.
 
-    Creates the folder (as the run would), writes and removes a probe file, and tries the lock
-    of its checkpoint folder (:func:`lockstep.checkpoint.lock_folder`) without keeping it.
+    Creates the folder (as the run would), writes and removes a probe file, and, on node 0 only,
+    tries the lock of its checkpoint folder (:func:`lockstep.checkpoint.lock_folder`) without
+    keeping it.
 
     Args:
         config: the run's configuration (nothing is checked without ``out``).
@@ -268,6 +269,9 @@ def check_out(config: TrainConfig) -> None:
     except OSError as exc:
         raise ConfigError(f"--out {out}: cannot write there ({exc.strerror or exc}); "
                           "choose a writable folder") from None
+    if config.node_rank != 0:
+        return  # the folder is node 0's to lock (rank 0 holds it); on a shared file system the
+        # other nodes' launchers would find each other's probes and refuse their own job
     try:
         lock_folder(out / CHECKPOINTS, Comm(World())).release()
     except CheckpointError as exc:

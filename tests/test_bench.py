@@ -15,8 +15,8 @@ from lockstep.cli.main import main as cli_main
 from lockstep.bench import BenchConfig, Cell, CellTask, add_efficiency, format_table, plan_cells, skip_reason
 from lockstep.bench.matrix import parse_list
 from lockstep.bench.measure import measure_cell, time_window
-from lockstep.bench.report import write_outputs
-from lockstep.bench.run import SCHEMA_VERSION, aggregate, percentile
+from lockstep.bench.report import threads_line, write_outputs
+from lockstep.bench.run import SCHEMA_VERSION, aggregate, percentile, threads_per_rank
 from lockstep.errors import ConfigError
 
 CELL_KEYS = {"id", "strategy", "precision", "nproc", "status", "reason", "winner", "samples_per_s",
@@ -115,6 +115,58 @@ def test_efficiency_against_one_process_then_single() -> None:
     assert effs[5] is None                                                # no bf16 baseline ran
 
 
+def test_cpu_cells_share_the_same_cores() -> None:
+    config = BenchConfig(strategies=("ddp",), precisions=("fp32",), nprocs=(1, 2, 4))
+    assert [threads_per_rank(config, n, gpus=0, cores=2) for n in (1, 2, 4)] == [2, 1, 1]
+    assert [threads_per_rank(config, n, gpus=0, cores=8) for n in (1, 2, 4)] == [8, 4, 2]
+    assert threads_per_rank(config, 2, gpus=2, cores=8) == 0                 # torch's choice with GPUs
+    given = BenchConfig(strategies=("ddp",), precisions=("fp32",), threads=3)
+    assert [threads_per_rank(given, n, gpus=0, cores=2) for n in (1, 2)] == [3, 3]
+
+
+def _cpu_rank(sps: float, threads: int, batch: int = 10) -> dict[str, Any]:
+    return {**_rank(batch / sps, [1000.0 * batch / sps], batch=batch), "threads": threads, "device": "cpu"}
+
+
+def test_cpu_efficiency_compares_the_same_cores() -> None:
+    # the case: 2 processes x 1 thread move 0.91 of one process x 2 threads on 2 cores
+    one, two = Cell("ddp", "fp32", 1), Cell("ddp", "fp32", 2)
+    aggregate(one, [_cpu_rank(100.0, threads=2)], steps=1, cores=2)
+    aggregate(two, [_cpu_rank(45.5, threads=1), _cpu_rank(45.5, threads=1)], steps=1, cores=2)
+    add_efficiency([one, two])
+    assert (one.result["cores_used"], two.result["cores_used"]) == (2, 2)
+    assert two.result["samples_per_s"] == pytest.approx(91.0)
+    assert two.result["efficiency"] == pytest.approx(0.91)                   # not 0.46: the same 2 cores
+    # --threads 1: one core at nproc 1, two at nproc 2, so linear scaling is 1.0
+    one, two = Cell("ddp", "fp32", 1), Cell("ddp", "fp32", 2)
+    aggregate(one, [_cpu_rank(100.0, threads=1)], steps=1, cores=2)
+    aggregate(two, [_cpu_rank(90.0, threads=1), _cpu_rank(90.0, threads=1)], steps=1, cores=2)
+    add_efficiency([one, two])
+    assert two.result["efficiency"] == pytest.approx(0.9)
+    # oversubscribed (2 x 2 threads on 2 cores) still busies only the 2 cores
+    over = Cell("ddp", "fp32", 2)
+    aggregate(over, [_cpu_rank(50.0, threads=2), _cpu_rank(50.0, threads=2)], steps=1, cores=2)
+    assert (over.result["cpu_threads"], over.result["cores_used"]) == (4, 2)
+    gpu = Cell("ddp", "fp32", 2)
+    aggregate(gpu, [{**_cpu_rank(50.0, 1), "device": f"cuda:{r}"} for r in range(2)], steps=1, cores=2)
+    assert gpu.result["cores_used"] is None and gpu.result["cpu_threads"] is None
+
+
+def _threads_doc(rows: list[tuple[int, int]], cores: int, given: int | None) -> dict[str, Any]:
+    return {"config": {"threads": given},
+            "cpu_threads": [{"nproc": n, "per_rank": t, "total": n * t, "cores": cores} for n, t in rows]}
+
+
+def test_header_states_threads_per_rank_and_oversubscription() -> None:
+    line = threads_line(_threads_doc([(1, 2), (2, 1)], cores=2, given=None)) or ""
+    assert line.startswith("cpu threads per rank: 2 at nproc 1, 1 at nproc 2")
+    assert "same 2 cores" in line and "oversubscribed" not in line
+    line = threads_line(_threads_doc([(1, 2), (2, 2)], cores=2, given=2)) or ""
+    assert "2 at nproc 1, 2 at nproc 2 (--threads 2)" in line
+    assert "oversubscribed: nproc 2 runs 4 threads on 2 cores" in line
+    assert threads_line({"config": {"threads": None}, "cpu_threads": None}) is None     # a GPU run
+
+
 def test_percentile_interpolates() -> None:
     assert percentile([4.0, 1.0, 3.0, 2.0], 50) == pytest.approx(2.5)
     assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 10) == pytest.approx(1.4)
@@ -182,6 +234,11 @@ def test_bench_command_schema_and_skips(tmp_path: Path, capsys: pytest.CaptureFi
     assert all(c["samples_per_s"] is None for c in cells.values() if c["status"] == "skipped")
     out = capsys.readouterr().out
     assert "* fastest:" in out and "single/fp32/2: single runs in one process" in out
+    if not torch.cuda.is_available():
+        per_rank = {row["nproc"]: row["per_rank"] for row in doc["cpu_threads"]}
+        assert per_rank == {n: max(1, doc["host"]["cpu_cores"] // n) for n in (1, 2)}
+        assert f"cpu threads per rank: {per_rank[1]} at nproc 1, {per_rank[2]} at nproc 2" in out
+        assert two["threads_per_rank"] == per_rank[2] and two["cores_used"] >= 1
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -218,6 +275,11 @@ def test_table_and_outputs_from_a_document(tmp_path: Path) -> None:
            "torch": "2", "cells": [cell("ddp/fp32/1", "ran", 10.0), cell("ddp/fp32/2", "ran", 30.0, True),
                                     cell("dp/fp32/1", "skipped", None)]}
     table = format_table(doc)
+    assert "cpu threads" not in table                                             # a GPU run has none
+    doc["cpu_threads"] = [{"nproc": 1, "per_rank": 2, "total": 2, "cores": 2},
+                          {"nproc": 2, "per_rank": 1, "total": 2, "cores": 2}]
+    table = format_table(doc)
+    assert table.splitlines()[1].startswith("cpu threads per rank: 2 at nproc 1, 1 at nproc 2")
     winner_line = next(line for line in table.splitlines() if line.startswith("*  ddp"))
     assert "30.0" in winner_line and "[1] dp/fp32/1: because" in table
     paths = write_outputs(doc, tmp_path / "out")

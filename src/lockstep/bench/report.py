@@ -1,14 +1,16 @@
 """The outputs of ``lockstep bench``: a terminal table, ``results.json`` and ``bench.png``.
 
-``results.json`` (schema ``lockstep-bench``, version 1)::
+``results.json`` (schema ``lockstep-bench``, version 2)::
 
-    schema, version       "lockstep-bench", 1
+    schema, version       "lockstep-bench", 2
     created               UTC time, ISO 8601
     host                  hostname, platform, python, cpu_cores, load_average (1, 5, 15 min at start)
     torch, lockstep, cuda versions (cuda is null without CUDA)
     device                type ("cpu" | "cuda"), count (GPUs), name
     config                model, data, batch_size (per device), steps, warmup, image_size,
                           channels, num_classes, nonfinite, seed, threads (null: cores // nproc)
+    cpu_threads           on CPU, one entry per process count: nproc, per_rank (threads of each
+                          rank), total (nproc x per_rank), cores; null with GPUs
     winner                id of the cell with the highest samples_per_s, or null
     cells                 list, in run order, of:
       id                  "strategy/precision/nproc"
@@ -19,7 +21,8 @@
       batch_size, steps, warmup
       samples_per_s       all ranks together: global samples / slowest rank's window
       samples_per_s_per_rank
-      efficiency          samples_per_s / (baseline per device x devices); baseline: the
+      efficiency          samples/s per unit over the baseline's samples/s per unit; a unit is
+                          a GPU on CUDA and a busy core on CPU (cores_used); baseline: the
                           1-device cell of the same strategy and precision, else single
                           (always single for dp, whose one process drives every GPU)
       step_ms_median, step_ms_p10, step_ms_p90   the slowest rank's time at each step
@@ -28,9 +31,20 @@
       peak_mem_mb         CUDA max allocated, or the process's peak resident set on CPU
       base_mem_mb         resident set before the model was built (CPU; 0 on CUDA)
       devices, threads_per_rank, global_batch, skipped_steps, wall_s (with process start-up)
+      cpu_threads, cores_used   on CPU: the ranks' threads together, and the cores they keep
+                          busy (at most the machine's); null on CUDA
 
 Figures are null for cells that did not run; the fields after ``peak_mem_mb`` appear only for
 cells that ran (a failed cell has ``traceback`` instead).
+
+Efficiency. On GPUs it is the classic scaling efficiency: 1.0 when N GPUs move N times what one
+moves. On CPU the processes share the machine's cores, so it is counted per busy core: by default
+every cell gets the same cores (``cores // nproc`` threads per rank: 2 at nproc 1, 1 at nproc 2
+on 2 cores), and the efficiency is the cell's samples/s over the 1-process cell's, both on all
+the cores (0.91: two processes with one thread each move 91 % of what one process with two
+threads moves). With ``--threads T`` the cores busy are ``min(nproc x T, cores)``; more threads
+than cores (oversubscribed) is said in the table's header. The header's second line gives the
+threads per rank at each process count.
 
 Example::
 
@@ -44,7 +58,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["format_table", "write_outputs", "plot_results", "cell_label"]
+__all__ = ["format_table", "write_outputs", "plot_results", "cell_label", "threads_line"]
 
 
 def cell_label(cell: dict[str, Any]) -> str:
@@ -69,9 +83,37 @@ def _header(doc: dict[str, Any]) -> str:
     where = f"{dev['count']} x {dev['name']}" if dev["type"] == "cuda" else f"cpu ({doc['host']['cpu_cores']} cores)"
     load = doc["host"].get("load_average")
     load_text = f", load {load[0]:.2f}" if load else ""
-    return (f"lockstep bench: {cfg['model']}, {cfg['data']} data {cfg['image_size']}px, batch {cfg['batch_size']} "
+    head = (f"lockstep bench: {cfg['model']}, {cfg['data']} data {cfg['image_size']}px, batch {cfg['batch_size']} "
             f"per device, {cfg['steps']} timed steps after {cfg['warmup']} warm-up; {where}{load_text}; "
             f"torch {doc['torch']}")
+    threads = threads_line(doc)
+    return f"{head}\n{threads}" if threads else head
+
+
+def threads_line(doc: dict[str, Any]) -> str | None:
+    """The header's CPU line: threads per rank at each process count, what efficiency counts,
+    and which process counts run more threads than there are cores.
+
+    Args:
+        doc: the results document (``None`` without ``cpu_threads``: a GPU run).
+
+    Example::
+
+        threads_line(doc)   # 'cpu threads per rank: 2 at nproc 1, 1 at nproc 2 (cores // nproc: ...'
+    """
+    rows = doc.get("cpu_threads")
+    if not rows:
+        return None
+    cores = rows[0]["cores"]
+    given = doc["config"].get("threads")
+    text = "cpu threads per rank: " + ", ".join(f"{r['per_rank']} at nproc {r['nproc']}" for r in rows)
+    text += f" (--threads {given})" if given else f" (cores // nproc: every cell on the same {cores} cores)"
+    text += "; efficiency is samples/s per busy core against the 1-process cell"
+    over = [r for r in rows if r["total"] > cores]
+    if over:
+        text += "; oversubscribed: " + ", ".join(
+            f"nproc {r['nproc']} runs {r['total']} threads on {cores} cores" for r in over)
+    return text
 
 
 def format_table(doc: dict[str, Any]) -> str:
@@ -154,9 +196,9 @@ def plot_results(doc: dict[str, Any], path: Path) -> Path | None:
     left.set_title("throughput (fastest in orange)")
     left.set_xlim(0, max(values, default=1.0) * 1.15)
     _annotate_bars(left, bars, values)
-    _plot_efficiency(right, ran)
+    _plot_efficiency(right, ran, per_core=bool(doc.get("cpu_threads")))
     skipped = [c for c in doc["cells"] if c["status"] != "ran"]
-    title = _header(doc).replace("; torch", "\ntorch")
+    title = _header(doc).replace("; torch", "\ntorch").replace("; efficiency is", "\nefficiency is")
     if 0 < len(skipped) <= 4:
         title += "\nnot run: " + "; ".join(f"{cell_label(c)} ({c['status']})" for c in skipped)
     elif skipped:
@@ -168,7 +210,7 @@ def plot_results(doc: dict[str, Any], path: Path) -> Path | None:
     return path
 
 
-def _plot_efficiency(ax: Any, ran: list[dict[str, Any]]) -> None:
+def _plot_efficiency(ax: Any, ran: list[dict[str, Any]], per_core: bool) -> None:
     groups: dict[str, list[dict[str, Any]]] = {}
     for cell in ran:
         if cell["efficiency"] is not None:
@@ -184,7 +226,8 @@ def _plot_efficiency(ax: Any, ran: list[dict[str, Any]]) -> None:
     ax.set_xlabel("processes")
     ax.set_ylabel("scaling efficiency")
     ax.set_ylim(0, max([1.1] + [c["efficiency"] * 1.1 for g in groups.values() for c in g]))
-    ax.set_title("efficiency vs. 1 process (1.0 = linear)")
+    # on CPU the cells share the cores: 1.0 is the 1-process cell's pace per core, not linear speed-up
+    ax.set_title("per busy core vs. 1 process (1.0 = as fast)" if per_core else "efficiency vs. 1 process (1.0 = linear)")
     if groups:
         ax.legend(fontsize=7, loc="lower left")
     else:

@@ -25,10 +25,10 @@ import torch
 from lockstep.bench.matrix import BenchConfig, Cell, plan_cells
 from lockstep.bench.measure import CellTask, measure_cell
 
-__all__ = ["run_bench", "run_cell", "aggregate", "add_efficiency", "host_info", "percentile",
+__all__ = ["run_bench", "run_cell", "aggregate", "add_efficiency", "host_info", "percentile", "threads_per_rank",
            "SCHEMA_VERSION"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: CPU efficiency per core busy (cores_used, cpu_threads); 1 divided by processes
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -89,8 +89,41 @@ def host_info() -> dict[str, Any]:
     }
 
 
+def threads_per_rank(config: BenchConfig, nproc: int, gpus: int, cores: int | None = None) -> int:
+    """CPU threads each rank of an ``nproc``-process cell gets: ``--threads``, else the cores shared.
+
+    Without ``--threads``, on CPU every rank gets ``cores // nproc`` threads (at least one), so that
+    every cell runs on the same cores: 2 threads at nproc 1 and 1 each at nproc 2 on 2 cores. With
+    GPUs it is 0 (torch's own choice): the GPUs do the work.
+
+    Args:
+        config: the bench configuration (``threads`` is ``--threads``).
+        nproc: processes of the cell.
+        gpus: CUDA GPUs visible.
+        cores: CPU cores this process may use (default: counted here).
+
+    Example::
+
+        threads_per_rank(BenchConfig(), nproc=2, gpus=0, cores=8)   # 4
+    """
+    if config.threads:
+        return config.threads
+    if gpus:
+        return 0
+    return max(1, (cores or _cores()) // nproc)
+
+
+def _cpu_threads(config: BenchConfig, gpus: int) -> list[dict[str, int]] | None:
+    """Threads per rank and in all at each process count (CPU runs only), for the table's header."""
+    if gpus:
+        return None
+    cores = _cores()
+    rows = [(n, threads_per_rank(config, n, gpus, cores)) for n in sorted(config.nprocs)]
+    return [{"nproc": n, "per_rank": t, "total": n * t, "cores": cores} for n, t in rows]
+
+
 def _task(config: BenchConfig, cell: Cell, gpus: int) -> CellTask:
-    threads = config.threads or (0 if gpus else max(1, _cores() // cell.nproc))  # ranks share the cores
+    threads = threads_per_rank(config, cell.nproc, gpus)
     return CellTask(model=config.model, data=config.data, strategy=cell.strategy, precision=cell.precision,
                     batch_size=config.per_device_batch, steps=config.steps, warmup=config.warmup,
                     image_size=config.input_size, channels=config.input_channels,
@@ -98,13 +131,17 @@ def _task(config: BenchConfig, cell: Cell, gpus: int) -> CellTask:
                     threads=threads, timeout=min(config.cell_timeout, 300.0))
 
 
-def aggregate(cell: Cell, ranks: list[dict[str, Any]], steps: int) -> None:
+def aggregate(cell: Cell, ranks: list[dict[str, Any]], steps: int, cores: int | None = None) -> None:
     """Fill ``cell`` from its ranks' figures (see :func:`lockstep.bench.measure.measure_cell`).
+
+    On CPU the cell also records ``cpu_threads`` (its ranks' threads together) and ``cores_used``
+    (those threads, at most ``cores``): what :func:`add_efficiency` divides by.
 
     Args:
         cell: the cell, updated in place.
         ranks: one dict per rank, in rank order.
         steps: timed steps per rank.
+        cores: CPU cores of this machine (default: counted here).
 
     Example::
 
@@ -119,6 +156,8 @@ def aggregate(cell: Cell, ranks: list[dict[str, Any]], steps: int) -> None:
     total = samples / elapsed
     # the job moves at its slowest rank's pace: take each step's largest time
     step_ms = [max(times) for times in zip(*(r["step_ms"] for r in ranks))]
+    threads = sum(r["threads"] for r in ranks)
+    on_cpu = all(str(r.get("device", "cpu")).startswith("cpu") for r in ranks)
     cell.status = "ran"
     cell.result = {
         "samples_per_s": total, "samples_per_s_per_rank": total / len(ranks),
@@ -129,6 +168,9 @@ def aggregate(cell: Cell, ranks: list[dict[str, Any]], steps: int) -> None:
         "peak_mem_mb": max(r["peak_mem_mb"] for r in ranks), "base_mem_mb": max(r["base_mem_mb"] for r in ranks),
         "devices": sum(r["devices"] for r in ranks), "threads_per_rank": ranks[0]["threads"],
         "global_batch": sum(r["batch_size"] for r in ranks), "skipped_steps": ranks[0]["skipped_steps"],
+        # more threads than cores (oversubscribed) still busy only the cores
+        "cpu_threads": threads if on_cpu else None,
+        "cores_used": min(threads, cores or _cores()) if on_cpu else None,
     }
 
 
@@ -158,12 +200,22 @@ def run_cell(config: BenchConfig, cell: Cell, gpus: int) -> None:
     cell.result["wall_s"] = time.perf_counter() - began
 
 
-def add_efficiency(cells: list[Cell]) -> None:
-    """Set each ran cell's scaling efficiency: its throughput over its devices' share of a baseline.
+def _units(result: dict[str, Any]) -> float:
+    """What a cell computes on: its CPU cores busy, else its devices (GPUs)."""
+    return float(result.get("cores_used") or result["devices"])
 
-    The baseline is the 1-device cell of the same strategy and precision, else the ``single``
-    cell of the same precision (always for ``dp``, whose one process drives every GPU): ``efficiency = samples_per_s / (baseline_per_device * devices)``.
-    It is 1.0 for a perfect linear speed-up and ``None`` when no baseline ran.
+
+def add_efficiency(cells: list[Cell]) -> None:
+    """Set each ran cell's scaling efficiency: its samples/s per unit of compute over a baseline's.
+
+    ``efficiency = (samples_per_s / units) / (baseline samples_per_s / baseline units)``, where the
+    units are GPUs on CUDA and the cores busy on CPU (``cores_used``: threads of all ranks, at
+    most the cores). The baseline is the 1-device cell of the same strategy and precision, else
+    the ``single`` cell of the same precision (always for ``dp``, whose one process drives every
+    GPU). On GPUs 1.0 is a linear speed-up. On CPU every cell gets the same cores by default
+    (:func:`threads_per_rank`), so the efficiency is the cell's samples/s over the 1-process
+    cell's on the same cores: 0.91 means N processes move 91 % of what one process with all the
+    threads moves. ``None`` when no baseline ran.
 
     Args:
         cells: the matrix, updated in place.
@@ -180,8 +232,8 @@ def add_efficiency(cells: list[Cell]) -> None:
         if base is None:
             cell.result["efficiency"] = None
             continue
-        per_device = base.result["samples_per_s"] / base.result["devices"]
-        cell.result["efficiency"] = cell.result["samples_per_s"] / (per_device * cell.result["devices"])
+        per_unit = base.result["samples_per_s"] / _units(base.result)
+        cell.result["efficiency"] = cell.result["samples_per_s"] / (per_unit * _units(cell.result))
 
 
 def _cell_doc(cell: Cell, config: BenchConfig, winner: str | None) -> dict[str, Any]:
@@ -230,6 +282,7 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict[str, Any]:
                    "steps": config.steps, "warmup": config.warmup, "image_size": config.input_size,
                    "channels": config.input_channels, "num_classes": config.num_classes,
                    "nonfinite": config.nonfinite, "seed": config.seed, "threads": config.threads},
+        "cpu_threads": _cpu_threads(config, gpus),
         "winner": winner,
         "cells": [_cell_doc(c, config, winner) for c in cells],
     }

@@ -84,7 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--nonfinite", default="skip", metavar="|".join(NONFINITE_POLICIES),
         help="the Session's non-finite loss policy; skip (its default) reads one flag per step (default skip)")
     add("--threads", type=int, default=None, metavar="N",
-        help="CPU threads per rank (default: the cores shared evenly between the ranks)")
+        help="CPU threads per rank (default: cores // nproc, so that every cell runs on the same cores)")
     add("--cell-timeout", type=float, default=900.0, metavar="SECONDS",
         help="stop a cell and mark it failed after this long (default 900)")
     add("--out", default="bench-results", metavar="DIR",

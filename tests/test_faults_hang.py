@@ -64,6 +64,17 @@ def test_diagnose_shows_an_old_post_as_the_last_report() -> None:
     assert "rank 1 last finished all_reduce #56" in str(diagnose(fresh, 2, 30.0, me=0, now=now))
 
 
+def test_own_frames_are_torch_lockstep_and_the_interpreter() -> None:
+    import torch
+
+    import lockstep.session.session
+    from lockstep.comm.hang_report import is_own
+
+    assert is_own(lockstep.session.session.__file__) and is_own(torch.__file__)
+    assert is_own("<frozen importlib._bootstrap_external>") and is_own("<frozen runpy>")
+    assert not is_own(__file__)
+
+
 def test_diagnose_without_a_rank_behind() -> None:
     same = {r: _post(r, 4, True, "barrier #4") for r in range(2)}
     assert "none is behind" in str(diagnose(same, 2, 5.0, me=0))

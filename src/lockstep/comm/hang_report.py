@@ -152,8 +152,8 @@ def _folders() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """Where collectives live (a frame there is waiting in one), and code that is not the user's."""
     torch_dir = os.path.dirname(sys.modules["torch"].__file__ or "") if "torch" in sys.modules else "/torch"
     collective = (os.path.join(torch_dir, "distributed", ""), os.path.join(torch_dir, "nn", "parallel", ""))
-    own = (os.path.join(torch_dir, ""), os.path.join(os.path.dirname(__file__), ""), threading.__file__,
-           runpy.__file__, "<frozen runpy>")
+    own = (os.path.join(torch_dir, ""), os.path.join(os.path.dirname(os.path.dirname(__file__)), ""), threading.__file__,
+           runpy.__file__, "<frozen ")  # the interpreter's frozen modules: runpy, importlib
     return collective, own
 
 

@@ -45,12 +45,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``lockstep`` command line and return its exit code.
 
     Args:
-        argv: the arguments after ``lockstep``; ``sys.argv[1:]`` when omitted.
+        argv: the arguments after ``lockstep``; ``sys.argv[1:]`` when omitted, which also says that
+            this process is the command (``lockstep run`` then skips torch's teardown at exit).
 
     Example::
 
         sys.exit(main(["train", "--epochs", "1"]))
     """
+    as_program = argv is None  # the process is this command (not a caller of main() in its own program)
     argv = list(sys.argv[1:] if argv is None else argv)
     parser, subparsers = _parser()
     name = next((a for a in argv if not a.startswith("-")), None)
@@ -67,10 +69,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     try:
-        return int(module.main(args) or 0)
+        code = int(module.main(args) or 0)
     except ConfigError as exc:
         print(f"lockstep {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    if as_program and args.command == "run":
+        # the launcher's job is over: skip freeing torch at exit (see lockstep.launch.fast_exit)
+        from lockstep.launch.fast_exit import exit_without_teardown
+
+        exit_without_teardown(code)
+    return code
 
 
 if __name__ == "__main__":

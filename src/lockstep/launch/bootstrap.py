@@ -30,7 +30,6 @@ import runpy
 import signal
 import sys
 
-from lockstep.comm import failure
 from lockstep.env import read_settings
 from lockstep.errors import EXIT_PREEMPTED
 
@@ -109,6 +108,8 @@ def record_failure(exc: BaseException, exit_code: int, path: str) -> None:
 
         record_failure(ValueError("bad"), 1, read_settings().error_file)
     """
+    from lockstep.comm import failure  # only a failing worker pays for its imports (json, socket, traceback)
+
     failure.record_failure(exc, exit_code, path, failure.user_traceback(exc, _SKIP_FRAMES))
 
 
@@ -156,6 +157,8 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         return 130  # interrupted, like any Python program: not a failure worth a traceback
     except BaseException as exc:  # noqa: BLE001 - every failure is reported to the launcher
+        from lockstep.comm import failure
+
         exc = failure.explain(exc)  # a backend timeout names the rank that never came
         if not error_file:
             raise exc

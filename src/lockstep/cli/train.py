@@ -8,6 +8,7 @@ Slurm. Examples::
     lockstep train
     lockstep train --model resnet18 --data imagefolder:data/flowers --image-size 64 --out runs/flowers
     lockstep train --data mnist:data/mnist --strategy fsdp --precision bf16-mixed --nproc 4
+    lockstep train --strategy ddp --grad-compression powersgd --powersgd-rank 2
     lockstep train --out runs/flowers --resume          # continue from the last checkpoint
     srun -N2 --ntasks-per-node 1 lockstep train --out runs/a   # one launcher per node, Slurm's layout
     torchrun --nproc_per_node 2 -m lockstep train        # as a worker of another launcher
@@ -32,6 +33,9 @@ _HELP = {
     "data": "digits (bundled with scikit-learn), mnist:DIR (IDX files), imagefolder:DIR, or synthetic",
     "strategy": "auto, single, dp, ddp, fsdp or horovod (make horovod installs it)",
     "precision": "fp32, bf16-mixed, fp16-mixed, fp16-o2, bf16, fp16 or apex's O0-O3",
+    "grad_compression": "ddp only: none, bf16, fp16 or powersgd (torch's DDP communication hooks; lossy)",
+    "powersgd_rank": "rank of PowerSGD's gradient approximation",
+    "powersgd_start_iter": "plain all-reduce steps before PowerSGD starts",
     "epochs": "epochs to train in total", "batch_size": "samples per batch per device",
     "lr": "learning rate (SGD with momentum)",
     "scale_lr": "scale --lr by global batch / --base-batch (linear scaling rule)",
@@ -53,7 +57,8 @@ _HELP = {
 }
 
 
-_METAVARS = {"data": "SPEC", "epochs": "E", "batch_size": "B", "base_batch": "B", "workers": "N", "accumulate": "K",
+_METAVARS = {"grad_compression": "none|bf16|fp16|powersgd", "powersgd_rank": "R", "powersgd_start_iter": "STEPS",
+             "data": "SPEC", "epochs": "E", "batch_size": "B", "base_batch": "B", "workers": "N", "accumulate": "K",
              "out": "DIR", "keep": "K", "image_size": "PIXELS", "max_steps": "S", "weights": "FILE",
              "val_fraction": "F", "progress": "auto|on|off"}
 LAUNCH = ("nproc", "nodes", "node_rank", "master", "max_restarts", "timeout")
@@ -80,7 +85,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = __doc__.split("\n", 2)[2] if __doc__ else None
-    types = {"epochs": int, "batch_size": int, "lr": float, "base_batch": int, "momentum": float,
+    types = {"powersgd_rank": int, "powersgd_start_iter": int,
+             "epochs": int, "batch_size": int, "lr": float, "base_batch": int, "momentum": float,
              "weight_decay": float, "workers": int, "accumulate": int, "seed": int, "keep": int, "image_size": int,
              "max_steps": int, "val_fraction": float}
     for name, field in _fields().items():

@@ -68,6 +68,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dropout", default="disable", choices=DROPOUT_MODES,
                         help="disable: dropout p=0 in both runs (default); align: same RNG seed on every rank")
     parser.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm in the parallel run (GPU only)")
+    parser.add_argument("--grad-compression", default="none", metavar="none|bf16|fp16|powersgd",
+                        help="ddp's gradient compression in the parallel run; lossy by design, so the verdict "
+                             "is NOT EQUIVALENT with the measured difference (default none)")
+    parser.add_argument("--powersgd-rank", type=int, default=d["powersgd_rank"].default,
+                        help="rank of PowerSGD's approximation (default 1)")
+    parser.add_argument("--powersgd-start-iter", type=int, default=d["powersgd_start_iter"].default,
+                        help="plain all-reduce steps before PowerSGD starts (default 2)")
     parser.add_argument("--lr", type=float, default=d["lr"].default, help="SGD learning rate (default 0.01)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the data")
     parser.add_argument("--tolerance", type=float, default=None,
@@ -97,7 +104,8 @@ def config_from_args(args: argparse.Namespace) -> VerifyConfig:
         precision=args.precision, accumulate=args.accumulate,
         shape=parse_shape(args.shape) if args.shape else None, classes=args.classes, data=args.data,
         loss=args.loss, dropout=args.dropout, sync_bn=args.sync_bn, lr=args.lr, seed=args.seed,
-        tolerance=args.tolerance, timeout=launch["timeout"],
+        tolerance=args.tolerance, timeout=launch["timeout"], grad_compression=args.grad_compression,
+        powersgd_rank=args.powersgd_rank, powersgd_start_iter=args.powersgd_start_iter,
     )
 
 

@@ -27,7 +27,8 @@ __all__ = ["TrainConfig", "check_data", "check_out", "CHECKPOINTS", "RUN_FLAGS"]
 
 CHECKPOINTS = "checkpoints"
 _PROGRESS = ("auto", "on", "off")
-RUN_FLAGS = ("model", "data", "strategy", "precision", "epochs", "batch_size", "lr", "scale_lr", "base_batch",
+RUN_FLAGS = ("model", "data", "strategy", "precision", "grad_compression", "powersgd_rank", "powersgd_start_iter",
+             "epochs", "batch_size", "lr", "scale_lr", "base_batch",
              "momentum", "weight_decay", "sync_bn", "accumulate", "seed", "out", "keep", "image_size", "max_steps",
              "weights", "pretrained", "val_fraction")
 """The fields that say what a run computes: a preempted run continues only with the same ones
@@ -54,6 +55,9 @@ class TrainConfig:
         data: ``digits``, ``synthetic``, ``mnist:DIR`` or ``imagefolder:DIR``.
         strategy: ``auto``, ``single``, ``dp``, ``ddp``, ``fsdp`` or ``horovod``.
         precision: ``fp32``, ``bf16-mixed``, ``fp16-mixed``... (see :class:`lockstep.Session`).
+        grad_compression: ddp's gradient compression: ``none``, ``bf16``, ``fp16`` or ``powersgd``.
+        powersgd_rank: rank of PowerSGD's gradient approximation.
+        powersgd_start_iter: plain all-reduce steps before PowerSGD starts.
         nproc: processes per node (``None``: one per GPU, or 2 on a machine without GPUs).
         nodes, node_rank, master: the multi-node job (see ``lockstep run``).
         epochs: epochs to train (in total, also when resuming).
@@ -88,6 +92,9 @@ class TrainConfig:
     data: str = "digits"
     strategy: str = "auto"
     precision: str = "fp32"
+    grad_compression: str = "none"
+    powersgd_rank: int = 1
+    powersgd_start_iter: int = 10
     nproc: int | None = None
     nodes: int = 1
     node_rank: int = 0
@@ -154,7 +161,9 @@ class TrainConfig:
         from lockstep.zoo.options import check_options
 
         options = check_options(strategy=self.strategy, precision=self.precision, sync_bn=self.sync_bn,
-                                world_size=self.world_size)
+                                world_size=self.world_size, grad_compression=self.grad_compression,
+                                powersgd_rank=self.powersgd_rank, powersgd_start_iter=self.powersgd_start_iter)
+        object.__setattr__(self, "grad_compression", options.grad_compression)
         missing = horovod_unavailable() if options.strategy == "horovod" else None
         if missing is not None:
             raise ConfigError(f"--strategy horovod: {missing}")

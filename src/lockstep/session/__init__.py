@@ -10,7 +10,10 @@ the training state, and stays thin: each concern lives in its own module.
 * :mod:`~lockstep.session.loop`: accumulation (an epoch ends with a step), the precision module
   wrapper;
 * :mod:`~lockstep.session.nonfinite`: the non-finite policy (one decision on every rank);
-* :mod:`~lockstep.session.preempt`: preemption signals, one agreed stop (the session saves).
+* :mod:`~lockstep.session.preempt`: preemption signals, one agreed stop (the session saves);
+* :mod:`~lockstep.session.options`: the options that reach the strategy (gradient compression),
+  checked before any process group, and the start summary;
+* :mod:`~lockstep.session.position`: rank, world and loop counters (read-only properties).
 
 May import: every library layer below it (errors, env, comm, strategies, precision, data,
 metrics, checkpoint).

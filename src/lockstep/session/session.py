@@ -38,6 +38,9 @@ from lockstep.session.loaders import DeviceLoader, progress_bar
 from lockstep.session.locks import FolderLocks
 from lockstep.session.loop import Accumulator, PrecisionModule
 from lockstep.session.nonfinite import NonFiniteLossError, NonFinitePolicy
+from lockstep.session.options import strategy_options as build_options
+from lockstep.session.options import summary_line
+from lockstep.session.position import Position
 from lockstep.session.preempt import Preempted, StopGuard, stop_message
 from lockstep.session.state import ResumeState, TrainState, load_state, resumed_line, save_state, seed_everything
 
@@ -47,7 +50,7 @@ Optimizer = torch.optim.Optimizer
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
 
 
-class Session:
+class Session(Position):
     """One training job: where this rank is, how it talks, how the model is wrapped.
 
     The loop's counters, loader positions and RNG are :attr:`state`, a
@@ -71,7 +74,12 @@ class Session:
             the job fails with a message naming the rank that did not arrive.
         backend: ``"auto"``, ``"nccl"`` or ``"gloo"``.
         init_method: rendezvous URL (``env://``, ``tcp://``, ``file://``); the launcher's by default.
-        strategy_options: extra options for the strategy (e.g. ``{"bucket_cap_mb": 50}``).
+        grad_compression: ``ddp`` only: compress gradients for the all-reduce with one of torch's
+            DDP communication hooks: ``"bf16"``, ``"fp16"`` or ``"powersgd"`` (lossy by design;
+            PowerSGD's memory is checkpointed); ``None`` all-reduces them as they are.
+        strategy_options: extra options for the strategy, e.g. ddp's ``{"bucket_cap_mb": 50,
+            "static_graph": True, "gradient_as_bucket_view": False, "powersgd_rank": 2,
+            "powersgd_start_iter": 100}`` (see :class:`~lockstep.strategies.DDPStrategy`).
         quiet: do not print the start summary and the "resumed from" line.
         preemption: on SIGTERM/SIGUSR1 to any rank or the launcher: ``"save"`` (every rank stops
             at the same step, saves to the folder last given to :meth:`save`/:meth:`load` and
@@ -82,6 +90,8 @@ class Session:
     Example::
 
         session = lockstep.Session(strategy="ddp", precision="bf16-mixed", accumulate=2)
+        session = lockstep.Session(strategy="ddp", grad_compression="powersgd",
+                                   strategy_options={"powersgd_rank": 2})
     """
 
     def __init__(
@@ -97,6 +107,7 @@ class Session:
         timeout: float | timedelta | None = None,
         backend: str = "auto",
         init_method: str | None = None,
+        grad_compression: str | None = None,
         strategy_options: dict[str, Any] | None = None,
         quiet: bool = False,
         preemption: str = "save",
@@ -113,9 +124,8 @@ class Session:
         self.quiet = quiet
         self.device: torch.device = self.world.device
         get_precision(precision, self.device)  # refuse a bad name before any process group
-        options = dict(strategy_options or {})
-        if sync_bn:
-            options["sync_bn"] = True
+        options = build_options(strategy, backend=backend, world_size=self.world.world_size, sync_bn=sync_bn,
+                                grad_compression=grad_compression, options=strategy_options)
         self._guard = StopGuard(preemption, preempt_check_seconds)
         self.comm: Comm = init_comm(self.world, backend, init_method, self.timeout)
         self.world = self.comm.world  # an adopted group (Ray Train) may say more than the environment
@@ -130,42 +140,7 @@ class Session:
         self._ckpt: tuple[Path, int | None, dict[str, Any]] | None = None  # where a preemption saves
         self._locks = FolderLocks(self.comm)  # one live job per checkpoint folder
 
-    # -- where this rank is ---------------------------------------------------------------
-    @property
-    def rank(self) -> int:
-        """Global rank of this process."""
-        return self.world.rank
-
-    @property
-    def local_rank(self) -> int:
-        """Rank of this process on its node."""
-        return self.world.local_rank
-
-    @property
-    def world_size(self) -> int:
-        """Number of processes in the job."""
-        return self.world.world_size
-
-    @property
-    def is_main(self) -> bool:
-        """True on rank 0."""
-        return self.world.is_main
-
-    @property
-    def epoch(self) -> int:
-        """The current epoch (:attr:`state` holds it with the other counters)."""
-        return self.state.epoch
-
-    @property
-    def global_step(self) -> int:
-        """Optimizer steps taken so far."""
-        return self.state.global_step
-
-    @property
-    def skipped_steps(self) -> int:
-        """Steps skipped for a non-finite loss (``nonfinite="skip"``)."""
-        return self.state.skipped_steps
-
+    # -- where this rank is: rank, local_rank, world_size, is_main, epoch, global_step... (Position)
     @property
     def accumulate(self) -> int:
         """Micro-steps per optimizer step."""
@@ -332,10 +307,9 @@ class Session:
 
     def summary(self) -> str:
         """The one-line description printed at start: world, strategy, precision, batches."""
-        parts = [f"world {self.world_size}", f"strategy {self.strategy.name}", f"precision {self.precision.name}",
-                 f"backend {self.comm.backend}", f"timeout {self.timeout.total_seconds():g} s",
-                 *self.state.loaders.describe(self.world_size, self.accumulate)]
-        return "lockstep: " + ", ".join(parts)
+        return summary_line(world_size=self.world_size, strategy=self.strategy, precision=self.precision.name,
+                            backend=self.comm.backend, timeout=self.timeout,
+                            loaders=self.state.loaders.describe(self.world_size, self.accumulate))
 
     def _announce(self) -> None:
         if not self._announced:

@@ -28,6 +28,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lockstep.errors import ConfigError, LockstepError
 from lockstep.strategies.base import Strategy, unwrap_module
+from lockstep.strategies.comm_hooks import (
+    ONE_BUCKET_MB,
+    POWERSGD_DEFAULTS,
+    CommHook,
+    apply_comm_hook,
+    check_grad_compression,
+)
 
 __all__ = ["DDPStrategy", "UnusedParametersError", "apply_ddp", "explain_ddp_error"]
 
@@ -59,7 +66,9 @@ class UnusedParametersError(LockstepError):
 
 
 class _LockstepDDP(DistributedDataParallel):
-    """DistributedDataParallel whose forward reports unused parameters by name."""
+    """DistributedDataParallel whose forward reports unused parameters by name (and holds its comm hook)."""
+
+    comm_hook: CommHook | None = None
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         try:
@@ -79,7 +88,10 @@ def apply_ddp(
     static_graph: bool = False,
     find_unused_parameters: bool = False,
     sync_buffers: bool = True,
-    gradient_as_bucket_view: bool = False,
+    gradient_as_bucket_view: bool = True,
+    grad_compression: str = "none",
+    powersgd_rank: int = 1,
+    powersgd_start_iter: int = 10,
 ) -> DistributedDataParallel:
     """Wrap ``model`` in DistributedDataParallel over the default process group.
 
@@ -91,7 +103,12 @@ def apply_ddp(
             allows unused parameters).
         find_unused_parameters: search the autograd graph each step for unused parameters.
         sync_buffers: copy rank 0's buffers (BatchNorm statistics) at each forward.
-        gradient_as_bucket_view: let gradients alias the all-reduce buckets (saves memory).
+        gradient_as_bucket_view: let gradients alias the all-reduce buckets (saves a gradient-sized
+            copy and its memory; code that calls ``detach_()`` on a gradient needs False).
+        grad_compression: ``"none"``, ``"bf16"``, ``"fp16"`` or ``"powersgd"``
+            (:mod:`lockstep.strategies.comm_hooks`); the hook is reachable as ``.comm_hook``.
+        powersgd_rank: rank of PowerSGD's gradient approximation.
+        powersgd_start_iter: plain all-reduce steps before PowerSGD starts.
 
     Raises:
         ConfigError: when no process group has been initialised.
@@ -106,7 +123,7 @@ def apply_ddp(
     device = torch.device(device)
     # torch 2.14 renamed broadcast_buffers (now deprecated) to forward_sync_buffers.
     buffers: dict[str, Any] = {"forward_sync_buffers" if _HAS_FORWARD_SYNC else "broadcast_buffers": sync_buffers}
-    return _LockstepDDP(
+    ddp = _LockstepDDP(
         model,
         device_ids=[device] if device.type == "cuda" else None,
         bucket_cap_mb=bucket_cap_mb,
@@ -115,6 +132,9 @@ def apply_ddp(
         gradient_as_bucket_view=gradient_as_bucket_view,
         **buffers,
     )
+    ddp.comm_hook = apply_comm_hook(ddp, grad_compression, powersgd_rank=powersgd_rank,
+                                    powersgd_start_iter=powersgd_start_iter)
+    return ddp
 
 
 def explain_ddp_error(exc: BaseException, model: nn.Module) -> UnusedParametersError | None:
@@ -183,11 +203,13 @@ class DDPStrategy(Strategy):
         device: this rank's device.
         **options: ``sync_bn``, ``bucket_cap_mb`` (25), ``static_graph`` (False),
             ``find_unused_parameters`` (False), ``sync_buffers`` (True),
-            ``gradient_as_bucket_view`` (False); see :func:`apply_ddp`.
+            ``gradient_as_bucket_view`` (True), ``grad_compression`` ("none"), ``powersgd_rank`` (1),
+            ``powersgd_start_iter`` (10); see :func:`apply_ddp`. PowerSGD's per-rank memory is
+            part of :meth:`checkpoint_state`.
 
     Example::
 
-        strategy = get_strategy("ddp", comm, device, static_graph=True)
+        strategy = get_strategy("ddp", comm, device, static_graph=True, grad_compression="bf16")
     """
 
     name: ClassVar[str] = "ddp"
@@ -197,19 +219,51 @@ class DDPStrategy(Strategy):
         "static_graph": False,
         "find_unused_parameters": False,
         "sync_buffers": True,
-        "gradient_as_bucket_view": False,
+        "gradient_as_bucket_view": True,
+        "grad_compression": "none",
+        **POWERSGD_DEFAULTS,
     }
 
-    def _validate(self, model: nn.Module) -> None:
-        cap = self.options["bucket_cap_mb"]
-        if not isinstance(cap, (int, float)) or isinstance(cap, bool) or cap <= 0:
+    @classmethod
+    def _check_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+        checked = super()._check_options(options)
+        cap = checked["bucket_cap_mb"]
+        if not isinstance(cap, (int, float)) or isinstance(cap, bool) or not cap > 0:
             raise ConfigError(f"bucket_cap_mb must be a positive number, got {cap!r}")
+        checked["grad_compression"] = check_grad_compression(
+            checked["grad_compression"], strategy=cls.name, backend="none",
+            powersgd_rank=checked["powersgd_rank"], powersgd_start_iter=checked["powersgd_start_iter"])
+        return checked
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         if self.comm.world_size == 1:
             return model  # nothing to all-reduce with one process
         opts = {k: v for k, v in self.options.items() if k != "sync_bn"}
+        if opts["grad_compression"] == "powersgd" and self.comm.backend == "gloo":
+            opts["bucket_cap_mb"] = ONE_BUCKET_MB  # with several buckets PowerSGD hangs on gloo
         return apply_ddp(model, self.device, **opts)
+
+    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None
+                         ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        full, sharded = super().checkpoint_state(model, optimizer)
+        hook = _comm_hook(model)
+        if full is not None and hook is not None and hook.state is not None:
+            # error feedback is each rank's own: every rank's part is kept (index = rank)
+            full["ddp_comm_hook"] = {"name": hook.name, "ranks": self.comm.all_gather_object(hook.state_dict())}
+        return full, sharded
+
+    def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                              state: dict[str, Any], sharded: dict[str, Any] | None) -> None:
+        super().load_checkpoint_state(model, optimizer, state, sharded)
+        hook, saved = _comm_hook(model), state.get("ddp_comm_hook")
+        if hook is None or not saved or saved.get("name") != hook.name:
+            return  # saved without it (or with another hook): the hook starts fresh
+        ranks = saved["ranks"]
+        if len(ranks) == self.comm.world_size:
+            hook.load_state_dict(ranks[self.comm.rank], self.device)
+        else:  # another world size: the step counter carries over, the per-rank memory cannot
+            hook.load_state_dict(ranks[0], self.device)
+            hook.forget_iteration_memory()
 
     def release(self, model: nn.Module) -> None:
         for module in model.modules():
@@ -232,6 +286,14 @@ class DDPStrategy(Strategy):
 
     def eval_context(self, model: nn.Module) -> ContextManager[Any]:
         return _quiet_ddp(model, self.comm)
+
+
+def _comm_hook(model: nn.Module) -> CommHook | None:
+    """The communication hook of the DDP inside ``model`` (which may sit inside compile or autocast)."""
+    for module in model.modules():
+        if isinstance(module, _LockstepDDP):
+            return module.comm_hook
+    return None
 
 
 @contextlib.contextmanager

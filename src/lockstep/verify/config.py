@@ -70,6 +70,12 @@ class VerifyConfig:
         tolerance: relative tolerance; by default 1e-5 for fp32 and 1e-2 otherwise.
         timeout: seconds a rank waits for the others; ``None``: ``$LOCKSTEP_TIMEOUT`` or 10
             minutes (as ``lockstep run --timeout``).
+        grad_compression: ddp's gradient compression in the parallel run (``none``, ``bf16``,
+            ``fp16``, ``powersgd``); every one is lossy, so the verdict is NOT EQUIVALENT with
+            the measured difference.
+        powersgd_rank: rank of PowerSGD's approximation.
+        powersgd_start_iter: plain all-reduce steps before PowerSGD starts (2 here, the least,
+            so that a few steps see it).
 
     Example::
 
@@ -93,13 +99,18 @@ class VerifyConfig:
     seed: int = 0
     tolerance: float | None = None
     timeout: float | None = None
+    grad_compression: str = "none"
+    powersgd_rank: int = 1
+    powersgd_start_iter: int = 2
 
     def __post_init__(self) -> None:
         from lockstep.zoo.models import parse_model
         from lockstep.zoo.options import check_options
 
         options = check_options(strategy=self.strategy, precision=self.precision, sync_bn=self.sync_bn,
-                                strategies=STRATEGIES)
+                                strategies=STRATEGIES, world_size=self.nproc, grad_compression=self.grad_compression,
+                                powersgd_rank=self.powersgd_rank, powersgd_start_iter=self.powersgd_start_iter)
+        object.__setattr__(self, "grad_compression", options.grad_compression)
         object.__setattr__(self, "strategy", options.strategy)
         object.__setattr__(self, "precision", options.precision)  # "O0" -> "fp32"
         for name in ("steps", "batch", "accumulate", "classes"):

@@ -225,6 +225,20 @@ def _weight_cause(comparison: Comparison, facts: ModelFacts, config: VerifyConfi
             "parameters)")
 
 
+_LOSSY_HOW = {"bf16": "rounds every gradient to bfloat16 (8 significant bits) for the all-reduce",
+              "fp16": "rounds every gradient to float16 (11 significant bits) for the all-reduce",
+              "powersgd": "all-reduces a low-rank approximation of each gradient matrix (the rest is fed back "
+                          "a step later)"}
+
+
+def _lossy_verdict(compression: str, worst: float, tol: float) -> Diagnosis:
+    """A lossy communication hook is never equivalent: report what it cost, not a cause to fix."""
+    return Diagnosis(False, f"verdict: NOT EQUIVALENT, as expected: grad compression {compression} is lossy by "
+                            f"design (largest relative difference {worst:.1e}; tolerance {tol:.0e})",
+                     [f"grad compression {compression} {_LOSSY_HOW[compression]}; run without "
+                      "--grad-compression to check the rest of the setup"])
+
+
 def diagnose(comparison: Comparison, facts: ModelFacts, config: VerifyConfig) -> Diagnosis:
     """Turn a comparison into a verdict and its likely causes.
 
@@ -239,6 +253,8 @@ def diagnose(comparison: Comparison, facts: ModelFacts, config: VerifyConfig) ->
     """
     tol = comparison.tolerance
     worst = max([t.rel for t in comparison.tensors] + [d.rel for d in comparison.losses], default=0.0)
+    if config.grad_compression != "none" and comparison.first_forward_difference is None:
+        return _lossy_verdict(config.grad_compression, worst, tol)  # else the forward's cause comes first
     if comparison.equivalent:
         return Diagnosis(True, f"verdict: EQUIVALENT within tolerance {tol:.0e} (largest relative difference "
                                f"{worst:.1e} over {len(comparison.losses)} losses and "

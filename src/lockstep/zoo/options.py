@@ -29,14 +29,16 @@ class Options:
     Args:
         strategy: the registered strategy name, lower case.
         precision: the canonical precision name (apex aliases resolved).
+        grad_compression: ``none``, ``bf16``, ``fp16`` or ``powersgd`` (ddp's gradient compression).
 
     Example::
 
-        Options(strategy="ddp", precision="bf16-mixed")
+        Options(strategy="ddp", precision="bf16-mixed", grad_compression="fp16")
     """
 
     strategy: str | None = None
     precision: str | None = None
+    grad_compression: str = "none"
 
 
 def check_strategy(name: str, choices: Sequence[str] | None = None) -> str:
@@ -83,7 +85,8 @@ def _check_sync_bn(device: str | None) -> None:
 
 def check_options(*, strategy: str | None = None, precision: str | None = None, sync_bn: bool = False,
                   world_size: int = 1, device: str | None = None,
-                  strategies: Sequence[str] | None = None) -> Options:
+                  strategies: Sequence[str] | None = None, grad_compression: str | None = None,
+                  powersgd_rank: int = 1, powersgd_start_iter: int = 10) -> Options:
     """Check the options a command was given; return them in their canonical spelling.
 
     Args:
@@ -93,6 +96,9 @@ def check_options(*, strategy: str | None = None, precision: str | None = None, 
         world_size: processes of the job (``dp`` drives every GPU from one process).
         device: the device the ranks will use, e.g. ``"cuda"``; ``None``: CUDA when it is available.
         strategies: the strategies this command can use (see :func:`check_strategy`).
+        grad_compression: ddp's gradient compression (``--grad-compression``), or ``None``.
+        powersgd_rank: ``--powersgd-rank``.
+        powersgd_start_iter: ``--powersgd-start-iter``.
 
     Raises:
         ConfigError: naming the option and the choices.
@@ -110,4 +116,10 @@ def check_options(*, strategy: str | None = None, precision: str | None = None, 
     canonical = None if precision is None else canonical_precision(precision)
     if sync_bn:
         _check_sync_bn(device)
-    return Options(strategy=key, precision=canonical)
+    from lockstep.comm.group import pick_backend
+    from lockstep.strategies.comm_hooks import check_grad_compression
+
+    compression = check_grad_compression(grad_compression, strategy=key or "auto",
+                                         backend=pick_backend() if world_size > 1 else "none",
+                                         powersgd_rank=powersgd_rank, powersgd_start_iter=powersgd_start_iter)
+    return Options(strategy=key, precision=canonical, grad_compression=compression)

@@ -1,0 +1,61 @@
+"""Where a session's rank is and how far its loop got: the read-only half of :class:`~lockstep.session.Session`.
+
+Example::
+
+    session = lockstep.Session()
+    session.rank, session.world_size, session.is_main, session.global_step    # 0, 1, True, 0
+"""
+
+from __future__ import annotations
+
+from lockstep.env import World
+from lockstep.session.state import TrainState
+
+__all__ = ["Position"]
+
+
+class Position:
+    """Rank, world and loop counters, read from the session's ``world`` and ``state``.
+
+    Example::
+
+        if session.is_main and session.global_step % 100 == 0: ...
+    """
+
+    world: World
+    state: TrainState
+
+    @property
+    def rank(self) -> int:
+        """Global rank of this process."""
+        return self.world.rank
+
+    @property
+    def local_rank(self) -> int:
+        """Rank of this process on its node."""
+        return self.world.local_rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of processes in the job."""
+        return self.world.world_size
+
+    @property
+    def is_main(self) -> bool:
+        """True on rank 0."""
+        return self.world.is_main
+
+    @property
+    def epoch(self) -> int:
+        """The current epoch (:attr:`state` holds it with the other counters)."""
+        return self.state.epoch
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken so far."""
+        return self.state.global_step
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for a non-finite loss (``nonfinite="skip"``)."""
+        return self.state.skipped_steps

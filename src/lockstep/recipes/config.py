@@ -193,7 +193,9 @@ class TrainConfig:
             raise ConfigError(f"--out {out} holds checkpoints of an earlier run; pass --resume to "
                               "continue it, or choose another --out")
         theirs, mine = marker.get("config", {}), self.to_dict()
-        differ = [f"{_flag(k)} {theirs.get(k)} there, {mine[k]} here" for k in RUN_FLAGS if theirs.get(k) != mine[k]]
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}  # a marker written before a flag existed
+        differ = [f"{_flag(k)} {theirs.get(k, defaults[k])} there, {mine[k]} here" for k in RUN_FLAGS
+                  if theirs.get(k, defaults[k]) != mine[k]]
         if differ:
             raise ConfigError(f"--out {out} holds a preempted run with other flags ({'; '.join(differ[:3])}); "
                               "run its own command again to continue it, pass --resume to continue it with "

@@ -4,6 +4,19 @@
 optimizer step (the hot path) unless the policy is ``nonfinite="ignore"``;
 :func:`name_nonfinite_ranks` runs only on the rare bad step.
 
+**Without a host sync on an accelerator.** Reading the check's flag on the host waits for the
+GPU once per step. When the gradients live on an accelerator, the policy is ``"skip"`` and the
+optimizer can skip a step by itself on the device (torch's fused Adam, AdamW and SGD:
+``fused=True``, the same path GradScaler uses), the flag is not read: it is handed to the
+optimizer as ``found_inf``, so a non-finite step changes neither the weights nor the optimizer's
+state (Adam's step count included), and the skipped steps are added up on the device. The host
+reads that sum every ``settle_every`` steps (default 50), before a checkpoint is written and at
+the end; only then do ``global_step``/``skipped_steps`` move the skipped steps over and the
+warning (naming the ranks whose loss was not finite) appear. Every rank takes the same decision,
+as before: the flag comes from gradients already averaged over the ranks, and the ranks settle
+at the same steps. ``"stop"``, sharded gradients (FSDP), other optimizers and CPU gradients
+keep the one read per step (on CPU it costs no sync).
+
 Example::
 
     policy = NonFinitePolicy("skip", comm)
@@ -21,9 +34,12 @@ import torch
 from lockstep.comm.group import Comm
 from lockstep.errors import ConfigError, LockstepError, format_ranks
 
-__all__ = ["FiniteCheck", "NonFinitePolicy", "NonFiniteLossError", "NONFINITE_POLICIES", "name_nonfinite_ranks"]
+__all__ = ["FiniteCheck", "NonFinitePolicy", "NonFiniteLossError", "NONFINITE_POLICIES", "SETTLE_EVERY",
+           "name_nonfinite_ranks"]
 
 NONFINITE_POLICIES = ("skip", "stop", "ignore")
+SETTLE_EVERY = 50
+"""Steps between two host reads of the skipped-step count on the no-sync path."""
 
 
 class NonFiniteLossError(LockstepError):
@@ -46,12 +62,19 @@ class NonFinitePolicy:
         policy = NonFinitePolicy("stop", comm)
     """
 
-    def __init__(self, policy: str, comm: Comm | None = None) -> None:
+    def __init__(self, policy: str, comm: Comm | None = None, *, defer: bool | None = None,
+                 settle_every: int = SETTLE_EVERY) -> None:
         if policy not in NONFINITE_POLICIES:
             raise ConfigError(f"nonfinite={policy!r}; choose one of {', '.join(NONFINITE_POLICIES)}")
+        if settle_every < 1:
+            raise ConfigError(f"settle_every must be at least 1, got {settle_every!r}")
         self.policy = policy
         self.active = policy != "ignore"
         self.loss: torch.Tensor | None = None
+        self.defer, self.settle_every = defer, settle_every
+        self._folded: list[tuple[torch.optim.Optimizer, _Plan]] = []  # optimizers stepping with our flag
+        self._unsettled = 0  # steps since the host last read the skipped steps
+        self._first = 0  # the first step of that window
         self.attach(comm)
 
     def attach(self, comm: Comm | None) -> NonFinitePolicy:
@@ -76,6 +99,9 @@ class NonFinitePolicy:
     def verdict(self, optimizer: torch.optim.Optimizer, step: int, epoch: int) -> str | None:
         """``None`` when the step may go ahead, else the warning of a step skipped on every rank.
 
+        On the no-sync path (see the module docstring) the flag goes to the optimizer, which skips
+        a bad step itself, and ``None`` is returned: :meth:`after_step` must follow the step.
+
         Args:
             optimizer: the optimizer about to step (its gradients are checked).
             step: the global step, for the message.
@@ -84,13 +110,64 @@ class NonFinitePolicy:
         Raises:
             NonFiniteLossError: a non-finite gradient under ``policy="stop"`` (on every rank).
         """
-        if not self.active or self.check(optimizer):
+        if not self.active:
+            return None
+        if self.policy == "skip" and self.check.fold(optimizer, self.loss, self.defer):
+            if not self._unsettled:
+                self._first = step
+            self._unsettled += 1
+            self._folded.append((optimizer, self.check.plan(optimizer)))
+            return None  # the optimizer skips a bad step itself; counted at the next settle()
+        if self.check(optimizer):
             return None
         ranks = name_nonfinite_ranks(self.comm, self.loss) if self.comm is not None else []
         text = f"non-finite loss on {format_ranks(ranks) if ranks else 'a rank'} at step {step} (epoch {epoch})"
         if self.policy == "stop":
             raise NonFiniteLossError(f"{text}; stopping every rank (nonfinite='stop')")
         return f"lockstep: warning: {text}; the step was skipped on every rank"
+
+    def after_step(self) -> tuple[int, str | None]:
+        """Take the flag back from the optimizers that stepped with it; settle every ``settle_every`` steps.
+
+        Returns:
+            ``(skipped, warning)``: the steps of the window that were skipped (0 but at a settle)
+            and the warning to print, if any.
+        """
+        for optimizer, plan in self._folded:
+            plan.unfold(optimizer)
+        self._folded = []
+        return self.settle() if self._unsettled >= self.settle_every else (0, None)
+
+    def settle(self, name_ranks: bool = True) -> tuple[int, str | None]:
+        """Read the steps skipped on the device since the last settle (one host sync).
+
+        Every rank calls it at the same step (every ``settle_every`` steps, before a save, at the
+        end); with ``name_ranks`` the ranks also gather which of them saw a non-finite loss.
+
+        Args:
+            name_ranks: gather the ranks (a collective; False where not every rank may call it).
+
+        Returns:
+            ``(skipped, warning)`` as :meth:`after_step`.
+
+        Example::
+
+            skipped, warning = policy.settle()
+        """
+        window, first, self._unsettled = self._unsettled, self._first, 0
+        skipped, bad_loss = self.check.settle()
+        if not window or not skipped:
+            return 0, None
+        ranks: list[int] = []
+        if name_ranks and self.comm is not None and self.comm.world_size > 1:
+            flags = self.comm.all_gather_object(bad_loss)
+            ranks = [r for r, f in enumerate(flags) if f]
+        elif bad_loss:
+            ranks = [self.comm.rank if self.comm is not None else 0]
+        where = format_ranks(ranks) if ranks else "a rank"
+        last = first + window - 1
+        return skipped, (f"lockstep: warning: non-finite loss on {where}: {skipped} of steps {first}-{last} "
+                         "skipped on every rank")
 
 
 class FiniteCheck:
@@ -116,8 +193,8 @@ class FiniteCheck:
         self.comm = comm
         self._plans: weakref.WeakKeyDictionary[Any, _Plan] = weakref.WeakKeyDictionary()
 
-    def __call__(self, optimizer: torch.optim.Optimizer) -> bool:
-        """True when every gradient of ``optimizer``'s parameters is finite (``None`` ones are skipped)."""
+    def plan(self, optimizer: torch.optim.Optimizer) -> _Plan:
+        """The check's plan for ``optimizer`` (its groups and flags), made or remade when its groups change size."""
         param_groups = optimizer.param_groups
         size = tuple(len(g["params"]) for g in param_groups)
         plan = self._plans.get(optimizer)
@@ -125,15 +202,43 @@ class FiniteCheck:
             # every parameter, frozen ones too: one unfrozen later has its gradient checked
             plan = _Plan(size, [p for g in param_groups for p in g["params"]], self.comm)
             self._plans[optimizer] = plan
-        checked = []
-        for group in plan.groups:
-            if group.sharded:
-                grads = [_local(p.grad) for p in group.params if p.grad is not None]
-            else:
-                grads = [p.grad for p in group.params if p.grad is not None]
-            if grads:
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, group.flag, group.one)
-                checked.append(group)
+        return plan
+
+    def fold(self, optimizer: torch.optim.Optimizer, loss: torch.Tensor | None, defer: bool | None) -> bool:
+        """Check the gradients on the device and hand the flag to ``optimizer`` as its ``found_inf``.
+
+        Done only where it spares a host sync and the optimizer skips a flagged step itself
+        (``_step_supports_amp_scaling``: torch's fused optimizers); returns False (nothing done)
+        otherwise, and the caller checks the usual way.
+
+        Args:
+            optimizer: the optimizer about to step.
+            loss: this rank's last loss, to name the ranks at the settle (``None``: unknown).
+            defer: ``None``: only for gradients on an accelerator; True: wherever the optimizer
+                can (tests on CPU); False: never.
+        """
+        if defer is False or not getattr(optimizer, "_step_supports_amp_scaling", False):
+            return False
+        if getattr(optimizer, "grad_scale", None) is not None:
+            return False  # a GradScaler drives this optimizer's flag
+        plan = self.plan(optimizer)
+        if plan.agree is not None or not plan.groups or (defer is None and plan.on_host):
+            return False
+        plan.fold(optimizer, loss)
+        return True
+
+    def settle(self) -> tuple[int, bool]:
+        """Steps skipped through :meth:`fold` since the last call, and whether this rank's loss was not finite."""
+        skipped, bad_loss = 0, False
+        for plan in list(self._plans.values()):
+            count, bad = plan.settle()  # one session step steps one optimizer: the counts add up
+            skipped, bad_loss = skipped + count, bad_loss or bad
+        return skipped, bad_loss
+
+    def __call__(self, optimizer: torch.optim.Optimizer) -> bool:
+        """True when every gradient of ``optimizer``'s parameters is finite (``None`` ones are skipped)."""
+        plan = self.plan(optimizer)
+        checked = plan.run()
         if plan.agree is not None:
             # a shard holds only its part of each gradient: a non-finite element is seen by the
             # rank that owns it alone, so the ranks agree on the flag (one small all_reduce)
@@ -166,6 +271,49 @@ class _Plan:
         self.on_host = all(g.host is not None for g in self.groups)
         sharded = any(g.sharded for g in self.groups)
         self.agree = comm if sharded and comm is not None and comm.world_size > 1 else None
+        device = self.groups[0].flag.device if self.groups else torch.device("cpu")
+        # the folded path's tensors, on the first group's device: the optimizer's found_inf (a
+        # 0-dim float, 1.0 when any group saw a non-finite value), the steps skipped since the
+        # last settle, and whether this rank's loss was ever non-finite in that window
+        self.found = torch.zeros((), device=device)
+        self.skipped = torch.zeros((), device=device)
+        self.bad_loss = torch.zeros((), dtype=torch.bool, device=device)
+
+    def run(self) -> list[_Group]:
+        """Run the check kernel on every group that has gradients; the groups checked."""
+        checked = []
+        for group in self.groups:
+            if group.sharded:
+                grads = [_local(p.grad) for p in group.params if p.grad is not None]
+            else:
+                grads = [p.grad for p in group.params if p.grad is not None]
+            if grads:
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, group.flag, group.one)
+                checked.append(group)
+        return checked
+
+    def fold(self, optimizer: torch.optim.Optimizer, loss: torch.Tensor | None) -> None:
+        """Set ``optimizer.found_inf`` from the check, without reading it on the host."""
+        self.found.zero_()
+        for group in self.run():
+            self.found = torch.maximum(self.found, group.flag.reshape(()).to(self.found.device))
+            group.flag.zero_()  # no read, so no way to know: clear it for the next step anyway
+        if loss is not None:
+            self.bad_loss |= ~torch.isfinite(loss.detach()).all().to(self.bad_loss.device)
+        optimizer.found_inf = self.found  # type: ignore[attr-defined]  # read by fused optimizers' step
+
+    def unfold(self, optimizer: torch.optim.Optimizer) -> None:
+        """After the step: take ``found_inf`` back (a later step outside the session must not see it), count it."""
+        if getattr(optimizer, "found_inf", None) is self.found:
+            del optimizer.found_inf  # type: ignore[attr-defined]
+        self.skipped += self.found
+
+    def settle(self) -> tuple[int, bool]:
+        """Read and reset the skipped count and the loss flag (the host sync)."""
+        count, bad = int(self.skipped.item()), bool(self.bad_loss.item())
+        self.skipped.zero_()
+        self.bad_loss.zero_()
+        return count, bad
 
 
 class _Group:

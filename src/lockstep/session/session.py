@@ -68,7 +68,10 @@ class Session(Position):
         seed: seed of every rank's RNG (identical, so models start equal), data order included.
         nonfinite: what to do when the loss turns NaN/inf on any rank: ``"skip"`` the step on
             every rank (warn, naming the rank), ``"stop"`` every rank with an error, or
-            ``"ignore"`` (no check; fastest).
+            ``"ignore"`` (no check; fastest). With ``"skip"``, GPU gradients and a fused
+            optimizer (``fused=True``), the check costs no host sync: the optimizer skips a bad
+            step itself and the skipped steps are counted every 50 steps, at a save and at each
+            epoch's end (:mod:`lockstep.session.nonfinite`).
         timeout: how long a collective may wait for a missing rank (seconds or timedelta);
             ``$LOCKSTEP_TIMEOUT`` (``lockstep run --timeout``) or 10 minutes by default. Past it
             the job fails with a message naming the rank that did not arrive.
@@ -224,6 +227,7 @@ class Session(Position):
             self.state.start_epoch(epoch)  # a loader resumed mid-epoch keeps its position
             self._announce()
             yield epoch
+            self._settle()  # the epoch's skipped steps are counted before the loop looks at them
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate ``loss`` (scaled for fp16 and for accumulation)."""
@@ -268,9 +272,20 @@ class Session(Position):
         optimizer.zero_grad(set_to_none=True)
         self._accum.after_step()
         self.state.global_step += int(took)
+        self._settle(*self._finite.after_step())  # on the no-sync path: skipped steps counted late
         if self._guard.poll() and self._guard.mode == "save":
             self._stop_every_rank(optimizer)
         return took
+
+    def _settle(self, skipped: int | None = None, warning: str | None = None) -> None:
+        """Move steps the optimizer skipped on the device (the no-sync non-finite path) from
+        ``global_step`` to ``skipped_steps``; ``None``: read them now (every rank at once)."""
+        if skipped is None:
+            skipped, warning = self._finite.settle()
+        self.state.global_step -= skipped
+        self.state.skipped_steps += skipped
+        if warning:
+            self.print(warning)
 
     def _stop_every_rank(self, optimizer: Optimizer) -> NoReturn:
         """The ranks agreed to stop: save where the last save or load was, tear down, exit 75."""
@@ -333,6 +348,7 @@ class Session(Position):
 
             session.save("checkpoints", model=model, optimizer=optimizer, keep=3, best=acc)
         """
+        self._settle()
         self._ckpt = ((directory := self._locks.hold(directory)), keep, extras)
         return save_state(directory, self.state, comm=self.comm, strategy=self.strategy,
                           precision=self.precision, model=model, optimizer=optimizer, keep=keep, extras=extras)
@@ -355,6 +371,7 @@ class Session(Position):
 
     def close(self) -> None:
         """Give up the checkpoint folders, end the job's communication (barrier + destroy). Safe to call twice."""
+        self._settle(*self._finite.settle(name_ranks=False))
         self._guard.uninstall()
         self._locks.release()
         self.comm.shutdown()

@@ -1,0 +1,198 @@
+"""The non-finite check without a host sync: the flag folded into fused optimizers' steps.
+
+On an accelerator the session hands the check's flag to a fused optimizer as ``found_inf``
+instead of reading it every step; the skipped steps are read every ``settle_every`` steps. These
+tests force that path on CPU (``defer=True``) and hold it to the per-step path: the same weights,
+the same optimizer state, the same counts once settled, the same decision on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from _dist import run_distributed
+from lockstep.errors import ConfigError
+from lockstep.session.nonfinite import NonFinitePolicy
+
+BAD_STEPS = {3, 4, 9}  # 1-based steps whose loss is NaN
+
+
+def _loop(defer: bool, fused: bool, make: str, settle_every: int = 4, steps: int = 12) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt: torch.optim.Optimizer
+    if make == "adam":
+        opt = torch.optim.Adam(model.parameters(), lr=0.05, fused=fused)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, fused=fused)
+    policy = NonFinitePolicy("skip", defer=defer, settle_every=settle_every)
+    taken = skipped = 0
+    warnings: list[str] = []
+    for step in range(1, steps + 1):
+        x = torch.full((3, 4), float(step))
+        loss = model(x).pow(2).mean() * (math.nan if step in BAD_STEPS else 1.0)
+        loss.backward()
+        policy.record(loss)
+        warning = policy.verdict(opt, taken + skipped + 1, 0)
+        if warning is None:
+            opt.step()
+            taken += 1
+        else:
+            skipped += 1
+            warnings.append(warning)
+        opt.zero_grad(set_to_none=True)
+        late, note = policy.after_step()
+        taken, skipped = taken - late, skipped + late
+        if note:
+            warnings.append(note)
+        assert not hasattr(opt, "found_inf")  # never left behind for a step outside the session
+    late, note = policy.settle()
+    taken, skipped = taken - late, skipped + late
+    if note:
+        warnings.append(note)
+    state = {k: v.clone() for p in model.parameters() for k, v in opt.state[p].items() if torch.is_tensor(v)}
+    return {"weights": [p.detach().clone() for p in model.parameters()], "state": state, "taken": taken,
+            "skipped": skipped, "warnings": warnings}
+
+
+@pytest.mark.parametrize("make", ["sgd", "adam"])
+def test_folded_skip_equals_the_per_step_check(make: str) -> None:
+    synced = _loop(defer=False, fused=True, make=make)
+    folded = _loop(defer=True, fused=True, make=make)
+    assert all(torch.equal(a, b) for a, b in zip(synced["weights"], folded["weights"]))
+    assert synced["state"].keys() == folded["state"].keys()
+    assert all(torch.equal(synced["state"][k], folded["state"][k]) for k in synced["state"])
+    assert (folded["taken"], folded["skipped"]) == (synced["taken"], synced["skipped"]) == (9, 3)
+    assert len(synced["warnings"]) == 3  # one per bad step, at once
+    # settled every 4 steps: steps 1-4 (3 and 4 bad), 5-8 (none), 9-12 (9 bad)
+    assert folded["warnings"] == [
+        "lockstep: warning: non-finite loss on rank 0: 2 of steps 1-4 skipped on every rank",
+        "lockstep: warning: non-finite loss on rank 0: 1 of steps 9-12 skipped on every rank",
+    ]
+
+
+def test_only_optimizers_that_skip_themselves_are_folded() -> None:
+    unfused = _loop(defer=True, fused=False, make="adam")   # no found_inf support: the per-step check
+    assert len(unfused["warnings"]) == 3 and unfused["skipped"] == 3
+    model = torch.nn.Linear(2, 1)
+    model(torch.ones(1, 2)).sum().backward()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+    assert not NonFinitePolicy("skip").check.fold(opt, None, None)   # CPU gradients: a read costs nothing
+    assert NonFinitePolicy("skip").check.fold(opt, None, True) and float(opt.found_inf) == 0.0
+    del opt.found_inf
+    stop = NonFinitePolicy("stop", defer=True)
+    assert stop.verdict(opt, 1, 0) is None and not hasattr(opt, "found_inf")  # "stop" checks at once
+    with pytest.raises(ConfigError, match="settle_every must be at least 1"):
+        NonFinitePolicy("skip", settle_every=0)
+
+
+def _ranks() -> dict[str, Any]:
+    """DDP with a NaN loss on rank 1 only at step 3: every rank skips it, folded or not."""
+    from lockstep.comm.group import init_comm
+    from lockstep.env import detect_world
+
+    comm = init_comm(detect_world(), timeout=60)
+    rank = comm.rank
+    out = {}
+    for defer in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+        opt = torch.optim.Adam(model.parameters(), lr=0.05, fused=True)
+        policy = NonFinitePolicy("skip", comm, defer=defer, settle_every=3)
+        skipped, notes = 0, []
+        for step in range(1, 7):
+            loss = model(torch.full((2, 4), float(step + rank))).pow(2).mean()
+            if step == 3 and rank == 1:
+                loss = loss * math.nan
+            loss.backward()
+            policy.record(loss)
+            warning = policy.verdict(opt, step, 0)
+            if warning is None:
+                opt.step()
+            else:
+                skipped, notes = skipped + 1, notes + [warning]
+            opt.zero_grad(set_to_none=True)
+            late, note = policy.after_step()
+            skipped += late
+            notes += [note] if note else []
+        out[str(defer)] = {"weights": [p.detach().clone() for p in model.parameters()], "skipped": skipped,
+                           "notes": notes}
+    comm.shutdown()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_every_rank_takes_the_same_decision_without_a_sync() -> None:
+    results = run_distributed(_ranks, 2, timeout=100)
+    for r in results:
+        assert all(torch.equal(a, b) for a, b in zip(r["False"]["weights"], r["True"]["weights"]))
+        assert r["False"]["skipped"] == r["True"]["skipped"] == 1
+        assert r["False"]["notes"] == ["lockstep: warning: non-finite loss on rank 1 at step 3 (epoch 0); "
+                                       "the step was skipped on every rank"]
+        assert r["True"]["notes"] == ["lockstep: warning: non-finite loss on rank 1: 1 of steps 1-3 skipped "
+                                      "on every rank"]
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["True"]["weights"], results[1]["True"]["weights"]))
+
+
+def _session_run(defer: bool) -> dict[str, Any]:
+    import lockstep
+
+    session = lockstep.Session(quiet=True)
+    session._finite.defer = defer  # what a GPU run with a fused optimizer does by itself
+    torch.manual_seed(0)
+    model, opt = session.setup(torch.nn.Linear(4, 2), lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, fused=True))
+    data = torch.utils.data.TensorDataset(torch.arange(40.0).reshape(10, 4), torch.zeros(10, 2))
+    train = session.loader(data, batch_size=2, shuffle=False)
+    seen = []
+    for _ in session.epochs(2):
+        for i, (x, y) in enumerate(train):
+            loss = (model(x) - y).pow(2).mean() * (math.nan if i == 1 else 1.0)
+            session.backward(loss)
+            session.step(opt)
+        seen.append((session.global_step, session.skipped_steps))
+    session.close()
+    return {"weights": [p.detach().clone() for p in model.parameters()],
+            "steps": (session.global_step, session.skipped_steps), "seen": seen}
+
+
+def test_session_counts_folded_skips_at_each_epoch_end() -> None:
+    synced = _session_run(False)
+    folded = _session_run(True)
+    assert all(torch.equal(a, b) for a, b in zip(synced["weights"], folded["weights"]))
+    assert synced["steps"] == folded["steps"] == (8, 2)
+    # the loop reads the counts inside the epoch, before epochs() settles: exact on the per-step path,
+    # late on the folded one; the next epoch starts from the settled counts
+    assert synced["seen"] == [(4, 1), (8, 2)] and folded["seen"] == [(5, 0), (9, 1)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_no_host_sync_per_step_on_cuda() -> None:
+    """On a GPU with a fused optimizer a step never waits for the device (sync debug mode raises
+    on any host sync); a NaN step is still skipped and counted at the settle."""
+    import lockstep
+
+    session = lockstep.Session(quiet=True, preemption="off")  # the stop check's own read is not this test's
+    model, opt = session.setup(torch.nn.Linear(8, 8), lambda p: torch.optim.AdamW(p, lr=1e-3, fused=True))
+    x = torch.randn(4, 8, device=session.device)
+    nan, one = torch.tensor(math.nan, device=x.device), torch.tensor(1.0, device=x.device)
+    for step in range(1, 5):  # warm-up: the plan and the optimizer's state are made here
+        session.backward(model(x).pow(2).mean())
+        session.step(opt)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(8):
+            loss = model(x).pow(2).mean() * (nan if step == 3 else one)
+            session.backward(loss)
+            session.step(opt)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    session._settle()
+    assert (session.global_step, session.skipped_steps) == (11, 1)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    session.close()

@@ -65,6 +65,20 @@ def test_plan_orders_cells_and_marks_skips() -> None:
     assert [c.status for c in cells] == ["planned", "skipped", "planned", "planned"]
 
 
+def test_compressed_ddp_cells() -> None:
+    config = BenchConfig(strategies=("ddp", "DDP+FP16", "ddp+powersgd"), precisions=("fp32",), nprocs=(1, 2))
+    assert config.strategies == ("ddp", "ddp+fp16", "ddp+powersgd")
+    cells = {c.id: c for c in plan_cells(config, gpus=0)}
+    assert cells["ddp+fp16/fp32/2"].status == "planned" and cells["ddp+powersgd/fp32/2"].status == "planned"
+    assert "nproc 1 sends none" in (cells["ddp+fp16/fp32/1"].reason or "")
+    with pytest.raises(ConfigError, match="needs strategy 'ddp'"):
+        BenchConfig(strategies=("fsdp+fp16",))
+    with pytest.raises(ConfigError, match="unknown grad_compression 'zip'"):
+        BenchConfig(strategies=("ddp+zip",))
+    with pytest.raises(ConfigError, match="name a compression after"):
+        BenchConfig(strategies=("ddp+none",))
+
+
 def test_config_validation() -> None:
     assert BenchConfig(precisions=("O1", "fp16-mixed")).precisions == ("fp16-mixed",)
     assert parse_list("1, 2,2", "--nproc", int) == (1, 2)
@@ -240,6 +254,17 @@ def test_bench_command_schema_and_skips(tmp_path: Path, capsys: pytest.CaptureFi
         assert f"cpu threads per rank: {per_rank[1]} at nproc 1, {per_rank[2]} at nproc 2" in out
         assert two["threads_per_rank"] == per_rank[2] and two["cores_used"] >= 1
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_compressed_ddp_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, doc = _bench(tmp_path, "--strategies", "ddp,ddp+fp16,ddp+powersgd", "--precision", "fp32", "--nproc", "2")
+    assert code == 0
+    cells = {c["id"]: c for c in doc["cells"]}
+    assert [cells[k]["status"] for k in ("ddp/fp32/2", "ddp+fp16/fp32/2", "ddp+powersgd/fp32/2")] == ["ran"] * 3
+    out = capsys.readouterr().out
+    assert "ddp+fp16" in out and "ddp+powersgd" in out
 
 
 @pytest.mark.slow

@@ -1,12 +1,16 @@
 """What ``lockstep bench`` measures: its configuration, the matrix of cells, and why a cell is skipped.
 
-A cell is one ``strategy x precision x nproc`` combination. Cells that cannot run on this
-machine are planned as skipped, with the reason, before any process starts:
+A cell is one ``strategy x precision x nproc`` combination. A strategy may carry ddp's gradient
+compression after a ``+`` (``ddp+bf16``, ``ddp+fp16``, ``ddp+powersgd``: the communication hooks
+of ``Session(grad_compression=...)``), so that compressed and plain ddp are rows of one table.
+Cells that cannot run on this machine are planned as skipped, with the reason, before any
+process starts:
 
 * ``single`` and ``dp`` run in one process, so they take only ``nproc 1``;
 * ``dp`` needs at least two CUDA GPUs (with one it is ``single`` plus a wrapper);
 * with GPUs, each process needs its own GPU (``nproc`` <= visible GPUs);
 * ``fsdp`` with ``fp16-o2``: O2's fp32 master weights do not work with sharded parameters;
+* a compressed ddp at ``nproc 1`` (one process sends no gradients);
 * ``horovod`` where Horovod does not import (``horovod not installed: make horovod``);
 * bf16 precisions on a GPU without bf16 support.
 
@@ -25,12 +29,27 @@ from typing import Any
 
 from lockstep.errors import ConfigError
 
-__all__ = ["BenchConfig", "Cell", "plan_cells", "skip_reason", "parse_list", "ONE_PROCESS", "DEFAULT_STEPS",
-           "DEFAULT_WARMUP"]
+__all__ = ["BenchConfig", "Cell", "plan_cells", "skip_reason", "parse_list", "split_strategy", "ONE_PROCESS",
+           "DEFAULT_STEPS", "DEFAULT_WARMUP"]
 
 ONE_PROCESS = ("single", "dp")
 DEFAULT_STEPS = 80
 DEFAULT_WARMUP = 5
+
+
+def split_strategy(name: str) -> tuple[str, str | None]:
+    """A bench strategy name split into the strategy and ddp's gradient compression, if any.
+
+    Args:
+        name: ``ddp``, ``ddp+fp16``, ``fsdp``...
+
+    Example::
+
+        split_strategy("ddp+powersgd")   # ('ddp', 'powersgd')
+        split_strategy("fsdp")           # ('fsdp', None)
+    """
+    base, plus, compression = name.partition("+")
+    return base, (compression if plus else None)
 
 
 def parse_list(text: str | Sequence[Any], what: str, kind: Callable[[str], Any] = str) -> tuple[Any, ...]:
@@ -65,7 +84,8 @@ class BenchConfig:
         data: ``synthetic`` (one random batch kept on the device: the training step alone) or a
             ``lockstep train`` data set (``digits``, ``mnist:DIR``, ``imagefolder:DIR``) read
             through ``session.loader``, so that loading is timed too.
-        strategies: strategy names to try.
+        strategies: strategy names to try; ``ddp+bf16``, ``ddp+fp16``, ``ddp+powersgd`` are ddp
+            with that gradient compression.
         precisions: precision names to try (apex aliases are resolved).
         nprocs: process counts to try.
         batch_size: samples per batch per device; ``None``: 100 for convnet, 32 otherwise.
@@ -110,7 +130,18 @@ class BenchConfig:
         from lockstep.zoo.options import check_options
 
         choices = [s for s in available_strategies() if s != "auto"]  # a cell measures one strategy
-        strategies = [check_options(strategy=name, strategies=choices).strategy for name in self.strategies]
+        strategies = []
+        for name in self.strategies:
+            base, compression = split_strategy(name.strip())
+            if compression is None:
+                strategies.append(check_options(strategy=base, strategies=choices).strategy)
+                continue
+            # the compression is checked against the backend the multi-process cells will use
+            checked = check_options(strategy=base, strategies=choices, world_size=2, grad_compression=compression)
+            if checked.grad_compression == "none":
+                raise ConfigError(f"--strategies {name}: name a compression after '+' (bf16, fp16, powersgd) or "
+                                  "write the strategy alone")
+            strategies.append(f"{checked.strategy}+{checked.grad_compression}")
         precisions = [check_options(precision=name).precision for name in self.precisions]
         object.__setattr__(self, "strategies", tuple(dict.fromkeys(strategies)))
         object.__setattr__(self, "precisions", tuple(dict.fromkeys(precisions)))
@@ -198,6 +229,9 @@ def skip_reason(strategy: str, precision: str, nproc: int, gpus: int, bf16_suppo
 
         skip_reason("dp", "fp32", 1, gpus=0)   # 'dp needs CUDA GPUs ...'
     """
+    strategy, compression = split_strategy(strategy)
+    if compression is not None and nproc == 1:
+        return f"{strategy}+{compression} compresses the gradients sent between processes; nproc 1 sends none"
     if strategy == "horovod":
         from lockstep.strategies import horovod_unavailable
 

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from lockstep.errors import ConfigError
+from lockstep.bench.matrix import split_strategy
 from lockstep.zoo.models import ModelSpec
 
 __all__ = ["CellTask", "measure_cell", "time_window", "resident_mb"]
@@ -49,7 +50,7 @@ class CellTask:
     Args:
         model: a ``lockstep train`` model name or ``pkg.module:factory``.
         data: ``synthetic`` or a ``lockstep train`` data set.
-        strategy: strategy name.
+        strategy: strategy name (``ddp+fp16``: ddp with that gradient compression).
         precision: precision name.
         batch_size: samples per batch per device.
         steps: timed steps.
@@ -191,8 +192,13 @@ def measure_cell(task: CellTask) -> dict[str, Any]:
         torch.set_num_threads(task.threads)
     base = resident_mb(peak=False)
     try:
-        session = lockstep.Session(task.strategy, task.precision, seed=task.seed, nonfinite=task.nonfinite,
-                                   timeout=task.timeout, quiet=True)
+        strategy, compression = split_strategy(task.strategy)  # ddp+fp16: ddp with that compression
+        # PowerSGD sends plain all-reduces for its first steps (10 by default): start it as early as
+        # it allows (2), so that the warm-up, not the timed window, holds those steps
+        knobs = {"powersgd_start_iter": 2} if compression == "powersgd" else None
+        session = lockstep.Session(strategy, task.precision, seed=task.seed, nonfinite=task.nonfinite,
+                                   timeout=task.timeout, quiet=True, grad_compression=compression,
+                                   strategy_options=knobs)
         device = session.device
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)

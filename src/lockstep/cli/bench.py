@@ -66,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="synthetic (one random batch kept on the device: the step alone) or a lockstep train data set "
              "read through session.loader: digits, mnist:DIR, imagefolder:DIR (default synthetic)")
     add("--strategies", default="single,dp,ddp,fsdp", metavar="LIST",
-        help="comma-separated strategies (default single,dp,ddp,fsdp)")
+        help="comma-separated strategies (default single,dp,ddp,fsdp); ddp+bf16, ddp+fp16 and ddp+powersgd "
+             "are ddp with that gradient compression (see --grad-compression of lockstep train)")
     add("--precision", default="fp32,bf16-mixed", metavar="LIST",
         help="comma-separated precisions: fp32, bf16-mixed, fp16-mixed, fp16-o2, bf16, fp16 (default fp32,bf16-mixed)")
     add_launch_flags(parser, ("nproc",), nproc_default=None, nproc_list=True,

@@ -43,6 +43,7 @@ from lockstep.session.options import summary_line
 from lockstep.session.position import Position
 from lockstep.session.preempt import Preempted, StopGuard, stop_message
 from lockstep.session.state import ResumeState, TrainState, load_state, resumed_line, save_state, seed_everything
+from lockstep.strategies.compile import apply_compile, check_compile
 
 __all__ = ["Session", "ResumeState", "NonFiniteLossError"]
 
@@ -83,6 +84,9 @@ class Session(Position):
         strategy_options: extra options for the strategy, e.g. ddp's ``{"bucket_cap_mb": 50,
             "static_graph": True, "gradient_as_bucket_view": False, "powersgd_rank": 2,
             "powersgd_start_iter": 100}`` (see :class:`~lockstep.strategies.DDPStrategy`).
+        compile: ``True`` compiles the model with ``torch.compile`` (inductor), a dict passes its
+            keys to ``torch.compile`` (``{"backend": "aot_eager", "mode": ...}``). The strategy wraps
+            first (DDP's buckets then split the graph); if torch cannot compile, one warning and eager.
         quiet: do not print the start summary and the "resumed from" line.
         preemption: on SIGTERM/SIGUSR1 to any rank or the launcher: ``"save"`` (every rank stops
             at the same step, saves to the folder last given to :meth:`save`/:meth:`load` and
@@ -93,6 +97,7 @@ class Session(Position):
     Example::
 
         session = lockstep.Session(strategy="ddp", precision="bf16-mixed", accumulate=2)
+        session = lockstep.Session(strategy="ddp", compile={"backend": "aot_eager"})
         session = lockstep.Session(strategy="ddp", grad_compression="powersgd",
                                    strategy_options={"powersgd_rank": 2})
     """
@@ -112,6 +117,7 @@ class Session(Position):
         init_method: str | None = None,
         grad_compression: str | None = None,
         strategy_options: dict[str, Any] | None = None,
+        compile: bool | dict[str, Any] = False,
         quiet: bool = False,
         preemption: str = "save",
         preempt_check_seconds: float = 1.0,
@@ -129,6 +135,7 @@ class Session(Position):
         get_precision(precision, self.device)  # refuse a bad name before any process group
         options = build_options(strategy, backend=backend, world_size=self.world.world_size, sync_bn=sync_bn,
                                 grad_compression=grad_compression, options=strategy_options)
+        self._compile = check_compile(compile)
         self._guard = StopGuard(preemption, preempt_check_seconds)
         self.comm: Comm = init_comm(self.world, backend, init_method, self.timeout)
         self.world = self.comm.world  # an adopted group (Ray Train) may say more than the environment
@@ -139,6 +146,7 @@ class Session(Position):
         seed_everything(seed)
         self.state = TrainState(self.rank, self.world_size)
         self._model: nn.Module | None = None
+        self.compiled = False  # set by setup: True once torch.compile wrapped the model
         self._announced = False
         self._ckpt: tuple[Path, int | None, dict[str, Any]] | None = None  # where a preemption saves
         self._locks = FolderLocks(self.comm)  # one live job per checkpoint folder
@@ -182,7 +190,9 @@ class Session(Position):
                 opt = optimizer(wrapped.parameters())
             opt = self.strategy.setup_optimizer(opt, wrapped, self.accumulate)
             opt = self.precision.setup_optimizer(opt, wrapped)
-        self._accum.attach(self.strategy, wrapped)
+        self._accum.attach(self.strategy, wrapped)  # no_sync needs the strategy's own wrapper
+        self.compiled = (compiled := apply_compile(wrapped, self._compile)) is not wrapped
+        wrapped = compiled
         if self.precision.name != "fp32":
             wrapped = PrecisionModule(wrapped, self.precision, self.strategy.unwrap(wrapped))
         self._model = wrapped
@@ -323,7 +333,7 @@ class Session(Position):
     def summary(self) -> str:
         """The one-line description printed at start: world, strategy, precision, batches."""
         return summary_line(world_size=self.world_size, strategy=self.strategy, precision=self.precision.name,
-                            backend=self.comm.backend, timeout=self.timeout,
+                            backend=self.comm.backend, timeout=self.timeout, compiled=self.compiled,
                             loaders=self.state.loaders.describe(self.world_size, self.accumulate))
 
     def _announce(self) -> None:

@@ -9,6 +9,7 @@ Slurm. Examples::
     lockstep train --model resnet18 --data imagefolder:data/flowers --image-size 64 --out runs/flowers
     lockstep train --data mnist:data/mnist --strategy fsdp --precision bf16-mixed --nproc 4
     lockstep train --strategy ddp --grad-compression powersgd --powersgd-rank 2
+    lockstep train --strategy ddp --compile             # torch.compile (inductor) after DDP's wrapper
     lockstep train --out runs/flowers --resume          # continue from the last checkpoint
     srun -N2 --ntasks-per-node 1 lockstep train --out runs/a   # one launcher per node, Slurm's layout
     torchrun --nproc_per_node 2 -m lockstep train        # as a worker of another launcher
@@ -36,6 +37,8 @@ _HELP = {
     "grad_compression": "ddp only: none, bf16, fp16 or powersgd (torch's DDP communication hooks; lossy)",
     "powersgd_rank": "rank of PowerSGD's gradient approximation",
     "powersgd_start_iter": "plain all-reduce steps before PowerSGD starts",
+    "compile": "torch.compile the model after the strategy wraps it: --compile alone uses inductor, "
+               "--compile aot_eager another backend; if torch cannot compile, one warning and eager",
     "epochs": "epochs to train in total", "batch_size": "samples per batch per device",
     "lr": "learning rate (SGD with momentum)",
     "scale_lr": "scale --lr by global batch / --base-batch (linear scaling rule)",
@@ -99,6 +102,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         text = _HELP[name] + ("" if default is None or default is False else f" (default {default})")
         if isinstance(default, bool):
             parser.add_argument(flag, action="store_true", help=_HELP[name])
+        elif name == "compile":  # a bare --compile means torch's default backend
+            parser.add_argument(flag, nargs="?", const="inductor", default=default, help=text, metavar="BACKEND")
         else:
             parser.add_argument(flag, type=types.get(name, str), default=default, help=text,
                                 metavar=_METAVARS.get(name, name.upper()))

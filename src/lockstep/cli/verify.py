@@ -75,6 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="rank of PowerSGD's approximation (default 1)")
     parser.add_argument("--powersgd-start-iter", type=int, default=d["powersgd_start_iter"].default,
                         help="plain all-reduce steps before PowerSGD starts (default 2)")
+    parser.add_argument("--compile", nargs="?", const="inductor", default="none", metavar="BACKEND",
+                        help="torch.compile the parallel run's model (--compile alone: inductor; or e.g. "
+                             "--compile aot_eager); the 1-process reference stays eager (default none)")
     parser.add_argument("--lr", type=float, default=d["lr"].default, help="SGD learning rate (default 0.01)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the data")
     parser.add_argument("--tolerance", type=float, default=None,
@@ -105,7 +108,7 @@ def config_from_args(args: argparse.Namespace) -> VerifyConfig:
         shape=parse_shape(args.shape) if args.shape else None, classes=args.classes, data=args.data,
         loss=args.loss, dropout=args.dropout, sync_bn=args.sync_bn, lr=args.lr, seed=args.seed,
         tolerance=args.tolerance, timeout=launch["timeout"], grad_compression=args.grad_compression,
-        powersgd_rank=args.powersgd_rank, powersgd_start_iter=args.powersgd_start_iter,
+        powersgd_rank=args.powersgd_rank, powersgd_start_iter=args.powersgd_start_iter, compile=args.compile,
     )
 
 

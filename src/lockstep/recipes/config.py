@@ -58,6 +58,8 @@ class TrainConfig:
         grad_compression: ddp's gradient compression: ``none``, ``bf16``, ``fp16`` or ``powersgd``.
         powersgd_rank: rank of PowerSGD's gradient approximation.
         powersgd_start_iter: plain all-reduce steps before PowerSGD starts.
+        compile: ``none`` (eager) or the ``torch.compile`` backend of the model (``inductor``,
+            ``aot_eager``...); a checkpoint resumes with or without it.
         nproc: processes per node (``None``: one per GPU, or 2 on a machine without GPUs).
         nodes, node_rank, master: the multi-node job (see ``lockstep run``).
         epochs: epochs to train (in total, also when resuming).
@@ -95,6 +97,7 @@ class TrainConfig:
     grad_compression: str = "none"
     powersgd_rank: int = 1
     powersgd_start_iter: int = 10
+    compile: str = "none"
     nproc: int | None = None
     nodes: int = 1
     node_rank: int = 0
@@ -162,8 +165,10 @@ class TrainConfig:
 
         options = check_options(strategy=self.strategy, precision=self.precision, sync_bn=self.sync_bn,
                                 world_size=self.world_size, grad_compression=self.grad_compression,
-                                powersgd_rank=self.powersgd_rank, powersgd_start_iter=self.powersgd_start_iter)
+                                powersgd_rank=self.powersgd_rank, powersgd_start_iter=self.powersgd_start_iter,
+                                compile=self.compile)
         object.__setattr__(self, "grad_compression", options.grad_compression)
+        object.__setattr__(self, "compile", options.compile)
         missing = horovod_unavailable() if options.strategy == "horovod" else None
         if missing is not None:
             raise ConfigError(f"--strategy horovod: {missing}")

@@ -58,7 +58,8 @@ def train(config: TrainConfig, data: Any = None) -> int:
     session = lockstep.Session(strategy=config.strategy, precision=config.precision, sync_bn=config.sync_bn,
                                accumulate=config.accumulate, seed=config.seed, timeout=config.timeout, quiet=True,
                                grad_compression=config.grad_compression,
-                               strategy_options=powersgd if config.grad_compression == "powersgd" else None)
+                               strategy_options=powersgd if config.grad_compression == "powersgd" else None,
+                               compile=False if config.compile == "none" else {"backend": config.compile})
     with session:
         _run(session, config, data)
     return 0

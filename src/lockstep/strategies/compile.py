@@ -24,7 +24,7 @@ from torch import nn
 
 from lockstep.errors import ConfigError
 
-__all__ = ["apply_compile", "check_compile", "compile_label"]
+__all__ = ["apply_compile", "check_compile", "compile_from_flag", "compile_label"]
 
 
 def _compile_keys() -> list[str]:
@@ -102,3 +102,27 @@ def apply_compile(model: nn.Module, options: dict[str, Any] | None) -> nn.Module
         warnings.warn(f"lockstep: torch.compile failed, running eager: {type(exc).__name__}: {first}",
                       RuntimeWarning, stacklevel=3)
         return model
+
+
+def compile_from_flag(backend: str | None) -> dict[str, Any] | None:
+    """The ``Session(compile=...)`` value of a command line's ``--compile [BACKEND]``.
+
+    Args:
+        backend: ``None``, ``"none"`` or ``"off"`` (eager), or a ``torch.compile`` backend name
+            (``inductor``, ``aot_eager``, ``eager``...).
+
+    Raises:
+        ConfigError: a backend torch does not know, with the ones it does.
+
+    Example::
+
+        compile_from_flag("aot_eager")    # {'backend': 'aot_eager'}
+    """
+    if backend is None or backend.lower() in ("none", "off"):
+        return None
+    from torch._dynamo import list_backends  # only when asked: importing dynamo takes a while
+
+    known = sorted({*list_backends(exclude_tags=()), "inductor"})
+    if backend not in known:
+        raise ConfigError(f"--compile {backend!r}: unknown torch.compile backend; choose one of {', '.join(known)}")
+    return {"backend": backend}

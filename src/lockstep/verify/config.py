@@ -76,6 +76,8 @@ class VerifyConfig:
         powersgd_rank: rank of PowerSGD's approximation.
         powersgd_start_iter: plain all-reduce steps before PowerSGD starts (2 here, the least,
             so that a few steps see it).
+        compile: ``none``, or the ``torch.compile`` backend of the parallel run (``inductor``,
+            ``aot_eager``...); the single-process reference always runs eager.
 
     Example::
 
@@ -102,6 +104,7 @@ class VerifyConfig:
     grad_compression: str = "none"
     powersgd_rank: int = 1
     powersgd_start_iter: int = 2
+    compile: str = "none"
 
     def __post_init__(self) -> None:
         from lockstep.zoo.models import parse_model
@@ -109,8 +112,10 @@ class VerifyConfig:
 
         options = check_options(strategy=self.strategy, precision=self.precision, sync_bn=self.sync_bn,
                                 strategies=STRATEGIES, world_size=self.nproc, grad_compression=self.grad_compression,
-                                powersgd_rank=self.powersgd_rank, powersgd_start_iter=self.powersgd_start_iter)
+                                powersgd_rank=self.powersgd_rank, powersgd_start_iter=self.powersgd_start_iter,
+                                compile=self.compile)
         object.__setattr__(self, "grad_compression", options.grad_compression)
+        object.__setattr__(self, "compile", options.compile)
         object.__setattr__(self, "strategy", options.strategy)
         object.__setattr__(self, "precision", options.precision)  # "O0" -> "fp32"
         for name in ("steps", "batch", "accumulate", "classes"):

@@ -269,5 +269,8 @@ def diagnose(comparison: Comparison, facts: ModelFacts, config: VerifyConfig) ->
         causes.append(_forward_cause(first, facts, config))
     else:
         causes.append(_scale_cause(comparison, config) or _weight_cause(comparison, facts, config))
+    if config.compile not in ("none", "eager", "aot_eager"):  # generated kernels may sum in another order
+        causes.append(f"the parallel run is compiled ({config.compile}) and the reference is eager: compiled "
+                      "kernels may round differently; run without --compile to check the rest of the setup")
     return Diagnosis(False, f"verdict: NOT EQUIVALENT (tolerance {tol:.0e}; largest relative difference "
                             f"{worst:.1e}): {where}", causes)

@@ -27,7 +27,8 @@ def _heading(config: VerifyConfig, facts: ModelFacts) -> list[str]:
              f"global batch {config.batch}, precision {config.precision}, data {data}, loss {config.loss}",
              f"  single process: 1 x {config.batch} samples;  parallel: {split}, strategy {config.strategy}"
              + (", sync_bn" if config.sync_bn else "")
-             + (f", grad compression {config.grad_compression}" if config.grad_compression != "none" else "")]
+             + (f", grad compression {config.grad_compression}" if config.grad_compression != "none" else "")
+             + (f", compiled ({config.compile}; the reference runs eager)" if config.compile != "none" else "")]
     if facts.disabled:
         lines.append(f"  dropout disabled for the comparison in: {', '.join(facts.disabled)}")
     elif facts.dropout:

@@ -203,7 +203,8 @@ def worker_main(job_file: str) -> int:
     session = Session(strategy=config.strategy, precision=config.precision, accumulate=config.accumulate,
                       sync_bn=config.sync_bn, seed=config.seed, quiet=True, timeout=config.timeout,
                       grad_compression=config.grad_compression,
-                      strategy_options=powersgd if config.grad_compression == "powersgd" else None)
+                      strategy_options=powersgd if config.grad_compression == "powersgd" else None,
+                      compile=False if config.compile == "none" else {"backend": config.compile})
     if session.world_size != config.nproc:
         raise VerifyRunError(f"expected {config.nproc} ranks, the job has {session.world_size}")
     steps = [shard(batch, session.rank, session.world_size, config.accumulate) for batch in job["batches"]]

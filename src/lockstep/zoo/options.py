@@ -30,15 +30,17 @@ class Options:
         strategy: the registered strategy name, lower case.
         precision: the canonical precision name (apex aliases resolved).
         grad_compression: ``none``, ``bf16``, ``fp16`` or ``powersgd`` (ddp's gradient compression).
+        compile: ``none`` or the ``torch.compile`` backend (``inductor``, ``aot_eager``...).
 
     Example::
 
-        Options(strategy="ddp", precision="bf16-mixed", grad_compression="fp16")
+        Options(strategy="ddp", precision="bf16-mixed", grad_compression="fp16", compile="inductor")
     """
 
     strategy: str | None = None
     precision: str | None = None
     grad_compression: str = "none"
+    compile: str = "none"
 
 
 def check_strategy(name: str, choices: Sequence[str] | None = None) -> str:
@@ -86,7 +88,7 @@ def _check_sync_bn(device: str | None) -> None:
 def check_options(*, strategy: str | None = None, precision: str | None = None, sync_bn: bool = False,
                   world_size: int = 1, device: str | None = None,
                   strategies: Sequence[str] | None = None, grad_compression: str | None = None,
-                  powersgd_rank: int = 1, powersgd_start_iter: int = 10) -> Options:
+                  powersgd_rank: int = 1, powersgd_start_iter: int = 10, compile: str | None = None) -> Options:
     """Check the options a command was given; return them in their canonical spelling.
 
     Args:
@@ -99,6 +101,7 @@ def check_options(*, strategy: str | None = None, precision: str | None = None, 
         grad_compression: ddp's gradient compression (``--grad-compression``), or ``None``.
         powersgd_rank: ``--powersgd-rank``.
         powersgd_start_iter: ``--powersgd-start-iter``.
+        compile: ``--compile``'s backend (``none``, ``inductor``, ``aot_eager``...), or ``None``.
 
     Raises:
         ConfigError: naming the option and the choices.
@@ -122,4 +125,8 @@ def check_options(*, strategy: str | None = None, precision: str | None = None, 
     compression = check_grad_compression(grad_compression, strategy=key or "auto",
                                          backend=pick_backend() if world_size > 1 else "none",
                                          powersgd_rank=powersgd_rank, powersgd_start_iter=powersgd_start_iter)
-    return Options(strategy=key, precision=canonical, grad_compression=compression)
+    from lockstep.strategies.compile import compile_from_flag
+
+    compiled = compile_from_flag(compile)
+    return Options(strategy=key, precision=canonical, grad_compression=compression,
+                   compile="none" if compiled is None else compiled["backend"])

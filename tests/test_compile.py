@@ -195,3 +195,36 @@ def test_inductor_one_process_matches_eager() -> None:
     diff = _rel_diff(got, _reference(STEPS))
     print(f"inductor 1 process vs eager: {diff:.2e}")
     assert diff <= 1e-4, diff
+
+
+# -- the command lines -----------------------------------------------------------------------------
+
+def test_compile_flag_in_train_verify_and_bench() -> None:
+    import argparse
+
+    from lockstep.bench.matrix import BenchConfig
+    from lockstep.cli import bench as bench_cli
+    from lockstep.cli import train as train_cli
+    from lockstep.cli import verify as verify_cli
+    from lockstep.recipes.config import TrainConfig
+    from lockstep.verify.config import VerifyConfig
+    from lockstep.zoo.options import check_options
+
+    assert check_options(compile=None).compile == "none" and check_options(compile="aot_eager").compile == "aot_eager"
+    with pytest.raises(ConfigError, match="--compile 'inductr': unknown torch.compile backend; choose one of.*inductor"):
+        check_options(compile="inductr")
+    for module in (train_cli, verify_cli, bench_cli):
+        parser = argparse.ArgumentParser()
+        module.add_arguments(parser)
+        base = ["--model", "convnet"] if module is verify_cli else []
+        assert parser.parse_args(base).compile == "none"
+        assert parser.parse_args([*base, "--compile"]).compile == "inductor"
+        assert parser.parse_args([*base, "--compile", "aot_eager"]).compile == "aot_eager"
+    config = TrainConfig(compile="aot_eager", nproc=2)
+    assert "--compile" in train_cli.worker_argv(config)  # the workers compile too
+    with pytest.raises(ConfigError, match="--compile 'x'"):
+        TrainConfig(compile="x", nproc=1)
+    assert VerifyConfig(model="convnet", compile="aot_eager").compile == "aot_eager"
+    assert BenchConfig(compile="inductor").compile == "inductor"
+    with pytest.raises(ConfigError, match="--compile 'x'"):
+        BenchConfig(compile="x")

@@ -99,6 +99,8 @@ class BenchConfig:
         cell_timeout: seconds a cell may take before it is stopped and marked failed.
         seed: seed of weights and data.
         threads: CPU threads per rank; ``None``: the cores shared evenly (cores // nproc).
+        compile: ``none``, or the ``torch.compile`` backend every cell's model is compiled with
+            (``inductor``, ``aot_eager``...); the warm-up steps hold the compilation.
 
     Example::
 
@@ -121,6 +123,7 @@ class BenchConfig:
     cell_timeout: float = 900.0
     seed: int = 0
     threads: int | None = None
+    compile: str = "none"
 
     def __post_init__(self) -> None:
         from lockstep.session.nonfinite import NonFinitePolicy
@@ -153,6 +156,7 @@ class BenchConfig:
             if value is not None and value < low:  # None: the default is filled in later
                 raise ConfigError(f"{label} must be >= {low}, got {value}")
         NonFinitePolicy(self.nonfinite)  # the Session's own check of the policy
+        object.__setattr__(self, "compile", check_options(compile=self.compile).compile)
         parse_model(self.model)
         if self.data != "synthetic":
             parse_data(self.data)

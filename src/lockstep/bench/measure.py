@@ -62,6 +62,7 @@ class CellTask:
         seed: seed of weights and data.
         threads: CPU threads per rank (0 leaves torch's choice).
         timeout: seconds a collective may wait for a missing rank.
+        compile: ``none`` or the ``torch.compile`` backend of the model.
 
     Example::
 
@@ -82,6 +83,7 @@ class CellTask:
     seed: int = 0
     threads: int = 0
     timeout: float = 300.0
+    compile: str = "none"
 
 
 def resident_mb(peak: bool) -> float:
@@ -198,7 +200,8 @@ def measure_cell(task: CellTask) -> dict[str, Any]:
         knobs = {"powersgd_start_iter": 2} if compression == "powersgd" else None
         session = lockstep.Session(strategy, task.precision, seed=task.seed, nonfinite=task.nonfinite,
                                    timeout=task.timeout, quiet=True, grad_compression=compression,
-                                   strategy_options=knobs)
+                                   strategy_options=knobs,
+                                   compile=False if task.compile == "none" else {"backend": task.compile})
         device = session.device
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)

@@ -84,7 +84,9 @@ def _header(doc: dict[str, Any]) -> str:
     load = doc["host"].get("load_average")
     load_text = f", load {load[0]:.2f}" if load else ""
     head = (f"lockstep bench: {cfg['model']}, {cfg['data']} data {cfg['image_size']}px, batch {cfg['batch_size']} "
-            f"per device, {cfg['steps']} timed steps after {cfg['warmup']} warm-up; {where}{load_text}; "
+            f"per device, {cfg['steps']} timed steps after {cfg['warmup']} warm-up"
+            + (f", compiled ({cfg['compile']})" if cfg.get("compile", "none") != "none" else "")
+            + f"; {where}{load_text}; "
             f"torch {doc['torch']}")
     threads = threads_line(doc)
     return f"{head}\n{threads}" if threads else head

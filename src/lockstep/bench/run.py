@@ -128,7 +128,7 @@ def _task(config: BenchConfig, cell: Cell, gpus: int) -> CellTask:
                     batch_size=config.per_device_batch, steps=config.steps, warmup=config.warmup,
                     image_size=config.input_size, channels=config.input_channels,
                     num_classes=config.num_classes, nonfinite=config.nonfinite, seed=config.seed,
-                    threads=threads, timeout=min(config.cell_timeout, 300.0))
+                    threads=threads, timeout=min(config.cell_timeout, 300.0), compile=config.compile)
 
 
 def aggregate(cell: Cell, ranks: list[dict[str, Any]], steps: int, cores: int | None = None) -> None:
@@ -281,7 +281,8 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict[str, Any]:
         "config": {"model": config.model, "data": config.data, "batch_size": config.per_device_batch,
                    "steps": config.steps, "warmup": config.warmup, "image_size": config.input_size,
                    "channels": config.input_channels, "num_classes": config.num_classes,
-                   "nonfinite": config.nonfinite, "seed": config.seed, "threads": config.threads},
+                   "nonfinite": config.nonfinite, "seed": config.seed, "threads": config.threads,
+                   "compile": config.compile},
         "cpu_threads": _cpu_threads(config, gpus),
         "winner": winner,
         "cells": [_cell_doc(c, config, winner) for c in cells],

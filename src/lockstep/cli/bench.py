@@ -90,6 +90,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="stop a cell and mark it failed after this long (default 900)")
     add("--out", default="bench-results", metavar="DIR",
         help="folder for results.json and bench.png (default ./bench-results)")
+    add("--compile", nargs="?", const="inductor", default="none", metavar="BACKEND",
+        help="torch.compile every cell's model after its strategy wraps it (--compile alone: inductor; "
+             "the warm-up steps hold the compilation, so use --warmup 3 or more) (default none)")
     add("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -112,7 +115,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         nprocs=tuple(dict.fromkeys(map(resolve_nproc, counts))),
         batch_size=args.batch_size, steps=args.steps, warmup=args.warmup, image_size=args.image_size,
         channels=args.channels, num_classes=args.num_classes, out=args.out, nonfinite=args.nonfinite,
-        cell_timeout=args.cell_timeout, threads=args.threads,
+        cell_timeout=args.cell_timeout, threads=args.threads, compile=args.compile,
     )
 
 

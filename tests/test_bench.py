@@ -77,6 +77,10 @@ def test_compressed_ddp_cells() -> None:
         BenchConfig(strategies=("ddp+zip",))
     with pytest.raises(ConfigError, match="name a compression after"):
         BenchConfig(strategies=("ddp+none",))
+    zero = plan_cells(BenchConfig(strategies=("ddp+ZERO",), precisions=("fp32",), nprocs=(1, 2)), gpus=0)
+    assert [(c.id, c.status) for c in zero] == [("ddp+zero/fp32/1", "skipped"), ("ddp+zero/fp32/2", "planned")]
+    with pytest.raises(ConfigError, match="write ddp\+zero"):
+        BenchConfig(strategies=("fsdp+zero",))
 
 
 def test_config_validation() -> None:
@@ -259,10 +263,12 @@ def test_bench_command_schema_and_skips(tmp_path: Path, capsys: pytest.CaptureFi
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_compressed_ddp_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, doc = _bench(tmp_path, "--strategies", "ddp,ddp+fp16,ddp+powersgd", "--precision", "fp32", "--nproc", "2")
+    code, doc = _bench(tmp_path, "--strategies", "ddp,ddp+fp16,ddp+powersgd,ddp+zero", "--precision", "fp32",
+                       "--nproc", "2")
     assert code == 0
     cells = {c["id"]: c for c in doc["cells"]}
-    assert [cells[k]["status"] for k in ("ddp/fp32/2", "ddp+fp16/fp32/2", "ddp+powersgd/fp32/2")] == ["ran"] * 3
+    ids = ("ddp/fp32/2", "ddp+fp16/fp32/2", "ddp+powersgd/fp32/2", "ddp+zero/fp32/2")
+    assert [cells[k]["status"] for k in ids] == ["ran"] * 4
     out = capsys.readouterr().out
     assert "ddp+fp16" in out and "ddp+powersgd" in out
 

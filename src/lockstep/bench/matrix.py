@@ -2,7 +2,8 @@
 
 A cell is one ``strategy x precision x nproc`` combination. A strategy may carry ddp's gradient
 compression after a ``+`` (``ddp+bf16``, ``ddp+fp16``, ``ddp+powersgd``: the communication hooks
-of ``Session(grad_compression=...)``), so that compressed and plain ddp are rows of one table.
+of ``Session(grad_compression=...)``) or ``+zero`` (``ddp+zero``: ``shard_optimizer=True``, each
+rank holding a part of the optimizer state), so that these and plain ddp are rows of one table.
 Cells that cannot run on this machine are planned as skipped, with the reason, before any
 process starts:
 
@@ -85,7 +86,7 @@ class BenchConfig:
             ``lockstep train`` data set (``digits``, ``mnist:DIR``, ``imagefolder:DIR``) read
             through ``session.loader``, so that loading is timed too.
         strategies: strategy names to try; ``ddp+bf16``, ``ddp+fp16``, ``ddp+powersgd`` are ddp
-            with that gradient compression.
+            with that gradient compression, ``ddp+zero`` ddp with its optimizer state sharded.
         precisions: precision names to try (apex aliases are resolved).
         nprocs: process counts to try.
         batch_size: samples per batch per device; ``None``: 100 for convnet, 32 otherwise.
@@ -138,6 +139,11 @@ class BenchConfig:
             base, compression = split_strategy(name.strip())
             if compression is None:
                 strategies.append(check_options(strategy=base, strategies=choices).strategy)
+                continue
+            if compression.lower() == "zero":  # ddp+zero: the optimizer state sharded (ZeRO-1)
+                if check_options(strategy=base, strategies=choices).strategy != "ddp":
+                    raise ConfigError(f"--strategies {name}: +zero shards ddp's optimizer state; write ddp+zero")
+                strategies.append("ddp+zero")
                 continue
             # the compression is checked against the backend the multi-process cells will use
             checked = check_options(strategy=base, strategies=choices, world_size=2, grad_compression=compression)
@@ -234,6 +240,8 @@ def skip_reason(strategy: str, precision: str, nproc: int, gpus: int, bf16_suppo
         skip_reason("dp", "fp32", 1, gpus=0)   # 'dp needs CUDA GPUs ...'
     """
     strategy, compression = split_strategy(strategy)
+    if compression == "zero" and nproc == 1:
+        return "ddp+zero shards the optimizer state over the processes; nproc 1 has one"
     if compression is not None and nproc == 1:
         return f"{strategy}+{compression} compresses the gradients sent between processes; nproc 1 sends none"
     if strategy == "horovod":

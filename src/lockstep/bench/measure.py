@@ -198,6 +198,8 @@ def measure_cell(task: CellTask) -> dict[str, Any]:
         # PowerSGD sends plain all-reduces for its first steps (10 by default): start it as early as
         # it allows (2), so that the warm-up, not the timed window, holds those steps
         knobs = {"powersgd_start_iter": 2} if compression == "powersgd" else None
+        if compression == "zero":  # ddp+zero: not a compression, the optimizer state sharded
+            compression, knobs = None, {"shard_optimizer": True}
         session = lockstep.Session(strategy, task.precision, seed=task.seed, nonfinite=task.nonfinite,
                                    timeout=task.timeout, quiet=True, grad_compression=compression,
                                    strategy_options=knobs,

@@ -27,6 +27,7 @@ Example::
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -137,6 +138,26 @@ class NonFinitePolicy:
             plan.unfold(optimizer)
         self._folded = []
         return self.settle() if self._unsettled >= self.settle_every else (0, None)
+
+    def move_skipped(self, state: Any, say: Callable[[str], None], settled: tuple[int, str | None] | None = None
+                     ) -> None:
+        """Move the steps a fused optimizer skipped on the device from ``global_step`` to ``skipped_steps``.
+
+        Args:
+            state: the session's :class:`~lockstep.session.state.TrainState`.
+            say: prints the warning (``Session.print``).
+            settled: what :meth:`after_step` or :meth:`settle` returned; ``None``: settle now
+                (every rank at once: a collective when steps were skipped).
+
+        Example::
+
+            policy.move_skipped(session.state, session.print)
+        """
+        skipped, warning = self.settle() if settled is None else settled
+        state.global_step -= skipped
+        state.skipped_steps += skipped
+        if warning:
+            say(warning)
 
     def settle(self, name_ranks: bool = True) -> tuple[int, str | None]:
         """Read the steps skipped on the device since the last settle (one host sync).

@@ -17,13 +17,15 @@ from datetime import timedelta
 from typing import Any
 
 from lockstep.comm.group import pick_backend
+from lockstep.errors import ConfigError
 from lockstep.strategies.comm_hooks import POWERSGD_DEFAULTS, check_grad_compression
 
 __all__ = ["strategy_options", "summary_line"]
 
 
 def strategy_options(strategy: str, *, backend: str = "auto", world_size: int = 1, sync_bn: bool = False,
-                     grad_compression: str | None = None, options: dict[str, Any] | None = None) -> dict[str, Any]:
+                     grad_compression: str | None = None, shard_optimizer: bool = False,
+                     options: dict[str, Any] | None = None) -> dict[str, Any]:
     """The options the strategy is built with, after the checks that need the backend.
 
     Args:
@@ -32,10 +34,13 @@ def strategy_options(strategy: str, *, backend: str = "auto", world_size: int = 
         world_size: processes in the job (one process has no backend to check).
         sync_bn: SyncBatchNorm was asked for.
         grad_compression: ``None``, ``"none"``, ``"bf16"``, ``"fp16"`` or ``"powersgd"``.
+        shard_optimizer: ddp's optimizer state sharded over the ranks (ZeRO-1); with ``"auto"``
+            in one process (no ddp, nothing to shard) it is dropped.
         options: the user's ``strategy_options`` (``bucket_cap_mb``, ``powersgd_rank``...).
 
     Raises:
-        ConfigError: a compression the strategy or backend cannot use, or a bad PowerSGD knob.
+        ConfigError: a compression the strategy or backend cannot use, a bad PowerSGD knob, or
+            ``shard_optimizer`` with a strategy other than ddp.
 
     Example::
 
@@ -51,6 +56,15 @@ def strategy_options(strategy: str, *, backend: str = "auto", world_size: int = 
                                        bucket_cap_mb=out.get("bucket_cap_mb"), **knobs)
     if compression is not None:
         out["grad_compression"] = canonical
+    if shard_optimizer is not False:
+        if not isinstance(shard_optimizer, bool):
+            raise ConfigError(f"shard_optimizer must be True or False, got {shard_optimizer!r}")
+        key = str(strategy).strip().lower()
+        if key not in ("ddp", "auto"):
+            raise ConfigError(f"shard_optimizer=True shards ddp's optimizer state (ZeRO-1); strategy {strategy!r} "
+                              "has no such option (fsdp shards it already); use strategy 'ddp' or drop it")
+        if key == "ddp" or world_size > 1:
+            out["shard_optimizer"] = True
     return out
 
 

@@ -81,6 +81,8 @@ class Session(Position):
         grad_compression: ``ddp`` only: compress gradients for the all-reduce with one of torch's
             DDP communication hooks: ``"bf16"``, ``"fp16"`` or ``"powersgd"`` (lossy by design;
             PowerSGD's memory is checkpointed); ``None`` all-reduces them as they are.
+        shard_optimizer: ``ddp`` only: keep each parameter's optimizer state on one rank
+            (ZeRO-1, about 1/world_size of it per rank; :mod:`lockstep.strategies.zero`).
         strategy_options: extra options for the strategy, e.g. ddp's ``{"bucket_cap_mb": 50,
             "static_graph": True, "gradient_as_bucket_view": False, "powersgd_rank": 2,
             "powersgd_start_iter": 100}`` (see :class:`~lockstep.strategies.DDPStrategy`).
@@ -116,6 +118,7 @@ class Session(Position):
         backend: str = "auto",
         init_method: str | None = None,
         grad_compression: str | None = None,
+        shard_optimizer: bool = False,
         strategy_options: dict[str, Any] | None = None,
         compile: bool | dict[str, Any] = False,
         quiet: bool = False,
@@ -134,7 +137,8 @@ class Session(Position):
         self.device: torch.device = self.world.device
         get_precision(precision, self.device)  # refuse a bad name before any process group
         options = build_options(strategy, backend=backend, world_size=self.world.world_size, sync_bn=sync_bn,
-                                grad_compression=grad_compression, options=strategy_options)
+                                grad_compression=grad_compression, shard_optimizer=shard_optimizer,
+                                options=strategy_options)
         self._compile = check_compile(compile)
         self._guard = StopGuard(preemption, preempt_check_seconds)
         self.comm: Comm = init_comm(self.world, backend, init_method, self.timeout)
@@ -237,7 +241,7 @@ class Session(Position):
             self.state.start_epoch(epoch)  # a loader resumed mid-epoch keeps its position
             self._announce()
             yield epoch
-            self._settle()  # the epoch's skipped steps are counted before the loop looks at them
+            self._finite.move_skipped(self.state, self.print)  # counted before the loop looks at them
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate ``loss`` (scaled for fp16 and for accumulation)."""
@@ -282,20 +286,10 @@ class Session(Position):
         optimizer.zero_grad(set_to_none=True)
         self._accum.after_step()
         self.state.global_step += int(took)
-        self._settle(*self._finite.after_step())  # on the no-sync path: skipped steps counted late
+        self._finite.move_skipped(self.state, self.print, self._finite.after_step())  # no-sync path: late
         if self._guard.poll() and self._guard.mode == "save":
             self._stop_every_rank(optimizer)
         return took
-
-    def _settle(self, skipped: int | None = None, warning: str | None = None) -> None:
-        """Move steps the optimizer skipped on the device (the no-sync non-finite path) from
-        ``global_step`` to ``skipped_steps``; ``None``: read them now (every rank at once)."""
-        if skipped is None:
-            skipped, warning = self._finite.settle()
-        self.state.global_step -= skipped
-        self.state.skipped_steps += skipped
-        if warning:
-            self.print(warning)
 
     def _stop_every_rank(self, optimizer: Optimizer) -> NoReturn:
         """The ranks agreed to stop: save where the last save or load was, tear down, exit 75."""
@@ -358,7 +352,7 @@ class Session(Position):
 
             session.save("checkpoints", model=model, optimizer=optimizer, keep=3, best=acc)
         """
-        self._settle()
+        self._finite.move_skipped(self.state, self.print)
         self._ckpt = ((directory := self._locks.hold(directory)), keep, extras)
         return save_state(directory, self.state, comm=self.comm, strategy=self.strategy,
                           precision=self.precision, model=model, optimizer=optimizer, keep=keep, extras=extras)
@@ -381,7 +375,7 @@ class Session(Position):
 
     def close(self) -> None:
         """Give up the checkpoint folders, end the job's communication (barrier + destroy). Safe to call twice."""
-        self._settle(*self._finite.settle(name_ranks=False))
+        self._finite.move_skipped(self.state, self.print, self._finite.settle(name_ranks=False))
         self._guard.uninstall()
         self._locks.release()
         self.comm.shutdown()

@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lockstep.errors import ConfigError, LockstepError
 from lockstep.strategies.base import Strategy, unwrap_module
+from lockstep.strategies.zero import apply_zero, is_zero, zero_state_dict
 from lockstep.strategies.comm_hooks import (
     ONE_BUCKET_MB,
     POWERSGD_DEFAULTS,
@@ -205,7 +206,8 @@ class DDPStrategy(Strategy):
             ``find_unused_parameters`` (False), ``sync_buffers`` (True),
             ``gradient_as_bucket_view`` (True), ``grad_compression`` ("none"), ``powersgd_rank`` (1),
             ``powersgd_start_iter`` (10); see :func:`apply_ddp`. PowerSGD's per-rank memory is
-            part of :meth:`checkpoint_state`.
+            part of :meth:`checkpoint_state`. ``shard_optimizer`` (False): keep each parameter's
+            optimizer state on one rank (ZeRO-1, :mod:`lockstep.strategies.zero`).
 
     Example::
 
@@ -221,6 +223,7 @@ class DDPStrategy(Strategy):
         "sync_buffers": True,
         "gradient_as_bucket_view": True,
         "grad_compression": "none",
+        "shard_optimizer": False,
         **POWERSGD_DEFAULTS,
     }
 
@@ -238,10 +241,24 @@ class DDPStrategy(Strategy):
     def _wrap(self, model: nn.Module) -> nn.Module:
         if self.comm.world_size == 1:
             return model  # nothing to all-reduce with one process
-        opts = {k: v for k, v in self.options.items() if k != "sync_bn"}
+        opts = {k: v for k, v in self.options.items() if k not in ("sync_bn", "shard_optimizer")}
         if opts["grad_compression"] == "powersgd" and self.comm.backend == "gloo":
             opts["bucket_cap_mb"] = ONE_BUCKET_MB  # with several buckets PowerSGD hangs on gloo
         return apply_ddp(model, self.device, **opts)
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module,
+                        accumulate: int = 1) -> torch.optim.Optimizer:
+        if self.options["shard_optimizer"] and self.comm.world_size > 1:
+            return apply_zero(optimizer)  # each rank keeps the state of its own parameters only
+        return optimizer
+
+    def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        if is_zero(optimizer):  # the owners' parts, consolidated: the plain format of any world size
+            gathered = zero_state_dict(optimizer, self.comm)  # type: ignore[arg-type]
+            state = {i: {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+                     for i, entry in sorted(gathered["state"].items())}
+            return {"state": state, "param_groups": gathered["param_groups"]}
+        return super().optimizer_state_dict(model, optimizer)
 
     def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None
                          ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:

@@ -59,7 +59,7 @@ class Session(Position):
 
     Args:
         strategy: ``"auto"`` (ddp with several processes, dp with several GPUs in one process,
-            else single), ``"single"``, ``"dp"``, ``"ddp"`` or ``"fsdp"``.
+            else single), ``"single"``, ``"dp"``, ``"ddp"``, ``"fsdp"`` or ``"horovod"``.
         precision: ``"fp32"``, ``"bf16-mixed"``, ``"fp16-mixed"``, ``"fp16-o2"``, ``"bf16"``,
             ``"fp16"`` or apex's ``"O0"``-``"O3"``.
         sync_bn: convert BatchNorm layers to SyncBatchNorm (GPU only).

@@ -338,7 +338,7 @@ class Session(Position):
 
     # -- checkpoints -------------------------------------------------------------------------
     def save(self, directory: str | Path, *, model: nn.Module, optimizer: Optimizer | None = None,
-             keep: int | None = None, **extras: Any) -> Path:
+             keep: int | None = None, blocking: bool = True, **extras: Any) -> Path:
         """Write a complete, crash-safe checkpoint (every rank must call it).
 
         Args:
@@ -346,6 +346,8 @@ class Session(Position):
             model: the model returned by :meth:`setup`.
             optimizer: its optimizer.
             keep: keep only the newest ``keep`` checkpoints (pruned after the new one is committed).
+            blocking: False: return once the state is copied, rank 0 writing it meanwhile; the next
+                save, load or :meth:`close` waits for it and raises its error (fsdp always blocks).
             **extras: your own values (numbers, strings, tensors, lists, dicts).
 
         Example::
@@ -354,8 +356,9 @@ class Session(Position):
         """
         self._finite.move_skipped(self.state, self.print)
         self._ckpt = ((directory := self._locks.hold(directory)), keep, extras)
-        return save_state(directory, self.state, comm=self.comm, strategy=self.strategy,
-                          precision=self.precision, model=model, optimizer=optimizer, keep=keep, extras=extras)
+        return self._locks.track(save_state(directory, self.state, comm=self.comm, strategy=self.strategy,
+                                            precision=self.precision, model=model, optimizer=optimizer,
+                                            keep=keep, extras=extras, blocking=blocking))
 
     def load(self, directory: str | Path, *, model: nn.Module, optimizer: Optimizer | None = None) -> ResumeState:
         """Restore the newest good checkpoint in ``directory``, if any; see :class:`ResumeState`.
@@ -377,6 +380,7 @@ class Session(Position):
         """Give up the checkpoint folders, end the job's communication (barrier + destroy). Safe to call twice."""
         self._finite.move_skipped(self.state, self.print, self._finite.settle(name_ranks=False))
         self._guard.uninstall()
+        self._locks.wait()  # a save still being written (blocking=False) ends, or raises, here
         self._locks.release()
         self.comm.shutdown()
         if self._model is not None:

@@ -16,6 +16,7 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,7 @@ from lockstep.session.loaders import TrainLoaders
 from lockstep.session.loop import PrecisionModule
 
 if TYPE_CHECKING:  # the session builds them; importing them here would only cost import time
+    from lockstep.checkpoint.background import PendingSave
     from lockstep.precision.base import Precision
     from lockstep.strategies.base import Strategy
 
@@ -157,8 +159,12 @@ class TrainState:
 
 def save_state(directory: Path, train: TrainState, *, comm: Comm, strategy: Strategy, precision: Precision,
                model: nn.Module, optimizer: torch.optim.Optimizer | None, keep: int | None,
-               extras: dict[str, Any]) -> Path:
+               extras: dict[str, Any], blocking: bool = True) -> Path | PendingSave:
     """Write ``train`` with the model, optimizer, precision state and ``extras`` as one checkpoint.
+
+    With ``blocking=False`` the state is copied now and rank 0 writes it in the background: a
+    :class:`~lockstep.checkpoint.background.PendingSave` is returned (its ``wait()`` gives the
+    folder). A state with sharded tensors (fsdp) is always written at once.
 
     Args:
         directory: the checkpoint folder.
@@ -170,17 +176,23 @@ def save_state(directory: Path, train: TrainState, *, comm: Comm, strategy: Stra
         optimizer: its optimizer, if any.
         keep: keep only the newest ``keep`` checkpoints.
         extras: the user's own values.
+        blocking: write before returning (True) or in the background (False).
 
     Example::
 
         save_state(Path("ckpt"), session.state, comm=session.comm, strategy=session.strategy,
                    precision=session.precision, model=model, optimizer=opt, keep=2, extras={})
     """
+    from lockstep.checkpoint.background import save_checkpoint_async
     from lockstep.checkpoint.core import save_checkpoint
 
     full, sharded = strategy.checkpoint_state(_inner(model), optimizer)
+    if not blocking:
+        extras = copy.deepcopy(extras)  # the user's tensors may change while the state is written
     state: dict[str, Any] = {"format": FORMAT, **train.state_dict(), "precision": precision.state_dict(),
                              "extras": extras, **(full or {})}
+    if not blocking and sharded is None:
+        return save_checkpoint_async(directory, state, comm, step=train.global_step, keep=keep)
     return save_checkpoint(directory, state, comm, step=train.global_step, keep=keep, sharded=sharded)
 
 

@@ -1,0 +1,160 @@
+"""Non-blocking checkpoints (``session.save(..., blocking=False)``): training goes on while rank 0
+writes; the next save, load or close waits; a crash or a full disk during the write leaves the
+previous checkpoint as the good one; a resume from an async-saved checkpoint is bit-identical."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import lockstep
+from _dist import run_distributed
+from lockstep.checkpoint import CheckpointError, list_checkpoints, verify_checkpoint
+
+GLOBAL_BATCH = 8
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def _body(directory: str, steps: int, save_every: int | None) -> dict[str, Any]:
+    session = lockstep.Session(strategy="ddp", quiet=True, timeout=60)
+    model, opt = session.setup(_model(), lambda p: torch.optim.Adam(p, lr=0.01))
+    session.load(directory, model=model, optimizer=opt)
+    n = GLOBAL_BATCH // session.world_size
+    while session.global_step < steps:
+        gen = torch.Generator().manual_seed(session.global_step)
+        x, y = torch.randn(GLOBAL_BATCH, 4, generator=gen), torch.randn(GLOBAL_BATCH, 2, generator=gen)
+        part = slice(session.rank * n, (session.rank + 1) * n)
+        session.backward(F.mse_loss(model(x[part]), y[part]))
+        session.step(opt)
+        if save_every and session.global_step % save_every == 0:
+            session.save(directory, model=model, optimizer=opt, keep=2, blocking=False)
+    out = {k: v.detach().clone() for k, v in session.strategy.unwrap(model).state_dict().items()}
+    session.close()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_resume_from_an_async_save_is_bit_identical(tmp_path: Path) -> None:
+    whole = run_distributed(_body, 2, str(tmp_path / "whole"), 9, None, timeout=200)[0]
+    folder = tmp_path / "ck"
+    run_distributed(_body, 2, str(folder), 6, 3, timeout=200)        # async saves at steps 3 and 6
+    assert [p.name for p in list_checkpoints(folder)] == ["step-000003", "step-000006"]
+    for path in list_checkpoints(folder):
+        verify_checkpoint(path)                                        # manifest and hashes check
+    resumed = run_distributed(_body, 2, str(folder), 9, None, timeout=200)[0]
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+
+
+def _single(folder: Path) -> tuple[lockstep.Session, nn.Module, torch.optim.Optimizer]:
+    session = lockstep.Session(quiet=True)
+    model, opt = session.setup(_model(), lambda p: torch.optim.SGD(p, lr=0.1))
+    session.backward(model(torch.ones(2, 4)).sum())
+    session.step(opt)
+    return session, model, opt
+
+
+def test_training_goes_on_while_rank_0_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lockstep.checkpoint import background
+
+    release, entered = threading.Event(), threading.Event()
+    real = background._stage
+
+    def slow_stage(*args: Any) -> Any:
+        entered.set()
+        assert release.wait(30)
+        return real(*args)
+
+    monkeypatch.setattr(background, "_stage", slow_stage)
+    session, model, opt = _single(tmp_path)
+    path = session.save(tmp_path, model=model, optimizer=opt, blocking=False)
+    assert entered.wait(30) and not path.exists()                 # returned while the write waits
+    session.backward(model(torch.ones(2, 4)).sum())                # ...and training goes on
+    session.step(opt)
+    release.set()
+    session.close()                                                # waits for the write
+    assert path.name == "step-000001" and [p.name for p in list_checkpoints(tmp_path)] == ["step-000001"]
+
+
+def test_a_full_disk_during_an_async_save_is_raised_at_the_next_save(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from lockstep.checkpoint import core
+
+    session, model, opt = _single(tmp_path)
+    good = session.save(tmp_path, model=model, optimizer=opt)      # step 1, blocking
+    session.backward(model(torch.ones(2, 4)).sum())
+    session.step(opt)
+
+    def full(*args: Any) -> Any:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(core, "write_state_file", full)
+    session.save(tmp_path, model=model, optimizer=opt, blocking=False)   # step 2: fails in the background
+    with pytest.raises(CheckpointError, match=rf"no space left on device.*{good.name}, is intact"):
+        session.save(tmp_path, model=model, optimizer=opt)              # raised before this one starts
+    monkeypatch.undo()
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000001"]
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["step-000001"]
+    session.save(tmp_path, model=model, optimizer=opt)                 # the disk has room again
+    session.close()
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000001", "step-000002"]
+
+
+KILLED = textwrap.dedent("""
+    import os, sys, time, torch, lockstep
+    from lockstep.checkpoint import core
+    folder = sys.argv[1]
+    session = lockstep.Session(quiet=True)
+    torch.manual_seed(0)
+    model, opt = session.setup(torch.nn.Linear(4, 2), lambda p: torch.optim.SGD(p, lr=0.1))
+    state = session.load(folder, model=model, optimizer=opt)
+    print("resumed", state.step, flush=True)
+    if state.step:
+        raise SystemExit(0)
+    for step in (1, 2):
+        session.backward(model(torch.ones(2, 4)).sum()); session.step(opt)
+    session.save(folder, model=model, optimizer=opt)                    # step 2: the good one
+    real = core.write_state_file
+    def stuck(path, obj):
+        record = real(path, obj)                                        # state.pt written...
+        print("writing", flush=True)
+        time.sleep(600)                                                 # ...killed before the commit
+        return record
+    core.write_state_file = stuck
+    for step in (3, 4):
+        session.backward(model(torch.ones(2, 4)).sum()); session.step(opt)
+    session.save(folder, model=model, optimizer=opt, blocking=False)   # step 4, never committed
+    time.sleep(600)
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_sigkill_during_an_async_save_resumes_from_the_previous_checkpoint(tmp_path: Path) -> None:
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED)
+    folder = tmp_path / "ck"
+    proc = subprocess.Popen([sys.executable, str(script), str(folder)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().startswith("resumed 0") and proc.stdout.readline() == "writing\n"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+    assert [p.name for p in list_checkpoints(folder)] == ["step-000002"]
+    again = subprocess.run([sys.executable, str(script), str(folder)], capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0 and again.stdout.startswith("resumed 2"), again.stderr

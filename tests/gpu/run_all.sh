@@ -6,7 +6,10 @@
 # 1. the CUDA-only tests of the suite (nccl, CUDA AMP + GradScaler, DataParallel, SyncBatchNorm,
 #    pinned-memory loaders, map_location from cuda:0);
 # 2. `lockstep doctor` and `lockstep train` on every visible GPU (nccl, bf16-mixed, sync_bn);
-# 3. the ResNet-50 throughput benchmark (lockstep vs a hand-written loop; dp vs ddp with >1 GPU).
+# 3. the speed levers on CUDA: compiled training (inductor) on nccl, ddp's gradient compression
+#    hooks on nccl, a non-blocking checkpoint saved from CUDA tensors and resumed (the suite's
+#    CUDA test of the non-finite check without a host sync runs in step 1);
+# 4. the ResNet-50 throughput benchmark (lockstep vs a hand-written loop; dp vs ddp with >1 GPU).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 BIN=.venv/bin
@@ -28,3 +31,14 @@ if [ "$ngpu" -gt 1 ]; then
     $BIN/lockstep train --nproc 1 --strategy dp --epochs 1
 fi
 $BIN/python benchmarks/gpu_resnet50.py
+
+# speed levers: compile on nccl, compression hooks on nccl, async save from CUDA (bench cells
+# need 2 GPUs for the multi-process rows; one GPU still runs the 1-process ones)
+$BIN/lockstep train --nproc gpu --compile --epochs 1
+if [ "$ngpu" -gt 1 ]; then
+    $BIN/lockstep train --nproc 2 --grad-compression fp16 --epochs 1
+    $BIN/lockstep train --nproc 2 --grad-compression powersgd --epochs 1
+    $BIN/lockstep bench --model convnet --nproc 2 --strategies ddp,ddp+bf16,ddp+fp16,ddp+powersgd,ddp+zero --precision bf16-mixed
+fi
+$BIN/lockstep bench --model convnet --nproc 1 --strategies ddp --precision bf16-mixed --compile
+$BIN/python benchmarks/checkpoint.py --mb 400

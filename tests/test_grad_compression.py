@@ -90,6 +90,8 @@ def test_compression_names_and_knobs_are_checked() -> None:
 def test_session_options_refuse_before_any_process_group() -> None:
     assert strategy_options("ddp", world_size=2, grad_compression="fp16") == {"grad_compression": "fp16"}
     assert strategy_options("auto", grad_compression=None, options={"bucket_cap_mb": 5}) == {"bucket_cap_mb": 5}
+    # "none" (what train and verify pass when no flag is given) is no option for strategies without hooks
+    assert strategy_options("fsdp", grad_compression="none") == {} == strategy_options("horovod", grad_compression="none")
     with pytest.raises(ConfigError, match="strategy 'single'"):
         strategy_options("single", grad_compression="bf16")
     with pytest.raises(ConfigError, match="powersgd_rank"):

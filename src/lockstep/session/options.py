@@ -54,7 +54,8 @@ def strategy_options(strategy: str, *, backend: str = "auto", world_size: int = 
     chosen = pick_backend(backend) if world_size > 1 else "none"
     canonical = check_grad_compression(compression, strategy=strategy, backend=chosen,
                                        bucket_cap_mb=out.get("bucket_cap_mb"), **knobs)
-    if compression is not None:
+    out.pop("grad_compression", None)
+    if canonical != "none":  # "none" is no option at all: fsdp and horovod have none to take
         out["grad_compression"] = canonical
     if shard_optimizer is not False:
         if not isinstance(shard_optimizer, bool):

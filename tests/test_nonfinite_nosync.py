@@ -9,6 +9,7 @@ the same optimizer state, the same counts once settled, the same decision on eve
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -30,30 +31,25 @@ def _loop(defer: bool, fused: bool, make: str, settle_every: int = 4, steps: int
     else:
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, fused=fused)
     policy = NonFinitePolicy("skip", defer=defer, settle_every=settle_every)
-    taken = skipped = 0
+    counts = SimpleNamespace(global_step=0, skipped_steps=0)  # what a TrainState holds
     warnings: list[str] = []
     for step in range(1, steps + 1):
         x = torch.full((3, 4), float(step))
         loss = model(x).pow(2).mean() * (math.nan if step in BAD_STEPS else 1.0)
         loss.backward()
         policy.record(loss)
-        warning = policy.verdict(opt, taken + skipped + 1, 0)
+        warning = policy.verdict(opt, counts.global_step + counts.skipped_steps + 1, 0)
         if warning is None:
             opt.step()
-            taken += 1
+            counts.global_step += 1
         else:
-            skipped += 1
+            counts.skipped_steps += 1
             warnings.append(warning)
         opt.zero_grad(set_to_none=True)
-        late, note = policy.after_step()
-        taken, skipped = taken - late, skipped + late
-        if note:
-            warnings.append(note)
+        policy.after_step(counts, warnings.append)
         assert not hasattr(opt, "found_inf")  # never left behind for a step outside the session
-    late, note = policy.settle()
-    taken, skipped = taken - late, skipped + late
-    if note:
-        warnings.append(note)
+    policy.move_skipped(counts, warnings.append)
+    taken, skipped = counts.global_step, counts.skipped_steps
     state = {k: v.clone() for p in model.parameters() for k, v in opt.state[p].items() if torch.is_tensor(v)}
     return {"weights": [p.detach().clone() for p in model.parameters()], "state": state, "taken": taken,
             "skipped": skipped, "warnings": warnings}
@@ -103,7 +99,7 @@ def _ranks() -> dict[str, Any]:
         model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
         opt = torch.optim.Adam(model.parameters(), lr=0.05, fused=True)
         policy = NonFinitePolicy("skip", comm, defer=defer, settle_every=3)
-        skipped, notes = 0, []
+        counts, notes = SimpleNamespace(global_step=0, skipped_steps=0), []
         for step in range(1, 7):
             loss = model(torch.full((2, 4), float(step + rank))).pow(2).mean()
             if step == 3 and rank == 1:
@@ -113,14 +109,14 @@ def _ranks() -> dict[str, Any]:
             warning = policy.verdict(opt, step, 0)
             if warning is None:
                 opt.step()
+                counts.global_step += 1
             else:
-                skipped, notes = skipped + 1, notes + [warning]
+                counts.skipped_steps += 1
+                notes.append(warning)
             opt.zero_grad(set_to_none=True)
-            late, note = policy.after_step()
-            skipped += late
-            notes += [note] if note else []
-        out[str(defer)] = {"weights": [p.detach().clone() for p in model.parameters()], "skipped": skipped,
-                           "notes": notes}
+            policy.after_step(counts, notes.append)
+        out[str(defer)] = {"weights": [p.detach().clone() for p in model.parameters()],
+                           "skipped": counts.skipped_steps, "notes": notes}
     comm.shutdown()
     return out
 

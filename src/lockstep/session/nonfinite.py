@@ -127,33 +127,35 @@ class NonFinitePolicy:
             raise NonFiniteLossError(f"{text}; stopping every rank (nonfinite='stop')")
         return f"lockstep: warning: {text}; the step was skipped on every rank"
 
-    def after_step(self) -> tuple[int, str | None]:
-        """Take the flag back from the optimizers that stepped with it; settle every ``settle_every`` steps.
+    def after_step(self, state: Any, say: Callable[[str], None]) -> None:
+        """After an optimizer step: take the flag back from an optimizer that stepped with it, and
+        every ``settle_every`` such steps :meth:`move_skipped`. Nothing to do (one test) otherwise.
 
-        Returns:
-            ``(skipped, warning)``: the steps of the window that were skipped (0 but at a settle)
-            and the warning to print, if any.
+        Args:
+            state: the session's :class:`~lockstep.session.state.TrainState`.
+            say: prints a warning (``Session.print``).
         """
+        if not self._folded:
+            return
         for optimizer, plan in self._folded:
             plan.unfold(optimizer)
         self._folded = []
-        return self.settle() if self._unsettled >= self.settle_every else (0, None)
+        if self._unsettled >= self.settle_every:
+            self.move_skipped(state, say)
 
-    def move_skipped(self, state: Any, say: Callable[[str], None], settled: tuple[int, str | None] | None = None
-                     ) -> None:
+    def move_skipped(self, state: Any, say: Callable[[str], None], name_ranks: bool = True) -> None:
         """Move the steps a fused optimizer skipped on the device from ``global_step`` to ``skipped_steps``.
 
         Args:
             state: the session's :class:`~lockstep.session.state.TrainState`.
             say: prints the warning (``Session.print``).
-            settled: what :meth:`after_step` or :meth:`settle` returned; ``None``: settle now
-                (every rank at once: a collective when steps were skipped).
+            name_ranks: gather which ranks saw a non-finite loss (see :meth:`settle`).
 
         Example::
 
             policy.move_skipped(session.state, session.print)
         """
-        skipped, warning = self.settle() if settled is None else settled
+        skipped, warning = self.settle(name_ranks)
         state.global_step -= skipped
         state.skipped_steps += skipped
         if warning:
@@ -176,8 +178,10 @@ class NonFinitePolicy:
             skipped, warning = policy.settle()
         """
         window, first, self._unsettled = self._unsettled, self._first, 0
+        if not window:
+            return 0, None  # nothing went through the optimizer's flag: nothing to read
         skipped, bad_loss = self.check.settle()
-        if not window or not skipped:
+        if not skipped:
             return 0, None
         ranks: list[int] = []
         if name_ranks and self.comm is not None and self.comm.world_size > 1:
@@ -317,7 +321,7 @@ class _Plan:
         """Set ``optimizer.found_inf`` from the check, without reading it on the host."""
         self.found.zero_()
         for group in self.run():
-            self.found = torch.maximum(self.found, group.flag.reshape(()).to(self.found.device))
+            torch.maximum(self.found, group.flag.reshape(()).to(self.found.device), out=self.found)
             group.flag.zero_()  # no read, so no way to know: clear it for the next step anyway
         if loss is not None:
             self.bad_loss |= ~torch.isfinite(loss.detach()).all().to(self.bad_loss.device)

@@ -286,7 +286,7 @@ class Session(Position):
         optimizer.zero_grad(set_to_none=True)
         self._accum.after_step()
         self.state.global_step += int(took)
-        self._finite.move_skipped(self.state, self.print, self._finite.after_step())  # no-sync path: late
+        self._finite.after_step(self.state, self.print)  # no-sync path: skipped steps counted late
         if self._guard.poll() and self._guard.mode == "save":
             self._stop_every_rank(optimizer)
         return took
@@ -378,7 +378,7 @@ class Session(Position):
 
     def close(self) -> None:
         """Give up the checkpoint folders, end the job's communication (barrier + destroy). Safe to call twice."""
-        self._finite.move_skipped(self.state, self.print, self._finite.settle(name_ranks=False))
+        self._finite.move_skipped(self.state, self.print, name_ranks=False)
         self._guard.uninstall()
         self._locks.wait()  # a save still being written (blocking=False) ends, or raises, here
         self._locks.release()

@@ -252,13 +252,10 @@ class DDPStrategy(Strategy):
             return apply_zero(optimizer)  # each rank keeps the state of its own parameters only
         return optimizer
 
-    def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    def _optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         if is_zero(optimizer):  # the owners' parts, consolidated: the plain format of any world size
-            gathered = zero_state_dict(optimizer, self.comm)  # type: ignore[arg-type]
-            state = {i: {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
-                     for i, entry in sorted(gathered["state"].items())}
-            return {"state": state, "param_groups": gathered["param_groups"]}
-        return super().optimizer_state_dict(model, optimizer)
+            return zero_state_dict(optimizer, self.comm)  # type: ignore[arg-type]
+        return super()._optimizer_state(optimizer)
 
     def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None
                          ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:

@@ -155,7 +155,7 @@ class StateDicts:
 
             torch.save(strategy.optimizer_state_dict(model, optimizer), "optim.pt")
         """
-        raw = optimizer.state_dict()
+        raw = self._optimizer_state(optimizer)
         state = {
             index: {key: _to_cpu(self._full_tensor(v)) if isinstance(v, torch.Tensor) else v
                     for key, v in entry.items()}
@@ -189,6 +189,10 @@ class StateDicts:
             param = params[int(index)]
             converted[index] = {key: self._shard_state(v, param) for key, v in entry.items()}
         optimizer.load_state_dict({"state": converted, "param_groups": state["param_groups"]})
+
+    def _optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimizer's own state dict (override where it is spread over the ranks: ZeRO)."""
+        return optimizer.state_dict()
 
     def _shard_state(self, value: Any, param: torch.Tensor) -> Any:
         # Per-parameter state (momentum, exp_avg) has the parameter's full shape; scalars

@@ -22,20 +22,17 @@ Example::
 
 from __future__ import annotations
 
-import logging
 import threading
 from pathlib import Path
 from typing import Any
 
-from lockstep.checkpoint.core import _check_args, _commit, _stage, _what_is_left, agree
+from lockstep.checkpoint.core import _check_args, _commit, _prune_after, _stage, _what_is_left, _with_rngs, agree
 from lockstep.checkpoint.files import STATE_FILE, CheckpointError
-from lockstep.checkpoint.layout import prune, step_name
+from lockstep.checkpoint.layout import step_name
 from lockstep.checkpoint.safety import check_loadable
 from lockstep.comm.group import Comm
 
 __all__ = ["PendingSave", "save_checkpoint_async"]
-
-logger = logging.getLogger("lockstep.checkpoint")
 
 
 class PendingSave:
@@ -75,10 +72,7 @@ class PendingSave:
         except Exception as exc:  # noqa: BLE001 - reported at wait(), on every rank
             self._error = CheckpointError(f"saving {self.path} failed: {type(exc).__name__}: {exc}")
             return
-        try:
-            prune(root, keep, protect=self._final)
-        except OSError as exc:  # the new checkpoint is committed; an old one left over is harmless
-            logger.warning("could not prune old checkpoints in %s: %s", root, exc)
+        _prune_after(root, keep, self._final)
 
     def done(self) -> bool:
         """True once this rank has nothing left to write (no collective).
@@ -129,8 +123,7 @@ def save_checkpoint_async(directory: str | Path, state: dict[str, Any], comm: Co
     """
     _check_args(step, keep)
     root = Path(directory)
-    rngs = comm.all_gather_object(state.get("rng"))
-    full = {**state, "rng": rngs} if "rng" in state else dict(state)
+    full = _with_rngs(state, comm)
     error = None
     if comm.is_main:
         try:

@@ -136,8 +136,7 @@ def save_checkpoint(directory: str | Path, state: dict[str, Any], comm: Comm, *,
     """
     _check_args(step, keep)
     root = Path(directory)
-    rngs = comm.all_gather_object(state.get("rng"))
-    full = {**state, "rng": rngs} if "rng" in state else dict(state)
+    full = _with_rngs(state, comm)
     staged, record, error = None, None, None
     try:
         if sharded is not None:
@@ -159,11 +158,22 @@ def save_checkpoint(directory: str | Path, state: dict[str, Any], comm: Comm, *,
         except CheckpointError as exc:
             error = _what_is_left(exc, root)
         else:
-            try:
-                prune(root, keep, protect=final)
-            except OSError as exc:  # the new checkpoint is committed; an old one left over is harmless
-                logger.warning("could not prune old checkpoints in %s: %s", root, exc)
+            _prune_after(root, keep, final)
     return Path(agree(comm, error, str(final or ""))[0])
+
+
+def _with_rngs(state: dict[str, Any], comm: Comm) -> dict[str, Any]:
+    """``state`` with every rank's RNG state in ``state["rng"]`` (index = rank); a collective."""
+    rngs = comm.all_gather_object(state.get("rng"))
+    return {**state, "rng": rngs} if "rng" in state else dict(state)
+
+
+def _prune_after(root: Path, keep: int | None, final: Path) -> None:
+    """Rank 0, after the commit: prune; the new checkpoint is committed, so a failure only warns."""
+    try:
+        prune(root, keep, protect=final)
+    except OSError as exc:  # an old checkpoint left over is harmless
+        logger.warning("could not prune old checkpoints in %s: %s", root, exc)
 
 
 def _what_is_left(error: CheckpointError | None, root: Path) -> CheckpointError | None:

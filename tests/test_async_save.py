@@ -1,5 +1,5 @@
-"""Non-blocking checkpoints (``session.save(..., blocking=False)``): training goes on while rank 0
-writes; the next save, load or close waits; a crash or a full disk during the write leaves the
+"""Non-blocking checkpoints (``session.save(..., blocking=False)``): training goes on while the
+ranks write; the next save, load or close waits; a crash or a full disk during the write leaves the
 previous checkpoint as the good one; a resume from an async-saved checkpoint is bit-identical."""
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
 
 
-def _body(directory: str, steps: int, save_every: int | None) -> dict[str, Any]:
-    session = lockstep.Session(strategy="ddp", quiet=True, timeout=60)
+def _body(directory: str, steps: int, save_every: int | None, strategy: str = "ddp") -> dict[str, Any]:
+    session = lockstep.Session(strategy=strategy, quiet=True, timeout=60)
     model, opt = session.setup(_model(), lambda p: torch.optim.Adam(p, lr=0.01))
     session.load(directory, model=model, optimizer=opt)
     n = GLOBAL_BATCH // session.world_size
@@ -44,22 +44,24 @@ def _body(directory: str, steps: int, save_every: int | None) -> dict[str, Any]:
         session.step(opt)
         if save_every and session.global_step % save_every == 0:
             session.save(directory, model=model, optimizer=opt, keep=2, blocking=False)
-    out = {k: v.detach().clone() for k, v in session.strategy.unwrap(model).state_dict().items()}
+    out = session.strategy.model_state_dict(model)
     session.close()
     return out
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_resume_from_an_async_save_is_bit_identical(tmp_path: Path) -> None:
-    whole = run_distributed(_body, 2, str(tmp_path / "whole"), 9, None, timeout=200)[0]
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_resume_from_an_async_save_is_bit_identical(tmp_path: Path, strategy: str) -> None:
+    whole = run_distributed(_body, 2, str(tmp_path / "whole"), 9, None, strategy, timeout=200)[0]
     folder = tmp_path / "ck"
-    run_distributed(_body, 2, str(folder), 6, 3, timeout=200)        # async saves at steps 3 and 6
+    run_distributed(_body, 2, str(folder), 6, 3, strategy, timeout=200)    # async saves at steps 3 and 6
     assert [p.name for p in list_checkpoints(folder)] == ["step-000003", "step-000006"]
     for path in list_checkpoints(folder):
-        verify_checkpoint(path)                                        # manifest and hashes check
-    resumed = run_distributed(_body, 2, str(folder), 9, None, timeout=200)[0]
-    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+        files = verify_checkpoint(path)["files"]                          # manifest and hashes check
+        assert {"sharded/__0_0.distcp", "sharded/__1_0.distcp"} <= set(files)   # both ranks wrote a part
+    resumed = run_distributed(_body, 2, str(folder), 9, None, strategy, timeout=200)[0]
+    assert whole.keys() == resumed.keys() and all(torch.equal(whole[k], resumed[k]) for k in whole)
 
 
 def _single(folder: Path) -> tuple[lockstep.Session, nn.Module, torch.optim.Optimizer]:
@@ -74,14 +76,14 @@ def test_training_goes_on_while_rank_0_writes(tmp_path: Path, monkeypatch: pytes
     from lockstep.checkpoint import background
 
     release, entered = threading.Event(), threading.Event()
-    real = background._stage
+    real = background.write_parts
 
-    def slow_stage(*args: Any) -> Any:
+    def slow_write(*args: Any) -> Any:
         entered.set()
         assert release.wait(30)
         return real(*args)
 
-    monkeypatch.setattr(background, "_stage", slow_stage)
+    monkeypatch.setattr(background, "write_parts", slow_write)
     session, model, opt = _single(tmp_path)
     path = session.save(tmp_path, model=model, optimizer=opt, blocking=False)
     assert entered.wait(30) and not path.exists()                 # returned while the write waits
@@ -94,7 +96,7 @@ def test_training_goes_on_while_rank_0_writes(tmp_path: Path, monkeypatch: pytes
 
 def test_a_full_disk_during_an_async_save_is_raised_at_the_next_save(tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    from lockstep.checkpoint import core
+    from lockstep.checkpoint import write
 
     session, model, opt = _single(tmp_path)
     good = session.save(tmp_path, model=model, optimizer=opt)      # step 1, blocking
@@ -104,7 +106,7 @@ def test_a_full_disk_during_an_async_save_is_raised_at_the_next_save(tmp_path: P
     def full(*args: Any) -> Any:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(core, "write_state_file", full)
+    monkeypatch.setattr(write, "write_state_file", full)
     session.save(tmp_path, model=model, optimizer=opt, blocking=False)   # step 2: fails in the background
     with pytest.raises(CheckpointError, match=rf"no space left on device.*{good.name}, is intact"):
         session.save(tmp_path, model=model, optimizer=opt)              # raised before this one starts
@@ -118,7 +120,7 @@ def test_a_full_disk_during_an_async_save_is_raised_at_the_next_save(tmp_path: P
 
 KILLED = textwrap.dedent("""
     import os, sys, time, torch, lockstep
-    from lockstep.checkpoint import core
+    from lockstep.checkpoint import write
     folder = sys.argv[1]
     session = lockstep.Session(quiet=True)
     torch.manual_seed(0)
@@ -130,13 +132,13 @@ KILLED = textwrap.dedent("""
     for step in (1, 2):
         session.backward(model(torch.ones(2, 4)).sum()); session.step(opt)
     session.save(folder, model=model, optimizer=opt)                    # step 2: the good one
-    real = core.write_state_file
+    real = write.write_state_file
     def stuck(path, obj):
         record = real(path, obj)                                        # state.pt written...
         print("writing", flush=True)
         time.sleep(600)                                                 # ...killed before the commit
         return record
-    core.write_state_file = stuck
+    write.write_state_file = stuck
     for step in (3, 4):
         session.backward(model(torch.ones(2, 4)).sum()); session.step(opt)
     session.save(folder, model=model, optimizer=opt, blocking=False)   # step 4, never committed

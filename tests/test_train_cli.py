@@ -21,6 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from lockstep.checkpoint import load_checkpoint
+from lockstep.comm.group import Comm
+from lockstep.env import World
 from test_recipes import write_image_folder, write_mnist
 
 pytestmark = pytest.mark.slow  # every test here starts processes
@@ -97,8 +100,9 @@ def test_resume_matches_uninterrupted_run(tmp_path: Path) -> None:
 
 
 def last_weights(out: Path) -> dict[str, torch.Tensor]:
-    newest = sorted((out / "checkpoints").glob("step-*"))[-1]
-    return torch.load(newest / "state.pt", weights_only=True)["model"]
+    state = load_checkpoint(out / "checkpoints", Comm(World()))   # the newest
+    assert state is not None
+    return state["model"]
 
 
 @pytest.mark.timeout(240)

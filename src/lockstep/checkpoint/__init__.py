@@ -1,13 +1,16 @@
 """checkpoint: complete, crash-safe, verified training state on disk.
 
 * :mod:`~lockstep.checkpoint.core`: :func:`save_checkpoint` / :func:`load_checkpoint` (every rank);
+* :mod:`~lockstep.checkpoint.write`: the steps of one save (folder, each rank's part, manifest, commit);
+* :mod:`~lockstep.checkpoint.background`: :func:`save_checkpoint_async`, the same save in background threads;
+* :mod:`~lockstep.checkpoint.portable`: replicated state dicts cut into DCP tensors and a skeleton, and joined back;
 * :mod:`~lockstep.checkpoint.files`: errors, atomic writes, publish by rename;
 * :mod:`~lockstep.checkpoint.layout`: ``step-N`` names, listing (no symbolic links), pruning;
 * :mod:`~lockstep.checkpoint.manifest`: the sha256 manifest written last and checked first;
 * :mod:`~lockstep.checkpoint.confine`: opening a checkpoint's files without leaving its folder;
 * :mod:`~lockstep.checkpoint.safety`: ``weights_only`` loading and the allowlist for DCP metadata;
-* :mod:`~lockstep.checkpoint.sharded`: the ``torch.distributed.checkpoint`` part, read through
-  a reader that only uses verified bytes;
+* :mod:`~lockstep.checkpoint.sharded`: the ``torch.distributed.checkpoint`` part (every rank
+  writes its share), read through a reader that only uses verified bytes;
 * :mod:`~lockstep.checkpoint.lock`: :func:`lock_folder`, one live job per checkpoint folder.
 
 May import: ``lockstep.errors``, ``lockstep.comm``.
@@ -17,7 +20,7 @@ Example::
     from lockstep.checkpoint import lock_folder, save_checkpoint, load_checkpoint
     with lock_folder("ckpt", comm):
         state = load_checkpoint("ckpt", comm)
-        save_checkpoint("ckpt", {"model": model.state_dict()}, comm, step=10)
+        save_checkpoint("ckpt", {"step": 10}, comm, step=10, replicated={"model": model.state_dict()})
 """
 
 from __future__ import annotations

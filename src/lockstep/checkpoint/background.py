@@ -1,21 +1,21 @@
-"""Non-blocking saves: the state is copied at once, rank 0 writes it while training goes on.
+"""Non-blocking saves: the state is copied at once, the ranks write it while training goes on.
 
 ``session.save(..., blocking=False)`` (and :func:`save_checkpoint_async`) takes what a blocking
-save takes: every rank's state gathered into CPU copies and checked (``weights_only``-loadable).
-Then rank 0 writes ``state.pt``, hashes it into the manifest, fsyncs and commits by rename in a
-background thread, and prunes after the commit, exactly as a blocking save does, while every
-rank returns to training. :meth:`PendingSave.wait` (the session calls it at the next save,
-load or close) joins the writer and tells every rank how it ended: a failure (a full disk,
-naming the path) is raised there, on every rank, and the previous checkpoint is still the good
-one. A crash or SIGKILL during the write leaves only a temporary folder, which the next save
-removes and which a load never takes for a checkpoint.
-
-Checkpoints whose state holds sharded tensors (FSDP2) are written by every rank through
-``torch.distributed.checkpoint`` and stay blocking.
+save takes: every rank's state gathered into CPU copies (a sharded state is staged to CPU
+first) and checked (``weights_only``-loadable), and rank 0 opens the temporary folder. Then, in
+a background thread on each rank, rank 0 writes ``state.pt``, every rank writes its part of the
+tensors through ``torch.distributed.checkpoint`` over a process group of its own (so the
+training's collectives are never interleaved with the checkpoint's) and hashes it, and rank 0
+writes the manifest, fsyncs, commits by rename and prunes, exactly as a blocking save does.
+:meth:`PendingSave.wait` (the session calls it at the next save, load or close) joins the
+writer and tells every rank how it ended: a failure (a full disk, naming the path) is raised
+there, on every rank, and the previous checkpoint is still the good one. A crash or SIGKILL
+during the write leaves only a temporary folder, which the next save removes and which a load
+never takes for a checkpoint.
 
 Example::
 
-    pending = save_checkpoint_async("ckpt", state, comm, step=100, keep=3)
+    pending = save_checkpoint_async("ckpt", state, comm, step=100, keep=3, replicated=full)
     ...                                  # train on
     pending.wait()                       # every rank; raises if the write failed
 """
@@ -23,56 +23,69 @@ Example::
 from __future__ import annotations
 
 import threading
+import weakref
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from lockstep.checkpoint.core import _check_args, _commit, _prune_after, _stage, _what_is_left, _with_rngs, agree
-from lockstep.checkpoint.files import STATE_FILE, CheckpointError
+import torch
+
+from lockstep.checkpoint.core import agree
+from lockstep.checkpoint.files import CheckpointError, discard
 from lockstep.checkpoint.layout import step_name
-from lockstep.checkpoint.safety import check_loadable
+from lockstep.checkpoint.write import (
+    Parts, check_args, commit, open_folder, prepare, prune_after, what_is_left, write_parts,
+)
 from lockstep.comm.group import Comm
 
 __all__ = ["PendingSave", "save_checkpoint_async"]
 
+_GROUPS: weakref.WeakKeyDictionary[Comm, Any] = weakref.WeakKeyDictionary()
+
 
 class PendingSave:
-    """A checkpoint rank 0 is writing in a background thread (made by :func:`save_checkpoint_async`).
+    """A checkpoint the ranks are writing in background threads (made by :func:`save_checkpoint_async`).
 
     Args:
         root: the checkpoint folder.
-        full: the complete state, already copied (rank 0 writes it; the others pass it too).
+        tmp: the temporary folder rank 0 opened for it.
+        parts: what to write, already copied (:func:`~lockstep.checkpoint.write.prepare`).
         step: the global step (the folder's name).
         keep: how many checkpoints to keep (pruned after the commit).
         comm: the job's collectives.
+        group: the process group the writers plan over (not the training's), or ``None`` in one process.
 
     Example::
 
         pending.path       # ckpt/step-000100, once pending.wait() returned
     """
 
-    def __init__(self, root: Path, full: dict[str, Any], step: int, keep: int | None, comm: Comm) -> None:
+    def __init__(self, root: Path, tmp: Path, parts: Parts, step: int, keep: int | None, comm: Comm,
+                 group: Any = None) -> None:
         self.path = root / step_name(step)
         self.comm = comm
         self._error: CheckpointError | None = None
         self._final: Path | None = None
         self._thread: threading.Thread | None = None
-        if comm.is_main:
+        if comm.is_main or parts.tensors is not None:
             # not a daemon: a process that ends without waiting still finishes the write
-            self._thread = threading.Thread(target=self._write, args=(root, full, step, keep),
+            self._thread = threading.Thread(target=self._write, args=(root, tmp, parts, step, keep, group),
                                             name="lockstep-checkpoint", daemon=False)
             self._thread.start()
 
-    def _write(self, root: Path, full: dict[str, Any], step: int, keep: int | None) -> None:
+    def _write(self, root: Path, tmp: Path, parts: Parts, step: int, keep: int | None, group: Any) -> None:
+        comm = self.comm
         try:
-            staged, record = _stage(root, full, step)
-            self._final = _commit(root, staged, step, self.comm.world_size, {STATE_FILE: record})
+            records, self._error = write_parts(tmp, parts, comm.rank, comm.world_size, _gather(group), group)
+            if self._error is None and comm.is_main:
+                self._final = commit(root, tmp, step, comm.world_size, records)
+                prune_after(root, keep, self._final)
         except CheckpointError as exc:
-            self._error = _what_is_left(exc, root)
-            return
+            self._error = what_is_left(exc, root)
         except Exception as exc:  # noqa: BLE001 - reported at wait(), on every rank
             self._error = CheckpointError(f"saving {self.path} failed: {type(exc).__name__}: {exc}")
-            return
-        _prune_after(root, keep, self._final)
+        if self._error is not None and comm.is_main:
+            discard(tmp)
 
     def done(self) -> bool:
         """True once this rank has nothing left to write (no collective).
@@ -99,36 +112,72 @@ class PendingSave:
         return Path(agree(self.comm, self._error, str(self._final or ""))[0])
 
 
-def save_checkpoint_async(directory: str | Path, state: dict[str, Any], comm: Comm, *, step: int,
-                          keep: int | None = None) -> PendingSave:
-    """Start writing ``state`` as checkpoint ``step-NNNNNN`` and return at once (every rank calls it).
+def _gather(group: Any) -> Any:
+    """Every rank's value over ``group``; in one process (or rank 0 alone) just this one."""
+    if group is None:
+        return lambda obj: [obj]
 
-    The same contract as :func:`~lockstep.checkpoint.core.save_checkpoint` (``state``
-    identical on every rank but for ``state["rng"]``, only full tensors): the RNG states are
-    gathered and the state checked now; the write goes on in the background.
+    def gather(obj: Any) -> list[Any]:
+        out: list[Any] = [None] * torch.distributed.get_world_size(group)
+        torch.distributed.all_gather_object(out, obj, group=group)
+        return out
+    return gather
+
+
+def _writers_group(comm: Comm) -> Any:
+    """The job's process group for background checkpoint writes, made once (a collective)."""
+    if comm not in _GROUPS:
+        seconds = getattr(comm.watchdog, "timeout", None)
+        timeout = timedelta(seconds=seconds) if seconds else None
+        _GROUPS[comm] = torch.distributed.new_group(backend="gloo", timeout=timeout)
+    return _GROUPS[comm]
+
+
+def _staged(sharded: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A CPU copy of a sharded state (its ``DTensor`` s stay ``DTensor`` s), or ``None``."""
+    if sharded is None:
+        return None
+    from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
+    return BlockingAsyncStager().stage(sharded)
+
+
+def save_checkpoint_async(directory: str | Path, state: dict[str, Any], comm: Comm, *, step: int,
+                          keep: int | None = None, sharded: dict[str, Any] | None = None,
+                          replicated: dict[str, Any] | None = None) -> PendingSave:
+    """Start writing checkpoint ``step-NNNNNN`` and return at once (every rank calls it).
+
+    The same contract as :func:`~lockstep.checkpoint.core.save_checkpoint`: the RNG states are
+    gathered, the state checked and the temporary folder opened now; the writes go on in the
+    background. ``state`` and ``replicated`` must be copies nothing changes while they are
+    written; ``sharded`` is copied to CPU here.
 
     Args:
         directory: the checkpoint folder.
-        state: the complete state, already copied: nothing in it may change while it is written.
+        state: the rest of the state (counters, extras; ``state["rng"]`` this rank's).
         comm: the job's collectives.
         step: the global step.
         keep: keep only the newest ``keep`` checkpoints.
+        sharded: state dicts holding ``DTensor`` s (FSDP2).
+        replicated: state dicts identical on every rank (ddp's model and optimizer).
 
     Raises:
         UnsupportedStateError: a value that could not be loaded back safely (on every rank, now).
 
     Example::
 
-        pending = save_checkpoint_async("ckpt", state, comm, step=10)
+        pending = save_checkpoint_async("ckpt", {"step": 10}, comm, step=10, replicated={"model": msd})
     """
-    _check_args(step, keep)
+    check_args(step, keep)
     root = Path(directory)
-    full = _with_rngs(state, comm)
-    error = None
-    if comm.is_main:
-        try:
-            check_loadable(full)
-        except CheckpointError as exc:
-            error = exc
-    agree(comm, error)
-    return PendingSave(root, full, step, keep, comm)
+    parts, tmp, error = None, None, None
+    try:
+        parts = prepare(state, comm, replicated=replicated, sharded=_staged(sharded))
+        if comm.is_main:
+            tmp = open_folder(root, step)
+    except CheckpointError as exc:
+        error = what_is_left(exc, root)
+    tmp = Path(agree(comm, error, str(tmp or ""), on_error=lambda: discard(tmp))[0])
+    assert parts is not None
+    group = _writers_group(comm) if comm.world_size > 1 and parts.tensors is not None else None
+    return PendingSave(root, tmp, parts, step, keep, comm, group)

@@ -17,14 +17,16 @@ Layout::
         .tmp-step-000300-4242/     <- an unfinished save; ignored, removed by the next save
 
 The folder must be visible to every rank (a shared file system when several machines take
-part): rank 0 writes ``state.pt`` and every rank reads it back.
+part): rank 0 writes ``state.pt``, every rank writes its part of ``sharded/`` (the tensors of
+``replicated=`` and ``sharded=`` state dicts, through ``torch.distributed.checkpoint``), and
+every rank reads them back.
 
 Example (any world size; run with ``lockstep run --nproc 2 train.py`` or plain ``python``)::
 
     comm = init_comm()
-    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
-             "rng": torch.get_rng_state()}                        # this rank's RNG
-    save_checkpoint("checkpoints", state, comm, step=step, keep=3)
+    state = {"step": step, "rng": torch.get_rng_state()}         # this rank's RNG
+    save_checkpoint("checkpoints", state, comm, step=step, keep=3,
+                    replicated={"model": model.state_dict(), "optimizer": opt.state_dict()})
     state = load_checkpoint("checkpoints", comm)                  # None when there is none
     if state is not None:
         model.load_state_dict(state["model"])
@@ -42,16 +44,16 @@ from typing import Any
 import torch
 
 from lockstep.checkpoint.files import (
-    SHARDED_DIR, STATE_FILE, CheckpointError, CorruptCheckpointError, DiskFullError, UnsafeCheckpointError, discard,
-    fsync_dir, hash_file, io_error, publish, write_state_file,
+    SHARDED_DIR, STATE_FILE, CheckpointError, CorruptCheckpointError, UnsafeCheckpointError, discard,
 )
-from lockstep.checkpoint.layout import latest_checkpoint, list_checkpoints, prune, remove_stale, step_name, temp_name
-from lockstep.checkpoint.manifest import read_manifest, verify_checkpoint, write_manifest
-from lockstep.checkpoint.safety import (
-    UnsupportedStateError, check_loadable, load_state_file, read_dcp_metadata,
+from lockstep.checkpoint.layout import latest_checkpoint, list_checkpoints
+from lockstep.checkpoint.manifest import read_manifest, verify_checkpoint
+from lockstep.checkpoint.portable import PREFIX, join_tensors, marked, templates
+from lockstep.checkpoint.safety import UnsupportedStateError, load_state_file, read_dcp_metadata
+from lockstep.checkpoint.write import (
+    check_args, commit, first_failure, open_folder, prepare, prune_after, what_is_left, write_parts,
 )
 from lockstep.comm.group import Comm
-from lockstep.errors import ConfigError
 
 __all__ = [
     "CheckpointError", "CorruptCheckpointError", "UnsafeCheckpointError", "UnsupportedStateError",
@@ -83,35 +85,27 @@ def agree(comm: Comm, error: CheckpointError | None, payload: Any = None,
         choice = agree(comm, error, choice if comm.is_main else None)[0]
     """
     gathered = comm.all_gather_object((payload, error))
-    failed = [(rank, exc) for rank, (_, exc) in enumerate(gathered) if exc is not None]
-    if failed:
+    failure = first_failure([exc for _, exc in gathered], comm.rank)
+    if failure is not None:
         if on_error is not None:
             on_error()
-        if error is not None:
-            raise error
-        rank, other = failed[0]
-        raise type(other)(f"{other} (reported by rank {rank})")
+        raise failure
     return [item for item, _ in gathered]
 
 
-def _check_args(step: int, keep: int | None) -> None:
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ConfigError(f"checkpoint step must be an integer >= 0, got {step!r}")
-    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
-        raise ConfigError(f"keep must be None (keep all) or an integer >= 1, got {keep!r}")
-
-
 def save_checkpoint(directory: str | Path, state: dict[str, Any], comm: Comm, *, step: int,
-                    keep: int | None = None, sharded: dict[str, Any] | None = None) -> Path:
+                    keep: int | None = None, sharded: dict[str, Any] | None = None,
+                    replicated: dict[str, Any] | None = None) -> Path:
     """Write ``state`` as checkpoint ``step-NNNNNN`` in ``directory``; every rank must call it.
 
     Args:
         directory: the checkpoint folder (created if missing). Only one job may write into it.
-        state: the complete, already gathered state: full model and optimizer state dicts,
-            counters, extras. Identical on every rank, and only rank 0's copy is written, except
-            ``state["rng"]``: each rank passes its own RNG state there, and the checkpoint stores
-            the list of all ranks' (index = rank). Values must be what
-            ``torch.load(weights_only=True)`` accepts (tensors, dicts, lists, numbers, strings).
+        state: the complete, already gathered state: counters, extras, and full model and
+            optimizer state dicts unless they go in ``replicated``. Identical on every rank, and
+            only rank 0's copy is written, except ``state["rng"]``: each rank passes its own RNG
+            state there, and the checkpoint stores the list of all ranks' (index = rank). Values
+            must be what ``torch.load(weights_only=True)`` accepts (tensors, dicts, lists,
+            numbers, strings).
         comm: the job's :class:`~lockstep.comm.group.Comm`.
         step: the global step; names the folder. Saving a step again replaces it.
         keep: keep only the newest (highest step) ``keep`` checkpoints up to this one, pruned
@@ -120,6 +114,10 @@ def save_checkpoint(directory: str | Path, state: dict[str, Any], comm: Comm, *,
             saving their step again replaces them). ``None`` keeps all.
         sharded: state dicts holding ``DTensor`` s (FSDP2), written by every rank with
             ``torch.distributed.checkpoint`` into ``sharded/`` of the same checkpoint.
+        replicated: state dicts identical on every rank (ddp's ``{"model": ..., "optimizer":
+            ...}``): their tensors are written through ``torch.distributed.checkpoint`` too, each
+            by one rank (the bytes spread over the ranks), and :func:`load_checkpoint` returns
+            them as keys of the state, as if they had been in ``state``.
 
     Returns:
         The committed checkpoint folder.
@@ -131,99 +129,34 @@ def save_checkpoint(directory: str | Path, state: dict[str, Any], comm: Comm, *,
 
     Example::
 
-        save_checkpoint("ckpt", {"model": model.state_dict(), "step": 100,
-                                 "rng": torch.get_rng_state()}, comm, step=100, keep=3)
+        save_checkpoint("ckpt", {"step": 100, "rng": torch.get_rng_state()}, comm, step=100, keep=3,
+                        replicated={"model": model.state_dict()})
     """
-    _check_args(step, keep)
+    check_args(step, keep)
     root = Path(directory)
-    full = _with_rngs(state, comm)
-    staged, record, error = None, None, None
+    parts, tmp, error = None, None, None
     try:
-        if sharded is not None:
-            check_loadable(sharded, "sharded", allow_dtensor=True)
+        parts = prepare(state, comm, replicated=replicated, sharded=sharded)
         if comm.is_main:
-            staged, record = _stage(root, full, step)
+            tmp = open_folder(root, step)
     except CheckpointError as exc:
-        error = _what_is_left(exc, root)
-    tmp = Path(agree(comm, error, str(staged or ""), on_error=lambda: discard(staged))[0])
-    if sharded is not None:
-        from lockstep.checkpoint.sharded import save_sharded
-
-        error = _what_is_left(save_sharded(tmp / SHARDED_DIR, sharded, comm), root)
-        agree(comm, error, on_error=lambda: discard(staged))
+        error = what_is_left(exc, root)
+    tmp = Path(agree(comm, error, str(tmp or ""), on_error=lambda: discard(tmp))[0])
+    assert parts is not None
+    records, error = write_parts(tmp, parts, comm.rank, comm.world_size, comm.all_gather_object)
+    if error is not None:
+        if comm.is_main:
+            discard(tmp)
+        raise error
     final, error = None, None
     if comm.is_main:
         try:
-            final = _commit(root, tmp, step, comm.world_size, {STATE_FILE: record})
+            final = commit(root, tmp, step, comm.world_size, records)
         except CheckpointError as exc:
-            error = _what_is_left(exc, root)
+            error = what_is_left(exc, root)
         else:
-            _prune_after(root, keep, final)
+            prune_after(root, keep, final)
     return Path(agree(comm, error, str(final or ""))[0])
-
-
-def _with_rngs(state: dict[str, Any], comm: Comm) -> dict[str, Any]:
-    """``state`` with every rank's RNG state in ``state["rng"]`` (index = rank); a collective."""
-    rngs = comm.all_gather_object(state.get("rng"))
-    return {**state, "rng": rngs} if "rng" in state else dict(state)
-
-
-def _prune_after(root: Path, keep: int | None, final: Path) -> None:
-    """Rank 0, after the commit: prune; the new checkpoint is committed, so a failure only warns."""
-    try:
-        prune(root, keep, protect=final)
-    except OSError as exc:  # an old checkpoint left over is harmless
-        logger.warning("could not prune old checkpoints in %s: %s", root, exc)
-
-
-def _what_is_left(error: CheckpointError | None, root: Path) -> CheckpointError | None:
-    """A disk-full error that says which earlier checkpoint is left, or that there is none."""
-    if not isinstance(error, DiskFullError):
-        return error
-    try:
-        newest = latest_checkpoint(root)
-    except OSError:
-        return error
-    left = f"the newest checkpoint, {newest}, is intact" if newest else f"there is no earlier checkpoint in {root}"
-    return DiskFullError(f"{error}; {left}.")
-
-
-def _stage(root: Path, full: dict[str, Any], step: int) -> tuple[Path, dict[str, Any]]:
-    """Rank 0: check the state, clear leftovers, write ``state.pt`` into a new temporary folder."""
-    check_loadable(full)
-    tmp = None
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        remove_stale(root)
-        tmp = root / temp_name(step)
-        tmp.mkdir()
-        return tmp, write_state_file(tmp / STATE_FILE, full)
-    except BaseException as exc:
-        discard(tmp)
-        if isinstance(exc, OSError):
-            raise io_error(exc, root) from exc
-        raise
-
-
-def _commit(root: Path, tmp: Path, step: int, world_size: int, files: dict[str, Any]) -> Path:
-    """Rank 0: hash the sharded files, write the manifest, fsync, rename to ``step-N``.
-
-    ``files`` holds the records already hashed while writing (``state.pt``).
-    """
-    try:
-        for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
-            name = path.relative_to(tmp).as_posix()
-            if name not in files:
-                files[name] = hash_file(path)
-        write_manifest(tmp, files, step=step, world_size=world_size)
-        for folder in [p for p in tmp.rglob("*") if p.is_dir()] + [tmp]:
-            fsync_dir(folder)
-        return publish(tmp, root / step_name(step))
-    except BaseException as exc:
-        discard(tmp)
-        if isinstance(exc, OSError):
-            raise io_error(exc, root / step_name(step)) from exc
-        raise
 
 
 def load_checkpoint(directory: str | Path, comm: Comm, *, map_location: torch.device | str | None = None,
@@ -279,17 +212,25 @@ def load_checkpoint(directory: str | Path, comm: Comm, *, map_location: torch.de
     if choice is None:
         return None
     path, files = Path(choice[0]), choice[1]["files"]
+    where = "cpu" if map_location is None else map_location
     state, metadata, error = None, None, None
     try:
-        state, metadata = _read_state(path, files, "cpu" if map_location is None else map_location, sharded)
+        state, metadata = _read_state(path, files, where, sharded)
     except CheckpointError as exc:
         error = exc
     agree(comm, error)
     assert state is not None
-    if sharded is not None:
+    if metadata is not None:  # a DCP part: replicated tensors (ddp) and/or sharded state dicts (fsdp)
         from lockstep.checkpoint.sharded import load_sharded
 
-        agree(comm, load_sharded(path, files, metadata, sharded, comm))
+        filled, error = {}, None
+        try:
+            filled = templates(metadata, marked(state), where)
+        except CheckpointError as exc:
+            error = exc
+        agree(comm, error)
+        agree(comm, load_sharded(path, files, metadata, {**filled, **(sharded or {})}, comm))
+        state = join_tensors(state, filled)
     state["path"] = str(path)
     return state
 
@@ -319,9 +260,14 @@ def _read_state(path: Path, files: dict[str, Any], map_location: Any,
     state = load_state_file(path, files, map_location)
     if not isinstance(state, dict):
         raise CheckpointError(f"{path / STATE_FILE} holds a {type(state).__name__}, not a checkpoint dict")
-    if sharded is None:
-        return state, None
+    if sharded is None and not marked(state):
+        return state, None  # state.pt alone (written before ddp's tensors went through DCP)
     if not any(name.startswith(SHARDED_DIR + "/") for name in files):
-        raise CheckpointError(f"checkpoint {path} has no sharded state, but sharded= templates were "
-                              "given: it was saved without sharded= (another strategy?)")
-    return state, read_dcp_metadata(path, files)
+        raise CheckpointError(f"checkpoint {path} has no sharded state, but "
+                              + ("sharded= templates were given: it was saved without sharded= (another strategy?)"
+                                 if sharded is not None else "its state.pt names tensors stored there"))
+    metadata = read_dcp_metadata(path, files)
+    if sharded is not None and all(name.startswith(PREFIX) for name in metadata.state_dict_metadata):
+        raise CheckpointError(f"checkpoint {path} holds full state dicts, not sharded ones, but sharded= "
+                              "templates were given: it was saved without sharded= (another strategy?)")
+    return state, metadata

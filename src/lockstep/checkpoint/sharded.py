@@ -16,7 +16,7 @@ not loaded otherwise).
 
 Example::
 
-    error = save_sharded(tmp / SHARDED_DIR, {"model": msd}, comm)
+    error = save_sharded(tmp / SHARDED_DIR, {"model": msd}, comm.world_size)
     ...
     metadata = read_dcp_metadata(ckpt, manifest["files"])
     error = load_sharded(ckpt, manifest["files"], metadata, template, comm)
@@ -115,24 +115,29 @@ class VerifiedReader(FileSystemReader):
         return metadata
 
 
-def save_sharded(target: Path, sharded: dict[str, Any], comm: Comm) -> CheckpointError | None:
-    """``dcp.save`` ``sharded`` into ``target`` (every rank); return this rank's error, if any.
+def save_sharded(target: Path, tensors: dict[str, Any], world_size: int, group: Any = None) -> CheckpointError | None:
+    """``dcp.save`` ``tensors`` into ``target`` (every rank); return this rank's error, if any.
+
+    Tensors that every rank holds alike (same name, same full shape) are written once, by the
+    rank with the fewest bytes planned so far: each rank writes a part.
 
     Args:
         target: the ``sharded/`` folder of the temporary checkpoint.
-        sharded: the state dicts holding ``DTensor`` s.
-        comm: the job's communicator (world size 1 saves without a process group).
+        tensors: the same names on every rank: state dicts holding ``DTensor`` s, and replicated
+            tensors (:mod:`~lockstep.checkpoint.portable`).
+        world_size: ranks in the job (1 saves without a process group).
+        group: the process group to plan over (``None``: the default one).
 
     Example::
 
-        error = save_sharded(tmp / SHARDED_DIR, {"model": msd}, comm)
+        error = save_sharded(tmp / SHARDED_DIR, {"model": msd}, comm.world_size)
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
         with _quiet_single_process():
-            dcp.save(sharded, checkpoint_id=target, no_dist=comm.world_size == 1)
+            dcp.save(tensors, checkpoint_id=target, process_group=group, no_dist=world_size == 1)
     except (Exception, CheckpointException) as exc:
         return sharded_error(exc, target, "write")
     return None

@@ -346,8 +346,8 @@ class Session(Position):
             model: the model returned by :meth:`setup`.
             optimizer: its optimizer.
             keep: keep only the newest ``keep`` checkpoints (pruned after the new one is committed).
-            blocking: False: return once the state is copied, rank 0 writing it meanwhile; the next
-                save, load or :meth:`close` waits for it and raises its error (fsdp always blocks).
+            blocking: False: return once the state is copied, the ranks writing it meanwhile; the
+                next save, load or :meth:`close` waits for it and raises its error.
             **extras: your own values (numbers, strings, tensors, lists, dicts).
 
         Example::

@@ -162,9 +162,11 @@ def save_state(directory: Path, train: TrainState, *, comm: Comm, strategy: Stra
                extras: dict[str, Any], blocking: bool = True) -> Path | PendingSave:
     """Write ``train`` with the model, optimizer, precision state and ``extras`` as one checkpoint.
 
-    With ``blocking=False`` the state is copied now and rank 0 writes it in the background: a
+    The model's and optimizer's tensors are written through ``torch.distributed.checkpoint``,
+    each rank its part (sharded for fsdp; spread over the ranks for the replicated strategies).
+    With ``blocking=False`` the state is copied now and the ranks write it in the background: a
     :class:`~lockstep.checkpoint.background.PendingSave` is returned (its ``wait()`` gives the
-    folder). A state with sharded tensors (fsdp) is always written at once.
+    folder).
 
     Args:
         directory: the checkpoint folder.
@@ -190,10 +192,9 @@ def save_state(directory: Path, train: TrainState, *, comm: Comm, strategy: Stra
     if not blocking:
         extras = copy.deepcopy(extras)  # the user's tensors may change while the state is written
     state: dict[str, Any] = {"format": FORMAT, **train.state_dict(), "precision": precision.state_dict(),
-                             "extras": extras, **(full or {})}
-    if not blocking and sharded is None:
-        return save_checkpoint_async(directory, state, comm, step=train.global_step, keep=keep)
-    return save_checkpoint(directory, state, comm, step=train.global_step, keep=keep, sharded=sharded)
+                             "extras": extras}
+    save = save_checkpoint if blocking else save_checkpoint_async
+    return save(directory, state, comm, step=train.global_step, keep=keep, sharded=sharded, replicated=full)
 
 
 def load_state(directory: Path, train: TrainState, *, comm: Comm, device: torch.device, strategy: Strategy,

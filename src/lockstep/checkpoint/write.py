@@ -1,0 +1,281 @@
+"""Writing one checkpoint: a temporary folder, each rank's part, the manifest, the rename.
+
+The steps a blocking save (:mod:`~lockstep.checkpoint.core`) and a background one
+(:mod:`~lockstep.checkpoint.background`) share:
+
+1. :func:`prepare`: every rank's RNG gathered, replicated state dicts cut into tensors and a
+   skeleton (:mod:`~lockstep.checkpoint.portable`), everything checked ``weights_only``-loadable;
+2. :func:`open_folder`: rank 0 clears leftovers and makes ``.tmp-step-N-PID``;
+3. :func:`write_parts`: rank 0 writes ``state.pt``, every rank writes its part of the tensors
+   through ``torch.distributed.checkpoint`` and hashes the files it wrote; the records and any
+   error are exchanged, so every rank knows the outcome;
+4. :func:`commit`: rank 0 writes the manifest, fsyncs and renames to ``step-N``;
+   :func:`prune_after` then removes old checkpoints.
+
+Example::
+
+    parts = prepare(state, comm, replicated=full, sharded=None)
+    tmp = open_folder(root, step)                          # rank 0
+    records, error = write_parts(tmp, parts, comm.rank, comm.world_size, comm.all_gather_object)
+    final = commit(root, tmp, step, comm.world_size, records)   # rank 0, when error is None
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lockstep.checkpoint.files import (
+    SHARDED_DIR, STATE_FILE, CheckpointError, DiskFullError, discard, fsync_dir, hash_file, io_error, publish,
+    write_state_file,
+)
+from lockstep.checkpoint.layout import latest_checkpoint, prune, remove_stale, step_name, temp_name
+from lockstep.checkpoint.manifest import write_manifest
+from lockstep.checkpoint.portable import split_tensors
+from lockstep.checkpoint.safety import check_loadable
+from lockstep.comm.group import Comm
+from lockstep.errors import ConfigError
+
+__all__ = ["Parts", "check_args", "prepare", "open_folder", "write_parts", "commit", "prune_after",
+           "what_is_left", "first_failure"]
+
+logger = logging.getLogger("lockstep.checkpoint.write")
+_OWN_FILE = re.compile(r"^__(\d+)_")   # DCP names rank r's data files "__r_N.distcp"
+
+Gather = Callable[[Any], list[Any]]
+
+
+@dataclass
+class Parts:
+    """What one save writes.
+
+    Args:
+        state: ``state.pt``'s content (rank 0 writes it; every rank holds it until the write).
+        tensors: the DCP part, the same names on every rank (replicated tensors and sharded
+            state dicts), or ``None`` when the checkpoint is ``state.pt`` alone.
+
+    Example::
+
+        Parts({"step": 3}, {"full/model/w": torch.ones(2)})
+    """
+
+    state: dict[str, Any]
+    tensors: dict[str, Any] | None
+
+
+def check_args(step: int, keep: int | None) -> None:
+    """Refuse a step or ``keep`` that is not a usable number (a :class:`~lockstep.errors.ConfigError`).
+
+    Args:
+        step: the global step (an integer >= 0).
+        keep: ``None`` or an integer >= 1.
+
+    Example::
+
+        check_args(10, 3)
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ConfigError(f"checkpoint step must be an integer >= 0, got {step!r}")
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ConfigError(f"keep must be None (keep all) or an integer >= 1, got {keep!r}")
+
+
+def prepare(state: dict[str, Any], comm: Comm, *, replicated: dict[str, Any] | None = None,
+            sharded: dict[str, Any] | None = None) -> Parts:
+    """Gather every rank's RNG (a collective), cut ``replicated`` and check what will be written.
+
+    Args:
+        state: the rest of the checkpoint (``state["rng"]`` this rank's RNG).
+        comm: the job's collectives.
+        replicated: state dicts identical on every rank (ddp's model and optimizer): their
+            tensors go through DCP, each written by one rank; they load back as they were.
+        sharded: state dicts holding ``DTensor`` s (FSDP2), written through DCP as they are.
+
+    Raises:
+        UnsupportedStateError: a value ``torch.load(weights_only=True)`` would refuse (this
+            rank's; the caller makes every rank agree).
+
+    Example::
+
+        parts = prepare({"step": 3, "rng": capture_rng()}, comm, replicated={"model": msd})
+    """
+    rngs = comm.all_gather_object(state.get("rng"))
+    full = {**state, "rng": rngs} if "rng" in state else dict(state)
+    tensors: dict[str, Any] | None = None
+    if replicated is not None:
+        skeleton, tensors = split_tensors(replicated)
+        full.update(skeleton)
+    if sharded is not None:
+        check_loadable(sharded, "sharded", allow_dtensor=True)
+        tensors = {**(tensors or {}), **sharded}
+    if comm.is_main:
+        check_loadable(full)
+    return Parts(full, tensors)
+
+
+def open_folder(root: Path, step: int) -> Path:
+    """Rank 0: clear what killed saves left, make the temporary folder of ``step``.
+
+    Raises:
+        CheckpointError: the folder cannot be made (the message names it).
+
+    Example::
+
+        tmp = open_folder(Path("ckpt"), 300)   # ckpt/.tmp-step-000300-4242
+    """
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        remove_stale(root)
+        tmp = root / temp_name(step)
+        tmp.mkdir()
+        return tmp
+    except OSError as exc:
+        raise io_error(exc, root) from exc
+
+
+def write_parts(tmp: Path, parts: Parts, rank: int, world_size: int, gather: Gather,
+                group: Any = None) -> tuple[dict[str, Any], CheckpointError | None]:
+    """Write this rank's share of ``parts`` into ``tmp`` (every rank that holds a share calls it).
+
+    Rank 0 writes ``state.pt``; every rank passes ``parts.tensors`` to DCP, which writes each
+    tensor once, spread over the ranks, then hashes the files it wrote itself. Rank 0 goes
+    through every step even after a failure of its own, so no rank waits for it in vain.
+
+    Args:
+        tmp: the temporary checkpoint folder.
+        parts: what :func:`prepare` returned.
+        rank: this rank.
+        world_size: ranks in the job.
+        gather: every rank's value by rank (``comm.all_gather_object``, or the same over another
+            group); ``lambda x: [x]`` when rank 0 writes alone.
+        group: the process group DCP uses (``None``: the default one).
+
+    Returns:
+        Every file's manifest record, and the first error (the same on every rank; another
+        rank's names that rank).
+
+    Example::
+
+        records, error = write_parts(tmp, parts, comm.rank, comm.world_size, comm.all_gather_object)
+    """
+    records: dict[str, Any] = {}
+    error: CheckpointError | None = None
+    if rank == 0:
+        try:
+            records[STATE_FILE] = write_state_file(tmp / STATE_FILE, parts.state)
+        except CheckpointError as exc:
+            error = exc
+        except OSError as exc:
+            error = io_error(exc, tmp / STATE_FILE)
+    if parts.tensors is not None:
+        from lockstep.checkpoint.sharded import save_sharded
+
+        failed = save_sharded(tmp / SHARDED_DIR, parts.tensors, world_size, group)
+        if failed is None:
+            try:
+                records.update(_hash_own(tmp, rank))
+            except OSError as exc:
+                failed = io_error(exc, tmp, "read")
+        error = error or failed
+    gathered = gather((records, what_is_left(error, tmp.parent)))
+    merged: dict[str, Any] = {}
+    for theirs, _ in gathered:
+        merged.update(theirs)
+    return merged, first_failure([e for _, e in gathered], rank)
+
+
+def _hash_own(tmp: Path, rank: int) -> dict[str, Any]:
+    """Records of the DCP files this rank wrote (rank 0 also takes the metadata and any other)."""
+    out = {}
+    for path in sorted(p for p in (tmp / SHARDED_DIR).rglob("*") if p.is_file()):
+        name = path.relative_to(tmp).as_posix()
+        owner = _OWN_FILE.match(path.name)
+        if (int(owner.group(1)) if owner else 0) == rank:
+            out[name] = hash_file(path)
+    return out
+
+
+def first_failure(errors: list[CheckpointError | None], rank: int) -> CheckpointError | None:
+    """The error every rank raises: this rank's own, else the first other rank's, naming it.
+
+    Args:
+        errors: every rank's error or ``None``, by rank.
+        rank: this rank.
+
+    Example::
+
+        first_failure([None, DiskFullError("...")], 0)   # DiskFullError("... (reported by rank 1)")
+    """
+    if errors[rank] is not None:
+        return errors[rank]
+    for other, exc in enumerate(errors):
+        if exc is not None:
+            return type(exc)(f"{exc} (reported by rank {other})")
+    return None
+
+
+def commit(root: Path, tmp: Path, step: int, world_size: int, files: dict[str, Any]) -> Path:
+    """Rank 0: write the manifest (hashing any file no rank recorded), fsync, rename to ``step-N``.
+
+    Args:
+        root: the checkpoint folder.
+        tmp: the finished temporary folder.
+        step: the global step.
+        world_size: ranks that saved (recorded in the manifest).
+        files: the records already taken by :func:`write_parts`.
+
+    Raises:
+        CheckpointError: the manifest or the rename failed (``tmp`` is removed).
+
+    Example::
+
+        commit(Path("ckpt"), tmp, 300, 2, records)   # ckpt/step-000300
+    """
+    try:
+        for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+            name = path.relative_to(tmp).as_posix()
+            if name not in files:
+                files[name] = hash_file(path)
+        write_manifest(tmp, files, step=step, world_size=world_size)
+        for folder in [p for p in tmp.rglob("*") if p.is_dir()] + [tmp]:
+            fsync_dir(folder)
+        return publish(tmp, root / step_name(step))
+    except BaseException as exc:
+        discard(tmp)
+        if isinstance(exc, OSError):
+            raise io_error(exc, root / step_name(step)) from exc
+        raise
+
+
+def prune_after(root: Path, keep: int | None, final: Path) -> None:
+    """Rank 0, after the commit: prune; the new checkpoint is committed, so a failure only warns.
+
+    Example::
+
+        prune_after(Path("ckpt"), 2, Path("ckpt/step-000300"))
+    """
+    try:
+        prune(root, keep, protect=final)
+    except OSError as exc:  # an old checkpoint left over is harmless
+        logger.warning("could not prune old checkpoints in %s: %s", root, exc)
+
+
+def what_is_left(error: CheckpointError | None, root: Path) -> CheckpointError | None:
+    """A disk-full error that says which earlier checkpoint is left, or that there is none.
+
+    Example::
+
+        what_is_left(DiskFullError("..."), Path("ckpt"))   # "...; the newest checkpoint, ckpt/step-000200, is intact."
+    """
+    if not isinstance(error, DiskFullError):
+        return error
+    try:
+        newest = latest_checkpoint(root)
+    except OSError:
+        return error
+    left = f"the newest checkpoint, {newest}, is intact" if newest else f"there is no earlier checkpoint in {root}"
+    return DiskFullError(f"{error}; {left}.")

@@ -30,12 +30,9 @@ from typing import Any
 
 import torch
 
-from lockstep.checkpoint.core import agree
 from lockstep.checkpoint.files import CheckpointError, discard
 from lockstep.checkpoint.layout import step_name
-from lockstep.checkpoint.write import (
-    Parts, check_args, commit, open_folder, prepare, prune_after, what_is_left, write_parts,
-)
+from lockstep.checkpoint.write import Parts, agree, begin, commit, prune_after, what_is_left, write_parts
 from lockstep.comm.group import Comm
 
 __all__ = ["PendingSave", "save_checkpoint_async"]
@@ -168,16 +165,7 @@ def save_checkpoint_async(directory: str | Path, state: dict[str, Any], comm: Co
 
         pending = save_checkpoint_async("ckpt", {"step": 10}, comm, step=10, replicated={"model": msd})
     """
-    check_args(step, keep)
-    root = Path(directory)
-    parts, tmp, error = None, None, None
-    try:
-        parts = prepare(state, comm, replicated=replicated, sharded=_staged(sharded))
-        if comm.is_main:
-            tmp = open_folder(root, step)
-    except CheckpointError as exc:
-        error = what_is_left(exc, root)
-    tmp = Path(agree(comm, error, str(tmp or ""), on_error=lambda: discard(tmp))[0])
-    assert parts is not None
+    root, parts, tmp = begin(directory, state, comm, step=step, keep=keep, replicated=replicated,
+                             sharded=_staged(sharded))
     group = _writers_group(comm) if comm.world_size > 1 and parts.tensors is not None else None
     return PendingSave(root, tmp, parts, step, keep, comm, group)

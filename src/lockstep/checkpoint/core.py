@@ -37,7 +37,6 @@ Example (any world size; run with ``lockstep run --nproc 2 train.py`` or plain `
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +49,7 @@ from lockstep.checkpoint.layout import latest_checkpoint, list_checkpoints
 from lockstep.checkpoint.manifest import read_manifest, verify_checkpoint
 from lockstep.checkpoint.portable import PREFIX, join_tensors, marked, templates
 from lockstep.checkpoint.safety import UnsupportedStateError, load_state_file, read_dcp_metadata
-from lockstep.checkpoint.write import (
-    check_args, commit, first_failure, open_folder, prepare, prune_after, what_is_left, write_parts,
-)
+from lockstep.checkpoint.write import agree, begin, commit, prune_after, what_is_left, write_parts
 from lockstep.comm.group import Comm
 
 __all__ = [
@@ -62,35 +59,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("lockstep.checkpoint.core")
-
-
-def agree(comm: Comm, error: CheckpointError | None, payload: Any = None,
-          on_error: Callable[[], None] | None = None) -> list[Any]:
-    """Exchange (payload, error) between all ranks; if any rank failed, raise on every rank.
-
-    This is also the barrier of each phase: no rank goes on before every rank got here. The
-    failing rank raises its own error; the others raise a copy naming the rank that reported it.
-
-    Args:
-        comm: the job's :class:`~lockstep.comm.group.Comm` (every rank calls this).
-        error: this rank's failure, or ``None``.
-        payload: a small picklable value to share (for example rank 0's choice).
-        on_error: called on every rank before raising (clean-up).
-
-    Returns:
-        Every rank's payload, by rank.
-
-    Example::
-
-        choice = agree(comm, error, choice if comm.is_main else None)[0]
-    """
-    gathered = comm.all_gather_object((payload, error))
-    failure = first_failure([exc for _, exc in gathered], comm.rank)
-    if failure is not None:
-        if on_error is not None:
-            on_error()
-        raise failure
-    return [item for item, _ in gathered]
 
 
 def save_checkpoint(directory: str | Path, state: dict[str, Any], comm: Comm, *, step: int,
@@ -132,17 +100,7 @@ def save_checkpoint(directory: str | Path, state: dict[str, Any], comm: Comm, *,
         save_checkpoint("ckpt", {"step": 100, "rng": torch.get_rng_state()}, comm, step=100, keep=3,
                         replicated={"model": model.state_dict()})
     """
-    check_args(step, keep)
-    root = Path(directory)
-    parts, tmp, error = None, None, None
-    try:
-        parts = prepare(state, comm, replicated=replicated, sharded=sharded)
-        if comm.is_main:
-            tmp = open_folder(root, step)
-    except CheckpointError as exc:
-        error = what_is_left(exc, root)
-    tmp = Path(agree(comm, error, str(tmp or ""), on_error=lambda: discard(tmp))[0])
-    assert parts is not None
+    root, parts, tmp = begin(directory, state, comm, step=step, keep=keep, replicated=replicated, sharded=sharded)
     records, error = write_parts(tmp, parts, comm.rank, comm.world_size, comm.all_gather_object)
     if error is not None:
         if comm.is_main:

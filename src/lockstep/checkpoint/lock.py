@@ -34,7 +34,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from lockstep.checkpoint.core import agree
+from lockstep.checkpoint.write import agree
 from lockstep.checkpoint.files import CheckpointError, io_error
 from lockstep.comm.group import Comm
 

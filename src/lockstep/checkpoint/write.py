@@ -40,7 +40,7 @@ from lockstep.checkpoint.safety import check_loadable
 from lockstep.comm.group import Comm
 from lockstep.errors import ConfigError
 
-__all__ = ["Parts", "check_args", "prepare", "open_folder", "write_parts", "commit", "prune_after",
+__all__ = ["Parts", "agree", "begin", "check_args", "prepare", "open_folder", "write_parts", "commit", "prune_after",
            "what_is_left", "first_failure"]
 
 logger = logging.getLogger("lockstep.checkpoint.write")
@@ -65,6 +65,35 @@ class Parts:
 
     state: dict[str, Any]
     tensors: dict[str, Any] | None
+
+
+def agree(comm: Comm, error: CheckpointError | None, payload: Any = None,
+          on_error: Callable[[], None] | None = None) -> list[Any]:
+    """Exchange (payload, error) between all ranks; if any rank failed, raise on every rank.
+
+    This is also the barrier of each phase: no rank goes on before every rank got here. The
+    failing rank raises its own error; the others raise a copy naming the rank that reported it.
+
+    Args:
+        comm: the job's :class:`~lockstep.comm.group.Comm` (every rank calls this).
+        error: this rank's failure, or ``None``.
+        payload: a small picklable value to share (for example rank 0's choice).
+        on_error: called on every rank before raising (clean-up).
+
+    Returns:
+        Every rank's payload, by rank.
+
+    Example::
+
+        choice = agree(comm, error, choice if comm.is_main else None)[0]
+    """
+    gathered = comm.all_gather_object((payload, error))
+    failure = first_failure([exc for _, exc in gathered], comm.rank)
+    if failure is not None:
+        if on_error is not None:
+            on_error()
+        raise failure
+    return [item for item, _ in gathered]
 
 
 def check_args(step: int, keep: int | None) -> None:
@@ -135,6 +164,34 @@ def open_folder(root: Path, step: int) -> Path:
         return tmp
     except OSError as exc:
         raise io_error(exc, root) from exc
+
+
+def begin(directory: str | Path, state: dict[str, Any], comm: Comm, *, step: int, keep: int | None,
+          replicated: dict[str, Any] | None, sharded: dict[str, Any] | None) -> tuple[Path, Parts, Path]:
+    """Every rank: check the arguments, :func:`prepare` the parts, rank 0 opens the folder; agreed.
+
+    Returns:
+        The checkpoint folder, the parts, the temporary folder (the same on every rank).
+
+    Raises:
+        UnsupportedStateError / CheckpointError: on every rank, when any rank failed.
+
+    Example::
+
+        root, parts, tmp = begin("ckpt", state, comm, step=3, keep=2, replicated=full, sharded=None)
+    """
+    check_args(step, keep)
+    root = Path(directory)
+    parts, tmp, error = None, None, None
+    try:
+        parts = prepare(state, comm, replicated=replicated, sharded=sharded)
+        if comm.is_main:
+            tmp = open_folder(root, step)
+    except CheckpointError as exc:
+        error = what_is_left(exc, root)
+    tmp = Path(agree(comm, error, str(tmp or ""), on_error=lambda: discard(tmp))[0])
+    assert parts is not None
+    return root, parts, tmp
 
 
 def write_parts(tmp: Path, parts: Parts, rank: int, world_size: int, gather: Gather,

@@ -37,7 +37,7 @@ TRAIN = textwrap.dedent("""
     from pathlib import Path
     from torch import nn
     import lockstep
-    import lockstep.checkpoint.core
+    import lockstep.checkpoint.write
     from lockstep.session.preempt import Preempted
 
     ckpt, out, mode = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -52,13 +52,13 @@ TRAIN = textwrap.dedent("""
     Path(out).with_name(f"pid{session.rank}").write_text(str(os.getpid()))
 
     if mode == "kill-in-save" and first and session.rank == 0:
-        write = lockstep.checkpoint.core.write_state_file
+        write = lockstep.checkpoint.write.write_state_file
         def dying_write(path, obj):
             if session.global_step == 8:
                 path.write_bytes(b"half a checkpoint" * 1000)
                 os.kill(os.getpid(), signal.SIGKILL)
             return write(path, obj)
-        lockstep.checkpoint.core.write_state_file = dying_write
+        lockstep.checkpoint.write.write_state_file = dying_write
 
     try:
         for epoch in session.epochs(4, start=state.epoch):

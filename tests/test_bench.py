@@ -19,7 +19,7 @@ from lockstep.bench.report import threads_line, write_outputs
 from lockstep.bench.run import SCHEMA_VERSION, aggregate, percentile, threads_per_rank
 from lockstep.errors import ConfigError
 
-CELL_KEYS = {"id", "strategy", "precision", "nproc", "status", "reason", "winner", "samples_per_s",
+CELL_KEYS = {"id", "strategy", "precision", "nproc", "compile", "status", "reason", "winner", "samples_per_s",
              "samples_per_s_per_rank", "efficiency", "step_ms_median", "step_ms_p10", "step_ms_p90",
              "peak_mem_mb", "batch_size", "steps", "warmup"}
 FIGURES = ("samples_per_s", "samples_per_s_per_rank", "efficiency", "step_ms_median", "step_ms_p10",
@@ -63,6 +63,20 @@ def test_plan_orders_cells_and_marks_skips() -> None:
     cells = plan_cells(config, gpus=0)
     assert [c.id for c in cells] == ["single/fp32/1", "single/fp32/2", "ddp/fp32/1", "ddp/fp32/2"]
     assert [c.status for c in cells] == ["planned", "skipped", "planned", "planned"]
+
+
+def test_compile_list_puts_eager_and_compiled_cells_side_by_side() -> None:
+    config = BenchConfig(strategies=("single", "ddp"), precisions=("fp32",), nprocs=(1, 2),
+                         compile="none, aot_eager, none")
+    assert config.compile == "none,aot_eager" and config.compiles == ("none", "aot_eager")
+    cells = plan_cells(config, gpus=0)
+    assert [c.id for c in cells] == ["single/fp32/1", "single/fp32/1/aot_eager", "single/fp32/2",
+                                     "single/fp32/2/aot_eager", "ddp/fp32/1", "ddp/fp32/1/aot_eager",
+                                     "ddp/fp32/2", "ddp/fp32/2/aot_eager"]
+    assert [c.status for c in cells[2:4]] == ["skipped", "skipped"] and cells[3].reason == cells[2].reason
+    assert BenchConfig(compile="inductor").compiles == ("inductor",) and BenchConfig().compiles == ("none",)
+    with pytest.raises(ConfigError, match="--compile 'x'"):
+        BenchConfig(compile="none,x")
 
 
 def test_compressed_ddp_cells() -> None:
@@ -131,6 +145,25 @@ def test_efficiency_against_one_process_then_single() -> None:
     effs = [c.result["efficiency"] for c in cells]
     assert effs[:5] == pytest.approx([1.0, 1.0, 0.8, 0.75, 0.8])
     assert effs[5] is None                                                # no bf16 baseline ran
+
+
+def test_efficiency_compares_the_same_compile_setting() -> None:
+    def ran(nproc: int, sps: float, compile: str) -> Cell:
+        return Cell("ddp", "fp32", nproc, "ran", None, {"samples_per_s": sps, "devices": nproc}, compile=compile)
+
+    cells = [ran(1, 100.0, "none"), ran(1, 50.0, "inductor"), ran(2, 150.0, "none"), ran(2, 100.0, "inductor")]
+    add_efficiency(cells)
+    assert [c.result["efficiency"] for c in cells] == pytest.approx([1.0, 1.0, 0.75, 1.0])
+
+
+def test_aggregate_counts_compilations_in_the_window() -> None:
+    cell = Cell("ddp", "fp32", 2, compile="inductor")
+    aggregate(cell, [{**_rank(1.0, [10.0]), "compiles_in_window": 0}, {**_rank(1.0, [10.0]), "compiles_in_window": 2}],
+              steps=1)
+    assert cell.result["compiles_in_window"] == 2
+    plain = Cell("ddp", "fp32", 2)
+    aggregate(plain, [_rank(1.0, [10.0]), _rank(1.0, [10.0])], steps=1)
+    assert plain.result["compiles_in_window"] == 0
 
 
 def test_cpu_cells_share_the_same_cores() -> None:
@@ -274,6 +307,21 @@ def test_compressed_ddp_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str])
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_eager_and_compiled_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, doc = _bench(tmp_path, "--strategies", "single", "--precision", "fp32", "--nproc", "1",
+                       "--compile", "none,aot_eager")
+    assert code == 0 and doc["config"]["compile"] == "none,aot_eager"
+    eager, compiled = doc["cells"]
+    assert (eager["id"], compiled["id"]) == ("single/fp32/1", "single/fp32/1/aot_eager")
+    assert (eager["compile"], compiled["compile"]) == ("none", "aot_eager")
+    assert eager["status"] == compiled["status"] == "ran"
+    assert eager["compiles_in_window"] == compiled["compiles_in_window"] == 0   # the warm-up compiled
+    out = capsys.readouterr().out
+    assert "each cell eager and compiled (aot_eager)" in out and "aot_eager  ran" in out
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_failing_cell_is_reported_not_raised(tmp_path: Path) -> None:
     argv_model = ["--model", f"{__name__}:broken_model"]
@@ -313,6 +361,30 @@ def test_table_and_outputs_from_a_document(tmp_path: Path) -> None:
     assert table.splitlines()[1].startswith("cpu threads per rank: 2 at nproc 1, 1 at nproc 2")
     winner_line = next(line for line in table.splitlines() if line.startswith("*  ddp"))
     assert "30.0" in winner_line and "[1] dp/fp32/1: because" in table
+    assert "compile" not in table.splitlines()[3]                                  # an eager run: no column
     paths = write_outputs(doc, tmp_path / "out")
     assert json.loads(paths["json"].read_text())["cells"][1]["winner"] is True
     assert paths["png"] is not None and paths["png"].stat().st_size > 1000
+
+
+def test_table_shows_eager_and_compiled_rows(tmp_path: Path) -> None:
+    def cell(compile: str, sps: float, winner: bool = False, recompiled: int = 0) -> dict[str, Any]:
+        figures = {k: sps if k.startswith("samples") else 1.0 for k in FIGURES}
+        cid = "ddp/fp32/1" + ("" if compile == "none" else f"/{compile}")
+        return {"id": cid, "strategy": "ddp", "precision": "fp32", "nproc": 1, "compile": compile, "status": "ran",
+                "reason": None, "winner": winner, "compiles_in_window": recompiled, **figures}
+
+    doc = {"config": {"model": "m", "data": "synthetic", "image_size": 4, "batch_size": 2, "steps": 1, "warmup": 0,
+                      "compile": "none,inductor"},
+           "device": {"type": "cpu", "count": 0, "name": "x"}, "host": {"cpu_cores": 2, "load_average": [1.0]},
+           "torch": "2", "cells": [cell("none", 20.0, True), cell("inductor", 10.0, recompiled=1)]}
+    lines = format_table(doc).splitlines()
+    assert "each cell eager and compiled (inductor)" in lines[0]
+    assert lines[2].split()[:5] == ["strategy", "precision", "nproc", "compile", "status"]
+    assert lines[3].split()[:6] == ["*", "ddp", "fp32", "1", "eager", "ran"]
+    assert lines[4].split()[:6] == ["ddp", "fp32", "1", "inductor", "ran", "[1]"]
+    assert lines[-1].startswith("[1] ddp/fp32/1/inductor: torch.compile compiled 1 graph(s) inside the timed window")
+    assert "* fastest: ddp fp32 x1, 20.0 samples/s" in lines
+    doc["config"]["compile"] = "inductor"
+    assert "compiled (inductor)" in format_table(doc).splitlines()[0]
+    assert write_outputs(doc, tmp_path)["json"].exists()

@@ -1,6 +1,8 @@
 """What ``lockstep bench`` measures: its configuration, the matrix of cells, and why a cell is skipped.
 
-A cell is one ``strategy x precision x nproc`` combination. A strategy may carry ddp's gradient
+A cell is one ``strategy x precision x nproc x compile`` combination (``compile`` is ``none``,
+eager, unless ``--compile`` names backends: ``--compile none,inductor`` puts each eager cell and
+its compiled twin side by side, measured one after the other). A strategy may carry ddp's gradient
 compression after a ``+`` (``ddp+bf16``, ``ddp+fp16``, ``ddp+powersgd``: the communication hooks
 of ``Session(grad_compression=...)``) or ``+zero`` (``ddp+zero``: ``shard_optimizer=True``, each
 rank holding a part of the optimizer state), so that these and plain ddp are rows of one table.
@@ -101,7 +103,8 @@ class BenchConfig:
         seed: seed of weights and data.
         threads: CPU threads per rank; ``None``: the cores shared evenly (cores // nproc).
         compile: ``none``, or the ``torch.compile`` backend every cell's model is compiled with
-            (``inductor``, ``aot_eager``...); the warm-up steps hold the compilation.
+            (``inductor``, ``aot_eager``...), or a comma-separated list of them (``none,inductor``:
+            every cell eager and compiled); the warm-up steps hold the compilation.
 
     Example::
 
@@ -162,10 +165,16 @@ class BenchConfig:
             if value is not None and value < low:  # None: the default is filled in later
                 raise ConfigError(f"{label} must be >= {low}, got {value}")
         NonFinitePolicy(self.nonfinite)  # the Session's own check of the policy
-        object.__setattr__(self, "compile", check_options(compile=self.compile).compile)
+        compiles = [check_options(compile=name).compile for name in parse_list(self.compile, "--compile")]
+        object.__setattr__(self, "compile", ",".join(dict.fromkeys(compiles)))
         parse_model(self.model)
         if self.data != "synthetic":
             parse_data(self.data)
+
+    @property
+    def compiles(self) -> tuple[str, ...]:
+        """The compile settings every cell is measured with: ``("none",)``, ``("none", "inductor")``..."""
+        return tuple(self.compile.split(","))
 
     @property
     def per_device_batch(self) -> int:
@@ -206,10 +215,12 @@ class Cell:
         status: ``planned``, then ``ran``, ``skipped`` or ``failed``.
         reason: why it was skipped or how it failed.
         result: the measured figures (see :mod:`lockstep.bench.report` for the fields).
+        compile: ``none`` (eager) or the ``torch.compile`` backend of the model.
 
     Example::
 
-        Cell("ddp", "fp32", 2).id    # 'ddp/fp32/2'
+        Cell("ddp", "fp32", 2).id                         # 'ddp/fp32/2'
+        Cell("ddp", "fp32", 2, compile="inductor").id    # 'ddp/fp32/2/inductor'
     """
 
     strategy: str
@@ -218,11 +229,13 @@ class Cell:
     status: str = "planned"
     reason: str | None = None
     result: dict[str, Any] = field(default_factory=dict)
+    compile: str = "none"
 
     @property
     def id(self) -> str:
-        """``strategy/precision/nproc``."""
-        return f"{self.strategy}/{self.precision}/{self.nproc}"
+        """``strategy/precision/nproc``, and ``/backend`` for a compiled cell."""
+        base = f"{self.strategy}/{self.precision}/{self.nproc}"
+        return base if self.compile == "none" else f"{base}/{self.compile}"
 
 
 def skip_reason(strategy: str, precision: str, nproc: int, gpus: int, bf16_supported: bool = True) -> str | None:
@@ -266,7 +279,10 @@ def skip_reason(strategy: str, precision: str, nproc: int, gpus: int, bf16_suppo
 
 
 def plan_cells(config: BenchConfig, gpus: int, bf16_supported: bool = True) -> list[Cell]:
-    """Every cell of the matrix in run order (strategy, precision, then nproc), skips decided.
+    """Every cell of the matrix in run order (strategy, precision, nproc, then compile), skips decided.
+
+    The compile settings vary fastest, so that an eager cell and its compiled twin run one after
+    the other, under the same conditions of the machine.
 
     Args:
         config: the bench configuration.
@@ -281,9 +297,10 @@ def plan_cells(config: BenchConfig, gpus: int, bf16_supported: bool = True) -> l
     for strategy in config.strategies:
         for precision in config.precisions:
             for nproc in sorted(config.nprocs):
-                cell = Cell(strategy, precision, nproc)
-                cell.reason = skip_reason(strategy, precision, nproc, gpus, bf16_supported)
-                if cell.reason is not None:
-                    cell.status = "skipped"
-                cells.append(cell)
+                reason = skip_reason(strategy, precision, nproc, gpus, bf16_supported)
+                for compile in config.compiles:
+                    cell = Cell(strategy, precision, nproc, reason=reason, compile=compile)
+                    if reason is not None:
+                        cell.status = "skipped"
+                    cells.append(cell)
     return cells

@@ -14,6 +14,10 @@ Per-step times:
   the intervals are read after the window's final ``synchronize``: they are the times between
   step ends as the GPU saw them.
 
+With ``compile``, the first warm-up step compiles (forward and backward); the rank counts the
+graphs ``torch.compile`` compiles during the timed window (``compiles_in_window``), so that a
+recompilation there (a new shape, a changed guard) shows instead of passing as a slow step.
+
 Peak memory: on CUDA the largest ``torch.cuda.max_memory_allocated``; on CPU the process's peak
 resident set (``VmHWM`` from ``/proc/self/status``, else ``ru_maxrss``), which includes the
 interpreter and torch itself (``base_mem_mb`` is the resident set before the model was built).
@@ -150,6 +154,15 @@ def time_window(step: Callable[[], None], steps: int, device: torch.device,
     return elapsed, [(b - a) * 1000.0 for a, b in zip(stamps, stamps[1:])]
 
 
+def _graphs_compiled(task: CellTask) -> int:
+    """Graphs ``torch.compile`` has compiled in this process so far (0 for an eager cell)."""
+    if task.compile == "none":
+        return 0
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 def _batches(session: Any, task: CellTask, batch_size: int) -> tuple[Iterator[Any], int]:
     """The cell's input: one resident random batch, or a real loader cycled over epochs.
 
@@ -181,7 +194,7 @@ def measure_cell(task: CellTask) -> dict[str, Any]:
     Returns:
         This rank's figures: ``elapsed_s``, ``step_ms`` (list), ``peak_mem_mb``,
         ``base_mem_mb``, ``batch_size`` (samples per step of this process), ``devices``,
-        ``threads``, ``device``, ``skipped_steps``; or ``{"skipped": reason}`` when lockstep
+        ``threads``, ``device``, ``skipped_steps``, ``compiles_in_window``; or ``{"skipped": reason}`` when lockstep
         refuses the configuration here (a :class:`ConfigError`).
 
     Example::
@@ -226,11 +239,13 @@ def measure_cell(task: CellTask) -> dict[str, Any]:
 
     for _ in range(task.warmup):
         step()
+    compiled = _graphs_compiled(task)
     elapsed, step_ms = time_window(step, task.steps, device, session.barrier)
+    compiled = _graphs_compiled(task) - compiled
     peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else resident_mb(peak=True)
     result = {"rank": session.rank, "elapsed_s": elapsed, "step_ms": step_ms, "peak_mem_mb": peak,
               "base_mem_mb": 0.0 if device.type == "cuda" else base, "batch_size": batch_size,
               "devices": devices, "threads": torch.get_num_threads(), "device": str(device),
-              "skipped_steps": session.skipped_steps}
+              "skipped_steps": session.skipped_steps, "compiles_in_window": compiled}
     session.close()
     return result

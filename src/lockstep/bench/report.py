@@ -1,20 +1,22 @@
 """The outputs of ``lockstep bench``: a terminal table, ``results.json`` and ``bench.png``.
 
-``results.json`` (schema ``lockstep-bench``, version 2)::
+``results.json`` (schema ``lockstep-bench``, version 3)::
 
-    schema, version       "lockstep-bench", 2
+    schema, version       "lockstep-bench", 3
     created               UTC time, ISO 8601
     host                  hostname, platform, python, cpu_cores, load_average (1, 5, 15 min at start)
     torch, lockstep, cuda versions (cuda is null without CUDA)
     device                type ("cpu" | "cuda"), count (GPUs), name
     config                model, data, batch_size (per device), steps, warmup, image_size,
-                          channels, num_classes, nonfinite, seed, threads (null: cores // nproc)
+                          channels, num_classes, nonfinite, seed, threads (null: cores // nproc),
+                          compile ("none", a backend, or a list: "none,inductor")
     cpu_threads           on CPU, one entry per process count: nproc, per_rank (threads of each
                           rank), total (nproc x per_rank), cores; null with GPUs
     winner                id of the cell with the highest samples_per_s, or null
     cells                 list, in run order, of:
-      id                  "strategy/precision/nproc"
+      id                  "strategy/precision/nproc", with "/backend" for a compiled cell
       strategy, precision, nproc
+      compile             "none" (eager) or the torch.compile backend
       status              "ran" | "skipped" | "failed"
       reason              why skipped / how it failed (null when it ran)
       winner              true for the fastest cell
@@ -23,8 +25,8 @@
       samples_per_s_per_rank
       efficiency          samples/s per unit over the baseline's samples/s per unit; a unit is
                           a GPU on CUDA and a busy core on CPU (cores_used); baseline: the
-                          1-device cell of the same strategy and precision, else single
-                          (always single for dp, whose one process drives every GPU)
+                          1-device cell of the same strategy, precision and compile,
+                          else single (always single for dp, whose one process drives every GPU)
       step_ms_median, step_ms_p10, step_ms_p90   the slowest rank's time at each step
       samples_per_s_at_median_step   global batch / median step time: the throughput
                           without the window's stalls (compare with samples_per_s)
@@ -33,6 +35,9 @@
       devices, threads_per_rank, global_batch, skipped_steps, wall_s (with process start-up)
       cpu_threads, cores_used   on CPU: the ranks' threads together, and the cores they keep
                           busy (at most the machine's); null on CUDA
+      compiles_in_window  graphs torch.compile compiled during the timed window (the most of
+                          any rank): 0 when the warm-up held every compilation; else the table
+                          says so, since the window then holds compile time
 
 Figures are null for cells that did not run; the fields after ``peak_mem_mb`` appear only for
 cells that ran (a failed cell has ``traceback`` instead).
@@ -58,11 +63,17 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["format_table", "write_outputs", "plot_results", "cell_label", "threads_line"]
+__all__ = ["format_table", "write_outputs", "plot_results", "cell_label", "compile_text", "threads_line"]
+
+
+def _compiled(cell: dict[str, Any]) -> str:
+    """`` inductor`` for a compiled cell, nothing for an eager one (or a document before version 3)."""
+    backend = cell.get("compile", "none")
+    return "" if backend == "none" else f" {backend}"
 
 
 def cell_label(cell: dict[str, Any]) -> str:
-    """A short name of a cell for tables and plots, e.g. ``ddp bf16-mixed x2``.
+    """A short name of a cell for tables and plots, e.g. ``ddp bf16-mixed x2`` or ``ddp fp32 x1 inductor``.
 
     Args:
         cell: a cell of the results document.
@@ -71,7 +82,26 @@ def cell_label(cell: dict[str, Any]) -> str:
 
         cell_label({"strategy": "ddp", "precision": "fp32", "nproc": 2})   # 'ddp fp32 x2'
     """
-    return f"{cell['strategy']} {cell['precision']} x{cell['nproc']}"
+    return f"{cell['strategy']} {cell['precision']} x{cell['nproc']}{_compiled(cell)}"
+
+
+def compile_text(setting: str) -> str:
+    """The header's words for the ``compile`` setting of a run: empty when every cell ran eager.
+
+    Args:
+        setting: ``config["compile"]`` of the results document (``none``, ``inductor``,
+            ``none,inductor``...).
+
+    Example::
+
+        compile_text("inductor")         # ', compiled (inductor)'
+        compile_text("none,inductor")    # ', each cell eager and compiled (inductor)'
+    """
+    backends = [b for b in setting.split(",") if b != "none"]
+    if not backends:
+        return ""
+    names = ", ".join(backends)
+    return f", each cell eager and compiled ({names})" if "none" in setting.split(",") else f", compiled ({names})"
 
 
 def _num(value: float | None, digits: int = 1) -> str:
@@ -85,7 +115,7 @@ def _header(doc: dict[str, Any]) -> str:
     load_text = f", load {load[0]:.2f}" if load else ""
     head = (f"lockstep bench: {cfg['model']}, {cfg['data']} data {cfg['image_size']}px, batch {cfg['batch_size']} "
             f"per device, {cfg['steps']} timed steps after {cfg['warmup']} warm-up"
-            + (f", compiled ({cfg['compile']})" if cfg.get("compile", "none") != "none" else "")
+            + compile_text(cfg.get("compile", "none"))
             + f"; {where}{load_text}; "
             f"torch {doc['torch']}")
     threads = threads_line(doc)
@@ -128,22 +158,32 @@ def format_table(doc: dict[str, Any]) -> str:
 
         print(format_table(doc))
     """
-    head = ("", "strategy", "precision", "nproc", "status", "samples/s", "per rank", "efficiency",
-            "step ms median (p10-p90)", "peak MB")
+    # a compile column when some cell is compiled: eager and compiled rows side by side
+    with_compile = any(_compiled(cell) for cell in doc["cells"])
+    head = ("", "strategy", "precision", "nproc", *(("compile",) if with_compile else ()), "status", "samples/s",
+            "per rank", "efficiency", "step ms median (p10-p90)", "peak MB")
     rows = [head]
     notes: list[str] = []
     for cell in doc["cells"]:
         ran = cell["status"] == "ran"
         spread = (f"{_num(cell['step_ms_median'])} ({_num(cell['step_ms_p10'])}-{_num(cell['step_ms_p90'])})"
                   if ran else "-")
-        status = cell["status"] if ran else f"{cell['status']} [{len(notes) + 1}]"
+        status = cell["status"]
         if not ran:
+            status += f" [{len(notes) + 1}]"
             notes.append(f"[{len(notes) + 1}] {cell['id']}: {cell['reason']}")
-        rows.append(("*" if cell["winner"] else "", cell["strategy"], cell["precision"], str(cell["nproc"]), status,
-                     _num(cell["samples_per_s"]), _num(cell["samples_per_s_per_rank"]),
+        elif cell.get("compiles_in_window"):
+            status += f" [{len(notes) + 1}]"
+            notes.append(f"[{len(notes) + 1}] {cell['id']}: torch.compile compiled {cell['compiles_in_window']} "
+                         "graph(s) inside the timed window (a recompilation, or --warmup 0), so its figures include "
+                         "compile time")
+        compiled = ((_compiled(cell).strip() or "eager"),) if with_compile else ()
+        rows.append(("*" if cell["winner"] else "", cell["strategy"], cell["precision"], str(cell["nproc"]),
+                     *compiled, status, _num(cell["samples_per_s"]), _num(cell["samples_per_s_per_rank"]),
                      _num(cell["efficiency"], 2), spread, _num(cell["peak_mem_mb"], 0)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    right = {3, 5, 6, 7, 9}
+    shift = 1 if with_compile else 0
+    right = {3, *(i + shift for i in (5, 6, 7, 9))}
     lines = [_header(doc), ""]
     for row in rows:
         cols = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
@@ -216,7 +256,7 @@ def _plot_efficiency(ax: Any, ran: list[dict[str, Any]], per_core: bool) -> None
     groups: dict[str, list[dict[str, Any]]] = {}
     for cell in ran:
         if cell["efficiency"] is not None:
-            groups.setdefault(f"{cell['strategy']} {cell['precision']}", []).append(cell)
+            groups.setdefault(f"{cell['strategy']} {cell['precision']}{_compiled(cell)}", []).append(cell)
     # a group with one process count has no scaling to show (single, dp)
     groups = {name: cells for name, cells in groups.items() if len(cells) > 1}
     counts = sorted({c["nproc"] for c in ran}) or [1]

@@ -28,7 +28,8 @@ from lockstep.bench.measure import CellTask, measure_cell
 __all__ = ["run_bench", "run_cell", "aggregate", "add_efficiency", "host_info", "percentile", "threads_per_rank",
            "SCHEMA_VERSION"]
 
-SCHEMA_VERSION = 2  # 2: CPU efficiency per core busy (cores_used, cpu_threads); 1 divided by processes
+# 3: cells carry compile (--compile none,inductor: both rows); 2: CPU efficiency per core busy
+SCHEMA_VERSION = 3
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -128,7 +129,7 @@ def _task(config: BenchConfig, cell: Cell, gpus: int) -> CellTask:
                     batch_size=config.per_device_batch, steps=config.steps, warmup=config.warmup,
                     image_size=config.input_size, channels=config.input_channels,
                     num_classes=config.num_classes, nonfinite=config.nonfinite, seed=config.seed,
-                    threads=threads, timeout=min(config.cell_timeout, 300.0), compile=config.compile)
+                    threads=threads, timeout=min(config.cell_timeout, 300.0), compile=cell.compile)
 
 
 def aggregate(cell: Cell, ranks: list[dict[str, Any]], steps: int, cores: int | None = None) -> None:
@@ -171,6 +172,8 @@ def aggregate(cell: Cell, ranks: list[dict[str, Any]], steps: int, cores: int | 
         # more threads than cores (oversubscribed) still busy only the cores
         "cpu_threads": threads if on_cpu else None,
         "cores_used": min(threads, cores or _cores()) if on_cpu else None,
+        # torch.compile compilations inside the timed window (0 unless a shape or guard changed there)
+        "compiles_in_window": max(r.get("compiles_in_window", 0) for r in ranks),
     }
 
 
@@ -210,9 +213,9 @@ def add_efficiency(cells: list[Cell]) -> None:
 
     ``efficiency = (samples_per_s / units) / (baseline samples_per_s / baseline units)``, where the
     units are GPUs on CUDA and the cores busy on CPU (``cores_used``: threads of all ranks, at
-    most the cores). The baseline is the 1-device cell of the same strategy and precision, else
-    the ``single`` cell of the same precision (always for ``dp``, whose one process drives every
-    GPU). On GPUs 1.0 is a linear speed-up. On CPU every cell gets the same cores by default
+    most the cores). The baseline is the 1-device cell of the same strategy, precision and
+    compile setting, else the ``single`` cell of the same precision and compile setting (always
+    for ``dp``, whose one process drives every GPU). On GPUs 1.0 is a linear speed-up. On CPU every cell gets the same cores by default
     (:func:`threads_per_rank`), so the efficiency is the cell's samples/s over the 1-process
     cell's on the same cores: 0.91 means N processes move 91 % of what one process with all the
     threads moves. ``None`` when no baseline ran.
@@ -224,10 +227,11 @@ def add_efficiency(cells: list[Cell]) -> None:
 
         add_efficiency(cells); cells[1].result["efficiency"]    # e.g. 0.93
     """
-    ran = {(c.strategy, c.precision, c.nproc): c for c in cells if c.status == "ran"}
+    ran = {(c.strategy, c.precision, c.nproc, c.compile): c for c in cells if c.status == "ran"}
     for cell in ran.values():
         # the baseline drives one device: dp's own 1-process cell drives them all, so dp uses single
-        bases = [ran.get(key) for key in ((cell.strategy, cell.precision, 1), ("single", cell.precision, 1))]
+        keys = ((cell.strategy, cell.precision, 1, cell.compile), ("single", cell.precision, 1, cell.compile))
+        bases = [ran.get(key) for key in keys]
         base = next((b for b in bases if b is not None and b.result["devices"] == 1), None)
         if base is None:
             cell.result["efficiency"] = None
@@ -238,7 +242,7 @@ def add_efficiency(cells: list[Cell]) -> None:
 
 def _cell_doc(cell: Cell, config: BenchConfig, winner: str | None) -> dict[str, Any]:
     doc: dict[str, Any] = {"id": cell.id, "strategy": cell.strategy, "precision": cell.precision,
-                           "nproc": cell.nproc, "status": cell.status, "reason": cell.reason,
+                           "nproc": cell.nproc, "compile": cell.compile, "status": cell.status, "reason": cell.reason,
                            "winner": cell.id == winner, "batch_size": config.per_device_batch,
                            "steps": config.steps, "warmup": config.warmup}
     for key in ("samples_per_s", "samples_per_s_per_rank", "efficiency", "step_ms_median", "step_ms_p10",

@@ -9,6 +9,7 @@ Examples::
     lockstep bench --model resnet50 --precision bf16-mixed --nproc 1,2,4,8 --batch-size 64
     lockstep bench --model mypackage.models:make_net --image-size 64 --channels 3
     lockstep bench --data digits                 # include a real loader in the timing
+    lockstep bench --strategies ddp --precision fp32 --compile none,inductor   # eager and compiled rows
 
 Exit code: 0 when every cell ran or was skipped for a stated reason, 1 when a cell failed or
 none ran, 2 for bad flags.
@@ -90,9 +91,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="stop a cell and mark it failed after this long (default 900)")
     add("--out", default="bench-results", metavar="DIR",
         help="folder for results.json and bench.png (default ./bench-results)")
-    add("--compile", nargs="?", const="inductor", default="none", metavar="BACKEND",
-        help="torch.compile every cell's model after its strategy wraps it (--compile alone: inductor; "
-             "the warm-up steps hold the compilation, so use --warmup 3 or more) (default none)")
+    add("--compile", nargs="?", const="inductor", default="none", metavar="BACKEND[,BACKEND]",
+        help="torch.compile every cell's model after its strategy wraps it (--compile alone: inductor); "
+             "a list measures each cell once per entry, none being eager: --compile none,inductor gives "
+             "the eager row and the compiled row of every cell, run one after the other. The first "
+             "warm-up step holds the compilation; a recompilation inside the timed window is flagged "
+             "in the table (default none)")
     add("--no-progress", action="store_true", help="no progress bar")
 
 

@@ -32,7 +32,7 @@ import torch
 
 from lockstep.checkpoint.files import CheckpointError, discard
 from lockstep.checkpoint.layout import step_name
-from lockstep.checkpoint.write import Parts, agree, begin, commit, prune_after, what_is_left, write_parts
+from lockstep.checkpoint.write import Parts, agree, begin, finish, what_is_left, write_parts
 from lockstep.comm.group import Comm
 
 __all__ = ["PendingSave", "save_checkpoint_async"]
@@ -75,8 +75,7 @@ class PendingSave:
         try:
             records, self._error = write_parts(tmp, parts, comm.rank, comm.world_size, _gather(group), group)
             if self._error is None and comm.is_main:
-                self._final = commit(root, tmp, step, comm.world_size, records)
-                prune_after(root, keep, self._final)
+                self._final, self._error = finish(root, tmp, step, comm.world_size, records, keep)
         except CheckpointError as exc:
             self._error = what_is_left(exc, root)
         except Exception as exc:  # noqa: BLE001 - reported at wait(), on every rank

@@ -49,7 +49,7 @@ from lockstep.checkpoint.layout import latest_checkpoint, list_checkpoints
 from lockstep.checkpoint.manifest import read_manifest, verify_checkpoint
 from lockstep.checkpoint.portable import PREFIX, join_tensors, marked, templates
 from lockstep.checkpoint.safety import UnsupportedStateError, load_state_file, read_dcp_metadata
-from lockstep.checkpoint.write import agree, begin, commit, prune_after, what_is_left, write_parts
+from lockstep.checkpoint.write import agree, begin, finish, write_parts
 from lockstep.comm.group import Comm
 
 __all__ = [
@@ -106,14 +106,7 @@ def save_checkpoint(directory: str | Path, state: dict[str, Any], comm: Comm, *,
         if comm.is_main:
             discard(tmp)
         raise error
-    final, error = None, None
-    if comm.is_main:
-        try:
-            final = commit(root, tmp, step, comm.world_size, records)
-        except CheckpointError as exc:
-            error = what_is_left(exc, root)
-        else:
-            prune_after(root, keep, final)
+    final, error = finish(root, tmp, step, comm.world_size, records, keep) if comm.is_main else (None, None)
     return Path(agree(comm, error, str(final or ""))[0])
 
 

@@ -40,8 +40,8 @@ from lockstep.checkpoint.safety import check_loadable
 from lockstep.comm.group import Comm
 from lockstep.errors import ConfigError
 
-__all__ = ["Parts", "agree", "begin", "check_args", "prepare", "open_folder", "write_parts", "commit", "prune_after",
-           "what_is_left", "first_failure"]
+__all__ = ["Parts", "agree", "begin", "check_args", "prepare", "open_folder", "write_parts", "commit", "finish",
+           "prune_after", "what_is_left", "first_failure"]
 
 logger = logging.getLogger("lockstep.checkpoint.write")
 _OWN_FILE = re.compile(r"^__(\d+)_")   # DCP names rank r's data files "__r_N.distcp"
@@ -306,6 +306,22 @@ def commit(root: Path, tmp: Path, step: int, world_size: int, files: dict[str, A
         if isinstance(exc, OSError):
             raise io_error(exc, root / step_name(step)) from exc
         raise
+
+
+def finish(root: Path, tmp: Path, step: int, world_size: int, records: dict[str, Any],
+           keep: int | None) -> tuple[Path | None, CheckpointError | None]:
+    """Rank 0: :func:`commit`, then :func:`prune_after`; the committed folder, or the error (nothing raised).
+
+    Example::
+
+        final, error = finish(Path("ckpt"), tmp, 300, 2, records, keep=2)
+    """
+    try:
+        final = commit(root, tmp, step, world_size, records)
+    except CheckpointError as exc:
+        return None, what_is_left(exc, root)
+    prune_after(root, keep, final)
+    return final, None
 
 
 def prune_after(root: Path, keep: int | None, final: Path) -> None:

@@ -83,7 +83,7 @@ SlurmdPort=$SLURM_PORT_D
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket=$STATE/munge/munge.socket
+AuthInfo=socket=$STATE/munge/munge.socket,cred_expire=10
 CredType=cred/munge
 StateSaveLocation=$dir/state
 SlurmdSpoolDir=$dir/%n
@@ -108,6 +108,7 @@ InactiveLimit=0
 KillWait=60
 MinJobAge=600
 JobRequeue=1
+SchedulerParameters=bf_interval=2
 NodeName=node0 NodeAddr=192.0.2.1 CPUs=2 RealMemory=1000 State=UNKNOWN
 NodeName=node1 NodeAddr=192.0.2.2 CPUs=2 RealMemory=1000 State=UNKNOWN
 PartitionName=main Nodes=node0,node1 Default=YES MaxTime=INFINITE OverSubscribe=FORCE:4 State=UP

@@ -86,16 +86,13 @@ job_ended() {  # job_ended STATE: a final job state (anything else, even none ye
     return 1
 }
 
-wait_job_end() {  # wait_job_end JOBID SECONDS: until the job left the queue; a requeued job is
-    local jid=$1 limit=$2 start=$SECONDS state reason   # started again at once (Slurm would wait ~2 min)
+wait_job_end() {  # wait_job_end JOBID SECONDS: until the job left the queue. A requeued job starts
+    # again after cred_expire (10 s in our slurm.conf, 120 s by default): forcing it sooner races
+    # the revoked credential of its first run on the nodes ("Job credential revoked", FAILED 1:0)
+    local jid=$1 limit=$2 start=$SECONDS state
     while :; do
         state=$(job_field "$jid" JobState)
         job_ended "$state" && return 0
-        case "$state" in
-            PENDING)
-                reason=$(job_field "$jid" Reason)
-                [ "$reason" = BeginTime ] && sq scontrol update JobId="$jid" StartTime=now >/dev/null 2>&1 ;;
-        esac
         [ $((SECONDS - start)) -lt "$limit" ] || fail "job $jid did not end within $limit s (state $state)"
         sleep 0.5
     done
@@ -241,7 +238,9 @@ scenario_slurm_sbatch_usr1_requeue() {
     expect "$W/job.out" "requeueing job $jid" "the batch script did not requeue the preempted job"
     [ "$(job_field "$jid" Restarts)" = 1 ] || fail "the job was not requeued (Restarts=$(job_field "$jid" Restarts))"
     [ "$(job_field "$jid" JobState) $(job_field "$jid" ExitCode)" = "COMPLETED 0:0" ] \
-        || fail "the requeued job ended $(job_field "$jid" JobState) $(job_field "$jid" ExitCode)"
+        || fail "the requeued job ended $(job_field "$jid" JobState) $(job_field "$jid" ExitCode):" \
+            "$(grep -h "JobId=$jid" "$STATE/slurm/log/slurmctld.log" | tail -3 | tr '\n' ' ')" \
+            "$(tail -2 "$W/job.out" | tr '\n' ' ')"
     step=$(preempt_step "$W/job.out")
     check_resumed "$W/job.out" "$step"
     same_weights "$W/result.json" "$STATE/reference.json"

@@ -168,7 +168,7 @@ def main() -> int:
         torch.cuda.empty_cache()  # the single-GPU rows' memory goes back before GPU 0 is shared
 
         dp = dp_row(args, gpus)
-        windows = lockstep.launch.spawn(ddp_rank, gpus, args=(args,))
+        windows = lockstep.spawn(ddp_rank, gpus, args=(args,))
         ddp = args.batch_size * gpus * args.steps / max(windows)
         for label, rate in ((f"lockstep dp ({gpus} GPUs, 1 process)", dp), (f"lockstep ddp ({gpus} processes)", ddp)):
             print(f"  {label:36s} {rate:10.1f} images/s   {rate / (base * gpus):6.3f} scaling efficiency")

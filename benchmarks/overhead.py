@@ -1,6 +1,6 @@
 """What lockstep's Session costs per step, against the seed tutorial's hand-written DDP loop.
 
-Two ranks on gloo (``lockstep.launch.spawn`` with a ``file://`` rendezvous) run three arms of the same
+Two ranks on gloo (``lockstep.spawn`` with a ``file://`` rendezvous) run three arms of the same
 model, data, seed and optimizer, interleaved round by round (the order rotates every round), so
 that the machine's background load falls on every arm alike:
 
@@ -191,7 +191,7 @@ def run_workload(workload: str, rounds: int, seconds: float, profile: bool) -> d
         os.environ["LOCKSTEP_INIT_METHOD"] = f"file://{tmp}/rendezvous"
         os.environ["OMP_NUM_THREADS"] = "1"
         try:
-            return lockstep.launch.spawn(rank_main, 2, args=(workload, rounds, seconds, profile))[0]
+            return lockstep.spawn(rank_main, 2, args=(workload, rounds, seconds, profile))[0]
         finally:
             del os.environ["LOCKSTEP_INIT_METHOD"]
 

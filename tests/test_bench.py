@@ -93,7 +93,7 @@ def test_compressed_ddp_cells() -> None:
         BenchConfig(strategies=("ddp+none",))
     zero = plan_cells(BenchConfig(strategies=("ddp+ZERO",), precisions=("fp32",), nprocs=(1, 2)), gpus=0)
     assert [(c.id, c.status) for c in zero] == [("ddp+zero/fp32/1", "skipped"), ("ddp+zero/fp32/2", "planned")]
-    with pytest.raises(ConfigError, match="write ddp\+zero"):
+    with pytest.raises(ConfigError, match=r"write ddp\+zero"):
         BenchConfig(strategies=("fsdp+zero",))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -41,6 +42,34 @@ def _formed_first(keep_env: bool) -> tuple[int, int, float, bool]:
 def test_an_existing_group_is_adopted(keep_env: bool) -> None:
     results = run_distributed(_formed_first, 2, keep_env)
     assert results == [(0, 2, 1.0, True), (1, 2, 1.0, True)]
+
+
+def _async_save_then_close(folder: str) -> tuple[int, int, bool]:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _world
+
+    import lockstep
+
+    dist.init_process_group("gloo", init_method=os.environ["LOCKSTEP_INIT_METHOD"],
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    before = len(_world.pg_map)
+    session = lockstep.Session(strategy="ddp", quiet=True)
+    model, opt = session.setup(torch.nn.Linear(2, 1), lambda p: torch.optim.SGD(p, lr=0.1))
+    session.save(folder, model=model, optimizer=opt, blocking=False)  # makes the writers' group
+    during = len(_world.pg_map)
+    session.close()
+    after, still = len(_world.pg_map), dist.is_initialized()
+    dist.destroy_process_group()
+    return during - before, after - before, still
+
+
+@pytest.mark.slow
+def test_closing_on_an_adopted_group_destroys_only_the_writers_group(tmp_path: Path) -> None:
+    # the background save's own gloo group is lockstep's; the adopted default group stays its owner's
+    results = run_distributed(_async_save_then_close, 2, str(tmp_path / "ckpt"))
+    assert results == [(1, 0, True), (1, 0, True)]
+    assert (tmp_path / "ckpt" / "step-000000" / "manifest.json").is_file()
 
 
 def test_host_name_resolving_to_loopback_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

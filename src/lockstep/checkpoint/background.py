@@ -35,7 +35,7 @@ from lockstep.checkpoint.layout import step_name
 from lockstep.checkpoint.write import Parts, agree, begin, finish, what_is_left, write_parts
 from lockstep.comm.group import Comm
 
-__all__ = ["PendingSave", "save_checkpoint_async"]
+__all__ = ["PendingSave", "save_checkpoint_async", "release_writers"]
 
 _GROUPS: weakref.WeakKeyDictionary[Comm, Any] = weakref.WeakKeyDictionary()
 
@@ -127,6 +127,22 @@ def _writers_group(comm: Comm) -> Any:
         timeout = timedelta(seconds=seconds) if seconds else None
         _GROUPS[comm] = torch.distributed.new_group(backend="gloo", timeout=timeout)
     return _GROUPS[comm]
+
+
+def release_writers(comm: Comm) -> None:
+    """Destroy ``comm``'s background writers' process group, if one was made (no collective).
+
+    A job whose group lockstep formed loses it anyway when ``Comm.shutdown`` destroys every
+    group; a group lockstep adopted (Ray Train) stays its owner's, so this side group is the
+    only one lockstep destroys there. Safe to call twice; call it once no save is in flight.
+
+    Example::
+
+        release_writers(comm)   # Session.close, before comm.shutdown()
+    """
+    group = _GROUPS.pop(comm, None)
+    if group is not None and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group(group)
 
 
 def _staged(sharded: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -23,7 +23,7 @@ import os
 import weakref
 from pathlib import Path
 
-from lockstep.checkpoint.background import PendingSave
+from lockstep.checkpoint.background import PendingSave, release_writers
 from lockstep.checkpoint.files import CheckpointError
 from lockstep.checkpoint.lock import FolderInUseError, FolderLock, lock_folder
 from lockstep.comm.group import Comm
@@ -106,13 +106,15 @@ class FolderLocks:
             pending.wait()
 
     def release(self) -> None:
-        """Give every folder up (safe to call twice; no collective).
+        """Give every folder up, and the background writers' process group (safe to call twice; no collective).
 
         Example::
 
             locks.release()
         """
         _release_all(self._held)
+        if self.pending is None:  # a save still in flight keeps its group
+            release_writers(self.comm)
 
 
 def _release_all(held: dict[str, FolderLock]) -> None:

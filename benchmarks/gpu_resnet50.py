@@ -6,17 +6,23 @@ on the GPU, a window of steps between two ``torch.cuda.synchronize`` calls after
 * ``hand-written``: the plain PyTorch loop on one GPU;
 * ``lockstep single``: ``Session(strategy="single", precision="bf16-mixed")`` with its defaults
   (``nonfinite="skip"`` reads one flag per step), and the same with ``nonfinite="ignore"``;
+* ``--compile BACKEND``: ``lockstep single, compiled`` (``Session(compile={"backend": ...})``,
+  compiled during the warm-up), interleaved with the rows above;
 * with more than one GPU: ``lockstep dp`` (one process, ``nn.DataParallel``, a batch per GPU)
-  and ``lockstep ddp`` (one process per GPU through ``lockstep.launch.spawn``).
+  and ``lockstep ddp`` (one process per GPU through ``lockstep.spawn``), and one more ddp row
+  per ``--ddp-variants`` entry: ``bf16``, ``fp16`` or ``powersgd`` (gradient compression hooks,
+  ``Session(grad_compression=...)``), ``compile`` (the ``--compile`` backend, inductor by
+  default) or ``zero`` (``shard_optimizer=True``).
 
 The single-GPU rows are interleaved over ``--rounds`` rounds and their medians reported.
 Without CUDA the script stops at once with exit code 2 (``--allow-cpu`` runs it on the CPU with
-tiny settings, only to check the script itself).
+tiny settings, only to check the script itself: the ddp rows then use 2 CPU processes on gloo).
 
 Run::
 
     python benchmarks/gpu_resnet50.py
     python benchmarks/gpu_resnet50.py --batch-size 256 --steps 100 --rounds 5
+    python benchmarks/gpu_resnet50.py --compile inductor --ddp-variants bf16,powersgd,compile,zero
 """
 
 from __future__ import annotations
@@ -97,17 +103,25 @@ def with_session(session: Any, args: argparse.Namespace, per_step_batch: int) ->
 
 
 def single_gpu_rows(args: argparse.Namespace, device: torch.device) -> dict[str, float]:
-    """Interleave the hand-written loop and the Session on one device; median images/s each."""
+    """Interleave the hand-written loop and the Sessions on one device; median images/s each."""
     import lockstep
 
     session = lockstep.Session(strategy="single", precision="bf16-mixed", quiet=True)
     steps = {"hand-written": hand_written(args, device), "lockstep single": with_session(session, args, args.batch_size)}
-    rates: dict[str, list[float]] = {"hand-written": [], "lockstep single": [], "lockstep single, nonfinite=ignore": []}
+    steps["lockstep single, nonfinite=ignore"] = steps["lockstep single"]
+    sessions = {"lockstep single": session, "lockstep single, nonfinite=ignore": session}
+    if args.compile:
+        compiled = lockstep.Session(strategy="single", precision="bf16-mixed", quiet=True,
+                                    compile={"backend": args.compile})
+        steps["lockstep single, compiled"] = with_session(compiled, args, args.batch_size)
+        sessions["lockstep single, compiled"] = compiled
+    rates: dict[str, list[float]] = {name: [] for name in steps}
     for r in range(args.rounds):
         names = list(rates) if r % 2 == 0 else list(reversed(rates))
         for name in names:
-            session.nonfinite = "ignore" if name.endswith("ignore") else "skip"
-            seconds = timed(steps[name.split(",")[0]], args.steps, args.warmup, device)
+            if name in sessions:
+                sessions[name].nonfinite = "ignore" if name.endswith("ignore") else "skip"
+            seconds = timed(steps[name], args.steps, args.warmup, device)
             rates[name].append(args.batch_size * args.steps / seconds)
     return {name: statistics.median(values) for name, values in rates.items()}
 
@@ -122,11 +136,20 @@ def dp_row(args: argparse.Namespace, gpus: int) -> float:
     return args.batch_size * gpus * args.steps / seconds
 
 
-def ddp_rank(args: argparse.Namespace) -> float:
-    """One rank of the ddp row (run by ``lockstep.launch.spawn``); returns its window in seconds."""
+VARIANTS: dict[str, dict[str, Any]] = {
+    "plain": {}, "bf16": {"grad_compression": "bf16"}, "fp16": {"grad_compression": "fp16"},
+    "powersgd": {"grad_compression": "powersgd"}, "compile": {"compile": True}, "zero": {"shard_optimizer": True},
+}
+
+
+def ddp_rank(args: argparse.Namespace, variant: str = "plain") -> float:
+    """One rank of a ddp row (run by ``lockstep.spawn``); returns its window in seconds."""
     import lockstep
 
-    session = lockstep.Session(strategy="ddp", precision="bf16-mixed", quiet=True)
+    options = dict(VARIANTS[variant])
+    if "compile" in options:
+        options["compile"] = {"backend": args.compile or "inductor"}
+    session = lockstep.Session(strategy="ddp", precision="bf16-mixed", quiet=True, **options)
     step = with_session(session, args, args.batch_size)
     for _ in range(args.warmup):
         step()
@@ -145,8 +168,16 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=50, help="timed steps per window (default 50)")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps before each window (default 10)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the single-GPU rows")
+    parser.add_argument("--compile", metavar="BACKEND", default=None,
+                        help="add a compiled single-GPU row with this torch.compile backend (e.g. inductor)")
+    parser.add_argument("--ddp-variants", default="",
+                        help="more ddp rows with >1 GPU, comma-separated: bf16, fp16, powersgd, compile, zero")
     parser.add_argument("--allow-cpu", action="store_true", help="run on the CPU (checks the script only)")
     args = parser.parse_args()
+    variants = [v.strip() for v in args.ddp_variants.split(",") if v.strip()]
+    unknown = [v for v in variants if v not in VARIANTS or v == "plain"]
+    if unknown:
+        parser.error(f"--ddp-variants: unknown {', '.join(unknown)}; choose from bf16, fp16, powersgd, compile, zero")
     if not torch.cuda.is_available() and not args.allow_cpu:
         print("gpu_resnet50.py needs a CUDA GPU and none is visible (torch.cuda.is_available() is False); "
               "run it on a machine with GPUs", file=sys.stderr)
@@ -162,16 +193,20 @@ def main() -> int:
     base = rows["hand-written"]
     for label, rate in rows.items():
         print(f"  {label:36s} {rate:10.1f} images/s   {rate / base:6.3f} x hand-written")
-    if gpus > 1:
+    ranks = gpus if gpus > 1 else (2 if device.type == "cpu" else 0)  # --allow-cpu: 2 CPU ranks on gloo
+    if ranks > 1:
         import lockstep
 
-        torch.cuda.empty_cache()  # the single-GPU rows' memory goes back before GPU 0 is shared
-
-        dp = dp_row(args, gpus)
-        windows = lockstep.spawn(ddp_rank, gpus, args=(args,))
-        ddp = args.batch_size * gpus * args.steps / max(windows)
-        for label, rate in ((f"lockstep dp ({gpus} GPUs, 1 process)", dp), (f"lockstep ddp ({gpus} processes)", ddp)):
-            print(f"  {label:36s} {rate:10.1f} images/s   {rate / (base * gpus):6.3f} scaling efficiency")
+        results = []
+        if gpus > 1:
+            torch.cuda.empty_cache()  # the single-GPU rows' memory goes back before GPU 0 is shared
+            results.append((f"lockstep dp ({gpus} GPUs, 1 process)", dp_row(args, gpus)))
+        for variant in ["plain", *variants]:
+            windows = lockstep.spawn(ddp_rank, ranks, args=(args, variant))
+            label = f"lockstep ddp ({ranks} processes)" + ("" if variant == "plain" else f", {variant}")
+            results.append((label, args.batch_size * ranks * args.steps / max(windows)))
+        for label, rate in results:
+            print(f"  {label:36s} {rate:10.1f} images/s   {rate / (base * ranks):6.3f} scaling efficiency")
     return 0
 
 

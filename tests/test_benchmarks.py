@@ -27,8 +27,8 @@ CASES = {
     "launch": (["launch.py", "--runs", "1", "--no-first-step"],
                r"no-op job, wall +[0-9.]+ s +[0-9.]+ s"),
     "gpu_resnet50": (["gpu_resnet50.py", "--allow-cpu", "--batch-size", "2", "--image-size", "32", "--steps", "1",
-                      "--warmup", "0", "--rounds", "1"],
-                     r"lockstep single +[0-9.]+ images/s"),
+                      "--warmup", "0", "--rounds", "1", "--ddp-variants", "bf16"],
+                     r"lockstep single +[0-9.]+ images/s(.|\n)*lockstep ddp \(2 processes\), bf16 +[0-9.]+ images/s"),
 }
 
 

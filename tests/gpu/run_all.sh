@@ -9,7 +9,8 @@
 # 3. the speed levers on CUDA: compiled training (inductor) on nccl, ddp's gradient compression
 #    hooks on nccl, a non-blocking checkpoint saved from CUDA tensors and resumed (the suite's
 #    CUDA test of the non-finite check without a host sync runs in step 1);
-# 4. the ResNet-50 throughput benchmark (lockstep vs a hand-written loop; dp vs ddp with >1 GPU).
+# 4. the ResNet-50 throughput benchmark (lockstep vs a hand-written loop, compiled; dp vs ddp with
+#    >1 GPU, and ddp with each compression hook, compiled and with ZeRO).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 BIN=.venv/bin
@@ -30,7 +31,7 @@ if [ "$ngpu" -gt 1 ]; then
     $BIN/lockstep train --nproc gpu --sync-bn --epochs 1
     $BIN/lockstep train --nproc 1 --strategy dp --epochs 1
 fi
-$BIN/python benchmarks/gpu_resnet50.py
+$BIN/python benchmarks/gpu_resnet50.py --compile inductor --ddp-variants bf16,fp16,powersgd,compile,zero
 
 # speed levers: compile on nccl, compression hooks on nccl, async save from CUDA (bench cells
 # need 2 GPUs for the multi-process rows; one GPU still runs the 1-process ones)

@@ -14,7 +14,7 @@ from torch import nn
 import lockstep
 from _dist import run_distributed
 from lockstep.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, verify_checkpoint
-from lockstep.checkpoint.portable import join_tensors, marked, split_tensors
+from lockstep.checkpoint.portable import join_tensors, marked, own_share, split_tensors
 from lockstep.comm.group import Comm
 from lockstep.env import World
 
@@ -113,4 +113,40 @@ def test_every_ddp_rank_writes_a_part_and_one_process_reads_it_all(tmp_path: Pat
     assert files["state.pt"]["size"] < min(parts)                   # and rank 0's state.pt holds none of them
     loaded = load_checkpoint(tmp_path, COMM)                        # one process: another world size
     assert loaded is not None and len(loaded["rng"]) == 2
+    assert _same(loaded["model"], saved["model"])
+
+
+def test_each_tensor_is_copied_by_one_rank_with_the_bytes_balanced() -> None:
+    tensors = {"a": torch.ones(100), "b": torch.ones(60), "c": torch.ones(50), "d": torch.ones(10, dtype=torch.float64)}
+    shares = [own_share(tensors, rank, 2) for rank in (0, 1)]
+    assert sorted(shares[0]) + sorted(shares[1]) == ["a", "d", "b", "c"]  # largest first, to the lighter rank
+    for share in shares:
+        for name, copy in share.items():
+            assert torch.equal(copy, tensors[name]) and copy.data_ptr() != tensors[name].data_ptr()
+    tensors["a"].add_(1)                                      # training goes on: the copy does not change
+    assert torch.equal(shares[0]["a"], torch.ones(100))
+    alone = [own_share({"w": torch.ones(3)}, rank, 3) for rank in range(3)]
+    assert [sorted(s) for s in alone] == [["w"], [], []]      # ranks without a share still take part
+
+
+def _ddp_save_small(directory: str) -> dict[str, Any]:
+    session = lockstep.Session(strategy="ddp", quiet=True, timeout=60)
+    model, opt = session.setup(nn.Linear(4, 2), lambda p: torch.optim.SGD(p, lr=0.1))
+    session.backward(model(torch.ones(2, 4) * session.rank).sum())
+    session.step(opt)
+    path = session.save(directory, model=model, optimizer=opt)
+    out = {"path": str(path), "model": session.strategy.model_state_dict(model)}
+    session.close()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_rank_with_no_share_still_saves_and_the_checkpoint_loads(tmp_path: Path) -> None:
+    # two tensors (weight, bias) over three ranks: rank 2 writes no tensor, but takes part
+    saved = run_distributed(_ddp_save_small, 3, str(tmp_path), timeout=100)[0]
+    files = verify_checkpoint(saved["path"])["files"]
+    assert {"sharded/__0_0.distcp", "sharded/__1_0.distcp"} <= set(files)
+    loaded = load_checkpoint(tmp_path, COMM)
+    assert loaded is not None and len(loaded["rng"]) == 3
     assert _same(loaded["model"], saved["model"])

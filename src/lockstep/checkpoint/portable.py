@@ -2,10 +2,11 @@
 
 A replicated state dict (ddp's model and optimizer: the same full tensors on every rank) is cut
 in two by :func:`split_tensors`: the tensors, under flat names (``full/model/fc.weight``,
-``full/optimizer/state/0/exp_avg``), which every rank passes to ``torch.distributed.checkpoint``
-(DCP's planner gives each tensor to one rank, balancing the bytes, so each rank writes a part
-and none writes it all), and a skeleton holding everything else, where each tensor is replaced
-by a marker naming it, which rank 0 writes into ``state.pt`` with the counters.
+``full/optimizer/state/0/exp_avg``), and a skeleton holding everything else, where each tensor
+is replaced by a marker naming it, which rank 0 writes into ``state.pt`` with the counters.
+:func:`own_share` gives each tensor to one rank, balancing the bytes; each rank copies only its
+own tensors and passes them to ``torch.distributed.checkpoint``, so each rank writes (and holds
+a copy of) about 1/world_size of the state, and none writes it all.
 
 A load reads the skeleton, makes an empty tensor of the recorded shape and dtype for each marker
 (:func:`templates`, from the verified DCP metadata: the checkpoint, not the model, says what it
@@ -27,7 +28,7 @@ import torch
 
 from lockstep.checkpoint.files import CheckpointError
 
-__all__ = ["PREFIX", "split_tensors", "join_tensors", "marked", "templates"]
+__all__ = ["PREFIX", "split_tensors", "own_share", "join_tensors", "marked", "templates"]
 
 PREFIX = "full/"       # the DCP names of replicated tensors; a sharded (FSDP) state never uses it
 _MARK = "__lockstep_dcp__"
@@ -61,6 +62,34 @@ def split_tensors(tree: Any, path: str = "full") -> tuple[Any, dict[str, torch.T
         return value
 
     return cut(tree, path), tensors
+
+
+def own_share(tensors: dict[str, torch.Tensor], rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    """CPU copies of the tensors ``rank`` writes: each tensor goes to one rank, bytes balanced.
+
+    Every rank computes the same assignment from the names, shapes and dtypes alone (largest
+    tensor first, to the rank with the fewest bytes so far, the lowest rank on a tie), so no
+    message is needed, and copies only its own share: the copy a save needs (training may go on
+    while it is written) costs each rank about 1/world_size of the state.
+
+    Args:
+        tensors: what :func:`split_tensors` returned second (identical on every rank).
+        rank: this rank.
+        world_size: ranks in the job.
+
+    Example::
+
+        own_share({"a": torch.ones(4), "b": torch.ones(2)}, 1, 2)   # {"b": tensor([1., 1.])}
+    """
+    loads = [0] * world_size
+    mine = {}
+    for name in sorted(tensors, key=lambda n: (-tensors[n].nelement() * tensors[n].element_size(), n)):
+        owner = min(range(world_size), key=lambda r: (loads[r], r))
+        loads[owner] += tensors[name].nelement() * tensors[name].element_size()
+        if owner == rank:
+            tensor = tensors[name].detach()
+            mine[name] = tensor.clone() if tensor.device.type == "cpu" else tensor.cpu()
+    return mine
 
 
 def _is_mark(value: Any) -> bool:

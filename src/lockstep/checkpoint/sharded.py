@@ -118,13 +118,14 @@ class VerifiedReader(FileSystemReader):
 def save_sharded(target: Path, tensors: dict[str, Any], world_size: int, group: Any = None) -> CheckpointError | None:
     """``dcp.save`` ``tensors`` into ``target`` (every rank); return this rank's error, if any.
 
-    Tensors that every rank holds alike (same name, same full shape) are written once, by the
-    rank with the fewest bytes planned so far: each rank writes a part.
+    Each rank writes what it passes: its shards of ``DTensor`` s, and the tensors only it
+    holds (its share of a replicated state, :func:`~lockstep.checkpoint.portable.own_share`);
+    the metadata records them all. A tensor that several ranks pass alike is written once.
 
     Args:
         target: the ``sharded/`` folder of the temporary checkpoint.
-        tensors: the same names on every rank: state dicts holding ``DTensor`` s, and replicated
-            tensors (:mod:`~lockstep.checkpoint.portable`).
+        tensors: this rank's part: state dicts holding ``DTensor`` s, and its share of the
+            replicated tensors (possibly none: the rank still takes part in the collective save).
         world_size: ranks in the job (1 saves without a process group).
         group: the process group to plan over (``None``: the default one).
 

@@ -35,7 +35,7 @@ from lockstep.checkpoint.files import (
 )
 from lockstep.checkpoint.layout import latest_checkpoint, prune, remove_stale, step_name, temp_name
 from lockstep.checkpoint.manifest import write_manifest
-from lockstep.checkpoint.portable import split_tensors
+from lockstep.checkpoint.portable import own_share, split_tensors
 from lockstep.checkpoint.safety import check_loadable
 from lockstep.comm.group import Comm
 from lockstep.errors import ConfigError
@@ -55,8 +55,8 @@ class Parts:
 
     Args:
         state: ``state.pt``'s content (rank 0 writes it; every rank holds it until the write).
-        tensors: the DCP part, the same names on every rank (replicated tensors and sharded
-            state dicts), or ``None`` when the checkpoint is ``state.pt`` alone.
+        tensors: this rank's DCP part (its share of the replicated tensors, and sharded state
+            dicts; possibly empty), or ``None`` when the checkpoint is ``state.pt`` alone.
 
     Example::
 
@@ -120,8 +120,9 @@ def prepare(state: dict[str, Any], comm: Comm, *, replicated: dict[str, Any] | N
     Args:
         state: the rest of the checkpoint (``state["rng"]`` this rank's RNG).
         comm: the job's collectives.
-        replicated: state dicts identical on every rank (ddp's model and optimizer): their
-            tensors go through DCP, each written by one rank; they load back as they were.
+        replicated: state dicts identical on every rank (ddp's model and optimizer; live
+            tensors, on any device): their tensors go through DCP, each copied and written by
+            one rank (:func:`~lockstep.checkpoint.portable.own_share`); they load back as they were.
         sharded: state dicts holding ``DTensor`` s (FSDP2), written through DCP as they are.
 
     Raises:
@@ -136,7 +137,8 @@ def prepare(state: dict[str, Any], comm: Comm, *, replicated: dict[str, Any] | N
     full = {**state, "rng": rngs} if "rng" in state else dict(state)
     tensors: dict[str, Any] | None = None
     if replicated is not None:
-        skeleton, tensors = split_tensors(replicated)
+        skeleton, everything = split_tensors(replicated)
+        tensors = own_share(everything, comm.rank, comm.world_size)  # this rank's part, copied
         full.update(skeleton)
     if sharded is not None:
         check_loadable(sharded, "sharded", allow_dtensor=True)
@@ -198,8 +200,8 @@ def write_parts(tmp: Path, parts: Parts, rank: int, world_size: int, gather: Gat
                 group: Any = None) -> tuple[dict[str, Any], CheckpointError | None]:
     """Write this rank's share of ``parts`` into ``tmp`` (every rank that holds a share calls it).
 
-    Rank 0 writes ``state.pt``; every rank passes ``parts.tensors`` to DCP, which writes each
-    tensor once, spread over the ranks, then hashes the files it wrote itself. Rank 0 goes
+    Rank 0 writes ``state.pt``; every rank passes its share of the tensors (``parts.tensors``)
+    to DCP, which writes them, then hashes the files it wrote itself. Rank 0 goes
     through every step even after a failure of its own, so no rank waits for it in vain.
 
     Args:

@@ -188,7 +188,8 @@ def save_state(directory: Path, train: TrainState, *, comm: Comm, strategy: Stra
     from lockstep.checkpoint.background import save_checkpoint_async
     from lockstep.checkpoint.core import save_checkpoint
 
-    full, sharded = strategy.checkpoint_state(_inner(model), optimizer)
+    # live tensors: each rank copies only the share it writes (checkpoint.portable.own_share)
+    full, sharded = strategy.checkpoint_state(_inner(model), optimizer, copy=False)
     if not blocking:
         extras = copy.deepcopy(extras)  # the user's tensors may change while the state is written
     state: dict[str, Any] = {"format": FORMAT, **train.state_dict(), "precision": precision.state_dict(),

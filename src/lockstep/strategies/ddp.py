@@ -257,9 +257,9 @@ class DDPStrategy(Strategy):
             return zero_state_dict(optimizer, self.comm)  # type: ignore[arg-type]
         return super()._optimizer_state(optimizer)
 
-    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None
+    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, copy: bool = True
                          ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-        full, sharded = super().checkpoint_state(model, optimizer)
+        full, sharded = super().checkpoint_state(model, optimizer, copy=copy)
         hook = _comm_hook(model)
         if full is not None and hook is not None and hook.state is not None:
             # error feedback is each rank's own: every rank's part is kept (index = rank)

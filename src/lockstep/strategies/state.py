@@ -64,7 +64,7 @@ class StateDicts:
         """
         return None
 
-    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None
+    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, copy: bool = True
                          ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
         """The model's and optimizer's state for a checkpoint: ``(full, sharded)``, one of them ``None``.
 
@@ -84,9 +84,9 @@ class StateDicts:
         sharded = self.sharded_state(model, optimizer)
         if sharded is not None:
             return None, sharded
-        full = {"model": self.model_state_dict(model)}
+        full = {"model": self.model_state_dict(model, copy=copy)}
         if optimizer is not None:
-            full["optimizer"] = self.optimizer_state_dict(model, optimizer)
+            full["optimizer"] = self.optimizer_state_dict(model, optimizer, copy=copy)
         return full, None
 
     def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -111,18 +111,20 @@ class StateDicts:
 
     # -- state dicts -----------------------------------------------------------------------
 
-    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+    def model_state_dict(self, model: nn.Module, *, copy: bool = True) -> dict[str, torch.Tensor]:
         """Return the full state dict with the bare module's keys as CPU tensors (every rank).
 
         Args:
             model: the module returned by ``setup_module``.
+            copy: False: the live tensors (detached, on their device) instead of CPU copies,
+                for a caller that copies what it keeps (a checkpoint copies each rank's share).
 
         Example::
 
             torch.save(strategy.model_state_dict(model), "weights.pt")
         """
         state = self.unwrap(model).state_dict()
-        return {key: _to_cpu(self._full_tensor(value)) for key, value in state.items()}
+        return {key: _export(self._full_tensor(value), copy) for key, value in state.items()}
 
     def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         """Load a full state dict (as :meth:`model_state_dict` returns) into ``model``.
@@ -144,12 +146,14 @@ class StateDicts:
         converted = {key: self._shard_like(value, current[key]) for key, value in state.items()}
         bare.load_state_dict(converted)
 
-    def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
+                             copy: bool = True) -> dict[str, Any]:
         """Return the optimizer's full state (``torch.optim`` format, CPU tensors, every rank).
 
         Args:
             model: the module returned by ``setup_module``.
             optimizer: the optimizer over its parameters.
+            copy: False: the live tensors, as for :meth:`model_state_dict`.
 
         Example::
 
@@ -157,7 +161,7 @@ class StateDicts:
         """
         raw = self._optimizer_state(optimizer)
         state = {
-            index: {key: _to_cpu(self._full_tensor(v)) if isinstance(v, torch.Tensor) else v
+            index: {key: _export(self._full_tensor(v), copy) if isinstance(v, torch.Tensor) else v
                     for key, v in entry.items()}
             for index, entry in sorted(raw["state"].items())
         }
@@ -210,9 +214,11 @@ class StateDicts:
         return full
 
 
-def _to_cpu(tensor: torch.Tensor) -> torch.Tensor:
+def _export(tensor: torch.Tensor, copy: bool) -> torch.Tensor:
     # .cpu() of a CPU tensor is the live tensor itself; a saved state must not change later.
     tensor = tensor.detach()
+    if not copy:
+        return tensor
     return tensor.clone() if tensor.device.type == "cpu" else tensor.cpu()
 
 

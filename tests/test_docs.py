@@ -136,6 +136,27 @@ def test_a_marker_inside_a_fence_is_text(tmp_path: Path) -> None:
     assert blocks == [("a.py", "print(1)\n")]
 
 
+def test_readme_links_point_at_files() -> None:
+    text = (ROOT / "README.md").read_text()
+    targets = {link.split("#")[0] for link in re.findall(r"\]\(([^)]+)\)", text) if "://" not in link}
+    assert "docs/index.md" in targets
+    missing = sorted(target for target in targets if not (ROOT / target).exists())
+    assert not missing, missing
+
+
+def test_docstrings_read_as_markdown() -> None:
+    if importlib.util.find_spec("griffe") is None:
+        pytest.skip("the docs extra is not installed (griffe): pip install -e '.[docs]'")
+    spec = importlib.util.spec_from_file_location("rst_docstrings", ROOT / "docs" / "rst_docstrings.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    text = "See :class:`~lockstep.session.Session` and :func:`helper`.\n\nExample::\n\n    x = 1\n\nAfter."
+    assert module.markdown(text).splitlines() == [
+        'See <autoref identifier="lockstep.session.Session" optional><code>Session</code></autoref> and `helper`.',
+        "", "Examples:", "    ```python", "    x = 1", "    ```", "", "After."]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize(("block", "command"), CASES)

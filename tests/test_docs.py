@@ -182,4 +182,4 @@ def test_docs_build_strict(tmp_path: Path) -> None:
                          capture_output=True, text=True, timeout=280, cwd=ROOT,
                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert out.returncode == 0, out.stdout + out.stderr
-    assert (tmp_path / "site" / "reference" / "session" / "index.html").exists()
+    assert (tmp_path / "site" / "reference" / "session.html").exists()

@@ -24,7 +24,7 @@ interpreter and torch itself (``base_mem_mb`` is the resident set before the mod
 
 Example (one rank of a two-process cell)::
 
-    results = lockstep.launch.spawn(measure_cell, 2, args=(CellTask(model="convnet", strategy="ddp"),))
+    results = lockstep.spawn(measure_cell, 2, args=(CellTask(model="convnet", strategy="ddp"),))
 """
 
 from __future__ import annotations
@@ -199,7 +199,7 @@ def measure_cell(task: CellTask) -> dict[str, Any]:
 
     Example::
 
-        lockstep.launch.spawn(measure_cell, 2, args=(CellTask(strategy="ddp", steps=5),))
+        lockstep.spawn(measure_cell, 2, args=(CellTask(strategy="ddp", steps=5),))
     """
     import lockstep
 

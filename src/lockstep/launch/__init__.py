@@ -16,7 +16,8 @@ May import: ``lockstep.errors``, ``lockstep.env``, ``lockstep.comm``.
 
 Example::
 
-    from lockstep.launch import LaunchSpec, launch
+    from lockstep.launch.elastic import launch
+    from lockstep.launch.spec import LaunchSpec
     launch(LaunchSpec(target="train.py", nproc=2))
 """
 

@@ -11,7 +11,7 @@ inside ``fn`` join the job. Return values come back by rank; a failing rank rais
 Example::
 
     from mypackage.jobs import train       # fn must live in an importable module, not a notebook cell
-    results = lockstep.launch.spawn(train, nprocs=2, args=(0.1,))
+    results = lockstep.spawn(train, nprocs=2, args=(0.1,))
 """
 
 from __future__ import annotations

@@ -238,9 +238,8 @@ def test_equivalent_verdict_states_tolerance() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.gpu
 @pytest.mark.timeout(300)
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (SyncBatchNorm over nccl)")
+@pytest.mark.gpu(count=2)
 def test_sync_bn_makes_batchnorm_equivalent_on_gpus(capsys: pytest.CaptureFixture) -> None:
     code = cli(["verify", "test_verify:bn_mlp", *_FLAGS, "--sync-bn"])
     out = capsys.readouterr().out

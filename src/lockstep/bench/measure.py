@@ -158,9 +158,9 @@ def _graphs_compiled(task: CellTask) -> int:
     """Graphs ``torch.compile`` has compiled in this process so far (0 for an eager cell)."""
     if task.compile == "none":
         return 0
-    from torch._dynamo.utils import counters
+    from lockstep.strategies.torch_internals import graphs_compiled
 
-    return int(counters["stats"]["unique_graphs"])
+    return graphs_compiled()
 
 
 def _batches(session: Any, task: CellTask, batch_size: int) -> tuple[Iterator[Any], int]:

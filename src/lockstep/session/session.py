@@ -37,7 +37,7 @@ from lockstep.env import detect_world
 from lockstep.session.loaders import DeviceLoader, progress_bar
 from lockstep.session.locks import FolderLocks
 from lockstep.session.loop import Accumulator, PrecisionModule
-from lockstep.session.nonfinite import NonFiniteLossError, NonFinitePolicy
+from lockstep.session.nonfinite import GO_AHEAD, LateSkips, NonFiniteLossError, NonFinitePolicy
 from lockstep.session.options import strategy_options as build_options
 from lockstep.session.options import summary_line
 from lockstep.session.position import Position
@@ -128,7 +128,6 @@ class Session(Position):
         from lockstep.precision import get_precision
         from lockstep.strategies import get_strategy
 
-        self._finite = NonFinitePolicy(nonfinite)  # a bad option is refused before any process group
         self._accum = Accumulator(accumulate)
         self.world = detect_world()
         self.seed, self.nonfinite, self.clip = seed, nonfinite, clip_grad_norm
@@ -144,7 +143,7 @@ class Session(Position):
         self.comm: Comm = init_comm(self.world, backend, init_method, self.timeout)
         self.world = self.comm.world  # an adopted group (Ray Train) may say more than the environment
         self._guard.attach(self.comm, self.device)
-        self._finite.attach(self.comm)
+        self._finite = NonFinitePolicy(nonfinite, self.comm)
         self.precision = get_precision(precision, self.device, comm=self.comm)
         self.strategy = get_strategy(strategy, self.comm, self.device, **options)
         seed_everything(seed)
@@ -241,7 +240,7 @@ class Session(Position):
             self.state.start_epoch(epoch)  # a loader resumed mid-epoch keeps its position
             self._announce()
             yield epoch
-            self._finite.move_skipped(self.state, self.print)  # counted before the loop looks at them
+            self._count_late_skips()  # counted before the loop looks at them
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate ``loss`` (scaled for fp16 and for accumulation)."""
@@ -273,11 +272,11 @@ class Session(Position):
         model = self._model
         # a loss-scaling precision skips a non-finite step itself (and every rank sees the same grads)
         attempt = self.global_step + self.skipped_steps + 1  # the step's number counts skipped ones too
-        warning = None if self.precision.scales_loss else self._finite.verdict(optimizer, attempt, self.epoch)
-        took = warning is None
-        if warning is not None:
-            self.state.skipped_steps += 1
-            self.print(warning)
+        decision = GO_AHEAD if self.precision.scales_loss else self._finite.decide(optimizer, attempt, self.epoch)
+        took = False
+        if not decision.take:
+            self.state.count_skipped()
+            self.print(decision.message)
         else:
             clip = None
             if self.clip is not None and model is not None:
@@ -285,8 +284,9 @@ class Session(Position):
             took = self.precision.step(optimizer, clip)
         optimizer.zero_grad(set_to_none=True)
         self._accum.after_step()
-        self.state.global_step += int(took)
-        self._finite.after_step(self.state, self.print)  # no-sync path: skipped steps counted late
+        if took:  # a loss scaler's own skip (an overflow while it calibrates) is neither taken nor counted
+            self.state.count_step()
+        self._note_late_skips(self._finite.after_step())  # no-sync path: skipped steps reported late
         if self._guard.poll() and self._guard.mode == "save":
             self._stop_every_rank(optimizer)
         return took
@@ -301,6 +301,16 @@ class Session(Position):
         self.print(message)
         self.close()
         raise Preempted(message, self.global_step, path)
+
+    def _count_late_skips(self, name_ranks: bool = True) -> None:
+        """Read the steps the optimizer skipped on the device (no-sync path) into the counters."""
+        self._note_late_skips(self._finite.count_late_skips(name_ranks))
+
+    def _note_late_skips(self, late: LateSkips) -> None:
+        """The counters are the state's: it moves the steps; rank 0 prints the warning."""
+        if late.steps:
+            self.state.count_late_skips(late.steps)
+            self.print(late.message)
 
     # -- talking and printing ----------------------------------------------------------------
     def all_reduce(self, value: torch.Tensor | float, op: str = "sum") -> Any:
@@ -354,7 +364,7 @@ class Session(Position):
 
             session.save("checkpoints", model=model, optimizer=optimizer, keep=3, best=acc)
         """
-        self._finite.move_skipped(self.state, self.print)
+        self._count_late_skips()
         self._ckpt = ((directory := self._locks.hold(directory)), keep, extras)
         return self._locks.track(save_state(directory, self.state, comm=self.comm, strategy=self.strategy,
                                             precision=self.precision, model=model, optimizer=optimizer,
@@ -378,7 +388,7 @@ class Session(Position):
 
     def close(self) -> None:
         """Give up the checkpoint folders, end the job's communication (barrier + destroy). Safe to call twice."""
-        self._finite.move_skipped(self.state, self.print, name_ranks=False)
+        self._count_late_skips(name_ranks=False)
         self._guard.uninstall()
         self._locks.wait()  # a save still being written (blocking=False) ends, or raises, here
         self._locks.release()

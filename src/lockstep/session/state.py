@@ -98,6 +98,38 @@ class TrainState:
         """True once a training loader ran out after the epoch's last batch."""
         return self.loaders.epoch_done
 
+    def count_step(self) -> None:
+        """Count one optimizer step taken.
+
+        Example::
+
+            state.count_step()
+        """
+        self.global_step += 1
+
+    def count_skipped(self) -> None:
+        """Count one step skipped on every rank for a non-finite loss (``nonfinite="skip"``).
+
+        Example::
+
+            state.count_skipped()
+        """
+        self.skipped_steps += 1
+
+    def count_late_skips(self, steps: int) -> None:
+        """Move ``steps`` steps counted as taken to the skipped ones: the optimizer skipped them on
+        the device, and the host learnt it later (:class:`~lockstep.session.nonfinite.LateSkips`).
+
+        Args:
+            steps: how many of the steps counted as taken were skipped.
+
+        Example::
+
+            state.count_late_skips(policy.count_late_skips().steps)
+        """
+        self.global_step -= steps
+        self.skipped_steps += steps
+
     def start_epoch(self, epoch: int) -> None:
         """Enter ``epoch``: every training loader follows (one resumed mid-epoch keeps its position).
 

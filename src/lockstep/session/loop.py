@@ -1,9 +1,8 @@
-"""The pieces of the training step that the session holds: the precision-aware module wrapper
-and gradient accumulation (the loaders are :mod:`lockstep.session.loaders`, the non-finite
-policy :mod:`lockstep.session.nonfinite`).
+"""Gradient accumulation, the part of the training step that spans several ``backward`` calls
+(the model's wrappers are :mod:`lockstep.session.wrappers`, the loaders
+:mod:`lockstep.session.loaders`, the non-finite policy :mod:`lockstep.session.nonfinite`).
 
-They are separate from :mod:`lockstep.session.session` so that each stays small and testable; users
-meet them only through ``Session``.
+Users meet it only through ``Session(accumulate=k)``.
 
 Example::
 
@@ -21,40 +20,7 @@ from torch import nn
 
 from lockstep.errors import ConfigError
 
-__all__ = ["PrecisionModule", "Accumulator"]
-
-
-class PrecisionModule(nn.Module):
-    """Run the wrapped model's forward under the precision plugin's autocast / input casting.
-
-    ``state_dict`` and ``load_state_dict`` go to the user's bare module, so saving the wrapped
-    model never adds a ``module.`` prefix.
-
-    Args:
-        module: the strategy-wrapped model.
-        precision: the precision plugin.
-        bare: the user's own module (for state dicts and attribute access).
-    """
-
-    def __init__(self, module: nn.Module, precision: Any, bare: nn.Module) -> None:
-        super().__init__()
-        self.module = module
-        self._precision = precision
-        self._bare: nn.Module
-        object.__setattr__(self, "_bare", bare)
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        precision = self._precision
-        args = tuple(precision.convert_input(a) if isinstance(a, torch.Tensor) else a for a in args)
-        with precision.forward_context():
-            out = self.module(*args, **kwargs)
-        return precision.convert_output(out)
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        return self._bare.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        return self._bare.load_state_dict(*args, **kwargs)
+__all__ = ["Accumulator"]
 
 
 class Accumulator:

@@ -193,7 +193,7 @@ def test_no_host_sync_per_step_on_cuda() -> None:
             session.step(opt)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    session._count_late_skips()
+    session._steps.count_late_skips()
     assert (session.global_step, session.skipped_steps) == (11, 1)
     assert all(torch.isfinite(p).all() for p in model.parameters())
     session.close()

@@ -24,7 +24,6 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
-from functools import partial
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -37,8 +36,8 @@ from lockstep.env import detect_world
 from lockstep.session.loaders import DeviceLoader, progress_bar
 from lockstep.session.locks import FolderLocks
 from lockstep.session.saves import SaveInFlight, SaveTarget
-from lockstep.session.loop import Accumulator
-from lockstep.session.nonfinite import GO_AHEAD, LateSkips, NonFiniteLossError, NonFinitePolicy
+from lockstep.session.loop import Accumulator, TrainStep
+from lockstep.session.nonfinite import NonFiniteLossError, NonFinitePolicy
 from lockstep.session.options import strategy_options as build_options
 from lockstep.session.options import summary_line
 from lockstep.session.position import Position
@@ -150,6 +149,8 @@ class Session(Position):
         self.strategy = get_strategy(strategy, self.comm, self.device, **options)
         seed_everything(seed)
         self.state = TrainState(self.rank, self.world_size)
+        self._steps = TrainStep(self.state, self._accum, self._finite, self.precision, self.strategy, self.comm,
+                                clip_grad_norm, say=self.print)
         self._models: list[ModelWrappers] = []  # each setup's layers, the last one the model in training
         self.compiled = False  # set by setup: True once torch.compile wrapped the model
         self._announced = False
@@ -239,22 +240,12 @@ class Session(Position):
             self.state.start_epoch(epoch)  # a loader resumed mid-epoch keeps its position
             self._announce()
             yield epoch
-            self._count_late_skips()  # counted before the loop looks at them
+            self._steps.count_late_skips()  # counted before the loop looks at them
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate ``loss`` (scaled for fp16 and for accumulation)."""
         self._announce()
-        self._finite.record(loss)
-        loss = self._accum.scale(loss)
-        watch = self.comm.watchdog
-        watch.enter("backward of step {}", self.global_step + 1)  # DDP's gradient all_reduce is in here
-        try:
-            self.precision.backward(loss)
-        except RuntimeError as exc:
-            raise watch.explain(exc) or exc  # a timeout names the rank that did not arrive
-        finally:
-            watch.leave()
-        self._accum.after_backward()
+        self._steps.backward(loss)
 
     def step(self, optimizer: Optimizer) -> bool:
         """Unscale, clip, step and zero the gradients; returns False when no step was taken.
@@ -268,23 +259,7 @@ class Session(Position):
         """
         if not self._accum.ready:
             return False
-        # a loss-scaling precision skips a non-finite step itself (and every rank sees the same grads)
-        attempt = self.global_step + self.skipped_steps + 1  # the step's number counts skipped ones too
-        decision = GO_AHEAD if self.precision.scales_loss else self._finite.decide(optimizer, attempt, self.epoch)
-        took = False
-        if not decision.take:
-            self.state.count_skipped()
-            self.print(decision.message)
-        else:
-            clip = None
-            if self.clip is not None and self._models:
-                clip = partial(self.strategy.clip_grad_norm, self._models[-1].wrapped, self.clip)
-            took = self.precision.step(optimizer, clip)
-        optimizer.zero_grad(set_to_none=True)
-        self._accum.after_step()
-        if took:  # a loss scaler's own skip (an overflow while it calibrates) is neither taken nor counted
-            self.state.count_step()
-        self._note_late_skips(self._finite.after_step())  # no-sync path: skipped steps reported late
+        took = self._steps.step(optimizer, self._models[-1].wrapped if self._models else None)
         if self._guard.poll() and self._guard.mode == "save":
             self._stop_every_rank(optimizer)
         return took
@@ -300,16 +275,6 @@ class Session(Position):
         self.print(message)
         self.close()
         raise Preempted(message, self.global_step, path)
-
-    def _count_late_skips(self, name_ranks: bool = True) -> None:
-        """Read the steps the optimizer skipped on the device (no-sync path) into the counters."""
-        self._note_late_skips(self._finite.count_late_skips(name_ranks))
-
-    def _note_late_skips(self, late: LateSkips) -> None:
-        """The counters are the state's: it moves the steps; rank 0 prints the warning."""
-        if late.steps:
-            self.state.count_late_skips(late.steps)
-            self.print(late.message)
 
     # -- talking and printing ----------------------------------------------------------------
     def all_reduce(self, value: torch.Tensor | float, op: str = "sum") -> Any:
@@ -364,7 +329,7 @@ class Session(Position):
 
             session.save("checkpoints", model=model, optimizer=optimizer, keep=3, best=acc)
         """
-        self._count_late_skips()
+        self._steps.count_late_skips()
         self._saves.wait()  # a save still being written ends (or fails) before the next one
         self._ckpt = SaveTarget(directory := self._folders.hold(directory), keep, extras)
         return self._saves.track(save_state(directory, self.state, comm=self.comm, strategy=self.strategy,
@@ -414,7 +379,7 @@ class Session(Position):
 
     def close(self) -> None:
         """Give up the checkpoint folders, end the job's communication (barrier + destroy). Safe to call twice."""
-        self._count_late_skips(name_ranks=False)
+        self._steps.count_late_skips(name_ranks=False)
         self._guard.uninstall()
         self._saves.wait()  # a save still being written (blocking=False) ends, or raises, here
         self._folders.release()

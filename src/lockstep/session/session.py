@@ -130,19 +130,18 @@ class Session(Position):
         from lockstep.strategies import get_strategy
 
         self._accum = Accumulator(accumulate)
-        self.world = detect_world()
+        world = detect_world()
         self.seed, self.nonfinite, self.clip = seed, nonfinite, clip_grad_norm
         self.timeout = resolve_timeout(timeout)
         self.quiet = quiet
-        self.device: torch.device = self.world.device
+        self.device: torch.device = world.device
         get_precision(precision, self.device)  # refuse a bad name before any process group
-        options = build_options(strategy, backend=backend, world_size=self.world.world_size, sync_bn=sync_bn,
+        options = build_options(strategy, backend=backend, world_size=world.world_size, sync_bn=sync_bn,
                                 grad_compression=grad_compression, shard_optimizer=shard_optimizer,
                                 options=strategy_options)
         self._compile = check_compile(compile)
         self._guard = StopGuard(preemption, preempt_check_seconds)
-        self.comm: Comm = init_comm(self.world, backend, init_method, self.timeout)
-        self.world = self.comm.world  # an adopted group (Ray Train) may say more than the environment
+        self.comm: Comm = init_comm(world, backend, init_method, self.timeout)
         self._guard.attach(self.comm, self.device)
         self._finite = NonFinitePolicy(nonfinite, self.comm)
         self.precision = get_precision(precision, self.device, comm=self.comm)

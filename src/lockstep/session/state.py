@@ -39,6 +39,7 @@ __all__ = ["ResumeState", "TrainState", "save_state", "load_state", "resumed_lin
            "restore_rng", "seed_everything"]
 
 FORMAT = 1
+"""The layout of a session checkpoint's state (``state["format"]``); a load refuses a newer one."""
 
 
 @dataclass(frozen=True)
@@ -252,6 +253,9 @@ def load_state(directory: Path, train: TrainState, *, comm: Comm, device: torch.
     Returns:
         Where training continues (a fresh :class:`ResumeState` when there is no checkpoint).
 
+    Raises:
+        CheckpointError: the checkpoint was written in a newer format than :data:`FORMAT`.
+
     Example::
 
         resume = load_state(Path("ckpt"), session.state, comm=session.comm, device=session.device,
@@ -259,12 +263,17 @@ def load_state(directory: Path, train: TrainState, *, comm: Comm, device: torch.
                             optimizer=opt)
     """
     from lockstep.checkpoint.core import load_checkpoint
+    from lockstep.checkpoint.files import CheckpointError
 
     inner = model.wrapped
     sharded = strategy.sharded_state(inner, optimizer)
     state = load_checkpoint(directory, comm, map_location=device, sharded=sharded)
     if state is None:
         return ResumeState()
+    written = int(state.get("format") or 1)  # the first checkpoints had no format field
+    if written > FORMAT:  # every rank read the same state: every rank raises alike
+        raise CheckpointError(f"{state.get('path', directory)} was written by a newer lockstep (checkpoint format "
+                              f"{written}; this version reads up to {FORMAT}): upgrade lockstep to resume from it")
     strategy.load_checkpoint_state(inner, optimizer, state, sharded)
     precision.load_state_dict(state.get("precision") or {})
     mid = train.load_state_dict(state)

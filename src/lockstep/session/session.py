@@ -35,13 +35,13 @@ from lockstep.data.loader import make_loader
 from lockstep.env import detect_world
 from lockstep.session.loaders import DeviceLoader, progress_bar
 from lockstep.session.locks import FolderLocks
-from lockstep.session.saves import SaveInFlight, SaveTarget
 from lockstep.session.loop import Accumulator, TrainStep
 from lockstep.session.nonfinite import NonFiniteLossError, NonFinitePolicy
 from lockstep.session.options import strategy_options as build_options
 from lockstep.session.options import summary_line
 from lockstep.session.position import Position
 from lockstep.session.preempt import Preempted, StopGuard, stop_message
+from lockstep.session.saves import SaveInFlight, SaveTarget
 from lockstep.session.state import ResumeState, TrainState, load_state, resumed_line, save_state, seed_everything
 from lockstep.session.wrappers import ModelWrappers, model_wrappers, wrap_model
 from lockstep.strategies.compile import check_compile

@@ -88,13 +88,13 @@ def main() -> None:
                 _save(session, folder, way, model, opt)
                 took = time.perf_counter() - start
                 if way == "async":
-                    session._locks.wait()  # the write's end: what the next save would wait for
+                    session.wait_for_save()  # the write's end: what the next save would wait for
                     committed.append(time.perf_counter() - start)
                 if run:
                     blocked[way].append(took)
                 if way == "blocking" and session.is_main:
                     parts = _bytes_by_rank(folder)
-                session.state.global_step += 1  # a new folder name each time
+                session.state.count_step()  # a new folder name each time
         committed = committed[1:]
         session.barrier()
         session.close()

@@ -94,6 +94,15 @@ def test_training_goes_on_while_rank_0_writes(tmp_path: Path, monkeypatch: pytes
     assert path.name == "step-000001" and [p.name for p in list_checkpoints(tmp_path)] == ["step-000001"]
 
 
+def test_wait_for_save_returns_the_committed_checkpoint(tmp_path: Path) -> None:
+    session, model, opt = _single(tmp_path)
+    assert session.wait_for_save() is None                         # nothing in flight
+    path = session.save(tmp_path, model=model, optimizer=opt, blocking=False)
+    assert session.wait_for_save() == path and path.is_dir()       # committed when it returns
+    assert session.wait_for_save() is None
+    session.close()
+
+
 def test_a_full_disk_during_an_async_save_is_raised_at_the_next_save(tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     from lockstep.checkpoint import write

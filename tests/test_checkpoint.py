@@ -373,3 +373,20 @@ def test_cuda_checkpoint_loads_on_cpu_by_default(tmp_path: Path) -> None:
     assert loaded is not None and loaded["w"].device.type == "cpu"
     local = load_checkpoint(tmp_path, COMM, map_location=f"cuda:{torch.cuda.device_count() - 1}")
     assert local is not None and local["w"].device.index == torch.cuda.device_count() - 1
+
+
+def test_a_newer_checkpoint_format_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The session writes its state's format and refuses one newer than it reads."""
+    import lockstep
+    import lockstep.session.state as session_state
+
+    session = lockstep.Session(quiet=True)
+    model, opt = session.setup(torch.nn.Linear(2, 2), lambda p: torch.optim.SGD(p, lr=0.1))
+    session.save(tmp_path, model=model, optimizer=opt)
+    assert session.load(tmp_path, model=model, optimizer=opt).resumed  # the current format loads
+    monkeypatch.setattr(session_state, "FORMAT", session_state.FORMAT + 1)
+    session.save(tmp_path, model=model, optimizer=opt)  # as a newer version would write it
+    monkeypatch.undo()
+    with pytest.raises(cio.CheckpointError, match="written by a newer lockstep .*upgrade lockstep"):
+        session.load(tmp_path, model=model, optimizer=opt)
+    session.close()

@@ -23,10 +23,13 @@ from torch import nn
 
 import lockstep
 from _dist import run_distributed
+from _parity import GLOBAL_BATCH
+from _parity import batch as _batch
+from _parity import reference as _reference
+from _parity import rel_diff as _rel_diff
 from lockstep.errors import ConfigError
 from lockstep.strategies.compile import apply_compile, check_compile, compile_label
 
-GLOBAL_BATCH = 12
 STEPS = 8
 TOLERANCE = 1e-5
 AOT = {"backend": "aot_eager"}
@@ -36,25 +39,6 @@ def _model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
 
-
-def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1000 + step)
-    return torch.randn(GLOBAL_BATCH, 6, generator=gen), torch.randn(GLOBAL_BATCH, 3, generator=gen)
-
-
-def _rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    return max(float((a[k] - b[k]).abs().max() / (b[k].abs().max() + 1e-12)) for k in b)
-
-
-def _reference(steps: int) -> dict[str, torch.Tensor]:
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for step in range(steps):
-        x, y = _batch(step)
-        F.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 # -- options (one process) -------------------------------------------------------------------------
@@ -90,7 +74,7 @@ def test_one_process_compiled_matches_eager_and_says_so() -> None:
             session.backward(F.mse_loss(model(x), y))
             session.step(opt)
         got = session.strategy.unwrap(model).state_dict()
-    assert _rel_diff(got, _reference(STEPS)) <= TOLERANCE
+    assert _rel_diff(got, _reference(_model(), STEPS)) <= TOLERANCE
 
 
 # -- world 2 on gloo -------------------------------------------------------------------------------
@@ -115,7 +99,7 @@ def _train_body(strategy: str, compile: Any, steps: int) -> dict[str, Any]:
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_compiled_world_two_matches_eager_one_process(strategy: str) -> None:
     results = run_distributed(_train_body, 2, strategy, AOT, STEPS, timeout=240)
-    reference = _reference(STEPS)
+    reference = _reference(_model(), STEPS)
     for result in results:
         assert result["compiled"]
         diff = _rel_diff(result["weights"], reference)
@@ -192,7 +176,7 @@ def test_inductor_one_process_matches_eager() -> None:
                 session.backward(F.mse_loss(model(x), y))
                 session.step(opt)
             got = session.strategy.unwrap(model).state_dict()
-    diff = _rel_diff(got, _reference(STEPS))
+    diff = _rel_diff(got, _reference(_model(), STEPS))
     print(f"inductor 1 process vs eager: {diff:.2e}")
     assert diff <= 1e-4, diff
 

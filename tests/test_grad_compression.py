@@ -30,6 +30,10 @@ from torch import nn
 
 import lockstep
 from _dist import run_distributed
+from _parity import GLOBAL_BATCH
+from _parity import batch as _batch
+from _parity import reference as _reference
+from _parity import rel_diff as _rel_diff
 from lockstep.checkpoint import load_checkpoint
 from lockstep.errors import ConfigError
 from lockstep.session.options import strategy_options
@@ -39,7 +43,6 @@ from lockstep.comm.group import Comm
 from lockstep.env import World
 
 CPU = torch.device("cpu")
-GLOBAL_BATCH = 12
 STEPS = 20
 TOLERANCE = {"bf16": 2e-2, "fp16": 2e-3, "powersgd": 1.0}
 POWERSGD = {"powersgd_start_iter": 2, "powersgd_rank": 1}
@@ -51,25 +54,6 @@ def _model(width: int = 0) -> nn.Module:
     middle = [nn.Linear(16, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 16), nn.Tanh()]
     return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), *(middle if width else []), nn.Linear(16, 3))
 
-
-def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1000 + step)
-    return torch.randn(GLOBAL_BATCH, 6, generator=gen), torch.randn(GLOBAL_BATCH, 3, generator=gen)
-
-
-def _rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    return max(float((a[k] - b[k]).abs().max() / (b[k].abs().max() + 1e-12)) for k in b)
-
-
-def _reference(steps: int) -> dict[str, torch.Tensor]:
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for step in range(steps):
-        x, y = _batch(step)
-        F.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 # -- options (one process) -------------------------------------------------------------------------
@@ -143,7 +127,7 @@ def _train_body(compression: str, options: dict[str, Any]) -> dict[str, Any]:
 def test_world_two_with_compression_stays_near_one_process(compression: str) -> None:
     options = POWERSGD if compression == "powersgd" else {"bucket_cap_mb": 1, "static_graph": True}
     results = run_distributed(_train_body, 2, compression, options, timeout=240)
-    ref = _reference(STEPS)
+    ref = _reference(_model(), STEPS)
     diff = _rel_diff(results[0]["weights"], ref)
     assert _rel_diff(results[1]["weights"], results[0]["weights"]) == 0.0, "ranks disagree"
     assert 0.0 < diff <= TOLERANCE[compression], f"{compression}: relative difference {diff:.2e}"

@@ -114,6 +114,19 @@ def test_bad_loss_and_bad_batches_refused() -> None:
     assert model.training  # restored even after an error
 
 
+def test_the_job_is_a_session_or_a_comm() -> None:
+    import lockstep
+
+    model, data = _tiny()
+    session = lockstep.Session(quiet=True)
+    assert accuracy(model, DataLoader(data), session) == accuracy(model, DataLoader(data), SOLO)
+    session.close()
+    with pytest.raises(ConfigError, match="metrics need the job's Session or Comm, got object"):
+        accuracy(model, DataLoader(data), object())  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="Session or Comm"):
+        SumCount().compute(object())  # type: ignore[arg-type]
+
+
 def test_empty_evaluation_is_nan_not_an_error() -> None:
     model, _ = _tiny()
     empty = TensorDataset(torch.zeros(0, 4), torch.zeros(0, dtype=torch.long))

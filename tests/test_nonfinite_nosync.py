@@ -1,15 +1,14 @@
-"""The non-finite check without a host sync: the flag folded into fused optimizers' steps.
+"""The non-finite check without a host sync: the flag lent to fused optimizers' steps.
 
-On an accelerator the session hands the check's flag to a fused optimizer as ``found_inf``
-instead of reading it every step; the skipped steps are read every ``settle_every`` steps. These
+On an accelerator the session lends the check's flag to a fused optimizer as ``found_inf``
+instead of reading it every step; the skipped steps are read every ``read_every`` steps. These
 tests force that path on CPU (``defer=True``) and hold it to the per-step path: the same weights,
-the same optimizer state, the same counts once settled, the same decision on every rank.
+the same optimizer state, the same counts once read, the same decision on every rank.
 """
 
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -17,12 +16,33 @@ import torch
 
 from _dist import run_distributed
 from lockstep.errors import ConfigError
-from lockstep.session.nonfinite import NonFinitePolicy
+from lockstep.session.nonfinite import LateSkips, NonFinitePolicy
+from lockstep.session.state import TrainState
 
 BAD_STEPS = {3, 4, 9}  # 1-based steps whose loss is NaN
 
 
-def _loop(defer: bool, fused: bool, make: str, settle_every: int = 4, steps: int = 12) -> dict[str, Any]:
+def _step(policy: NonFinitePolicy, opt: torch.optim.Optimizer, counts: TrainState, step: int,
+          warnings: list[str]) -> None:
+    """What Session.step does with the policy's decision and late skips."""
+    decision = policy.decide(opt, step, 0)
+    if decision.take:
+        opt.step()
+        counts.count_step()
+    else:
+        counts.count_skipped()
+        warnings.append(decision.message)
+    opt.zero_grad(set_to_none=True)
+    _note(policy.after_step(), counts, warnings)
+
+
+def _note(late: LateSkips, counts: TrainState, warnings: list[str]) -> None:
+    if late.steps:
+        counts.count_late_skips(late.steps)
+        warnings.append(late.message)
+
+
+def _loop(defer: bool, fused: bool, make: str, read_every: int = 4, steps: int = 12) -> dict[str, Any]:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     opt: torch.optim.Optimizer
@@ -30,25 +50,17 @@ def _loop(defer: bool, fused: bool, make: str, settle_every: int = 4, steps: int
         opt = torch.optim.Adam(model.parameters(), lr=0.05, fused=fused)
     else:
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, fused=fused)
-    policy = NonFinitePolicy("skip", defer=defer, settle_every=settle_every)
-    counts = SimpleNamespace(global_step=0, skipped_steps=0)  # what a TrainState holds
+    policy = NonFinitePolicy("skip", defer=defer, read_every=read_every)
+    counts = TrainState()
     warnings: list[str] = []
     for step in range(1, steps + 1):
         x = torch.full((3, 4), float(step))
         loss = model(x).pow(2).mean() * (math.nan if step in BAD_STEPS else 1.0)
         loss.backward()
         policy.record(loss)
-        warning = policy.verdict(opt, counts.global_step + counts.skipped_steps + 1, 0)
-        if warning is None:
-            opt.step()
-            counts.global_step += 1
-        else:
-            counts.skipped_steps += 1
-            warnings.append(warning)
-        opt.zero_grad(set_to_none=True)
-        policy.after_step(counts, warnings.append)
+        _step(policy, opt, counts, counts.global_step + counts.skipped_steps + 1, warnings)
         assert not hasattr(opt, "found_inf")  # never left behind for a step outside the session
-    policy.move_skipped(counts, warnings.append)
+    _note(policy.count_late_skips(), counts, warnings)
     taken, skipped = counts.global_step, counts.skipped_steps
     state = {k: v.clone() for p in model.parameters() for k, v in opt.state[p].items() if torch.is_tensor(v)}
     return {"weights": [p.detach().clone() for p in model.parameters()], "state": state, "taken": taken,
@@ -56,38 +68,39 @@ def _loop(defer: bool, fused: bool, make: str, settle_every: int = 4, steps: int
 
 
 @pytest.mark.parametrize("make", ["sgd", "adam"])
-def test_folded_skip_equals_the_per_step_check(make: str) -> None:
+def test_lent_flag_skip_equals_the_per_step_check(make: str) -> None:
     synced = _loop(defer=False, fused=True, make=make)
-    folded = _loop(defer=True, fused=True, make=make)
-    assert all(torch.equal(a, b) for a, b in zip(synced["weights"], folded["weights"]))
-    assert synced["state"].keys() == folded["state"].keys()
-    assert all(torch.equal(synced["state"][k], folded["state"][k]) for k in synced["state"])
-    assert (folded["taken"], folded["skipped"]) == (synced["taken"], synced["skipped"]) == (9, 3)
+    lent = _loop(defer=True, fused=True, make=make)
+    assert all(torch.equal(a, b) for a, b in zip(synced["weights"], lent["weights"]))
+    assert synced["state"].keys() == lent["state"].keys()
+    assert all(torch.equal(synced["state"][k], lent["state"][k]) for k in synced["state"])
+    assert (lent["taken"], lent["skipped"]) == (synced["taken"], synced["skipped"]) == (9, 3)
     assert len(synced["warnings"]) == 3  # one per bad step, at once
-    # settled every 4 steps: steps 1-4 (3 and 4 bad), 5-8 (none), 9-12 (9 bad)
-    assert folded["warnings"] == [
+    # read every 4 steps: steps 1-4 (3 and 4 bad), 5-8 (none), 9-12 (9 bad)
+    assert lent["warnings"] == [
         "lockstep: warning: non-finite loss on rank 0: 2 of steps 1-4 skipped on every rank",
         "lockstep: warning: non-finite loss on rank 0: 1 of steps 9-12 skipped on every rank",
     ]
 
 
-def test_only_optimizers_that_skip_themselves_are_folded() -> None:
+def test_only_optimizers_that_skip_themselves_get_the_flag() -> None:
     unfused = _loop(defer=True, fused=False, make="adam")   # no found_inf support: the per-step check
     assert len(unfused["warnings"]) == 3 and unfused["skipped"] == 3
     model = torch.nn.Linear(2, 1)
     model(torch.ones(1, 2)).sum().backward()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
-    assert not NonFinitePolicy("skip").check.fold(opt, None, None)   # CPU gradients: a read costs nothing
-    assert NonFinitePolicy("skip").check.fold(opt, None, True) and float(opt.found_inf) == 0.0
+    assert not NonFinitePolicy("skip").check.lend_flag(opt, None, None)   # CPU gradients: a read costs nothing
+    assert NonFinitePolicy("skip").check.lend_flag(opt, None, True) and float(opt.found_inf) == 0.0
     del opt.found_inf
     stop = NonFinitePolicy("stop", defer=True)
-    assert stop.verdict(opt, 1, 0) is None and not hasattr(opt, "found_inf")  # "stop" checks at once
-    with pytest.raises(ConfigError, match="settle_every must be at least 1"):
-        NonFinitePolicy("skip", settle_every=0)
+    decision = stop.decide(opt, 1, 0)
+    assert decision.take and not decision.message and not hasattr(opt, "found_inf")  # "stop" checks at once
+    with pytest.raises(ConfigError, match="read_every must be at least 1"):
+        NonFinitePolicy("skip", read_every=0)
 
 
 def _ranks() -> dict[str, Any]:
-    """DDP with a NaN loss on rank 1 only at step 3: every rank skips it, folded or not."""
+    """DDP with a NaN loss on rank 1 only at step 3: every rank skips it, lent or not."""
     from lockstep.comm.group import init_comm
     from lockstep.env import detect_world
 
@@ -98,23 +111,15 @@ def _ranks() -> dict[str, Any]:
         torch.manual_seed(0)
         model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
         opt = torch.optim.Adam(model.parameters(), lr=0.05, fused=True)
-        policy = NonFinitePolicy("skip", comm, defer=defer, settle_every=3)
-        counts, notes = SimpleNamespace(global_step=0, skipped_steps=0), []
+        policy = NonFinitePolicy("skip", comm, defer=defer, read_every=3)
+        counts, notes = TrainState(), []
         for step in range(1, 7):
             loss = model(torch.full((2, 4), float(step + rank))).pow(2).mean()
             if step == 3 and rank == 1:
                 loss = loss * math.nan
             loss.backward()
             policy.record(loss)
-            warning = policy.verdict(opt, step, 0)
-            if warning is None:
-                opt.step()
-                counts.global_step += 1
-            else:
-                counts.skipped_steps += 1
-                notes.append(warning)
-            opt.zero_grad(set_to_none=True)
-            policy.after_step(counts, notes.append)
+            _step(policy, opt, counts, step, notes)
         out[str(defer)] = {"weights": [p.detach().clone() for p in model.parameters()],
                            "skipped": counts.skipped_steps, "notes": notes}
     comm.shutdown()
@@ -156,20 +161,20 @@ def _session_run(defer: bool) -> dict[str, Any]:
             "steps": (session.global_step, session.skipped_steps), "seen": seen}
 
 
-def test_session_counts_folded_skips_at_each_epoch_end() -> None:
+def test_session_counts_late_skips_at_each_epoch_end() -> None:
     synced = _session_run(False)
-    folded = _session_run(True)
-    assert all(torch.equal(a, b) for a, b in zip(synced["weights"], folded["weights"]))
-    assert synced["steps"] == folded["steps"] == (8, 2)
-    # the loop reads the counts inside the epoch, before epochs() settles: exact on the per-step path,
-    # late on the folded one; the next epoch starts from the settled counts
-    assert synced["seen"] == [(4, 1), (8, 2)] and folded["seen"] == [(5, 0), (9, 1)]
+    lent = _session_run(True)
+    assert all(torch.equal(a, b) for a, b in zip(synced["weights"], lent["weights"]))
+    assert synced["steps"] == lent["steps"] == (8, 2)
+    # the loop reads the counts inside the epoch, before epochs() reads the late skips: exact on the
+    # per-step path, late on the lent-flag one; the next epoch starts from the counts read
+    assert synced["seen"] == [(4, 1), (8, 2)] and lent["seen"] == [(5, 0), (9, 1)]
 
 
 @pytest.mark.gpu
 def test_no_host_sync_per_step_on_cuda() -> None:
     """On a GPU with a fused optimizer a step never waits for the device (sync debug mode raises
-    on any host sync); a NaN step is still skipped and counted at the settle."""
+    on any host sync); a NaN step is still skipped and counted when the skips are read."""
     import lockstep
 
     session = lockstep.Session(quiet=True, preemption="off")  # the stop check's own read is not this test's
@@ -188,7 +193,7 @@ def test_no_host_sync_per_step_on_cuda() -> None:
             session.step(opt)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    session._finite.move_skipped(session.state, session.print)
+    session._steps.count_late_skips()
     assert (session.global_step, session.skipped_steps) == (11, 1)
     assert all(torch.isfinite(p).all() for p in model.parameters())
     session.close()

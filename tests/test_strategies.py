@@ -255,7 +255,23 @@ def test_explain_ddp_error_names_parameters() -> None:
     detail = "Parameters which did not receive grad for rank 0: dead.weight, dead.bias\n"
     assert explain_ddp_error(RuntimeError(detail), model).names == ["dead.weight", "dead.bias"]  # type: ignore[union-attr]
     assert explain_ddp_error(RuntimeError("CUDA out of memory"), model) is None
-    assert DDPStrategy(_null_comm(), CPU).explain_error(RuntimeError(message), model) is not None
+
+
+def test_ddp_forward_names_unused_parameters(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The DDP wrapper lockstep makes raises DDP's unused-parameter error with the names."""
+    from lockstep.strategies.ddp import _LockstepDDP
+
+    message = "Parameter indices which did not receive grad for rank 1: 2 3"
+
+    def fail(self: Any, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(message)
+
+    monkeypatch.setattr(nn.parallel.DistributedDataParallel, "forward", fail)
+    wrapper = _LockstepDDP.__new__(_LockstepDDP)  # no process group: only its forward is under test
+    nn.Module.__init__(wrapper)
+    wrapper.module = _Dead()
+    with pytest.raises(UnusedParametersError, match="dead.weight, dead.bias"):
+        wrapper(torch.ones(1, 2))
 
 
 def test_reducer_parameter_names_follow_ddp_order() -> None:

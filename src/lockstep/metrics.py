@@ -5,11 +5,14 @@ sampler counts some samples twice). Here every rank sums its per-sample values a
 samples, one ``all_reduce`` adds those up, and the mean is taken once. With an evaluation loader
 from :func:`lockstep.data.loader.make_loader` (``eval=True``) the result is the single-process figure.
 
+Every function takes the job as a :class:`~lockstep.comm.group.Comm` or a ``Session`` (whose
+strategy then says how the model was wrapped); anything else is refused.
+
 Example (run under ``lockstep run --nproc 2 script.py``)::
 
     test = make_loader(test_set, 500, world_size=comm.world_size, rank=comm.rank, eval=True)
     acc = accuracy(model, test, comm)             # same value on every rank
-    report = evaluate(model, test, comm)          # {"loss": ..., "accuracy": ..., "count": 10000}
+    report = evaluate(model, test, session)       # {"loss": ..., "accuracy": ..., "count": 10000}
 """
 
 from __future__ import annotations
@@ -25,35 +28,46 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import default_collate
 
+from lockstep.comm.group import Comm
 from lockstep.data.loader import move_to_device
 from lockstep.errors import ConfigError
 from lockstep.strategies import Strategy, strategy_for_model
 
-__all__ = ["SumCount", "accuracy", "evaluate", "SupportsAllReduce"]
+__all__ = ["SumCount", "accuracy", "evaluate", "SessionView", "Job"]
 
 Forward = Callable[[torch.nn.Module, Any], Any]
 
 
-class SupportsAllReduce(Protocol):
-    """Anything with ``all_reduce(tensor, op)``: a :class:`lockstep.comm.group.Comm` or a Session."""
+class SessionView(Protocol):
+    """What metrics read of a ``Session`` (a layer above them): its comm and its strategy."""
 
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor: ...
+    comm: Comm
+    strategy: Strategy
 
 
-def _resolve(comm: Any) -> Any:
-    inner = getattr(comm, "comm", None)  # a Session carries its Comm
-    return inner if hasattr(inner, "all_reduce") else comm
+Job = Comm | SessionView
+"""The job a metric reduces over: a :class:`~lockstep.comm.group.Comm` or a ``Session``."""
+
+
+def _job(job: Job) -> tuple[Comm, Strategy | None]:
+    """The comm to reduce over and, for a Session, the strategy that wrapped the model."""
+    if isinstance(job, Comm):
+        return job, None
+    comm, strategy = getattr(job, "comm", None), getattr(job, "strategy", None)
+    if isinstance(comm, Comm) and isinstance(strategy, Strategy):
+        return comm, strategy
+    raise ConfigError(f"metrics need the job's Session or Comm, got {type(job).__name__}")
 
 
 def _acc_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
 
 
-def _reduce_device(comm: Any, hint: torch.device | None) -> torch.device:
+def _reduce_device(comm: Comm, hint: torch.device | None) -> torch.device:
     if hint is not None:
         return hint
     # NCCL reduces CUDA tensors only.
-    if getattr(comm, "backend", None) == "nccl":
+    if comm.backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -98,17 +112,17 @@ class SumCount:
         self.sum = self.sum + value_sum
         self.count += count
 
-    def totals(self, comm: SupportsAllReduce) -> tuple[float, int]:
+    def totals(self, comm: Job) -> tuple[float, int]:
         """Return ``(sum, count)`` over all ranks (one ``all_reduce``).
 
         Args:
-            comm: the job's :class:`~lockstep.comm.group.Comm` (or a Session).
+            comm: the job's :class:`~lockstep.comm.group.Comm` or Session.
 
         Example::
 
             total, n = meter.totals(comm)
         """
-        comm = _resolve(comm)
+        comm, _ = _job(comm)
         device = _reduce_device(comm, self.device)
         pair = torch.zeros(2, dtype=_acc_dtype(device), device=device)
         pair[0] = torch.as_tensor(self.sum)
@@ -117,11 +131,11 @@ class SumCount:
         total, count = pair.tolist()
         return total, int(round(count))
 
-    def compute(self, comm: SupportsAllReduce) -> float:
+    def compute(self, comm: Job) -> float:
         """Return the mean over all ranks: global sum / global count (NaN when no samples).
 
         Args:
-            comm: the job's :class:`~lockstep.comm.group.Comm` (or a Session).
+            comm: the job's :class:`~lockstep.comm.group.Comm` or Session.
 
         Example::
 
@@ -191,14 +205,6 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _strategy(comm: Any, model: torch.nn.Module, device: torch.device) -> Strategy:
-    """The strategy that wrapped ``model``: a Session's own, else the one its wrappers show."""
-    strategy = getattr(comm, "strategy", None)  # a Session carries its strategy
-    if isinstance(strategy, Strategy):
-        return strategy
-    return strategy_for_model(model, _resolve(comm), device)
-
-
 def _padding_inputs(loader: Any, seen: Any) -> Any:
     if seen is not None:
         return seen
@@ -214,12 +220,13 @@ def _batches(loader: Any) -> int | None:
         return None
 
 
-def _totals(model: torch.nn.Module, loader: Iterable[Any], comm: Any, loss_fn: Callable[..., torch.Tensor] | None,
+def _totals(model: torch.nn.Module, loader: Iterable[Any], job: Job, loss_fn: Callable[..., torch.Tensor] | None,
             device: torch.device | None, forward: Forward | None) -> tuple[float, float, int]:
     """Run the evaluation; return (loss sum, correct, count) summed over all ranks."""
     device = device or _model_device(model)
-    strategy = _strategy(comm, model, device)
-    comm = _resolve(comm)
+    comm, strategy = _job(job)
+    if strategy is None:  # a plain Comm: the model's wrappers show the strategy
+        strategy = strategy_for_model(model, comm, device)
     run: Forward = forward or (lambda m, x: m(x))
     summed = _LossSum(loss_fn) if loss_fn is not None else None
     extra = strategy.extra_eval_forwards(model, _batches(loader))
@@ -249,7 +256,7 @@ def _totals(model: torch.nn.Module, loader: Iterable[Any], comm: Any, loss_fn: C
     return loss_sum, correct, int(round(total))
 
 
-def accuracy(model: torch.nn.Module, loader: Iterable[Any], comm: SupportsAllReduce, *,
+def accuracy(model: torch.nn.Module, loader: Iterable[Any], comm: Job, *,
              device: torch.device | None = None, forward: Forward | None = None) -> float:
     """Return the top-1 accuracy over the whole (distributed) evaluation set, the same on every rank.
 
@@ -262,7 +269,8 @@ def accuracy(model: torch.nn.Module, loader: Iterable[Any], comm: SupportsAllRed
     Args:
         model: a classifier returning ``[batch, classes]`` scores (plain, DDP- or FSDP-wrapped).
         loader: yields ``(inputs, targets)``; use ``make_loader(..., eval=True)`` for exactness.
-        comm: the job's :class:`~lockstep.comm.group.Comm` (or a Session).
+        comm: the job's :class:`~lockstep.comm.group.Comm` or Session (a Session's strategy
+            is asked how the model was wrapped).
         device: where to run; default: the device of the model's parameters.
         forward: ``forward(model, inputs) -> outputs``, for autocast or unusual signatures.
 
@@ -274,7 +282,7 @@ def accuracy(model: torch.nn.Module, loader: Iterable[Any], comm: SupportsAllRed
     return correct / count if count else math.nan
 
 
-def evaluate(model: torch.nn.Module, loader: Iterable[Any], comm: SupportsAllReduce,
+def evaluate(model: torch.nn.Module, loader: Iterable[Any], comm: Job,
              loss_fn: Callable[..., torch.Tensor] = F.cross_entropy, *,
              device: torch.device | None = None, forward: Forward | None = None) -> dict[str, float]:
     """Return ``{"loss", "accuracy", "count"}`` over the whole (distributed) evaluation set.
@@ -287,7 +295,7 @@ def evaluate(model: torch.nn.Module, loader: Iterable[Any], comm: SupportsAllRed
     Args:
         model: a classifier returning ``[batch, classes]`` scores (plain, DDP- or FSDP-wrapped).
         loader: yields ``(inputs, targets)``; use ``make_loader(..., eval=True)`` for exactness.
-        comm: the job's :class:`~lockstep.comm.group.Comm` (or a Session).
+        comm: the job's :class:`~lockstep.comm.group.Comm` or Session, as for :func:`accuracy`.
         loss_fn: a loss accepting ``reduction="none"`` (functional or an nn loss module); one
             that only knows ``"mean"`` and ``"sum"`` is summed per batch in its own precision.
         device: where to run; default: the device of the model's parameters.

@@ -23,7 +23,7 @@ Example::
 from __future__ import annotations
 
 import threading
-import weakref
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -35,9 +35,7 @@ from lockstep.checkpoint.layout import step_name
 from lockstep.checkpoint.write import Parts, agree, begin, finish, what_is_left, write_parts
 from lockstep.comm.group import Comm
 
-__all__ = ["PendingSave", "save_checkpoint_async", "release_writers"]
-
-_GROUPS: weakref.WeakKeyDictionary[Comm, Any] = weakref.WeakKeyDictionary()
+__all__ = ["PendingSave", "save_checkpoint_async", "WriterGroup"]
 
 
 class PendingSave:
@@ -51,6 +49,7 @@ class PendingSave:
         keep: how many checkpoints to keep (pruned after the commit).
         comm: the job's collectives.
         group: the process group the writers plan over (not the training's), or ``None`` in one process.
+        done_with_group: called once the write ended, to destroy a group made for this save alone.
 
     Example::
 
@@ -58,9 +57,10 @@ class PendingSave:
     """
 
     def __init__(self, root: Path, tmp: Path, parts: Parts, step: int, keep: int | None, comm: Comm,
-                 group: Any = None) -> None:
+                 group: Any = None, done_with_group: Callable[[], None] | None = None) -> None:
         self.path = root / step_name(step)
         self.comm = comm
+        self._done_with_group = done_with_group
         self._error: CheckpointError | None = None
         self._final: Path | None = None
         self._thread: threading.Thread | None = None
@@ -105,7 +105,12 @@ class PendingSave:
         """
         if self._thread is not None:
             self._thread.join()
-        return Path(agree(self.comm, self._error, str(self._final or ""))[0])
+        try:
+            return Path(agree(self.comm, self._error, str(self._final or ""))[0])
+        finally:  # after agree: every rank's writer is done with the group
+            done, self._done_with_group = self._done_with_group, None
+            if done is not None:
+                done()
 
 
 def _gather(group: Any) -> Any:
@@ -120,29 +125,55 @@ def _gather(group: Any) -> Any:
     return gather
 
 
-def _writers_group(comm: Comm) -> Any:
-    """The job's process group for background checkpoint writes, made once (a collective)."""
-    if comm not in _GROUPS:
-        seconds = getattr(comm.watchdog, "timeout", None)
-        timeout = timedelta(seconds=seconds) if seconds else None
-        _GROUPS[comm] = torch.distributed.new_group(backend="gloo", timeout=timeout)
-    return _GROUPS[comm]
+class WriterGroup:
+    """The process group background writes plan over: made on first use, destroyed by :meth:`release`.
 
+    The writers talk over a gloo group of their own, so the training's collectives are never
+    interleaved with the checkpoint's. A session keeps one for all its saves; a save given none
+    makes one for itself and destroys it once written.
 
-def release_writers(comm: Comm) -> None:
-    """Destroy ``comm``'s background writers' process group, if one was made (no collective).
-
-    A job whose group lockstep formed loses it anyway when ``Comm.shutdown`` destroys every
-    group; a group lockstep adopted (Ray Train) stays its owner's, so this side group is the
-    only one lockstep destroys there. Safe to call twice; call it once no save is in flight.
+    Args:
+        comm: the job's collectives (its watchdog timeout is the group's).
 
     Example::
 
-        release_writers(comm)   # Session.close, before comm.shutdown()
+        writers = WriterGroup(comm)
+        pending = save_checkpoint_async("ckpt", state, comm, step=10, replicated=full, writers=writers)
+        pending.wait()
+        writers.release()   # Session.close, before comm.shutdown()
     """
-    group = _GROUPS.pop(comm, None)
-    if group is not None and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group(group)
+
+    def __init__(self, comm: Comm) -> None:
+        self.comm = comm
+        self._group: Any = None
+
+    def get(self) -> Any:
+        """The group, made the first time (a collective: every rank calls it alike).
+
+        Example::
+
+            group = writers.get()
+        """
+        if self._group is None:
+            seconds = getattr(self.comm.watchdog, "timeout", None)
+            timeout = timedelta(seconds=seconds) if seconds else None
+            self._group = torch.distributed.new_group(backend="gloo", timeout=timeout)
+        return self._group
+
+    def release(self) -> None:
+        """Destroy the group, if one was made (no collective; safe to call twice).
+
+        A job whose group lockstep formed loses it anyway when ``Comm.shutdown`` destroys every
+        group; a group lockstep adopted (Ray Train) stays its owner's, so this side group is the
+        only one lockstep destroys there. Call it once no save is in flight.
+
+        Example::
+
+            writers.release()
+        """
+        group, self._group = self._group, None
+        if group is not None and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group(group)
 
 
 def _staged(sharded: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -156,7 +187,8 @@ def _staged(sharded: dict[str, Any] | None) -> dict[str, Any] | None:
 
 def save_checkpoint_async(directory: str | Path, state: dict[str, Any], comm: Comm, *, step: int,
                           keep: int | None = None, sharded: dict[str, Any] | None = None,
-                          replicated: dict[str, Any] | None = None) -> PendingSave:
+                          replicated: dict[str, Any] | None = None,
+                          writers: WriterGroup | None = None) -> PendingSave:
     """Start writing checkpoint ``step-NNNNNN`` and return at once (every rank calls it).
 
     The same contract as :func:`~lockstep.checkpoint.core.save_checkpoint`: the RNG states are
@@ -172,6 +204,8 @@ def save_checkpoint_async(directory: str | Path, state: dict[str, Any], comm: Co
         keep: keep only the newest ``keep`` checkpoints.
         sharded: state dicts holding ``DTensor`` s (FSDP2).
         replicated: state dicts identical on every rank (ddp's model and optimizer).
+        writers: the group the writers plan over, kept between saves; ``None``: one made for
+            this save and destroyed when it is written.
 
     Raises:
         UnsupportedStateError: a value that could not be loaded back safely (on every rank, now).
@@ -182,5 +216,9 @@ def save_checkpoint_async(directory: str | Path, state: dict[str, Any], comm: Co
     """
     root, parts, tmp = begin(directory, state, comm, step=step, keep=keep, replicated=replicated,
                              sharded=_staged(sharded))
-    group = _writers_group(comm) if comm.world_size > 1 and parts.tensors is not None else None
-    return PendingSave(root, tmp, parts, step, keep, comm, group)
+    if comm.world_size == 1 or parts.tensors is None:
+        return PendingSave(root, tmp, parts, step, keep, comm)
+    if writers is not None:
+        return PendingSave(root, tmp, parts, step, keep, comm, writers.get())
+    own = WriterGroup(comm)
+    return PendingSave(root, tmp, parts, step, keep, comm, own.get(), done_with_group=own.release)

@@ -7,13 +7,16 @@ the training state, and stays thin: each concern lives in its own module.
   ``load_state_dict``), the checkpoint built from it and the model, and :class:`ResumeState`;
 * :mod:`~lockstep.session.loaders`: device loaders (constant ``len``, ``remaining``), every
   training loader's epoch, the progress bar;
-* :mod:`~lockstep.session.loop`: accumulation (an epoch ends with a step), the precision module
-  wrapper;
+* :mod:`~lockstep.session.loop`: the training step (accumulation, where an epoch ends with a
+  step; the non-finite decision; clip; the counters it moves);
+* :mod:`~lockstep.session.wrappers`: the model's wrappers, recorded once by ``setup``;
+* :mod:`~lockstep.session.locks` and :mod:`~lockstep.session.saves`: the checkpoint folders held,
+  and the save still being written with its writers' process group;
 * :mod:`~lockstep.session.nonfinite`: the non-finite policy (one decision on every rank);
 * :mod:`~lockstep.session.preempt`: preemption signals, one agreed stop (the session saves);
 * :mod:`~lockstep.session.options`: the options that reach the strategy (gradient compression),
   checked before any process group, and the start summary;
-* :mod:`~lockstep.session.position`: rank, world and loop counters (read-only properties).
+* :mod:`~lockstep.session.position`: rank, world and loop counters, asked of the comm and the state.
 
 May import: every library layer below it (errors, env, comm, strategies, precision, data,
 metrics, checkpoint).

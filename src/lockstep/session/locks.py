@@ -1,12 +1,11 @@
-"""The checkpoint folders a session holds: one live job per folder, and the save still being written.
+"""The checkpoint folders a session holds: one live job per folder.
 
 ``Session.save`` and ``Session.load`` take the folder's lock (:func:`lockstep.checkpoint.lock_folder`)
 the first time they see it, and keep it until ``Session.close``; a second live job that saves
 into (or resumes from) the same folder is refused with one line naming the holder's host and pid.
 A lock also ends with rank 0's process, however it ends. A folder where no lock can be taken
 (a read-only file system holding checkpoints to resume from) is used without one, with a warning.
-A non-blocking save (``Session.save(..., blocking=False)``) is kept here until the next save,
-load or ``close``, which wait for it and raise its error.
+The save still being written is :mod:`lockstep.session.saves`' job.
 
 Example::
 
@@ -23,7 +22,6 @@ import os
 import weakref
 from pathlib import Path
 
-from lockstep.checkpoint.background import PendingSave, release_writers
 from lockstep.checkpoint.files import CheckpointError
 from lockstep.checkpoint.lock import FolderInUseError, FolderLock, lock_folder
 from lockstep.comm.group import Comm
@@ -47,7 +45,6 @@ class FolderLocks:
     def __init__(self, comm: Comm) -> None:
         self.comm = comm
         self._held: dict[str, FolderLock] = {}
-        self.pending: PendingSave | None = None  # a save rank 0 is still writing (blocking=False)
         # a session dropped without close() gives its folders up when it is collected
         self._finalizer = weakref.finalize(self, _release_all, self._held)
 
@@ -67,7 +64,6 @@ class FolderLocks:
 
             locks.hold("checkpoints")
         """
-        self.wait()  # a save still being written ends (or fails) before the next save or load
         key = os.path.abspath(directory)
         if key not in self._held:
             try:
@@ -79,42 +75,14 @@ class FolderLocks:
                 self._held[key] = FolderLock()
         return Path(directory)
 
-    def track(self, saved: Path | PendingSave) -> Path:
-        """Keep a background save until :meth:`wait`; the folder the checkpoint has (or will have).
-
-        Args:
-            saved: what :func:`~lockstep.session.state.save_state` returned.
-
-        Example::
-
-            path = locks.track(save_state(...))
-        """
-        if isinstance(saved, Path):
-            return saved
-        self.pending = saved
-        return saved.path
-
-    def wait(self) -> None:
-        """Finish the save in flight, if any (every rank calls it; raises its error on every rank).
-
-        Example::
-
-            locks.wait()
-        """
-        pending, self.pending = self.pending, None
-        if pending is not None:
-            pending.wait()
-
     def release(self) -> None:
-        """Give every folder up, and the background writers' process group (safe to call twice; no collective).
+        """Give every folder up (safe to call twice; no collective).
 
         Example::
 
             locks.release()
         """
         _release_all(self._held)
-        if self.pending is None:  # a save still in flight keeps its group
-            release_writers(self.comm)
 
 
 def _release_all(held: dict[str, FolderLock]) -> None:

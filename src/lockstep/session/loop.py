@@ -1,60 +1,40 @@
-"""The pieces of the training step that the session holds: the precision-aware module wrapper
-and gradient accumulation (the loaders are :mod:`lockstep.session.loaders`, the non-finite
-policy :mod:`lockstep.session.nonfinite`).
+"""The training step behind ``Session.backward`` and ``Session.step``: gradient accumulation,
+the non-finite decision, clipping, the optimizer step and the counters it moves.
 
-They are separate from :mod:`lockstep.session.session` so that each stays small and testable; users
-meet them only through ``Session``.
+The model's wrappers are :mod:`lockstep.session.wrappers`, the loaders
+:mod:`lockstep.session.loaders`, the non-finite policy :mod:`lockstep.session.nonfinite`; users
+meet these only through ``Session``.
 
 Example::
 
     accum = Accumulator(2)
     accum.attach(strategy, wrapped_model)   # opens the first no-sync window
+    steps = TrainStep(state, accum, policy, precision, strategy, comm, clip=None, say=print)
+    steps.backward(loss)
+    if accum.ready:
+        steps.step(optimizer, wrapped_model)
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from lockstep.comm.group import Comm
 from lockstep.errors import ConfigError
+from lockstep.session.nonfinite import GO_AHEAD, LateSkips, NonFinitePolicy
+from lockstep.session.state import TrainState
 
-__all__ = ["PrecisionModule", "Accumulator"]
+if TYPE_CHECKING:  # the session builds them; importing them here would only cost import time
+    from lockstep.precision.base import Precision
+    from lockstep.strategies.base import Strategy
 
-
-class PrecisionModule(nn.Module):
-    """Run the wrapped model's forward under the precision plugin's autocast / input casting.
-
-    ``state_dict`` and ``load_state_dict`` go to the user's bare module, so saving the wrapped
-    model never adds a ``module.`` prefix.
-
-    Args:
-        module: the strategy-wrapped model.
-        precision: the precision plugin.
-        bare: the user's own module (for state dicts and attribute access).
-    """
-
-    def __init__(self, module: nn.Module, precision: Any, bare: nn.Module) -> None:
-        super().__init__()
-        self.module = module
-        self._precision = precision
-        self._bare: nn.Module
-        object.__setattr__(self, "_bare", bare)
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        precision = self._precision
-        args = tuple(precision.convert_input(a) if isinstance(a, torch.Tensor) else a for a in args)
-        with precision.forward_context():
-            out = self.module(*args, **kwargs)
-        return precision.convert_output(out)
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        return self._bare.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        return self._bare.load_state_dict(*args, **kwargs)
+__all__ = ["Accumulator", "TrainStep"]
 
 
 class Accumulator:
@@ -142,3 +122,92 @@ class Accumulator:
         if self._ctx is not None:
             ctx, self._ctx = self._ctx, None
             ctx.__exit__(None, None, None)
+
+
+class TrainStep:
+    """What ``Session.backward`` and ``Session.step`` do, between the user's loss and the counters.
+
+    Every rank takes the same decision: gradients are already averaged over the ranks, so a
+    non-finite value is seen everywhere. The counters are ``state``'s; the non-finite policy
+    only reports what it skipped.
+
+    Args:
+        state: the loop's state (its counters move here).
+        accum: the gradient accumulation.
+        finite: the non-finite policy.
+        precision: the precision plugin (scales, unscales and steps).
+        strategy: the strategy (clips the global gradient norm).
+        comm: the job's collectives (the watchdog names a rank missing in backward).
+        clip: the largest global gradient norm, or ``None``.
+        say: prints a warning once (``Session.print``).
+
+    Example::
+
+        steps = TrainStep(state, Accumulator(1), NonFinitePolicy("skip"), precision, strategy, comm,
+                          clip=1.0, say=print)
+    """
+
+    def __init__(self, state: TrainState, accum: Accumulator, finite: NonFinitePolicy, precision: Precision,
+                 strategy: Strategy, comm: Comm, clip: float | None, say: Callable[[str], None]) -> None:
+        self.state, self.accum, self.finite = state, accum, finite
+        self.precision, self.strategy, self.comm = precision, strategy, comm
+        self.clip, self.say = clip, say
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate ``loss``, scaled for fp16 and for the accumulation window.
+
+        Args:
+            loss: the micro-batch's loss.
+        """
+        self.finite.record(loss)
+        loss = self.accum.scale(loss)
+        watch = self.comm.watchdog
+        watch.enter("backward of step {}", self.state.global_step + 1)  # DDP's gradient all_reduce is in here
+        try:
+            self.precision.backward(loss)
+        except RuntimeError as exc:
+            raise watch.explain(exc) or exc  # a timeout names the rank that did not arrive
+        finally:
+            watch.leave()
+        self.accum.after_backward()
+
+    def step(self, optimizer: torch.optim.Optimizer, model: nn.Module | None) -> bool:
+        """Decide, unscale, clip, step, zero the gradients and count; False when no step was taken.
+
+        Args:
+            optimizer: the optimizer to step (its gradients are checked).
+            model: the strategy-wrapped model whose gradients are clipped (``None``: no clip).
+        """
+        state = self.state
+        # a loss-scaling precision skips a non-finite step itself (and every rank sees the same grads)
+        attempt = state.global_step + state.skipped_steps + 1  # the step's number counts skipped ones too
+        decision = GO_AHEAD if self.precision.scales_loss else self.finite.decide(optimizer, attempt, state.epoch)
+        took = False
+        if not decision.take:
+            state.count_skipped()
+            self.say(decision.message)
+        else:
+            clip = None
+            if self.clip is not None and model is not None:
+                clip = partial(self.strategy.clip_grad_norm, model, self.clip)
+            took = self.precision.step(optimizer, clip)
+        optimizer.zero_grad(set_to_none=True)
+        self.accum.after_step()
+        if took:  # a loss scaler's own skip (an overflow while it calibrates) is neither taken nor counted
+            state.count_step()
+        self._note(self.finite.after_step())  # no-sync path: skipped steps reported late
+        return took
+
+    def count_late_skips(self, name_ranks: bool = True) -> None:
+        """Read the steps the optimizer skipped on the device (no-sync path) into the counters.
+
+        Args:
+            name_ranks: gather which ranks saw a non-finite loss (a collective).
+        """
+        self._note(self.finite.count_late_skips(name_ranks))
+
+    def _note(self, late: LateSkips) -> None:
+        """The counters are the state's: it moves the steps; the warning is printed once."""
+        if late.steps:
+            self.state.count_late_skips(late.steps)
+            self.say(late.message)

@@ -2,32 +2,34 @@
 
 :class:`NonFinitePolicy` is what the session holds. Its :class:`FiniteCheck` runs once per
 optimizer step (the hot path) unless the policy is ``nonfinite="ignore"``;
-:func:`name_nonfinite_ranks` runs only on the rare bad step.
+:func:`name_nonfinite_ranks` runs only on the rare bad step. The policy owns no counter: it
+answers each step with a :class:`StepDecision` and reports steps found skipped later as
+:class:`LateSkips`; the session's :class:`~lockstep.session.state.TrainState` counts them.
 
 **Without a host sync on an accelerator.** Reading the check's flag on the host waits for the
 GPU once per step. When the gradients live on an accelerator, the policy is ``"skip"`` and the
 optimizer can skip a step by itself on the device (torch's fused Adam, AdamW and SGD:
-``fused=True``, the same path GradScaler uses), the flag is not read: it is handed to the
+``fused=True``, the same path GradScaler uses), the flag is not read: it is lent to the
 optimizer as ``found_inf``, so a non-finite step changes neither the weights nor the optimizer's
 state (Adam's step count included), and the skipped steps are added up on the device. The host
-reads that sum every ``settle_every`` steps (default 50), before a checkpoint is written and at
-the end; only then do ``global_step``/``skipped_steps`` move the skipped steps over and the
-warning (naming the ranks whose loss was not finite) appear. Every rank takes the same decision,
-as before: the flag comes from gradients already averaged over the ranks, and the ranks settle
-at the same steps. ``"stop"``, sharded gradients (FSDP), other optimizers and CPU gradients
-keep the one read per step (on CPU it costs no sync).
+reads that sum every ``read_every`` steps (default 50), before a checkpoint is written and at
+the end; only then are the skipped steps reported (:class:`LateSkips`, with the warning naming
+the ranks whose loss was not finite). Every rank takes the same decision, as before: the flag
+comes from gradients already averaged over the ranks, and the ranks read the sum at the same
+steps. ``"stop"``, sharded gradients (FSDP), other optimizers and CPU gradients keep the one
+read per step (on CPU it costs no sync).
 
 Example::
 
     policy = NonFinitePolicy("skip", comm)
     policy.record(loss)
-    warning = policy.verdict(optimizer, step=3, epoch=0)   # None: the step goes ahead
+    decision = policy.decide(optimizer, step=3, epoch=0)   # decision.take: the step goes ahead
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,16 +39,59 @@ from lockstep.errors import ConfigError, LockstepError, format_ranks
 from lockstep.precision.torch_amp import (check_and_unscale_, hand_found_inf, has_grad_scale, steps_on_found_inf,
                                           take_found_inf)
 
-__all__ = ["FiniteCheck", "NonFinitePolicy", "NonFiniteLossError", "NONFINITE_POLICIES", "SETTLE_EVERY",
-           "name_nonfinite_ranks"]
+__all__ = ["FiniteCheck", "NonFinitePolicy", "NonFiniteLossError", "StepDecision", "LateSkips", "GO_AHEAD",
+           "NONFINITE_POLICIES", "READ_EVERY", "name_nonfinite_ranks"]
 
 NONFINITE_POLICIES = ("skip", "stop", "ignore")
-SETTLE_EVERY = 50
+READ_EVERY = 50
 """Steps between two host reads of the skipped-step count on the no-sync path."""
 
 
 class NonFiniteLossError(LockstepError):
     """The loss became NaN or infinite and the session was told to stop (``nonfinite="stop"``)."""
+
+
+@dataclass(frozen=True)
+class StepDecision:
+    """Whether an optimizer step goes ahead, and the warning when it was skipped on every rank.
+
+    Args:
+        take: True when the step may go ahead (on the no-sync path the optimizer may still
+            skip it itself; :class:`LateSkips` reports that later).
+        message: the warning naming the ranks whose loss was not finite ("" when ``take``).
+
+    Example::
+
+        decision = policy.decide(optimizer, step=3, epoch=0)
+        if not decision.take:
+            print(decision.message)
+    """
+
+    take: bool = True
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class LateSkips:
+    """Steps that were counted as taken but that the optimizer skipped on the device.
+
+    Args:
+        steps: how many (0: none).
+        message: the warning naming the ranks and the steps ("" when ``steps`` is 0).
+
+    Example::
+
+        late = policy.count_late_skips()
+        state.count_late_skips(late.steps)
+    """
+
+    steps: int = 0
+    message: str = ""
+
+
+GO_AHEAD = StepDecision()
+"""The decision of a step that goes ahead."""
+NO_LATE_SKIPS = LateSkips()
 
 
 class NonFinitePolicy:
@@ -56,9 +101,12 @@ class NonFinitePolicy:
         policy: ``"skip"`` the step on every rank, ``"stop"`` every rank with an error, or
             ``"ignore"`` (no check; fastest).
         comm: the job's collectives (to name the ranks, and to agree on sharded gradients).
+        defer: lend the flag to fused optimizers instead of reading it: ``None`` only for
+            gradients on an accelerator, True wherever the optimizer can, False never.
+        read_every: steps between two host reads of the steps skipped on the device.
 
     Raises:
-        ConfigError: an unknown policy.
+        ConfigError: an unknown policy, or ``read_every`` below 1.
 
     Example::
 
@@ -66,29 +114,20 @@ class NonFinitePolicy:
     """
 
     def __init__(self, policy: str, comm: Comm | None = None, *, defer: bool | None = None,
-                 settle_every: int = SETTLE_EVERY) -> None:
+                 read_every: int = READ_EVERY) -> None:
         if policy not in NONFINITE_POLICIES:
             raise ConfigError(f"nonfinite={policy!r}; choose one of {', '.join(NONFINITE_POLICIES)}")
-        if settle_every < 1:
-            raise ConfigError(f"settle_every must be at least 1, got {settle_every!r}")
+        if read_every < 1:
+            raise ConfigError(f"read_every must be at least 1, got {read_every!r}")
         self.policy = policy
         self.active = policy != "ignore"
         self.loss: torch.Tensor | None = None
-        self.defer, self.settle_every = defer, settle_every
-        self._folded: list[tuple[torch.optim.Optimizer, _Plan]] = []  # optimizers stepping with our flag
-        self._unsettled = 0  # steps since the host last read the skipped steps
-        self._first = 0  # the first step of that window
-        self.attach(comm)
-
-    def attach(self, comm: Comm | None) -> NonFinitePolicy:
-        """Name ranks and agree over ``comm`` (the job's, once it exists); returns self.
-
-        Args:
-            comm: the job's collectives.
-        """
+        self.defer, self.read_every = defer, read_every
         self.comm = comm
         self.check = FiniteCheck(comm)
-        return self
+        self._lent: list[tuple[torch.optim.Optimizer, _Plan]] = []  # optimizers stepping with our flag
+        self._unread = 0  # steps since the host last read the skipped steps
+        self._first = 0  # the first step of that window
 
     def record(self, loss: torch.Tensor) -> None:
         """Keep this micro-step's loss, to tell which ranks saw a non-finite one.
@@ -99,92 +138,74 @@ class NonFinitePolicy:
         if self.active:
             self.loss = loss.detach()
 
-    def verdict(self, optimizer: torch.optim.Optimizer, step: int, epoch: int) -> str | None:
-        """``None`` when the step may go ahead, else the warning of a step skipped on every rank.
+    def decide(self, optimizer: torch.optim.Optimizer, step: int, epoch: int) -> StepDecision:
+        """Whether the step goes ahead; when it does not, the warning of a step skipped on every rank.
 
-        On the no-sync path (see the module docstring) the flag goes to the optimizer, which skips
-        a bad step itself, and ``None`` is returned: :meth:`after_step` must follow the step.
+        On the no-sync path (see the module docstring) the flag is lent to the optimizer, which
+        skips a bad step itself, and the step goes ahead: :meth:`after_step` must follow it.
 
         Args:
             optimizer: the optimizer about to step (its gradients are checked).
-            step: the global step, for the message.
+            step: the step's number, for the message.
             epoch: the epoch, for the message.
 
         Raises:
             NonFiniteLossError: a non-finite gradient under ``policy="stop"`` (on every rank).
+
+        Example::
+
+            decision = policy.decide(optimizer, step=3, epoch=0)
         """
         if not self.active:
-            return None
-        if self.policy == "skip" and self.check.fold(optimizer, self.loss, self.defer):
-            if not self._unsettled:
+            return GO_AHEAD
+        if self.policy == "skip" and self.check.lend_flag(optimizer, self.loss, self.defer):
+            if not self._unread:
                 self._first = step
-            self._unsettled += 1
-            self._folded.append((optimizer, self.check.plan(optimizer)))
-            return None  # the optimizer skips a bad step itself; counted at the next settle()
+            self._unread += 1
+            self._lent.append((optimizer, self.check.plan(optimizer)))
+            return GO_AHEAD  # the optimizer skips a bad step itself; reported by count_late_skips()
         if self.check(optimizer):
-            return None
+            return GO_AHEAD
         ranks = name_nonfinite_ranks(self.comm, self.loss) if self.comm is not None else []
         text = f"non-finite loss on {format_ranks(ranks) if ranks else 'a rank'} at step {step} (epoch {epoch})"
         if self.policy == "stop":
             raise NonFiniteLossError(f"{text}; stopping every rank (nonfinite='stop')")
-        return f"lockstep: warning: {text}; the step was skipped on every rank"
+        return StepDecision(False, f"lockstep: warning: {text}; the step was skipped on every rank")
 
-    def after_step(self, state: Any, say: Callable[[str], None]) -> None:
-        """After an optimizer step: take the flag back from an optimizer that stepped with it, and
-        every ``settle_every`` such steps :meth:`move_skipped`. Nothing to do (one test) otherwise.
-
-        Args:
-            state: the session's :class:`~lockstep.session.state.TrainState`.
-            say: prints a warning (``Session.print``).
-        """
-        if not self._folded:
-            return
-        for optimizer, plan in self._folded:
-            plan.unfold(optimizer)
-        self._folded = []
-        if self._unsettled >= self.settle_every:
-            self.move_skipped(state, say)
-
-    def move_skipped(self, state: Any, say: Callable[[str], None], name_ranks: bool = True) -> None:
-        """Move the steps a fused optimizer skipped on the device from ``global_step`` to ``skipped_steps``.
-
-        Args:
-            state: the session's :class:`~lockstep.session.state.TrainState`.
-            say: prints the warning (``Session.print``).
-            name_ranks: gather which ranks saw a non-finite loss (see :meth:`settle`).
+    def after_step(self) -> LateSkips:
+        """After an optimizer step: take the lent flag back, and every ``read_every`` such steps
+        :meth:`count_late_skips`. Nothing to do (one test) when no flag was lent.
 
         Example::
 
-            policy.move_skipped(session.state, session.print)
+            state.count_late_skips(policy.after_step().steps)
         """
-        skipped, warning = self.settle(name_ranks)
-        state.global_step -= skipped
-        state.skipped_steps += skipped
-        if warning:
-            say(warning)
+        if not self._lent:
+            return NO_LATE_SKIPS
+        for optimizer, plan in self._lent:
+            plan.take_flag_back(optimizer)
+        self._lent = []
+        return self.count_late_skips() if self._unread >= self.read_every else NO_LATE_SKIPS
 
-    def settle(self, name_ranks: bool = True) -> tuple[int, str | None]:
-        """Read the steps skipped on the device since the last settle (one host sync).
+    def count_late_skips(self, name_ranks: bool = True) -> LateSkips:
+        """Read the steps the optimizers skipped on the device since the last read (one host sync).
 
-        Every rank calls it at the same step (every ``settle_every`` steps, before a save, at the
+        Every rank calls it at the same step (every ``read_every`` steps, before a save, at the
         end); with ``name_ranks`` the ranks also gather which of them saw a non-finite loss.
 
         Args:
             name_ranks: gather the ranks (a collective; False where not every rank may call it).
 
-        Returns:
-            ``(skipped, warning)`` as :meth:`after_step`.
-
         Example::
 
-            skipped, warning = policy.settle()
+            late = policy.count_late_skips()   # LateSkips(steps=2, message="lockstep: warning: ...")
         """
-        window, first, self._unsettled = self._unsettled, self._first, 0
+        window, first, self._unread = self._unread, self._first, 0
         if not window:
-            return 0, None  # nothing went through the optimizer's flag: nothing to read
-        skipped, bad_loss = self.check.settle()
+            return NO_LATE_SKIPS  # nothing went through the optimizer's flag: nothing to read
+        skipped, bad_loss = self.check.read_skipped()
         if not skipped:
-            return 0, None
+            return NO_LATE_SKIPS
         ranks: list[int] = []
         if name_ranks and self.comm is not None and self.comm.world_size > 1:
             flags = self.comm.all_gather_object(bad_loss)
@@ -193,8 +214,8 @@ class NonFinitePolicy:
             ranks = [self.comm.rank if self.comm is not None else 0]
         where = format_ranks(ranks) if ranks else "a rank"
         last = first + window - 1
-        return skipped, (f"lockstep: warning: non-finite loss on {where}: {skipped} of steps {first}-{last} "
-                         "skipped on every rank")
+        return LateSkips(skipped, f"lockstep: warning: non-finite loss on {where}: {skipped} of steps "
+                                  f"{first}-{last} skipped on every rank")
 
 
 class FiniteCheck:
@@ -203,8 +224,7 @@ class FiniteCheck:
     The check runs GradScaler's fused kernel (unscaling by 1 leaves the values as they are) on
     the gradients of the optimizer's parameters, grouped by device and dtype. The grouping and
     the flag tensors are kept between steps and rebuilt when the optimizer's parameter groups
-    change size, so a step costs one kernel per group and one read of the flag: on a
-    Linear(10, 10) about 2 us instead of 5 us when regrouping every step.
+    change size, so a step costs one kernel per group and one read of the flag.
 
     Checking the optimizer's parameters (not one model's) covers every model a session set up,
     e.g. a GAN's generator and discriminator with their own optimizers.
@@ -231,8 +251,8 @@ class FiniteCheck:
             self._plans[optimizer] = plan
         return plan
 
-    def fold(self, optimizer: torch.optim.Optimizer, loss: torch.Tensor | None, defer: bool | None) -> bool:
-        """Check the gradients on the device and hand the flag to ``optimizer`` as its ``found_inf``.
+    def lend_flag(self, optimizer: torch.optim.Optimizer, loss: torch.Tensor | None, defer: bool | None) -> bool:
+        """Check the gradients on the device and lend the flag to ``optimizer`` as its ``found_inf``.
 
         Done only where it spares a host sync and the optimizer skips a flagged step itself
         (``_step_supports_amp_scaling``: torch's fused optimizers); returns False (nothing done)
@@ -240,7 +260,7 @@ class FiniteCheck:
 
         Args:
             optimizer: the optimizer about to step.
-            loss: this rank's last loss, to name the ranks at the settle (``None``: unknown).
+            loss: this rank's last loss, to name the ranks when the skips are read (``None``: unknown).
             defer: ``None``: only for gradients on an accelerator; True: wherever the optimizer
                 can (tests on CPU); False: never.
         """
@@ -251,14 +271,14 @@ class FiniteCheck:
         plan = self.plan(optimizer)
         if plan.agree is not None or not plan.groups or (defer is None and plan.on_host):
             return False
-        plan.fold(optimizer, loss)
+        plan.lend_flag(optimizer, loss)
         return True
 
-    def settle(self) -> tuple[int, bool]:
-        """Steps skipped through :meth:`fold` since the last call, and whether this rank's loss was not finite."""
+    def read_skipped(self) -> tuple[int, bool]:
+        """Steps skipped through :meth:`lend_flag` since the last call, and whether this rank's loss was not finite."""
         skipped, bad_loss = 0, False
         for plan in list(self._plans.values()):
-            count, bad = plan.settle()  # one session step steps one optimizer: the counts add up
+            count, bad = plan.read_skipped()  # one session step steps one optimizer: the counts add up
             skipped, bad_loss = skipped + count, bad_loss or bad
         return skipped, bad_loss
 
@@ -299,9 +319,9 @@ class _Plan:
         sharded = any(g.sharded for g in self.groups)
         self.agree = comm if sharded and comm is not None and comm.world_size > 1 else None
         device = self.groups[0].flag.device if self.groups else torch.device("cpu")
-        # the folded path's tensors, on the first group's device: the optimizer's found_inf (a
+        # the lent-flag path's tensors, on the first group's device: the optimizer's found_inf (a
         # 0-dim float, 1.0 when any group saw a non-finite value), the steps skipped since the
-        # last settle, and whether this rank's loss was ever non-finite in that window
+        # last read, and whether this rank's loss was ever non-finite in that window
         self.found = torch.zeros((), device=device)
         self.skipped = torch.zeros((), device=device)
         self.bad_loss = torch.zeros((), dtype=torch.bool, device=device)
@@ -319,7 +339,7 @@ class _Plan:
                 checked.append(group)
         return checked
 
-    def fold(self, optimizer: torch.optim.Optimizer, loss: torch.Tensor | None) -> None:
+    def lend_flag(self, optimizer: torch.optim.Optimizer, loss: torch.Tensor | None) -> None:
         """Set ``optimizer.found_inf`` from the check, without reading it on the host."""
         self.found.zero_()
         for group in self.run():
@@ -329,12 +349,12 @@ class _Plan:
             self.bad_loss |= ~torch.isfinite(loss.detach()).all().to(self.bad_loss.device)
         hand_found_inf(optimizer, self.found)  # read by fused optimizers' step
 
-    def unfold(self, optimizer: torch.optim.Optimizer) -> None:
+    def take_flag_back(self, optimizer: torch.optim.Optimizer) -> None:
         """After the step: take ``found_inf`` back (a later step outside the session must not see it), count it."""
         take_found_inf(optimizer, self.found)
         self.skipped += self.found
 
-    def settle(self) -> tuple[int, bool]:
+    def read_skipped(self) -> tuple[int, bool]:
         """Read and reset the skipped count and the loss flag (the host sync)."""
         count, bad = int(self.skipped.item()), bool(self.bad_loss.item())
         self.skipped.zero_()

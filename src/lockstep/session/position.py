@@ -1,4 +1,6 @@
-"""Where a session's rank is and how far its loop got: the read-only half of :class:`~lockstep.session.Session`.
+"""Where a session's rank is and how far its loop got, asked of their owners: the job's
+:class:`~lockstep.comm.group.Comm` (rank, world) and the :class:`~lockstep.session.state.TrainState`
+(epoch, steps). :class:`~lockstep.session.Session` answers with these properties; nothing is copied.
 
 Example::
 
@@ -8,6 +10,7 @@ Example::
 
 from __future__ import annotations
 
+from lockstep.comm.group import Comm
 from lockstep.env import World
 from lockstep.session.state import TrainState
 
@@ -15,15 +18,20 @@ __all__ = ["Position"]
 
 
 class Position:
-    """Rank, world and loop counters, read from the session's ``world`` and ``state``.
+    """Rank, world and loop counters, read from the session's ``comm`` and ``state``.
 
     Example::
 
         if session.is_main and session.global_step % 100 == 0: ...
     """
 
-    world: World
+    comm: Comm
     state: TrainState
+
+    @property
+    def world(self) -> World:
+        """The job's world, as the process group knows it (an adopted group may say more than the environment)."""
+        return self.comm.world
 
     @property
     def rank(self) -> int:

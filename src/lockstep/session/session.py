@@ -24,7 +24,6 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
-from functools import partial
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -36,14 +35,16 @@ from lockstep.data.loader import make_loader
 from lockstep.env import detect_world
 from lockstep.session.loaders import DeviceLoader, progress_bar
 from lockstep.session.locks import FolderLocks
-from lockstep.session.loop import Accumulator, PrecisionModule
+from lockstep.session.loop import Accumulator, TrainStep
 from lockstep.session.nonfinite import NonFiniteLossError, NonFinitePolicy
 from lockstep.session.options import strategy_options as build_options
 from lockstep.session.options import summary_line
 from lockstep.session.position import Position
 from lockstep.session.preempt import Preempted, StopGuard, stop_message
+from lockstep.session.saves import SaveInFlight, SaveTarget
 from lockstep.session.state import ResumeState, TrainState, load_state, resumed_line, save_state, seed_everything
-from lockstep.strategies.compile import apply_compile, check_compile
+from lockstep.session.wrappers import ModelWrappers, model_wrappers, wrap_model
+from lockstep.strategies.compile import check_compile
 
 __all__ = ["Session", "ResumeState", "NonFiniteLossError"]
 
@@ -128,32 +129,33 @@ class Session(Position):
         from lockstep.precision import get_precision
         from lockstep.strategies import get_strategy
 
-        self._finite = NonFinitePolicy(nonfinite)  # a bad option is refused before any process group
         self._accum = Accumulator(accumulate)
-        self.world = detect_world()
+        world = detect_world()
         self.seed, self.nonfinite, self.clip = seed, nonfinite, clip_grad_norm
         self.timeout = resolve_timeout(timeout)
         self.quiet = quiet
-        self.device: torch.device = self.world.device
+        self.device: torch.device = world.device
         get_precision(precision, self.device)  # refuse a bad name before any process group
-        options = build_options(strategy, backend=backend, world_size=self.world.world_size, sync_bn=sync_bn,
+        options = build_options(strategy, backend=backend, world_size=world.world_size, sync_bn=sync_bn,
                                 grad_compression=grad_compression, shard_optimizer=shard_optimizer,
                                 options=strategy_options)
         self._compile = check_compile(compile)
         self._guard = StopGuard(preemption, preempt_check_seconds)
-        self.comm: Comm = init_comm(self.world, backend, init_method, self.timeout)
-        self.world = self.comm.world  # an adopted group (Ray Train) may say more than the environment
+        self.comm: Comm = init_comm(world, backend, init_method, self.timeout)
         self._guard.attach(self.comm, self.device)
-        self._finite.attach(self.comm)
+        self._finite = NonFinitePolicy(nonfinite, self.comm)
         self.precision = get_precision(precision, self.device, comm=self.comm)
         self.strategy = get_strategy(strategy, self.comm, self.device, **options)
         seed_everything(seed)
         self.state = TrainState(self.rank, self.world_size)
-        self._model: nn.Module | None = None
+        self._steps = TrainStep(self.state, self._accum, self._finite, self.precision, self.strategy, self.comm,
+                                clip_grad_norm, say=self.print)
+        self._models: list[ModelWrappers] = []  # each setup's layers, the last one the model in training
         self.compiled = False  # set by setup: True once torch.compile wrapped the model
         self._announced = False
-        self._ckpt: tuple[Path, int | None, dict[str, Any]] | None = None  # where a preemption saves
-        self._locks = FolderLocks(self.comm)  # one live job per checkpoint folder
+        self._ckpt: SaveTarget | None = None  # where a preemption saves
+        self._folders = FolderLocks(self.comm)  # one live job per checkpoint folder
+        self._saves = SaveInFlight(self.comm)
 
     # -- where this rank is: rank, local_rank, world_size, is_main, epoch, global_step... (Position)
     @property
@@ -182,9 +184,8 @@ class Session(Position):
 
             model, opt = session.setup(Net(), lambda p: torch.optim.AdamW(p, lr=1e-3))
         """
-        self.strategy.validate(model)
-        model = self.precision.convert_module(model)
-        wrapped = self.strategy.setup_module(model)
+        layers = wrap_model(model, self.strategy, self.precision, self._compile)
+        wrapped = layers.wrapped
         opt: Optimizer | None = None
         if optimizer is not None:
             if isinstance(optimizer, Optimizer):
@@ -195,12 +196,9 @@ class Session(Position):
             opt = self.strategy.setup_optimizer(opt, wrapped, self.accumulate)
             opt = self.precision.setup_optimizer(opt, wrapped)
         self._accum.attach(self.strategy, wrapped)  # no_sync needs the strategy's own wrapper
-        self.compiled = (compiled := apply_compile(wrapped, self._compile)) is not wrapped
-        wrapped = compiled
-        if self.precision.name != "fp32":
-            wrapped = PrecisionModule(wrapped, self.precision, self.strategy.unwrap(wrapped))
-        self._model = wrapped
-        return wrapped if opt is None else (wrapped, opt)
+        self.compiled = layers.is_compiled
+        self._models.append(layers)
+        return layers.trained if opt is None else (layers.trained, opt)
 
     def loader(self, dataset: Any, batch_size: int, shuffle: bool = True, *, eval: bool = False,
                **options: Any) -> DeviceLoader:
@@ -241,22 +239,12 @@ class Session(Position):
             self.state.start_epoch(epoch)  # a loader resumed mid-epoch keeps its position
             self._announce()
             yield epoch
-            self._finite.move_skipped(self.state, self.print)  # counted before the loop looks at them
+            self._steps.count_late_skips()  # counted before the loop looks at them
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate ``loss`` (scaled for fp16 and for accumulation)."""
         self._announce()
-        self._finite.record(loss)
-        loss = self._accum.scale(loss)
-        watch = self.comm.watchdog
-        watch.enter("backward of step {}", self.global_step + 1)  # DDP's gradient all_reduce is in here
-        try:
-            self.precision.backward(loss)
-        except RuntimeError as exc:
-            raise watch.explain(exc) or exc  # a timeout names the rank that did not arrive
-        finally:
-            watch.leave()
-        self._accum.after_backward()
+        self._steps.backward(loss)
 
     def step(self, optimizer: Optimizer) -> bool:
         """Unscale, clip, step and zero the gradients; returns False when no step was taken.
@@ -270,23 +258,7 @@ class Session(Position):
         """
         if not self._accum.ready:
             return False
-        model = self._model
-        # a loss-scaling precision skips a non-finite step itself (and every rank sees the same grads)
-        attempt = self.global_step + self.skipped_steps + 1  # the step's number counts skipped ones too
-        warning = None if self.precision.scales_loss else self._finite.verdict(optimizer, attempt, self.epoch)
-        took = warning is None
-        if warning is not None:
-            self.state.skipped_steps += 1
-            self.print(warning)
-        else:
-            clip = None
-            if self.clip is not None and model is not None:
-                clip = partial(self.strategy.clip_grad_norm, model, self.clip)
-            took = self.precision.step(optimizer, clip)
-        optimizer.zero_grad(set_to_none=True)
-        self._accum.after_step()
-        self.state.global_step += int(took)
-        self._finite.after_step(self.state, self.print)  # no-sync path: skipped steps counted late
+        took = self._steps.step(optimizer, self._models[-1].wrapped if self._models else None)
         if self._guard.poll() and self._guard.mode == "save":
             self._stop_every_rank(optimizer)
         return took
@@ -295,8 +267,9 @@ class Session(Position):
         """The ranks agreed to stop: save where the last save or load was, tear down, exit 75."""
         signals = self._guard.signals()
         path = None
-        if self._ckpt is not None and self._model is not None:
-            path = self.save(self._ckpt[0], model=self._model, optimizer=optimizer, keep=self._ckpt[1], **self._ckpt[2])
+        if self._ckpt is not None and self._models:
+            path = self.save(self._ckpt.directory, model=self._models[-1].trained, optimizer=optimizer, keep=self._ckpt.keep,
+                             **self._ckpt.extras)
         message = stop_message(signals, self.global_step, path)
         self.print(message)
         self.close()
@@ -347,18 +320,43 @@ class Session(Position):
             optimizer: its optimizer.
             keep: keep only the newest ``keep`` checkpoints (pruned after the new one is committed).
             blocking: False: return once the state is copied, the ranks writing it meanwhile; the
-                next save, load or :meth:`close` waits for it and raises its error.
+                next save, load, :meth:`wait_for_save` or :meth:`close` waits for it and raises
+                its error.
             **extras: your own values (numbers, strings, tensors, lists, dicts).
 
         Example::
 
             session.save("checkpoints", model=model, optimizer=optimizer, keep=3, best=acc)
         """
-        self._finite.move_skipped(self.state, self.print)
-        self._ckpt = ((directory := self._locks.hold(directory)), keep, extras)
-        return self._locks.track(save_state(directory, self.state, comm=self.comm, strategy=self.strategy,
-                                            precision=self.precision, model=model, optimizer=optimizer,
-                                            keep=keep, extras=extras, blocking=blocking))
+        self._steps.count_late_skips()
+        self._saves.wait()  # a save still being written ends (or fails) before the next one
+        self._ckpt = SaveTarget(directory := self._folders.hold(directory), keep, extras)
+        return self._saves.track(save_state(directory, self.state, comm=self.comm, strategy=self.strategy,
+                                            precision=self.precision, optimizer=optimizer, keep=keep,
+                                            model=model_wrappers(model, self._models, self.strategy),
+                                            extras=extras, blocking=blocking,
+                                            writers=self._saves.writers))
+
+    def wait_for_save(self) -> Path | None:
+        """Wait until a non-blocking save is committed (every rank must call it).
+
+        :meth:`save` with ``blocking=False`` returns while the ranks write; the next save, load
+        and :meth:`close` wait for that write anyway. Call this to know when it is done, e.g.
+        before copying the checkpoint elsewhere or to time the write.
+
+        Returns:
+            The committed checkpoint folder, or ``None`` when no save was being written.
+
+        Raises:
+            CheckpointError: the write failed (on every rank; the previous checkpoint is intact).
+
+        Example::
+
+            session.save("checkpoints", model=model, optimizer=optimizer, blocking=False)
+            ...                                   # train on while the ranks write
+            path = session.wait_for_save()        # checkpoints/step-000100, committed
+        """
+        return self._saves.wait()
 
     def load(self, directory: str | Path, *, model: nn.Module, optimizer: Optimizer | None = None) -> ResumeState:
         """Restore the newest good checkpoint in ``directory``, if any; see :class:`ResumeState`.
@@ -368,23 +366,27 @@ class Session(Position):
         in samples, not batches. Rank 0 prints where it resumed from. A preemption saves into
         ``directory`` (or the folder of the last :meth:`save`). The folder is locked as by :meth:`save`.
         """
-        if (directory := self._locks.hold(directory)) != (self._ckpt[0] if self._ckpt else None):
-            self._ckpt = (directory, None, {})
+        self._saves.wait()  # a save still being written ends (or fails) before the load
+        if (directory := self._folders.hold(directory)) != (self._ckpt.directory if self._ckpt else None):
+            self._ckpt = SaveTarget(directory)
         resume = load_state(directory, self.state, comm=self.comm, device=self.device, strategy=self.strategy,
-                            precision=self.precision, model=model, optimizer=optimizer)
+                            precision=self.precision, optimizer=optimizer,
+                            model=model_wrappers(model, self._models, self.strategy))
         if resume.resumed and not self.quiet:
             self.print(resumed_line(resume))
         return resume
 
     def close(self) -> None:
         """Give up the checkpoint folders, end the job's communication (barrier + destroy). Safe to call twice."""
-        self._finite.move_skipped(self.state, self.print, name_ranks=False)
+        self._steps.count_late_skips(name_ranks=False)
         self._guard.uninstall()
-        self._locks.wait()  # a save still being written (blocking=False) ends, or raises, here
-        self._locks.release()
+        self._saves.wait()  # a save still being written (blocking=False) ends, or raises, here
+        self._folders.release()
+        self._saves.close()
         self.comm.shutdown()
-        if self._model is not None:
-            self.strategy.release(self._model)
+        for layers in self._models:
+            self.strategy.release(layers.wrapped)
+        if self._models:
             gc.collect()  # wrappers in reference cycles would otherwise outlive the group
 
     def __enter__(self) -> Session:

@@ -24,22 +24,22 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from torch import nn
 
 from lockstep.comm.group import Comm
 from lockstep.env import read_settings
 from lockstep.session.loaders import TrainLoaders
-from lockstep.session.loop import PrecisionModule
 
 if TYPE_CHECKING:  # the session builds them; importing them here would only cost import time
-    from lockstep.checkpoint.background import PendingSave
+    from lockstep.checkpoint.background import PendingSave, WriterGroup
     from lockstep.precision.base import Precision
+    from lockstep.session.wrappers import ModelWrappers
     from lockstep.strategies.base import Strategy
 
 __all__ = ["ResumeState", "TrainState", "save_state", "load_state", "resumed_line", "capture_rng",
            "restore_rng", "seed_everything"]
 
 FORMAT = 1
+"""The layout of a session checkpoint's state (``state["format"]``); a load refuses a newer one."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,38 @@ class TrainState:
     def epoch_done(self) -> bool:
         """True once a training loader ran out after the epoch's last batch."""
         return self.loaders.epoch_done
+
+    def count_step(self) -> None:
+        """Count one optimizer step taken.
+
+        Example::
+
+            state.count_step()
+        """
+        self.global_step += 1
+
+    def count_skipped(self) -> None:
+        """Count one step skipped on every rank for a non-finite loss (``nonfinite="skip"``).
+
+        Example::
+
+            state.count_skipped()
+        """
+        self.skipped_steps += 1
+
+    def count_late_skips(self, steps: int) -> None:
+        """Move ``steps`` steps counted as taken to the skipped ones: the optimizer skipped them on
+        the device, and the host learnt it later (:class:`~lockstep.session.nonfinite.LateSkips`).
+
+        Args:
+            steps: how many of the steps counted as taken were skipped.
+
+        Example::
+
+            state.count_late_skips(policy.count_late_skips().steps)
+        """
+        self.global_step -= steps
+        self.skipped_steps += steps
 
     def start_epoch(self, epoch: int) -> None:
         """Enter ``epoch``: every training loader follows (one resumed mid-epoch keeps its position).
@@ -158,8 +190,9 @@ class TrainState:
 
 
 def save_state(directory: Path, train: TrainState, *, comm: Comm, strategy: Strategy, precision: Precision,
-               model: nn.Module, optimizer: torch.optim.Optimizer | None, keep: int | None,
-               extras: dict[str, Any], blocking: bool = True) -> Path | PendingSave:
+               model: ModelWrappers, optimizer: torch.optim.Optimizer | None, keep: int | None,
+               extras: dict[str, Any], blocking: bool = True, writers: WriterGroup | None = None
+               ) -> Path | PendingSave:
     """Write ``train`` with the model, optimizer, precision state and ``extras`` as one checkpoint.
 
     The model's and optimizer's tensors are written through ``torch.distributed.checkpoint``,
@@ -174,32 +207,37 @@ def save_state(directory: Path, train: TrainState, *, comm: Comm, strategy: Stra
         comm: the job's collectives (every rank calls this).
         strategy: what wrapped ``model``; gives its (and the optimizer's) state.
         precision: the precision plugin (its loss scaler is saved).
-        model: the model ``Session.setup`` returned.
+        model: the layers ``Session.setup`` put around the model; the strategy gets the one it wrapped.
         optimizer: its optimizer, if any.
         keep: keep only the newest ``keep`` checkpoints.
         extras: the user's own values.
         blocking: write before returning (True) or in the background (False).
+        writers: the background writers' process group, kept between saves (``blocking=False``).
 
     Example::
 
         save_state(Path("ckpt"), session.state, comm=session.comm, strategy=session.strategy,
-                   precision=session.precision, model=model, optimizer=opt, keep=2, extras={})
+                   precision=session.precision, model=layers, optimizer=opt, keep=2, extras={})
     """
     from lockstep.checkpoint.background import save_checkpoint_async
     from lockstep.checkpoint.core import save_checkpoint
 
     # live tensors: each rank copies only the share it writes (checkpoint.portable.own_share)
-    full, sharded = strategy.checkpoint_state(_inner(model), optimizer, copy=False)
+    full, sharded = strategy.checkpoint_state(model.wrapped, optimizer, copy=False)
     if not blocking:
         extras = copy.deepcopy(extras)  # the user's tensors may change while the state is written
     state: dict[str, Any] = {"format": FORMAT, **train.state_dict(), "precision": precision.state_dict(),
                              "extras": extras}
-    save = save_checkpoint if blocking else save_checkpoint_async
-    return save(directory, state, comm, step=train.global_step, keep=keep, sharded=sharded, replicated=full)
+    if blocking:
+        return save_checkpoint(directory, state, comm, step=train.global_step, keep=keep, sharded=sharded,
+                               replicated=full)
+    return save_checkpoint_async(directory, state, comm, step=train.global_step, keep=keep, sharded=sharded,
+                                 replicated=full, writers=writers)
 
 
 def load_state(directory: Path, train: TrainState, *, comm: Comm, device: torch.device, strategy: Strategy,
-               precision: Precision, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> ResumeState:
+               precision: Precision, model: ModelWrappers, optimizer: torch.optim.Optimizer | None
+               ) -> ResumeState:
     """Load the newest good checkpoint in ``directory`` into ``train``, the model and the optimizer.
 
     Args:
@@ -209,25 +247,33 @@ def load_state(directory: Path, train: TrainState, *, comm: Comm, device: torch.
         device: where the checkpoint's tensors are loaded.
         strategy: what wrapped ``model``.
         precision: the precision plugin.
-        model: the model ``Session.setup`` returned.
+        model: the layers ``Session.setup`` put around the model.
         optimizer: its optimizer, if any.
 
     Returns:
         Where training continues (a fresh :class:`ResumeState` when there is no checkpoint).
 
+    Raises:
+        CheckpointError: the checkpoint was written in a newer format than :data:`FORMAT`.
+
     Example::
 
         resume = load_state(Path("ckpt"), session.state, comm=session.comm, device=session.device,
-                            strategy=session.strategy, precision=session.precision, model=model,
+                            strategy=session.strategy, precision=session.precision, model=layers,
                             optimizer=opt)
     """
     from lockstep.checkpoint.core import load_checkpoint
+    from lockstep.checkpoint.files import CheckpointError
 
-    inner = _inner(model)
+    inner = model.wrapped
     sharded = strategy.sharded_state(inner, optimizer)
     state = load_checkpoint(directory, comm, map_location=device, sharded=sharded)
     if state is None:
         return ResumeState()
+    written = int(state.get("format") or 1)  # the first checkpoints had no format field
+    if written > FORMAT:  # every rank read the same state: every rank raises alike
+        raise CheckpointError(f"{state.get('path', directory)} was written by a newer lockstep (checkpoint format "
+                              f"{written}; this version reads up to {FORMAT}): upgrade lockstep to resume from it")
     strategy.load_checkpoint_state(inner, optimizer, state, sharded)
     precision.load_state_dict(state.get("precision") or {})
     mid = train.load_state_dict(state)
@@ -316,6 +362,3 @@ def _python_state_to_list(state: tuple) -> list[Any]:
     version, inner, gauss = state
     return [version, list(inner), gauss]
 
-
-def _inner(model: nn.Module) -> nn.Module:
-    return model.module if isinstance(model, PrecisionModule) else model

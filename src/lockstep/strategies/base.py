@@ -199,26 +199,6 @@ class Strategy(StateDicts):
             raise ConfigError(f"max_norm must be positive, got {max_norm}")
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
-    def explain_error(self, exc: BaseException, model: nn.Module) -> Exception | None:
-        """Translate a framework error raised during training into a clearer lockstep error.
-
-        Args:
-            exc: the exception raised by a forward or backward pass.
-            model: the module returned by :meth:`setup_module`.
-
-        Returns:
-            The clearer exception to raise instead, or ``None`` when there is nothing to add.
-
-        Example::
-
-            except RuntimeError as exc:
-                better = strategy.explain_error(exc, model)
-                if better is not None:
-                    raise better from exc
-                raise
-        """
-        return None
-
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Refuse an optimizer built on the bare model when the wrapping replaces its parameters.
 

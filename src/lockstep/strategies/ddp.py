@@ -27,7 +27,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lockstep.errors import ConfigError, LockstepError
-from lockstep.strategies.base import Strategy, unwrap_module
+from lockstep.comm.group import Comm
+from lockstep.strategies.base import Strategy, broadcast_module_state, unwrap_module
 from lockstep.strategies.torch_internals import release_ddp
 from lockstep.strategies.zero import apply_zero, is_zero, zero_state_dict
 from lockstep.strategies.comm_hooks import (
@@ -292,11 +293,6 @@ class DDPStrategy(Strategy):
             return model.no_sync()
         return super().no_backward_sync(model)
 
-    def explain_error(self, exc: BaseException, model: nn.Module) -> Exception | None:
-        if isinstance(exc, UnusedParametersError):
-            return None  # already explained by the wrapper's forward
-        return explain_ddp_error(exc, model)
-
     def eval_context(self, model: nn.Module) -> ContextManager[Any]:
         return _quiet_ddp(model, self.comm)
 
@@ -310,7 +306,7 @@ def _comm_hook(model: nn.Module) -> CommHook | None:
 
 
 @contextlib.contextmanager
-def _quiet_ddp(model: nn.Module, comm: Any) -> Iterator[None]:
+def _quiet_ddp(model: nn.Module, comm: Comm) -> Iterator[None]:
     """Sync the buffers of every DDP inside ``model`` once, then stop its per-forward sync.
 
     A DDP forward may broadcast buffers, a collective; with shards of different batch counts
@@ -320,7 +316,10 @@ def _quiet_ddp(model: nn.Module, comm: Any) -> Iterator[None]:
     saved = []
     for m in model.modules():
         if isinstance(m, DistributedDataParallel):
-            _sync_ddp_buffers(m, comm)
+            if getattr(m, "broadcast_buffers", False):
+                # DDP refreshes buffers from rank 0 at each forward, so after the last training
+                # forward they differ between ranks: evaluating now would score another model on each
+                broadcast_module_state(comm, m.module, parameters=False)
             saved.append((m, m.require_forward_param_sync))
             m.require_forward_param_sync = False
     try:
@@ -329,26 +328,3 @@ def _quiet_ddp(model: nn.Module, comm: Any) -> Iterator[None]:
         for ddp, sync in saved:
             ddp.require_forward_param_sync = sync
 
-
-def _sync_ddp_buffers(ddp: DistributedDataParallel, comm: Any) -> None:
-    """Give every rank rank 0's buffers (BatchNorm statistics), as DDP's next forward would.
-
-    DDP refreshes buffers from rank 0 at the start of each forward, so after the last training
-    forward they differ between ranks; evaluating without this would score a different model on
-    each rank.
-    """
-    if not getattr(ddp, "broadcast_buffers", False):
-        return
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for buf in ddp.module.buffers():
-        by_dtype.setdefault(buf.dtype, []).append(buf)
-    for bufs in by_dtype.values():  # one broadcast per dtype rather than per buffer
-        flat = torch.cat([b.detach().reshape(-1) for b in bufs])
-        if hasattr(comm, "broadcast"):
-            comm.broadcast(flat, 0)
-        else:  # an object that only reduces (see lockstep.metrics.SupportsAllReduce)
-            torch.distributed.broadcast(flat, 0)
-        offset = 0
-        for b in bufs:
-            b.data.copy_(flat[offset:offset + b.numel()].view_as(b))
-            offset += b.numel()

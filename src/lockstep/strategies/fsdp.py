@@ -181,8 +181,8 @@ class FSDPStrategy(Strategy):
     def sharded_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any] | None:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        # the compiled wrapper's keys would carry "_orig_mod."; the FSDP root's are the model's own
-        model_sd, optim_sd = get_state_dict(self.unwrap(model), [optimizer] if optimizer is not None else [])
+        # the FSDP root is the user's module itself: its keys are the model's own
+        model_sd, optim_sd = get_state_dict(model, [optimizer] if optimizer is not None else [])
         return {"model": model_sd, "optimizer": optim_sd}
 
     def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -192,7 +192,7 @@ class FSDPStrategy(Strategy):
             return
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        set_state_dict(self.unwrap(model), [optimizer] if optimizer is not None else [],
+        set_state_dict(model, [optimizer] if optimizer is not None else [],
                        model_state_dict=sharded["model"], optim_state_dict=sharded["optimizer"])
 
     def _full_tensor(self, tensor: torch.Tensor) -> torch.Tensor:

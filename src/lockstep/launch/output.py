@@ -19,6 +19,7 @@ Example::
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 import time
@@ -30,7 +31,7 @@ __all__ = ["OutputRelay", "Source", "relay_for"]
 _LINE = re.compile(rb"[^\r\n]*(?:\r\n|\n|\r)")
 # a line still without its ending after this long is shown as it is (a prompt, a slow printer)
 _HOLD_PARTIAL_S = 0.5
-_FINAL_DRAIN_S = 5.0  # at most this long copying what the files still hold at stop
+_FINAL_DRAIN_S = 5.0  # past what the files held at stop, at most this long for a writer still going
 _CHUNK = 1 << 20  # read at most this much per file and pass: a flood of output stays bounded in memory
 
 
@@ -104,6 +105,17 @@ class Source:
         self._after_cr = line.endswith(b"\r")
         return prefix + line.decode(errors="replace")
 
+    def size(self) -> int:
+        """The file's size now (0 when it does not exist yet)."""
+        try:
+            return os.path.getsize(self.path)
+        except OSError:
+            return 0
+
+    def read_to(self) -> int:
+        """How far the file has been read."""
+        return self._file.tell() if self._file is not None else 0
+
     def finish(self) -> None:
         """End a line left open (shown without its ending) so that what follows starts afresh."""
         if self._midline:
@@ -155,10 +167,12 @@ class OutputRelay:
                     busy = source.pump(final=False) or busy
                 if not busy:
                     self._halt.wait(self.interval)
-            # the workers are gone: what is left is final (bounded, should one still be writing)
+            # the workers are gone: what the files hold now is copied whole, however slow the
+            # machine; anything written after that only until the deadline (a writer still going)
             deadline = time.monotonic() + _FINAL_DRAIN_S
             for source in self.sources:
-                while source.pump(final=True) and time.monotonic() < deadline:
+                held = source.size()
+                while source.pump(final=True) and (source.read_to() < held or time.monotonic() < deadline):
                     pass
                 source.finish()
         finally:

@@ -176,7 +176,7 @@ def spawn(
     host, port = _check(fn, nprocs, nodes, node_rank, master)
     if start_method not in START_METHODS:
         raise ConfigError(f"spawn's start_method must be one of {', '.join(START_METHODS)}, got {start_method!r}")
-    ctx = mp.get_context(start_method)
+    ctx: Any = mp.get_context(start_method)  # SpawnContext or ForkServerContext
     envs = _environments(nprocs, nodes, node_rank, host, port)
     if start_method == "forkserver":
         ctx.set_forkserver_preload(["torch", "torch.distributed", "lockstep"])

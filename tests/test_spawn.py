@@ -102,9 +102,11 @@ def test_tensors_come_back_by_value() -> None:
         assert [v.tolist() for v in values] == [[0.0] * 3, [1.0] * 3] and all(isinstance(v, torch.Tensor) for v in values)
 
 
-def _report_environment() -> str:
+def _report_environment() -> tuple[str, int]:
+    import torch
+
     print(f"rank {os.environ['RANK']} prints to the caller's stdout", flush=True)
-    return os.environ.get("LOCKSTEP_SPAWN_PROBE", "")
+    return os.environ.get("LOCKSTEP_SPAWN_PROBE", ""), torch.get_num_threads()
 
 
 @pytest.mark.slow
@@ -113,9 +115,11 @@ def test_forkserver_ranks_see_the_callers_environment_and_output(monkeypatch: py
                                                                 capfd: pytest.CaptureFixture) -> None:
     """A forked rank gets the environment and stdout of the call, not those of the server's start."""
     monkeypatch.setenv("LOCKSTEP_SPAWN_PROBE", "first")
-    assert spawn(_report_environment, nprocs=2, timeout=80, start_method="forkserver") == ["first", "first"]
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert spawn(_report_environment, nprocs=2, timeout=80, start_method="forkserver") == [("first", 1)] * 2
     monkeypatch.setenv("LOCKSTEP_SPAWN_PROBE", "second")  # the server started by the first call is reused
-    assert spawn(_report_environment, nprocs=1, timeout=80, start_method="forkserver") == ["second"]
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert spawn(_report_environment, nprocs=1, timeout=80, start_method="forkserver") == [("second", 2)]
     out = capfd.readouterr().out
     assert out.count("rank 0 prints to the caller's stdout") == 2 and "rank 1 prints" in out
     with pytest.raises(ConfigError, match="start_method"):

@@ -64,9 +64,14 @@ def _free_port(host: str) -> int:
 
 def _worker(env: dict[str, str], payload: bytes, results: Any, stdio: None = None) -> None:
     """Entry of each spawned process: set the environment, then unpickle and run ``fn``."""
-    if env.pop(_WHOLE_ENV, None):  # forked from a server started earlier: its environment is stale
+    forked = env.pop(_WHOLE_ENV, None)
+    if forked:  # forked from a server started earlier: its environment is stale
         os.environ.clear()
     os.environ.update(env)  # before unpickling fn: its module may read the environment on import
+    if forked and env.get("OMP_NUM_THREADS", "").isdigit():
+        import torch  # OpenMP read the server's environment when torch was loaded there
+
+        torch.set_num_threads(max(1, int(env["OMP_NUM_THREADS"])))
     rank = int(env["RANK"])
     try:
         fn, args = pickle.loads(payload)

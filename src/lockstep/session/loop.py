@@ -19,7 +19,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from lockstep.errors import ConfigError
 
 __all__ = ["PrecisionModule", "Accumulator"]
 
@@ -73,7 +72,7 @@ class Accumulator:
     from a session loader make windows of ``k``.
 
     Args:
-        k: micro-steps per optimizer step (1 disables accumulation).
+        k: micro-steps per optimizer step (1 disables accumulation; ``SessionConfig`` checked it).
 
     Example::
 
@@ -83,8 +82,6 @@ class Accumulator:
     """
 
     def __init__(self, k: int) -> None:
-        if k < 1:
-            raise ConfigError(f"accumulate must be >= 1, got {k}")
         self.k = k
         self.micro = 0
         self.window = k  # micro-steps of the current window

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import fields
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -31,41 +32,65 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 
-from lockstep.comm.group import Comm, init_comm, resolve_timeout
+from lockstep.comm.group import Comm, form_comm
 from lockstep.data.loader import make_loader
 from lockstep.env import detect_world
+from lockstep.errors import ConfigError
+from lockstep.precision import build_precision
+from lockstep.session.config import SessionConfig
 from lockstep.session.loaders import DeviceLoader, progress_bar
 from lockstep.session.locks import FolderLocks
 from lockstep.session.loop import Accumulator, PrecisionModule
 from lockstep.session.nonfinite import NonFiniteLossError, NonFinitePolicy
-from lockstep.session.options import strategy_options as build_options
 from lockstep.session.options import summary_line
 from lockstep.session.position import Position
 from lockstep.session.preempt import Preempted, StopGuard, stop_message
 from lockstep.session.state import ResumeState, TrainState, load_state, resumed_line, save_state, seed_everything
-from lockstep.strategies.compile import apply_compile, check_compile
+from lockstep.strategies import get_strategy
+from lockstep.strategies.compile import apply_compile
 
 __all__ = ["Session", "ResumeState", "NonFiniteLossError"]
 
 Optimizer = torch.optim.Optimizer
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
+_DEFAULTS = {f.name: f.default for f in fields(SessionConfig)}
+
+
+def _one_config(config: SessionConfig | None, given: dict[str, Any]) -> SessionConfig:
+    """The session's options come from ``config`` or from the keywords, never half from each."""
+    if config is None:
+        return SessionConfig(**given)
+    if not isinstance(config, SessionConfig):
+        raise ConfigError(f"Session(config=...) takes a lockstep.SessionConfig, got {type(config).__name__}")
+    mixed = sorted(k for k, v in given.items() if v != _DEFAULTS[k])
+    if mixed:
+        raise ConfigError(f"Session(config=...) takes every option from the config, and {', '.join(mixed)} "
+                          "were given too; put them in SessionConfig(...)")
+    return config
 
 
 class Session(Position):
     """One training job: where this rank is, how it talks, how the model is wrapped.
 
-    The loop's counters, loader positions and RNG are :attr:`state`, a
-    :class:`~lockstep.session.state.TrainState` that :meth:`save` and :meth:`load` checkpoint.
+    The options are one :class:`~lockstep.session.config.SessionConfig`, built from the keyword
+    arguments below (or given whole as ``config``) and checked once, before any process group:
+    a bad value is refused with a message naming the option and the fix. The components are
+    then built once each, in order: the process group, the preemption guard and the non-finite
+    policy over it, the precision, the strategy. The loop's counters, loader positions and RNG
+    are :attr:`state`, a :class:`~lockstep.session.state.TrainState` that :meth:`save` and
+    :meth:`load` checkpoint.
 
     Args:
         strategy: ``"auto"`` (ddp with several processes, dp with several GPUs in one process,
             else single), ``"single"``, ``"dp"``, ``"ddp"``, ``"fsdp"`` or ``"horovod"``.
         precision: ``"fp32"``, ``"bf16-mixed"``, ``"fp16-mixed"``, ``"fp16-o2"``, ``"bf16"``,
             ``"fp16"`` or apex's ``"O0"``-``"O3"``.
-        sync_bn: convert BatchNorm layers to SyncBatchNorm (GPU only).
+        config: every option at once, as a :class:`~lockstep.session.config.SessionConfig`
+            (then no other argument may be given); see also :meth:`from_config`.
+        sync_bn: convert BatchNorm layers to SyncBatchNorm (GPU only; ddp or fsdp).
         accumulate: micro-steps per optimizer step; an epoch ends with a step on its last window
             (the mean over its micro-batches): 10 batches with 3 make 4 steps (3, 3, 3 and 1).
-        clip_grad_norm: clip the global gradient norm to this value in ``step``.
+        clip_grad_norm: clip the global gradient norm to this positive, finite value in ``step``.
         seed: seed of every rank's RNG (identical, so models start equal), data order included.
         nonfinite: what to do when the loss turns NaN/inf on any rank: ``"skip"`` the step on
             every rank (warn, naming the rank), ``"stop"`` every rank with an error, or
@@ -96,12 +121,16 @@ class Session(Position):
         preempt_check_seconds: about how often the ranks agree on a stop signal (one
             two-number all_reduce each time; see :mod:`lockstep.session.preempt`).
 
+    Raises:
+        ConfigError: a bad option (before any process group), or ``config`` given with other options.
+
     Example::
 
         session = lockstep.Session(strategy="ddp", precision="bf16-mixed", accumulate=2)
         session = lockstep.Session(strategy="ddp", compile={"backend": "aot_eager"})
         session = lockstep.Session(strategy="ddp", grad_compression="powersgd",
                                    strategy_options={"powersgd_rank": 2})
+        session = lockstep.Session(config=lockstep.SessionConfig(strategy="ddp", clip_grad_norm=1.0))
     """
 
     def __init__(
@@ -109,6 +138,7 @@ class Session(Position):
         strategy: str = "auto",
         precision: str = "fp32",
         *,
+        config: SessionConfig | None = None,
         sync_bn: bool = False,
         accumulate: int = 1,
         clip_grad_norm: float | None = None,
@@ -125,35 +155,46 @@ class Session(Position):
         preemption: str = "save",
         preempt_check_seconds: float = 1.0,
     ) -> None:
-        from lockstep.precision import get_precision
-        from lockstep.strategies import get_strategy
-
-        self._finite = NonFinitePolicy(nonfinite)  # a bad option is refused before any process group
-        self._accum = Accumulator(accumulate)
+        given = dict(strategy=strategy, precision=precision, sync_bn=sync_bn, accumulate=accumulate,
+                     clip_grad_norm=clip_grad_norm, seed=seed, nonfinite=nonfinite, timeout=timeout, backend=backend,
+                     init_method=init_method, grad_compression=grad_compression, shard_optimizer=shard_optimizer,
+                     strategy_options=strategy_options, compile=compile, quiet=quiet, preemption=preemption,
+                     preempt_check_seconds=preempt_check_seconds)
+        config = _one_config(config, given)  # every option checked here, once, before any process group
+        self.config = config
         self.world = detect_world()
-        self.seed, self.nonfinite, self.clip = seed, nonfinite, clip_grad_norm
-        self.timeout = resolve_timeout(timeout)
-        self.quiet = quiet
+        config.check_processes(self.world.world_size)
+        self.seed, self.nonfinite, self.clip, self.quiet = config.seed, config.nonfinite, config.clip_grad_norm, config.quiet
+        self.timeout: timedelta = config.timeout  # type: ignore[assignment]  # resolved by SessionConfig
+        self._compile: dict[str, Any] | None = config.compile  # type: ignore[assignment]  # checked likewise
+        self._accum = Accumulator(config.accumulate)
         self.device: torch.device = self.world.device
-        get_precision(precision, self.device)  # refuse a bad name before any process group
-        options = build_options(strategy, backend=backend, world_size=self.world.world_size, sync_bn=sync_bn,
-                                grad_compression=grad_compression, shard_optimizer=shard_optimizer,
-                                options=strategy_options)
-        self._compile = check_compile(compile)
-        self._guard = StopGuard(preemption, preempt_check_seconds)
-        self.comm: Comm = init_comm(self.world, backend, init_method, self.timeout)
+        self.comm: Comm = form_comm(self.world, config.backend, config.init_method, self.timeout)
         self.world = self.comm.world  # an adopted group (Ray Train) may say more than the environment
-        self._guard.attach(self.comm, self.device)
-        self._finite.attach(self.comm)
-        self.precision = get_precision(precision, self.device, comm=self.comm)
-        self.strategy = get_strategy(strategy, self.comm, self.device, **options)
-        seed_everything(seed)
+        self._guard = StopGuard(self.comm, self.device, config.preemption, config.preempt_check_seconds)
+        self._finite = NonFinitePolicy(config.nonfinite, self.comm)
+        self.precision = build_precision(config.precision, self.device, comm=self.comm)
+        self.strategy = get_strategy(config.strategy, self.comm, self.device, **config.strategy_kwargs(self.world_size))
+        seed_everything(config.seed)
         self.state = TrainState(self.rank, self.world_size)
         self._model: nn.Module | None = None
         self.compiled = False  # set by setup: True once torch.compile wrapped the model
         self._announced = False
         self._ckpt: tuple[Path, int | None, dict[str, Any]] | None = None  # where a preemption saves
         self._locks = FolderLocks(self.comm)  # one live job per checkpoint folder
+
+    @classmethod
+    def from_config(cls, config: SessionConfig) -> Session:
+        """A session of the options ``config`` holds (checked when it was built).
+
+        Args:
+            config: the session's options, e.g. built by ``lockstep train`` from its flags.
+
+        Example::
+
+            session = lockstep.Session.from_config(lockstep.SessionConfig(strategy="ddp", accumulate=2))
+        """
+        return cls(config=config)
 
     # -- where this rank is: rank, local_rank, world_size, is_main, epoch, global_step... (Position)
     @property

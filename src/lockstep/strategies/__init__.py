@@ -18,7 +18,7 @@ A new strategy registers itself with::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -37,7 +37,7 @@ from lockstep.strategies.state import StateDicts
 __all__ = [
     "Strategy", "SingleStrategy", "DataParallelStrategy", "DDPStrategy", "FSDPStrategy", "HorovodStrategy",
     "HorovodUnavailableError", "horovod_unavailable",
-    "UnusedParametersError", "register_strategy", "get_strategy", "available_strategies",
+    "UnusedParametersError", "register_strategy", "get_strategy", "available_strategies", "check_strategy",
     "resolve_auto", "strategy_for_model", "StateDicts", "apply_ddp", "apply_fsdp", "apply_dp", "apply_sync_bn",
     "broadcast_module_state", "unwrap_module", "explain_ddp_error",
 ]
@@ -78,6 +78,38 @@ def available_strategies() -> list[str]:
         available_strategies()   # ['auto', 'ddp', 'dp', 'fsdp', 'horovod', 'single']
     """
     return ["auto", *sorted(_REGISTRY)]
+
+
+def check_strategy(name: str, choices: Sequence[str] | None = None) -> str:
+    """Return the registered strategy ``name`` stands for (lower case), or refuse it.
+
+    Args:
+        name: the user's strategy, any case.
+        choices: the strategies the caller can use (default: every registered one and ``auto``).
+
+    Raises:
+        ConfigError: an unknown name, a combination (``fsdp+dp``), or one outside ``choices``.
+
+    Example::
+
+        check_strategy("FSDP")                              # 'fsdp'
+        check_strategy("dp", choices=("ddp", "fsdp"))       # ConfigError
+    """
+    registered = available_strategies()
+    allowed = list(registered if choices is None else choices)
+    listed = ", ".join(allowed)
+    text = str(name)
+    parts = {p.strip().lower() for p in text.replace(",", "+").split("+") if p.strip()}
+    if len(parts) > 1:
+        why = ("fsdp shards the model over processes and dp copies it to every GPU of one process, "
+               "so they cannot be combined" if {"fsdp", "dp"} <= parts else "strategies do not combine")
+        raise ConfigError(f"--strategy {name!r}: {why}; choose one of {listed}")
+    key = text.strip().lower()
+    if key not in registered:
+        raise ConfigError(f"unknown strategy {name!r}; choose one of {listed}")
+    if key not in allowed:
+        raise ConfigError(f"strategy {name!r} cannot be used here; choose one of {listed}")
+    return key
 
 
 def resolve_auto(comm: Comm, device: torch.device) -> str:
@@ -139,7 +171,7 @@ def get_strategy(name: str, comm: Comm, device: torch.device, **options: Any) ->
 
         strategy = get_strategy("ddp", comm, device, find_unused_parameters=True)
     """
-    key = str(name).strip().lower()
+    key = check_strategy(name)
     if key == "auto":
         key = resolve_auto(comm, device)
         known = set().union(*(cls.defaults for cls in _REGISTRY.values()))
@@ -150,8 +182,6 @@ def get_strategy(name: str, comm: Comm, device: torch.device, **options: Any) ->
                 f"options are: {', '.join(sorted(known))}"
             )
         options = {k: v for k, v in options.items() if k in _REGISTRY[key].defaults}
-    if key not in _REGISTRY:
-        raise ConfigError(f"unknown strategy {name!r}; choose one of: {', '.join(available_strategies())}")
     return _REGISTRY[key](comm, device, **options)
 
 

@@ -168,12 +168,12 @@ def resolve_timeout(timeout: timedelta | float | None = None) -> timedelta:
 
         resolve_timeout(30)   # timedelta(seconds=30)
     """
-    source = "timeout"
+    source = f"timeout={timeout!r} (--timeout)"
     if timeout is None:
         text = read_settings().timeout
         if not text:
             return DEFAULT_TIMEOUT
-        source = "LOCKSTEP_TIMEOUT"
+        source = f"LOCKSTEP_TIMEOUT={text!r} (lockstep run --timeout)"
         try:
             timeout = float(text)
         except ValueError:
@@ -181,7 +181,7 @@ def resolve_timeout(timeout: timedelta | float | None = None) -> timedelta:
     seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not (
             math.isfinite(seconds) and seconds > 0):
-        raise ConfigError(f"{source} must be a positive number of seconds, got {seconds!r}")
+        raise ConfigError(f"{source} must be a positive number of seconds")
     return timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(seconds))
 
 

@@ -61,14 +61,20 @@ OWNERS: dict[str, str] = {
 """The one module whose messages refuse each option (a layout test holds the code to it)."""
 
 
-def _flag(name: str) -> str:
-    """How the message names an option: the keyword and the command-line flag, the same everywhere."""
-    return f"{name} (--{name.replace('_', '-')})"
+_FLAGS = ("strategy", "precision", "sync_bn", "accumulate", "seed", "timeout", "grad_compression", "compile",
+          "nonfinite")
+"""The options the apps (``lockstep train``, ``bench``, ``verify``) take as flags too."""
+
+
+def _given(name: str, value: Any) -> str:
+    """How a message names an option: ``name=value``, and its flag where the apps have one."""
+    flag = f" (--{name.replace('_', '-')})" if name in _FLAGS else ""
+    return f"{name}={value!r}{flag}"
 
 
 def _check_bool(name: str, value: Any) -> None:
     if not isinstance(value, bool):  # no int booleans: sync_bn=1 is a mistake, not a request
-        raise ConfigError(f"{_flag(name)} must be True or False, got {value!r}")
+        raise ConfigError(f"{_given(name, value)} must be True or False")
 
 
 @dataclass(frozen=True)
@@ -146,48 +152,49 @@ class SessionConfig:
         self._set("strategy", check_strategy(self.strategy))
         _check_bool("sync_bn", self.sync_bn)
         if self.sync_bn and self.strategy == "dp":
-            raise ConfigError(f"{_flag('sync_bn')} needs strategy 'ddp' or 'fsdp': SyncBatchNorm does not work "
-                              "inside nn.DataParallel replicas; drop it or use ddp")
+            raise ConfigError(f"{_given('sync_bn', True)} needs strategy 'ddp' or 'fsdp': SyncBatchNorm does not "
+                              "work inside nn.DataParallel replicas; drop it or use ddp")
         if self.sync_bn and not torch.cuda.is_available():  # every rank's device is a GPU when one is visible
-            raise ConfigError(f"{_flag('sync_bn')} needs GPUs: SyncBatchNorm only works on CUDA devices, and none "
-                              "is visible. Drop it (each rank then normalises over its own batch).")
+            raise ConfigError(f"{_given('sync_bn', True)} needs GPUs: SyncBatchNorm only works on CUDA devices, and "
+                              "none is visible. Drop it (each rank then normalises over its own batch).")
         missing = horovod_unavailable() if self.strategy == "horovod" else None
         if missing is not None:
-            raise HorovodUnavailableError(f"{_flag('strategy')} horovod: {missing}")
+            raise HorovodUnavailableError(f"{_given('strategy', 'horovod')}: {missing}")
 
     def _check_numbers(self) -> None:
         if isinstance(self.accumulate, bool) or not isinstance(self.accumulate, int) or self.accumulate < 1:
-            raise ConfigError(f"{_flag('accumulate')} must be an integer >= 1, got {self.accumulate!r}")
+            raise ConfigError(f"{_given('accumulate', self.accumulate)} must be an integer >= 1 (micro-steps "
+                              "per optimizer step; 1 accumulates nothing)")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ConfigError(f"{_flag('seed')} must be an integer, got {self.seed!r}")
+            raise ConfigError(f"{_given('seed', self.seed)} must be an integer")
         clip = self.clip_grad_norm
         if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float))
                                  or not (math.isfinite(clip) and clip > 0)):
-            raise ConfigError(f"{_flag('clip_grad_norm')} must be a positive, finite number or None (no "
-                              f"clipping), got {clip!r}")
+            raise ConfigError(f"{_given('clip_grad_norm', clip)} must be a positive, finite number, or None "
+                              "for no clipping")
         wait = self.preempt_check_seconds
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not (math.isfinite(wait) and wait > 0):
-            raise ConfigError(f"{_flag('preempt_check_seconds')} must be a positive number of seconds, got {wait!r}")
+            raise ConfigError(f"{_given('preempt_check_seconds', wait)} must be a positive, finite number of "
+                              "seconds")
 
     def _check_choices(self) -> None:
         if self.nonfinite not in NONFINITE_POLICIES:
-            raise ConfigError(f"{_flag('nonfinite')} is {self.nonfinite!r}; choose one of {', '.join(NONFINITE_POLICIES)}")
+            raise ConfigError(f"{_given('nonfinite', self.nonfinite)}; choose one of {', '.join(NONFINITE_POLICIES)}")
         if self.preemption not in PREEMPTION_MODES:
-            raise ConfigError(f"{_flag('preemption')} is {self.preemption!r}; choose one of "
-                              f"{', '.join(PREEMPTION_MODES)}")
+            raise ConfigError(f"{_given('preemption', self.preemption)}; choose one of {', '.join(PREEMPTION_MODES)}")
         _check_bool("quiet", self.quiet)
         if self.init_method is not None and not (isinstance(self.init_method, str) and "://" in self.init_method):
-            raise ConfigError(f"{_flag('init_method')} must be a URL such as env://, tcp://HOST:PORT or "
-                              f"file:///PATH, got {self.init_method!r}")
+            raise ConfigError(f"{_given('init_method', self.init_method)} must be a URL such as env://, "
+                              "tcp://HOST:PORT or file:///PATH, or None for the launcher's")
 
     def _check_strategy_options(self) -> None:
         options = self.strategy_options
         if options is not None and not isinstance(options, dict):
-            raise ConfigError(f"{_flag('strategy_options')} must be a dict of the strategy's options, got {options!r}")
+            raise ConfigError(f"{_given('strategy_options', options)} must be a dict of the strategy's options")
         self._set("strategy_options", dict(options or {}))
         _check_bool("shard_optimizer", self.shard_optimizer)
         if self.shard_optimizer and self.strategy not in ("ddp", "auto"):
-            raise ConfigError(f"{_flag('shard_optimizer')} shards ddp's optimizer state (ZeRO-1); strategy "
+            raise ConfigError(f"{_given('shard_optimizer', True)} shards ddp's optimizer state (ZeRO-1); strategy "
                               f"{self.strategy!r} has no such option (fsdp shards it already); use strategy "
                               "'ddp' or drop it")
 
@@ -235,7 +242,7 @@ class SessionConfig:
             SessionConfig(strategy="dp").check_processes(2)     # ConfigError
         """
         if self.strategy == "dp" and world_size > 1:
-            raise ConfigError(f"{_flag('strategy')} dp drives every GPU from one process, and this job has "
+            raise ConfigError(f"{_given('strategy', 'dp')} drives every GPU from one process, and this job has "
                               f"{world_size} processes; use ddp (one process per GPU) or run one process")
 
     def strategy_kwargs(self, world_size: int) -> dict[str, Any]:

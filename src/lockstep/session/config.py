@@ -146,8 +146,8 @@ class SessionConfig:
         object.__setattr__(self, name, value)  # the canonical spelling, once checked
 
     def _check_strategy(self) -> None:
-        from lockstep.strategies import check_strategy, horovod_unavailable
-        from lockstep.strategies.horovod import HorovodUnavailableError
+        from lockstep.strategies import check_strategy
+        from lockstep.strategies.horovod import import_horovod
 
         self._set("strategy", check_strategy(self.strategy))
         _check_bool("sync_bn", self.sync_bn)
@@ -157,9 +157,8 @@ class SessionConfig:
         if self.sync_bn and not torch.cuda.is_available():  # every rank's device is a GPU when one is visible
             raise ConfigError(f"{_given('sync_bn', True)} needs GPUs: SyncBatchNorm only works on CUDA devices, and "
                               "none is visible. Drop it (each rank then normalises over its own batch).")
-        missing = horovod_unavailable() if self.strategy == "horovod" else None
-        if missing is not None:
-            raise HorovodUnavailableError(f"{_given('strategy', 'horovod')}: {missing}")
+        if self.strategy == "horovod":
+            import_horovod()  # refuses a missing or broken Horovod with the fix, as the strategy would
 
     def _check_numbers(self) -> None:
         if isinstance(self.accumulate, bool) or not isinstance(self.accumulate, int) or self.accumulate < 1:
@@ -241,9 +240,9 @@ class SessionConfig:
 
             SessionConfig(strategy="dp").check_processes(2)     # ConfigError
         """
-        if self.strategy == "dp" and world_size > 1:
-            raise ConfigError(f"{_given('strategy', 'dp')} drives every GPU from one process, and this job has "
-                              f"{world_size} processes; use ddp (one process per GPU) or run one process")
+        from lockstep.strategies import check_processes
+
+        check_processes(self.strategy, world_size)
 
     def strategy_kwargs(self, world_size: int) -> dict[str, Any]:
         """The keyword arguments :func:`lockstep.strategies.get_strategy` builds the strategy with.

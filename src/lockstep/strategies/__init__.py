@@ -38,6 +38,7 @@ __all__ = [
     "Strategy", "SingleStrategy", "DataParallelStrategy", "DDPStrategy", "FSDPStrategy", "HorovodStrategy",
     "HorovodUnavailableError", "horovod_unavailable",
     "UnusedParametersError", "register_strategy", "get_strategy", "available_strategies", "check_strategy",
+    "check_processes",
     "resolve_auto", "strategy_for_model", "StateDicts", "apply_ddp", "apply_fsdp", "apply_dp", "apply_sync_bn",
     "broadcast_module_state", "unwrap_module", "explain_ddp_error",
 ]
@@ -97,7 +98,7 @@ def check_strategy(name: str, choices: Sequence[str] | None = None) -> str:
     """
     registered = available_strategies()
     allowed = list(registered if choices is None else choices)
-    listed = ", ".join(allowed)
+    listed = ", ".join(allowed)  # an unknown name lists every registered one: the same message everywhere
     text = str(name)
     parts = {p.strip().lower() for p in text.replace(",", "+").split("+") if p.strip()}
     if len(parts) > 1:
@@ -106,10 +107,29 @@ def check_strategy(name: str, choices: Sequence[str] | None = None) -> str:
         raise ConfigError(f"--strategy {name!r}: {why}; choose one of {listed}")
     key = text.strip().lower()
     if key not in registered:
-        raise ConfigError(f"unknown strategy {name!r}; choose one of {listed}")
+        raise ConfigError(f"unknown strategy {name!r}; choose one of {', '.join(registered)}")
     if key not in allowed:
         raise ConfigError(f"strategy {name!r} cannot be used here; choose one of {listed}")
     return key
+
+
+def check_processes(strategy: str, world_size: int) -> None:
+    """Refuse a strategy the job's number of processes rules out, before any process group.
+
+    Args:
+        strategy: a name :func:`check_strategy` returned.
+        world_size: processes of the job.
+
+    Raises:
+        ConfigError: ``dp``, which drives every GPU from one process, with several processes.
+
+    Example::
+
+        check_processes("dp", 2)     # ConfigError
+    """
+    if strategy == "dp" and world_size > 1:
+        raise ConfigError(f"strategy='dp' (--strategy) drives every GPU from one process, and this job has "
+                          f"{world_size} processes; use ddp (one process per GPU) or run one process")
 
 
 def resolve_auto(comm: Comm, device: torch.device) -> str:
@@ -171,7 +191,7 @@ def get_strategy(name: str, comm: Comm, device: torch.device, **options: Any) ->
 
         strategy = get_strategy("ddp", comm, device, find_unused_parameters=True)
     """
-    key = check_strategy(name)
+    key = name if name == "auto" or name in _REGISTRY else check_strategy(name)  # a checked name is canonical
     if key == "auto":
         key = resolve_auto(comm, device)
         known = set().union(*(cls.defaults for cls in _REGISTRY.values()))

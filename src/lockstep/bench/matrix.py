@@ -35,8 +35,8 @@ from lockstep.errors import ConfigError
 if TYPE_CHECKING:  # the session's modules load when a config is built, not when the CLI starts
     from lockstep.session.config import SessionConfig
 
-__all__ = ["BenchConfig", "Cell", "cell_config", "plan_cells", "skip_reason", "parse_list", "split_strategy", "ONE_PROCESS",
-           "DEFAULT_STEPS", "DEFAULT_WARMUP"]
+__all__ = ["BenchConfig", "Cell", "cell_config", "plan_cells", "skip_reason", "parse_list", "split_strategy",
+           "ONE_PROCESS", "DEFAULT_STEPS", "DEFAULT_WARMUP"]
 
 ONE_PROCESS = ("single", "dp")
 DEFAULT_STEPS = 80

@@ -135,6 +135,32 @@ class SessionConfig:
     preemption: str = "save"
     preempt_check_seconds: float = 1.0
 
+    @classmethod
+    def from_keywords(cls, keywords: dict[str, Any], config: SessionConfig | None = None) -> SessionConfig:
+        """The config of ``Session``'s keywords, or ``config`` when one is given (never half from each).
+
+        Args:
+            keywords: every option ``Session`` was called with, defaults included.
+            config: a whole config, or ``None``.
+
+        Raises:
+            ConfigError: ``config`` is not a SessionConfig, or came with options that are not defaults.
+
+        Example::
+
+            SessionConfig.from_keywords({"strategy": "ddp"}).strategy     # 'ddp'
+        """
+        if config is None:
+            return cls(**keywords)
+        if not isinstance(config, SessionConfig):
+            raise ConfigError(f"Session(config=...) takes a lockstep.SessionConfig, got {type(config).__name__}")
+        defaults = cls.__dataclass_fields__
+        mixed = sorted(k for k, v in keywords.items() if v != defaults[k].default)
+        if mixed:
+            raise ConfigError(f"Session(config=...) takes every option from the config, and {', '.join(mixed)} "
+                              "were given too; put them in SessionConfig(...)")
+        return config
+
     def __post_init__(self) -> None:
         self._check_strategy()
         self._check_numbers()

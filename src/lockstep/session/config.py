@@ -26,7 +26,6 @@ from typing import Any
 import torch
 
 from lockstep.errors import ConfigError
-
 from lockstep.session.nonfinite import NONFINITE_POLICIES
 
 __all__ = ["SessionConfig", "OWNERS", "PREEMPTION_MODES"]
@@ -60,7 +59,6 @@ OWNERS: dict[str, str] = {
 }
 """The one module whose messages refuse each option (a layout test holds the code to it)."""
 
-
 _FLAGS = ("strategy", "precision", "sync_bn", "accumulate", "seed", "timeout", "grad_compression", "compile",
           "nonfinite")
 """The options the apps (``lockstep train``, ``bench``, ``verify``) take as flags too."""
@@ -73,7 +71,8 @@ def _given(name: str, value: Any) -> str:
 
 
 def _check_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):  # no int booleans: sync_bn=1 is a mistake, not a request
+    """No int booleans: ``sync_bn=1`` is a mistake, not a request."""
+    if not isinstance(value, bool):
         raise ConfigError(f"{_given(name, value)} must be True or False")
 
 
@@ -162,6 +161,7 @@ class SessionConfig:
         return config
 
     def __post_init__(self) -> None:
+        """Check every option once, in an order where each rule sees the values it depends on."""
         self._check_strategy()
         self._check_numbers()
         self._check_choices()
@@ -169,9 +169,11 @@ class SessionConfig:
         self._check_lower_layers()
 
     def _set(self, name: str, value: Any) -> None:
-        object.__setattr__(self, name, value)  # the canonical spelling, once checked
+        """Keep the canonical spelling of a checked value (the dataclass is frozen for everyone else)."""
+        object.__setattr__(self, name, value)
 
     def _check_strategy(self) -> None:
+        """The strategy first: the rules of sync_bn, shard_optimizer and compression depend on it."""
         from lockstep.strategies import check_strategy
         from lockstep.strategies.horovod import import_horovod
 
@@ -187,6 +189,7 @@ class SessionConfig:
             import_horovod()  # refuses a missing or broken Horovod with the fix, as the strategy would
 
     def _check_numbers(self) -> None:
+        """Numbers of the loop: NaN and infinity fail every comparison, so they are refused too."""
         if isinstance(self.accumulate, bool) or not isinstance(self.accumulate, int) or self.accumulate < 1:
             raise ConfigError(f"{_given('accumulate', self.accumulate)} must be an integer >= 1 (micro-steps "
                               "per optimizer step; 1 accumulates nothing)")
@@ -203,6 +206,7 @@ class SessionConfig:
                               "seconds")
 
     def _check_choices(self) -> None:
+        """Options with a fixed set of values, listed in the message."""
         if self.nonfinite not in NONFINITE_POLICIES:
             raise ConfigError(f"{_given('nonfinite', self.nonfinite)}; choose one of {', '.join(NONFINITE_POLICIES)}")
         if self.preemption not in PREEMPTION_MODES:
@@ -213,6 +217,7 @@ class SessionConfig:
                               "tcp://HOST:PORT or file:///PATH, or None for the launcher's")
 
     def _check_strategy_options(self) -> None:
+        """The strategy's own options are its to check; here only their shape and ddp's ZeRO switch."""
         options = self.strategy_options
         if options is not None and not isinstance(options, dict):
             raise ConfigError(f"{_given('strategy_options', options)} must be a dict of the strategy's options")
@@ -224,6 +229,7 @@ class SessionConfig:
                               "'ddp' or drop it")
 
     def _check_lower_layers(self) -> None:
+        """The rules owned by the layers below, each called once; what they return is the canonical value."""
         from lockstep.comm.group import pick_backend
         from lockstep.comm.store import resolve_timeout
         from lockstep.precision import check_precision
@@ -234,8 +240,7 @@ class SessionConfig:
         self._set("timeout", resolve_timeout(self.timeout))
         self._set("backend", pick_backend(self.backend))
         options = self.strategy_options or {}
-        compression = self.grad_compression if self.grad_compression is not None else options.pop(
-            "grad_compression", None)
+        compression = self.grad_compression if self.grad_compression is not None else options.get("grad_compression")
         knobs = {k: options.get(k, v) for k, v in POWERSGD_DEFAULTS.items()}
         self._set("grad_compression", check_grad_compression(
             compression, strategy=self.strategy, backend=self.backend, bucket_cap_mb=options.get("bucket_cap_mb"),

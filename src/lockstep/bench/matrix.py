@@ -6,8 +6,10 @@ its compiled twin side by side, measured one after the other). A strategy may ca
 compression after a ``+`` (``ddp+bf16``, ``ddp+fp16``, ``ddp+powersgd``: the communication hooks
 of ``Session(grad_compression=...)``) or ``+zero`` (``ddp+zero``: ``shard_optimizer=True``, each
 rank holding a part of the optimizer state), so that these and plain ddp are rows of one table.
-Cells that cannot run on this machine are planned as skipped, with the reason, before any
-process starts:
+Every cell's Session options are one :class:`~lockstep.SessionConfig` (:func:`cell_config`),
+built and checked for the whole matrix when the configuration is, so that a bad value is refused
+with the Session's own message before any cell runs. Cells that cannot run on this machine are
+planned as skipped, with the reason, before any process starts:
 
 * ``single`` and ``dp`` run in one process, so they take only ``nproc 1``;
 * ``dp`` needs at least two CUDA GPUs (with one it is ``single`` plus a wrapper);

@@ -115,7 +115,7 @@ class Session(Position):
         strategy_options: dict[str, Any] | None = None, compile: bool | dict[str, Any] = False, quiet: bool = False,
         preemption: str = "save", preempt_check_seconds: float = 1.0,
     ) -> None:
-        keywords = {name: value for name, value in locals().items() if name not in ("self", "config")}
+        keywords = {name: value for name, value in locals().items() if name in SessionConfig.__dataclass_fields__}
         config = SessionConfig.from_keywords(keywords, config)  # every option checked once, before any group
         self.config = config
         self.world = detect_world()

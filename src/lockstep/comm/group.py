@@ -246,7 +246,8 @@ def init_comm(
         comm = init_comm(init_method="file:///tmp/job1")
     """
     world = detect_world() if world is None else world
-    return form_comm(world, pick_backend(backend), init_method, resolve_timeout(timeout))
+    chosen = backend if world.world_size == 1 else pick_backend(backend)  # one process forms no group
+    return form_comm(world, chosen, init_method, resolve_timeout(timeout))
 
 
 def form_comm(world: World, backend: str, init_method: str | None, timeout: timedelta) -> Comm:

@@ -5,14 +5,14 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install demo test test-fast typecheck clean
+.PHONY: install demo test test-fast typecheck docs clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
 $(STAMP): $(BIN)/python pyproject.toml
-	$(BIN)/pip install -q -e '.[test,plot]'
+	$(BIN)/pip install -q -e '.[test,plot,docs]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -24,10 +24,17 @@ typecheck: install
 	$(BIN)/mypy
 
 # Two test tiers: `test-fast` runs the single-process tests (pytest -m "not slow", under a minute);
-# `test` runs every test, the multi-process ones marked `slow` included, then the type checker.
+# `test` runs every test, the multi-process ones marked `slow` included (the docs' build and
+# examples too), then the type checker.
 test: install
 	$(BIN)/python -m pytest -q tests
 	$(BIN)/mypy
+
+# The documentation site (MkDocs, Material theme, API reference by mkdocstrings) into build/docs;
+# --strict: a broken link, a missing page or an unresolved reference fails it. tests/test_docs.py
+# runs the same build in `make test`, and runs the docs' marked examples.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir build/docs
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow" tests

@@ -16,6 +16,9 @@ from typing import Any
 
 from lockstep.launch.spawn import SpawnError, spawn
 
+# ranks forked from one server that imported torch once: each job starts in a fraction of a second
+START_METHOD = os.environ.get("LOCKSTEP_TEST_START_METHOD", "forkserver")
+
 
 def _rank_body(fn: Callable[..., Any], init: str, args: tuple[Any, ...]) -> Any:
     os.environ.update({"LOCKSTEP_INIT_METHOD": init, "OMP_NUM_THREADS": "1"})
@@ -29,7 +32,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     """Run ``fn(*args)`` on ``world_size`` processes and return their results by rank."""
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            results = spawn(_rank_body, world_size, args=(fn, f"file://{tmp}/rdzv", args), timeout=timeout)
+            results = spawn(_rank_body, world_size, args=(fn, f"file://{tmp}/rdzv", args), timeout=timeout,
+                            start_method=START_METHOD)
         except SpawnError as exc:
             raise AssertionError(f"distributed test failed:\n{exc}") from None
     return list(results)

@@ -12,6 +12,17 @@ _DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_AD
               "GROUP_RANK", "LOCKSTEP_INIT_METHOD", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID")
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``@pytest.mark.gpu`` (or ``gpu(count=2)``): skipped, by name, where fewer CUDA GPUs are visible."""
+    import torch
+
+    visible = torch.cuda.device_count()
+    for item in items:
+        mark = item.get_closest_marker("gpu")
+        if mark is not None and visible < (need := int(mark.kwargs.get("count", 1))):
+            item.add_marker(pytest.mark.skip(reason=f"needs {need} CUDA GPU(s), {visible} visible"))
+
+
 @pytest.fixture(autouse=True)
 def _clean_dist_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     for key in list(os.environ):

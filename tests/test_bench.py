@@ -240,7 +240,7 @@ def test_measure_cell_in_this_process() -> None:
     assert result["elapsed_s"] > 0 and result["peak_mem_mb"] >= result["base_mem_mb"] > 0
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_measure_cell_on_cuda_reports_allocated_memory() -> None:
     task = CellTask(model=f"{__name__}:tiny_model", steps=3, warmup=1, image_size=4, channels=1, batch_size=4)
     result = measure_cell(task)

@@ -366,7 +366,7 @@ def test_always_weights_only_and_mapped(tmp_path: Path, monkeypatch: pytest.Monk
     assert all(c["weights_only"] is True for c in calls)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_cuda_checkpoint_loads_on_cpu_by_default(tmp_path: Path) -> None:
     save_checkpoint(tmp_path, {"w": torch.ones(3, device="cuda:0")}, COMM, step=1)
     loaded = load_checkpoint(tmp_path, COMM)

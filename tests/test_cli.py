@@ -1,5 +1,6 @@
 """The ``lockstep`` command line as parsed: ``--version``, the launch flags every command shares,
-``lockstep verify --model``. Nothing here starts a process."""
+``lockstep verify --model``, the script's own arguments after ``lockstep run SCRIPT``. Nothing here
+starts a process."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import importlib
 import pytest
 
 from lockstep import __version__
-from lockstep.cli.flags import LAUNCH_FLAGS, add_launch_flags, launch_options
-from lockstep.cli.main import main
+from lockstep.cli.flags import LAUNCH_FLAGS, add_launch_flags, launch_options, split_at_target, value_flags
+from lockstep.cli.main import main, parse_args
 from lockstep.errors import ConfigError
 
 COMMANDS = ("run", "train", "bench", "verify", "doctor")
@@ -96,3 +97,43 @@ def test_run_takes_the_engines_process_count_when_nproc_is_not_given() -> None:
     assert launch_options(parser.parse_args(["s.py"]), slurm=launch_defaults(env))["nproc"] == 2
     assert launch_options(parser.parse_args(["--nproc", "3", "s.py"]), slurm=launch_defaults(env))["nproc"] == 3
     assert launch_options(parser.parse_args(["s.py"]), slurm={}).get("nproc") is None  # run then uses 1
+
+
+@pytest.mark.parametrize("argv, own, script_args", [
+    (["--nproc", "2", "s.py", "--n", "100"], ("2", False, "s.py"), ["--n", "100"]),  # not read as --nproc
+    (["--nproc", "2", "s.py", "--n=100", "--nproc", "3", "--node-rank=1"], ("2", False, "s.py"),
+     ["--n=100", "--nproc", "3", "--node-rank=1"]),
+    (["s.py", "--", "--x"], (None, False, "s.py"), ["--", "--x"]),  # a -- after the script is the script's
+    (["s.py", "x", "--", "-h", "--help"], (None, False, "s.py"), ["x", "--", "-h", "--help"]),
+    (["--nproc", "2", "--", "-odd.py", "--nproc", "5"], ("2", False, "-odd.py"), ["--nproc", "5"]),
+    (["--nproc=2", "-m", "pkg.train", "-m", "other", "--lr", "0.1"], ("2", True, "pkg.train"),
+     ["-m", "other", "--lr", "0.1"]),
+    (["--rank0-only", "--master", "h:1", "--log-dir", "logs", "s.py", "a b", ""], (None, False, "s.py"),
+     ["a b", ""]),
+    (["s.py"], (None, False, "s.py"), []),
+])
+def test_run_hands_everything_after_the_script_to_it(argv: list[str], own: tuple, script_args: list[str]) -> None:
+    args = parse_args(["run", *argv])
+    assert (args.command, args.nproc, args.module, args.target) == ("run", *own)
+    assert args.script_args == script_args
+
+
+def test_run_refuses_abbreviated_flags_before_the_script(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["run", "--np", "2", "s.py"])
+    assert exit_info.value.code == 2 and "unrecognized arguments: --np" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["run", "--nproc"])  # the flag's value is missing: argparse says so, nothing is guessed
+    assert "expected one argument" in capsys.readouterr().err
+
+
+def test_split_at_target() -> None:
+    takes_value = value_flags()
+    assert {"--nproc", "--nodes", "--master", "--log-dir", "--secret-file"} <= takes_value
+    assert not {"--verbose", "--rank0-only", "--local-rank-arg"} & takes_value
+    assert split_at_target(["--nproc", "2", "t.py", "--n", "1"], takes_value) == (["--nproc", "2", "t.py"],
+                                                                                  ["--n", "1"])
+    assert split_at_target(["--verbose", "t.py", "--verbose"], takes_value) == (["--verbose", "t.py"], ["--verbose"])
+    assert split_at_target(["--", "--", "x"], takes_value) == (["--", "--"], ["x"])  # the script is named --
+    assert split_at_target(["--nproc", "2"], takes_value) == (["--nproc", "2"], [])
+    assert split_at_target(["-", "x"], takes_value) == (["-"], ["x"])

@@ -259,7 +259,7 @@ def test_move_to_device_recurses_and_keeps_types() -> None:
     assert isinstance(move_to_device(od, torch.device("meta")), collections.OrderedDict)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_pinned_loader_and_non_blocking_copy_on_cuda() -> None:
     loader = make_loader(_tensors(8), 4, world_size=1, rank=0, eval=True)
     assert loader.pin_memory

@@ -164,9 +164,8 @@ def _doctor_gpu() -> list:
 
 
 @pytest.mark.slow
-@pytest.mark.gpu
 @pytest.mark.timeout(180)
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (nccl)")
+@pytest.mark.gpu(count=2)
 def test_nccl_measurement_on_gpus() -> None:
     for backend, rows in run_distributed(_doctor_gpu, 2, timeout=150):
         assert backend == "nccl"

@@ -190,6 +190,20 @@ def test_local_rank_arg_and_script_args(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(60)
+def test_everything_after_the_script_reaches_every_rank(tmp_path: Path) -> None:
+    script = tmp_path / "argv.py"
+    script.write_text("import json, os, pathlib, sys\n"
+                      "pathlib.Path(__file__).with_name(f\"argv{os.environ['RANK']}.json\")"
+                      ".write_text(json.dumps(sys.argv[1:]))\n")
+    script_args = ["--n", "100", "--nproc", "3", "--", "-h", "a b"]  # --n: once "ambiguous option"
+    proc = _run(["--nproc", "2", str(script), *script_args])
+    assert proc.returncode == 0, proc.stderr
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"argv{rank}.json").read_text()) == script_args
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
 def test_module_and_rank0_only(tmp_path: Path) -> None:
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "__init__.py").write_text("")

@@ -121,7 +121,7 @@ def test_empty_evaluation_is_nan_not_an_error() -> None:
     assert got["count"] == 0 and math.isnan(got["loss"]) and math.isnan(got["accuracy"])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_evaluate_on_cuda_with_autocast() -> None:
     model, data = _digits()
     ref = _reference(model, data)

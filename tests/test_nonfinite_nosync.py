@@ -166,7 +166,7 @@ def test_session_counts_folded_skips_at_each_epoch_end() -> None:
     assert synced["seen"] == [(4, 1), (8, 2)] and folded["seen"] == [(5, 0), (9, 1)]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_no_host_sync_per_step_on_cuda() -> None:
     """On a GPU with a fused optimizer a step never waits for the device (sync debug mode raises
     on any host sync); a NaN step is still skipped and counted at the settle."""

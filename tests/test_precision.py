@@ -223,7 +223,7 @@ def test_plugin_classes_and_fp32_clip() -> None:
     assert precision.step(opt, lambda: calls.append(1)) is True and calls == [1]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA loss scaling needs a GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", ["fp16-mixed", "fp16-o2", "bf16-mixed"])
 def test_gpu_precisions_train(name: str) -> None:
     device = torch.device("cuda", 0)

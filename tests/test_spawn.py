@@ -100,3 +100,23 @@ def test_tensors_come_back_by_value() -> None:
     for _ in range(3):  # shared-memory tensors died with their process here, most of the time
         values = spawn(_tensor_of_rank, 2, timeout=60)
         assert [v.tolist() for v in values] == [[0.0] * 3, [1.0] * 3] and all(isinstance(v, torch.Tensor) for v in values)
+
+
+def _report_environment() -> str:
+    print(f"rank {os.environ['RANK']} prints to the caller's stdout", flush=True)
+    return os.environ.get("LOCKSTEP_SPAWN_PROBE", "")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_forkserver_ranks_see_the_callers_environment_and_output(monkeypatch: pytest.MonkeyPatch,
+                                                                capfd: pytest.CaptureFixture) -> None:
+    """A forked rank gets the environment and stdout of the call, not those of the server's start."""
+    monkeypatch.setenv("LOCKSTEP_SPAWN_PROBE", "first")
+    assert spawn(_report_environment, nprocs=2, timeout=80, start_method="forkserver") == ["first", "first"]
+    monkeypatch.setenv("LOCKSTEP_SPAWN_PROBE", "second")  # the server started by the first call is reused
+    assert spawn(_report_environment, nprocs=1, timeout=80, start_method="forkserver") == ["second"]
+    out = capfd.readouterr().out
+    assert out.count("rank 0 prints to the caller's stdout") == 2 and "rank 1 prints" in out
+    with pytest.raises(ConfigError, match="start_method"):
+        spawn(_report_environment, nprocs=1, start_method="fork")

@@ -283,7 +283,7 @@ def test_fsdp_blocks_choose_units() -> None:
     assert fsdp_blocks(net, (nn.Sequential,)) == list(reversed(list(net.layers)))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="SyncBatchNorm and DataParallel need CUDA")
+@pytest.mark.gpu
 def test_gpu_sync_bn_and_dp() -> None:
     device = torch.device("cuda", 0)
     model = get_strategy("single", _null_comm(), device, sync_bn=True).setup_module(

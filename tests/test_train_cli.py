@@ -191,7 +191,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
         assert time.monotonic() - began < 45, name
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.timeout(300)
 def test_default_run_on_gpus() -> None:
     result = lockstep_train("--epochs", "1", "--progress", "off", "--sync-bn")

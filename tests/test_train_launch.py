@@ -71,3 +71,17 @@ def test_timeout_flag(launched: list[dict[str, Any]]) -> None:
     for bad in ("0", "nan", "inf"):
         with pytest.raises(ConfigError, match=r"\(--timeout\) must be a positive number of seconds"):
             train_cli.config_from_args(_args("--timeout", bad))
+
+
+def test_workers_get_the_launchers_values_verbatim(monkeypatch: pytest.MonkeyPatch, tmp_path: Any,
+                                                   launched: list[dict[str, Any]]) -> None:
+    monkeypatch.chdir(tmp_path)  # --out is relative: a folder named -run next to the job
+    args = _args("--nproc", "2", "--epochs", "1", "--out=-run", "--data", "digits", "--seed", "-3")
+    config = train_cli.config_from_args(args)
+    assert train_cli.main(args) == 0
+    [call] = launched
+    argv = call["argv"]
+    assert argv[0] == "train" and "--out=-run" in argv and "--seed=-3" in argv  # not taken for flags
+    again = train_cli.config_from_args(_args(*argv[1:]))  # what each worker parses
+    assert (again.out, again.seed, again.nproc, again.epochs) == ("-run", -3, 2, 1)
+    assert again.to_dict() == {**config.to_dict(), "resume": True, "progress": again.progress}

@@ -169,6 +169,19 @@ def test_cli_refuses_bad_flags_with_exit_2() -> None:
     assert cli(["verify", "test_verify:nothing", "--shape", "16"]) == 2
 
 
+def test_flags_after_the_model_are_verifys_own_and_never_guessed(capsys: pytest.CaptureFixture) -> None:
+    from lockstep.cli.main import parse_args
+    from lockstep.cli.verify import config_from_args
+
+    config = config_from_args(parse_args(["verify", "test_verify:mlp", "--nproc", "2", "--shape", "16"]))
+    assert (config.model, config.nproc, config.shape) == ("test_verify:mlp", 2, (16,))
+    for abbreviated in (["--n", "2"], ["--step=3"]):  # once taken for --nproc / --steps
+        with pytest.raises(SystemExit) as exit_info:
+            cli(["verify", "test_verify:mlp", *abbreviated])
+        assert exit_info.value.code == 2
+        assert f"unrecognized arguments: {' '.join(abbreviated)}" in capsys.readouterr().err
+
+
 # -- real processes ----------------------------------------------------------------------------
 
 @pytest.mark.slow
@@ -225,9 +238,8 @@ def test_equivalent_verdict_states_tolerance() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.gpu
 @pytest.mark.timeout(300)
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (SyncBatchNorm over nccl)")
+@pytest.mark.gpu(count=2)
 def test_sync_bn_makes_batchnorm_equivalent_on_gpus(capsys: pytest.CaptureFixture) -> None:
     code = cli(["verify", "test_verify:bn_mlp", *_FLAGS, "--sync-bn"])
     out = capsys.readouterr().out

@@ -1,45 +1,72 @@
 #!/usr/bin/env bash
-# Every GPU-only path in one run, for a machine with CUDA GPUs (they skip elsewhere).
+# Every GPU-only path in one short run, for a machine with CUDA GPUs (about 8 minutes on one GPU).
 #
 #   bash tests/gpu/run_all.sh            # from the repository root, after `make install`
 #
-# 1. the CUDA-only tests of the suite (nccl, CUDA AMP + GradScaler, DataParallel, SyncBatchNorm,
-#    pinned-memory loaders, map_location from cuda:0);
-# 2. `lockstep doctor` and `lockstep train` on every visible GPU (nccl, bf16-mixed, sync_bn);
-# 3. the speed levers on CUDA: compiled training (inductor) on nccl, ddp's gradient compression
-#    hooks on nccl, a non-blocking checkpoint saved from CUDA tensors and resumed (the suite's
-#    CUDA test of the non-finite check without a host sync runs in step 1);
-# 4. the ResNet-50 throughput benchmark (lockstep vs a hand-written loop, compiled; dp vs ddp with
-#    >1 GPU, and ddp with each compression hook, compiled and with ZeRO).
-set -euo pipefail
+# Each check prints one summary line (PASS, FAIL or SKIP, its name and its seconds); the output of
+# a failing check is shown after its line, and the rest go to build/gpu/NAME.log. The CPU suite is
+# not run here (`make test` does that): only the tests marked `gpu`, then the GPU commands:
+#   tests            the CUDA-marked tests (nccl, CUDA AMP + GradScaler, pinned loaders, the
+#                    non-finite check without a host sync, map_location from cuda:0...)
+#   doctor           `lockstep doctor` on every visible GPU
+#   train-bf16       `lockstep train`, bf16-mixed, one epoch on every GPU
+#   train-compile    compiled training (inductor) on nccl
+#   bench-compile    a 1-process compiled bench cell
+#   resnet50         the ResNet-50 throughput rows (lockstep vs a hand-written loop, compiled)
+#   checkpoint       a non-blocking save from CUDA tensors, timed against a blocking one
+# and with 2 GPUs or more (skipped by name on one GPU): train-sync-bn, train-dp,
+# train-fp16-hook, train-powersgd, bench-ddp-variants.
+set -uo pipefail
 cd "$(dirname "$0")/../.."
 BIN=.venv/bin
+LOGS=build/gpu
+mkdir -p "$LOGS"
 if ! $BIN/python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     echo "no CUDA device visible: these checks need a GPU machine" >&2
     exit 2
 fi
 ngpu=$($BIN/python -c "import torch; print(torch.cuda.device_count())")
 echo "== $ngpu GPU(s)"
+failed=0
 
-# the whole suite: on a GPU machine the CUDA-only tests run instead of skipping (-rs lists any
-# that still skip, e.g. those needing 2 GPUs on a 1-GPU machine)
-$BIN/python -m pytest -q -rs tests
+# check NAME LIMIT_S COMMAND...: run one check under a time limit and print its summary line
+check() {
+    local name=$1 limit=$2
+    shift 2
+    local start=$SECONDS
+    if timeout "$limit" "$@" >"$LOGS/$name.log" 2>&1; then
+        printf 'PASS %-20s %4ds  %s\n' "$name" $((SECONDS - start)) "$(tail -n 1 "$LOGS/$name.log")"
+    else
+        local rc=$?
+        failed=$((failed + 1))
+        printf 'FAIL %-20s %4ds  exit %s (log %s)\n' "$name" $((SECONDS - start)) "$rc" "$LOGS/$name.log"
+        tail -n 30 "$LOGS/$name.log" | sed 's/^/    /'
+    fi
+}
 
-$BIN/lockstep doctor --nproc gpu
-$BIN/lockstep train --nproc gpu --precision bf16-mixed --epochs 2
-if [ "$ngpu" -gt 1 ]; then
-    $BIN/lockstep train --nproc gpu --sync-bn --epochs 1
-    $BIN/lockstep train --nproc 1 --strategy dp --epochs 1
-fi
-$BIN/python benchmarks/gpu_resnet50.py --compile inductor --ddp-variants bf16,fp16,powersgd,compile,zero
+# two_gpus NAME LIMIT_S COMMAND...: a check that needs 2 GPUs, skipped by name on one
+two_gpus() {
+    if [ "$ngpu" -gt 1 ]; then
+        check "$@"
+    else
+        printf 'SKIP %-20s          needs 2 GPUs, %s visible\n' "$1" "$ngpu"
+    fi
+}
 
-# speed levers: compile on nccl, compression hooks on nccl, async save from CUDA (bench cells
-# need 2 GPUs for the multi-process rows; one GPU still runs the 1-process ones)
-$BIN/lockstep train --nproc gpu --compile --epochs 1
-if [ "$ngpu" -gt 1 ]; then
-    $BIN/lockstep train --nproc 2 --grad-compression fp16 --epochs 1
-    $BIN/lockstep train --nproc 2 --grad-compression powersgd --epochs 1
-    $BIN/lockstep bench --model convnet --nproc 2 --strategies ddp,ddp+bf16,ddp+fp16,ddp+powersgd,ddp+zero --precision bf16-mixed
-fi
-$BIN/lockstep bench --model convnet --nproc 1 --strategies ddp --precision bf16-mixed --compile
-$BIN/python benchmarks/checkpoint.py --mb 400
+check tests 150 $BIN/python -m pytest -q -rs -m gpu tests
+check doctor 45 $BIN/lockstep doctor --nproc gpu
+check train-bf16 60 $BIN/lockstep train --nproc gpu --precision bf16-mixed --epochs 1
+check train-compile 90 $BIN/lockstep train --nproc gpu --compile --epochs 1
+check bench-compile 90 $BIN/lockstep bench --model convnet --nproc 1 --strategies ddp --precision bf16-mixed --compile
+check resnet50 120 $BIN/python benchmarks/gpu_resnet50.py --steps 20 --rounds 2 --compile inductor \
+    --ddp-variants bf16,fp16,powersgd,compile,zero
+check checkpoint 45 $BIN/python benchmarks/checkpoint.py --mb 400 --saves 2
+two_gpus train-sync-bn 90 $BIN/lockstep train --nproc gpu --sync-bn --epochs 1
+two_gpus train-dp 90 $BIN/lockstep train --nproc 1 --strategy dp --epochs 1
+two_gpus train-fp16-hook 90 $BIN/lockstep train --nproc 2 --grad-compression fp16 --epochs 1
+two_gpus train-powersgd 90 $BIN/lockstep train --nproc 2 --grad-compression powersgd --epochs 1
+two_gpus bench-ddp-variants 180 $BIN/lockstep bench --model convnet --nproc 2 \
+    --strategies ddp,ddp+bf16,ddp+fp16,ddp+powersgd,ddp+zero --precision bf16-mixed
+
+echo "== $failed check(s) failed"
+[ "$failed" -eq 0 ]

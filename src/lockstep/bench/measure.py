@@ -24,7 +24,7 @@ interpreter and torch itself (``base_mem_mb`` is the resident set before the mod
 
 Example (one rank of a two-process cell)::
 
-    results = lockstep.launch.spawn(measure_cell, 2, args=(CellTask(model="convnet", strategy="ddp"),))
+    results = lockstep.spawn(measure_cell, 2, args=(CellTask(model="convnet", strategy="ddp"),))
 """
 
 from __future__ import annotations
@@ -158,9 +158,9 @@ def _graphs_compiled(task: CellTask) -> int:
     """Graphs ``torch.compile`` has compiled in this process so far (0 for an eager cell)."""
     if task.compile == "none":
         return 0
-    from torch._dynamo.utils import counters
+    from lockstep.strategies.torch_internals import graphs_compiled
 
-    return int(counters["stats"]["unique_graphs"])
+    return graphs_compiled()
 
 
 def _batches(session: Any, task: CellTask, batch_size: int) -> tuple[Iterator[Any], int]:
@@ -199,7 +199,7 @@ def measure_cell(task: CellTask) -> dict[str, Any]:
 
     Example::
 
-        lockstep.launch.spawn(measure_cell, 2, args=(CellTask(strategy="ddp", steps=5),))
+        lockstep.spawn(measure_cell, 2, args=(CellTask(strategy="ddp", steps=5),))
     """
     import lockstep
 

@@ -9,6 +9,7 @@
 * :mod:`~lockstep.checkpoint.manifest`: the sha256 manifest written last and checked first;
 * :mod:`~lockstep.checkpoint.confine`: opening a checkpoint's files without leaving its folder;
 * :mod:`~lockstep.checkpoint.safety`: ``weights_only`` loading and the allowlist for DCP metadata;
+* :mod:`~lockstep.checkpoint.torch_dcp`: the only torch-private name of the layer (DCP's nested setter);
 * :mod:`~lockstep.checkpoint.sharded`: the ``torch.distributed.checkpoint`` part (every rank
   writes its share), read through a reader that only uses verified bytes;
 * :mod:`~lockstep.checkpoint.lock`: :func:`lock_folder`, one live job per checkpoint folder.

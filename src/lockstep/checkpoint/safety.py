@@ -31,6 +31,7 @@ import torch
 
 from lockstep.checkpoint.files import SHARDED_DIR, STATE_FILE, CheckpointError, UnsafeCheckpointError
 from lockstep.checkpoint.manifest import read_verified
+from lockstep.checkpoint.torch_dcp import set_nested
 from lockstep.errors import ConfigError
 
 __all__ = ["UnsafeCheckpointError", "UnsupportedStateError", "check_loadable", "load_state_file",
@@ -224,7 +225,6 @@ def safe_load_planner() -> Any:
         dcp.load(state, checkpoint_id=path, planner=safe_load_planner())
     """
     from torch.distributed.checkpoint import DefaultLoadPlanner
-    from torch.distributed.checkpoint._traverse import set_element
 
     class SafeLoadPlanner(DefaultLoadPlanner):
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
@@ -234,7 +234,7 @@ def safe_load_planner() -> Any:
             except pickle.UnpicklingError as exc:
                 raise UnsafeCheckpointError(_unsafe_message(Path(f"sharded value {fqn!r}"), exc)) from None
             if self.flatten_state_dict:
-                set_element(self.original_state_dict, self.mappings[fqn], obj)
+                set_nested(self.original_state_dict, self.mappings[fqn], obj)
             else:
                 self.state_dict[fqn] = obj
 

@@ -14,10 +14,11 @@ Example::
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-__all__ = ["add_launch_flags", "launch_options", "LAUNCH_FLAGS", "PLACEMENT_FLAGS", "NPROC_PER_GPU"]
+__all__ = ["add_launch_flags", "launch_options", "value_flags", "split_at_target", "LAUNCH_FLAGS", "PLACEMENT_FLAGS",
+           "NPROC_PER_GPU"]
 
 LAUNCH_FLAGS = ("nproc", "nodes", "node_rank", "master", "max_restarts", "join_timeout", "timeout", "grace",
                 "secret_file", "rank0_only", "local_rank_arg", "log_dir", "verbose")
@@ -95,6 +96,50 @@ def add_launch_flags(parser: argparse.ArgumentParser, names: Sequence[str] = LAU
         if name == "nodes":
             options = {**options, "help": options["help"].replace("{slurm}", ", or Slurm's" if slurm else "")}
         parser.add_argument(flag, **options)
+
+
+def value_flags(names: Sequence[str] = LAUNCH_FLAGS) -> frozenset[str]:
+    """The option strings of the launch flags ``names`` that take a value (``--nproc 2``, not ``--verbose``).
+
+    Args:
+        names: destination names, in :data:`LAUNCH_FLAGS`.
+
+    Example::
+
+        "--master" in value_flags()    # True
+    """
+    flags = {flag for name, (flag, options) in _DECLARATIONS.items() if name in names and "action" not in options}
+    return frozenset(flags | ({"--nproc"} if "nproc" in names else set()))
+
+
+def split_at_target(argv: Sequence[str], takes_value: Collection[str]) -> tuple[list[str], list[str]]:
+    """Split a command line at its target (a script or module): the command's own arguments up to
+    and including the target, and the target's arguments, verbatim.
+
+    The target is the first argument that is neither an option nor an option's value, or the one
+    right after a ``--``. Everything after it belongs to the target, even what looks like one of
+    the command's flags (``train.py --nproc 3``) or a ``--``: the command's parser never sees it, so
+    it can neither take nor guess at it (argparse would expand ``--n`` to ``--nproc``).
+
+    Args:
+        argv: the arguments after the command's name.
+        takes_value: the command's options written as a separate ``--flag VALUE`` pair; every
+            other option is one argument (``--verbose``, ``-m``, ``--nproc=2``).
+
+    Example::
+
+        split_at_target(["--nproc", "2", "train.py", "--n", "100"], value_flags())
+        # (["--nproc", "2", "train.py"], ["--n", "100"])
+    """
+    index = 0
+    while index < len(argv):
+        arg = argv[index]
+        if arg == "--":  # the end of the command's options: the next argument is the target
+            return list(argv[:index + 2]), list(argv[index + 2:])
+        if arg == "-" or not arg.startswith("-"):
+            return list(argv[:index + 1]), list(argv[index + 1:])
+        index += 2 if arg in takes_value else 1
+    return list(argv), []
 
 
 def launch_options(args: argparse.Namespace, slurm: Mapping[str, Any] | None = None) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 Each subcommand lives in ``lockstep/cli/<name>.py`` with two functions,
 ``add_arguments(parser)`` and ``main(args) -> int``; it is imported only when used, so that
-``lockstep run`` starts as fast as ``torchrun``.
+``lockstep run`` starts as fast as ``torchrun``. A command that runs a script (``run``) also has
+``split_argv(argv)``: the script's arguments are cut off before parsing and reach it verbatim.
 
 Example::
 
@@ -20,7 +21,7 @@ from collections.abc import Sequence
 
 from lockstep.errors import EXIT_USAGE, ConfigError
 
-__all__ = ["main", "COMMANDS"]
+__all__ = ["main", "parse_args", "COMMANDS"]
 
 COMMANDS = {
     "run": "launch a script on N processes (and nodes) with torch's elastic agent",
@@ -33,12 +34,42 @@ COMMANDS = {
 
 def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     parser = argparse.ArgumentParser(
-        prog="lockstep", description="Data-parallel PyTorch training on many GPUs and machines."
+        prog="lockstep", description="Data-parallel PyTorch training on many GPUs and machines.", allow_abbrev=False
     )
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers = {name: sub.add_parser(name, help=text, description=text) for name, text in COMMANDS.items()}
     return parser, subparsers
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """Parse a ``lockstep`` command line (``command`` is ``None`` when none was given).
+
+    For a command that runs a script, only the arguments up to the script are parsed; the rest
+    become ``script_args`` unchanged, even those that look like the command's own flags.
+
+    Args:
+        argv: the arguments after ``lockstep``.
+
+    Example::
+
+        parse_args(["run", "--nproc", "2", "train.py", "--n", "100"]).script_args   # ["--n", "100"]
+    """
+    argv = list(argv)
+    parser, subparsers = _parser()
+    name = next((a for a in argv if not a.startswith("-")), None)
+    if name not in COMMANDS:
+        return parser.parse_args(argv)
+    module = importlib.import_module(f"lockstep.cli.{name}")
+    module.add_arguments(subparsers[name])
+    split = getattr(module, "split_argv", None)
+    if split is None:
+        return parser.parse_args(argv)
+    at = argv.index(name) + 1
+    own, script_args = split(argv[at:])
+    args = parser.parse_args([*argv[:at], *own])
+    args.script_args = script_args
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -53,21 +84,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.exit(main(["train", "--epochs", "1"]))
     """
     as_program = argv is None  # the process is this command (not a caller of main() in its own program)
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser, subparsers = _parser()
-    name = next((a for a in argv if not a.startswith("-")), None)
-    if name in COMMANDS:
-        module = importlib.import_module(f"lockstep.cli.{name}")
-        module.add_arguments(subparsers[name])
-    args = parser.parse_args(argv)
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.version:
         from lockstep import __version__
 
         print(f"lockstep {__version__}")
         return 0
     if args.command is None:
-        parser.print_help()
+        _parser()[0].print_help()
         return EXIT_USAGE
+    module = importlib.import_module(f"lockstep.cli.{args.command}")
     try:
         code = int(module.main(args) or 0)
     except ConfigError as exc:

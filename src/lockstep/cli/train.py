@@ -130,6 +130,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
 def worker_argv(config: Any) -> list[str]:
     """The ``lockstep train`` arguments that make a worker run ``config``.
 
+    Every value reaches the workers as it is: one that starts with ``-`` is written ``--flag=value``.
     Workers always get ``--resume`` when there is an ``--out``: the launcher has already refused a
     folder with another run's checkpoints, so a restarted worker continues from the last one. The
     layout flags are given explicitly, so a worker never reads the engine's layout again.
@@ -153,8 +154,9 @@ def worker_argv(config: Any) -> list[str]:
         flag = "--" + name.replace("_", "-")
         if isinstance(field.default, bool):
             argv += [flag] if value else []
-        else:
-            argv += [flag, str(value)]
+        else:  # "--out=-runs": a value that starts with "-" is not taken for a flag by the worker
+            text = str(value)
+            argv += [f"{flag}={text}"] if text.startswith("-") else [flag, text]
     return argv
 
 

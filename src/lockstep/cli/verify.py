@@ -47,6 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = VerifyConfig.__dataclass_fields__
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = __doc__.split("\n", 2)[2] if __doc__ else None
+    parser.allow_abbrev = False  # after the model, `--n 2` is refused rather than guessed to be --nproc
     parser.add_argument("model_arg", nargs="?", default=None, metavar="MODEL", help="the same as --model")
     parser.add_argument("--model", default=None, help=_MODEL_HELP)
     add_launch_flags(parser, LAUNCH, nproc_default=str(d["nproc"].default))

@@ -36,6 +36,7 @@ from typing import Any
 
 from lockstep.comm import failure
 from lockstep.comm.hang_report import CollectiveTimeoutError, Post, diagnose, is_own, where_of
+from lockstep.comm.py_frames import thread_frame
 from lockstep.comm.signed import SignedStore
 from lockstep.env import read_settings
 
@@ -181,7 +182,7 @@ class Watchdog(NullWatchdog):
             waiting: count this rank as waiting in a collective whatever its frame shows.
             where: the location to report instead of the main thread's frame.
         """
-        sampled, in_torch = where_of(sys._current_frames().get(self._main or 0))
+        sampled, in_torch = where_of(thread_frame(self._main or 0))
         return Post(rank=self.rank, seq=self.seq, inside=self.inside, what=self._what.format(self._number),
                     host=self._host, pid=os.getpid(), where=sampled if where is None else where,
                     in_torch=in_torch or waiting, at=time.time())

@@ -89,9 +89,8 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
 class SampleKey(int):
     """A dataset index that carries its sample's seed; it is the plain ``int`` everywhere else.
 
-    Args:
-        index: the sample's index.
-        seed: the seed of its randomness (:func:`sample_seed`).
+    Built as ``SampleKey(index, seed)``: ``index`` is the sample's index in the dataset, ``seed``
+    the seed of its randomness (:func:`sample_seed`).
 
     Example::
 

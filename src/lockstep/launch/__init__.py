@@ -9,6 +9,7 @@
 * :mod:`~lockstep.launch.output`: relay each rank's output, prefixed with its rank;
 * :mod:`~lockstep.launch.bootstrap`: the first code every worker runs;
 * :mod:`~lockstep.launch.fast_exit`: the launcher's exit without freeing torch, once the job is over;
+* :mod:`~lockstep.launch.py_atexit`: the only CPython-private calls (running ``atexit`` handlers early);
 * :mod:`~lockstep.launch.relaunch`: start this command again on N processes (train, doctor, verify);
 * :mod:`~lockstep.launch.spawn`: ``spawn(fn, nprocs)`` for notebooks and tests.
 
@@ -16,7 +17,8 @@ May import: ``lockstep.errors``, ``lockstep.env``, ``lockstep.comm``.
 
 Example::
 
-    from lockstep.launch import LaunchSpec, launch
+    from lockstep.launch.elastic import launch
+    from lockstep.launch.spec import LaunchSpec
     launch(LaunchSpec(target="train.py", nproc=2))
 """
 

@@ -23,7 +23,8 @@ from __future__ import annotations
 import atexit
 import os
 import sys
-from collections.abc import Callable
+
+from lockstep.launch.py_atexit import exit_hooks
 
 __all__ = ["exit_without_teardown"]
 
@@ -63,10 +64,10 @@ def exit_without_teardown(code: int) -> bool:
 
         exit_without_teardown(0); sys.exit(0)
     """
-    run_handlers: Callable[[], None] | None = getattr(atexit, "_run_exitfuncs", None)
-    count: Callable[[], int] | None = getattr(atexit, "_ncallbacks", None)
-    if run_handlers is None or count is None:
+    hooks = exit_hooks()
+    if hooks is None:
         return False
+    run_handlers, count = hooks.run_all, hooks.count
 
     def _exit() -> None:
         if count() != armed:

@@ -11,7 +11,7 @@ inside ``fn`` join the job. Return values come back by rank; a failing rank rais
 Example::
 
     from mypackage.jobs import train       # fn must live in an importable module, not a notebook cell
-    results = lockstep.launch.spawn(train, nprocs=2, args=(0.1,))
+    results = lockstep.spawn(train, nprocs=2, args=(0.1,))
 """
 
 from __future__ import annotations
@@ -62,8 +62,10 @@ def _free_port(host: str) -> int:
         return int(sock.getsockname()[1])
 
 
-def _worker(env: dict[str, str], payload: bytes, results: Any) -> None:
+def _worker(env: dict[str, str], payload: bytes, results: Any, stdio: None = None) -> None:
     """Entry of each spawned process: set the environment, then unpickle and run ``fn``."""
+    if env.pop(_WHOLE_ENV, None):  # forked from a server started earlier: its environment is stale
+        os.environ.clear()
     os.environ.update(env)  # before unpickling fn: its module may read the environment on import
     rank = int(env["RANK"])
     try:
@@ -79,6 +81,26 @@ def _worker(env: dict[str, str], payload: bytes, results: Any) -> None:
         dist = sys.modules.get("torch.distributed")
         if dist is not None and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()  # exiting with a live group can abort the process
+
+
+_WHOLE_ENV = "__lockstep_whole_env"  # marks an environment that replaces the child's own
+START_METHODS = ("spawn", "forkserver")
+
+
+class _Stdio:
+    """This process's stdout and stderr, sent to a forked rank (a forkserver child has the server's)."""
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        from multiprocessing import reduction
+
+        return _adopt_stdio, (reduction.DupFd(1), reduction.DupFd(2))
+
+
+def _adopt_stdio(out: Any, err: Any) -> None:
+    for target, handle in ((1, out), (2, err)):
+        fd = handle.detach()
+        os.dup2(fd, target)
+        os.close(fd)
 
 
 def _environments(nprocs: int, nodes: int, node_rank: int, host: str, port: int) -> list[dict[str, str]]:
@@ -121,6 +143,7 @@ def spawn(
     node_rank: int = 0,
     master: str | None = None,
     timeout: float | None = None,
+    start_method: str = "spawn",
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``nprocs`` new processes of this node and return their results.
 
@@ -132,6 +155,10 @@ def spawn(
         node_rank: this node's index; its ranks are ``node_rank * nprocs + local_rank``.
         master: ``HOST:PORT`` of rank 0's store; on one node ``None`` (or port 0) picks a free port.
         timeout: seconds to wait for all ranks; ``None`` waits as long as they run.
+        start_method: ``"spawn"`` (a fresh interpreter per rank) or ``"forkserver"`` (ranks
+            forked from a server process that imported torch and lockstep once: much faster to
+            start when many short jobs run one after another, as in a test suite). Either way
+            each rank sees this process's environment as it is at the call.
 
     Returns:
         ``fn``'s return values of this node's ranks, in rank order.
@@ -147,11 +174,17 @@ def spawn(
     import multiprocessing as mp
 
     host, port = _check(fn, nprocs, nodes, node_rank, master)
-    ctx = mp.get_context("spawn")
+    if start_method not in START_METHODS:
+        raise ConfigError(f"spawn's start_method must be one of {', '.join(START_METHODS)}, got {start_method!r}")
+    ctx = mp.get_context(start_method)
+    envs = _environments(nprocs, nodes, node_rank, host, port)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "lockstep"])
+        envs = [{**os.environ, **env, _WHOLE_ENV: "1"} for env in envs]
     results = ctx.Queue()
     payload = pickle.dumps((fn, tuple(args)))
-    procs = [ctx.Process(target=_worker, args=(env, payload, results), daemon=False)
-             for env in _environments(nprocs, nodes, node_rank, host, port)]
+    stdio = (_Stdio(),) if start_method == "forkserver" else ()
+    procs = [ctx.Process(target=_worker, args=(env, payload, results, *stdio), daemon=False) for env in envs]
     for proc in procs:
         proc.start()
     try:

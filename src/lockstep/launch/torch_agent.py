@@ -11,6 +11,10 @@ and nowhere else, so that a change in torch's private agent API breaks one modul
   scheduler is one preemption: the workers already have theirs and save; SIGINT still ends it);
 * :func:`quiet_torch` holds back the agent's logging (the user gets lockstep's summary).
 
+The private names it uses (``LocalElasticAgent._start_workers``, ``_monitor_workers``,
+``_restart_workers``, ``_shutdown``, ``_pcontext``, ``_remaining_restarts``) are checked by
+``tests/test_shims.py``. Checked on torch 2.14.
+
 Example::
 
     with quiet_torch(False), reporting_agent(JobReporter(spec)):

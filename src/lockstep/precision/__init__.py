@@ -14,6 +14,9 @@ bf16           bf16               bf16                no
 fp16           fp16               fp16                yes
 =============  =================  ==================  ============
 
+What precision needs of torch beyond its public API (the loss scaler's hook, the fused
+optimizers' overflow flag) is in :mod:`~lockstep.precision.torch_amp`.
+
 Example::
 
     precision = get_precision("bf16-mixed", torch.device("cpu"))

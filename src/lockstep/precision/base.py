@@ -24,11 +24,12 @@ import torch
 from torch import nn
 
 from lockstep.comm.group import Comm
+from lockstep.precision.torch_amp import AgreedGradScaler
 
 __all__ = ["Precision", "LossScaler"]
 
 
-class LossScaler(torch.amp.GradScaler):
+class LossScaler(AgreedGradScaler):
     """A dynamic loss scaler whose skip decision is the same on every rank.
 
     With sharded gradients (fsdp) each rank checks only its own shards for inf/NaN; this
@@ -49,26 +50,12 @@ class LossScaler(torch.amp.GradScaler):
     """
 
     def __init__(self, device: torch.device, comm: Comm | None = None, allow_fp16_grads: bool = False) -> None:
-        super().__init__(torch.device(device).type)
+        super().__init__(torch.device(device).type, allow_fp16_grads)
         self._comm = comm
-        self._allow_fp16_grads = allow_fp16_grads
-        self.found_inf = False
 
-    def _unscale_grads_(
-        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
-    ) -> dict[torch.device, torch.Tensor]:
-        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16 or self._allow_fp16_grads)
-        if not per_device:
-            # A rank without gradients still takes part in the agreement below.
-            per_device = {found_inf.device: found_inf}
-        local = torch.zeros((), dtype=torch.float32, device=found_inf.device)
-        for flag in per_device.values():
-            local += flag.to(found_inf.device).sum()
-        self.found_inf = _max_over_ranks(local, self._comm).item() > 0
-        if self.found_inf:
-            for flag in per_device.values():
-                flag.fill_(1.0)
-        return per_device
+    def agree_found_inf(self, local: torch.Tensor) -> bool:
+        """True when any rank counted a non-finite flag (a maximum over the ranks)."""
+        return bool(_max_over_ranks(local, self._comm).item() > 0)
 
 
 def _max_over_ranks(tensor: torch.Tensor, comm: Comm | None) -> torch.Tensor:

@@ -21,11 +21,11 @@ from typing import Any, ContextManager
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from lockstep.comm.group import Comm
 from lockstep.errors import ConfigError
 from lockstep.precision.base import LossScaler, Precision, is_float
+from lockstep.precision.torch_amp import BATCHNORM_TYPES, version_of
 
 __all__ = ["HalfPrecision", "MasterWeightPrecision"]
 
@@ -108,7 +108,7 @@ class MasterWeightPrecision(Precision):
     def convert_module(self, model: nn.Module) -> nn.Module:
         model.half()
         for module in model.modules():
-            if isinstance(module, _BatchNorm):
+            if isinstance(module, BATCHNORM_TYPES):
                 module.float()  # apex keep_batchnorm_fp32: statistics need fp32's precision
         return model
 
@@ -148,7 +148,7 @@ class MasterWeightPrecision(Precision):
             raise ConfigError("fp16-o2 needs precision.setup_optimizer(optimizer, model) before step()")
         with torch.no_grad():
             for param, master in pairs:
-                if param._version != self._versions[id(param)]:
+                if version_of(param) != self._versions[id(param)]:
                     master.copy_(param)  # the model was loaded or edited: follow it
                 master.grad = None if param.grad is None else param.grad.float()
                 param.grad = None
@@ -162,7 +162,7 @@ class MasterWeightPrecision(Precision):
 
     def _remember_versions(self, pairs: list[_Pair]) -> None:
         for param, _ in pairs:
-            self._versions[id(param)] = param._version
+            self._versions[id(param)] = version_of(param)
 
 
 def _with_masters(pairs: list[_Pair], clip: Callable[[], object]) -> object:

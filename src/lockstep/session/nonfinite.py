@@ -34,6 +34,8 @@ import torch
 
 from lockstep.comm.group import Comm
 from lockstep.errors import ConfigError, LockstepError, format_ranks
+from lockstep.precision.torch_amp import (check_and_unscale_, hand_found_inf, has_grad_scale, steps_on_found_inf,
+                                          take_found_inf)
 
 __all__ = ["FiniteCheck", "NonFinitePolicy", "NonFiniteLossError", "NONFINITE_POLICIES", "SETTLE_EVERY",
            "name_nonfinite_ranks"]
@@ -240,9 +242,9 @@ class FiniteCheck:
             defer: ``None``: only for gradients on an accelerator; True: wherever the optimizer
                 can (tests on CPU); False: never.
         """
-        if defer is False or not getattr(optimizer, "_step_supports_amp_scaling", False):
+        if defer is False or not steps_on_found_inf(optimizer):
             return False
-        if getattr(optimizer, "grad_scale", None) is not None:
+        if has_grad_scale(optimizer):
             return False  # a GradScaler drives this optimizer's flag
         plan = self.plan(optimizer)
         if plan.agree is not None or not plan.groups or (defer is None and plan.on_host):
@@ -311,7 +313,7 @@ class _Plan:
             else:
                 grads = [p.grad for p in group.params if p.grad is not None]
             if grads:
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, group.flag, group.one)
+                check_and_unscale_(grads, group.flag, group.one)
                 checked.append(group)
         return checked
 
@@ -323,12 +325,11 @@ class _Plan:
             group.flag.zero_()  # no read, so no way to know: clear it for the next step anyway
         if loss is not None:
             self.bad_loss |= ~torch.isfinite(loss.detach()).all().to(self.bad_loss.device)
-        optimizer.found_inf = self.found  # type: ignore[attr-defined]  # read by fused optimizers' step
+        hand_found_inf(optimizer, self.found)  # read by fused optimizers' step
 
     def unfold(self, optimizer: torch.optim.Optimizer) -> None:
         """After the step: take ``found_inf`` back (a later step outside the session must not see it), count it."""
-        if getattr(optimizer, "found_inf", None) is self.found:
-            del optimizer.found_inf  # type: ignore[attr-defined]
+        take_found_inf(optimizer, self.found)
         self.skipped += self.found
 
     def settle(self) -> tuple[int, bool]:

@@ -2,7 +2,8 @@
 
 ``auto`` picks ``ddp`` when the job has several processes, ``dp`` when one process sees several
 GPUs, and ``single`` otherwise. The wrapping itself lives in plain functions (:func:`apply_ddp`,
-:func:`apply_fsdp`, :func:`apply_dp`, :func:`apply_sync_bn`) that can be used on their own.
+:func:`apply_fsdp`, :func:`apply_dp`, :func:`apply_sync_bn`) that can be used on their own. What
+the strategies need of torch beyond its public API is in :mod:`~lockstep.strategies.torch_internals`.
 
 Example::
 

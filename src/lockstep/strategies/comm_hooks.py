@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
 from lockstep.errors import ConfigError
+from lockstep.strategies.torch_internals import powersgd_compresses
 
 __all__ = ["GRAD_COMPRESSIONS", "LOSSY", "CommHook", "check_grad_compression", "apply_comm_hook",
            "POWERSGD_DEFAULTS", "ONE_BUCKET_MB"]
@@ -208,7 +209,7 @@ class CommHook:
             m = int(np.prod(shape)) // n
             sizes["error"].append((i, n * m))
             rank = min(n, m, self.state.matrix_approximation_rank)
-            if powerSGD_hook._should_compress(n, m, rank, self.state.min_compression_rate)[0]:
+            if powersgd_compresses(n, m, rank, self.state.min_compression_rate):
                 by_shape.setdefault((n, m), []).append(i)
         for (n, m), members in by_shape.items():
             rank = min(n, m, self.state.matrix_approximation_rank)

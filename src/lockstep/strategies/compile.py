@@ -120,9 +120,8 @@ def compile_from_flag(backend: str | None) -> dict[str, Any] | None:
     """
     if backend is None or backend.lower() in ("none", "off"):
         return None
-    from torch._dynamo import list_backends  # only when asked: importing dynamo takes a while
-
-    known = sorted({*list_backends(exclude_tags=()), "inductor"})
+    # public; it imports dynamo (which takes a while) only when called
+    known = sorted({*torch.compiler.list_backends(exclude_tags=()), "inductor"})
     if backend not in known:
         raise ConfigError(f"--compile {backend!r}: unknown torch.compile backend; choose one of {', '.join(known)}")
     return {"backend": backend}

@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lockstep.errors import ConfigError, LockstepError
 from lockstep.strategies.base import Strategy, unwrap_module
+from lockstep.strategies.torch_internals import release_ddp
 from lockstep.strategies.zero import apply_zero, is_zero, zero_state_dict
 from lockstep.strategies.comm_hooks import (
     ONE_BUCKET_MB,
@@ -280,9 +281,7 @@ class DDPStrategy(Strategy):
             if isinstance(module, DistributedDataParallel):
                 # the C++ reducer and logger hold the process group; a group freed at
                 # interpreter exit aborted 2 runs in 8 on gloo, none once released here
-                for name in ("reducer", "logger", "process_group"):
-                    if hasattr(module, name):
-                        setattr(module, name, None)
+                release_ddp(module)
 
     def no_backward_sync(self, model: nn.Module) -> ContextManager[Any]:
         if isinstance(model, DistributedDataParallel):

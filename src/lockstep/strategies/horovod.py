@@ -38,6 +38,7 @@ from lockstep.comm.group import Comm
 from lockstep.env import export_environment
 from lockstep.errors import ConfigError
 from lockstep.strategies.base import Strategy, broadcast_module_state, unwrap_module
+from lockstep.strategies.torch_internals import queue_backward_callback
 
 __all__ = ["HorovodStrategy", "HorovodGradients", "HorovodUnavailableError", "horovod_unavailable", "import_horovod",
            "init_horovod", "apply_horovod_optimizer"]
@@ -229,7 +230,7 @@ class HorovodGradients:
         self.pending = True
         if not self._queued:
             self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)  # type: ignore[attr-defined]
+            queue_backward_callback(self._backward_done)
 
     def _backward_done(self) -> None:
         self._queued = False

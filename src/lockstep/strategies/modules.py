@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from lockstep.comm.group import Comm
+from lockstep.strategies.torch_internals import compiled_original
 
 __all__ = ["apply_sync_bn", "broadcast_module_state", "unwrap_module"]
 
@@ -33,7 +34,7 @@ def unwrap_module(model: nn.Module) -> nn.Module:
     while True:
         if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
             model = model.module
-        elif isinstance(inner := getattr(model, "_orig_mod", None), nn.Module):
+        elif (inner := compiled_original(model)) is not None:
             model = inner  # torch.compile's OptimizedModule
         else:
             return model

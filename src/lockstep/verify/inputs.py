@@ -24,6 +24,7 @@ from torch import nn
 
 from lockstep._imports import load_object
 from lockstep.errors import ConfigError
+from lockstep.precision.torch_amp import BATCHNORM_TYPES
 from lockstep.verify.config import VerifyConfig
 from lockstep.zoo.models import ModelSpec
 
@@ -32,6 +33,8 @@ __all__ = ["build_model", "make_loss", "make_batches", "shard", "apply_dropout_m
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# torch's dropout modules by their public names (the subclasses of its private ``_DropoutNd``)
+_DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
 
 def build_model(config: VerifyConfig) -> nn.Module:
@@ -149,7 +152,7 @@ def dropout_layers(model: nn.Module) -> list[str]:
         dropout_layers(nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.5)))   # ["1"]
     """
     return [name for name, m in model.named_modules()
-            if isinstance(m, nn.modules.dropout._DropoutNd) or
+            if isinstance(m, _DROPOUTS) or
             (isinstance(m, nn.MultiheadAttention) and m.dropout > 0)]
 
 
@@ -163,7 +166,7 @@ def batchnorm_layers(model: nn.Module) -> list[str]:
 
         batchnorm_layers(nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4)))   # ["1"]
     """
-    return [name for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    return [name for name, m in model.named_modules() if isinstance(m, BATCHNORM_TYPES)]
 
 
 def apply_dropout_mode(model: nn.Module, mode: str) -> list[str]:
@@ -185,7 +188,7 @@ def apply_dropout_mode(model: nn.Module, mode: str) -> list[str]:
         return []
     changed = []
     for name, m in model.named_modules():
-        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+        if isinstance(m, _DROPOUTS) and m.p > 0:
             m.p = 0.0
             changed.append(name)
         elif isinstance(m, nn.MultiheadAttention) and m.dropout > 0:

@@ -22,7 +22,7 @@ import torch
 
 import lockstep
 from lockstep.errors import ConfigError
-from lockstep.session.config import OWNERS, SessionConfig
+from lockstep.session.config import OPTION_NAMES, OWNERS, SessionConfig
 
 SRC = Path(lockstep.__file__).parent
 
@@ -131,7 +131,7 @@ def test_every_entry_point_builds_the_same_config(monkeypatch: pytest.MonkeyPatc
 
 def vars_of(config: SessionConfig) -> dict[str, Any]:
     """The fields of ``config`` as keywords that build it again."""
-    return {name: getattr(config, name) for name in SessionConfig.__dataclass_fields__}
+    return {name: getattr(config, name) for name in OPTION_NAMES}
 
 
 def test_session_construction_runs_each_check_once(monkeypatch: pytest.MonkeyPatch) -> None:

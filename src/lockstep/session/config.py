@@ -19,7 +19,7 @@ Example::
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import timedelta
 from typing import Any
 
@@ -28,7 +28,7 @@ import torch
 from lockstep.errors import ConfigError
 from lockstep.session.nonfinite import NONFINITE_POLICIES
 
-__all__ = ["SessionConfig", "OWNERS", "PREEMPTION_MODES"]
+__all__ = ["SessionConfig", "OWNERS", "PREEMPTION_MODES", "OPTION_NAMES"]
 
 PREEMPTION_MODES = ("save", "flag", "off")
 """What a stop signal does: save and exit 75, set ``should_stop``, or nothing (no handler)."""
@@ -153,8 +153,8 @@ class SessionConfig:
             return cls(**keywords)
         if not isinstance(config, SessionConfig):
             raise ConfigError(f"Session(config=...) takes a lockstep.SessionConfig, got {type(config).__name__}")
-        defaults = cls.__dataclass_fields__
-        mixed = sorted(k for k, v in keywords.items() if v != defaults[k].default)
+        defaults = {f.name: f.default for f in fields(cls)}
+        mixed = sorted(k for k, v in keywords.items() if v != defaults[k])
         if mixed:
             raise ConfigError(f"Session(config=...) takes every option from the config, and {', '.join(mixed)} "
                               "were given too; put them in SessionConfig(...)")
@@ -296,3 +296,7 @@ class SessionConfig:
         if self.shard_optimizer and (self.strategy == "ddp" or world_size > 1):
             out["shard_optimizer"] = True
         return out
+
+
+OPTION_NAMES = tuple(f.name for f in fields(SessionConfig))
+"""The names of the options, in the order ``Session`` takes them."""

@@ -35,7 +35,7 @@ from lockstep.comm.group import Comm, form_comm
 from lockstep.data.loader import make_loader
 from lockstep.env import detect_world
 from lockstep.precision import build_precision
-from lockstep.session.config import SessionConfig
+from lockstep.session.config import OPTION_NAMES, SessionConfig
 from lockstep.session.loaders import DeviceLoader, progress_bar
 from lockstep.session.locks import FolderLocks
 from lockstep.session.loop import Accumulator, PrecisionModule
@@ -115,7 +115,7 @@ class Session(Position):
         strategy_options: dict[str, Any] | None = None, compile: bool | dict[str, Any] = False, quiet: bool = False,
         preemption: str = "save", preempt_check_seconds: float = 1.0,
     ) -> None:
-        keywords = {name: value for name, value in locals().items() if name in SessionConfig.__dataclass_fields__}
+        keywords = {name: value for name, value in locals().items() if name in OPTION_NAMES}
         config = SessionConfig.from_keywords(keywords, config)  # every option checked once, before any group
         self.config = config
         self.world = detect_world()

@@ -25,9 +25,12 @@ typecheck: install
 
 # Two test tiers: `test-fast` runs the single-process tests (pytest -m "not slow", under a minute);
 # `test` runs every test, the multi-process ones marked `slow` included (the docs' build and
-# examples too), then the type checker.
+# examples too), then the type checker. Tests run on TEST_WORKERS pytest-xdist workers (2 by
+# default: most multi-process tests wait on sockets, timeouts and child processes as much as they
+# compute); TEST_WORKERS=0 runs them one after another.
+TEST_WORKERS ?= 2
 test: install
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) tests
 	$(BIN)/mypy
 
 # The documentation site (MkDocs, Material theme, API reference by mkdocstrings) into build/docs;

@@ -192,11 +192,12 @@ def test_compile_flag_in_train_verify_and_bench() -> None:
     from lockstep.cli import verify as verify_cli
     from lockstep.recipes.config import TrainConfig
     from lockstep.verify.config import VerifyConfig
-    from lockstep.zoo.options import check_options
+    from lockstep.zoo.options import session_config
 
-    assert check_options(compile=None).compile == "none" and check_options(compile="aot_eager").compile == "aot_eager"
+    assert session_config(compile=None).compile_backend == "none"
+    assert session_config(compile="aot_eager").compile_backend == "aot_eager"
     with pytest.raises(ConfigError, match="--compile 'inductr': unknown torch.compile backend; choose one of.*inductor"):
-        check_options(compile="inductr")
+        session_config(compile="inductr")
     for module in (train_cli, verify_cli, bench_cli):
         parser = argparse.ArgumentParser()
         module.add_arguments(parser)

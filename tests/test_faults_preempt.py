@@ -72,7 +72,7 @@ def test_check_interval_adapts_identically(monkeypatch: pytest.MonkeyPatch) -> N
     """Steps of 10 ms and a 1 s target: checks at steps 1 (arm), 2, 6, 22, 86, then every 100."""
     now = [0.0]
     monkeypatch.setattr("lockstep.session.preempt.time.monotonic", lambda: now[0])
-    guard = StopGuard(check_seconds=1.0).attach(Comm(World()), torch.device("cpu"))
+    guard = StopGuard(Comm(World()), torch.device("cpu"), check_seconds=1.0)
     guard.install = lambda: None  # type: ignore[method-assign]  # no handlers in the test process
     checks = []
     for _ in range(300):
@@ -88,7 +88,8 @@ def test_grace_is_read_once_and_bad_values_fall_back(monkeypatch: pytest.MonkeyP
     assert parse_grace("5") == 5.0 and parse_grace("0") == 0.0
     assert {parse_grace(bad) for bad in ("", "soon", "-1", "inf", "nan")} == {lockstep.errors.DEFAULT_GRACE}
     monkeypatch.setenv("LOCKSTEP_GRACE", "7")
-    assert StopGuard().grace == 7.0 and StopGuard(grace=2.0).grace == 2.0
+    comm, cpu = Comm(World()), torch.device("cpu")
+    assert StopGuard(comm, cpu).grace == 7.0 and StopGuard(comm, cpu, grace=2.0).grace == 2.0
 
 
 class _Watch(NullWatchdog):
@@ -104,7 +105,7 @@ class _Watch(NullWatchdog):
 def test_poll_and_a_failed_job_resending_the_recorded_signal(monkeypatch: pytest.MonkeyPatch) -> None:
     comm = Comm(World())
     comm.watchdog = _Watch()
-    guard = StopGuard(check_seconds=1.0).attach(comm, torch.device("cpu"))
+    guard = StopGuard(comm, torch.device("cpu"), check_seconds=1.0)
     guard.install = lambda: None  # type: ignore[method-assign]  # no handlers in the test process
     sent: list[tuple[int, int]] = []
     monkeypatch.setattr("lockstep.session.preempt.os.kill", lambda pid, signum: sent.append((pid, signum)))

@@ -36,7 +36,7 @@ from _parity import reference as _reference
 from _parity import rel_diff as _rel_diff
 from lockstep.checkpoint import load_checkpoint
 from lockstep.errors import ConfigError
-from lockstep.session.options import strategy_options
+from lockstep.session.config import SessionConfig
 from lockstep.strategies import get_strategy
 from lockstep.strategies.comm_hooks import check_grad_compression
 from lockstep.comm.group import Comm
@@ -74,24 +74,25 @@ def test_compression_names_and_knobs_are_checked() -> None:
 
 
 def test_session_options_refuse_before_any_process_group() -> None:
-    assert strategy_options("ddp", world_size=2, grad_compression="fp16") == {"grad_compression": "fp16"}
-    assert strategy_options("auto", grad_compression=None, options={"bucket_cap_mb": 5}) == {"bucket_cap_mb": 5}
+    assert SessionConfig("ddp", grad_compression="fp16").strategy_kwargs(2) == {"grad_compression": "fp16"}
+    assert SessionConfig("auto", strategy_options={"bucket_cap_mb": 5}).strategy_kwargs(1) == {"bucket_cap_mb": 5}
     # "none" (what train and verify pass when no flag is given) is no option for strategies without hooks
-    assert strategy_options("fsdp", grad_compression="none") == {} == strategy_options("horovod", grad_compression="none")
+    fsdp = SessionConfig("fsdp", grad_compression="none").strategy_kwargs(2)
+    assert fsdp == {} == SessionConfig("single", grad_compression="none").strategy_kwargs(1)
     with pytest.raises(ConfigError, match="strategy 'single'"):
-        strategy_options("single", grad_compression="bf16")
+        SessionConfig("single", grad_compression="bf16")
     with pytest.raises(ConfigError, match="powersgd_rank"):
-        strategy_options("ddp", grad_compression="powersgd", options={"powersgd_rank": 0})
+        SessionConfig("ddp", grad_compression="powersgd", strategy_options={"powersgd_rank": 0})
     with pytest.raises(ConfigError, match="on the 'gloo' backend needs all gradients in one bucket"):
-        strategy_options("ddp", backend="gloo", world_size=2, grad_compression="powersgd",
-                         options={"bucket_cap_mb": 5})
+        SessionConfig("ddp", backend="gloo", grad_compression="powersgd", strategy_options={"bucket_cap_mb": 5})
     with pytest.raises(ConfigError, match="needs strategy 'ddp'"):  # the Session refuses it at construction
         lockstep.Session(strategy="fsdp", grad_compression="powersgd", quiet=True)
 
 
 def test_ddp_strategy_options() -> None:
     comm = Comm(World())
-    strategy = get_strategy("ddp", comm, CPU, grad_compression="PowerSGD", powersgd_rank=2)
+    options = SessionConfig("ddp", grad_compression="PowerSGD", strategy_options={"powersgd_rank": 2}).strategy_kwargs(1)
+    strategy = get_strategy("ddp", comm, CPU, **options)
     assert strategy.options["grad_compression"] == "powersgd" and strategy.options["powersgd_rank"] == 2
     assert strategy.options["gradient_as_bucket_view"] is True  # the default: no second copy of the gradients
     with pytest.raises(ConfigError, match="strategy 'fsdp' has no option 'grad_compression'"):

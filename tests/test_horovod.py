@@ -61,8 +61,8 @@ def test_missing_horovod_is_refused_with_the_fix(monkeypatch: pytest.MonkeyPatch
         get_strategy("horovod", _null_comm(), CPU)
     assert skip_reason("horovod", "fp32", 2, gpus=0) == MISSING
     assert skip_reason("ddp", "fp32", 2, gpus=0) is None
-    with pytest.raises(ConfigError, match="--strategy horovod: horovod not installed: make horovod"):
-        TrainConfig(strategy="horovod")
+    with pytest.raises(ConfigError, match="strategy horovod: horovod not installed: make horovod"):
+        TrainConfig(strategy="horovod")  # the Session's own refusal, before any worker starts
 
 
 def test_broken_horovod_is_named(monkeypatch: pytest.MonkeyPatch, forget_horovod: None) -> None:

@@ -34,7 +34,7 @@ def guard(monkeypatch: pytest.MonkeyPatch) -> tuple[StopGuard, list[int]]:
     monkeypatch.setattr("lockstep.session.preempt.os.kill", lambda pid, signum: ended.append(signum))
     monkeypatch.setattr("lockstep.session.preempt.signal.signal", lambda signum, handler: None)
     monkeypatch.setattr("lockstep.session.preempt.threading.Timer.start", lambda self: None)  # no grace timer
-    return StopGuard(grace=30).attach(Comm(World()), torch.device("cpu")), ended
+    return StopGuard(Comm(World()), torch.device("cpu"), grace=30), ended
 
 
 def test_the_same_signal_again_is_the_same_request(guard: tuple[StopGuard, list[int]]) -> None:

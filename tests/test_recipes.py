@@ -17,7 +17,8 @@ from lockstep.zoo.datasets import ImageTensors, SyntheticImages, open_data, pars
 from lockstep.zoo.folders import CHECK_PER_CLASS
 from lockstep.zoo.idx import read_idx, read_mnist, write_idx
 from lockstep.zoo.models import ConvNet, build_model, input_channels, load_weights, parse_model
-from lockstep.zoo.options import check_options
+from lockstep.session.config import SessionConfig
+from lockstep.strategies import check_strategy
 from lockstep.recipes.outputs import RunLog
 
 
@@ -223,7 +224,7 @@ def test_synthetic_is_deterministic() -> None:
     ({"nproc": 0}, "--nproc must be at least 1"),
     ({"strategy": "horovod2"}, "unknown strategy 'horovod2'; choose one of auto"),
     ({"strategy": "fsdp+dp"}, "fsdp shards the model"),
-    ({"strategy": "dp", "nproc": 2}, "--strategy dp drives every GPU from one process"),
+    ({"strategy": "dp", "nproc": 2}, r"strategy='dp' \(--strategy\) drives every GPU from one process"),
     ({"precision": "fp8"}, "unknown precision 'fp8'"),
     ({"model": "nonet"}, "unknown model 'nonet'"),
     ({"resume": True}, "--resume needs --out"),
@@ -247,17 +248,19 @@ def not_a_module() -> str:
     return "a string"
 
 
-def test_check_options_canonical_names_and_refusals() -> None:
-    options = check_options(strategy=" DDP", precision="O1")
+def test_session_config_canonical_names_and_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
+    options = SessionConfig(strategy=" DDP", precision="O1")
     assert (options.strategy, options.precision) == ("ddp", "fp16-mixed")
-    assert check_options().strategy is None
+    assert SessionConfig().strategy == "auto"
     with pytest.raises(ConfigError, match="strategy 'dp' cannot be used here; choose one of ddp, fsdp"):
-        check_options(strategy="dp", strategies=("ddp", "fsdp"))
-    with pytest.raises(ConfigError, match="--strategy dp drives every GPU from one process"):
-        check_options(strategy="dp", world_size=2)
-    with pytest.raises(ConfigError, match="--sync-bn needs GPUs"):
-        check_options(sync_bn=True, device="cpu")
-    check_options(sync_bn=True, device="cuda")  # checked against the device the ranks will use
+        check_strategy("dp", ("ddp", "fsdp"))
+    with pytest.raises(ConfigError, match=r"strategy='dp' \(--strategy\) drives every GPU from one process"):
+        SessionConfig(strategy="dp").check_processes(2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"sync_bn=True \(--sync-bn\) needs GPUs"):
+        SessionConfig(sync_bn=True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert SessionConfig(sync_bn=True).sync_bn  # checked against the device the ranks will use: a GPU
 
 
 def test_model_spec_names_and_factories() -> None:
@@ -274,7 +277,7 @@ def test_model_spec_names_and_factories() -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
 def test_sync_bn_refused_on_cpu() -> None:
-    with pytest.raises(ConfigError, match="--sync-bn needs GPUs"):
+    with pytest.raises(ConfigError, match=r"sync_bn=True \(--sync-bn\) needs GPUs"):
         TrainConfig(sync_bn=True)
 
 

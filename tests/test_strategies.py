@@ -7,6 +7,7 @@ several things to keep the number of launches small.
 from __future__ import annotations
 
 import contextlib
+from unittest import mock
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +21,7 @@ from _dist import run_distributed
 from lockstep.comm.group import Comm, init_comm
 from lockstep.env import World
 from lockstep.errors import ConfigError
+from lockstep.session.config import SessionConfig
 from lockstep.strategies import (
     DDPStrategy,
     SingleStrategy,
@@ -145,11 +147,11 @@ def test_dp_without_cuda_is_refused() -> None:
     assert "'ddp'" in str(info.value)
 
 
-def test_sync_bn_on_cpu_is_refused_before_training() -> None:
+def test_sync_bn_on_cpu_is_refused_before_training(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # every rank's device is then the CPU
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
-    strategy = get_strategy("single", _null_comm(), CPU, sync_bn=True)
-    with pytest.raises(ConfigError, match="sync_bn=True needs GPUs"):
-        strategy.setup_module(model)
+    with pytest.raises(ConfigError, match="sync_bn=True .* needs GPUs"):  # by the Session's options, before any group
+        SessionConfig("single", sync_bn=True)
     assert isinstance(model[1], nn.BatchNorm1d)  # untouched
 
 
@@ -409,7 +411,8 @@ def _fault_body() -> dict[str, Any]:
     comm = init_comm(timeout=60)
     out: dict[str, Any] = {}
     try:
-        get_strategy("ddp", comm, CPU, sync_bn=True).setup_module(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)))
+        with mock.patch("torch.cuda.is_available", return_value=False):  # the ranks' devices are CPUs
+            SessionConfig("ddp", sync_bn=True)  # every rank refuses it alike, before any model is touched
     except ConfigError as exc:
         out["sync_bn"] = str(exc)
     strategy = get_strategy("ddp", comm, CPU)
@@ -433,7 +436,7 @@ def _fault_body() -> dict[str, Any]:
 @pytest.mark.timeout(120)
 def test_unused_parameter_and_sync_bn_errors_at_two_ranks() -> None:
     for rank, res in enumerate(run_distributed(_fault_body, 2, timeout=100)):
-        assert "sync_bn=True needs GPUs" in res["sync_bn"]
+        assert "sync_bn=True (--sync-bn) needs GPUs" in res["sync_bn"]
         names, message, chained = res["unused"]
         assert names == ["dead.weight", "dead.bias"]
         assert f"rank {rank}" in message and "find_unused_parameters=True" in message and chained

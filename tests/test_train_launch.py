@@ -69,7 +69,7 @@ def test_timeout_flag(launched: list[dict[str, Any]]) -> None:
     assert train_cli.main(args) == 0
     assert launched[0]["timeout"] == 2.5
     for bad in ("0", "nan", "inf"):
-        with pytest.raises(ConfigError, match="--timeout must be a positive number of seconds"):
+        with pytest.raises(ConfigError, match=r"\(--timeout\) must be a positive number of seconds"):
             train_cli.config_from_args(_args("--timeout", bad))
 
 

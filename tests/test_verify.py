@@ -83,7 +83,7 @@ def test_dataset_batches_cover_every_sample_before_repeating() -> None:
     ({"precision": "fp8"}, "unknown precision"),
     ({"shape": None}, "--shape"),
     ({"model": "nomodule"}, "unknown model"),
-    pytest.param({"sync_bn": True}, "--sync-bn needs GPUs",
+    pytest.param({"sync_bn": True}, r"sync_bn=True \(--sync-bn\) needs GPUs",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for CPU-only machines")),
 ])
 def test_bad_config_refused(changes: dict, text: str) -> None:

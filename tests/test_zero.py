@@ -82,15 +82,15 @@ def test_sharded_checkpoint_resumes_anywhere(tmp_path: Path) -> None:
 
 
 def test_shard_optimizer_is_ddps_option() -> None:
-    from lockstep.session.options import strategy_options
+    from lockstep.session.config import SessionConfig
 
-    assert strategy_options("ddp", shard_optimizer=True) == {"shard_optimizer": True}
-    assert strategy_options("auto", world_size=2, shard_optimizer=True) == {"shard_optimizer": True}
-    assert strategy_options("auto", world_size=1, shard_optimizer=True) == {}   # one process: nothing to shard
+    assert SessionConfig("ddp", shard_optimizer=True).strategy_kwargs(1) == {"shard_optimizer": True}
+    assert SessionConfig("auto", shard_optimizer=True).strategy_kwargs(2) == {"shard_optimizer": True}
+    assert SessionConfig("auto", shard_optimizer=True).strategy_kwargs(1) == {}   # one process: nothing to shard
     with pytest.raises(ConfigError, match="strategy 'fsdp' has no such option"):
         lockstep.Session(strategy="fsdp", shard_optimizer=True)
     with pytest.raises(ConfigError, match="must be True or False"):
-        strategy_options("ddp", shard_optimizer=1)  # type: ignore[arg-type]
+        SessionConfig("ddp", shard_optimizer=1)  # type: ignore[arg-type]
 
 
 def test_a_stepped_optimizer_is_refused() -> None:

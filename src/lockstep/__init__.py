@@ -15,12 +15,13 @@ from typing import Any
 from lockstep.errors import EXIT_PREEMPTED, ConfigError, LockstepError
 
 __version__ = "0.1.0"
-__all__ = ["Session", "ResumeState", "spawn", "metrics", "init_comm", "detect_world", "World",
+__all__ = ["Session", "SessionConfig", "ResumeState", "spawn", "metrics", "init_comm", "detect_world", "World",
            "Preempted", "CollectiveTimeoutError", "ConfigError", "LockstepError", "EXIT_PREEMPTED",
            "__version__"]
 
 _LAZY = {
     "Session": ("lockstep.session", "Session"),
+    "SessionConfig": ("lockstep.session.config", "SessionConfig"),
     "spawn": ("lockstep.launch.spawn", "spawn"),
     "ResumeState": ("lockstep.session.state", "ResumeState"),
     "metrics": ("lockstep.metrics", None),

@@ -11,7 +11,7 @@ median and spread, peak memory) come back to the parent, which prints a table, w
 * :mod:`~lockstep.bench.run`: the matrix over fresh processes, aggregation, efficiency;
 * :mod:`~lockstep.bench.report`: the table, ``results.json`` (its schema) and the PNG.
 
-An app: may import the library and ``lockstep.zoo`` (models, data, option checks), never another app.
+An app: may import the library and ``lockstep.zoo`` (models, data, the flags' SessionConfig), never another app.
 
 Example::
 

@@ -6,8 +6,10 @@ its compiled twin side by side, measured one after the other). A strategy may ca
 compression after a ``+`` (``ddp+bf16``, ``ddp+fp16``, ``ddp+powersgd``: the communication hooks
 of ``Session(grad_compression=...)``) or ``+zero`` (``ddp+zero``: ``shard_optimizer=True``, each
 rank holding a part of the optimizer state), so that these and plain ddp are rows of one table.
-Cells that cannot run on this machine are planned as skipped, with the reason, before any
-process starts:
+Every cell's Session options are one :class:`~lockstep.SessionConfig` (:func:`cell_config`),
+built and checked for the whole matrix when the configuration is, so that a bad value is refused
+with the Session's own message before any cell runs. Cells that cannot run on this machine are
+planned as skipped, with the reason, before any process starts:
 
 * ``single`` and ``dp`` run in one process, so they take only ``nproc 1``;
 * ``dp`` needs at least two CUDA GPUs (with one it is ``single`` plus a wrapper);
@@ -28,16 +30,69 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lockstep.errors import ConfigError
 
-__all__ = ["BenchConfig", "Cell", "plan_cells", "skip_reason", "parse_list", "split_strategy", "ONE_PROCESS",
-           "DEFAULT_STEPS", "DEFAULT_WARMUP"]
+if TYPE_CHECKING:  # the session's modules load when a config is built, not when the CLI starts
+    from lockstep.session.config import SessionConfig
+
+__all__ = ["BenchConfig", "Cell", "cell_config", "plan_cells", "skip_reason", "parse_list", "split_strategy",
+           "ONE_PROCESS", "DEFAULT_STEPS", "DEFAULT_WARMUP"]
 
 ONE_PROCESS = ("single", "dp")
 DEFAULT_STEPS = 80
 DEFAULT_WARMUP = 5
+
+
+def _strategy_label(name: str) -> str:
+    """A ``--strategies`` item in canonical form: ``DDP+FP16`` -> ``ddp+fp16``, refusing a bad one."""
+    from lockstep.strategies import available_strategies, check_strategy
+
+    choices = [s for s in available_strategies() if s != "auto"]  # a cell measures one strategy
+    base, extra = split_strategy(name.strip())
+    key = check_strategy(base, choices)
+    if extra is None:
+        return key
+    if extra.strip().lower() == "zero":  # ddp+zero: the optimizer state sharded (ZeRO-1)
+        if key != "ddp":
+            raise ConfigError(f"--strategies {name}: +zero shards ddp's optimizer state; write ddp+zero")
+        return "ddp+zero"
+    compression = extra.strip().lower()
+    if compression == "none":
+        raise ConfigError(f"--strategies {name}: name a compression after '+' (bf16, fp16, powersgd) or "
+                          "write the strategy alone")
+    return f"{key}+{compression}"  # the compression itself is the cell config's to check
+
+
+def cell_config(strategy: str, precision: str, compile: str = "none", *, nonfinite: str = "skip", seed: int = 0,
+                timeout: float | None = None) -> SessionConfig:
+    """The Session options of one cell: ``ddp+fp16`` is ddp with that compression, ``ddp+zero`` ddp with
+    ``shard_optimizer``; PowerSGD starts as early as it allows (step 2), so that the warm-up, not the
+    timed window, holds its plain all-reduce steps.
+
+    Args:
+        strategy: the cell's strategy label (``ddp``, ``ddp+powersgd``, ``ddp+zero``...).
+        precision: the precision name.
+        compile: ``none`` or the ``torch.compile`` backend.
+        nonfinite: the non-finite loss policy.
+        seed: seed of weights and data.
+        timeout: seconds a collective may wait (``None``: the default).
+
+    Raises:
+        ConfigError: the Session's refusal of the cell's options.
+
+    Example::
+
+        cell_config("ddp+bf16", "fp32").grad_compression     # 'bf16'
+    """
+    from lockstep.zoo.options import session_config
+
+    base, extra = split_strategy(strategy)
+    zero = extra == "zero"
+    return session_config(strategy=base, precision=precision, grad_compression=None if zero else extra,
+                          powersgd_start_iter=2, compile=compile, nonfinite=nonfinite, seed=seed, timeout=timeout,
+                          shard_optimizer=zero)
 
 
 def split_strategy(name: str) -> tuple[str, str | None]:
@@ -130,33 +185,18 @@ class BenchConfig:
     compile: str = "none"
 
     def __post_init__(self) -> None:
-        from lockstep.session.nonfinite import NonFinitePolicy
-        from lockstep.strategies import available_strategies
+        from lockstep.precision import canonical_precision
+        from lockstep.strategies.compile import compile_from_flag
         from lockstep.zoo.datasets import parse_data
         from lockstep.zoo.models import parse_model
-        from lockstep.zoo.options import check_options
 
-        choices = [s for s in available_strategies() if s != "auto"]  # a cell measures one strategy
-        strategies = []
-        for name in self.strategies:
-            base, compression = split_strategy(name.strip())
-            if compression is None:
-                strategies.append(check_options(strategy=base, strategies=choices).strategy)
-                continue
-            if compression.lower() == "zero":  # ddp+zero: the optimizer state sharded (ZeRO-1)
-                if check_options(strategy=base, strategies=choices).strategy != "ddp":
-                    raise ConfigError(f"--strategies {name}: +zero shards ddp's optimizer state; write ddp+zero")
-                strategies.append("ddp+zero")
-                continue
-            # the compression is checked against the backend the multi-process cells will use
-            checked = check_options(strategy=base, strategies=choices, world_size=2, grad_compression=compression)
-            if checked.grad_compression == "none":
-                raise ConfigError(f"--strategies {name}: name a compression after '+' (bf16, fp16, powersgd) or "
-                                  "write the strategy alone")
-            strategies.append(f"{checked.strategy}+{checked.grad_compression}")
-        precisions = [check_options(precision=name).precision for name in self.precisions]
+        strategies = [_strategy_label(name) for name in self.strategies]
+        precisions = [canonical_precision(name) for name in self.precisions]
         object.__setattr__(self, "strategies", tuple(dict.fromkeys(strategies)))
         object.__setattr__(self, "precisions", tuple(dict.fromkeys(precisions)))
+        compiles = [compile_from_flag(name) for name in parse_list(self.compile, "--compile")]
+        object.__setattr__(self, "compile", ",".join(dict.fromkeys("none" if c is None else c["backend"]
+                                                                    for c in compiles)))
         limits = (("--nproc", min(self.nprocs, default=0), 1), ("--steps", self.steps, 1),
                   ("--warmup", self.warmup, 0), ("--num-classes", self.num_classes, 1),
                   ("--batch-size", self.batch_size, 1), ("--image-size", self.image_size, 4),
@@ -164,12 +204,37 @@ class BenchConfig:
         for label, value, low in limits:
             if value is not None and value < low:  # None: the default is filled in later
                 raise ConfigError(f"{label} must be >= {low}, got {value}")
-        NonFinitePolicy(self.nonfinite)  # the Session's own check of the policy
-        compiles = [check_options(compile=name).compile for name in parse_list(self.compile, "--compile")]
-        object.__setattr__(self, "compile", ",".join(dict.fromkeys(compiles)))
+        self.cell_configs()  # every cell's Session options, refused here rather than in a cell
         parse_model(self.model)
         if self.data != "synthetic":
             parse_data(self.data)
+
+    def cell_configs(self) -> dict[tuple[str, str, str], SessionConfig]:
+        """The :class:`~lockstep.SessionConfig` of every (strategy, precision, compile) of the matrix.
+
+        Cells this machine skips for its hardware (Horovod missing, bf16 on a GPU without it)
+        have none: :func:`skip_reason` names why.
+
+        Example::
+
+            BenchConfig(strategies=("ddp+fp16",)).cell_configs()[("ddp+fp16", "fp32", "none")].grad_compression
+        """
+        import torch
+
+        from lockstep.strategies import horovod_unavailable
+
+        bf16_unusable = torch.cuda.is_available() and not torch.cuda.is_bf16_supported()
+        configs = {}
+        for strategy in self.strategies:
+            if split_strategy(strategy)[0] == "horovod" and horovod_unavailable() is not None:
+                continue
+            for precision in self.precisions:
+                if precision.startswith("bf16") and bf16_unusable:
+                    continue
+                for compile in self.compiles:
+                    configs[(strategy, precision, compile)] = cell_config(
+                        strategy, precision, compile, nonfinite=self.nonfinite, seed=self.seed)
+        return configs
 
     @property
     def compiles(self) -> tuple[str, ...]:

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from lockstep.errors import ConfigError
-from lockstep.bench.matrix import split_strategy
+from lockstep.bench.matrix import cell_config
 from lockstep.zoo.models import ModelSpec
 
 __all__ = ["CellTask", "measure_cell", "time_window", "resident_mb"]
@@ -207,16 +207,9 @@ def measure_cell(task: CellTask) -> dict[str, Any]:
         torch.set_num_threads(task.threads)
     base = resident_mb(peak=False)
     try:
-        strategy, compression = split_strategy(task.strategy)  # ddp+fp16: ddp with that compression
-        # PowerSGD sends plain all-reduces for its first steps (10 by default): start it as early as
-        # it allows (2), so that the warm-up, not the timed window, holds those steps
-        knobs = {"powersgd_start_iter": 2} if compression == "powersgd" else None
-        if compression == "zero":  # ddp+zero: not a compression, the optimizer state sharded
-            compression, knobs = None, {"shard_optimizer": True}
-        session = lockstep.Session(strategy, task.precision, seed=task.seed, nonfinite=task.nonfinite,
-                                   timeout=task.timeout, quiet=True, grad_compression=compression,
-                                   strategy_options=knobs,
-                                   compile=False if task.compile == "none" else {"backend": task.compile})
+        config = cell_config(task.strategy, task.precision, task.compile, nonfinite=task.nonfinite,
+                             seed=task.seed, timeout=task.timeout)
+        session = lockstep.Session(config=config)
         device = session.device
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)

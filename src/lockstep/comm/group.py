@@ -41,7 +41,7 @@ from lockstep.comm.watchdog import NullWatchdog, Watchdog
 from lockstep.env import Settings, World, detect_world, read_settings
 from lockstep.errors import ConfigError
 
-__all__ = ["Comm", "GroupComm", "CommError", "init_comm", "resolve_timeout", "DEFAULT_TIMEOUT", "Peer",
+__all__ = ["Comm", "GroupComm", "CommError", "init_comm", "form_comm", "resolve_timeout", "DEFAULT_TIMEOUT", "Peer",
            "check_reachable_host"]
 
 T = TypeVar("T")
@@ -246,13 +246,35 @@ def init_comm(
         comm = init_comm(init_method="file:///tmp/job1")
     """
     world = detect_world() if world is None else world
-    timeout = resolve_timeout(timeout)
+    chosen = backend if world.world_size == 1 else pick_backend(backend)  # one process forms no group
+    return form_comm(world, chosen, init_method, resolve_timeout(timeout))
+
+
+def form_comm(world: World, backend: str, init_method: str | None, timeout: timedelta) -> Comm:
+    """Form the job's process group from values already checked (a ``SessionConfig``'s).
+
+    :func:`init_comm` checks its arguments and calls this; the Session, whose configuration
+    checked them once already, calls it directly.
+
+    Args:
+        world: where this process is.
+        backend: the chosen backend (``"nccl"``, ``"gloo"``), as :func:`pick_backend` returns it.
+        init_method: the rendezvous URL, or ``None`` for ``$LOCKSTEP_INIT_METHOD`` or ``env://``.
+        timeout: how long collectives (and the join) may wait.
+
+    Raises:
+        CommError: ranks that disagree on the job, a busy port, or ranks that never join.
+
+    Example::
+
+        comm = form_comm(detect_world(), "gloo", "file:///tmp/job1", timedelta(minutes=10))
+    """
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
         return _adopt(world)  # formed by the framework that started us (Ray Train, a user's own code)
     if world.world_size == 1:
         return Comm(world)
-    chosen = pick_backend(backend)
+    chosen = backend
     settings = read_settings()
     if world.num_nodes > 1:
         check_reachable_host(chosen, settings, world.master_addr)

@@ -13,6 +13,7 @@ Example::
 from __future__ import annotations
 
 import ipaddress
+import math
 import json
 import os
 import random
@@ -167,20 +168,21 @@ def resolve_timeout(timeout: timedelta | float | None = None) -> timedelta:
 
         resolve_timeout(30)   # timedelta(seconds=30)
     """
-    source = "timeout"
+    source = f"timeout={timeout!r} (--timeout)"
     if timeout is None:
         text = read_settings().timeout
         if not text:
             return DEFAULT_TIMEOUT
-        source = "LOCKSTEP_TIMEOUT"
+        source = f"LOCKSTEP_TIMEOUT={text!r} (lockstep run --timeout)"
         try:
             timeout = float(text)
         except ValueError:
             raise ConfigError(f"LOCKSTEP_TIMEOUT={text!r} is not a number of seconds") from None
-    value = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
-    if value.total_seconds() <= 0:
-        raise ConfigError(f"{source} must be a positive number of seconds, got {value.total_seconds():g}")
-    return value
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not (
+            math.isfinite(seconds) and seconds > 0):
+        raise ConfigError(f"{source} must be a positive number of seconds")
+    return timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(seconds))
 
 
 def handshake(store: SignedStore, me: Peer, timeout: timedelta) -> list[Peer]:

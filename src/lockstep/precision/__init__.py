@@ -39,7 +39,7 @@ from lockstep.precision.half import HalfPrecision, MasterWeightPrecision
 
 __all__ = [
     "Precision", "MixedPrecision", "HalfPrecision", "MasterWeightPrecision", "LossScaler",
-    "get_precision", "available_precisions", "canonical_precision",
+    "get_precision", "build_precision", "available_precisions", "canonical_precision", "check_precision",
 ]
 
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "fp16-o2", "bf16", "fp16")
@@ -79,6 +79,31 @@ def canonical_precision(name: str) -> str:
     return key
 
 
+def check_precision(name: str, device: torch.device | None = None) -> str:
+    """The canonical name of precision ``name``, refused if ``device`` cannot compute in it.
+
+    Args:
+        name: a name from :func:`available_precisions` or an apex alias ``O0``-``O3``.
+        device: the rank's device; ``None``: the GPU when one is visible (every rank's device
+            then), else the CPU.
+
+    Raises:
+        ConfigError: for an unknown name, or bf16 on a GPU without bf16 support.
+
+    Example::
+
+        check_precision("O1")   # 'fp16-mixed'
+    """
+    key = canonical_precision(name)
+    cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
+    if key in ("bf16", "bf16-mixed") and cuda and not torch.cuda.is_bf16_supported():
+        raise ConfigError(
+            f"precision {key} needs a GPU with bf16 support (Ampere or newer); "
+            "use fp16-mixed on this GPU"
+        )
+    return key
+
+
 def get_precision(name: str, device: torch.device, comm: Comm | None = None) -> Precision:
     """Build the precision plugin called ``name`` for ``device``.
 
@@ -95,13 +120,22 @@ def get_precision(name: str, device: torch.device, comm: Comm | None = None) -> 
 
         precision = get_precision("O1", torch.device("cuda", 0))   # fp16-mixed
     """
-    key = canonical_precision(name)
+    return build_precision(check_precision(name, device), device, comm)
+
+
+def build_precision(key: str, device: torch.device, comm: Comm | None = None) -> Precision:
+    """Build the plugin of a precision :func:`check_precision` already accepted (``SessionConfig`` did).
+
+    Args:
+        key: a canonical name from :func:`available_precisions`.
+        device: this rank's device.
+        comm: the job's collectives (see :func:`get_precision`).
+
+    Example::
+
+        precision = build_precision(SessionConfig(precision="O1").precision, device, comm)
+    """
     device = torch.device(device)
-    if key in ("bf16", "bf16-mixed") and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ConfigError(
-            f"precision {key} needs a GPU with bf16 support (Ampere or newer); "
-            "use fp16-mixed on this GPU"
-        )
     if key == "fp32":
         return Precision(device, comm)
     if key == "fp16-o2":

@@ -1,5 +1,5 @@
 """The ready image-classification trainer behind ``lockstep train``, built on the public API only
-(models, datasets and the option checks come from :mod:`lockstep.zoo`).
+(models, datasets and the flags-to-SessionConfig helper come from :mod:`lockstep.zoo`).
 
 * :mod:`~lockstep.recipes.config`: the run's configuration, validated before any process starts.
 * :mod:`~lockstep.recipes.train`: the training program each worker runs (``lockstep.Session``).

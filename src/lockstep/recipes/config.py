@@ -19,9 +19,12 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Sized
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from lockstep.errors import ConfigError
+
+if TYPE_CHECKING:  # the session's modules load when a config is built, not when the CLI starts
+    from lockstep.session.config import SessionConfig
 
 __all__ = ["TrainConfig", "check_data", "check_out", "CHECKPOINTS", "RUN_FLAGS"]
 
@@ -138,8 +141,7 @@ class TrainConfig:
             raise ConfigError(f"--progress {self.progress!r}; choose one of {', '.join(_PROGRESS)}")
 
     def _check_numbers(self) -> None:
-        for name in ("nproc", "nodes", "epochs", "batch_size", "base_batch", "accumulate", "keep",
-                     "max_steps"):
+        for name in ("nproc", "nodes", "epochs", "batch_size", "base_batch", "keep", "max_steps"):
             _positive(name, getattr(self, name))
         _positive("image_size", self.image_size, 4)
         _positive("workers", self.workers, 0)
@@ -148,10 +150,6 @@ class TrainConfig:
         _positive("momentum", self.momentum, 0)
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ConfigError(f"--lr must be a positive, finite number, got {self.lr:g}")
-        if self.timeout is not None:
-            from lockstep.launch.spec import check_seconds
-
-            check_seconds("--timeout", self.timeout)
         if not 0 < self.val_fraction < 1:
             raise ConfigError(f"--val-fraction must be between 0 and 1, got {self.val_fraction:g}")
         if not 0 <= self.node_rank < self.nodes:
@@ -160,18 +158,24 @@ class TrainConfig:
             raise ConfigError(f"--nodes {self.nodes} needs --master HOST:PORT (node 0's address, the same on every node)")
 
     def _check_strategy(self) -> None:
-        from lockstep.strategies import horovod_unavailable
-        from lockstep.zoo.options import check_options
+        session = self.session_config()  # the Session's own checks, before any worker starts
+        session.check_processes(self.world_size)
+        object.__setattr__(self, "grad_compression", session.grad_compression)
+        object.__setattr__(self, "compile", session.compile_backend)
 
-        options = check_options(strategy=self.strategy, precision=self.precision, sync_bn=self.sync_bn,
-                                world_size=self.world_size, grad_compression=self.grad_compression,
-                                powersgd_rank=self.powersgd_rank, powersgd_start_iter=self.powersgd_start_iter,
-                                compile=self.compile)
-        object.__setattr__(self, "grad_compression", options.grad_compression)
-        object.__setattr__(self, "compile", options.compile)
-        missing = horovod_unavailable() if options.strategy == "horovod" else None
-        if missing is not None:
-            raise ConfigError(f"--strategy horovod: {missing}")
+    def session_config(self) -> SessionConfig:
+        """The :class:`~lockstep.SessionConfig` every worker's Session is built from.
+
+        Example::
+
+            lockstep.Session(config=TrainConfig(strategy="ddp").session_config())
+        """
+        from lockstep.zoo.options import session_config
+
+        return session_config(strategy=self.strategy, precision=self.precision, sync_bn=self.sync_bn,
+                              accumulate=self.accumulate, seed=self.seed, timeout=self.timeout,
+                              grad_compression=self.grad_compression, powersgd_rank=self.powersgd_rank,
+                              powersgd_start_iter=self.powersgd_start_iter, compile=self.compile)
 
     def _check_files(self) -> None:
         if self.pretrained and self.weights is None:

@@ -54,12 +54,7 @@ def train(config: TrainConfig, data: Any = None) -> int:
     world = lockstep.detect_world()
     if data is None:
         data = check_data(config, world.world_size)  # before the process group: errors stay one line
-    powersgd = {"powersgd_rank": config.powersgd_rank, "powersgd_start_iter": config.powersgd_start_iter}
-    session = lockstep.Session(strategy=config.strategy, precision=config.precision, sync_bn=config.sync_bn,
-                               accumulate=config.accumulate, seed=config.seed, timeout=config.timeout, quiet=True,
-                               grad_compression=config.grad_compression,
-                               strategy_options=powersgd if config.grad_compression == "powersgd" else None,
-                               compile=False if config.compile == "none" else {"backend": config.compile})
+    session = lockstep.Session(config=config.session_config())
     with session:
         _run(session, config, data)
     return 0

@@ -14,8 +14,9 @@ the training state, and stays thin: each concern lives in its own module.
   and the save still being written with its writers' process group;
 * :mod:`~lockstep.session.nonfinite`: the non-finite policy (one decision on every rank);
 * :mod:`~lockstep.session.preempt`: preemption signals, one agreed stop (the session saves);
-* :mod:`~lockstep.session.options`: the options that reach the strategy (gradient compression),
-  checked before any process group, and the start summary;
+* :mod:`~lockstep.session.config`: :class:`SessionConfig`, every option checked once, before
+  any process group (``lockstep train``, ``bench`` and ``verify`` build it from their flags);
+* :mod:`~lockstep.session.options`: the start summary;
 * :mod:`~lockstep.session.position`: rank, world and loop counters, asked of the comm and the state.
 
 May import: every library layer below it (errors, env, comm, strategies, precision, data,
@@ -29,7 +30,8 @@ Example::
 
 from __future__ import annotations
 
+from lockstep.session.config import SessionConfig
 from lockstep.session.session import NonFiniteLossError, ResumeState, Session
 from lockstep.session.state import TrainState
 
-__all__ = ["Session", "ResumeState", "TrainState", "NonFiniteLossError"]
+__all__ = ["Session", "SessionConfig", "ResumeState", "TrainState", "NonFiniteLossError"]

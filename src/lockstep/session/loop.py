@@ -26,7 +26,6 @@ import torch
 from torch import nn
 
 from lockstep.comm.group import Comm
-from lockstep.errors import ConfigError
 from lockstep.session.nonfinite import GO_AHEAD, LateSkips, NonFinitePolicy
 from lockstep.session.state import TrainState
 
@@ -53,7 +52,7 @@ class Accumulator:
     from a session loader make windows of ``k``.
 
     Args:
-        k: micro-steps per optimizer step (1 disables accumulation).
+        k: micro-steps per optimizer step (1 disables accumulation; ``SessionConfig`` checked it).
 
     Example::
 
@@ -63,8 +62,6 @@ class Accumulator:
     """
 
     def __init__(self, k: int) -> None:
-        if k < 1:
-            raise ConfigError(f"accumulate must be >= 1, got {k}")
         self.k = k
         self.micro = 0
         self.window = k  # micro-steps of the current window

@@ -57,12 +57,12 @@ from typing import Any
 import torch
 
 from lockstep.comm.group import Comm
-from lockstep.env import World, read_settings
-from lockstep.errors import DEFAULT_GRACE, EXIT_PREEMPTED, ConfigError, format_ranks, signal_name
+from lockstep.env import read_settings
+from lockstep.errors import DEFAULT_GRACE, EXIT_PREEMPTED, format_ranks, signal_name
+from lockstep.session.config import PREEMPTION_MODES
 
 __all__ = ["Preempted", "StopGuard", "PREEMPTION_MODES", "stop_message", "parse_grace"]
 
-PREEMPTION_MODES = ("save", "flag", "off")
 _SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name))
 _FIRST_INTERVAL = 1  # then at most 4x longer each time: 1, 4, 16... steps until checks are ~1 s apart
 _MAX_INTERVAL = 100_000
@@ -139,32 +139,30 @@ class StopGuard:
     """Record stop signals and make every rank agree on them at the same step.
 
     The session calls :meth:`poll` once per optimizer step; it runs :meth:`check` only when
-    ``steps >= next_check``: a comparison of two integers is all the hot path pays.
+    ``steps >= next_check``: a comparison of two integers is all the hot path pays. It is built
+    once the job's comm exists; the comm's watchdog reports a failed job to the guard, and a
+    signal then waiting for an agreement that cannot come ends the process.
 
     Args:
-        mode: ``"save"``, ``"flag"`` or ``"off"`` (see the module docstring).
-        check_seconds: the target time between two agreements.
+        comm: the job's communication.
+        device: this rank's device (nccl needs the agreement's tensor on the rank's GPU).
+        mode: ``"save"``, ``"flag"`` or ``"off"`` (see the module docstring), as
+            :class:`~lockstep.session.config.SessionConfig` checked it (``preemption``).
+        check_seconds: the target time between two agreements (``preempt_check_seconds``).
         grace: seconds a signal may wait for agreement before it ends the process; by default
             ``lockstep run --grace`` (:func:`parse_grace` of ``read_settings().grace``).
 
-    Raises:
-        ConfigError: an unknown mode or a check time that is not positive.
-
     Example::
 
-        guard = StopGuard().attach(comm, torch.device("cpu"))
+        guard = StopGuard(comm, torch.device("cpu"))
         if guard.poll(): ...   # every rank agreed to stop at this step
     """
 
-    def __init__(self, mode: str = "save", check_seconds: float = 1.0, grace: float | None = None) -> None:
-        if mode not in PREEMPTION_MODES:
-            raise ConfigError(f"preemption={mode!r}; choose one of {', '.join(PREEMPTION_MODES)}")
-        if not check_seconds > 0:
-            raise ConfigError(f"preempt_check_seconds must be positive, got {check_seconds!r}")
+    def __init__(self, comm: Comm, device: torch.device, mode: str = "save", check_seconds: float = 1.0,
+                 grace: float | None = None) -> None:
         self.mode, self.check_seconds = mode, check_seconds
         self.grace = parse_grace(read_settings().grace) if grace is None else grace
-        self.comm: Comm = Comm(World())
-        self.device = torch.device("cpu")
+        self.comm, self.device = comm, device
         self.steps = 0
         self.next_check: float = math.inf if mode == "off" else 1
         self.requested: int | None = None
@@ -175,20 +173,7 @@ class StopGuard:
         self._last = 0
         self._saved: dict[int, Any] = {}
         self._overdue = False  # the grace is over (or the job failed): a signal now ends the process
-
-    def attach(self, comm: Comm, device: torch.device) -> StopGuard:
-        """Agree over ``comm`` with tensors on ``device`` (nccl needs the rank's GPU); returns self.
-
-        The comm's watchdog reports a failed job to the guard: a signal then waiting for an
-        agreement that cannot come ends the process.
-
-        Args:
-            comm: the job's communication.
-            device: this rank's device.
-        """
-        self.comm, self.device = comm, device
         comm.watchdog.on_job_failed(self._resend)
-        return self
 
     def install(self) -> None:
         """Handle SIGTERM and SIGUSR1 in this process (main thread only; else nothing is done)."""

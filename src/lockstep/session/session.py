@@ -30,21 +30,22 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 
-from lockstep.comm.group import Comm, init_comm, resolve_timeout
+from lockstep.comm.group import Comm, form_comm
 from lockstep.data.loader import make_loader
 from lockstep.env import detect_world
+from lockstep.precision import build_precision
+from lockstep.session.config import OPTION_NAMES, SessionConfig
 from lockstep.session.loaders import DeviceLoader, progress_bar
 from lockstep.session.locks import FolderLocks
 from lockstep.session.loop import Accumulator, TrainStep
 from lockstep.session.nonfinite import NonFiniteLossError, NonFinitePolicy
-from lockstep.session.options import strategy_options as build_options
 from lockstep.session.options import summary_line
 from lockstep.session.position import Position
 from lockstep.session.preempt import Preempted, StopGuard, stop_message
 from lockstep.session.saves import SaveInFlight, SaveTarget
 from lockstep.session.state import ResumeState, TrainState, load_state, resumed_line, save_state, seed_everything
 from lockstep.session.wrappers import ModelWrappers, model_wrappers, wrap_model
-from lockstep.strategies.compile import check_compile
+from lockstep.strategies import get_strategy
 
 __all__ = ["Session", "ResumeState", "NonFiniteLossError"]
 
@@ -55,7 +56,11 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
 class Session(Position):
     """One training job: where this rank is, how it talks, how the model is wrapped.
 
-    The loop's counters, loader positions and RNG are :attr:`state`, a
+    The options are one :class:`~lockstep.session.config.SessionConfig` (its docstring has the
+    rules), built from the keywords below or given whole as ``config``, and checked once, before
+    any process group. The components are then built once each, in order: the process group, the
+    preemption guard and the non-finite policy over it, the precision, the strategy. The loop's
+    counters, loader positions and RNG are :attr:`state`, a
     :class:`~lockstep.session.state.TrainState` that :meth:`save` and :meth:`load` checkpoint.
 
     Args:
@@ -63,99 +68,91 @@ class Session(Position):
             else single), ``"single"``, ``"dp"``, ``"ddp"``, ``"fsdp"`` or ``"horovod"``.
         precision: ``"fp32"``, ``"bf16-mixed"``, ``"fp16-mixed"``, ``"fp16-o2"``, ``"bf16"``,
             ``"fp16"`` or apex's ``"O0"``-``"O3"``.
-        sync_bn: convert BatchNorm layers to SyncBatchNorm (GPU only).
+        config: every option at once (then no other may be given); see also :meth:`from_config`.
+        sync_bn: convert BatchNorm layers to SyncBatchNorm (GPU only; ddp or fsdp).
         accumulate: micro-steps per optimizer step; an epoch ends with a step on its last window
             (the mean over its micro-batches): 10 batches with 3 make 4 steps (3, 3, 3 and 1).
-        clip_grad_norm: clip the global gradient norm to this value in ``step``.
+        clip_grad_norm: clip the global gradient norm to this positive, finite value in ``step``.
         seed: seed of every rank's RNG (identical, so models start equal), data order included.
-        nonfinite: what to do when the loss turns NaN/inf on any rank: ``"skip"`` the step on
-            every rank (warn, naming the rank), ``"stop"`` every rank with an error, or
-            ``"ignore"`` (no check; fastest). With ``"skip"``, GPU gradients and a fused
-            optimizer (``fused=True``), the check costs no host sync: the optimizer skips a bad
-            step itself and the skipped steps are counted every 50 steps, at a save and at each
-            epoch's end (:mod:`lockstep.session.nonfinite`).
+        nonfinite: a NaN/inf loss on any rank: ``"skip"`` the step on every rank (warn, naming
+            the rank), ``"stop"`` every rank with an error, or ``"ignore"`` (no check; fastest).
+            With GPU gradients and a fused optimizer, ``"skip"`` costs no host sync
+            (:mod:`lockstep.session.nonfinite`).
         timeout: how long a collective may wait for a missing rank (seconds or timedelta);
-            ``$LOCKSTEP_TIMEOUT`` (``lockstep run --timeout``) or 10 minutes by default. Past it
-            the job fails with a message naming the rank that did not arrive.
+            ``$LOCKSTEP_TIMEOUT`` (``lockstep run --timeout``) or 10 minutes. Past it the job
+            fails with a message naming the rank that did not arrive.
         backend: ``"auto"``, ``"nccl"`` or ``"gloo"``.
         init_method: rendezvous URL (``env://``, ``tcp://``, ``file://``); the launcher's by default.
-        grad_compression: ``ddp`` only: compress gradients for the all-reduce with one of torch's
-            DDP communication hooks: ``"bf16"``, ``"fp16"`` or ``"powersgd"`` (lossy by design;
-            PowerSGD's memory is checkpointed); ``None`` all-reduces them as they are.
-        shard_optimizer: ``ddp`` only: keep each parameter's optimizer state on one rank
-            (ZeRO-1, about 1/world_size of it per rank; :mod:`lockstep.strategies.zero`).
-        strategy_options: extra options for the strategy, e.g. ddp's ``{"bucket_cap_mb": 50,
-            "static_graph": True, "gradient_as_bucket_view": False, "powersgd_rank": 2,
-            "powersgd_start_iter": 100}`` (see :class:`~lockstep.strategies.DDPStrategy`).
-        compile: ``True`` compiles the model with ``torch.compile`` (inductor), a dict passes its
-            keys to ``torch.compile`` (``{"backend": "aot_eager", "mode": ...}``). The strategy wraps
-            first (DDP's buckets then split the graph); if torch cannot compile, one warning and eager.
+        grad_compression: ``ddp`` only: ``"bf16"``, ``"fp16"`` or ``"powersgd"``, one of torch's
+            DDP communication hooks (lossy by design; PowerSGD's memory is checkpointed).
+        shard_optimizer: ``ddp`` only: each parameter's optimizer state on one rank (ZeRO-1).
+        strategy_options: the strategy's own options, e.g. ddp's ``{"bucket_cap_mb": 50,
+            "static_graph": True, "powersgd_rank": 2}`` (see :class:`~lockstep.strategies.DDPStrategy`).
+        compile: ``True`` (inductor) or a dict of ``torch.compile`` keywords; the strategy wraps
+            first; if torch cannot compile, one warning and eager.
         quiet: do not print the start summary and the "resumed from" line.
-        preemption: on SIGTERM/SIGUSR1 to any rank or the launcher: ``"save"`` (every rank stops
-            at the same step, saves to the folder last given to :meth:`save`/:meth:`load` and
-            exits with code 75), ``"flag"`` (only sets :attr:`should_stop`) or ``"off"``.
-        preempt_check_seconds: about how often the ranks agree on a stop signal (one
-            two-number all_reduce each time; see :mod:`lockstep.session.preempt`).
+        preemption: on SIGTERM/SIGUSR1: ``"save"`` (every rank stops at the same step, saves to
+            the folder last given to :meth:`save`/:meth:`load`, exits 75), ``"flag"`` (sets
+            :attr:`should_stop`) or ``"off"`` (:mod:`lockstep.session.preempt`).
+        preempt_check_seconds: about how often the ranks agree on a stop signal.
+
+    Raises:
+        ConfigError: a bad option (before any process group), or ``config`` with other options.
 
     Example::
 
         session = lockstep.Session(strategy="ddp", precision="bf16-mixed", accumulate=2)
-        session = lockstep.Session(strategy="ddp", compile={"backend": "aot_eager"})
         session = lockstep.Session(strategy="ddp", grad_compression="powersgd",
                                    strategy_options={"powersgd_rank": 2})
+        session = lockstep.Session(config=lockstep.SessionConfig(strategy="ddp", clip_grad_norm=1.0))
     """
 
     def __init__(
-        self,
-        strategy: str = "auto",
-        precision: str = "fp32",
-        *,
-        sync_bn: bool = False,
-        accumulate: int = 1,
-        clip_grad_norm: float | None = None,
-        seed: int = 0,
-        nonfinite: str = "skip",
-        timeout: float | timedelta | None = None,
-        backend: str = "auto",
-        init_method: str | None = None,
-        grad_compression: str | None = None,
-        shard_optimizer: bool = False,
-        strategy_options: dict[str, Any] | None = None,
-        compile: bool | dict[str, Any] = False,
-        quiet: bool = False,
-        preemption: str = "save",
-        preempt_check_seconds: float = 1.0,
+        self, strategy: str = "auto", precision: str = "fp32", *, config: SessionConfig | None = None,
+        sync_bn: bool = False, accumulate: int = 1, clip_grad_norm: float | None = None, seed: int = 0,
+        nonfinite: str = "skip", timeout: float | timedelta | None = None, backend: str = "auto",
+        init_method: str | None = None, grad_compression: str | None = None, shard_optimizer: bool = False,
+        strategy_options: dict[str, Any] | None = None, compile: bool | dict[str, Any] = False, quiet: bool = False,
+        preemption: str = "save", preempt_check_seconds: float = 1.0,
     ) -> None:
-        from lockstep.precision import get_precision
-        from lockstep.strategies import get_strategy
-
-        self._accum = Accumulator(accumulate)
+        keywords = {name: value for name, value in locals().items() if name in OPTION_NAMES}
+        config = SessionConfig.from_keywords(keywords, config)  # every option checked once, before any group
+        self.config = config
         world = detect_world()
-        self.seed, self.nonfinite, self.clip = seed, nonfinite, clip_grad_norm
-        self.timeout = resolve_timeout(timeout)
-        self.quiet = quiet
+        config.check_processes(world.world_size)
+        self.seed, self.nonfinite, self.quiet = config.seed, config.nonfinite, config.quiet
+        self.timeout: timedelta = config.timeout  # type: ignore[assignment]  # resolved by SessionConfig
+        self._compile: dict[str, Any] | None = config.compile  # type: ignore[assignment]  # checked likewise
+        self._accum = Accumulator(config.accumulate)
         self.device: torch.device = world.device
-        get_precision(precision, self.device)  # refuse a bad name before any process group
-        options = build_options(strategy, backend=backend, world_size=world.world_size, sync_bn=sync_bn,
-                                grad_compression=grad_compression, shard_optimizer=shard_optimizer,
-                                options=strategy_options)
-        self._compile = check_compile(compile)
-        self._guard = StopGuard(preemption, preempt_check_seconds)
-        self.comm: Comm = init_comm(world, backend, init_method, self.timeout)
-        self._guard.attach(self.comm, self.device)
-        self._finite = NonFinitePolicy(nonfinite, self.comm)
-        self.precision = get_precision(precision, self.device, comm=self.comm)
-        self.strategy = get_strategy(strategy, self.comm, self.device, **options)
-        seed_everything(seed)
+        self.comm: Comm = form_comm(world, config.backend, config.init_method, self.timeout)
+        self._guard = StopGuard(self.comm, self.device, config.preemption, config.preempt_check_seconds)
+        self._finite = NonFinitePolicy(config.nonfinite, self.comm)
+        self.precision = build_precision(config.precision, self.device, comm=self.comm)
+        self.strategy = get_strategy(config.strategy, self.comm, self.device, **config.strategy_kwargs(self.world_size))
+        seed_everything(config.seed)
         self.state = TrainState(self.rank, self.world_size)
         self._steps = TrainStep(self.state, self._accum, self._finite, self.precision, self.strategy, self.comm,
-                                clip_grad_norm, say=self.print)
+                                config.clip_grad_norm, say=self.print)
         self._models: list[ModelWrappers] = []  # each setup's layers, the last one the model in training
         self.compiled = False  # set by setup: True once torch.compile wrapped the model
         self._announced = False
         self._ckpt: SaveTarget | None = None  # where a preemption saves
         self._folders = FolderLocks(self.comm)  # one live job per checkpoint folder
         self._saves = SaveInFlight(self.comm)
+
+    @classmethod
+    def from_config(cls, config: SessionConfig) -> Session:
+        """A session of the options ``config`` holds (checked when it was built).
+
+        Args:
+            config: the session's options, e.g. built by ``lockstep train`` from its flags.
+
+        Example::
+
+            session = lockstep.Session.from_config(lockstep.SessionConfig(strategy="ddp", accumulate=2))
+        """
+        return cls(config=config)
 
     # -- where this rank is: rank, local_rank, world_size, is_main, epoch, global_step... (Position)
     @property

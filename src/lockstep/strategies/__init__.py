@@ -19,7 +19,7 @@ A new strategy registers itself with::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -38,7 +38,8 @@ from lockstep.strategies.state import StateDicts
 __all__ = [
     "Strategy", "SingleStrategy", "DataParallelStrategy", "DDPStrategy", "FSDPStrategy", "HorovodStrategy",
     "HorovodUnavailableError", "horovod_unavailable",
-    "UnusedParametersError", "register_strategy", "get_strategy", "available_strategies",
+    "UnusedParametersError", "register_strategy", "get_strategy", "available_strategies", "check_strategy",
+    "check_processes",
     "resolve_auto", "strategy_for_model", "StateDicts", "apply_ddp", "apply_fsdp", "apply_dp", "apply_sync_bn",
     "broadcast_module_state", "unwrap_module", "explain_ddp_error",
 ]
@@ -79,6 +80,57 @@ def available_strategies() -> list[str]:
         available_strategies()   # ['auto', 'ddp', 'dp', 'fsdp', 'horovod', 'single']
     """
     return ["auto", *sorted(_REGISTRY)]
+
+
+def check_strategy(name: str, choices: Sequence[str] | None = None) -> str:
+    """Return the registered strategy ``name`` stands for (lower case), or refuse it.
+
+    Args:
+        name: the user's strategy, any case.
+        choices: the strategies the caller can use (default: every registered one and ``auto``).
+
+    Raises:
+        ConfigError: an unknown name, a combination (``fsdp+dp``), or one outside ``choices``.
+
+    Example::
+
+        check_strategy("FSDP")                              # 'fsdp'
+        check_strategy("dp", choices=("ddp", "fsdp"))       # ConfigError
+    """
+    registered = available_strategies()
+    allowed = list(registered if choices is None else choices)
+    listed = ", ".join(allowed)  # an unknown name lists every registered one: the same message everywhere
+    text = str(name)
+    parts = {p.strip().lower() for p in text.replace(",", "+").split("+") if p.strip()}
+    if len(parts) > 1:
+        why = ("fsdp shards the model over processes and dp copies it to every GPU of one process, "
+               "so they cannot be combined" if {"fsdp", "dp"} <= parts else "strategies do not combine")
+        raise ConfigError(f"--strategy {name!r}: {why}; choose one of {listed}")
+    key = text.strip().lower()
+    if key not in registered:
+        raise ConfigError(f"unknown strategy {name!r}; choose one of {', '.join(registered)}")
+    if key not in allowed:
+        raise ConfigError(f"strategy {name!r} cannot be used here; choose one of {listed}")
+    return key
+
+
+def check_processes(strategy: str, world_size: int) -> None:
+    """Refuse a strategy the job's number of processes rules out, before any process group.
+
+    Args:
+        strategy: a name :func:`check_strategy` returned.
+        world_size: processes of the job.
+
+    Raises:
+        ConfigError: ``dp``, which drives every GPU from one process, with several processes.
+
+    Example::
+
+        check_processes("dp", 2)     # ConfigError
+    """
+    if strategy == "dp" and world_size > 1:
+        raise ConfigError(f"strategy='dp' (--strategy) drives every GPU from one process, and this job has "
+                          f"{world_size} processes; use ddp (one process per GPU) or run one process")
 
 
 def resolve_auto(comm: Comm, device: torch.device) -> str:
@@ -140,7 +192,7 @@ def get_strategy(name: str, comm: Comm, device: torch.device, **options: Any) ->
 
         strategy = get_strategy("ddp", comm, device, find_unused_parameters=True)
     """
-    key = str(name).strip().lower()
+    key = name if name == "auto" or name in _REGISTRY else check_strategy(name)  # a checked name is canonical
     if key == "auto":
         key = resolve_auto(comm, device)
         known = set().union(*(cls.defaults for cls in _REGISTRY.values()))
@@ -151,8 +203,6 @@ def get_strategy(name: str, comm: Comm, device: torch.device, **options: Any) ->
                 f"options are: {', '.join(sorted(known))}"
             )
         options = {k: v for k, v in options.items() if k in _REGISTRY[key].defaults}
-    if key not in _REGISTRY:
-        raise ConfigError(f"unknown strategy {name!r}; choose one of: {', '.join(available_strategies())}")
     return _REGISTRY[key](comm, device, **options)
 
 

@@ -18,6 +18,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, ClassVar, ContextManager
 
 import torch
@@ -84,17 +85,13 @@ class Strategy(StateDicts):
             model: the user's bare module.
 
         Raises:
-            ConfigError: for example ``sync_bn=True`` on a CPU device.
+            ConfigError: for example fsdp on a model without trainable parameters. (The options
+                alone, ``sync_bn`` on a CPU among them, were checked by ``SessionConfig``.)
 
         Example::
 
             strategy.validate(model)   # raises ConfigError with the fix in the message
         """
-        if self.options["sync_bn"] and self.device.type == "cpu":
-            raise ConfigError(
-                "sync_bn=True needs GPUs: SyncBatchNorm only works on CUDA devices, and this rank "
-                "runs on the CPU. Drop sync_bn (each rank then normalises over its own batch)."
-            )
         self._validate(model)
 
     def _validate(self, model: nn.Module) -> None:
@@ -191,12 +188,19 @@ class Strategy(StateDicts):
         Returns:
             The total norm before clipping (the same on every rank).
 
+        Raises:
+            ConfigError: ``max_norm`` is not a positive, finite number.
+
         Example::
 
             norm = strategy.clip_grad_norm(model, 1.0)
         """
-        if max_norm <= 0:
-            raise ConfigError(f"max_norm must be positive, got {max_norm}")
+        if not (math.isfinite(max_norm) and max_norm > 0):
+            raise ConfigError(f"max_norm must be a positive, finite number, got {max_norm}")
+        return self._clip_grad_norm(model, max_norm)
+
+    def _clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """Clip over the module's own parameters (override where they are sharded)."""
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:

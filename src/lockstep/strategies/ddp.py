@@ -36,7 +36,6 @@ from lockstep.strategies.comm_hooks import (
     POWERSGD_DEFAULTS,
     CommHook,
     apply_comm_hook,
-    check_grad_compression,
 )
 
 __all__ = ["DDPStrategy", "UnusedParametersError", "apply_ddp", "explain_ddp_error"]
@@ -235,10 +234,7 @@ class DDPStrategy(Strategy):
         cap = checked["bucket_cap_mb"]
         if not isinstance(cap, (int, float)) or isinstance(cap, bool) or not cap > 0:
             raise ConfigError(f"bucket_cap_mb must be a positive number, got {cap!r}")
-        checked["grad_compression"] = check_grad_compression(
-            checked["grad_compression"], strategy=cls.name, backend="none",
-            powersgd_rank=checked["powersgd_rank"], powersgd_start_iter=checked["powersgd_start_iter"])
-        return checked
+        return checked  # grad_compression and PowerSGD's knobs: checked by SessionConfig
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         if self.comm.world_size == 1:

@@ -47,7 +47,7 @@ class DataParallelStrategy(Strategy):
         **options: ``device_ids`` (list of GPU indices, default all visible ones).
 
     Raises:
-        ConfigError: without CUDA GPUs, with several processes, or with ``sync_bn``.
+        ConfigError: without CUDA GPUs (``SessionConfig`` refuses dp with several processes or ``sync_bn``).
 
     Example::
 
@@ -64,16 +64,6 @@ class DataParallelStrategy(Strategy):
                 "strategy 'dp' needs CUDA GPUs (nn.DataParallel splits each batch over the GPUs of "
                 "one process) and none is visible; use 'ddp', which also runs on CPUs with gloo, "
                 "or 'single'"
-            )
-        if comm.world_size > 1:
-            raise ConfigError(
-                f"strategy 'dp' runs one process over all its GPUs, but this job has "
-                f"{comm.world_size} processes; use 'ddp' (one process per GPU)"
-            )
-        if self.options["sync_bn"]:
-            raise ConfigError(
-                "sync_bn needs strategy 'ddp' or 'fsdp': SyncBatchNorm does not work inside "
-                "nn.DataParallel replicas"
             )
         ids = self.options["device_ids"]
         if ids is not None:

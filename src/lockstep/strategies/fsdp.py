@@ -156,9 +156,7 @@ class FSDPStrategy(Strategy):
             return _no_gradient_sync(model)
         return super().no_backward_sync(model)
 
-    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        if max_norm <= 0:
-            raise ConfigError(f"max_norm must be positive, got {max_norm}")
+    def _clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         params = list(model.parameters())
         grads = [p.grad for p in params if p.grad is not None]
         total = torch.nn.utils.get_total_norm(grads, 2.0)

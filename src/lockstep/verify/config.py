@@ -10,9 +10,12 @@ Example::
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lockstep.errors import ConfigError
+
+if TYPE_CHECKING:  # the session's modules load when a config is built, not when the CLI starts
+    from lockstep.session.config import SessionConfig
 
 __all__ = ["VerifyConfig", "TOLERANCES", "STRATEGIES", "DROPOUT_MODES", "parse_shape"]
 
@@ -107,18 +110,16 @@ class VerifyConfig:
     compile: str = "none"
 
     def __post_init__(self) -> None:
+        from lockstep.strategies import check_strategy
         from lockstep.zoo.models import parse_model
-        from lockstep.zoo.options import check_options
 
-        options = check_options(strategy=self.strategy, precision=self.precision, sync_bn=self.sync_bn,
-                                strategies=STRATEGIES, world_size=self.nproc, grad_compression=self.grad_compression,
-                                powersgd_rank=self.powersgd_rank, powersgd_start_iter=self.powersgd_start_iter,
-                                compile=self.compile)
-        object.__setattr__(self, "grad_compression", options.grad_compression)
-        object.__setattr__(self, "compile", options.compile)
-        object.__setattr__(self, "strategy", options.strategy)
-        object.__setattr__(self, "precision", options.precision)  # "O0" -> "fp32"
-        for name in ("steps", "batch", "accumulate", "classes"):
+        check_strategy(self.strategy, STRATEGIES)  # the parallel run spreads one model over N processes
+        session = self.session_config()  # the Session's own checks, before any process starts
+        object.__setattr__(self, "grad_compression", session.grad_compression)
+        object.__setattr__(self, "compile", session.compile_backend)
+        object.__setattr__(self, "strategy", session.strategy)
+        object.__setattr__(self, "precision", session.precision)  # "O0" -> "fp32"
+        for name in ("steps", "batch", "classes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name} must be at least 1, got {getattr(self, name)}")
         if self.nproc < 2:
@@ -132,11 +133,24 @@ class VerifyConfig:
             raise ConfigError(
                 f"--batch {self.batch} cannot be split evenly over {self.nproc} processes x {self.accumulate} "
                 f"micro-batches; use a multiple of {split} (e.g. --batch {split * max(1, self.batch // split)})")
-        if self.lr <= 0 or (self.tolerance is not None and self.tolerance <= 0) or (
-                self.timeout is not None and self.timeout <= 0):
-            raise ConfigError("--lr, --tolerance and --timeout must be positive")
+        if self.lr <= 0 or (self.tolerance is not None and self.tolerance <= 0):
+            raise ConfigError("--lr and --tolerance must be positive")
         if parse_model(self.model).is_factory and self.data is None and self.shape is None:
             raise ConfigError(f"give the input shape of {self.model!r} with --shape C,H,W (or a dataset with --data)")
+
+    def session_config(self) -> SessionConfig:
+        """The :class:`~lockstep.SessionConfig` of the parallel run's Session on every rank.
+
+        Example::
+
+            lockstep.Session(config=VerifyConfig(model="convnet").session_config())
+        """
+        from lockstep.zoo.options import session_config
+
+        return session_config(strategy=self.strategy, precision=self.precision, sync_bn=self.sync_bn,
+                              accumulate=self.accumulate, seed=self.seed, timeout=self.timeout,
+                              grad_compression=self.grad_compression, powersgd_rank=self.powersgd_rank,
+                              powersgd_start_iter=self.powersgd_start_iter, compile=self.compile)
 
     @property
     def per_device_batch(self) -> int:

@@ -199,12 +199,7 @@ def worker_main(job_file: str) -> int:
     job = torch.load(job_file, weights_only=True)
     sys.path[:0] = [p for p in job["sys_path"] if p not in sys.path]
     config = VerifyConfig.from_dict(job["config"])
-    powersgd = {"powersgd_rank": config.powersgd_rank, "powersgd_start_iter": config.powersgd_start_iter}
-    session = Session(strategy=config.strategy, precision=config.precision, accumulate=config.accumulate,
-                      sync_bn=config.sync_bn, seed=config.seed, quiet=True, timeout=config.timeout,
-                      grad_compression=config.grad_compression,
-                      strategy_options=powersgd if config.grad_compression == "powersgd" else None,
-                      compile=False if config.compile == "none" else {"backend": config.compile})
+    session = Session(config=config.session_config())
     if session.world_size != config.nproc:
         raise VerifyRunError(f"expected {config.nproc} ranks, the job has {session.world_size}")
     steps = [shard(batch, session.rank, session.world_size, config.accumulate) for batch in job["batches"]]

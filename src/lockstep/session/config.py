@@ -1,0 +1,302 @@
+"""The Session's options as one frozen dataclass, each checked once, before any process group.
+
+``lockstep.Session(strategy=..., precision=..., ...)`` builds a :class:`SessionConfig` from its
+keyword arguments; ``lockstep train``, ``bench`` and ``verify`` build the same dataclass from
+their flags, in the launching process, so that a bad value is refused with the same message
+wherever it was given, before any worker starts. Each option has one owner module that holds
+its rules (:data:`OWNERS`): the rules that belong to a lower layer (a precision name, a
+backend, a gradient compression, ``torch.compile``'s keywords) live there, and ``__post_init__``
+calls each of them once; the others live here. The rules that need the job's size are in
+:meth:`SessionConfig.check_processes`.
+
+Example::
+
+    config = SessionConfig(strategy="DDP", precision="O1", grad_compression="fp16")
+    config.strategy, config.precision        # ('ddp', 'fp16-mixed')
+    session = lockstep.Session(config=config)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from lockstep.errors import ConfigError
+from lockstep.session.nonfinite import NONFINITE_POLICIES
+
+__all__ = ["SessionConfig", "OWNERS", "PREEMPTION_MODES", "OPTION_NAMES"]
+
+PREEMPTION_MODES = ("save", "flag", "off")
+"""What a stop signal does: save and exit 75, set ``should_stop``, or nothing (no handler)."""
+
+_HERE = "lockstep.session.config"
+OWNERS: dict[str, str] = {
+    "strategy": "lockstep.strategies",  # the registry knows the names
+    "precision": "lockstep.precision",
+    "sync_bn": _HERE,
+    "accumulate": _HERE,
+    "clip_grad_norm": _HERE,
+    "seed": _HERE,
+    "nonfinite": _HERE,
+    "timeout": "lockstep.comm.store",  # also reads $LOCKSTEP_TIMEOUT
+    "backend": "lockstep.comm.group",
+    "init_method": _HERE,
+    "grad_compression": "lockstep.strategies.comm_hooks",  # with PowerSGD's knobs
+    "powersgd_rank": "lockstep.strategies.comm_hooks",
+    "powersgd_start_iter": "lockstep.strategies.comm_hooks",
+    "shard_optimizer": _HERE,
+    "strategy_options": _HERE,
+    "bucket_cap_mb": "lockstep.strategies.ddp",  # a ddp option only ddp reads
+    "max_norm": "lockstep.strategies.base",  # Strategy.clip_grad_norm's own argument
+    "compile": "lockstep.strategies.compile",
+    "quiet": _HERE,
+    "preemption": _HERE,
+    "preempt_check_seconds": _HERE,
+}
+"""The one module whose messages refuse each option (a layout test holds the code to it)."""
+
+_FLAGS = ("strategy", "precision", "sync_bn", "accumulate", "seed", "timeout", "grad_compression", "compile",
+          "nonfinite")
+"""The options the apps (``lockstep train``, ``bench``, ``verify``) take as flags too."""
+
+
+def _given(name: str, value: Any) -> str:
+    """How a message names an option: ``name=value``, and its flag where the apps have one."""
+    flag = f" (--{name.replace('_', '-')})" if name in _FLAGS else ""
+    return f"{name}={value!r}{flag}"
+
+
+def _check_bool(name: str, value: Any) -> None:
+    """No int booleans: ``sync_bn=1`` is a mistake, not a request."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{_given(name, value)} must be True or False")
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """Every option of a :class:`~lockstep.Session`, checked and spelled canonically at construction.
+
+    Values are kept in their canonical form: the strategy in lower case, the precision's
+    canonical name (apex aliases resolved), the chosen backend (``"auto"`` becomes ``"nccl"``
+    or ``"gloo"``), the timeout as a ``timedelta``, the compression's name (``"none"`` when
+    none), ``compile`` as ``torch.compile``'s keyword arguments (``None``: eager).
+
+    Args:
+        strategy: ``"auto"``, ``"single"``, ``"dp"``, ``"ddp"``, ``"fsdp"`` or ``"horovod"``.
+        precision: ``"fp32"``, ``"bf16-mixed"``, ``"fp16-mixed"``, ``"fp16-o2"``, ``"bf16"``,
+            ``"fp16"`` or apex's ``"O0"``-``"O3"``.
+        sync_bn: convert BatchNorm layers to SyncBatchNorm (needs CUDA; ddp or fsdp).
+        accumulate: micro-steps per optimizer step (an integer >= 1).
+        clip_grad_norm: clip the global gradient norm to this positive, finite value; ``None``: no clipping.
+        seed: seed of every rank's RNG and of the data order.
+        nonfinite: ``"skip"``, ``"stop"`` or ``"ignore"`` (see :class:`~lockstep.Session`).
+        timeout: seconds or a timedelta a collective may wait; ``None``: ``$LOCKSTEP_TIMEOUT``
+            or 10 minutes.
+        backend: ``"auto"``, ``"nccl"`` or ``"gloo"``.
+        init_method: rendezvous URL (``env://``, ``tcp://``, ``file://``); ``None``: the launcher's.
+        grad_compression: ddp's gradient compression: ``None``/``"none"``, ``"bf16"``, ``"fp16"``, ``"powersgd"``.
+        shard_optimizer: ddp's optimizer state sharded over the ranks (ZeRO-1).
+        strategy_options: the strategy's own options (``bucket_cap_mb``, ``powersgd_rank``...),
+            checked by the strategy.
+        compile: ``False``, ``True`` or a dict of ``torch.compile`` keyword arguments.
+        quiet: print neither the start summary nor the "resumed from" line.
+        preemption: ``"save"``, ``"flag"`` or ``"off"`` (see :mod:`lockstep.session.preempt`).
+        preempt_check_seconds: about how often the ranks agree on a stop signal (positive, finite).
+
+    Raises:
+        ConfigError: naming the option, its flag and the fix.
+
+    Example::
+
+        SessionConfig(strategy="ddp", precision="bf16-mixed", accumulate=2, clip_grad_norm=1.0)
+        lockstep.Session(config=SessionConfig(strategy="ddp"))
+    """
+
+    strategy: str = "auto"
+    precision: str = "fp32"
+    sync_bn: bool = False
+    accumulate: int = 1
+    clip_grad_norm: float | None = None
+    seed: int = 0
+    nonfinite: str = "skip"
+    timeout: float | timedelta | None = None
+    backend: str = "auto"
+    init_method: str | None = None
+    grad_compression: str | None = None
+    shard_optimizer: bool = False
+    strategy_options: dict[str, Any] | None = None
+    compile: bool | dict[str, Any] | None = False
+    quiet: bool = False
+    preemption: str = "save"
+    preempt_check_seconds: float = 1.0
+
+    @classmethod
+    def from_keywords(cls, keywords: dict[str, Any], config: SessionConfig | None = None) -> SessionConfig:
+        """The config of ``Session``'s keywords, or ``config`` when one is given (never half from each).
+
+        Args:
+            keywords: every option ``Session`` was called with, defaults included.
+            config: a whole config, or ``None``.
+
+        Raises:
+            ConfigError: ``config`` is not a SessionConfig, or came with options that are not defaults.
+
+        Example::
+
+            SessionConfig.from_keywords({"strategy": "ddp"}).strategy     # 'ddp'
+        """
+        if config is None:
+            return cls(**keywords)
+        if not isinstance(config, SessionConfig):
+            raise ConfigError(f"Session(config=...) takes a lockstep.SessionConfig, got {type(config).__name__}")
+        defaults = {f.name: f.default for f in fields(cls)}
+        mixed = sorted(k for k, v in keywords.items() if v != defaults[k])
+        if mixed:
+            raise ConfigError(f"Session(config=...) takes every option from the config, and {', '.join(mixed)} "
+                              "were given too; put them in SessionConfig(...)")
+        return config
+
+    def __post_init__(self) -> None:
+        """Check every option once, in an order where each rule sees the values it depends on."""
+        self._check_strategy()
+        self._check_numbers()
+        self._check_choices()
+        self._check_strategy_options()
+        self._check_lower_layers()
+
+    def _set(self, name: str, value: Any) -> None:
+        """Keep the canonical spelling of a checked value (the dataclass is frozen for everyone else)."""
+        object.__setattr__(self, name, value)
+
+    def _check_strategy(self) -> None:
+        """The strategy first: the rules of sync_bn, shard_optimizer and compression depend on it."""
+        from lockstep.strategies import check_strategy
+        from lockstep.strategies.horovod import import_horovod
+
+        self._set("strategy", check_strategy(self.strategy))
+        _check_bool("sync_bn", self.sync_bn)
+        if self.sync_bn and self.strategy == "dp":
+            raise ConfigError(f"{_given('sync_bn', True)} needs strategy 'ddp' or 'fsdp': SyncBatchNorm does not "
+                              "work inside nn.DataParallel replicas; drop it or use ddp")
+        if self.sync_bn and not torch.cuda.is_available():  # every rank's device is a GPU when one is visible
+            raise ConfigError(f"{_given('sync_bn', True)} needs GPUs: SyncBatchNorm only works on CUDA devices, and "
+                              "none is visible. Drop it (each rank then normalises over its own batch).")
+        if self.strategy == "horovod":
+            import_horovod()  # refuses a missing or broken Horovod with the fix, as the strategy would
+
+    def _check_numbers(self) -> None:
+        """Numbers of the loop: NaN and infinity fail every comparison, so they are refused too."""
+        if isinstance(self.accumulate, bool) or not isinstance(self.accumulate, int) or self.accumulate < 1:
+            raise ConfigError(f"{_given('accumulate', self.accumulate)} must be an integer >= 1 (micro-steps "
+                              "per optimizer step; 1 accumulates nothing)")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ConfigError(f"{_given('seed', self.seed)} must be an integer")
+        clip = self.clip_grad_norm
+        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float))
+                                 or not (math.isfinite(clip) and clip > 0)):
+            raise ConfigError(f"{_given('clip_grad_norm', clip)} must be a positive, finite number, or None "
+                              "for no clipping")
+        wait = self.preempt_check_seconds
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not (math.isfinite(wait) and wait > 0):
+            raise ConfigError(f"{_given('preempt_check_seconds', wait)} must be a positive, finite number of "
+                              "seconds")
+
+    def _check_choices(self) -> None:
+        """Options with a fixed set of values, listed in the message."""
+        if self.nonfinite not in NONFINITE_POLICIES:
+            raise ConfigError(f"{_given('nonfinite', self.nonfinite)}; choose one of {', '.join(NONFINITE_POLICIES)}")
+        if self.preemption not in PREEMPTION_MODES:
+            raise ConfigError(f"{_given('preemption', self.preemption)}; choose one of {', '.join(PREEMPTION_MODES)}")
+        _check_bool("quiet", self.quiet)
+        if self.init_method is not None and not (isinstance(self.init_method, str) and "://" in self.init_method):
+            raise ConfigError(f"{_given('init_method', self.init_method)} must be a URL such as env://, "
+                              "tcp://HOST:PORT or file:///PATH, or None for the launcher's")
+
+    def _check_strategy_options(self) -> None:
+        """The strategy's own options are its to check; here only their shape and ddp's ZeRO switch."""
+        options = self.strategy_options
+        if options is not None and not isinstance(options, dict):
+            raise ConfigError(f"{_given('strategy_options', options)} must be a dict of the strategy's options")
+        self._set("strategy_options", dict(options or {}))
+        _check_bool("shard_optimizer", self.shard_optimizer)
+        if self.shard_optimizer and self.strategy not in ("ddp", "auto"):
+            raise ConfigError(f"{_given('shard_optimizer', True)} shards ddp's optimizer state (ZeRO-1); strategy "
+                              f"{self.strategy!r} has no such option (fsdp shards it already); use strategy "
+                              "'ddp' or drop it")
+
+    def _check_lower_layers(self) -> None:
+        """The rules owned by the layers below, each called once; what they return is the canonical value."""
+        from lockstep.comm.group import pick_backend
+        from lockstep.comm.store import resolve_timeout
+        from lockstep.precision import check_precision
+        from lockstep.strategies.comm_hooks import POWERSGD_DEFAULTS, check_grad_compression
+        from lockstep.strategies.compile import check_compile
+
+        self._set("precision", check_precision(self.precision))
+        self._set("timeout", resolve_timeout(self.timeout))
+        self._set("backend", pick_backend(self.backend))
+        options = self.strategy_options or {}
+        compression = self.grad_compression if self.grad_compression is not None else options.get("grad_compression")
+        knobs = {k: options.get(k, v) for k, v in POWERSGD_DEFAULTS.items()}
+        self._set("grad_compression", check_grad_compression(
+            compression, strategy=self.strategy, backend=self.backend, bucket_cap_mb=options.get("bucket_cap_mb"),
+            **knobs))
+        self._set("compile", check_compile(self.compile))
+
+    @property
+    def compile_backend(self) -> str:
+        """The ``torch.compile`` backend as an app's ``--compile`` names it: ``none`` (eager) or the backend.
+
+        Example::
+
+            SessionConfig(compile={"backend": "aot_eager"}).compile_backend     # 'aot_eager'
+        """
+        options = self.compile if isinstance(self.compile, dict) else None
+        return "none" if options is None else str(options.get("backend", "inductor"))
+
+    def check_processes(self, world_size: int) -> None:
+        """Refuse what the job's number of processes rules out (before any process group).
+
+        Args:
+            world_size: processes of the job.
+
+        Raises:
+            ConfigError: ``dp``, which drives every GPU from one process, with several processes.
+
+        Example::
+
+            SessionConfig(strategy="dp").check_processes(2)     # ConfigError
+        """
+        from lockstep.strategies import check_processes
+
+        check_processes(self.strategy, world_size)
+
+    def strategy_kwargs(self, world_size: int) -> dict[str, Any]:
+        """The keyword arguments :func:`lockstep.strategies.get_strategy` builds the strategy with.
+
+        Args:
+            world_size: processes of the job (with ``"auto"`` in one process there is no ddp
+                optimizer to shard).
+
+        Example::
+
+            SessionConfig(strategy="ddp", grad_compression="fp16").strategy_kwargs(2)
+            # {'grad_compression': 'fp16'}
+        """
+        out = dict(self.strategy_options or {})
+        out.pop("grad_compression", None)
+        if self.sync_bn:
+            out["sync_bn"] = True
+        if self.grad_compression != "none":  # "none" is no option at all: fsdp and horovod have none to take
+            out["grad_compression"] = self.grad_compression
+        if self.shard_optimizer and (self.strategy == "ddp" or world_size > 1):
+            out["shard_optimizer"] = True
+        return out
+
+
+OPTION_NAMES = tuple(f.name for f in fields(SessionConfig))
+"""The names of the options, in the order ``Session`` takes them."""

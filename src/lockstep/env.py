@@ -19,12 +19,12 @@ import os
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from lockstep import _cluster
 from lockstep.errors import WorldError
 
-__all__ = ["World", "WorldError", "Settings", "detect_world", "read_settings", "environment", "export_environment",
+__all__ = ["World", "WorldView", "WorldError", "Settings", "detect_world", "read_settings", "environment", "export_environment",
            "first_slurm_host"]
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
@@ -110,6 +110,49 @@ class World:
         if torch.cuda.is_available() and torch.cuda.device_count() > 0:
             return torch.device("cuda", self.local_rank % torch.cuda.device_count())
         return torch.device("cpu")
+
+
+class WorldView:
+    """``rank``, ``local_rank``, ``world_size`` and ``is_main`` of an object's ``world``, defined once.
+
+    The job's :class:`~lockstep.comm.group.Comm` and the :class:`~lockstep.Session` both answer
+    these questions; they inherit the answers from here instead of each keeping a copy.
+
+    Example::
+
+        class Job(WorldView):
+            world = World()
+
+        Job().world_size   # 1
+    """
+
+    @property
+    def rank(self: _HasWorld) -> int:
+        """Global rank of this process."""
+        return self.world.rank
+
+    @property
+    def local_rank(self: _HasWorld) -> int:
+        """Rank of this process on its node."""
+        return self.world.local_rank
+
+    @property
+    def world_size(self: _HasWorld) -> int:
+        """Number of processes in the job."""
+        return self.world.world_size
+
+    @property
+    def is_main(self: _HasWorld) -> bool:
+        """True on rank 0."""
+        return self.world.is_main
+
+
+class _HasWorld(Protocol):
+    """What WorldView reads: a ``world``, as an attribute (Comm) or a property (Session)."""
+
+    @property
+    def world(self) -> World: ...
+
 
 
 def first_slurm_host(nodelist: str) -> str:

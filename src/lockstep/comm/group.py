@@ -38,7 +38,7 @@ from lockstep.comm.store import (
     DEFAULT_TIMEOUT, CommError, Peer, describe_self, handshake, open_store, resolve_timeout,
 )
 from lockstep.comm.watchdog import NullWatchdog, Watchdog
-from lockstep.env import Settings, World, detect_world, read_settings
+from lockstep.env import Settings, World, WorldView, detect_world, read_settings
 from lockstep.errors import ConfigError
 
 __all__ = ["Comm", "GroupComm", "CommError", "init_comm", "form_comm", "resolve_timeout", "DEFAULT_TIMEOUT", "Peer",
@@ -48,7 +48,7 @@ T = TypeVar("T")
 _OPS = {"sum", "mean", "max", "min"}
 
 
-class Comm:
+class Comm(WorldView):
     """Collectives for a job of one process: each call returns its input unchanged.
 
     Subclasses implement the same calls across a process group; code written against
@@ -69,21 +69,6 @@ class Comm:
     def __init__(self, world: World) -> None:
         self.world = world
         self.peers: list[Peer] = [describe_self(world)]
-
-    @property
-    def rank(self) -> int:
-        """Global rank of this process."""
-        return self.world.rank
-
-    @property
-    def world_size(self) -> int:
-        """Number of processes in the job."""
-        return self.world.world_size
-
-    @property
-    def is_main(self) -> bool:
-        """True on rank 0."""
-        return self.world.is_main
 
     def barrier(self) -> None:
         """Wait until every rank reaches this call."""

@@ -11,14 +11,14 @@ Example::
 from __future__ import annotations
 
 from lockstep.comm.group import Comm
-from lockstep.env import World
+from lockstep.env import World, WorldView
 from lockstep.session.state import TrainState
 
 __all__ = ["Position"]
 
 
-class Position:
-    """Rank, world and loop counters, read from the session's ``comm`` and ``state``.
+class Position(WorldView):
+    """Rank, world (:class:`~lockstep.env.WorldView`) and loop counters, read from the session's ``comm`` and ``state``.
 
     Example::
 
@@ -32,26 +32,6 @@ class Position:
     def world(self) -> World:
         """The job's world, as the process group knows it (an adopted group may say more than the environment)."""
         return self.comm.world
-
-    @property
-    def rank(self) -> int:
-        """Global rank of this process."""
-        return self.world.rank
-
-    @property
-    def local_rank(self) -> int:
-        """Rank of this process on its node."""
-        return self.world.local_rank
-
-    @property
-    def world_size(self) -> int:
-        """Number of processes in the job."""
-        return self.world.world_size
-
-    @property
-    def is_main(self) -> bool:
-        """True on rank 0."""
-        return self.world.is_main
 
     @property
     def epoch(self) -> int:

@@ -23,15 +23,21 @@ demo: install
 typecheck: install
 	$(BIN)/mypy
 
-# Two test tiers: `test-fast` runs the single-process tests (pytest -m "not slow", under a minute);
-# `test` runs every test, the multi-process ones marked `slow` included (the docs' build and
-# examples too), then the type checker. Tests run on TEST_WORKERS pytest-xdist workers (2 by
-# default: most multi-process tests wait on sockets, timeouts and child processes as much as they
-# compute); TEST_WORKERS=0 runs them one after another.
+# Test tiers: `test-fast` runs the single-process tests (pytest -m "not slow", under a minute);
+# `test` runs every test but the end-to-end runs (the multi-process ones marked `slow` included,
+# the docs' build and examples too), then the type checker; `test-e2e` runs whole commands end to
+# end (`lockstep train`, a requeued job, the benchmark scripts: tests marked `e2e`), and
+# `test-engines` runs them and then lockstep under the real engines. Tests run on TEST_WORKERS
+# pytest-xdist workers (2 by default: the multi-process tests wait on sockets, timeouts and child
+# processes as much as they compute); TEST_WORKERS=0 runs them one after another.
 TEST_WORKERS ?= 2
 test: install
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not e2e" tests
 	$(BIN)/mypy
+
+.PHONY: test-e2e
+test-e2e: install
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m e2e tests
 
 # The documentation site (MkDocs, Material theme, API reference by mkdocstrings) into build/docs;
 # --strict: a broken link, a missing page or an unresolved reference fails it. tests/test_docs.py
@@ -57,5 +63,5 @@ horovod: install
 # installs slurm-wlm, munge, openmpi-bin (apt) and ray[train] (pip) when missing; skipped without
 # root or network namespaces. 6 to 20 minutes on 2 cores (more when busy); logs in build/test-engines/.
 .PHONY: test-engines
-test-engines: install
+test-engines: test-e2e
 	bash tests/engines/run.sh

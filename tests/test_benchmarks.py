@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.e2e  # each script run whole, as a user runs it
+
 ROOT = Path(__file__).resolve().parents[1]
 
 CASES = {

@@ -35,6 +35,7 @@ def _env() -> dict[str, str]:
 
 
 @pytest.mark.slow
+@pytest.mark.e2e  # lockstep train, preempted and run again, end to end
 @pytest.mark.timeout(300)
 def test_sigterm_then_the_same_command_continues_and_finishes(tmp_path: Path) -> None:
     out = tmp_path / "run"

@@ -26,7 +26,7 @@ from lockstep.comm.group import Comm
 from lockstep.env import World
 from test_recipes import write_image_folder, write_mnist
 
-pytestmark = pytest.mark.slow  # every test here starts processes
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]  # every test here runs lockstep train end to end
 
 FAST = ["--epochs", "1", "--max-steps", "3", "--progress", "off"]
 

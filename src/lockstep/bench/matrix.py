@@ -38,15 +38,16 @@ if TYPE_CHECKING:  # the session's modules load when a config is built, not when
     from lockstep.session.config import SessionConfig
 
 __all__ = ["BenchConfig", "Cell", "cell_config", "plan_cells", "skip_reason", "parse_list", "split_strategy",
-           "ONE_PROCESS", "DEFAULT_STEPS", "DEFAULT_WARMUP"]
+           "ONE_PROCESS", "DEFAULT_STEPS", "DEFAULT_WARMUP", "DEFAULT_REPEATS"]
 
 ONE_PROCESS = ("single", "dp")
 DEFAULT_STEPS = 80
 DEFAULT_WARMUP = 5
+DEFAULT_REPEATS = 3  # the fewest timed windows that give a cell a median and a spread
 
 
 def _strategy_label(name: str) -> str:
-    """A ``--strategies`` item in canonical form: ``DDP+FP16`` -> ``ddp+fp16``, refusing a bad one."""
+    """A ``--strategy`` item in canonical form: ``DDP+FP16`` -> ``ddp+fp16``, refusing a bad one."""
     from lockstep.strategies import available_strategies, check_strategy
 
     choices = [s for s in available_strategies() if s != "auto"]  # a cell measures one strategy
@@ -56,11 +57,11 @@ def _strategy_label(name: str) -> str:
         return key
     if extra.strip().lower() == "zero":  # ddp+zero: the optimizer state sharded (ZeRO-1)
         if key != "ddp":
-            raise ConfigError(f"--strategies {name}: +zero shards ddp's optimizer state; write ddp+zero")
+            raise ConfigError(f"bench cell {name}: +zero shards ddp's optimizer state; write ddp+zero")
         return "ddp+zero"
     compression = extra.strip().lower()
     if compression == "none":
-        raise ConfigError(f"--strategies {name}: name a compression after '+' (bf16, fp16, powersgd) or "
+        raise ConfigError(f"bench cell {name}: name a compression after '+' (bf16, fp16, powersgd) or "
                           "write the strategy alone")
     return f"{key}+{compression}"  # the compression itself is the cell config's to check
 
@@ -147,7 +148,8 @@ class BenchConfig:
         precisions: precision names to try (apex aliases are resolved).
         nprocs: process counts to try.
         batch_size: samples per batch per device; ``None``: 100 for convnet, 32 otherwise.
-        steps: timed steps per cell.
+        steps: timed steps of each repeat (``--max-steps``).
+        repeats: timed windows per cell, for the median and the spread of its throughput.
         warmup: untimed steps before the window.
         image_size: side of the input; ``None``: the model's default (28 convnet, 224 others).
         channels: input channels; ``None``: the data's (1 for convnet), or 3 for other models.
@@ -174,6 +176,7 @@ class BenchConfig:
     batch_size: int | None = None
     steps: int = DEFAULT_STEPS
     warmup: int = DEFAULT_WARMUP
+    repeats: int = DEFAULT_REPEATS
     image_size: int | None = None
     channels: int | None = None
     num_classes: int = 10
@@ -197,7 +200,8 @@ class BenchConfig:
         compiles = [compile_from_flag(name) for name in parse_list(self.compile, "--compile")]
         object.__setattr__(self, "compile", ",".join(dict.fromkeys("none" if c is None else c["backend"]
                                                                     for c in compiles)))
-        limits = (("--nproc", min(self.nprocs, default=0), 1), ("--steps", self.steps, 1),
+        limits = (("--nproc", min(self.nprocs, default=0), 1), ("--max-steps", self.steps, 1),
+                  ("--repeats", self.repeats, 1),
                   ("--warmup", self.warmup, 0), ("--num-classes", self.num_classes, 1),
                   ("--batch-size", self.batch_size, 1), ("--image-size", self.image_size, 4),
                   ("--channels", self.channels, 1), ("--threads", self.threads, 1))

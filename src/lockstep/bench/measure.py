@@ -2,7 +2,8 @@
 
 Each rank builds the model, wraps it with ``lockstep.Session(strategy, precision)``, runs
 ``warmup`` untimed steps, waits for its device and for the other ranks, then times ``steps``
-training steps and waits for its device once more. Nothing inside the window synchronises
+training steps and waits for its device once more; the window is timed ``repeats`` times, one
+after the other, so that the cell's spread is known. Nothing inside the window synchronises
 with the host except what the Session itself does (its default ``nonfinite="skip"`` check reads
 one flag per step; ``--nonfinite ignore`` removes it).
 
@@ -57,8 +58,9 @@ class CellTask:
         strategy: strategy name (``ddp+fp16``: ddp with that gradient compression).
         precision: precision name.
         batch_size: samples per batch per device.
-        steps: timed steps.
+        steps: timed steps of each window.
         warmup: untimed steps first.
+        repeats: timed windows, one after the other.
         image_size: side of the input images.
         channels: input channels.
         num_classes: classes of the synthetic labels.
@@ -80,6 +82,7 @@ class CellTask:
     batch_size: int = 100
     steps: int = 80
     warmup: int = 5
+    repeats: int = 1
     image_size: int = 28
     channels: int = 1
     num_classes: int = 10
@@ -192,7 +195,8 @@ def measure_cell(task: CellTask) -> dict[str, Any]:
         task: what to measure.
 
     Returns:
-        This rank's figures: ``elapsed_s``, ``step_ms`` (list), ``peak_mem_mb``,
+        This rank's figures: ``elapsed_s`` (all windows), ``windows_s`` (each window's wall
+        time), ``step_ms`` (list, every window's steps), ``peak_mem_mb``,
         ``base_mem_mb``, ``batch_size`` (samples per step of this process), ``devices``,
         ``threads``, ``device``, ``skipped_steps``, ``compiles_in_window``; or ``{"skipped": reason}`` when lockstep
         refuses the configuration here (a :class:`ConfigError`).
@@ -233,10 +237,16 @@ def measure_cell(task: CellTask) -> dict[str, Any]:
     for _ in range(task.warmup):
         step()
     compiled = _graphs_compiled(task)
-    elapsed, step_ms = time_window(step, task.steps, device, session.barrier)
+    windows: list[float] = []
+    step_ms: list[float] = []
+    for _ in range(task.repeats):
+        elapsed, times = time_window(step, task.steps, device, session.barrier)
+        windows.append(elapsed)
+        step_ms += times
     compiled = _graphs_compiled(task) - compiled
     peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else resident_mb(peak=True)
-    result = {"rank": session.rank, "elapsed_s": elapsed, "step_ms": step_ms, "peak_mem_mb": peak,
+    result = {"rank": session.rank, "elapsed_s": sum(windows), "windows_s": windows, "step_ms": step_ms,
+              "peak_mem_mb": peak,
               "base_mem_mb": 0.0 if device.type == "cuda" else base, "batch_size": batch_size,
               "devices": devices, "threads": torch.get_num_threads(), "device": str(device),
               "skipped_steps": session.skipped_steps, "compiles_in_window": compiled}

@@ -1,27 +1,34 @@
 """The outputs of ``lockstep bench``: a terminal table, ``results.json`` and ``bench.png``.
 
-``results.json`` (schema ``lockstep-bench``, version 3)::
+``results.json`` (schema ``lockstep-bench``, version 4)::
 
-    schema, version       "lockstep-bench", 3
+    schema, version       "lockstep-bench", 4
     created               UTC time, ISO 8601
     host                  hostname, platform, python, cpu_cores, load_average (1, 5, 15 min at start)
     torch, lockstep, cuda versions (cuda is null without CUDA)
     device                type ("cpu" | "cuda"), count (GPUs), name
-    config                model, data, batch_size (per device), steps, warmup, image_size,
+    config                model, data, batch_size (per device), steps, warmup, repeats, image_size,
                           channels, num_classes, nonfinite, seed, threads (null: cores // nproc),
                           compile ("none", a backend, or a list: "none,inductor")
     cpu_threads           on CPU, one entry per process count: nproc, per_rank (threads of each
                           rank), total (nproc x per_rank), cores; null with GPUs
-    winner                id of the cell with the highest samples_per_s, or null
+    fastest               id of the cell with the highest (median) samples_per_s, or null
+    winner                fastest, when its slowest window beats every other cell's fastest
+                          one (the gap exceeds the spread); else null
+    within_noise          ids of the cells whose min-max range reaches the fastest's
+    no_winner_reason      why no winner was called (null when one was)
     cells                 list, in run order, of:
       id                  "strategy/precision/nproc", with "/backend" for a compiled cell
       strategy, precision, nproc
       compile             "none" (eager) or the torch.compile backend
       status              "ran" | "skipped" | "failed"
       reason              why skipped / how it failed (null when it ran)
-      winner              true for the fastest cell
-      batch_size, steps, warmup
-      samples_per_s       all ranks together: global samples / slowest rank's window
+      winner              true for the winner (when one is called)
+      fastest             true for the cell with the highest median
+      batch_size, steps, warmup, repeats   (steps: of each timed window; repeats: windows)
+      samples_per_s       all ranks together: global samples / slowest rank's window, the
+                          median over the windows
+      samples_per_s_min, samples_per_s_max   the slowest and the fastest window
       samples_per_s_per_rank
       efficiency          samples/s per unit over the baseline's samples/s per unit; a unit is
                           a GPU on CUDA and a busy core on CPU (cores_used); baseline: the
@@ -63,7 +70,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["format_table", "write_outputs", "plot_results", "cell_label", "compile_text", "threads_line"]
+__all__ = ["format_table", "write_outputs", "plot_results", "cell_label", "compile_text", "threads_line",
+           "verdict_lines"]
 
 
 def _compiled(cell: dict[str, Any]) -> str:
@@ -113,8 +121,10 @@ def _header(doc: dict[str, Any]) -> str:
     where = f"{dev['count']} x {dev['name']}" if dev["type"] == "cuda" else f"cpu ({doc['host']['cpu_cores']} cores)"
     load = doc["host"].get("load_average")
     load_text = f", load {load[0]:.2f}" if load else ""
+    repeats = cfg.get("repeats", 1)
+    windows = f" x {repeats} windows" if repeats > 1 else ""
     head = (f"lockstep bench: {cfg['model']}, {cfg['data']} data {cfg['image_size']}px, batch {cfg['batch_size']} "
-            f"per device, {cfg['steps']} timed steps after {cfg['warmup']} warm-up"
+            f"per device, {cfg['steps']} timed steps{windows} after {cfg['warmup']} warm-up"
             + compile_text(cfg.get("compile", "none"))
             + f"; {where}{load_text}; "
             f"torch {doc['torch']}")
@@ -149,7 +159,9 @@ def threads_line(doc: dict[str, Any]) -> str | None:
 
 
 def format_table(doc: dict[str, Any]) -> str:
-    """The results as a table; the fastest cell is marked with ``*``, reasons listed below.
+    """The results as a table; the fastest cell is marked with ``*``, the verdict and reasons below.
+
+    ``samples/s`` is the median of a cell's timed windows, ``min-max`` their range.
 
     Args:
         doc: the results document of :func:`lockstep.bench.run_bench`.
@@ -161,7 +173,7 @@ def format_table(doc: dict[str, Any]) -> str:
     # a compile column when some cell is compiled: eager and compiled rows side by side
     with_compile = any(_compiled(cell) for cell in doc["cells"])
     head = ("", "strategy", "precision", "nproc", *(("compile",) if with_compile else ()), "status", "samples/s",
-            "per rank", "efficiency", "step ms median (p10-p90)", "peak MB")
+            "min-max", "per rank", "efficiency", "step ms median (p10-p90)", "peak MB")
     rows = [head]
     notes: list[str] = []
     for cell in doc["cells"]:
@@ -178,23 +190,57 @@ def format_table(doc: dict[str, Any]) -> str:
                          "graph(s) inside the timed window (a recompilation, or --warmup 0), so its figures include "
                          "compile time")
         compiled = ((_compiled(cell).strip() or "eager"),) if with_compile else ()
-        rows.append(("*" if cell["winner"] else "", cell["strategy"], cell["precision"], str(cell["nproc"]),
-                     *compiled, status, _num(cell["samples_per_s"]), _num(cell["samples_per_s_per_rank"]),
+        rows.append(("*" if cell["winner"] or cell.get("fastest") else "", cell["strategy"], cell["precision"],
+                     str(cell["nproc"]), *compiled, status, _num(cell["samples_per_s"]), _spread(cell),
+                     _num(cell["samples_per_s_per_rank"]),
                      _num(cell["efficiency"], 2), spread, _num(cell["peak_mem_mb"], 0)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     shift = 1 if with_compile else 0
-    right = {3, *(i + shift for i in (5, 6, 7, 9))}
+    right = {3, *(i + shift for i in (5, 6, 7, 8, 10))}
     lines = [_header(doc), ""]
     for row in rows:
         cols = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
         lines.append("  ".join(cols).rstrip())
-    winner = next((c for c in doc["cells"] if c["winner"]), None)
     lines.append("")
+    return "\n".join(lines + verdict_lines(doc) + notes)
+
+
+def _spread(cell: dict[str, Any]) -> str:
+    low, high = cell.get("samples_per_s_min"), cell.get("samples_per_s_max")
+    return "-" if low is None or high is None else f"{_num(low)}-{_num(high)}"
+
+
+def verdict_lines(doc: dict[str, Any]) -> list[str]:
+    """The table's verdict: the winner with its lead over the spread, or the cells within noise.
+
+    Args:
+        doc: the results document (one before version 4 has a winner and no spread).
+
+    Example::
+
+        verdict_lines(doc)   # ['* fastest: ddp fp32 x2, 1,902.0 samples/s (median of 3 windows, ...)']
+    """
+    cells = {c["id"]: c for c in doc["cells"]}
+    winner = next((c for c in doc["cells"] if c["winner"]), None)
+    fastest = cells.get(doc.get("fastest") or "") or winner
+    if fastest is None:
+        return ["no cell ran"]
+    text = f"* fastest: {cell_label(fastest)}, {_num(fastest['samples_per_s'])} samples/s"
+    if fastest.get("samples_per_s_min") is None:  # a document without the spread
+        return [text]
+    text += (f" (median of {fastest.get('repeats', 1)} windows, min {_num(fastest['samples_per_s_min'])}, "
+             f"max {_num(fastest['samples_per_s_max'])})")
+    ran = [c for c in doc["cells"] if c["status"] == "ran" and c["id"] != fastest["id"]]
     if winner is not None:
-        lines.append(f"* fastest: {cell_label(winner)}, {_num(winner['samples_per_s'])} samples/s")
-    else:
-        lines.append("no cell ran")
-    return "\n".join(lines + notes)
+        if ran:
+            nearest = max(ran, key=lambda c: c["samples_per_s_max"])
+            text += (f": the winner, its slowest window beats the next cell's fastest ({cell_label(nearest)}, "
+                     f"max {_num(nearest['samples_per_s_max'])})")
+        return [text]
+    close = [cells[i] for i in doc.get("within_noise", []) if i in cells]
+    reason = doc.get("no_winner_reason") or "their ranges overlap"
+    return [text, f"no winner: within noise of it: {', '.join(cell_label(c) for c in close)} ({reason}); "
+                  "for a clearer verdict use more --repeats or --max-steps, or a quieter machine"]
 
 
 def _annotate_bars(ax: Any, bars: Any, values: list[float]) -> None:

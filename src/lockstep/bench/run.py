@@ -1,9 +1,10 @@
 """Run the bench matrix: each cell in fresh processes (``lockstep.launch.spawn``), figures back to the parent.
 
 Every cell, one process included, runs in newly started processes, so that one cell's memory
-peak, threads or failure never leaks into the next. The parent only plans, spawns and
-aggregates: throughput is the global sample count over the slowest rank's window, step time is
-the slowest rank's at each step, memory the largest rank's.
+peak, threads or failure never leaks into the next. The parent checks the inputs, plans, spawns
+and aggregates: throughput is the global sample count over the slowest rank's window, the median
+of the cell's repeated windows with their min and max; step time is the slowest rank's at each
+step, memory the largest rank's. The winner is called by :func:`lockstep.bench.verdict.pick_winner`.
 
 Example::
 
@@ -24,12 +25,15 @@ import torch
 
 from lockstep.bench.matrix import BenchConfig, Cell, plan_cells
 from lockstep.bench.measure import CellTask, measure_cell
+from lockstep.bench.verdict import pick_winner
 
-__all__ = ["run_bench", "run_cell", "aggregate", "add_efficiency", "host_info", "percentile", "threads_per_rank",
-           "SCHEMA_VERSION"]
+__all__ = ["run_bench", "run_cell", "check_inputs", "aggregate", "add_efficiency", "host_info", "percentile",
+           "threads_per_rank", "SCHEMA_VERSION"]
 
-# 3: cells carry compile (--compile none,inductor: both rows); 2: CPU efficiency per core busy
-SCHEMA_VERSION = 3
+# 4: repeated windows (samples_per_s is their median, with min, max), fastest vs a winner called
+# only beyond the spread; 3: cells carry compile (--compile none,inductor: both rows); 2: CPU
+# efficiency per core busy
+SCHEMA_VERSION = 4
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -127,6 +131,7 @@ def _task(config: BenchConfig, cell: Cell, gpus: int) -> CellTask:
     threads = threads_per_rank(config, cell.nproc, gpus)
     return CellTask(model=config.model, data=config.data, strategy=cell.strategy, precision=cell.precision,
                     batch_size=config.per_device_batch, steps=config.steps, warmup=config.warmup,
+                    repeats=config.repeats,
                     image_size=config.input_size, channels=config.input_channels,
                     num_classes=config.num_classes, nonfinite=config.nonfinite, seed=config.seed,
                     threads=threads, timeout=min(config.cell_timeout, 300.0), compile=cell.compile)
@@ -138,10 +143,13 @@ def aggregate(cell: Cell, ranks: list[dict[str, Any]], steps: int, cores: int | 
     On CPU the cell also records ``cpu_threads`` (its ranks' threads together) and ``cores_used``
     (those threads, at most ``cores``): what :func:`add_efficiency` divides by.
 
+    A rank that timed several windows (``windows_s``) gives one throughput per window: the
+    cell's ``samples_per_s`` is their median, ``samples_per_s_min`` and ``_max`` the spread.
+
     Args:
         cell: the cell, updated in place.
         ranks: one dict per rank, in rank order.
-        steps: timed steps per rank.
+        steps: timed steps per rank in each window.
         cores: CPU cores of this machine (default: counted here).
 
     Example::
@@ -152,9 +160,11 @@ def aggregate(cell: Cell, ranks: list[dict[str, Any]], steps: int, cores: int | 
     if refused:
         cell.status, cell.reason = "skipped", refused[0]
         return
-    elapsed = max(r["elapsed_s"] for r in ranks)
     samples = sum(r["batch_size"] for r in ranks) * steps
-    total = samples / elapsed
+    # each window moves at its slowest rank's pace
+    windows = [max(times) for times in zip(*(r.get("windows_s", [r["elapsed_s"]]) for r in ranks))]
+    rates = [samples / elapsed for elapsed in windows]
+    total = percentile(rates, 50)
     # the job moves at its slowest rank's pace: take each step's largest time
     step_ms = [max(times) for times in zip(*(r["step_ms"] for r in ranks))]
     threads = sum(r["threads"] for r in ranks)
@@ -162,6 +172,7 @@ def aggregate(cell: Cell, ranks: list[dict[str, Any]], steps: int, cores: int | 
     cell.status = "ran"
     cell.result = {
         "samples_per_s": total, "samples_per_s_per_rank": total / len(ranks),
+        "samples_per_s_min": min(rates), "samples_per_s_max": max(rates), "repeats": len(rates),
         "step_ms_median": percentile(step_ms, 50), "step_ms_p10": percentile(step_ms, 10),
         "step_ms_p90": percentile(step_ms, 90),
         # what the window would give without its stalls (another process taking a core, say)
@@ -175,6 +186,40 @@ def aggregate(cell: Cell, ranks: list[dict[str, Any]], steps: int, cores: int | 
         # torch.compile compilations inside the timed window (0 unless a shape or guard changed there)
         "compiles_in_window": max(r.get("compiles_in_window", 0) for r in ranks),
     }
+
+
+def check_inputs(config: BenchConfig) -> None:
+    """Check, before any cell starts, what ``lockstep train`` checks before it starts: the data
+    (folders, images, at least two classes) and the batch against each process's share of it.
+
+    Args:
+        config: the bench configuration.
+
+    Raises:
+        ConfigError: a data set that cannot be read or classified, or a per-device batch larger
+            than a process's share of it at the largest process count (a cell would wait forever
+            for its first full batch).
+
+    Example::
+
+        check_inputs(BenchConfig(data="imagefolder:photos"))
+    """
+    if config.data == "synthetic":
+        return
+    from collections.abc import Sized
+    from typing import cast
+
+    from lockstep.errors import ConfigError
+    from lockstep.zoo.datasets import open_data, parse_data
+
+    data = open_data(parse_data(config.data), config.input_size, config.input_channels)
+    size, nproc = len(cast(Sized, data.train)), max(config.nprocs)
+    shard = size // nproc
+    if config.per_device_batch > shard:
+        raise ConfigError(
+            f"--batch-size {config.per_device_batch} (per device) is larger than each process's share of "
+            f"{config.data} at --nproc {nproc} ({size} samples / {nproc} processes = {shard}); "
+            f"use --batch-size {max(shard, 1)} or less, or fewer processes")
 
 
 def run_cell(config: BenchConfig, cell: Cell, gpus: int) -> None:
@@ -240,20 +285,22 @@ def add_efficiency(cells: list[Cell]) -> None:
         cell.result["efficiency"] = cell.result["samples_per_s"] / (per_unit * _units(cell.result))
 
 
-def _cell_doc(cell: Cell, config: BenchConfig, winner: str | None) -> dict[str, Any]:
+def _cell_doc(cell: Cell, config: BenchConfig, winner: str | None, fastest: str | None) -> dict[str, Any]:
     doc: dict[str, Any] = {"id": cell.id, "strategy": cell.strategy, "precision": cell.precision,
                            "nproc": cell.nproc, "compile": cell.compile, "status": cell.status, "reason": cell.reason,
-                           "winner": cell.id == winner, "batch_size": config.per_device_batch,
-                           "steps": config.steps, "warmup": config.warmup}
-    for key in ("samples_per_s", "samples_per_s_per_rank", "efficiency", "step_ms_median", "step_ms_p10",
-                "step_ms_p90", "peak_mem_mb"):
+                           "winner": cell.id == winner, "fastest": cell.id == fastest,
+                           "batch_size": config.per_device_batch, "steps": config.steps, "warmup": config.warmup,
+                           "repeats": config.repeats}
+    for key in ("samples_per_s", "samples_per_s_min", "samples_per_s_max", "samples_per_s_per_rank", "efficiency",
+                "step_ms_median", "step_ms_p10", "step_ms_p90", "peak_mem_mb"):
         doc[key] = cell.result.get(key)
     doc.update({k: v for k, v in cell.result.items() if k not in doc})
     return doc
 
 
 def run_bench(config: BenchConfig, progress: bool = True) -> dict[str, Any]:
-    """Plan and run the whole matrix; return the results document (the ``results.json`` content).
+    """Check the inputs, plan and run the whole matrix; return the results document (the
+    ``results.json`` content).
 
     Args:
         config: the bench configuration.
@@ -265,6 +312,7 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict[str, Any]:
     """
     from tqdm.auto import tqdm
 
+    check_inputs(config)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     bf16 = bool(gpus) and torch.cuda.is_bf16_supported()
     cells = plan_cells(config, gpus, bf16_supported=bf16 or not gpus)
@@ -276,18 +324,19 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict[str, Any]:
             run_cell(config, cell, gpus)
     bar.close()
     add_efficiency(cells)
-    ran = [c for c in cells if c.status == "ran"]
-    winner = max(ran, key=lambda c: c.result["samples_per_s"]).id if ran else None
+    verdict = pick_winner(cells)
     return {
         "schema": "lockstep-bench", "version": SCHEMA_VERSION,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         **info,
         "config": {"model": config.model, "data": config.data, "batch_size": config.per_device_batch,
-                   "steps": config.steps, "warmup": config.warmup, "image_size": config.input_size,
+                   "steps": config.steps, "warmup": config.warmup, "repeats": config.repeats,
+                   "image_size": config.input_size,
                    "channels": config.input_channels, "num_classes": config.num_classes,
                    "nonfinite": config.nonfinite, "seed": config.seed, "threads": config.threads,
                    "compile": config.compile},
         "cpu_threads": _cpu_threads(config, gpus),
-        "winner": winner,
-        "cells": [_cell_doc(c, config, winner) for c in cells],
+        "winner": verdict.winner, "fastest": verdict.fastest, "within_noise": list(verdict.within_noise),
+        "no_winner_reason": verdict.reason,
+        "cells": [_cell_doc(c, config, verdict.winner, verdict.fastest) for c in cells],
     }

@@ -1,18 +1,22 @@
 """``lockstep bench``: measure which strategy x precision x process count is fastest here.
 
-Each cell trains the model with ``lockstep.Session`` in new processes: warm-up steps, then a
-timed window. The table marks the fastest cell; ``results.json`` and ``bench.png`` go to --out.
-Examples::
+Each cell trains the model with ``lockstep.Session`` in new processes: warm-up steps, then the
+timed window, repeated (--repeats, default 3) so that each cell's spread is known: the table
+gives the median samples/s with the min-max range, and names a winner only when the fastest
+cell's slowest repeat beats every other cell's fastest one; otherwise it says which cells are
+within noise. The data, batch and model are checked before any cell starts (a bad one is one
+line, exit code 2). ``results.json`` and ``bench.png`` go to --out. Examples::
 
     lockstep bench
-    lockstep bench --model convnet --nproc 1,2 --strategies single,ddp,fsdp --precision fp32,bf16-mixed
+    lockstep bench --model convnet --nproc 1,2 --strategy single,ddp,fsdp --precision fp32,bf16-mixed
     lockstep bench --model resnet50 --precision bf16-mixed --nproc 1,2,4,8 --batch-size 64
     lockstep bench --model mypackage.models:make_net --image-size 64 --channels 3
     lockstep bench --data digits                 # include a real loader in the timing
-    lockstep bench --strategies ddp --precision fp32 --compile none,inductor   # eager and compiled rows
+    lockstep bench --strategy ddp --precision fp32 --compile none,inductor   # eager and compiled rows
+    lockstep bench --repeats 5 --max-steps 200   # a narrower spread on a busy machine
 
-Exit code: 0 when every cell ran or was skipped for a stated reason, 1 when a cell failed or
-none ran, 2 for bad flags.
+Exit code: 0 when every cell ran or was skipped for a stated reason (with or without a
+winner), 1 when a cell failed or none ran, 2 for bad flags or data.
 """
 
 from __future__ import annotations
@@ -21,8 +25,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from lockstep.bench.matrix import DEFAULT_STEPS, DEFAULT_WARMUP, BenchConfig, parse_list
-from lockstep.cli.flags import add_launch_flags
+from lockstep.bench.matrix import DEFAULT_REPEATS, DEFAULT_STEPS, DEFAULT_WARMUP, BenchConfig, parse_list
+from lockstep.cli.flags import NPROC_PER_GPU, add_deprecated, add_launch_flags
 
 __all__ = ["add_arguments", "main", "config_from_args", "default_nprocs"]
 
@@ -66,23 +70,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--data", default="synthetic", metavar="SPEC",
         help="synthetic (one random batch kept on the device: the step alone) or a lockstep train data set "
              "read through session.loader: digits, mnist:DIR, imagefolder:DIR (default synthetic)")
-    add("--strategies", default="single,dp,ddp,fsdp", metavar="LIST",
+    add("--strategy", default="single,dp,ddp,fsdp", metavar="LIST",
         help="comma-separated strategies (default single,dp,ddp,fsdp); ddp+bf16, ddp+fp16 and ddp+powersgd "
              "are ddp with that gradient compression (see --grad-compression of lockstep train)")
     add("--precision", default="fp32,bf16-mixed", metavar="LIST",
         help="comma-separated precisions: fp32, bf16-mixed, fp16-mixed, fp16-o2, bf16, fp16 (default fp32,bf16-mixed)")
     add_launch_flags(parser, ("nproc",), nproc_default=None, nproc_list=True,
-                     nproc_default_text="1,2,4... up to the GPUs, or 1,2 without GPUs")
+                     nproc_default_text=f"1,2,4... up to the default process count ({NPROC_PER_GPU})")
     add("--batch-size", type=int, default=None, metavar="B",
         help="samples per batch per device (default 100 for convnet, 32 otherwise)")
-    add("--steps", type=int, default=DEFAULT_STEPS, metavar="S", help=f"timed steps per cell (default {DEFAULT_STEPS})")
+    add("--max-steps", dest="steps", type=int, default=DEFAULT_STEPS, metavar="S",
+        help=f"timed steps of each repeat of a cell (default {DEFAULT_STEPS})")
+    add("--repeats", type=int, default=DEFAULT_REPEATS, metavar="N",
+        help=f"timed windows per cell, each of --max-steps steps, for the spread (default {DEFAULT_REPEATS})")
     add("--warmup", type=int, default=DEFAULT_WARMUP, metavar="S",
         help=f"untimed steps before the window (default {DEFAULT_WARMUP})")
     add("--image-size", type=int, default=None, metavar="PIXELS",
         help="side of the input images (default 28 for convnet, 224 otherwise)")
     add("--channels", type=int, default=None, metavar="C",
         help="input channels (default: the data's for convnet, 3 otherwise)")
-    add("--num-classes", type=int, default=10, metavar="K", help="classes of the synthetic labels (default 10)")
+    add("--num-classes", type=int, default=10, metavar="K", help="classes of synthetic labels (default 10)")
     add("--nonfinite", default="skip", metavar="|".join(NONFINITE_POLICIES),
         help="the Session's non-finite loss policy; skip (its default) reads one flag per step (default skip)")
     add("--threads", type=int, default=None, metavar="N",
@@ -97,7 +104,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "the eager row and the compiled row of every cell, run one after the other. The first "
              "warm-up step holds the compilation; a recompilation inside the timed window is flagged "
              "in the table (default none)")
-    add("--no-progress", action="store_true", help="no progress bar")
+    add("--progress", default="auto", choices=("auto", "on", "off"), metavar="auto|on|off",
+        help="progress bar over the cells: auto (when stderr is a terminal), on or off (default auto)")
+    add_deprecated(parser, "--strategies", "--strategy", dest="strategy")
+    add_deprecated(parser, "--steps", "--max-steps", dest="steps", type=int)
+    add_deprecated(parser, "--no-progress", "--progress", dest="progress", const="off")
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -114,10 +125,11 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
     counts = parse_list(args.nproc or default_nprocs(), "--nproc")
     return BenchConfig(
-        model=args.model, data=args.data, strategies=parse_list(args.strategies, "--strategies"),
+        model=args.model, data=args.data, strategies=parse_list(args.strategy, "--strategy"),
         precisions=parse_list(args.precision, "--precision"),
         nprocs=tuple(dict.fromkeys(map(resolve_nproc, counts))),
-        batch_size=args.batch_size, steps=args.steps, warmup=args.warmup, image_size=args.image_size,
+        batch_size=args.batch_size, steps=args.steps, repeats=args.repeats, warmup=args.warmup,
+        image_size=args.image_size,
         channels=args.channels, num_classes=args.num_classes, out=args.out, nonfinite=args.nonfinite,
         cell_timeout=args.cell_timeout, threads=args.threads, compile=args.compile,
     )
@@ -134,13 +146,14 @@ def main(args: argparse.Namespace) -> int:
 
     Example::
 
-        main(parser.parse_args(["--strategies", "single", "--nproc", "1"]))
+        main(parser.parse_args(["--strategy", "single", "--nproc", "1"]))
     """
     from lockstep.bench.report import format_table, write_outputs
     from lockstep.bench.run import run_bench
 
     config = config_from_args(args)
-    doc = run_bench(config, progress=not args.no_progress)
+    progress = args.progress == "on" or (args.progress == "auto" and sys.stderr.isatty())
+    doc = run_bench(config, progress=progress)
     print(format_table(doc), flush=True)
     paths = write_outputs(doc, Path(config.out))
     png = paths["png"]
@@ -149,4 +162,4 @@ def main(args: argparse.Namespace) -> int:
     if failed:
         print(f"lockstep bench: {len(failed)} cell(s) failed: {', '.join(failed)}; tracebacks in "
               f"{paths['json']}", file=sys.stderr)
-    return 1 if failed or doc["winner"] is None else 0
+    return 1 if failed or not any(c["status"] == "ran" for c in doc["cells"]) else 0

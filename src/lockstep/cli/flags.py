@@ -2,13 +2,18 @@
 
 ``run``, ``train``, ``bench``, ``verify`` and ``doctor`` take the same ``--nproc``, ``--nodes``,
 ``--node-rank``, ``--master``... with the same meaning, type and default; each command offers
-only the flags it honours. The one default a command chooses is ``--nproc``'s: how many
-processes it starts when not told (``run``: 1; ``train`` and ``doctor``: one per GPU, or 2).
+only the flags it honours. ``--nproc`` defaults to one process per GPU, or 2 on a machine
+without GPUs, in every command (``bench`` sweeps 1, 2, 4... up to that count): a data-parallel
+command uses every device unless told otherwise, and runs parallel on a CPU machine too.
+
+An old spelling of a flag stays accepted through :func:`add_deprecated`: hidden from the help,
+it sets the same value and leaves one deprecation line (:func:`deprecation_notes`).
 
 Example::
 
     add_launch_flags(parser, PLACEMENT_FLAGS, nproc_default=None, nproc_default_text=NPROC_PER_GPU)
     spec_options = launch_options(parser.parse_args(["--nproc", "2"]))    # {"nproc": 2, "nodes": 1, ...}
+    add_deprecated(parser, "--strategies", "--strategy", dest="strategy")
 """
 
 from __future__ import annotations
@@ -17,8 +22,8 @@ import argparse
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-__all__ = ["add_launch_flags", "launch_options", "value_flags", "split_at_target", "LAUNCH_FLAGS", "PLACEMENT_FLAGS",
-           "NPROC_PER_GPU"]
+__all__ = ["add_launch_flags", "launch_options", "value_flags", "flag_strings", "split_at_target", "add_deprecated",
+           "deprecation_notes", "DeprecatedFlag", "LAUNCH_FLAGS", "PLACEMENT_FLAGS", "NPROC_PER_GPU"]
 
 LAUNCH_FLAGS = ("nproc", "nodes", "node_rank", "master", "max_restarts", "join_timeout", "timeout", "grace",
                 "secret_file", "rank0_only", "local_rank_arg", "log_dir", "verbose")
@@ -26,7 +31,7 @@ LAUNCH_FLAGS = ("nproc", "nodes", "node_rank", "master", "max_restarts", "join_t
 PLACEMENT_FLAGS = ("nproc", "nodes", "node_rank", "master")
 """Where the processes run: the flags of a command that starts a job over several nodes."""
 NPROC_PER_GPU = "one per GPU, or 2 without GPUs"
-"""The ``--nproc`` default of ``train`` and ``doctor`` (:func:`lockstep.launch.relaunch.default_nproc`)."""
+"""The ``--nproc`` default of every command (:func:`lockstep.launch.relaunch.default_nproc`)."""
 
 _NPROC = "processes on this node: a number, one per GPU (gpu), one per CPU (cpu), or gpu if there are GPUs else cpu (auto)"
 _NPROC_LIST = "comma-separated process counts, each a number or auto, gpu, cpu (see lockstep run --nproc)"
@@ -71,7 +76,8 @@ def add_launch_flags(parser: argparse.ArgumentParser, names: Sequence[str] = LAU
     Args:
         parser: the command's parser.
         names: the flags the command honours.
-        nproc_default: ``--nproc``'s default as typed (``None``: the command decides, see below).
+        nproc_default: ``--nproc``'s default as typed; the commands give ``None``: resolved by the
+            command to one per GPU or 2 (:func:`lockstep.launch.relaunch.default_nproc`).
         nproc_default_text: how the help describes that default (default: ``nproc_default``).
         nproc_list: ``--nproc`` takes a comma-separated list of counts (``lockstep bench``).
         slurm: the help says that ``--nodes`` defaults to a Slurm step's (``lockstep run``; see
@@ -79,7 +85,7 @@ def add_launch_flags(parser: argparse.ArgumentParser, names: Sequence[str] = LAU
 
     Example::
 
-        add_launch_flags(argparse.ArgumentParser(), ("nproc", "timeout"), nproc_default="2")
+        add_launch_flags(argparse.ArgumentParser(), ("nproc", "timeout"))
     """
     unknown = sorted(set(names) - set(LAUNCH_FLAGS))
     if unknown:
@@ -109,6 +115,20 @@ def value_flags(names: Sequence[str] = LAUNCH_FLAGS) -> frozenset[str]:
         "--master" in value_flags()    # True
     """
     flags = {flag for name, (flag, options) in _DECLARATIONS.items() if name in names and "action" not in options}
+    return frozenset(flags | ({"--nproc"} if "nproc" in names else set()))
+
+
+def flag_strings(names: Sequence[str] = LAUNCH_FLAGS) -> frozenset[str]:
+    """The option strings of the launch flags ``names``, with or without a value.
+
+    Args:
+        names: destination names, in :data:`LAUNCH_FLAGS`.
+
+    Example::
+
+        "--verbose" in flag_strings()    # True
+    """
+    flags = {flag for name, (flag, _) in _DECLARATIONS.items() if name in names}
     return frozenset(flags | ({"--nproc"} if "nproc" in names else set()))
 
 
@@ -174,3 +194,75 @@ def launch_options(args: argparse.Namespace, slurm: Mapping[str, Any] | None = N
     if values.get("nproc") is not None:
         values["nproc"] = resolve_nproc(values["nproc"])
     return values
+
+
+class DeprecatedFlag(argparse.Action):
+    """An old spelling of a flag: sets the canonical flag's value and records one deprecation note.
+
+    Declared with :func:`add_deprecated`; hidden from the help. The note is kept on the namespace
+    (:func:`deprecation_notes`) rather than printed, so that parsing stays silent and the command
+    line prints it once.
+
+    Args:
+        option_strings: the old spelling.
+        dest: the canonical flag's destination.
+        canonical: the canonical spelling, named in the note.
+        const: the value to set when the old spelling takes no value (``--no-progress``: ``off``).
+        **options: ``type``, ``metavar``... of a flag that takes a value.
+
+    Example::
+
+        parser.add_argument("--strategies", action=DeprecatedFlag, dest="strategy", canonical="--strategy")
+    """
+
+    def __init__(self, option_strings: Sequence[str], dest: str, canonical: str, const: Any = None,
+                 **options: Any) -> None:
+        self.canonical = canonical
+        options.pop("default", None)
+        options.pop("help", None)
+        super().__init__(option_strings, dest, nargs=0 if const is not None else None, const=const,
+                         default=argparse.SUPPRESS, help=argparse.SUPPRESS, **options)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
+        shown = f"{self.canonical} {self.const}" if self.nargs == 0 else self.canonical
+        note = f"{option_string} is deprecated; write {shown} (same meaning)"
+        notes = [*getattr(namespace, _NOTES, []), note]
+        setattr(namespace, _NOTES, list(dict.fromkeys(notes)))
+
+
+_NOTES = "deprecated_flags"  # the namespace attribute holding the notes (lockstep.cli.main leaves it out of `given`)
+
+
+def add_deprecated(parser: argparse.ArgumentParser, old: str, canonical: str, *, dest: str, const: Any = None,
+                   **options: Any) -> None:
+    """Keep ``old`` working as a hidden alias of ``canonical``, with one deprecation note when used.
+
+    Args:
+        parser: the command's parser (``canonical`` already declared on it).
+        old: the old spelling (``--strategies``).
+        canonical: the spelling to use instead (``--strategy``).
+        dest: ``canonical``'s destination.
+        const: the value ``old`` stands for when it takes none (``--no-progress``: ``off``).
+        **options: ``type`` of an alias that takes a value.
+
+    Example::
+
+        add_deprecated(parser, "--no-progress", "--progress", dest="progress", const="off")
+    """
+    parser.add_argument(old, action=DeprecatedFlag, dest=dest, canonical=canonical, const=const, **options)
+
+
+def deprecation_notes(args: argparse.Namespace) -> list[str]:
+    """The deprecation notes the old spellings used on this command line left (one per spelling).
+
+    Args:
+        args: a parsed namespace.
+
+    Example::
+
+        for note in deprecation_notes(args):
+            print(f"lockstep bench: warning: {note}", file=sys.stderr)
+    """
+    return list(getattr(args, _NOTES, []))

@@ -46,7 +46,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     """Parse a ``lockstep`` command line (``command`` is ``None`` when none was given).
 
     For a command that runs a script, only the arguments up to the script are parsed; the rest
-    become ``script_args`` unchanged, even those that look like the command's own flags.
+    become ``script_args`` unchanged, even those that look like the command's own flags. A flag
+    the command does not know is refused with the command's own usage (exit 2). ``given`` holds
+    the destinations of the flags typed on the command line (not left at their defaults).
 
     Args:
         argv: the arguments after ``lockstep``.
@@ -54,6 +56,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     Example::
 
         parse_args(["run", "--nproc", "2", "train.py", "--n", "100"]).script_args   # ["--n", "100"]
+        parse_args(["train", "--lr", "0.1"]).given                                  # frozenset({"lr"})
     """
     argv = list(argv)
     parser, subparsers = _parser()
@@ -61,15 +64,27 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     if name not in COMMANDS:
         return parser.parse_args(argv)
     module = importlib.import_module(f"lockstep.cli.{name}")
-    module.add_arguments(subparsers[name])
-    split = getattr(module, "split_argv", None)
-    if split is None:
-        return parser.parse_args(argv)
+    command = subparsers[name]
+    module.add_arguments(command)
     at = argv.index(name) + 1
-    own, script_args = split(argv[at:])
-    args = parser.parse_args([*argv[:at], *own])
-    args.script_args = script_args
+    split = getattr(module, "split_argv", None)
+    own, script_args = split(argv[at:]) if split is not None else (argv[at:], None)
+    args, unknown = parser.parse_known_args([*argv[:at], *own])
+    if unknown:  # the command's usage, not lockstep's: the mistake is in the command's flags
+        command.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if script_args is not None:
+        args.script_args = script_args
+    args.given = _given(command, own, args)
     return args
+
+
+def _given(command: argparse.ArgumentParser, own: list[str], args: argparse.Namespace) -> frozenset[str]:
+    """Parse again into a namespace whose every value is a marker: argparse fills in no default
+    for a value already present, so what no longer holds the marker was typed (argparse keeps no record)."""
+    unset = object()
+    typed = argparse.Namespace(**{dest: unset for dest in vars(args) if dest != "deprecated_flags"})
+    command.parse_known_args(own, namespace=typed)
+    return frozenset(dest for dest, value in vars(typed).items() if value is not unset) - {"deprecated_flags"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -93,6 +108,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         _parser()[0].print_help()
         return EXIT_USAGE
+    from lockstep.cli.flags import deprecation_notes
+
+    for note in deprecation_notes(args):
+        print(f"lockstep {args.command}: warning: {note}", file=sys.stderr, flush=True)
     module = importlib.import_module(f"lockstep.cli.{args.command}")
     try:
         code = int(module.main(args) or 0)

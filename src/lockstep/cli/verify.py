@@ -6,11 +6,12 @@ without the flag. Examples::
 
     lockstep verify --model convnet --nproc 2
     lockstep verify convnet --nproc 2
-    lockstep verify --model mypkg.nets:make_mlp --shape 32 --classes 4 --strategy fsdp
+    lockstep verify --model mypkg.nets:make_mlp --shape 32 --num-classes 4 --strategy fsdp
     lockstep verify --model mypkg.nets:make_cnn --data mypkg.data:train_set --accumulate 2 --precision bf16-mixed
 
-Both runs train with plain SGD on the same fixed global batches; rank r of N gets the r-th
-contiguous slice of every global batch. The exit code is 0 when the runs are equivalent within
+Both runs train with plain SGD on the same fixed global batches (--global-batch samples per
+step; each of N processes gets global batch / N of them, its r-th contiguous slice). Without
+--nproc the parallel run has one process per GPU, or 2 without GPUs. The exit code is 0 when the runs are equivalent within
 the tolerance, 1 when they are not.
 """
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from lockstep.cli.flags import add_launch_flags, launch_options
+from lockstep.cli.flags import NPROC_PER_GPU, add_deprecated, add_launch_flags, launch_options
 from lockstep.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -50,17 +51,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.allow_abbrev = False  # after the model, `--n 2` is refused rather than guessed to be --nproc
     parser.add_argument("model_arg", nargs="?", default=None, metavar="MODEL", help="the same as --model")
     parser.add_argument("--model", default=None, help=_MODEL_HELP)
-    add_launch_flags(parser, LAUNCH, nproc_default=str(d["nproc"].default))
-    parser.add_argument("--steps", type=int, default=d["steps"].default, help="optimizer steps (default 5)")
-    parser.add_argument("--batch", type=int, default=d["batch"].default,
-                        help="global batch: samples per step in both runs (default 32)")
+    add_launch_flags(parser, LAUNCH, nproc_default=None, nproc_default_text=NPROC_PER_GPU)
+    parser.add_argument("--max-steps", dest="steps", type=int, default=d["steps"].default, metavar="S",
+                        help=f"optimizer steps of each run (default {d['steps'].default})")
+    parser.add_argument("--global-batch", dest="batch", type=int, default=d["batch"].default, metavar="B",
+                        help="samples per optimizer step in both runs: the 1-process run takes them all, each of "
+                             f"the N processes 1/N of them (default {d['batch'].default})")
     parser.add_argument("--strategy", default="ddp",
                         help=f"strategy of the parallel run: {' or '.join(STRATEGIES)} (default ddp)")
     parser.add_argument("--precision", default="fp32", help="precision of both runs (default fp32)")
     parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per step in the parallel run")
     parser.add_argument("--shape", default=None, metavar="C,H,W",
                         help="one synthetic sample's shape (default: the named model's input)")
-    parser.add_argument("--classes", type=int, default=d["classes"].default,
+    parser.add_argument("--num-classes", dest="classes", type=int, default=d["classes"].default, metavar="K",
                         help="classes of synthetic labels, or outputs for mse (default 10)")
     parser.add_argument("--data", default=None, metavar="pkg.module:factory",
                         help="a function returning a dataset of (input, target) pairs (default: synthetic)")
@@ -83,6 +86,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the data")
     parser.add_argument("--tolerance", type=float, default=None,
                         help="relative tolerance (default 1e-5 for fp32, 1e-2 otherwise)")
+    add_deprecated(parser, "--steps", "--max-steps", dest="steps", type=int)
+    add_deprecated(parser, "--batch", "--global-batch", dest="batch", type=int)
+    add_deprecated(parser, "--classes", "--num-classes", dest="classes", type=int)
 
 
 def config_from_args(args: argparse.Namespace) -> VerifyConfig:
@@ -102,9 +108,11 @@ def config_from_args(args: argparse.Namespace) -> VerifyConfig:
     model = args.model if args.model is not None else args.model_arg
     if model is None:
         raise ConfigError(f"which model? give --model MODEL: {_MODEL_HELP}")
+    from lockstep.launch.relaunch import default_nproc
+
     launch = launch_options(args)
     return VerifyConfig(
-        model=model, nproc=launch["nproc"], steps=args.steps, batch=args.batch, strategy=args.strategy,
+        model=model, nproc=default_nproc() if launch["nproc"] is None else launch["nproc"], steps=args.steps, batch=args.batch, strategy=args.strategy,
         precision=args.precision, accumulate=args.accumulate,
         shape=parse_shape(args.shape) if args.shape else None, classes=args.classes, data=args.data,
         loss=args.loss, dropout=args.dropout, sync_bn=args.sync_bn, lr=args.lr, seed=args.seed,

@@ -119,9 +119,9 @@ class VerifyConfig:
         object.__setattr__(self, "compile", session.compile_backend)
         object.__setattr__(self, "strategy", session.strategy)
         object.__setattr__(self, "precision", session.precision)  # "O0" -> "fp32"
-        for name in ("steps", "batch", "classes"):
+        for name, flag in (("steps", "--max-steps"), ("batch", "--global-batch"), ("classes", "--num-classes")):
             if getattr(self, name) < 1:
-                raise ConfigError(f"--{name} must be at least 1, got {getattr(self, name)}")
+                raise ConfigError(f"{flag} must be at least 1, got {getattr(self, name)}")
         if self.nproc < 2:
             raise ConfigError(f"--nproc must be at least 2 (verify compares N processes with 1), got {self.nproc}")
         if self.dropout not in DROPOUT_MODES:
@@ -131,8 +131,9 @@ class VerifyConfig:
         split = self.nproc * self.accumulate
         if self.batch % split:
             raise ConfigError(
-                f"--batch {self.batch} cannot be split evenly over {self.nproc} processes x {self.accumulate} "
-                f"micro-batches; use a multiple of {split} (e.g. --batch {split * max(1, self.batch // split)})")
+                f"--global-batch {self.batch} cannot be split evenly over {self.nproc} processes x "
+                f"{self.accumulate} micro-batches; use a multiple of {split} "
+                f"(e.g. --global-batch {split * max(1, self.batch // split)})")
         if self.lr <= 0 or (self.tolerance is not None and self.tolerance <= 0):
             raise ConfigError("--lr and --tolerance must be positive")
         if parse_model(self.model).is_factory and self.data is None and self.shape is None:

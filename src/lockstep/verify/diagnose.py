@@ -11,7 +11,7 @@ The rules, in the order they are tried:
 2. The forward pass matches but in the first step every parameter moved by the same factor
    ``c`` times the single process's update: ``c ~ N`` (gradients summed, not averaged),
    ``c ~ 1/N`` (a loss summed over the batch, or averaged twice), ``c ~ A`` or ``1/A``
-   (accumulation scaling). The first step is read whatever ``--steps``: later steps start from
+   (accumulation scaling). The first step is read whatever ``--max-steps``: later steps start from
    weights that already differ.
 3. Only one module's weights differ: its gradient is not synchronised; it is named.
 4. Only buffers differ: state updated in forward from each rank's own data.

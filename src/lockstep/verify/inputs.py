@@ -106,7 +106,7 @@ def _dataset_batches(config: VerifyConfig, gen: torch.Generator) -> list[Batch]:
     dataset = load_object(config.data, "dataset factory")()
     size = len(dataset)
     if size < config.batch:
-        raise ConfigError(f"the dataset of {config.data!r} has {size} samples, fewer than --batch {config.batch}")
+        raise ConfigError(f"the dataset of {config.data!r} has {size} samples, fewer than --global-batch {config.batch}")
     order: list[int] = []
     while len(order) < config.steps * config.batch:  # a new seeded permutation per epoch
         order += torch.randperm(size, generator=gen).tolist()

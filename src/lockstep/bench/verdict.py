@@ -1,0 +1,78 @@
+"""Which cell of ``lockstep bench`` is fastest, and whether that is more than noise.
+
+Every cell is timed ``repeats`` times (``--repeats``); its throughput is the median of those
+windows, and its spread their min-max range. A winner is called only when the gap exceeds the
+spread: the fastest cell's slowest window beats every other cell's fastest window. Otherwise the
+cells whose ranges reach the fastest one's are *within noise* of it, and no winner is named. With
+one window per cell the spread is unknown, so no winner is called between two or more cells.
+
+Example::
+
+    verdict = pick_winner(cells)
+    verdict.winner, verdict.fastest, verdict.within_noise   # (None, 'ddp/fp32/2', ('single/fp32/1',))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lockstep.bench.matrix import Cell
+
+__all__ = ["Verdict", "pick_winner"]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The outcome of a bench run's comparison.
+
+    Args:
+        fastest: the id of the cell with the highest median samples/s (``None``: no cell ran).
+        winner: ``fastest`` when its lead exceeds the spread, else ``None``.
+        within_noise: the ids of the cells whose fastest window reaches the fastest cell's
+            slowest one (empty when a winner is called).
+        reason: why no winner was called (``None`` when one was, or when no cell ran).
+
+    Example::
+
+        Verdict(fastest="ddp/fp32/2", winner="ddp/fp32/2", within_noise=(), reason=None)
+    """
+
+    fastest: str | None
+    winner: str | None
+    within_noise: tuple[str, ...]
+    reason: str | None
+
+
+def _range(cell: Cell) -> tuple[float, float, int]:
+    """A cell's slowest and fastest window (samples/s) and its number of windows."""
+    result = cell.result
+    median = result["samples_per_s"]
+    return result.get("samples_per_s_min", median), result.get("samples_per_s_max", median), result.get("repeats", 1)
+
+
+def pick_winner(cells: list[Cell]) -> Verdict:
+    """Name the fastest ran cell, and call it the winner only when its lead exceeds the spread.
+
+    Args:
+        cells: the matrix after its run (cells that did not run are ignored).
+
+    Example::
+
+        pick_winner(cells).winner    # 'ddp/fp32/2', or None when the cells are within noise
+    """
+    ran = sorted((c for c in cells if c.status == "ran"), key=lambda c: c.result["samples_per_s"], reverse=True)
+    if not ran:
+        return Verdict(None, None, (), None)
+    best, others = ran[0], ran[1:]
+    if not others:
+        return Verdict(best.id, best.id, (), None)
+    low, _, repeats = _range(best)
+    if repeats < 2 or any(_range(c)[2] < 2 for c in others):
+        return Verdict(best.id, None, tuple(c.id for c in others),
+                       "one timed window per cell: the spread is unknown (use --repeats 3 or more)")
+    close = tuple(c.id for c in others if _range(c)[1] >= low)
+    if close:
+        return Verdict(best.id, None, close, "their min-max ranges overlap the fastest cell's")
+    return Verdict(best.id, best.id, (), None)

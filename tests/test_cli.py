@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+from pathlib import Path
 
 import pytest
 
@@ -137,3 +138,68 @@ def test_split_at_target() -> None:
     assert split_at_target(["--", "--", "x"], takes_value) == (["--", "--"], ["x"])  # the script is named --
     assert split_at_target(["--nproc", "2"], takes_value) == (["--nproc", "2"], [])
     assert split_at_target(["-", "x"], takes_value) == (["-"], ["x"])
+
+
+@pytest.mark.parametrize("command, argv", [("run", ["--np", "2", "s.py"]), ("train", ["--bogus"]),
+                                           ("bench", ["--strategy", "ddp", "--bogus", "1"]),
+                                           ("verify", ["convnet", "--bogus"]), ("doctor", ["--bogus"])])
+def test_a_bad_flag_shows_the_subcommands_usage(command: str, argv: list[str],
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, *argv])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert err.startswith(f"usage: lockstep {command} ") and "usage: lockstep [-h]" not in err, err
+    assert f"lockstep {command}: error: unrecognized arguments: --bogus" in err or "--np" in err
+
+
+def test_run_names_its_own_flags_after_the_script(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    from lockstep.cli.run import misplaced_flags
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "s.py").write_text("")
+    launched: list = []
+    monkeypatch.setattr("lockstep.launch.elastic.launch", lambda spec: launched.append(spec) or 0)
+    assert main(["run", "--nproc", "1", "s.py", "--epochs", "3", "--nproc", "2", "--rank0-only"]) == 0
+    [spec] = launched
+    assert spec.args == ("--epochs", "3", "--nproc", "2", "--rank0-only") and spec.nproc == 1  # unchanged
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lockstep run: warning: --nproc --rank0-only after the script")
+    assert "lockstep run --nproc 2 --rank0-only s.py" in lines[0]
+    assert main(["run", "--nproc", "1", "s.py", "--epochs", "3"]) == 0
+    assert capsys.readouterr().err == ""  # the script's own flags: nothing to say
+    assert misplaced_flags(["--nodes=2", "x", "--", "--nproc", "2"]) == ["--nodes=2"]
+    assert misplaced_flags(["--log-dir"]) == ["--log-dir"]
+
+
+def test_old_spellings_still_work_with_one_deprecation_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from lockstep.cli.flags import deprecation_notes
+
+    old = parse_args(["bench", "--strategies", "ddp", "--steps", "3", "--no-progress", "--strategies", "single"])
+    new = parse_args(["bench", "--strategy", "single", "--max-steps", "3", "--progress", "off"])
+    assert (old.strategy, old.steps, old.progress) == (new.strategy, new.steps, new.progress) == ("single", 3, "off")
+    notes = deprecation_notes(old)
+    assert notes == ["--strategies is deprecated; write --strategy (same meaning)",
+                     "--steps is deprecated; write --max-steps (same meaning)",
+                     "--no-progress is deprecated; write --progress off (same meaning)"]
+    assert deprecation_notes(new) == [] and old.given == new.given == {"strategy", "steps", "progress"}
+    verify = parse_args(["verify", "convnet", "--batch", "30", "--classes", "4", "--steps", "2"])
+    assert (verify.batch, verify.classes, verify.steps) == (30, 4, 2) and len(deprecation_notes(verify)) == 3
+    assert main(["verify", "--classes", "4"]) == 2  # no model: refused, after the one line
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "lockstep verify: warning: --classes is deprecated; write --num-classes (same meaning)"
+
+
+def test_run_starts_one_process_per_gpu_or_two_when_not_told(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from lockstep.launch.relaunch import DEFAULT_NPROC_CPU
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "s.py").write_text("")
+    launched: list = []
+    monkeypatch.setattr("lockstep.launch.elastic.launch", lambda spec: launched.append(spec) or 0)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    for key in ("PET_NPROC_PER_NODE", "SLURM_NTASKS", "SKYPILOT_NUM_NODES"):
+        monkeypatch.delenv(key, raising=False)
+    assert main(["run", "s.py"]) == 0
+    assert launched[0].nproc == DEFAULT_NPROC_CPU == 2

@@ -10,12 +10,18 @@ Slurm. Examples::
     lockstep train --data mnist:data/mnist --strategy fsdp --precision bf16-mixed --nproc 4
     lockstep train --strategy ddp --grad-compression powersgd --powersgd-rank 2
     lockstep train --strategy ddp --compile             # torch.compile (inductor) after DDP's wrapper
-    lockstep train --out runs/flowers --resume          # continue from the last checkpoint
+    lockstep train --out runs/flowers --resume          # continue the run, with its own flags
     srun -N2 --ntasks-per-node 1 lockstep train --out runs/a   # one launcher per node, Slurm's layout
     torchrun --nproc_per_node 2 -m lockstep train        # as a worker of another launcher
 
 Bad flags and bad data are refused before any process starts: one line, exit code 2. A run
 stopped for preemption (exit code 75) continues when the same command is run again.
+
+``--resume`` takes the run's settings from its ``config.json``: every flag not typed is the
+run's, and a typed flag that differs from the run's is refused (exit code 2, naming both
+values), except ``--epochs`` and ``--keep`` and the flags outside what the run computes (the
+process layout, ``--workers``, ``--compile``, ``--timeout``, ``--progress``). Without
+``--nproc`` a one-node run continues on as many processes as it had.
 """
 
 from __future__ import annotations
@@ -49,7 +55,8 @@ _HELP = {
     "accumulate": "micro-batches per optimizer step (gradient accumulation)",
     "seed": "seed of weights, data order and augmentation",
     "out": "folder for checkpoints, metrics.csv, config.json, TensorBoard events (nothing is written without it)",
-    "resume": "continue from the newest checkpoint in --out",
+    "resume": "continue the run in --out from its newest checkpoint, with the run's own flags (config.json); "
+              "only --epochs, --keep and how and where it runs may change",
     "keep": "checkpoints to keep in --out",
     "image_size": "side of the input images (default 28 for convnet, 224 for torchvision models)",
     "max_steps": "stop each epoch after this many optimizer steps (quick tests, speed runs)",
@@ -121,10 +128,19 @@ def config_from_args(args: argparse.Namespace) -> Any:
     """
     from lockstep.env import environment
     from lockstep.launch.spec import slurm_defaults
-    from lockstep.recipes.config import TrainConfig
+    from lockstep.recipes.config import TrainConfig, resume_values
 
-    return TrainConfig(**{name: getattr(args, name) for name in _fields() if name not in LAUNCH},
-                       **launch_options(args, slurm=slurm_defaults(environment())))
+    values = {name: getattr(args, name) for name in _fields() if name not in LAUNCH}
+    values.update(launch_options(args, slurm=slurm_defaults(environment())))
+    return TrainConfig(**resume_values(values, _given(args)))
+
+
+def _given(args: argparse.Namespace) -> frozenset[str]:
+    """The flags typed (``lockstep`` records them), else those that differ from their defaults."""
+    given = getattr(args, "given", None)
+    if given is not None:
+        return frozenset(given)
+    return frozenset(name for name, f in _fields().items() if getattr(args, name, f.default) != f.default)
 
 
 def worker_argv(config: Any) -> list[str]:
@@ -133,23 +149,27 @@ def worker_argv(config: Any) -> list[str]:
     Every value reaches the workers as it is: one that starts with ``-`` is written ``--flag=value``.
     Workers always get ``--resume`` when there is an ``--out``: the launcher has already refused a
     folder with another run's checkpoints, so a restarted worker continues from the last one. The
-    layout flags are given explicitly, so a worker never reads the engine's layout again.
+    layout flags are given explicitly, so a worker never reads the engine's layout again; so are
+    the flags a resumed run may change (``--epochs``, ``--keep``), so that a worker never takes
+    the run's older value for them from ``config.json``.
 
     Args:
         config: the launcher's configuration.
 
     Example::
 
-        worker_argv(TrainConfig(epochs=1))    # ["--epochs", "1", "--progress", "off"]
+        worker_argv(TrainConfig(epochs=1))    # ["--epochs", "1", "--keep", "2", "--progress", "off"]
     """
     argv: list[str] = []
     progress = config.progress
     if progress == "auto":
         progress = "on" if sys.stderr.isatty() else "off"
     values = {**dataclasses.asdict(config), "progress": progress, "resume": config.out is not None}
+    from lockstep.recipes.config import RESUME_MAY_CHANGE
+
     for name, field in _fields().items():
         value = values[name]
-        if value == field.default and name != "progress":
+        if value == field.default and name != "progress" and name not in RESUME_MAY_CHANGE:
             continue
         flag = "--" + name.replace("_", "-")
         if isinstance(field.default, bool):
@@ -170,12 +190,12 @@ def main(args: argparse.Namespace) -> int:
 
         main(parser.parse_args(["--epochs", "1", "--nproc", "1"]))
     """
+    config = config_from_args(args)  # first: a bad flag is refused before torch is imported
     from lockstep.errors import ConfigError, LockstepError
     from lockstep.launch.relaunch import launched_as_worker, relaunch
     from lockstep.recipes.config import check_data, check_out
     from lockstep.recipes.train import train
 
-    config = config_from_args(args)
     # asked for processes or nodes: e.g. one `srun` task per node running the launcher
     if launched_as_worker(asked_to_launch=config.nproc is not None or config.nodes > 1):
         return train(config)

@@ -18,7 +18,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Sized
+from collections.abc import Collection, Sized
 from typing import TYPE_CHECKING, Any, cast
 
 from lockstep.errors import ConfigError
@@ -26,7 +26,8 @@ from lockstep.errors import ConfigError
 if TYPE_CHECKING:  # the session's modules load when a config is built, not when the CLI starts
     from lockstep.session.config import SessionConfig
 
-__all__ = ["TrainConfig", "check_data", "check_out", "CHECKPOINTS", "RUN_FLAGS"]
+__all__ = ["TrainConfig", "check_data", "check_out", "resume_values", "CHECKPOINTS", "RUN_FLAGS",
+           "RESUME_MAY_CHANGE"]
 
 CHECKPOINTS = "checkpoints"
 _PROGRESS = ("auto", "on", "off")
@@ -36,6 +37,11 @@ RUN_FLAGS = ("model", "data", "strategy", "precision", "grad_compression", "powe
              "weights", "pretrained", "val_fraction")
 """The fields that say what a run computes: a preempted run continues only with the same ones
 (where, how many processes and how it is shown may change)."""
+RESUME_MAY_CHANGE = ("epochs", "keep")
+"""The fields of :data:`RUN_FLAGS` a resumed run may change: how long it trains in total and how
+many checkpoints it keeps. The others are the run's (its ``config.json``); a resumed run may
+also change every field outside :data:`RUN_FLAGS` (processes, nodes, ``--workers``,
+``--compile``, ``--timeout``, ``--progress``...), as the checkpoint resumes at any world size."""
 
 
 def _flag(name: str) -> str:
@@ -189,8 +195,7 @@ class TrainConfig:
             out = Path(self.out)
             if out.exists() and not out.is_dir():
                 raise ConfigError(f"--out {out} exists and is not a folder")
-            ckpts = out / CHECKPOINTS
-            if not self.resume and ckpts.is_dir() and any(p.name.startswith("step-") for p in ckpts.iterdir()):
+            if not self.resume and _has_checkpoints(out):
                 self._check_continues(out)
 
     def _check_continues(self, out: Path) -> None:
@@ -207,8 +212,8 @@ class TrainConfig:
                   if theirs.get(k, defaults[k]) != mine[k]]
         if differ:
             raise ConfigError(f"--out {out} holds a preempted run with other flags ({'; '.join(differ[:3])}); "
-                              "run its own command again to continue it, pass --resume to continue it with "
-                              "these flags, or choose another --out")
+                              "run its own command again to continue it (or --resume without those flags: "
+                              "it takes the run's own from its config.json), or choose another --out")
 
     @property
     def processes(self) -> int:
@@ -254,6 +259,61 @@ class TrainConfig:
             TrainConfig().to_dict()["model"]    # "convnet"
         """
         return dataclasses.asdict(self)
+
+
+def resume_values(values: dict[str, Any], given: Collection[str]) -> dict[str, Any]:
+    """The flags of ``--out DIR --resume``: the run's own settings where none was given.
+
+    The run's settings are its ``config.json`` (written by rank 0 when it started); they count
+    once ``DIR`` holds its checkpoints. Each field of :data:`RUN_FLAGS` not given takes the run's
+    value; one given with another value is refused unless it may change
+    (:data:`RESUME_MAY_CHANGE`). Without ``--nproc`` and ``--nodes``, a one-node run continues
+    on as many processes as it had.
+
+    Args:
+        values: the :class:`TrainConfig` fields as the flags (and their defaults) say.
+        given: the fields typed on the command line.
+
+    Raises:
+        ConfigError: a given flag differs from the run's, naming both values (exit code 2).
+
+    Example::
+
+        resume_values({"out": "runs/a", "resume": True, "lr": 0.01, ...}, given={"out", "resume"})
+    """
+    import json
+
+    from lockstep.recipes.outputs import CONFIG_FILE
+
+    out = Path(values["out"]) if values.get("resume") and values.get("out") else None
+    if out is None or not _has_checkpoints(out) or not (out / CONFIG_FILE).is_file():
+        return values
+    try:
+        recorded = json.loads((out / CONFIG_FILE).read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--resume: cannot read {out / CONFIG_FILE} ({exc}); the run's settings are there") from None
+    merged = dict(values)
+    differ = []
+    for name in RUN_FLAGS:
+        if name == "out" or name not in recorded:
+            continue
+        if name not in given:
+            merged[name] = recorded[name]
+        elif name not in RESUME_MAY_CHANGE and recorded[name] != values[name]:
+            differ.append(f"{_flag(name)} {values[name]} here, {recorded[name]} in the run")
+    if differ:
+        raise ConfigError(f"--resume continues the run in {out} with its own settings ({out / CONFIG_FILE}), but "
+                          f"{'; '.join(differ)}; drop the flag to continue the run, or train in another --out "
+                          f"(only {', '.join(_flag(n) for n in RESUME_MAY_CHANGE)}, the process layout and how the "
+                          "run is shown may change on --resume)")
+    if not {"nproc", "nodes"} & set(given) and values.get("nproc") is None and recorded.get("nodes", 1) == 1:
+        merged["nproc"] = recorded.get("world_size", recorded.get("nproc"))
+    return merged
+
+
+def _has_checkpoints(out: Path) -> bool:
+    ckpts = out / CHECKPOINTS
+    return ckpts.is_dir() and any(p.name.startswith("step-") for p in ckpts.iterdir())
 
 
 def check_out(config: TrainConfig) -> None:

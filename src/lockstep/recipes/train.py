@@ -89,7 +89,9 @@ def _run(session: lockstep.Session, config: TrainConfig, data: Any) -> None:
     if state.resumed:
         session.print(f"lockstep train: resumed from {state.path} after epoch {start}")
     log = RunLog(out, session.is_main, start)
-    log.write_config({**config.to_dict(), "world_size": session.world_size, "image_size": data.image_size,
+    # "resume": whether this run continued from a checkpoint (every worker is given --resume)
+    log.write_config({**config.to_dict(), "resume": state.resumed, "world_size": session.world_size,
+                      "image_size": data.image_size,
                       "lr_effective": lr, "global_batch": train_loader.batch_size * session.world_size
                       * session.accumulate, "lockstep": lockstep.__version__,
                       "torch": torch.__version__})

@@ -276,13 +276,17 @@ def plot_results(doc: dict[str, Any], path: Path) -> Path | None:
                                       gridspec_kw={"width_ratios": [3, 2]})
     labels = [cell_label(c) for c in ran]
     values = [c["samples_per_s"] for c in ran]
-    colors = ["tab:orange" if c["winner"] else "tab:blue" for c in ran]
-    bars = left.barh(range(len(ran)), values, color=colors)
+    colors = ["tab:orange" if c["winner"] or c.get("fastest") else "tab:blue" for c in ran]
+    # the repeats' min-max range as an error bar (a document before version 4 has none)
+    lows = [c.get("samples_per_s_min", c["samples_per_s"]) for c in ran]
+    highs = [c.get("samples_per_s_max", c["samples_per_s"]) for c in ran]
+    spread = [[v - low for v, low in zip(values, lows)], [high - v for v, high in zip(values, highs)]]
+    bars = left.barh(range(len(ran)), values, color=colors, xerr=spread, capsize=3)
     left.set_yticks(range(len(ran)), labels)
     left.invert_yaxis()  # run order from the top
-    left.set_xlabel("samples/s (all ranks)")
+    left.set_xlabel("samples/s (all ranks): median, and the min-max of the repeats")
     left.set_title("throughput (fastest in orange)")
-    left.set_xlim(0, max(values, default=1.0) * 1.15)
+    left.set_xlim(0, max(highs, default=1.0) * 1.15)
     _annotate_bars(left, bars, values)
     _plot_efficiency(right, ran, per_core=bool(doc.get("cpu_threads")))
     skipped = [c for c in doc["cells"] if c["status"] != "ran"]

@@ -10,8 +10,7 @@ from typing import Any
 import pytest
 
 from lockstep.bench import BenchConfig, Cell, format_table
-from lockstep.bench.run import aggregate, check_inputs
-from lockstep.bench.verdict import pick_winner
+from lockstep.bench.run import aggregate
 from lockstep.cli.main import main as cli_main
 from lockstep.errors import ConfigError
 from test_recipes import write_image_folder
@@ -26,6 +25,8 @@ def _ran(cid: str, median: float, low: float, high: float, repeats: int = 3) -> 
 
 
 def test_a_winner_only_beyond_the_spread() -> None:
+    from lockstep.bench.verdict import pick_winner
+
     clear = pick_winner([_ran("single/fp32/1", 1900, 1850, 1950), _ran("ddp/fp32/2", 1500, 1400, 1600)])
     assert (clear.fastest, clear.winner, clear.within_noise) == ("single/fp32/1", "single/fp32/1", ())
     # the case: one noisy window made single look 5x slower than ddp; repeated, they overlap
@@ -90,6 +91,8 @@ def test_a_one_class_folder_is_refused_before_any_cell(tmp_path: Path, capsys: p
 
 
 def test_a_batch_larger_than_a_share_is_refused(tmp_path: Path) -> None:
+    from lockstep.bench.run import check_inputs
+
     write_image_folder(tmp_path / "two", per_class=6, classes=2)
     config = BenchConfig(data=f"imagefolder:{tmp_path / 'two'}", image_size=8, strategies=("ddp",), nprocs=(1, 2),
                          batch_size=8)

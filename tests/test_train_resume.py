@@ -17,7 +17,7 @@ import pytest
 from lockstep.cli.main import main, parse_args
 from lockstep.cli.train import config_from_args
 from lockstep.errors import ConfigError
-from lockstep.recipes.config import RESUME_MAY_CHANGE, RUN_FLAGS, TrainConfig
+from lockstep.recipes.config import TrainConfig
 from test_train_cli import assert_trained, lockstep_train
 
 
@@ -58,6 +58,8 @@ def test_resume_refuses_a_conflicting_flag(tmp_path: Path, flags: list[str], wor
 
 
 def test_only_epochs_and_keep_of_what_a_run_computes_may_change() -> None:
+    from lockstep.recipes.config import RESUME_MAY_CHANGE, RUN_FLAGS
+
     assert set(RESUME_MAY_CHANGE) == {"epochs", "keep"} and set(RESUME_MAY_CHANGE) <= set(RUN_FLAGS)
 
 

@@ -16,7 +16,7 @@ from lockstep.errors import EXIT_PREEMPTED, ConfigError, LockstepError
 
 __version__ = "0.1.0"
 __all__ = ["Session", "SessionConfig", "ResumeState", "spawn", "metrics", "init_comm", "detect_world", "World",
-           "Preempted", "CollectiveTimeoutError", "ConfigError", "LockstepError", "EXIT_PREEMPTED",
+           "Preempted", "CollectiveTimeoutError", "ConfigError", "LockstepError", "SessionUsageError", "EXIT_PREEMPTED",
            "__version__"]
 
 _LAZY = {
@@ -29,6 +29,7 @@ _LAZY = {
     "detect_world": ("lockstep.env", "detect_world"),
     "World": ("lockstep.env", "World"),
     "Preempted": ("lockstep.session.preempt", "Preempted"),
+    "SessionUsageError": ("lockstep.session.usage", "SessionUsageError"),
     "CollectiveTimeoutError": ("lockstep.comm.watchdog", "CollectiveTimeoutError"),
 }
 

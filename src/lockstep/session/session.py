@@ -299,11 +299,11 @@ class Session(Position):
         kwargs.setdefault("desc", f"epoch {self.epoch}")
         return progress_bar(iterable, self.is_main, **kwargs)
 
-    def summary(self) -> str:
-        """The one-line description printed at start: world, strategy, precision, batches."""
+    def summary(self, max_steps: int | None = None) -> str:
+        """The line printed at start: world, strategy, precision, batches (steps per epoch at most ``max_steps``)."""
         return summary_line(world_size=self.world_size, strategy=self.strategy, precision=self.precision.name,
                             backend=self.comm.backend, timeout=self.timeout, compiled=self.compiled,
-                            loaders=self.state.loaders.describe(self.world_size, self.accumulate))
+                            loaders=self.state.loaders.describe(self.world_size, self.accumulate, max_steps))
 
     def _announce(self) -> None:
         if not self._announced:

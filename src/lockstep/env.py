@@ -241,6 +241,7 @@ class Settings:
     loglevel: str = ""
     launched: bool = False
     launcher_pid: int | None = None
+    horovod_rendezvous: bool = False
 
 
 def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
@@ -272,6 +273,7 @@ def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
         loglevel=env.get("LOGLEVEL", ""),
         launched="RANK" in env,
         launcher_pid=int(launcher) if launcher.isdigit() else None,
+        horovod_rendezvous="HOROVOD_GLOO_RENDEZVOUS_PORT" in env and "HOROVOD_RANK" in env,
     )
 
 

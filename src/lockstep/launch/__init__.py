@@ -7,6 +7,7 @@
 * :mod:`~lockstep.launch.report`: one failure summary naming the rank, host and cause, and the
   launcher's own lines (restarts, verdict);
 * :mod:`~lockstep.launch.output`: relay each rank's output, prefixed with its rank;
+* :mod:`~lockstep.launch.horovod`: what ``horovodrun --gloo`` gives a Horovod script's workers;
 * :mod:`~lockstep.launch.bootstrap`: the first code every worker runs;
 * :mod:`~lockstep.launch.fast_exit`: the launcher's exit without freeing torch, once the job is over;
 * :mod:`~lockstep.launch.py_atexit`: the only CPython-private calls (running ``atexit`` handlers early);

@@ -24,3 +24,14 @@ Example::
 """
 
 from __future__ import annotations
+
+from typing import Any
+
+
+def __getattr__(name: str) -> Any:
+    """``lockstep.launch.spawn(fn, nprocs, args=...)`` after a bare ``import lockstep``: loaded on first use."""
+    if name == "spawn":
+        import importlib
+
+        return importlib.import_module("lockstep.launch.spawn")
+    raise AttributeError(f"module 'lockstep.launch' has no attribute {name!r}")

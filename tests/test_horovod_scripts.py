@@ -89,3 +89,13 @@ def test_a_horovod_script_on_several_nodes_is_refused_in_one_line(tmp_path: Path
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "horovodrun" in lines[0], proc.stderr
     assert "[rank" not in proc.stdout + proc.stderr  # refused before any worker started
+
+
+def test_a_worker_joins_only_the_rendezvous_served_for_its_own_job() -> None:
+    from lockstep.env import read_settings
+
+    served = {"HOROVOD_GLOO_RENDEZVOUS_PORT": "4321", "HOROVOD_RANK": "1", "HOROVOD_SIZE": "2"}
+    assert read_settings({**served, "RANK": "1", "WORLD_SIZE": "2"}).horovod_rendezvous
+    # a job started inside a worker (spawn) inherits the outer job's variables: not its rendezvous
+    assert not read_settings({**served, "RANK": "0", "WORLD_SIZE": "3"}).horovod_rendezvous
+    assert not read_settings({"RANK": "1", "WORLD_SIZE": "2"}).horovod_rendezvous

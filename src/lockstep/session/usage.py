@@ -25,7 +25,7 @@ import torch
 from lockstep.comm.group import Comm
 from lockstep.errors import LockstepError, format_ranks
 
-__all__ = ["SessionUsageError", "LoopChecks"]
+__all__ = ["SessionUsageError", "LoopChecks", "fingerprint"]
 
 _SETUP = "model, optimizer = session.setup(model, optimizer)"
 _NO_SETUP = (f"session.backward was called before session.setup: the model is not wrapped, so the ranks would "
@@ -36,6 +36,7 @@ _DIVERGED = (f"the replicas differ after the first step ({{ranks}} not rank 0's 
              f"the model and optimizer that session.setup returned; use `{_SETUP}` and train those")
 # float64 sums of equal tensors agree to rounding; replicas one step apart differ far above it
 _RTOL = 1e-10
+_CHUNK = 1 << 22
 
 
 class SessionUsageError(LockstepError):
@@ -120,9 +121,12 @@ def fingerprint(optimizer: torch.optim.Optimizer) -> list[float]:
     with torch.no_grad():
         for group in optimizer.param_groups:
             for param in group["params"]:
-                value = param.detach().double()
-                sums += [value.abs().sum(), value.square().sum()]
-    return torch.stack(sums).cpu().tolist() if sums else []
+                total = torch.zeros(2, dtype=torch.float64, device=param.device)
+                for chunk in param.detach().reshape(-1).split(_CHUNK):  # bounded float64 copies of big tensors
+                    value = chunk.double()
+                    total += torch.stack([value.abs().sum(), value.square().sum()])
+                sums.append(total)
+    return torch.cat([s.to(sums[0].device) for s in sums]).cpu().tolist() if sums else []  # one host copy
 
 
 def _close(a: list[float], b: list[float]) -> bool:

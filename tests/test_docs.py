@@ -85,12 +85,22 @@ def _runnable() -> list[Block]:
 
 
 def _argv(command: str, script: Path) -> list[str]:
+    """The command as a reader types it, in a shell where the ``.venv`` of ``make install`` is activated."""
     words = shlex.split(command)
-    if words == ["python"]:
-        return [sys.executable, str(script)]
-    if words[:2] == ["lockstep", "run"]:
-        return [sys.executable, "-m", "lockstep", *words[1:], str(script)]
-    raise AssertionError(f"unknown command in a run marker: {command!r} (python, or lockstep run ...)")
+    if words != ["python"] and words[:2] != ["lockstep", "run"]:
+        raise AssertionError(f"unknown command in a run marker: {command!r} (python, or lockstep run ...)")
+    activate = Path(sys.prefix) / "bin" / "activate"
+    if not activate.is_file():
+        pytest.skip(f"the tests do not run from a virtual environment ({sys.prefix}), so there is none to activate")
+    return ["bash", "-c", f"source {shlex.quote(str(activate))} && {command} {shlex.quote(script.name)}"]
+
+
+def _unactivated_env() -> dict[str, str]:
+    """This environment with the virtual environment's ``bin`` off ``PATH``: only ``activate`` puts it back."""
+    venv_bin = str(Path(sys.prefix) / "bin")
+    path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep) if p and p != venv_bin)
+    env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
+    return {**env, "PATH": path or os.defpath, "OMP_NUM_THREADS": "1"}
 
 
 def _world(command: str) -> int:
@@ -117,6 +127,9 @@ def test_readme_has_the_setup_commands_first() -> None:
     assert text.index("make demo") < example
     assert text.index("make test") < example
     assert "source .venv/bin/activate" in text and ".venv/bin/" in text
+    # a reader who types the commands in order has installed and activated before the first one
+    assert text.index("make install") < text.index("source .venv/bin/activate") < text.index("\npython ")
+    assert text.index("source .venv/bin/activate") < text.index("\nlockstep ")
     assert len(text.splitlines()) <= 200
 
 
@@ -164,7 +177,7 @@ def test_runnable_block(tmp_path: Path, block: Block, command: str) -> None:
     script = tmp_path / (block.title or "example.py")
     script.write_text(block.code)
     out = subprocess.run(_argv(command, script), capture_output=True, text=True, timeout=140,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path)
+                         env=_unactivated_env(), cwd=tmp_path)
     assert out.returncode == 0, f"{block.where} under {command}:\n{out.stdout}{out.stderr}"
     if block.title in CHECKS:
         CHECKS[block.title](out.stdout, _world(command))

@@ -15,8 +15,8 @@ from typing import Any
 from lockstep.errors import EXIT_PREEMPTED, ConfigError, LockstepError
 
 __version__ = "0.1.0"
-__all__ = ["Session", "SessionConfig", "ResumeState", "spawn", "metrics", "init_comm", "detect_world", "World",
-           "Preempted", "CollectiveTimeoutError", "ConfigError", "LockstepError", "EXIT_PREEMPTED",
+__all__ = ["Session", "SessionConfig", "ResumeState", "spawn", "launch", "metrics", "init_comm", "detect_world", "World",
+           "Preempted", "CollectiveTimeoutError", "ConfigError", "LockstepError", "SessionUsageError", "EXIT_PREEMPTED",
            "__version__"]
 
 _LAZY = {
@@ -25,10 +25,12 @@ _LAZY = {
     "spawn": ("lockstep.launch.spawn", "spawn"),
     "ResumeState": ("lockstep.session.state", "ResumeState"),
     "metrics": ("lockstep.metrics", None),
+    "launch": ("lockstep.launch", None),
     "init_comm": ("lockstep.comm", "init_comm"),
     "detect_world": ("lockstep.env", "detect_world"),
     "World": ("lockstep.env", "World"),
     "Preempted": ("lockstep.session.preempt", "Preempted"),
+    "SessionUsageError": ("lockstep.session.usage", "SessionUsageError"),
     "CollectiveTimeoutError": ("lockstep.comm.watchdog", "CollectiveTimeoutError"),
 }
 

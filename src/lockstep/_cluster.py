@@ -34,7 +34,8 @@ from typing import Any
 from lockstep.errors import WorldError
 
 __all__ = ["read_int", "expand_hostlist", "expand_tasks_per_node", "derived_port", "DEFAULT_PORT", "in_slurm_step",
-           "from_slurm", "from_openmpi", "from_pmi", "from_horovod", "launch_defaults"]
+           "from_slurm", "from_openmpi", "from_pmi", "from_horovod", "launch_defaults", "horovod_variables",
+           "horovod_rank_variables"]
 
 DEFAULT_PORT = 29500
 """The port of the rendezvous store when the engine gives none and no job id exists (torchrun's)."""
@@ -270,6 +271,47 @@ def from_horovod(env: Mapping[str, str]) -> dict[str, Any]:
     return _mpi(env, ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE"), "horovodrun",
                 None, "export MASTER_ADDR=<rank 0's host> before horovodrun (it is passed on to every rank)",
                 node_rank=read_int(env, "HOROVOD_CROSS_RANK", -1) if env.get("HOROVOD_CROSS_RANK") else None)
+
+
+def horovod_variables(*, port: int, hostname: str, size: int, local_size: int, cross_size: int = 1,
+                      addr: str = "127.0.0.1", iface: str = "lo") -> dict[str, str]:
+    """What ``horovodrun --gloo`` exports to every rank it starts (``horovod.runner.gloo_run``), but the rank's own.
+
+    Args:
+        port: the port of Horovod's rendezvous server (``RendezvousServer.start()``).
+        hostname: this host's name in the rendezvous plan.
+        size: ranks in the job.
+        local_size: ranks on this host.
+        cross_size: hosts.
+        addr: the rendezvous server's address.
+        iface: the network interface Horovod's gloo connects over.
+
+    Example::
+
+        horovod_variables(port=4321, hostname="node0", size=2, local_size=2)["HOROVOD_CONTROLLER"]   # "gloo"
+    """
+    return {"HOROVOD_GLOO_RENDEZVOUS_ADDR": addr, "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port),
+            "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo", "HOROVOD_GLOO_IFACE": iface,
+            "HOROVOD_HOSTNAME": hostname, "HOROVOD_SIZE": str(size), "HOROVOD_LOCAL_SIZE": str(local_size),
+            "HOROVOD_CROSS_SIZE": str(cross_size)}
+
+
+def horovod_rank_variables(env: Mapping[str, str]) -> dict[str, str]:
+    """A worker's own ``HOROVOD_RANK/LOCAL_RANK/CROSS_RANK``, from torchrun's variables, when its
+    launcher served a Horovod rendezvous (:func:`horovod_variables` in the environment); else empty.
+
+    Args:
+        env: the worker's environment.
+
+    Example::
+
+        horovod_rank_variables({"HOROVOD_GLOO_RENDEZVOUS_PORT": "4321", "RANK": "1", "LOCAL_RANK": "1",
+                                "GROUP_RANK": "0"})["HOROVOD_RANK"]   # "1"
+    """
+    if "HOROVOD_GLOO_RENDEZVOUS_PORT" not in env or "RANK" not in env:
+        return {}
+    return {"HOROVOD_RANK": env["RANK"], "HOROVOD_LOCAL_RANK": env.get("LOCAL_RANK", "0"),
+            "HOROVOD_CROSS_RANK": env.get("GROUP_RANK", "0")}
 
 
 def launch_defaults(env: Mapping[str, str]) -> dict[str, Any]:

@@ -220,6 +220,8 @@ class Settings:
             ``spawn``): this process is a worker, not a command that should start workers.
         launcher_pid: ``$LOCKSTEP_LAUNCHER_PID``: the process id of the ``lockstep run`` launcher
             that started this worker (its parent), or ``None``.
+        horovod_rendezvous: the launcher serves Horovod's rendezvous for this job
+            (``$HOROVOD_GLOO_RENDEZVOUS_PORT``, with ``$HOROVOD_RANK/SIZE`` equal to ``$RANK/WORLD_SIZE``).
 
     Example::
 
@@ -241,6 +243,7 @@ class Settings:
     loglevel: str = ""
     launched: bool = False
     launcher_pid: int | None = None
+    horovod_rendezvous: bool = False
 
 
 def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
@@ -272,6 +275,9 @@ def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
         loglevel=env.get("LOGLEVEL", ""),
         launched="RANK" in env,
         launcher_pid=int(launcher) if launcher.isdigit() else None,
+        # a launcher served Horovod's rendezvous for this very job (not inherited from an outer one)
+        horovod_rendezvous="HOROVOD_GLOO_RENDEZVOUS_PORT" in env and "RANK" in env
+        and (env.get("HOROVOD_RANK"), env.get("HOROVOD_SIZE")) == (env.get("RANK"), env.get("WORLD_SIZE")),
     )
 
 

@@ -84,7 +84,7 @@ class _Loader(DataLoader):
 def _dataset_len(dataset: Dataset[Any]) -> int:
     if isinstance(dataset, IterableDataset) or not isinstance(dataset, Sized):
         raise ConfigError(
-            f"make_loader needs a map-style dataset with __len__ and __getitem__, got "
+            f"session.loader (and make_loader) needs a map-style dataset with __len__ and __getitem__, got "
             f"{type(dataset).__name__}; wrap an iterable one in a map-style dataset or shard it yourself"
         )
     return len(dataset)

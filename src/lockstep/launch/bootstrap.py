@@ -30,7 +30,8 @@ import runpy
 import signal
 import sys
 
-from lockstep.env import read_settings
+from lockstep._cluster import horovod_rank_variables
+from lockstep.env import environment, export_environment, read_settings
 from lockstep.errors import EXIT_PREEMPTED
 
 __all__ = ["main", "run_target", "record_failure", "die_with_launcher"]
@@ -145,6 +146,7 @@ def main(argv: list[str]) -> int:
               file=sys.stderr)
         return EXIT_ORPHANED
     faulthandler.enable(all_threads=True)  # a crash in native code still leaves a Python stack
+    export_environment(horovod_rank_variables(environment()))  # this rank's place in the launcher's Horovod job
     error_file = settings.error_file
     try:
         run_target(argv[0], argv[1:], module)

@@ -16,6 +16,8 @@ chooses its configuration and explains the outcome. How it launches:
 * SIGTERM, SIGINT, SIGHUP, SIGQUIT and SIGUSR1 to the launcher are forwarded to every worker,
   which then has ``--grace`` seconds to save (see :mod:`lockstep.session.preempt`) before SIGKILL. A job
   whose ranks stop with exit code 75 ends as preempted (exit 75) and uses up no restart.
+* where Horovod is installed, an unmodified Horovod script gets what ``horovodrun --gloo`` gives
+  it (:mod:`lockstep.launch.horovod`): one job of N ranks, not N jobs of one.
 * ``--timeout`` is exported as ``LOCKSTEP_TIMEOUT``: the default timeout of the workers'
   collectives, past which the rank that did not arrive is named (:mod:`lockstep.comm.watchdog`).
 * the workers die with the launcher: the agent runs in this process and starts them itself, and
@@ -46,6 +48,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from lockstep.errors import EXIT_USAGE, LockstepError
+from lockstep.launch.horovod import check_horovod_hosts, horovod_rendezvous
 from lockstep.launch.report import JobReporter, say
 from lockstep.launch.rendezvous import BACKEND as LOCAL_BACKEND
 from lockstep.launch.rendezvous import register as register_local_rendezvous
@@ -116,10 +119,10 @@ def _launch_config(spec: LaunchSpec, log_dir: str) -> Any:
 
 
 @contextmanager
-def _launch_environment(spec: LaunchSpec) -> Iterator[None]:
-    """Set the variables the agent and workers need; give back the caller's environment and
-    signal handlers afterwards (the agent installs its own and leaves them in place)."""
-    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # workers inherit it; see the module docstring
+def _launch_environment(spec: LaunchSpec, extra: dict[str, str] | None = None) -> Iterator[None]:
+    """Set the variables the agent and workers need (and ``extra``); give back the caller's environment
+    and signal handlers afterwards (the agent installs its own and leaves them in place)."""
+    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(extra or {})}  # workers inherit it; see the module docstring
     if spec.timeout is not None:
         env["LOCKSTEP_TIMEOUT"] = f"{spec.timeout:g}"  # the default of Session / init_comm
     env["LOCKSTEP_GRACE"] = f"{spec.grace:g}"  # after it, a worker obeys a stop signal unsaved
@@ -186,12 +189,14 @@ def launch(spec: LaunchSpec) -> int:
 
     Raises:
         PortInUseError: the ``--master`` port is taken (exit code 2).
+        ConfigError: a script that imports Horovod, on several nodes (exit code 2).
         LaunchError: the rendezvous failed (nodes that never joined), or not every worker could start.
 
     Example::
 
         sys.exit(launch(LaunchSpec("train.py", nproc=2)))
     """
+    check_horovod_hosts(spec)
     import_torch_quietly(spec.verbose)
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -206,7 +211,8 @@ def launch(spec: LaunchSpec) -> int:
     log_dir = spec.log_dir or tempfile.mkdtemp(prefix="lockstep-run-")
     report = JobReporter(spec)
     try:
-        with _launch_environment(spec), quiet_torch(spec.verbose), reporting_agent(report):
+        with (horovod_rendezvous(spec) as horovod, _launch_environment(spec, horovod), quiet_torch(spec.verbose),
+              reporting_agent(report)):
             elastic_launch(_launch_config(spec, log_dir), sys.executable)(*_worker_args(spec))
         return 0
     except ChildFailedError as exc:

@@ -12,6 +12,7 @@ Example::
 
     from mypackage.jobs import train       # fn must live in an importable module, not a notebook cell
     results = lockstep.spawn(train, nprocs=2, args=(0.1,))
+    results = lockstep.launch.spawn(train, 2, args=(0.1,))   # the same call: this module is callable
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import socket
 import sys
 import time
 import traceback
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -247,3 +249,13 @@ def _stop(procs: list[Any]) -> None:
         if proc.is_alive():
             proc.kill()
             proc.join(timeout=5)
+
+
+class _CallableModule(types.ModuleType):
+    """``lockstep.launch.spawn(fn, nprocs, args=...)`` is :func:`spawn`, as the reference page names it."""
+
+    def __call__(self, fn: Callable[..., Any], nprocs: int, *args: Any, **kwargs: Any) -> list[Any]:
+        return spawn(fn, nprocs, *args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -85,7 +85,7 @@ def _run(session: lockstep.Session, config: TrainConfig, data: Any) -> None:
     # The recipe saves after whole epochs only; the count it stored is authoritative even when
     # --max-steps ended the epoch before its last batch.
     start = int(state.extras.get("epochs_done", state.epoch)) if state.resumed else 0
-    session.print(f"{session.summary()}, lr {lr:g}")
+    session.print(f"{session.summary(config.max_steps)}, lr {lr:g}")  # --max-steps: the steps it takes
     if state.resumed:
         session.print(f"lockstep train: resumed from {state.path} after epoch {start}")
     log = RunLog(out, session.is_main, start)

@@ -17,6 +17,7 @@ the training state, and stays thin: each concern lives in its own module.
 * :mod:`~lockstep.session.config`: :class:`SessionConfig`, every option checked once, before
   any process group (``lockstep train``, ``bench`` and ``verify`` build it from their flags);
 * :mod:`~lockstep.session.options`: the start summary;
+* :mod:`~lockstep.session.usage`: loop mistakes caught at once (no ``setup``, ``step`` before ``backward``);
 * :mod:`~lockstep.session.position`: rank, world and loop counters, asked of the comm and the state.
 
 May import: every library layer below it (errors, env, comm, strategies, precision, data,
@@ -31,7 +32,7 @@ Example::
 from __future__ import annotations
 
 from lockstep.session.config import SessionConfig
-from lockstep.session.session import NonFiniteLossError, ResumeState, Session
+from lockstep.session.session import NonFiniteLossError, ResumeState, Session, SessionUsageError
 from lockstep.session.state import TrainState
 
-__all__ = ["Session", "SessionConfig", "ResumeState", "TrainState", "NonFiniteLossError"]
+__all__ = ["Session", "SessionConfig", "ResumeState", "TrainState", "NonFiniteLossError", "SessionUsageError"]

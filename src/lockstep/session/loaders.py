@@ -170,12 +170,13 @@ class TrainLoaders:
         live = self.live
         return live[0] if live else None
 
-    def describe(self, world_size: int, accumulate: int) -> list[str]:
+    def describe(self, world_size: int, accumulate: int, max_steps: int | None = None) -> list[str]:
         """What the session's summary says about the batches of the first loader (nothing without one).
 
         Args:
             world_size: ranks in the job.
             accumulate: micro-steps per optimizer step.
+            max_steps: the loop takes at most this many steps per epoch (``"5 of 12 steps per epoch"``).
 
         Example::
 
@@ -185,8 +186,10 @@ class TrainLoaders:
         if first is None:
             return []
         b, g = first.batch_size, first.batch_size * world_size * accumulate
+        steps = -(-len(first) // accumulate)  # an epoch ends with a step
+        taken = f"{max_steps} of {steps}" if max_steps is not None and max_steps < steps else f"{steps}"
         return [f"batch {b} per device", f"global batch {g} ({b} x {world_size} x {accumulate})",
-                f"{-(-len(first) // accumulate)} steps per epoch"]  # an epoch ends with a step
+                f"{taken} steps per epoch"]
 
     def wrap(self, loader: torch.utils.data.DataLoader, device: torch.device, *, train: bool,
              on_batch: Callable[[int], None] | None = None) -> DeviceLoader:

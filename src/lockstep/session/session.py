@@ -44,10 +44,11 @@ from lockstep.session.position import Position
 from lockstep.session.preempt import Preempted, StopGuard, stop_message
 from lockstep.session.saves import SaveInFlight, SaveTarget
 from lockstep.session.state import ResumeState, TrainState, load_state, resumed_line, save_state, seed_everything
+from lockstep.session.usage import LoopChecks, SessionUsageError
 from lockstep.session.wrappers import ModelWrappers, model_wrappers, wrap_model
 from lockstep.strategies import get_strategy
 
-__all__ = ["Session", "ResumeState", "NonFiniteLossError"]
+__all__ = ["Session", "ResumeState", "NonFiniteLossError", "SessionUsageError"]
 
 Optimizer = torch.optim.Optimizer
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
@@ -140,6 +141,7 @@ class Session(Position):
         self._ckpt: SaveTarget | None = None  # where a preemption saves
         self._folders = FolderLocks(self.comm)  # one live job per checkpoint folder
         self._saves = SaveInFlight(self.comm)
+        self._checks = LoopChecks(self.comm)  # setup before backward before step; equal replicas
 
     @classmethod
     def from_config(cls, config: SessionConfig) -> Session:
@@ -239,7 +241,8 @@ class Session(Position):
             self._steps.count_late_skips()  # counted before the loop looks at them
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backpropagate ``loss`` (scaled for fp16 and for accumulation)."""
+        """Backpropagate ``loss`` (scaled for fp16 and for accumulation); :meth:`setup` must come first."""
+        self._checks.before_backward(bool(self._models))
         self._announce()
         self._steps.backward(loss)
 
@@ -250,12 +253,14 @@ class Session(Position):
         same decision: gradients are already averaged over ranks, so a non-finite value is seen everywhere.
 
         Raises:
-            Preempted: a stop signal reached a rank: every rank saved (see ``preemption``) and
-                stops here with exit code 75.
+            Preempted: a stop signal reached a rank: every rank saved (``preemption``), exit code 75.
+            SessionUsageError: no :meth:`backward` since the last step, or the weights differ after the first.
         """
+        self._checks.before_step(self._accum.micro)
         if not self._accum.ready:
             return False
-        took = self._steps.step(optimizer, self._models[-1].wrapped if self._models else None)
+        if took := self._steps.step(optimizer, self._models[-1].wrapped if self._models else None):
+            self._checks.after_step(optimizer, replicated=not self.strategy.sharded)
         if self._guard.poll() and self._guard.mode == "save":
             self._stop_every_rank(optimizer)
         return took
@@ -294,11 +299,11 @@ class Session(Position):
         kwargs.setdefault("desc", f"epoch {self.epoch}")
         return progress_bar(iterable, self.is_main, **kwargs)
 
-    def summary(self) -> str:
-        """The one-line description printed at start: world, strategy, precision, batches."""
+    def summary(self, max_steps: int | None = None) -> str:
+        """The line printed at start: world, strategy, precision, batches (steps per epoch at most ``max_steps``)."""
         return summary_line(world_size=self.world_size, strategy=self.strategy, precision=self.precision.name,
                             backend=self.comm.backend, timeout=self.timeout, compiled=self.compiled,
-                            loaders=self.state.loaders.describe(self.world_size, self.accumulate))
+                            loaders=self.state.loaders.describe(self.world_size, self.accumulate, max_steps))
 
     def _announce(self) -> None:
         if not self._announced:

@@ -35,7 +35,8 @@ import torch
 from torch import nn
 
 from lockstep.comm.group import Comm
-from lockstep.env import export_environment
+from lockstep._cluster import horovod_variables
+from lockstep.env import export_environment, read_settings
 from lockstep.errors import ConfigError
 from lockstep.strategies.base import Strategy, broadcast_module_state, unwrap_module
 from lockstep.strategies.torch_internals import queue_backward_callback
@@ -92,9 +93,10 @@ def import_horovod() -> Any:
 def init_horovod(comm: Comm) -> Any:
     """Initialise Horovod for the job ``comm`` belongs to and check that both agree on the ranks.
 
-    Under ``horovodrun`` Horovod finds its rendezvous in the environment. Under any other launcher
-    (``lockstep run``, ``torchrun``, ``spawn``) rank 0 starts Horovod's rendezvous server for the
-    job's one host, and every rank is given the variables ``horovodrun`` would have set.
+    Under ``horovodrun`` and ``lockstep run`` (one node) Horovod finds its rendezvous in the
+    environment. Under any other launcher (``torchrun``, ``spawn``) rank 0 starts Horovod's
+    rendezvous server for the job's one host, and every rank is given the variables
+    ``horovodrun`` would have set.
 
     Args:
         comm: the job's collectives (formed from the launcher's environment).
@@ -115,7 +117,7 @@ def init_horovod(comm: Comm) -> Any:
     hvd = import_horovod()
     world = comm.world
     if not hvd.is_initialized():
-        if world.world_size > 1 and world.source != "horovodrun":
+        if world.world_size > 1 and world.source != "horovodrun" and not read_settings().horovod_rendezvous:
             _init_with_own_rendezvous(hvd, comm)
         else:
             hvd.init()
@@ -152,11 +154,10 @@ def _init_with_own_rendezvous(hvd: Any, comm: Comm) -> None:
     slot = plan[world.rank]
     # what horovodrun exports to each rank it starts (horovod.runner.gloo_run), for one host
     export_environment({
-        "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1", "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port),
-        "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo", "HOROVOD_GLOO_IFACE": "lo",
-        "HOROVOD_HOSTNAME": slot.hostname, "HOROVOD_RANK": str(slot.rank), "HOROVOD_SIZE": str(slot.size),
-        "HOROVOD_LOCAL_RANK": str(slot.local_rank), "HOROVOD_LOCAL_SIZE": str(slot.local_size),
-        "HOROVOD_CROSS_RANK": str(slot.cross_rank), "HOROVOD_CROSS_SIZE": str(slot.cross_size),
+        **horovod_variables(port=port, hostname=slot.hostname, size=slot.size, local_size=slot.local_size,
+                            cross_size=slot.cross_size),
+        "HOROVOD_RANK": str(slot.rank), "HOROVOD_LOCAL_RANK": str(slot.local_rank),
+        "HOROVOD_CROSS_RANK": str(slot.cross_rank),
     })
     try:
         hvd.init()

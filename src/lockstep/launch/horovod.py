@@ -1,0 +1,104 @@
+"""Horovod scripts under ``lockstep run``: every worker gets what ``horovodrun --gloo`` gives it.
+
+An unmodified Horovod script (``hvd.init()``, ``hvd.DistributedOptimizer``) reads its job from
+the environment. Where Horovod is installed, ``lockstep run`` on one node starts Horovod's own
+rendezvous server (``horovod.runner.http.http_server.RendezvousServer``, as
+``horovod.runner.gloo_run`` does) for the job's one host, and exports what ``horovodrun`` exports:
+the rendezvous address and port, ``HOROVOD_CONTROLLER=gloo``, ``HOROVOD_CPU_OPERATIONS=gloo``,
+the interface, host name and sizes; each worker's bootstrap adds its own ``HOROVOD_RANK``,
+``HOROVOD_LOCAL_RANK`` and ``HOROVOD_CROSS_RANK`` (:func:`lockstep._cluster.horovod_rank_variables`).
+``Session(strategy="horovod")`` joins the same rendezvous. A script that imports Horovod is
+refused on several nodes, in one line naming ``horovodrun`` (Horovod's gloo needs the interface
+that joins the hosts, which ``horovodrun`` discovers).
+
+Example::
+
+    lockstep run --nproc 2 pytorch_synthetic_benchmark.py --no-cuda   # one Horovod job of size 2
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from lockstep._cluster import horovod_variables
+from lockstep.errors import ConfigError
+from lockstep.launch.spec import LaunchSpec
+
+__all__ = ["horovod_rendezvous", "imports_horovod", "check_horovod_hosts"]
+
+_IMPORT = re.compile(r"^\s*(?:import|from)\s+horovod\b", re.MULTILINE)
+
+
+def imports_horovod(spec: LaunchSpec) -> bool:
+    """Whether the script imports Horovod itself (a module target is not read: False).
+
+    Args:
+        spec: what ``lockstep run`` starts.
+
+    Example::
+
+        imports_horovod(LaunchSpec("pytorch_synthetic_benchmark.py"))   # True
+    """
+    if spec.module:
+        return False
+    try:
+        return bool(_IMPORT.search(Path(spec.target).read_text(encoding="utf-8", errors="replace")))
+    except OSError:
+        return False
+
+
+def check_horovod_hosts(spec: LaunchSpec) -> None:
+    """Refuse, before anything starts, a script that imports Horovod on several nodes.
+
+    Args:
+        spec: what ``lockstep run`` starts.
+
+    Raises:
+        ConfigError: one line naming ``horovodrun``.
+
+    Example::
+
+        check_horovod_hosts(LaunchSpec("hvd_train.py", nodes=2, master="node0:29400"))   # ConfigError
+    """
+    if spec.nodes > 1 and imports_horovod(spec):
+        raise ConfigError(
+            f"{spec.target} imports Horovod, whose gloo needs the network interface that joins the "
+            f"{spec.nodes} hosts, which horovodrun discovers: start it with `horovodrun -np "
+            f"{spec.nodes * spec.nproc} -H host1:{spec.nproc},... --gloo python {spec.target}`")
+
+
+@contextmanager
+def horovod_rendezvous(spec: LaunchSpec) -> Iterator[dict[str, str]]:
+    """Serve Horovod's rendezvous for the job while it runs; yield the variables every worker needs.
+
+    Nothing (an empty dict) where Horovod is not installed, or on several nodes
+    (:func:`check_horovod_hosts`). On one node the server listens while the job runs.
+
+    Args:
+        spec: what ``lockstep run`` starts.
+
+    Example::
+
+        with horovod_rendezvous(LaunchSpec("train.py", nproc=2)) as variables:
+            variables["HOROVOD_SIZE"]   # "2"
+    """
+    if spec.nodes > 1 or importlib.util.find_spec("horovod") is None:
+        yield {}
+        return
+    from horovod.runner.common.util.hosts import HostInfo, get_host_assignments
+    from horovod.runner.http.http_server import RendezvousServer
+
+    hostname = socket.gethostname()
+    plan = get_host_assignments([HostInfo(hostname, spec.nproc)], spec.nproc)
+    server = RendezvousServer()
+    port = server.start()
+    server.init(plan)  # one host's scopes; Horovod clears them once every rank joined, ready for a restart
+    try:
+        yield horovod_variables(port=port, hostname=hostname, size=spec.nproc, local_size=spec.nproc)
+    finally:
+        server.stop()

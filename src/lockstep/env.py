@@ -220,6 +220,8 @@ class Settings:
             ``spawn``): this process is a worker, not a command that should start workers.
         launcher_pid: ``$LOCKSTEP_LAUNCHER_PID``: the process id of the ``lockstep run`` launcher
             that started this worker (its parent), or ``None``.
+        postmortem_dir: ``$LOCKSTEP_POSTMORTEM_DIR``: where each rank keeps its collective record for
+            a post-mortem (``lockstep run`` sets one under its log folder), or ``""``.
 
     Example::
 
@@ -241,6 +243,7 @@ class Settings:
     loglevel: str = ""
     launched: bool = False
     launcher_pid: int | None = None
+    postmortem_dir: str = ""
 
 
 def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
@@ -272,6 +275,7 @@ def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
         loglevel=env.get("LOGLEVEL", ""),
         launched="RANK" in env,
         launcher_pid=int(launcher) if launcher.isdigit() else None,
+        postmortem_dir=env.get("LOCKSTEP_POSTMORTEM_DIR", ""),
     )
 
 

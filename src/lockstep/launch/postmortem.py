@@ -45,8 +45,10 @@ def postmortem_text(folder: str, failures: list[Failure], summary: Summary, pref
     own_error = summary.hang is None and summary.root.kind in ("exception", "signal", "exit")
     if not report.desync and own_error and summary.root.rank in report.cause:
         return None  # the rank behind raised (or was killed) first: the plain summary has its traceback
-    lines = [prefix + report.headline, *("  " + d for d in report.details), prefix + "where each rank was:",
-             *("  " + w for w in report.where_lines())]
+    where = [prefix + "where each rank was:", *("  " + w for w in report.where_lines())]
+    if not report.desync and summary.hang is not None and tuple(summary.hang.blame) == report.cause:
+        return "\n".join([summary.text(prefix), *where])  # the watchdog named the same rank: its words
+    lines = [prefix + report.headline, *("  " + d for d in report.details), *where]
     by_rank = {f.rank: f for f in failures}
     for rank in report.cause:
         if rank in by_rank:

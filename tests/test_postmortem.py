@@ -211,12 +211,12 @@ FAULT = textwrap.dedent("""
     session.close()
 """)
 EXPECTED = {
-    "skip": ("ranks 0, 2 called all_reduce #9 (float32 [4]) at fault.py:17 in <module>",
-             "rank 1 called backward #9 (step 4) at fault.py:20 in <module>"),
-    "broadcast": ("ranks 0, 2 called all_reduce #9 (float32 [4]) at fault.py:17 in <module>",
-                  "rank 1 called broadcast #9 (float32 [4], src=0) at fault.py:13 in <module>"),
-    "shape": ("ranks 0, 2 called all_reduce #9 (float32 [4]) at fault.py:17 in <module>",
-              "rank 1 called all_reduce #9 (float32 [5]) at fault.py:15 in <module>"),
+    "skip": ("ranks 0, 2 called all_reduce #9 (float32 [4]) at fault.py:18 in <module>",
+             "rank 1 called backward #9 (step 4) at fault.py:21 in <module>"),
+    "broadcast": ("ranks 0, 2 called all_reduce #9 (float32 [4]) at fault.py:18 in <module>",
+                  "rank 1 called broadcast #9 (float32 [4], src=0) at fault.py:14 in <module>"),
+    "shape": ("ranks 0, 2 called all_reduce #9 (float32 [4]) at fault.py:18 in <module>",
+              "rank 1 called all_reduce #9 (float32 [5]) at fault.py:16 in <module>"),
 }
 
 

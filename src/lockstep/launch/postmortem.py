@@ -40,12 +40,12 @@ def postmortem_text(folder: str, failures: list[Failure], summary: Summary, pref
     if not folder or not os.path.isdir(folder):
         return None
     report = analyze(folder)
-    if not report.cause:
-        return None
+    where = [prefix + "where each rank was:", *("  " + w for w in report.where_lines())]
+    if not report.cause:  # every rank waited alike (a lost node): the watchdog's report, and where they were
+        return "\n".join([summary.text(prefix), *where]) if summary.hang is not None and report.ranks else None
     own_error = summary.hang is None and summary.root.kind in ("exception", "signal", "exit")
     if not report.desync and own_error and summary.root.rank in report.cause:
         return None  # the rank behind raised (or was killed) first: the plain summary has its traceback
-    where = [prefix + "where each rank was:", *("  " + w for w in report.where_lines())]
     if not report.desync and summary.hang is not None and tuple(summary.hang.blame) == report.cause:
         return "\n".join([summary.text(prefix), *where])  # the watchdog named the same rank: its words
     lines = [prefix + report.headline, *("  " + d for d in report.details), *where]

@@ -221,7 +221,8 @@ def format_links(report: LinkReport) -> list[str]:
     n = len(report.units)
     width = max([len(name) for name in report.names] + [12])
     head = " " * (width + 2) + "".join(f"{name[:width]:>{width + 2}}" for name in report.names)
-    lines = [f"links between nodes (point to point; latency one way, bandwidth of {report.size >> 10} KiB "
+    between = "ranks" if report.names[0].startswith("rank") else "nodes"
+    lines = [f"links between {between} (point to point; latency one way, bandwidth of {report.size >> 10} KiB "
              "round trips):", "  latency", head]
     for title, table, fmt in (("latency", report.latency, _ms), ("bandwidth", report.bandwidth, _rate)):
         if title == "bandwidth":

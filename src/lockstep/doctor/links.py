@@ -5,7 +5,8 @@ one rank per node (every rank when the job has one node) measures each pair in t
 point-to-point ``send``/``recv`` while the others wait at a barrier:
 
 * latency: the fastest of ``iters`` round trips of one float, halved (one way);
-* bandwidth: the fastest of ``iters`` round trips of ``size`` bytes each way, as ``2 * size / time``.
+* bandwidth: the fastest of at most ``iters`` round trips of ``size`` bytes each way (as many as fit
+  in :data:`BUDGET_S` after the first, so that a slow link costs little), as ``2 * size / time``.
 
 The fastest, not the median: on a busy machine the scheduler only ever adds time to a trip, while
 a slow link adds its delay to every one.
@@ -34,11 +35,12 @@ import torch
 from lockstep.comm.group import Comm
 
 __all__ = ["LinkReport", "Transport", "node_leaders", "measure_links", "slow_parts", "format_links",
-           "SLOW_FACTOR", "JITTER_S", "ROUNDS", "DEFAULT_LINK_SIZE"]
+           "SLOW_FACTOR", "JITTER_S", "ROUNDS", "BUDGET_S", "DEFAULT_LINK_SIZE"]
 
 SLOW_FACTOR = 4.0
 JITTER_S = 2e-3  # a busy host delays a message by this much without any fault of its link
 ROUNDS = 3  # every pair is measured this often, spread out; its fastest figures count
+BUDGET_S = 0.3  # per pair and round, the large round trips after the first stop at this much time
 DEFAULT_LINK_SIZE = 4 << 20
 
 
@@ -99,11 +101,12 @@ def node_leaders(ranks: list[dict[str, Any]]) -> tuple[list[int], list[str]]:
     return [i["rank"] for i in ranks], [f"rank {i['rank']}" for i in ranks]
 
 
-def _round_trips(me: int, peer: int, first: bool, tensor: torch.Tensor, iters: int, transport: Transport) -> float:
+def _round_trips(peer: int, first: bool, tensor: torch.Tensor, iters: int, transport: Transport,
+                 warmup: bool = True) -> float:
     """The fastest round trip of ``tensor`` between this rank and ``peer`` (the first one sends first): a
     busy CPU only ever adds time, a slow link adds it to every trip."""
     times = []
-    for _ in range(iters + 1):  # the first is a warm-up (connection set-up)
+    for _ in range(iters + warmup):  # a warm-up first (connection set-up)
         start = time.perf_counter()
         if first:
             transport.send(tensor, peer)
@@ -112,7 +115,20 @@ def _round_trips(me: int, peer: int, first: bool, tensor: torch.Tensor, iters: i
             transport.recv(tensor, peer)
             transport.send(tensor, peer)
         times.append(time.perf_counter() - start)
-    return min(times[1:])
+    return min(times[1:] if warmup else times)
+
+
+def _big_trips(peer: int, first: bool, tensor: torch.Tensor, iters: int, transport: Transport) -> float:
+    """Round trips of the large tensor: one, then as many more (up to ``iters``) as fit in
+    :data:`BUDGET_S`, a count the first end decides and tells the other (so neither waits forever)."""
+    best = _round_trips(peer, first, tensor, 1, transport, warmup=False)
+    count = torch.tensor([min(iters - 1, int(BUDGET_S / max(best, 1e-9)))], dtype=torch.int64)
+    if first:
+        transport.send(count, peer)
+    else:
+        transport.recv(count, peer)
+    more = int(count.item())
+    return min(best, _round_trips(peer, first, tensor, more, transport, warmup=False)) if more > 0 else best
 
 
 def measure_links(comm: Comm, units: list[int], names: list[str], size: int = DEFAULT_LINK_SIZE,
@@ -140,8 +156,8 @@ def measure_links(comm: Comm, units: list[int], names: list[str], size: int = DE
         for a, b in pairs:
             if comm.rank in (units[a], units[b]):
                 peer, first = (units[b], True) if comm.rank == units[a] else (units[a], False)
-                rtt = _round_trips(comm.rank, peer, first, small, iters, transport)
-                big_rtt = _round_trips(comm.rank, peer, first, big, iters, transport)
+                rtt = _round_trips(peer, first, small, iters, transport)
+                big_rtt = _big_trips(peer, first, big, iters, transport)
                 lat, bw = mine.get((a, b), (float("inf"), 0.0))
                 mine[(a, b)] = (min(lat, rtt / 2), max(bw, 2 * size / max(big_rtt, 1e-9)))
             comm.barrier()  # one pair at a time: links do not share the wire with another pair's test

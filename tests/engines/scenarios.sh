@@ -413,5 +413,6 @@ scenario_doctor_comm_slow_host() {
     expect "$W/slow.d0.out" "host d2 is far slower than the others on every link" "the slow host d2 was not named"
     reject "$W/slow.d0.out" "host d[01] is far slower" "a host with a fast link was named"
     [ "${CODES[0]}" -eq 1 ] || fail "--strict exited ${CODES[0]} with a slow host, not 1"
-    [ $((SECONDS - start)) -le 60 ] || fail "the slow host took $((SECONDS - start)) s to name (over 60 s)"
+    # three launchers start torch on each host: the bound is a hang guard, not a window (the time is printed above)
+    [ $((SECONDS - start)) -le 180 ] || fail "the slow host took $((SECONDS - start)) s to name (over 180 s)"
 }

@@ -41,7 +41,8 @@ from typing import Any
 from lockstep.comm.hang_report import is_own
 from lockstep.comm.py_frames import thread_frame
 
-__all__ = ["CollectiveRecord", "RUNNING", "DONE", "FAILED", "ISSUED", "SLOTS", "SLOT_BYTES", "WRAPPED", "read_ring", "stacks", "user_site"]
+__all__ = ["CollectiveRecord", "RUNNING", "DONE", "FAILED", "ISSUED", "SLOTS", "SLOT_BYTES", "WRAPPED", "read_ring",
+           "stacks", "user_site"]
 
 SLOTS = 256
 SLOT_BYTES = 320

@@ -22,6 +22,8 @@ START_METHOD = os.environ.get("LOCKSTEP_TEST_START_METHOD", "forkserver")
 
 def _rank_body(fn: Callable[..., Any], init: str, args: tuple[Any, ...]) -> Any:
     os.environ.update({"LOCKSTEP_INIT_METHOD": init, "OMP_NUM_THREADS": "1"})
+    # a rank's post-mortem report goes next to the rendezvous file, not into the working directory
+    os.environ.setdefault("LOCKSTEP_POSTMORTEM_DIR", os.path.join(os.path.dirname(init[len("file://"):]), "postmortem"))
     import torch
 
     torch.set_num_threads(1)

@@ -222,6 +222,8 @@ class Settings:
             that started this worker (its parent), or ``None``.
         horovod_rendezvous: the launcher serves Horovod's rendezvous for this job
             (``$HOROVOD_GLOO_RENDEZVOUS_PORT``, with ``$HOROVOD_RANK/SIZE`` equal to ``$RANK/WORLD_SIZE``).
+        postmortem_dir: ``$LOCKSTEP_POSTMORTEM_DIR``: where each rank keeps its collective record for
+            a post-mortem (``lockstep run`` sets one under its log folder), or ``""``.
 
     Example::
 
@@ -244,6 +246,7 @@ class Settings:
     launched: bool = False
     launcher_pid: int | None = None
     horovod_rendezvous: bool = False
+    postmortem_dir: str = ""
 
 
 def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
@@ -278,6 +281,7 @@ def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
         # a launcher served Horovod's rendezvous for this very job (not inherited from an outer one)
         horovod_rendezvous="HOROVOD_GLOO_RENDEZVOUS_PORT" in env and "RANK" in env
         and (env.get("HOROVOD_RANK"), env.get("HOROVOD_SIZE")) == (env.get("RANK"), env.get("WORLD_SIZE")),
+        postmortem_dir=env.get("LOCKSTEP_POSTMORTEM_DIR", ""),
     )
 
 

@@ -162,6 +162,8 @@ scenario_link_down() {
     [ "$elapsed" -le 120 ] || fail "the nodes took $elapsed s to fail after the cut (--timeout 10)"
     expect "$W/node0.out" "^lockstep run: rank 1 .*node1" "node0's summary did not name the lost node (node1, rank 1)"
     expect "$W/node1.out" "^lockstep run: rank 0 .*node0" "node1's summary did not name the node it lost (node0, rank 0)"
+    expect "$W/node0.out" "^  rank 0 \(host node0, pid [0-9]+\): .* at tiny_train.py:[0-9]+" \
+        "node0's summary did not say where its rank was (the post-mortem)"
 }
 
 scenario_loopback_hostname() {
@@ -351,4 +353,66 @@ scenario_ray_torchtrainer() {
     expect "$W/out" "first fit ended at epoch 1 step 16" "the first fit did not train 2 epochs"
     expect "$W/out" "second fit resumed at step 16 and ended at epoch 3 step 32, world size 2" \
         "the second fit did not resume from Ray's checkpoint"
+}
+
+# ---- lockstep doctor --comm on three hosts, one of them behind a slow link ------------------
+comm_hosts_up() {  # three hosts d0..d2 (10.77.0.1-3) on a bridge of their own; W holds their state
+    local i ns tag=$$
+    ip link add "lsb$tag" type bridge && ip link set "lsb$tag" up || return 1
+    echo "127.0.0.1 localhost" >"$W/hosts"
+    for i in 0 1 2; do
+        ns="lockstep-dc-$tag-$i"
+        ip netns add "$ns" && echo "$ns" >"$W/netns-d$i" || return 1
+        ip link add "lsd$tag$i" type veth peer name "lsp$tag$i" || return 1
+        ip link set "lsd$tag$i" netns "$ns" && ip link set "lsp$tag$i" master "lsb$tag" up || return 1
+        ip -n "$ns" link set "lsd$tag$i" name eth1 && ip -n "$ns" link set lo up || return 1
+        ip -n "$ns" addr add "10.77.0.$((i + 1))/24" dev eth1 && ip -n "$ns" link set eth1 up || return 1
+        echo "10.77.0.$((i + 1)) d$i" >>"$W/hosts"
+    done
+}
+
+comm_hosts_down() {
+    local i tag=$$
+    for i in 0 1 2; do ip netns del "lockstep-dc-$tag-$i" 2>/dev/null; done
+    ip link del "lsb$tag" 2>/dev/null
+    return 0
+}
+
+comm_doctor() {  # comm_doctor NAME PORT: lockstep doctor --comm --strict on the three hosts; sets CODES
+    local i pids=()
+    for i in 0 1 2; do
+        "$ENGINES_DIR/nsrun.sh" "$W" "d$i" lockstep doctor --comm --strict --nodes 3 --node-rank $i \
+            --master "d0:$2" --nproc 1 --sizes 4K --iters 2 --timeout 60 >"$W/$1.d$i.out" 2>&1 &
+        pids+=($!)
+    done
+    CODES=()
+    for i in 0 1 2; do
+        wait "${pids[$i]}"
+        CODES+=($?)
+    done
+}
+
+scenario_doctor_comm_slow_host() {
+    trap comm_hosts_down EXIT
+    comm_hosts_up || fail "could not create the three hosts"
+    local start ns
+    start=$SECONDS
+    comm_doctor clean 24300
+    echo "clean: exit codes ${CODES[*]}, $((SECONDS - start)) s"
+    expect "$W/clean.d0.out" "^links between nodes" "no link matrix in the clean run"
+    reject "$W/clean.d0.out" "far slower" "the clean topology named a slow node or link"
+    [ "${CODES[0]}" -eq 0 ] || fail "the clean topology exited ${CODES[0]} under --strict"
+    # d2's link slowed: a delay where the kernel has netem, else a rate limit (tbf is built in more often)
+    ns=$(cat "$W/netns-d2")
+    tc -n "$ns" qdisc add dev eth1 root netem delay 40ms 2>/dev/null \
+        || tc -n "$ns" qdisc add dev eth1 root tbf rate 100mbit burst 64kb latency 100ms || fail "tc failed"
+    tc -n "$ns" qdisc show dev eth1
+    start=$SECONDS
+    comm_doctor slow 24310
+    echo "slow d2: exit codes ${CODES[*]}, $((SECONDS - start)) s"
+    expect "$W/slow.d0.out" "host d2 is far slower than the others on every link" "the slow host d2 was not named"
+    reject "$W/slow.d0.out" "host d[01] is far slower" "a host with a fast link was named"
+    [ "${CODES[0]}" -eq 1 ] || fail "--strict exited ${CODES[0]} with a slow host, not 1"
+    # three launchers start torch on each host: the bound is a hang guard, not a window (the time is printed above)
+    [ $((SECONDS - start)) -le 180 ] || fail "the slow host took $((SECONDS - start)) s to name (over 180 s)"
 }

@@ -5,11 +5,14 @@ launcher (``torchrun``, ``srun``, ``lockstep run``) it is one of the workers. Ex
 
     lockstep doctor                          # one rank per GPU, or 2 ranks on CPU
     lockstep doctor --nproc 4 --sizes 1M..256M --iters 50
+    lockstep doctor --comm --strict --nodes 3 --node-rank 0 --master 10.0.0.1:29400 --nproc 1   # every link
     lockstep doctor --nodes 2 --node-rank 0 --master 10.0.0.1:29400 --nproc 8   # on node 0
     lockstep doctor --nodes 2 --node-rank 1 --master 10.0.0.1:29400 --nproc 8   # on node 1
     torchrun --nproc_per_node 2 -m lockstep doctor
 
-The exit code is 0 when the verdict is OK, 1 when a problem was found.
+The exit code is 0 when the verdict is OK, 1 when a problem was found. ``--comm`` measures latency
+and bandwidth between every pair of nodes and names a node or link far slower than the others (a
+warning; a problem with ``--strict``).
 """
 
 from __future__ import annotations
@@ -49,6 +52,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="timed allreduces per size at most, after 3 warm-up ones (default 20)")
     parser.add_argument("--backend", default="auto", choices=("auto", "nccl", "gloo"),
                         help="process-group backend (default: nccl with GPUs, else gloo)")
+    parser.add_argument("--comm", action="store_true",
+                        help="also measure latency and bandwidth between every pair of nodes (point to point) "
+                             "and name a node or link far slower than the others")
+    parser.add_argument("--strict", action="store_true",
+                        help="with --comm: a slow node or link is a problem (exit 1), not a warning")
     parser.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
 
 
@@ -57,7 +65,8 @@ def _worker(args: argparse.Namespace) -> int:
     from lockstep.doctor.checks import run_doctor
     from lockstep.env import detect_world
 
-    code = run_doctor(parse_sizes(args.sizes), iters=args.iters, backend=args.backend, timeout=args.timeout)
+    code = run_doctor(parse_sizes(args.sizes), iters=args.iters, backend=args.backend, timeout=args.timeout,
+                      links=args.comm, strict=args.strict)
     if not args.result_file:
         return code
     if detect_world().is_main:
@@ -67,7 +76,8 @@ def _worker(args: argparse.Namespace) -> int:
 
 def _forwarded(args: argparse.Namespace, result_file: str) -> list[str]:
     # --timeout reaches the workers as $LOCKSTEP_TIMEOUT, set by the launcher
-    return ["doctor", "--sizes", args.sizes, "--iters", str(args.iters), "--backend", args.backend,
+    flags = [f for f, on in (("--comm", args.comm), ("--strict", args.strict)) if on]
+    return ["doctor", "--sizes", args.sizes, "--iters", str(args.iters), "--backend", args.backend, *flags,
             "--result-file", result_file]
 
 

@@ -1,4 +1,4 @@
-"""The ``lockstep`` command: ``lockstep run | train | bench | verify | doctor``.
+"""The ``lockstep`` command: ``lockstep run | train | bench | verify | doctor | postmortem``.
 
 Each subcommand lives in ``lockstep/cli/<name>.py`` with two functions,
 ``add_arguments(parser)`` and ``main(args) -> int``; it is imported only when used, so that
@@ -29,6 +29,7 @@ COMMANDS = {
     "bench": "measure which strategy x precision x process count is fastest here",
     "verify": "check that N-process training equals 1-process training for a model",
     "doctor": "check versions, devices and allreduce bandwidth on every rank",
+    "postmortem": "name the cause of a hang or desync from the ranks' collective records",
 }
 
 

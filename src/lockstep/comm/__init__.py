@@ -5,6 +5,8 @@
 * :mod:`~lockstep.comm.watchdog`: names the rank a timed-out collective waited for;
 * :mod:`~lockstep.comm.hang_report`: turns what the ranks posted into that message;
 * :mod:`~lockstep.comm.py_frames`: the only CPython-private call (another thread's frame);
+* :mod:`~lockstep.comm.record`: each rank's ring of the collectives it issued, for a post-mortem;
+* :mod:`~lockstep.comm.postmortem`: compares the ranks' rings and names the cause of a hang or desync;
 * :mod:`~lockstep.comm.failure`: the error-file record a failing worker leaves for its launcher, and
   the hooks that explain a failure and release the group on the way out.
 

@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from lockstep.comm.record import CollectiveRecord
 from lockstep.comm.signed import SignedStore
 from lockstep.comm.store import (
     DEFAULT_TIMEOUT, CommError, Peer, describe_self, handshake, open_store, resolve_timeout,
@@ -119,11 +120,12 @@ class GroupComm(Comm):
     """
 
     def __init__(self, world: World, backend: str, peers: list[Peer], watchdog: NullWatchdog | None = None,
-                 owned: bool = True) -> None:
+                 owned: bool = True, record: CollectiveRecord | None = None) -> None:
         super().__init__(world)
         self.backend, self.owned = backend, owned
         self.peers = peers
         self.watchdog = watchdog or NullWatchdog()
+        self.record = record
         self._calls = 0
         self._alive = True
 
@@ -131,7 +133,7 @@ class GroupComm(Comm):
         """Run one collective as a numbered sync point; explain a timeout."""
         self._calls += 1
         watch = self.watchdog
-        watch.enter(name + " #{}", self._calls)
+        watch.enter(name + " #{}", self._calls, record=False)  # the torch.distributed call records it
         try:
             return fn(*args, **kwargs)
         except RuntimeError as exc:
@@ -184,6 +186,8 @@ class GroupComm(Comm):
         finally:
             # after the barrier: rank 0 (the store's host) may exit while the others still tear down
             self.watchdog.stop()
+            if self.record is not None:
+                self.record.close()
 
 
 def _check_op(op: str) -> None:
@@ -272,9 +276,10 @@ def form_comm(world: World, backend: str, init_method: str | None, timeout: time
     device_id = world.device if chosen == "nccl" else None
     if device_id is not None:
         torch.cuda.set_device(device_id)
+    record = CollectiveRecord(world.rank, world.world_size, settings.postmortem_dir)
     watchdog = Watchdog(dist.PrefixStore("wd/", base), world.rank, world.world_size, timeout.total_seconds(),
                         error_file=settings.error_file, secret=secret,
-                        hosts={p["rank"]: p["host"] for p in peers})
+                        hosts={p["rank"]: p["host"] for p in peers}, record=record)
     group_timeout = timeout
     if chosen == "nccl":
         # nccl ends the process at its timeout; give the watchdog's report (at its backstop) time first
@@ -284,7 +289,8 @@ def form_comm(world: World, backend: str, init_method: str | None, timeout: time
         world_size=world.world_size, timeout=group_timeout, device_id=device_id,
     )
     watchdog.start()
-    return GroupComm(world, chosen, peers, watchdog)
+    record.install()
+    return GroupComm(world, chosen, peers, watchdog, record=record)
 
 
 def _adopt(world: World) -> Comm:

@@ -37,6 +37,7 @@ from typing import Any
 from lockstep.comm import failure
 from lockstep.comm.hang_report import CollectiveTimeoutError, Post, diagnose, is_own, where_of
 from lockstep.comm.py_frames import thread_frame
+from lockstep.comm.record import FAILED, CollectiveRecord, user_site
 from lockstep.comm.signed import SignedStore
 from lockstep.env import read_settings
 
@@ -65,8 +66,15 @@ class NullWatchdog:
             callback: what to do then (a preemption handler re-raises its signal, for example).
         """
 
-    def enter(self, what: str, number: int) -> None:
-        """Mark the start of a sync point (``what`` formatted with ``number``)."""
+    def enter(self, what: str, number: int, record: bool = True) -> None:
+        """Mark the start of a sync point (``what`` formatted with ``number``).
+
+        Args:
+            what: the sync point, with ``{}`` for its number (``"backward of step {}"``).
+            number: its number.
+            record: add it to the collective record (a sync point whose collective is recorded by
+                its ``torch.distributed`` call passes False).
+        """
 
     def leave(self) -> None:
         """Mark its end."""
@@ -94,6 +102,8 @@ class Watchdog(NullWatchdog):
         secret: the job's secret: positions and the verdict are signed with it, and a value
             that does not check (an outsider's write) is ignored.
         hosts: every rank's host (from the handshake), to name the host of a rank that never posts.
+        record: this rank's collective record (:mod:`lockstep.comm.record`): sync points are added
+            to it, and a stall or a timeout writes this rank's report next to it.
 
     Example::
 
@@ -103,7 +113,9 @@ class Watchdog(NullWatchdog):
 
     def __init__(self, store: Any, rank: int, world_size: int, timeout: float,
                  backstop: float | None = None, error_file: str | None = None, secret: bytes = b"",
-                 hosts: dict[int, str] | None = None) -> None:
+                 hosts: dict[int, str] | None = None, record: CollectiveRecord | None = None) -> None:
+        self.record = record
+        self._entry = 0
         self.store: SignedStore | None = SignedStore(store, secret)
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
         self.hosts = dict(hosts or {})
@@ -126,14 +138,20 @@ class Watchdog(NullWatchdog):
         self._on_failed.append(callback)
 
     # -- the main thread's side (hot path: keep it to attribute writes) ------------------------
-    def enter(self, what: str, number: int) -> None:
+    def enter(self, what: str, number: int, record: bool = True) -> None:
         self.seq += 1
         self._what, self._number = what, number
+        if record and self.record is not None:
+            op, _, detail = what.format(number).partition(" of ")
+            self._entry = self.record.begin(op, [], "", "world", detail, user_site())
         self.entered = time.monotonic()
         self.inside = True
 
     def leave(self) -> None:
         self.inside = False
+        if self._entry and self.record is not None:
+            self.record.end(self._entry)
+            self._entry = 0
 
     def explain(self, exc: BaseException, where: str | None = None) -> CollectiveTimeoutError | None:
         """Turn a collective's timeout into a :class:`CollectiveTimeoutError` naming the ranks behind.
@@ -149,9 +167,14 @@ class Watchdog(NullWatchdog):
         if not (_TIMEOUT.search(str(exc)) or (self.inside and waited >= 0.8 * self.timeout)):
             return None
         posts = self._read() or dict(self._view)
-        posts[self.rank] = self.post(waiting=True, where=where)
+        posts[self.rank] = mine = self.post(waiting=True, where=where)
         err = diagnose(posts, self.world_size, self.timeout, self.rank, self.hosts, now=time.time())
         err.__suppress_context__ = True  # raised in place of the backend's error: show ours only
+        if self.record is not None:
+            if self._entry:  # the sync point failed: leave() must not mark it done
+                self.record.end(self._entry, FAILED)
+                self._entry = 0
+            self.record.dump(f"timed out: {err}", where=mine.where)
         self._try(lambda: self._store().set(_VERDICT, str(err)))
         self._ack()
         self._await_acks()
@@ -254,6 +277,8 @@ class Watchdog(NullWatchdog):
                 if replace(mine, at=0.0) != posted or now - posted_at >= self.timeout / 4:
                     posted, posted_at = replace(mine, at=0.0), now
                     self._try(lambda: self._store().set(str(self.rank), json.dumps(asdict(mine))))
+                    if self.record is not None:  # what it issued and where it is, before anyone is killed
+                        self.record.dump(f"stalled in {mine.what}" if mine.inside else "stalled", where=mine.where)
                 self._view = self._read() or self._view
             if self.job_failed and self._on_failed:
                 callbacks, self._on_failed = self._on_failed, []
@@ -290,9 +315,11 @@ class Watchdog(NullWatchdog):
     def _give_up(self) -> None:
         """The backend never raised: report from what the ranks last posted and end the process."""
         posts = dict(self._view)
-        posts[self.rank] = self.post(waiting=True)
+        posts[self.rank] = mine = self.post(waiting=True)
         err = diagnose(posts, self.world_size, self.timeout, self.rank, self.hosts, now=time.time())
         print(f"lockstep: {err}", file=sys.stderr, flush=True)
+        if self.record is not None:
+            self.record.dump(f"gave up: {err}", where=mine.where)
         if self.error_file:
             failure.record_failure(err, 1, self.error_file)
         os._exit(1)

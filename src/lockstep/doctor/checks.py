@@ -33,6 +33,7 @@ import torch
 
 from lockstep.comm.group import Comm, init_comm
 from lockstep.doctor.bandwidth import BandwidthRow, format_size, format_table, measure_allreduce
+from lockstep.doctor.links import LinkReport, Transport, format_links, measure_links, node_leaders, slow_parts
 from lockstep.doctor.network import NetworkProbe, network_lines, network_warnings
 from lockstep.env import World, detect_world, read_settings
 from lockstep.errors import LockstepError, format_ranks
@@ -130,6 +131,8 @@ class Report:
     rows: list[BandwidthRow]
     network: list[dict[str, Any]] = field(default_factory=list)
     missed: list[list[int]] = field(default_factory=list)
+    links: LinkReport | None = None
+    strict: bool = False
     problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
@@ -189,6 +192,10 @@ def diagnose(report: Report) -> Report:
         problems, warnings = network_warnings(report.network, report.missed)
         report.problems += problems
         report.warnings += warnings
+    if report.links is not None:  # a slow node or link: a problem with --strict, else a warning
+        nodes, links, notes = slow_parts(report.links)
+        (report.problems if report.strict else report.warnings).extend(nodes + links)
+        report.warnings.extend(notes)
     wrong = [format_size(r.size) for r in report.rows if not r.correct]
     if wrong:
         report.problems.append(f"allreduce returned a wrong sum at {', '.join(wrong)}: the interconnect or "
@@ -257,6 +264,8 @@ def format_report(report: Report) -> str:
                  f"(resolution {report.resolution * 1e3:.2f} ms)")
     if report.network:
         lines += network_lines(report.network, report.missed)
+    if report.links is not None:
+        lines += format_links(report.links)
     if report.rows:
         lines.append(format_table(report.rows, len(report.ranks), report.backend))
     lines += [f"warning: {w}" for w in report.warnings]
@@ -278,7 +287,8 @@ def _probe_network(comm: Comm, world: World) -> tuple[list[dict[str, Any]], list
 
 
 def run_doctor(sizes: list[int], iters: int = 20, warmup: int = 3, backend: str = "auto",
-               timeout: float | None = None, world: World | None = None) -> int:
+               timeout: float | None = None, world: World | None = None, links: bool = False,
+               strict: bool = False, transport: Transport | None = None) -> int:
     """Run every check on this rank (all ranks of the job call it); rank 0 prints the report.
 
     Args:
@@ -289,6 +299,9 @@ def run_doctor(sizes: list[int], iters: int = 20, warmup: int = 3, backend: str 
         timeout: seconds a rank waits for the others before giving up; ``None``:
             ``$LOCKSTEP_TIMEOUT`` or 10 minutes (as ``lockstep run --timeout``).
         world: where this process is; read from the environment when omitted.
+        links: also measure latency and bandwidth between every pair of nodes (``--comm``).
+        strict: a slow node or link is a problem (exit 1), not a warning.
+        transport: how the pairs exchange tensors (``torch.distributed`` when omitted; tests slow one).
 
     Returns:
         0 when no problem was found, 1 otherwise (the same on every rank).
@@ -308,8 +321,9 @@ def run_doctor(sizes: list[int], iters: int = 20, warmup: int = 3, backend: str 
         network, missed = _probe_network(comm, world)
         offsets, resolution = clock_offsets(comm)
         device = world.device if comm.backend == "nccl" else torch.device("cpu")
+        pairs = measure_links(comm, *node_leaders(ranks), transport=transport) if links else None
         rows = measure_allreduce(comm, sizes, iters=iters, warmup=warmup, device=device)
-        report = diagnose(Report(ranks, comm.backend, offsets, resolution, rows, network, missed))
+        report = diagnose(Report(ranks, comm.backend, offsets, resolution, rows, network, missed, pairs, strict))
         if comm.is_main:
             print(format_report(report), flush=True)
     finally:

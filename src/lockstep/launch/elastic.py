@@ -119,7 +119,8 @@ def _launch_config(spec: LaunchSpec, log_dir: str) -> Any:
 
 
 @contextmanager
-def _launch_environment(spec: LaunchSpec, extra: dict[str, str] | None = None) -> Iterator[None]:
+def _launch_environment(spec: LaunchSpec, postmortem_dir: str = "",
+                        extra: dict[str, str] | None = None) -> Iterator[None]:
     """Set the variables the agent and workers need (and ``extra``); give back the caller's environment
     and signal handlers afterwards (the agent installs its own and leaves them in place)."""
     env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(extra or {})}  # workers inherit it; see the module docstring
@@ -127,6 +128,7 @@ def _launch_environment(spec: LaunchSpec, extra: dict[str, str] | None = None) -
         env["LOCKSTEP_TIMEOUT"] = f"{spec.timeout:g}"  # the default of Session / init_comm
     env["LOCKSTEP_GRACE"] = f"{spec.grace:g}"  # after it, a worker obeys a stop signal unsaved
     env["LOCKSTEP_LAUNCHER_PID"] = str(os.getpid())  # the workers' parent: they die with it (bootstrap)
+    env["LOCKSTEP_POSTMORTEM_DIR"] = postmortem_dir  # each rank's collective record (lockstep.comm.record)
     # signs lockstep's values in the workers' store (see lockstep.comm.signed); a random secret per job
     # on one node, the --secret-file content across nodes (the nodes' launchers share nothing else)
     env["LOCKSTEP_SECRET"] = spec.secret or (secrets.token_hex(16) if spec.nodes == 1 else "")
@@ -209,10 +211,10 @@ def launch(spec: LaunchSpec) -> int:
         if warning:
             say(warning)
     log_dir = spec.log_dir or tempfile.mkdtemp(prefix="lockstep-run-")
-    report = JobReporter(spec)
+    report = JobReporter(spec, postmortem_dir=os.path.join(log_dir, "postmortem"))
     try:
-        with (horovod_rendezvous(spec) as horovod, _launch_environment(spec, horovod), quiet_torch(spec.verbose),
-              reporting_agent(report)):
+        with (horovod_rendezvous(spec) as horovod, _launch_environment(spec, report.postmortem_dir, horovod),
+              quiet_torch(spec.verbose), reporting_agent(report)):
             elastic_launch(_launch_config(spec, log_dir), sys.executable)(*_worker_args(spec))
         return 0
     except ChildFailedError as exc:

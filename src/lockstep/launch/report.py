@@ -65,6 +65,8 @@ class Failure:
         error_type: the exception's class name, or ``""``.
         traceback: the worker's own traceback, or ``""``.
         blame: the ranks this rank named as never arriving in a collective it waited in.
+        exit_status: the exit code the worker recorded when it ended by ``sys.exit`` (its argparse
+            refusing the arguments, say), even if the launcher stopped it before it was gone.
 
     Example::
 
@@ -82,6 +84,7 @@ class Failure:
     error_type: str = ""
     traceback: str = field(default="", repr=False)
     blame: tuple[int, ...] = ()
+    exit_status: int | None = None
 
     @classmethod
     def from_process_failure(cls, rank: int, failure: Any, host: str) -> Failure:
@@ -103,6 +106,8 @@ class Failure:
                 error_type=str(ours.get("type", "")),
                 traceback=str(message.get("extraInfo", {}).get("py_callstack", "")) if isinstance(message, dict) else "",
                 blame=tuple(int(r) for r in ours.get("blame") or ()),
+                exit_status=int(ours["exit_code"]) if ours.get("type") == "SystemExit"
+                and isinstance(ours.get("exit_code"), int) else None,
             )
         text = message.get("message", "") if isinstance(message, dict) else ""
         return cls(
@@ -122,6 +127,8 @@ class Failure:
             return "preempted"
         if self.exitcode < 0 and -self.exitcode not in _STOP_SIGNALS:
             return "signal"
+        if self.error_type == "SystemExit":
+            return "exit"  # the script ended itself (sys.exit), even if it was stopped on the way out
         if self.error:  # recorded before the process ended, even if the launcher stopped it meanwhile
             if self.error_type in _PEER_TYPES or (
                 self.error_type in _TRANSPORT_TYPES and _PEER_TEXT.search(self.error)
@@ -150,10 +157,15 @@ class Failure:
         if kind == "relayed":
             return f"stopped on the error rank {self.relayed_from} reported"
         if self.error_type == "SystemExit":
-            return f"exited with code {self.exitcode}"
+            return f"exited with code {self.code}"
         if self.error:
             return f"raised {self.error}"
         return f"exited with code {self.exitcode}"
+
+    @property
+    def code(self) -> int:
+        """The exit code the rank chose itself (its ``sys.exit``), else the process's."""
+        return self.exit_status if self.exit_status is not None else self.exitcode
 
     def where(self) -> str:
         """``"host node1, local rank 1, pid 42"``."""
@@ -185,6 +197,10 @@ class Summary:
         """``"rank 1 raised ValueError: bad (host h, local rank 1, pid 42)"``."""
         if self.hang is not None:
             return _hang_lines(self.hang)[0]
+        if self.root.kind == "exit":
+            same = [f for f in (self.root, *self.others) if f.kind == "exit" and f.code == self.root.code]
+            if len(same) > 1:
+                return f"{_ranks(same)} exited with code {self.root.code} (host {self.root.host})"
         return f"rank {self.root.rank} {self.root.describe()} ({self.root.where()})"
 
     def text(self, prefix: str = PREFIX) -> str:
@@ -196,10 +212,12 @@ class Summary:
             return (f"{prefix}the job was preempted: {ranks} stopped with exit code "
                     f"{EXIT_PREEMPTED}. Resume it by running the same command again.")
         lines = [f"{prefix}{self.headline()}"]
-        if self.root.traceback:
+        if self.root.traceback and self.root.error_type != "SystemExit":  # an exit is no error to trace
             lines += ["  " + line for line in self.root.traceback.rstrip().splitlines()]
+        named = self.headline().startswith("ranks ") and self.root.kind == "exit"
         stopped = [f for f in self.others if f.kind in ("stopped", "preempted")]
-        lost = [f for f in self.others if f.kind not in ("stopped", "preempted")]
+        lost = [f for f in self.others if f.kind not in ("stopped", "preempted")
+                and not (named and f.kind == "exit" and f.code == self.root.code)]
         if self.root.kind == "peer" and stopped:
             lines.append(f"{prefix}{_ranks(stopped)} had not failed when it gave up: if one of "
                          "them was stuck (a hang, or slow work outside the collectives), it is the cause.")
@@ -284,6 +302,8 @@ class JobReporter:
 
     Args:
         spec: the job being launched (a :class:`~lockstep.launch.spec.LaunchSpec`).
+        postmortem_dir: where the ranks keep their collective records; when they name the cause of
+            a failure better than how the ranks ended, the summary says so (:mod:`lockstep.launch.postmortem`).
 
     Example::
 
@@ -291,8 +311,9 @@ class JobReporter:
         sys.exit(report.failed(exc.failures))
     """
 
-    def __init__(self, spec: LaunchSpec) -> None:
+    def __init__(self, spec: LaunchSpec, postmortem_dir: str = "") -> None:
         self.spec = spec
+        self.postmortem_dir = postmortem_dir
         self.host = socket.gethostname()
         self.last_failures: dict[int, Any] = {}
         self.exit_codes: dict[int, int | None] = {}
@@ -312,14 +333,21 @@ class JobReporter:
         total = self.spec.max_restarts + 1
         lines = [f"{PREFIX}restarting the job (attempt {attempt} of {total}) after "
                  f"rank {summary.root.rank} {summary.root.describe()}"]
-        if summary.root.traceback != self._shown_traceback:  # the same crash again: once is enough
+        # the same crash again: once is enough; an exit (sys.exit) is no error to trace
+        if summary.root.traceback != self._shown_traceback and summary.root.error_type != "SystemExit":
             lines += ["  " + line for line in summary.root.traceback.rstrip().splitlines()]
             self._shown_traceback = summary.root.traceback
         say("\n".join(lines))
 
     def failed(self, raw: Mapping[int, Any]) -> int:
-        summary = summarize(self.failures(raw))
-        say(summary.text(PREFIX))
+        from lockstep.launch.postmortem import postmortem_text
+
+        failures = self.failures(raw)
+        summary = summarize(failures)
+        verdict = None if summary.preempted else postmortem_text(self.postmortem_dir, failures, summary)
+        say(verdict or summary.text(PREFIX))
+        if verdict and self.spec.log_dir:
+            say(f"{PREFIX}the ranks' records are under {self.postmortem_dir} (lockstep postmortem DIR reads them)")
         if summary.preempted:
             return EXIT_PREEMPTED
         if self.spec.max_restarts:

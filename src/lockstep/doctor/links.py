@@ -1,0 +1,249 @@
+"""``lockstep doctor --comm``: latency and bandwidth of every link between nodes, and the slow one named.
+
+An allreduce is as fast as its slowest link, and its time does not say which link that is. Here
+one rank per node (every rank when the job has one node) measures each pair in turn with
+point-to-point ``send``/``recv`` while the others wait at a barrier:
+
+* latency: the fastest of ``iters`` round trips of one float, halved (one way);
+* bandwidth: the fastest of at most ``iters`` round trips of ``size`` bytes each way (as many as fit
+  in :data:`BUDGET_S` after the first, so that a slow link costs little), as ``2 * size / time``.
+
+The fastest, not the median: on a busy machine the scheduler only ever adds time to a trip, while
+a slow link adds its delay to every one.
+
+Every pair is measured in :data:`ROUNDS` rounds and keeps its fastest figures. A link is slow when
+its latency is over :data:`SLOW_FACTOR` times the best link's, or its bandwidth under the best
+link's divided by :data:`SLOW_FACTOR`, and it loses more than :data:`JITTER_S` per message. A node all of whose links
+are slow (with three nodes or more) is named as the node; otherwise the links are named.
+
+Example (inside a job)::
+
+    links = measure_links(comm, units=node_leaders(ranks), size=1 << 20, iters=5)
+    print("\\n".join(format_links(links)))
+    slow_parts(links)   # (["host node2 is far slower than the others on every link: ..."], [], [])
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from lockstep.comm.group import Comm
+
+__all__ = ["LinkReport", "Transport", "node_leaders", "measure_links", "slow_parts", "format_links",
+           "SLOW_FACTOR", "JITTER_S", "ROUNDS", "BUDGET_S", "DEFAULT_LINK_SIZE"]
+
+SLOW_FACTOR = 4.0
+JITTER_S = 2e-3  # a busy host delays a message by this much without any fault of its link
+ROUNDS = 3  # every pair is measured this often, spread out; its fastest figures count
+BUDGET_S = 0.3  # per pair and round, the large round trips after the first stop at this much time
+DEFAULT_LINK_SIZE = 4 << 20
+
+
+class Transport(Protocol):
+    """How two ranks exchange a tensor (``torch.distributed`` by default; tests inject a slow one)."""
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        """Send ``tensor`` to rank ``dst``."""
+
+    def recv(self, tensor: torch.Tensor, src: int) -> None:
+        """Receive into ``tensor`` from rank ``src``."""
+
+
+class _Torch:
+    """The default transport: blocking ``torch.distributed.send``/``recv``."""
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        torch.distributed.send(tensor, dst)
+
+    def recv(self, tensor: torch.Tensor, src: int) -> None:
+        torch.distributed.recv(tensor, src)
+
+
+@dataclass
+class LinkReport:
+    """What was measured between the units (one rank per node).
+
+    Args:
+        units: the measuring ranks, one per node.
+        names: a name per unit (``host node1`` or ``rank 2``).
+        size: bytes each way of a bandwidth round trip.
+        latency: one-way seconds per pair ``(a, b)`` of units' indexes, ``a < b``.
+        bandwidth: bytes per second per pair.
+    """
+
+    units: list[int]
+    names: list[str]
+    size: int
+    latency: dict[tuple[int, int], float] = field(default_factory=dict)
+    bandwidth: dict[tuple[int, int], float] = field(default_factory=dict)
+
+
+def node_leaders(ranks: list[dict[str, Any]]) -> tuple[list[int], list[str]]:
+    """The ranks that measure (one per host; every rank on one host) and their names.
+
+    Args:
+        ranks: every rank's description, with ``rank`` and ``host`` (``describe_rank``).
+
+    Example::
+
+        node_leaders([{"rank": 0, "host": "a"}, {"rank": 1, "host": "b"}])   # ([0, 1], ["host a", "host b"])
+    """
+    hosts: dict[str, int] = {}
+    for info in sorted(ranks, key=lambda i: i["rank"]):
+        hosts.setdefault(info["host"], info["rank"])
+    if len(hosts) > 1:
+        return list(hosts.values()), [f"host {h}" for h in hosts]
+    return [i["rank"] for i in ranks], [f"rank {i['rank']}" for i in ranks]
+
+
+def _round_trips(peer: int, first: bool, tensor: torch.Tensor, iters: int, transport: Transport,
+                 warmup: bool = True) -> float:
+    """The fastest round trip of ``tensor`` between this rank and ``peer`` (the first one sends first): a
+    busy CPU only ever adds time, a slow link adds it to every trip."""
+    times = []
+    for _ in range(iters + warmup):  # a warm-up first (connection set-up)
+        start = time.perf_counter()
+        if first:
+            transport.send(tensor, peer)
+            transport.recv(tensor, peer)
+        else:
+            transport.recv(tensor, peer)
+            transport.send(tensor, peer)
+        times.append(time.perf_counter() - start)
+    return min(times[1:] if warmup else times)
+
+
+def _big_trips(peer: int, first: bool, tensor: torch.Tensor, iters: int, transport: Transport) -> float:
+    """Round trips of the large tensor: one, then as many more (up to ``iters``) as fit in
+    :data:`BUDGET_S`, a count the first end decides and tells the other (so neither waits forever)."""
+    best = _round_trips(peer, first, tensor, 1, transport, warmup=False)
+    count = torch.tensor([min(iters - 1, int(BUDGET_S / max(best, 1e-9)))], dtype=torch.int64)
+    if first:
+        transport.send(count, peer)
+    else:
+        transport.recv(count, peer)
+    more = int(count.item())
+    return min(best, _round_trips(peer, first, tensor, more, transport, warmup=False)) if more > 0 else best
+
+
+def measure_links(comm: Comm, units: list[int], names: list[str], size: int = DEFAULT_LINK_SIZE,
+                  iters: int = 5, transport: Transport | None = None) -> LinkReport:
+    """Measure every pair of ``units`` (all ranks call this; the result is the same on every rank).
+
+    Args:
+        comm: the job's communicator.
+        units: the measuring ranks (see :func:`node_leaders`).
+        names: their names.
+        size: bytes each way of a bandwidth round trip.
+        iters: timed round trips per measurement.
+        transport: how two ranks exchange tensors (``torch.distributed`` when omitted).
+
+    Example::
+
+        measure_links(comm, [0, 1, 2], ["host a", "host b", "host c"]).latency[(0, 2)]
+    """
+    transport = transport or _Torch()
+    report = LinkReport(units, names, size)
+    small, big = torch.zeros(1), torch.zeros(max(1, size // 4))
+    mine: dict[tuple[int, int], tuple[float, float]] = {}
+    pairs = [(a, b) for a in range(len(units)) for b in range(a + 1, len(units))]
+    for _ in range(ROUNDS):
+        for a, b in pairs:
+            if comm.rank in (units[a], units[b]):
+                peer, first = (units[b], True) if comm.rank == units[a] else (units[a], False)
+                rtt = _round_trips(peer, first, small, iters, transport)
+                big_rtt = _big_trips(peer, first, big, iters, transport)
+                lat, bw = mine.get((a, b), (float("inf"), 0.0))
+                mine[(a, b)] = (min(lat, rtt / 2), max(bw, 2 * size / max(big_rtt, 1e-9)))
+            comm.barrier()  # one pair at a time: links do not share the wire with another pair's test
+    for rank, part in enumerate(comm.all_gather_object(mine)):
+        for pair, (lat, bw) in part.items():
+            if rank == units[pair[0]]:  # both ends measured it: every rank keeps the first end's figures
+                report.latency[pair], report.bandwidth[pair] = lat, bw
+    return report
+
+
+def _slow(report: LinkReport) -> set[tuple[int, int]]:
+    """The pairs far below the best link (and by more than a busy host's jitter)."""
+    if len(report.latency) < 2:
+        return set()  # one link: nothing to compare it with
+    best_lat = min(report.latency.values())
+    best_bw = max(report.bandwidth.values())
+
+    def transfer(pair: tuple[int, int]) -> float:  # extra seconds per message over the best link
+        return report.size / report.bandwidth[pair] - report.size / best_bw
+
+    return {pair for pair in report.latency
+            if (report.latency[pair] > SLOW_FACTOR * best_lat and report.latency[pair] > best_lat + JITTER_S)
+            or (report.bandwidth[pair] < best_bw / SLOW_FACTOR and transfer(pair) > JITTER_S)}
+
+
+def slow_parts(report: LinkReport) -> tuple[list[str], list[str], list[str]]:
+    """The nodes all of whose links are slow, the other slow links, and notes, as sentences.
+
+    A slow node or link is a minority: when most links look slow, the figures are noise (busy hosts)
+    and a note says so instead of naming any.
+
+    Args:
+        report: what :func:`measure_links` measured.
+
+    Example::
+
+        slow_parts(report)   # (["host node2 is far slower than the others on every link: ..."], [], [])
+    """
+    slow = _slow(report)
+    n = len(report.units)
+    nodes = [u for u in range(n) if n >= 3 and all(tuple(sorted((u, v))) in slow for v in range(n) if v != u)]
+    rest = sorted(p for p in slow if p[0] not in nodes and p[1] not in nodes)
+    if 2 * len(nodes) >= n or 2 * len(rest) > len(report.latency):
+        return [], [], ["the links' figures vary too widely to name one (busy hosts?): measure again when idle"]
+    best_lat, best_bw = min(report.latency.values(), default=0.0), max(report.bandwidth.values(), default=0.0)
+    best = f"(best link {_ms(best_lat)}, {_rate(best_bw)})"
+    node_lines = []
+    for u in nodes:
+        pairs = [(min(u, v), max(u, v)) for v in range(n) if v != u]
+        lat = statistics.median(report.latency[p] for p in pairs)
+        bw = statistics.median(report.bandwidth[p] for p in pairs)
+        node_lines.append(f"{report.names[u]} is far slower than the others on every link: {_ms(lat)} one way and "
+                          f"{_rate(bw)} {best}; check its network interface, cable or switch port, and its load")
+    links = [f"the link {report.names[a]} - {report.names[b]} is far slower than the others: "
+             f"{_ms(report.latency[(a, b)])} one way and {_rate(report.bandwidth[(a, b)])} {best}" for a, b in rest]
+    return node_lines, links, []
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms"
+
+
+def _rate(bytes_per_s: float) -> str:
+    return f"{bytes_per_s / 1e9:.3f} GB/s" if bytes_per_s >= 1e8 else f"{bytes_per_s / 1e6:.1f} MB/s"
+
+
+def format_links(report: LinkReport) -> list[str]:
+    """The latency and bandwidth matrices, one line per unit.
+
+    Args:
+        report: what :func:`measure_links` measured.
+
+    Example::
+
+        print("\\n".join(format_links(report)))
+    """
+    n = len(report.units)
+    width = max([len(name) for name in report.names] + [12])
+    head = " " * (width + 2) + "".join(f"{name[:width]:>{width + 2}}" for name in report.names)
+    between = "ranks" if report.names[0].startswith("rank") else "nodes"
+    lines = [f"links between {between} (point to point; latency one way, bandwidth of {report.size >> 10} KiB "
+             "round trips):", "  latency", head]
+    for title, table, fmt in (("latency", report.latency, _ms), ("bandwidth", report.bandwidth, _rate)):
+        if title == "bandwidth":
+            lines += ["  bandwidth", head]
+        for a in range(n):
+            cells = ["-" if a == b else fmt(table[(min(a, b), max(a, b))]) for b in range(n)]
+            lines.append(f"  {report.names[a][:width]:<{width}}" + "".join(f"{c:>{width + 2}}" for c in cells))
+    return lines

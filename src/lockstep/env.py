@@ -220,6 +220,9 @@ class Settings:
             ``spawn``): this process is a worker, not a command that should start workers.
         launcher_pid: ``$LOCKSTEP_LAUNCHER_PID``: the process id of the ``lockstep run`` launcher
             that started this worker (its parent), or ``None``.
+        elastic_nodes: ``$LOCKSTEP_NODES``: ``MIN:MAX`` of ``lockstep run --nodes MIN:MAX``, or ``""``.
+        elastic_store: ``$LOCKSTEP_ELASTIC_STORE``: ``HOST:PORT`` of the membership store, or ``""``.
+        node_id: ``$LOCKSTEP_NODE_ID``: the id of this worker's node (its launcher's), or ``""``.
 
     Example::
 
@@ -241,6 +244,9 @@ class Settings:
     loglevel: str = ""
     launched: bool = False
     launcher_pid: int | None = None
+    elastic_nodes: str = ""
+    elastic_store: str = ""
+    node_id: str = ""
 
 
 def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
@@ -272,6 +278,9 @@ def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
         loglevel=env.get("LOGLEVEL", ""),
         launched="RANK" in env,
         launcher_pid=int(launcher) if launcher.isdigit() else None,
+        elastic_nodes=env.get("LOCKSTEP_NODES", "").strip(),
+        elastic_store=env.get("LOCKSTEP_ELASTIC_STORE", "").strip(),
+        node_id=env.get("LOCKSTEP_NODE_ID", "").strip(),
     )
 
 

@@ -120,3 +120,33 @@ def test_an_outsiders_pickles_run_no_code_and_forged_posts_are_ignored(store: An
     assert [v.world_size for v in second] == [2, 2]
     assert all(m.node in "ab" for m in second[0].members)
     assert not marker.exists()
+
+
+def test_a_node_whose_workers_arrive_apart_joins_whole_and_no_round_forms_without_the_group(store: Any) -> None:
+    group = [_membership(store, "a", lr, nproc=2) for lr in (0, 1)]
+    views = _join_all([m.join for m in group])
+    rounds: list[list[str]] = []
+
+    def member(i: int) -> None:  # the live group: both workers look at each step boundary
+        view = views[i]
+        while view.world_size < 4:
+            if group[i].waiting(view):
+                view = group[i].join(view, step=16)
+                rounds.append([m.uid for m in view.members])
+            threading.Event().wait(0.05 + 0.6 * i)  # the second worker of the node is slow
+
+    late = [_membership(store, "c", lr, nproc=2) for lr in (0, 1)]
+
+    def newcomer(i: int) -> RoundView:
+        threading.Event().wait(1.5 * i)  # node c's second worker starts 1.5 s after the first
+        return late[i].join()
+
+    threads = [threading.Thread(target=member, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    joined = _join_all([lambda: newcomer(0), lambda: newcomer(1)])
+    for t in threads:
+        t.join(30)
+    assert [v.world_size for v in joined] == [4, 4]
+    assert all({"a/0", "a/1"} <= set(r) for r in rounds), rounds  # never a round without the live group
+    assert rounds[-1] == ["a/0", "a/1", "c/0", "c/1"]

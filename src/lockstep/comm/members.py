@@ -14,7 +14,8 @@ A round ``k`` works like this:
 2. the first to arrive leads: it closes the round when every member of round ``k - 1`` is back
    (a join: nobody left), or when at least one is back and nobody new came for ``last_call``
    seconds (a node died: its workers never come), or, in the first round, when ``MAX`` nodes are
-   there or ``MIN`` and ``last_call`` passed. Only whole nodes count (all ``nproc`` workers);
+   there or ``MIN`` and ``last_call`` passed. Only whole nodes count (all ``nproc`` workers); a
+   node partly arrived holds the round up to ``3 × last_call`` after the last arrival;
 3. the leader writes the ranks (``r{k}/ranks``): survivors in their old order, then newcomers,
    each node's workers together. A worker left out (it came too late) tries round ``k + 1``.
 
@@ -206,14 +207,11 @@ class Membership:
         """Read the posts of round ``k`` not read yet (an unsigned or malformed post is skipped)."""
         count = self.store.add(f"r{k}/n", 0)
         for n in range(len(seen) + 1, count + 1):
-            text = self.store.get_if_set(f"r{k}/p/{n}")
-            member = _member(text)
-            if member is None:
-                if text is None and self.store.store.check([f"r{k}/p/{n}"]) is False:
-                    break  # counted but not written yet: read it on the next look
-                seen.append(Member("?", "?", -1, 1))  # forged or broken: a placeholder keeps numbering
-                continue
-            seen.append(member)
+            key = f"r{k}/p/{n}"
+            if not self.store.store.check([key]):
+                break  # counted but not written yet: read it on the next look
+            # forged or broken: a placeholder keeps the numbering
+            seen.append(_member(self.store.get(key)) or Member("?", "?", -1, 1))
         return seen
 
     def _previous(self, k: int) -> list[Member]:
@@ -224,7 +222,6 @@ class Membership:
 
     def _lead(self, k: int, opened: float) -> None:
         """Close round ``k`` once the rule of the module docstring says so, and publish the ranks."""
-        low, high = self.nodes
         prev = self._previous(k)
         prev_uids = {m.uid for m in prev}
         seen: list[Member] = []
@@ -234,17 +231,28 @@ class Membership:
             real = [m for m in seen if m.node != "?"]
             if len(seen) != count:
                 count, last_arrival = len(seen), time.monotonic()
-            whole = _whole(_nodes_of(real))
-            back = prev_uids & {m.uid for m in real}
-            quiet = time.monotonic() - last_arrival >= self.last_call
-            if len(whole) >= low and (
-                    (prev and back == prev_uids) or len(whole) >= high
-                    or (quiet and (back or not prev))):
+            nodes = _nodes_of(real)
+            whole = _whole(nodes)
+            if self._ready(prev_uids, nodes, whole, time.monotonic() - last_arrival):
                 self._publish(k, whole, prev)
                 return
             if time.monotonic() - opened > self.timeout:
                 return  # the members' own deadline reports it
             time.sleep(_POLL_S)
+
+    def _ready(self, prev: set[str], nodes: dict[str, list[Member]], whole: dict[str, list[Member]],
+               quiet: float) -> bool:
+        """The closing rule of the module docstring; a node partly arrived holds the round a while longer
+        (its other workers are usually just slower), then is left out."""
+        low, high = self.nodes
+        if len(whole) < low:
+            return False
+        if len(whole) < len(nodes) and quiet < 3 * self.last_call:
+            return False
+        arrived = {m.uid for ms in whole.values() for m in ms}
+        if prev and prev <= arrived or len(whole) >= high:
+            return True
+        return quiet >= self.last_call and (not prev or bool(prev & arrived))
 
     def _publish(self, k: int, whole: dict[str, list[Member]], prev: list[Member]) -> None:
         old_rank = {m.uid: m.rank for m in prev}

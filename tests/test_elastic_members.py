@@ -150,3 +150,21 @@ def test_a_node_whose_workers_arrive_apart_joins_whole_and_no_round_forms_withou
     assert [v.world_size for v in joined] == [4, 4]
     assert all({"a/0", "a/1"} <= set(r) for r in rounds), rounds  # never a round without the live group
     assert rounds[-1] == ["a/0", "a/1", "c/0", "c/1"]
+
+
+def test_nodes_min_max_is_read_like_torchruns_nnodes_and_needs_a_secret(tmp_path: Path) -> None:
+    from lockstep.errors import ConfigError
+    from lockstep.launch.spec import LaunchSpec, parse_nodes
+
+    assert parse_nodes("2") == (2, None) and parse_nodes("1:3") == (1, 3)
+    with pytest.raises(ConfigError, match="MIN:MAX"):
+        parse_nodes("1-3")
+    script = tmp_path / "train.py"
+    script.write_text("")
+    with pytest.raises(ConfigError, match="needs --secret-file"):
+        LaunchSpec(str(script), nodes=1, max_nodes=3, master="10.0.0.1:29400")
+    with pytest.raises(ConfigError, match="needs --master"):
+        LaunchSpec(str(script), nodes=1, max_nodes=3, secret="s")
+    with pytest.raises(ConfigError, match="at most MAX"):
+        LaunchSpec(str(script), nodes=3, max_nodes=2, master="10.0.0.1:29400", secret="s")
+    assert LaunchSpec(str(script), nodes=1, max_nodes=3, master="10.0.0.1:29400", secret="s").elastic

@@ -168,3 +168,18 @@ def test_nodes_min_max_is_read_like_torchruns_nnodes_and_needs_a_secret(tmp_path
     with pytest.raises(ConfigError, match="at most MAX"):
         LaunchSpec(str(script), nodes=3, max_nodes=2, master="10.0.0.1:29400", secret="s")
     assert LaunchSpec(str(script), nodes=1, max_nodes=3, master="10.0.0.1:29400", secret="s").elastic
+
+
+def test_only_run_takes_a_range_of_nodes() -> None:
+    import argparse
+
+    from lockstep.cli.flags import add_launch_flags, launch_options
+    from lockstep.errors import ConfigError
+
+    parser = argparse.ArgumentParser()
+    add_launch_flags(parser)
+    args = parser.parse_args(["--nodes", "1:3", "--master", "10.0.0.1:29400"])
+    assert launch_options(args, elastic=True)["max_nodes"] == 3
+    with pytest.raises(ConfigError, match="a range of nodes is for `lockstep run`"):
+        launch_options(args)
+    assert "max_nodes" not in launch_options(parser.parse_args(["--nodes", "2"]))

@@ -108,6 +108,9 @@ class ElasticGroup:
         plan: the batch plan at a world size, for the membership line (``"micro-batch 6 ×
             accumulation 1"``); the session's global-batch planner fits here.
         out: where the membership line goes (rank 0 only).
+        restore: called on one member when no member holds a committed step (the job's first
+            start, or every node was lost): loads the state from the disk checkpoint into the
+            ``stateful`` objects and returns the steps it had committed (0 when there is none).
 
     Example::
 
@@ -115,9 +118,10 @@ class ElasticGroup:
     """
 
     def __init__(self, membership: Membership, stateful: dict[str, Any], backend: str = "gloo",
-                 timeout: float = 60.0, plan: Callable[[int], str] | None = None, out: TextIO | None = None) -> None:
+                 timeout: float = 60.0, plan: Callable[[int], str] | None = None, out: TextIO | None = None,
+                 restore: Callable[[], int] | None = None) -> None:
         self.membership, self.stateful, self.backend = membership, dict(stateful), backend
-        self.timeout, self.plan, self.out = timeout, plan, out
+        self.timeout, self.plan, self.out, self.restore = timeout, plan, out, restore
         self.view: RoundView | None = None
         self.step = 0  # steps committed by the job, handed over with the state
         self.events: list[dict[str, Any]] = []
@@ -130,7 +134,7 @@ class ElasticGroup:
 
         Args:
             stateful: see :class:`ElasticGroup`.
-            **options: ``backend``, ``timeout``, ``plan``, ``out``.
+            **options: ``backend``, ``timeout``, ``plan``, ``out``, ``restore``.
 
         Example::
 
@@ -139,7 +143,8 @@ class ElasticGroup:
         settings, world = read_settings(), detect_world()
         host, _, port = settings.elastic_store.rpartition(":")
         low, _, high = settings.elastic_nodes.partition(":")
-        timeout = float(settings.timeout or options.pop("timeout", 60.0))
+        given = options.pop("timeout", None)
+        timeout = float(given if given is not None else settings.timeout or 60.0)
         store = torch.distributed.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
                                            timeout=timedelta(seconds=max(timeout, 30.0)))
         prefixed = torch.distributed.PrefixStore("lockstep-elastic/", store)
@@ -238,6 +243,8 @@ class ElasticGroup:
         self.view, formed = view, time.monotonic()
         steps = torch.tensor([m.step for m in view.members])
         src = int(torch.argmax(steps).item())  # the first member with the most committed steps
+        if int(steps[src]) < 0 and self.restore is not None and view.rank == src:
+            self.step = self.restore()  # nobody holds the state in memory: the disk is the fallback
         sent = broadcast_state(self.stateful, src)
         costs = {"step lost": lost, "rendezvous": formed - began, "state": time.monotonic() - formed}
         plan = self.plan(view.world_size) if self.plan else ""

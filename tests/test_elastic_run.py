@@ -46,11 +46,11 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
 
 
-def _node(name: str, port: int, secret: Path, ledger: Path, out: Path) -> subprocess.Popen[bytes]:
+def _node(name: str, port: int, secret: Path, ledger: Path, out: Path, hold: bool = True) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "lockstep", "run", "--nodes", "1:3", "--master", f"127.0.0.1:{port}",
            "--secret-file", str(secret), "--timeout", "20", "--nproc", "1", str(SCRIPT), "--ledger", str(ledger),
            "--samples", str(SAMPLES), "--global-batch", str(BATCH), "--epochs", str(EPOCHS),
-           "--step-time", "0.2", "--hold", "0:2", "--hold", "12:2"]
+           "--step-time", "0.2", *(["--hold", "0:2", "--hold", "12:2"] if hold else [])]
     return subprocess.Popen(cmd, stdout=open(out / f"node{name}.log", "wb"), stderr=subprocess.STDOUT, env=_env())
 
 
@@ -90,9 +90,46 @@ def test_a_node_killed_then_a_node_joining_lose_nothing(tmp_path: Path) -> None:
     assert c.wait(60) == 0, (tmp_path / "nodeC.log").read_text()[-3000:]
     subprocess.run([sys.executable, str(SCRIPT), "--ledger", str(ledger), "--samples", str(SAMPLES),
                     "--global-batch", str(BATCH), "--epochs", str(EPOCHS), "--reference"], check=True, env=_env())
-    assert _checker().check(str(ledger), SAMPLES, BATCH, EPOCHS) == []
+    assert _checker().check(str(ledger), SAMPLES, BATCH, EPOCHS) == []  # type: ignore[attr-defined]
     lines = [x for x in (tmp_path / "nodeA.log").read_text().splitlines() if "membership:" in x]
     assert any("left host" in x and "world size 1 on 1 node" in x and "micro-batch 24 × accumulation 1" in x
                for x in lines), lines
     assert any("joined host" in x and "world size 2 on 2 nodes" in x and "resumed at step 12" in x
                for x in lines), lines
+
+
+class _Marker:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> object:
+        return (os.system, (f"touch {self.path}",))
+
+
+def test_an_outsiders_pickles_in_every_key_of_the_membership_store_run_nothing(tmp_path: Path) -> None:
+    import pickle
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    secret, ledger, marker = tmp_path / "secret", tmp_path / "ledger", tmp_path / "pwned"
+    secret.write_text("a job secret\n")
+    port = _free_port()
+    a = _node("A", port, secret, ledger, tmp_path, hold=False)
+    _until(lambda: any('"step": 3,' in r for r in _records(ledger)), "the job reaches step 3")
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+    keys = store.list_keys()
+    payload = pickle.dumps(_Marker(str(marker)))
+    for key in keys:
+        store.set(key, payload)
+    for n in range(5):  # posts of would-be newcomers in the next rounds: unsigned, so nobody waits
+        for k in range(5):
+            store.set(f"lockstep-elastic/r{k}/p/{n}", payload)
+    assert len(keys) > 3, keys
+    assert a.wait(300) == 0, (tmp_path / "nodeA.log").read_text()[-3000:]
+    assert not marker.exists(), "code from the store ran"
+    log = (tmp_path / "nodeA.log").read_text()
+    assert log.count("membership:") == 1, log  # the start only: no forged newcomer let in
+    subprocess.run([sys.executable, str(SCRIPT), "--ledger", str(ledger), "--samples", str(SAMPLES),
+                    "--global-batch", str(BATCH), "--epochs", str(EPOCHS), "--reference"], check=True, env=_env())
+    assert _checker().check(str(ledger), SAMPLES, BATCH, EPOCHS) == []  # type: ignore[attr-defined]

@@ -127,6 +127,7 @@ class ElasticGroup:
         self.events: list[dict[str, Any]] = []
         self.stateful["elastic"] = self
         self._store: Any = None  # the store's client connection, kept open with the group
+        self._restored = False
 
     @classmethod
     def from_env(cls, stateful: dict[str, Any], **options: Any) -> ElasticGroup:
@@ -233,18 +234,30 @@ class ElasticGroup:
         return True
 
     def _regroup(self, committed: int, lost: float, first: bool = False) -> RoundView:
-        dist = torch.distributed
-        if dist.is_initialized():
-            dist.destroy_process_group()  # a dead peer's group cannot be used again
+        """Form the next round's group and take the state; again if a peer dies meanwhile."""
         began = time.monotonic()
-        view = self.membership.join(None if first else self.view, step=committed)
+        while True:
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()  # a dead peer's group cannot be used again
+            # not retried: a member that cannot reach the store is the one cut off, and must stop
+            view = self.membership.join(None if first else self.view, step=committed)
+            try:
+                return self._form(view, lost, began)
+            except Exception as exc:  # noqa: BLE001 - only a peer's death is retried
+                if not is_membership_failure(exc):
+                    raise
+                # the state was loaded only if the whole broadcast arrived; a restore counts as held
+                committed, first = (self.step if self._restored else committed), False
+
+    def _form(self, view: RoundView, lost: float, began: float) -> RoundView:
+        dist = torch.distributed
         dist.init_process_group(self.backend, store=dist.PrefixStore(f"pg/{view.round}/", self.membership.store.store),
                                 rank=view.rank, world_size=view.world_size, timeout=timedelta(seconds=self.timeout))
         self.view, formed = view, time.monotonic()
         steps = torch.tensor([m.step for m in view.members])
         src = int(torch.argmax(steps).item())  # the first member with the most committed steps
         if int(steps[src]) < 0 and self.restore is not None and view.rank == src:
-            self.step = self.restore()  # nobody holds the state in memory: the disk is the fallback
+            self.step, self._restored = self.restore(), True  # nobody holds it in memory: the disk
         sent = broadcast_state(self.stateful, src)
         costs = {"step lost": lost, "rendezvous": formed - began, "state": time.monotonic() - formed}
         plan = self.plan(view.world_size) if self.plan else ""

@@ -224,6 +224,9 @@ class Settings:
             (``$HOROVOD_GLOO_RENDEZVOUS_PORT``, with ``$HOROVOD_RANK/SIZE`` equal to ``$RANK/WORLD_SIZE``).
         postmortem_dir: ``$LOCKSTEP_POSTMORTEM_DIR``: where each rank keeps its collective record for
             a post-mortem (``lockstep run`` sets one under its log folder), or ``""``.
+        elastic_nodes: ``$LOCKSTEP_NODES``: ``MIN:MAX`` of ``lockstep run --nodes MIN:MAX``, or ``""``.
+        elastic_store: ``$LOCKSTEP_ELASTIC_STORE``: ``HOST:PORT`` of the membership store, or ``""``.
+        node_id: ``$LOCKSTEP_NODE_ID``: the id of this worker's node (its launcher's), or ``""``.
 
     Example::
 
@@ -247,6 +250,9 @@ class Settings:
     launcher_pid: int | None = None
     horovod_rendezvous: bool = False
     postmortem_dir: str = ""
+    elastic_nodes: str = ""
+    elastic_store: str = ""
+    node_id: str = ""
 
 
 def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
@@ -282,6 +288,9 @@ def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
         horovod_rendezvous="HOROVOD_GLOO_RENDEZVOUS_PORT" in env and "RANK" in env
         and (env.get("HOROVOD_RANK"), env.get("HOROVOD_SIZE")) == (env.get("RANK"), env.get("WORLD_SIZE")),
         postmortem_dir=env.get("LOCKSTEP_POSTMORTEM_DIR", ""),
+        elastic_nodes=env.get("LOCKSTEP_NODES", "").strip(),
+        elastic_store=env.get("LOCKSTEP_ELASTIC_STORE", "").strip(),
+        node_id=env.get("LOCKSTEP_NODE_ID", "").strip(),
     )
 
 

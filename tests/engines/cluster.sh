@@ -1,13 +1,14 @@
 # shellcheck shell=bash
-# The test hosts and daemons of `make test-engines`, sourced by run.sh: two network namespaces
-# joined by a veth pair (node0 = 192.0.2.1, node1 = 192.0.2.2, TEST-NET-1), munge, a Slurm
-# controller and one slurmd per host. Everything lives in $STATE; every daemon runs under
-# nsrun.sh, in its own PID namespace, so killing the recorded pid ends it with all it started.
+# The test hosts and daemons of `make test-engines`, sourced by run.sh: three network namespaces
+# plugged into a bridge in a fourth (node0 = 192.0.2.1, node1 = 192.0.2.2, node2 = 192.0.2.3,
+# TEST-NET-1), munge, a Slurm controller and one slurmd on node0 and node1. Everything lives in
+# $STATE; every daemon runs under nsrun.sh, in its own PID namespace, so killing the recorded pid
+# ends it with all it started.
 #
 # Functions: hosts_up, munge_up, slurm_up, cluster_down (idempotent; safe after a partial start).
 
-NODES=(node0 node1)
-ADDRS=(192.0.2.1 192.0.2.2)
+NODES=(node0 node1 node2)
+ADDRS=(192.0.2.1 192.0.2.2 192.0.2.3)
 SLURM_PORT_CTLD=16817
 SLURM_PORT_D=16818
 
@@ -27,26 +28,31 @@ daemon() {  # daemon NAME NODE COMMAND...
 }
 
 hosts_up() {
-    local suffix=$$ i ns
+    local suffix=$$ i ns sw host port
     mkdir -p "$STATE/pids" "$STATE/logs"
     {
         echo "127.0.0.1 localhost"
-        for i in 0 1; do echo "${ADDRS[$i]} ${NODES[$i]}"; done
+        for i in "${!NODES[@]}"; do echo "${ADDRS[$i]} ${NODES[$i]}"; done
     } >"$STATE/hosts"
-    for i in 0 1; do
-        echo "lockstep-e2e-$suffix-$i" >"$STATE/netns-${NODES[$i]}"
-        ip netns add "lockstep-e2e-$suffix-$i" || return 1
-    done
-    # the pair is made under names unique on this machine (at most 15 characters), then each end
-    # is called eth1 inside its host, as a cluster's nodes name their interfaces alike
-    echo "lse${suffix}a" >"$STATE/veth"
-    ip link add "lse${suffix}a" type veth peer name "lse${suffix}b" || return 1
-    ip link set "lse${suffix}a" netns "lockstep-e2e-$suffix-0" || return 1
-    ip link set "lse${suffix}b" netns "lockstep-e2e-$suffix-1" || return 1
-    local ifs=("lse${suffix}a" "lse${suffix}b")
-    for i in 0 1; do
+    # a switch: one more namespace holding a bridge, with every host's eth1 plugged into it
+    sw="lockstep-e2e-$suffix-sw"
+    echo "$sw" >"$STATE/netns-switch"
+    ip netns add "$sw" || return 1
+    ip -n "$sw" link add br0 type bridge || return 1
+    ip -n "$sw" link set br0 up || return 1
+    for i in "${!NODES[@]}"; do
         ns="lockstep-e2e-$suffix-$i"
-        ip -n "$ns" link set "${ifs[$i]}" name eth1 || return 1
+        echo "$ns" >"$STATE/netns-${NODES[$i]}"
+        ip netns add "$ns" || return 1
+        # each pair is made under names unique on this machine (at most 15 characters), then the
+        # host's end is called eth1 inside its host, as a cluster's nodes name their interfaces alike
+        host="lse${suffix}h$i" port="lse${suffix}s$i"
+        ip link add "$host" type veth peer name "$port" || return 1
+        ip link set "$host" netns "$ns" || return 1
+        ip link set "$port" netns "$sw" || return 1
+        ip -n "$sw" link set "$port" master br0 || return 1
+        ip -n "$sw" link set "$port" up || return 1
+        ip -n "$ns" link set "$host" name eth1 || return 1
         ip -n "$ns" link set lo up || return 1
         ip -n "$ns" addr add "${ADDRS[$i]}/24" dev eth1 || return 1
         ip -n "$ns" link set eth1 up || return 1
@@ -157,7 +163,7 @@ cluster_down() {
     done
     for name in slurmd-node0 slurmd-node1 slurmctld munged; do kill_recorded "$name"; done
     local veth ns
-    for node in "${NODES[@]}"; do
+    for node in "${NODES[@]}" switch; do
         [ -f "$STATE/netns-$node" ] || continue
         ns=$(cat "$STATE/netns-$node")
         ip netns del "$ns" 2>/dev/null  # takes the veth pair with it

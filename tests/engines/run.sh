@@ -3,8 +3,8 @@
 #
 #   make test-engines            # or: sudo bash tests/engines/run.sh [SCENARIO...]
 #
-# Two network namespaces joined by a veth pair are the hosts node0 (192.0.2.1) and node1
-# (192.0.2.2), each with its own host name and /etc/hosts. On them: a Slurm cluster (munge,
+# Three network namespaces on a bridge are the hosts node0 (192.0.2.1), node1 (192.0.2.2) and node2
+# (192.0.2.3), each with its own host name and /etc/hosts. On them: a Slurm cluster (munge,
 # slurmctld, one slurmd per host), OpenMPI (mpirun reaches node1 through an agent that enters its
 # namespaces instead of ssh), a local Ray cluster, a Kubeflow PyTorchJob's pods (its YAML read, the
 # training operator's environment given to each pod), and `lockstep run` across both hosts.
@@ -46,6 +46,8 @@ SCENARIOS=(
     "ray_torchtrainer 600 ray"
     "link_down 300 two-hosts"
     "doctor_comm_slow_host 300 two-hosts"
+    "elastic_kill 400 two-hosts"
+    "elastic_cut 400 two-hosts"
 )
 # Scenarios that fail because of a known lockstep bug, not because of the harness: they are
 # reported as "xfail" and do not fail the run (one that passes is reported as "xpass").
@@ -198,7 +200,7 @@ main() {
     hosts_up || { say "test-engines: could not create the two test hosts"; exit 1; }
     munge_up || { say "test-engines: could not start munged"; exit 1; }
     slurm_up || { say "test-engines: could not start the Slurm cluster"; exit 1; }
-    say "test-engines: hosts node0 192.0.2.1, node1 192.0.2.2; munge, slurmctld, 2 slurmd up in $((SECONDS - t)) s"
+    say "test-engines: hosts node0 192.0.2.1, node1 192.0.2.2, node2 192.0.2.3; munge, slurmctld, 2 slurmd up in $((SECONDS - t)) s"
 
     RUN_START=$SECONDS
     local passed=0 failed=0 xfailed=0 i=0 guard engine

@@ -416,3 +416,78 @@ scenario_doctor_comm_slow_host() {
     # three launchers start torch on each host: the bound is a hang guard, not a window (the time is printed above)
     [ $((SECONDS - start)) -le 180 ] || fail "the slow host took $((SECONDS - start)) s to name (over 180 s)"
 }
+
+# Membership that changes while the job runs: `--nodes 1:3` on node0 (A, hosting the store) and
+# node1 (B); B is lost at step 7 (its processes SIGKILLed, or its link cut), node2 (C) starts at
+# step 15 and joins before step 16. The ledger every rank keeps must show each index once per
+# epoch and 24 samples in every committed step, and the final weights those of one process.
+ELASTIC_ARGS=(--samples 960 --global-batch 24 --epochs 2 --step-time 0.1 --hold 0:4 --hold 16:4)
+ELASTIC=tests/engines/scripts/elastic_train.py
+
+elastic_node() {  # elastic_node N: start `lockstep run --nodes 1:3` on nodeN (pid in ELASTIC_PID)
+    "$ENGINES_DIR/nsrun.sh" "$STATE" "node$1" lockstep run --nodes 1:3 --master 192.0.2.1:24500 \
+        --secret-file "$W/secret" --timeout 10 --nproc 2 "$ELASTIC" --ledger "$W/ledger" "${ELASTIC_ARGS[@]}" \
+        >"$W/node$1.out" 2>&1 &
+    ELASTIC_PID=$!
+}
+
+ledger_has() {  # ledger_has SECONDS PID REGEX: until a ledger line matches; fails if PID ends first
+    local limit=$1 pid=$2 start=$SECONDS
+    until cat "$W"/ledger/ledger-*.jsonl 2>/dev/null | grep -E -q -- "$3"; do
+        kill -0 "$pid" 2>/dev/null || fail "the job ended before the ledger showed '$3'"
+        [ $((SECONDS - start)) -lt "$limit" ] || fail "the ledger did not show '$3' within $limit s"
+        sleep 0.1
+    done
+}
+
+elastic_run() {  # elastic_run kill|cut: the scenario, B lost the given way
+    local a b c rc
+    mkdir -p "$W/ledger"
+    head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$W/secret"
+    elastic_node 0
+    a=$ELASTIC_PID
+    for _ in $(seq 600); do
+        "$ENGINES_DIR/nsrun.sh" "$STATE" node1 bash -c 'echo >/dev/tcp/192.0.2.1/24500' 2>/dev/null && break
+        kill -0 "$a" 2>/dev/null || fail "node0 ended before it hosted the store: $(tail -3 "$W/node0.out")"
+        sleep 0.2
+    done
+    elastic_node 1
+    b=$ELASTIC_PID
+    ledger_has 300 "$a" '"step": 7, "rank": [0-9], "world": 4'
+    if [ "$1" = kill ]; then
+        kill -KILL "$b"   # nsrun's process: the kernel ends every process of host B with it
+    else
+        ip -n "$(cat "$STATE/netns-node1")" link set eth1 down
+    fi
+    echo "node1 lost ($1) at $(date +%T.%N)"
+    ledger_has 300 "$a" '"step": 15, "rank": 0, "world": 2'
+    elastic_node 2
+    c=$ELASTIC_PID
+    wait "$a" || fail "node0 failed (exit $?): $(tail -5 "$W/node0.out")"
+    wait "$c" || fail "node2 failed (exit $?): $(tail -5 "$W/node2.out")"
+    kill -KILL "$b" 2>/dev/null
+    wait "$b" 2>/dev/null
+    grep -h "membership:" "$W/node0.out"
+    expect "$W/node0.out" "membership: left host node1 .*world size 2 on 1 node; micro-batch 12 × accumulation 1" \
+        "node0 did not say that node1 left"
+    expect "$W/node0.out" "membership: joined host node2 .*world size 4 on 2 nodes; micro-batch 6 × accumulation 1; resumed at step 16" \
+        "node0 did not say that node2 joined at step 16"
+    "$ROOT/.venv/bin/python" "$ELASTIC" --ledger "$W/ledger" "${ELASTIC_ARGS[@]}" --reference || fail "the reference run failed"
+    "$ROOT/.venv/bin/python" tests/engines/scripts/check_ledger.py "$W/ledger" --samples 960 --global-batch 24 \
+        --epochs 2 >"$W/ledger.out" 2>&1
+    rc=$?
+    cat "$W/ledger.out"
+    [ $rc -eq 0 ] || fail "$(grep -m1 '^ledger: ' "$W/ledger.out")"
+}
+
+scenario_elastic_kill() {
+    elastic_run kill
+}
+
+scenario_elastic_cut() {
+    local ns
+    ns=$(cat "$STATE/netns-node1")
+    # shellcheck disable=SC2064  # expanded now on purpose: $ns is local to this function
+    trap "ip -n '$ns' link set eth1 up 2>/dev/null" EXIT   # the later scenarios need the link
+    elastic_run cut
+}

@@ -37,7 +37,9 @@ _NPROC = "processes on this node: a number, one per GPU (gpu), one per CPU (cpu)
 _NPROC_LIST = "comma-separated process counts, each a number or auto, gpu, cpu (see lockstep run --nproc)"
 
 _DECLARATIONS: dict[str, tuple[str, dict[str, Any]]] = {
-    "nodes": ("--nodes", dict(type=int, default=None, metavar="N", help="number of nodes (default 1{slurm})")),
+    "nodes": ("--nodes", dict(default=None, metavar="N|MIN:MAX",
+                              help="number of nodes (default 1{slurm}); MIN:MAX lets nodes leave and join "
+                                   "while the job runs (needs --master and --secret-file)")),
     "node_rank": ("--node-rank", dict(type=int, default=None, metavar="I",
                                       help="index of this node, 0 hosts the store")),
     "master": ("--master", dict(default=None, metavar="HOST:PORT",
@@ -162,7 +164,8 @@ def split_at_target(argv: Sequence[str], takes_value: Collection[str]) -> tuple[
     return list(argv), []
 
 
-def launch_options(args: argparse.Namespace, slurm: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def launch_options(args: argparse.Namespace, slurm: Mapping[str, Any] | None = None,
+                   elastic: bool = False) -> dict[str, Any]:
     """The :class:`~lockstep.launch.spec.LaunchSpec` fields of the launch flags ``args`` holds.
 
     Flags left unset take ``lockstep run``'s defaults; ``--nproc`` is resolved to a number
@@ -173,13 +176,14 @@ def launch_options(args: argparse.Namespace, slurm: Mapping[str, Any] | None = N
         slurm: ``nodes``, ``node_rank`` and ``master`` of a Slurm step
             (:func:`~lockstep.launch.spec.slurm_defaults`), used where neither ``--nodes`` nor
             ``--master`` was given.
+        elastic: accept ``--nodes MIN:MAX`` (``lockstep run`` only: its script drives the membership).
 
     Example::
 
         LaunchSpec("train.py", **launch_options(args))
     """
-    from lockstep.errors import DEFAULT_GRACE
-    from lockstep.launch.spec import DEFAULT_JOIN_TIMEOUT, read_secret, resolve_nproc
+    from lockstep.errors import DEFAULT_GRACE, ConfigError
+    from lockstep.launch.spec import DEFAULT_JOIN_TIMEOUT, parse_nodes, read_secret, resolve_nproc
 
     values = {name: getattr(args, name) for name in LAUNCH_FLAGS if hasattr(args, name)}
     if "secret_file" in values:
@@ -193,6 +197,13 @@ def launch_options(args: argparse.Namespace, slurm: Mapping[str, Any] | None = N
             values[key] = default
     if values.get("nproc") is not None:
         values["nproc"] = resolve_nproc(values["nproc"])
+    if isinstance(values.get("nodes"), str):
+        values["nodes"], max_nodes = parse_nodes(values["nodes"])
+        if max_nodes is not None and not elastic:
+            raise ConfigError(f"--nodes {args.nodes}: a range of nodes is for `lockstep run` with a script that "
+                              "drives its steps through lockstep.comm.elastic.ElasticGroup; give a number here")
+        if max_nodes is not None:
+            values["max_nodes"] = max_nodes
     return values
 
 

@@ -11,6 +11,7 @@ says it: Kubeflow, SkyPilot). Examples::
     lockstep run --nproc gpu --max-restarts 2 --timeout 300 train.py
     lockstep run --nproc 2 -m mypackage.train --lr 0.1
     lockstep run --nodes 2 --node-rank 0 --master 10.0.0.1:29400 --nproc 4 train.py
+    lockstep run --nodes 1:3 --master 10.0.0.1:29400 --secret-file job.secret --nproc 4 train.py  # nodes leave/join
     lockstep run --nproc 2 -- -odd-name.py --nproc 5      # the script gets --nproc 5
 """
 
@@ -123,7 +124,7 @@ def main(args: argparse.Namespace) -> int:
 
     _warn_misplaced(args)
     import_torch_quietly(args.verbose)
-    options = launch_options(args, slurm=slurm_defaults(environment()))
+    options = launch_options(args, slurm=slurm_defaults(environment()), elastic=True)
     if options.get("nproc") is None:  # neither --nproc nor the engine (PET_NPROC_PER_NODE...) said
         options["nproc"] = default_nproc()
     spec = LaunchSpec(target=args.target, args=tuple(args.script_args), module=args.module, **options)

@@ -265,6 +265,11 @@ def form_comm(world: World, backend: str, init_method: str | None, timeout: time
         return Comm(world)
     chosen = backend
     settings = read_settings()
+    if settings.elastic_nodes:
+        # each node's workers alone would train as a job of their own, silently
+        raise CommError(f"lockstep run --nodes {settings.elastic_nodes} starts workers whose membership changes "
+                        "while the job runs; form their group with lockstep.comm.elastic.ElasticGroup, not "
+                        "init_comm or a Session's own group (see \"Nodes that leave and join\" in the docs)")
     if world.num_nodes > 1:
         check_reachable_host(chosen, settings, world.master_addr)
     init_method = init_method or settings.init_method or "env://"

@@ -13,6 +13,10 @@ chooses its configuration and explains the outcome. How it launches:
 * every worker runs :mod:`lockstep.launch.bootstrap`, which records its exception in the elastic error
   file; when a rank fails, :mod:`lockstep.launch.report` prints one summary blaming the first
   real failure, not the ranks that were merely stopped or lost their peer.
+* ``--nodes MIN:MAX`` (with ``--master`` and ``--secret-file``): every node starts its own workers,
+  which meet in a signed membership store hosted by the node that owns the ``--master`` address and
+  rebuild their process group in place when a node leaves or joins (:mod:`lockstep.launch.membership`,
+  :mod:`lockstep.comm.elastic`).
 * SIGTERM, SIGINT, SIGHUP, SIGQUIT and SIGUSR1 to the launcher are forwarded to every worker,
   which then has ``--grace`` seconds to save (see :mod:`lockstep.session.preempt`) before SIGKILL. A job
   whose ranks stop with exit code 75 ends as preempted (exit 75) and uses up no restart.
@@ -44,7 +48,7 @@ import tempfile
 import threading
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 from lockstep.errors import EXIT_USAGE, LockstepError
@@ -52,6 +56,7 @@ from lockstep.launch.horovod import check_horovod_hosts, horovod_rendezvous
 from lockstep.launch.report import JobReporter, say
 from lockstep.launch.rendezvous import BACKEND as LOCAL_BACKEND
 from lockstep.launch.rendezvous import register as register_local_rendezvous
+from lockstep.launch.membership import membership_environment, membership_store, new_node_id
 from lockstep.launch.torch_agent import quiet_torch, reporting_agent
 from lockstep.launch.spec import (
     DEFAULT_GRACE, DEFAULT_JOIN_TIMEOUT, LaunchSpec, exposure_warning, import_torch_quietly, oversubscription_warning,
@@ -100,13 +105,15 @@ def _launch_config(spec: LaunchSpec, log_dir: str) -> Any:
         # every rank writes to its log files; the agent's relay shows them (see launch_output)
         logs = DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL)
     common: dict[str, Any] = dict(
-        min_nodes=spec.nodes, max_nodes=spec.nodes, nproc_per_node=spec.nproc,
+        min_nodes=1 if spec.elastic else spec.nodes, max_nodes=1 if spec.elastic else spec.nodes,
+        nproc_per_node=spec.nproc,
         max_restarts=spec.max_restarts, logs_specs=logs, monitor_interval=MONITOR_INTERVAL_S,
         # a stop signal is forwarded to the workers, which get `grace` seconds to save before SIGKILL
         signals_to_handle=",".join(n for n in _SIGNALS if hasattr(signal, n)),
         shutdown_timeout=max(0, round(spec.grace)),
     )
-    if spec.master is None:
+    if spec.master is None or spec.elastic:
+        # --nodes MIN:MAX: each node starts its own workers; they meet in the membership store
         register_local_rendezvous()  # in memory: nothing listens, nothing is unpickled
         return LaunchConfig(
             run_id=uuid.uuid4().hex, rdzv_backend=LOCAL_BACKEND, rdzv_endpoint="127.0.0.1:0",
@@ -121,9 +128,21 @@ def _launch_config(spec: LaunchSpec, log_dir: str) -> Any:
 @contextmanager
 def _launch_environment(spec: LaunchSpec, postmortem_dir: str = "",
                         extra: dict[str, str] | None = None) -> Iterator[None]:
+    """The workers' environment (see `_environment`), with the membership store under ``--nodes MIN:MAX``."""
+    with ExitStack() as stack:
+        extra = dict(extra or {})
+        if spec.elastic:
+            stack.enter_context(membership_store(spec))
+            extra.update(membership_environment(spec, new_node_id()))
+        stack.enter_context(_environment(spec, postmortem_dir, extra))
+        yield
+
+
+@contextmanager
+def _environment(spec: LaunchSpec, postmortem_dir: str, extra: dict[str, str]) -> Iterator[None]:
     """Set the variables the agent and workers need (and ``extra``); give back the caller's environment
     and signal handlers afterwards (the agent installs its own and leaves them in place)."""
-    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(extra or {})}  # workers inherit it; see the module docstring
+    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **extra}  # workers inherit it; see the module docstring
     if spec.timeout is not None:
         env["LOCKSTEP_TIMEOUT"] = f"{spec.timeout:g}"  # the default of Session / init_comm
     env["LOCKSTEP_GRACE"] = f"{spec.grace:g}"  # after it, a worker obeys a stop signal unsaved
@@ -205,7 +224,7 @@ def launch(spec: LaunchSpec) -> int:
     from torch.distributed.launcher.api import elastic_launch
 
     warnings = [oversubscription_warning(spec.nproc)]
-    if spec.master is not None:
+    if spec.master is not None and not spec.elastic:
         warnings.append(exposure_warning(parse_master(spec.master)[0]))
     for warning in warnings:
         if warning:

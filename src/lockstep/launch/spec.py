@@ -23,7 +23,7 @@ from typing import Any
 
 from lockstep.errors import DEFAULT_GRACE, ConfigError
 
-__all__ = ["LaunchSpec", "parse_master", "exposure_warning", "oversubscription_warning", "resolve_nproc",
+__all__ = ["LaunchSpec", "parse_master", "parse_nodes", "exposure_warning", "oversubscription_warning", "resolve_nproc",
            "slurm_defaults", "check_seconds", "import_torch_quietly", "read_secret", "DEFAULT_JOIN_TIMEOUT",
            "DEFAULT_GRACE", "PREFIX", "OVERSUBSCRIBE_PER_CORE"]
 
@@ -43,7 +43,9 @@ class LaunchSpec:
         args: the script's own arguments.
         module: run ``target`` like ``python -m target``.
         nproc: processes on this node.
-        nodes: number of nodes in the job.
+        nodes: number of nodes in the job; with ``max_nodes``, the fewest it runs on.
+        max_nodes: the most nodes of a job whose nodes may leave and join while it runs
+            (``--nodes MIN:MAX``); ``None`` for a fixed number.
         node_rank: index of this node, 0 for the node that hosts the store.
         master: ``HOST:PORT`` of node 0's store; required for more than one node.
         max_restarts: how often the whole group is restarted after a failure.
@@ -70,6 +72,7 @@ class LaunchSpec:
     module: bool = False
     nproc: int = 1
     nodes: int = 1
+    max_nodes: int | None = None
     node_rank: int = 0
     master: str | None = None
     max_restarts: int = 0
@@ -88,7 +91,9 @@ class LaunchSpec:
             raise ConfigError(f"--nproc must be at least 1, got {self.nproc}")
         if self.nodes < 1:
             raise ConfigError(f"--nodes must be at least 1, got {self.nodes}")
-        if not 0 <= self.node_rank < self.nodes:
+        if self.max_nodes is not None:
+            self._check_elastic()
+        elif not 0 <= self.node_rank < self.nodes:
             raise ConfigError(f"--node-rank {self.node_rank} is out of range for --nodes {self.nodes} "
                               f"(use 0 to {self.nodes - 1})")
         if self.max_restarts < 0:
@@ -97,7 +102,7 @@ class LaunchSpec:
         if self.timeout is not None:
             check_seconds("--timeout", self.timeout)
         check_seconds("--grace", self.grace, zero_ok=True)
-        if self.nodes > 1 and self.master is None:
+        if (self.nodes > 1 or self.max_nodes is not None) and self.master is None:
             raise ConfigError(f"--nodes {self.nodes} needs --master HOST:PORT (node 0's address and a "
                               "free port, the same on every node)")
         if self.master is not None and parse_master(self.master)[1] == 0:
@@ -105,6 +110,18 @@ class LaunchSpec:
                               "out --master and a free port is picked")
         if not self.module and not os.path.isfile(self.target):
             raise ConfigError(f"script {self.target!r} does not exist (use -m to run a module)")
+
+    def _check_elastic(self) -> None:
+        if not 1 <= self.nodes <= int(self.max_nodes or 0):
+            raise ConfigError(f"--nodes {self.nodes}:{self.max_nodes}: MIN must be at least 1 and at most MAX")
+        if not self.secret:
+            raise ConfigError(f"--nodes {self.nodes}:{self.max_nodes} needs --secret-file (the same content on "
+                              "every node): the nodes meet in a store on the network, whose values the secret signs")
+
+    @property
+    def elastic(self) -> bool:
+        """True when nodes may leave and join while the job runs (``--nodes MIN:MAX``)."""
+        return self.max_nodes is not None
 
     @property
     def relayed(self) -> bool:
@@ -158,6 +175,22 @@ def read_secret(path: str) -> str:
     if not secret:
         raise ConfigError(f"--secret-file {path} is empty; put a random string in it, e.g. `openssl rand -hex 32`")
     return secret
+
+
+def parse_nodes(text: str) -> tuple[int, int | None]:
+    """Read ``--nodes``: ``N`` (a fixed number) or ``MIN:MAX`` (torchrun's ``--nnodes`` syntax).
+
+    Args:
+        text: the flag's value.
+
+    Example::
+
+        parse_nodes("1:3")   # (1, 3)
+    """
+    match = re.fullmatch(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?", str(text))
+    if match is None:
+        raise ConfigError(f"--nodes {text!r} must be a number N or a range MIN:MAX, for example 1:3")
+    return int(match.group(1)), None if match.group(2) is None else int(match.group(2))
 
 
 def parse_master(text: str) -> tuple[str, int]:

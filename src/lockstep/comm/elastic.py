@@ -1,0 +1,270 @@
+"""A process group whose members change while the job runs, rebuilt in place.
+
+Under ``lockstep run --nodes MIN:MAX`` each node's workers start once and stay up. An
+:class:`ElasticGroup` joins the job's rendezvous (:mod:`lockstep.comm.members`), forms a process
+group for the round over the store prefix ``pg/{round}/``, and runs the training one step at a
+time (:meth:`ElasticGroup.run_step`). When a node dies (its processes killed: the next collective
+fails at once; its link cut: it fails at the group's timeout) the survivors drop the step in
+progress, enter the next round, form a new group, and take the state from the member with the
+most committed steps (:func:`~lockstep.comm.handover.broadcast_state`: from memory, no disk). A node
+that starts later posts itself in the next round; the group sees it at the next step boundary and
+lets it in the same way. The disk checkpoint is only needed when no member survives.
+
+A step must end with its last collective before the optimizer changes the weights (all_reduce of
+gradients, then ``optimizer.step()``), so a rank that committed a step holds the state of every
+rank that finished it.
+
+Each change prints one line on the new rank 0, e.g.::
+
+    lockstep run: membership: left host nodeb (node 1a2b, ranks 2-3); world size 4 on 2 nodes; micro-batch 6 × accumulation 1; resumed at step 7; cost 3.10 s (step lost 1.02 s, rendezvous 2.05 s, state 0.03 s)
+
+Example (the script started by ``lockstep run --nodes 1:3 --master HOST:PORT --secret-file F``)::
+
+    group = ElasticGroup.from_env({"model": model, "optimizer": optimizer, "position": position})
+    group.start()
+    while position.step < total:
+        group.run_step(lambda: train_step(group.rank, group.world_size))
+    group.close()
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, TextIO
+
+import torch
+
+from lockstep.comm.handover import broadcast_state
+from lockstep.comm.members import Member, Membership, RoundView
+from lockstep.env import detect_world, read_settings
+
+__all__ = ["ElasticGroup", "is_membership_failure", "describe_change"]
+
+_MARKS = ("gloo", "connection", "timed out", "timeout", "nccl", "broken pipe", "reset by peer", "read error")
+
+
+def is_membership_failure(exc: BaseException) -> bool:
+    """True when ``exc`` is what a collective raises when a peer died or became unreachable.
+
+    Args:
+        exc: the exception a step raised.
+
+    Example::
+
+        is_membership_failure(RuntimeError("[gloo/transport/tcp/pair.cc:545] Read error"))   # True
+    """
+    dist_error = getattr(torch.distributed, "DistError", ())
+    if dist_error and isinstance(exc, dist_error):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc).lower() for m in _MARKS)
+
+
+def _ranks(members: tuple[Member, ...], ranks: list[int]) -> str:
+    low, high = min(ranks), max(ranks)
+    return f"rank {low}" if low == high else f"ranks {low}-{high}"
+
+
+def describe_change(view: RoundView, step: int, plan: str, costs: dict[str, float]) -> str:
+    """The one line a membership change prints (see the module docstring).
+
+    Args:
+        view: the new round.
+        step: the step the job resumes at.
+        plan: the re-planned batch (``"micro-batch 6 × accumulation 1"``), or ``""``.
+        costs: seconds by phase (``"step lost"``, ``"rendezvous"``, ``"state"``).
+
+    Example::
+
+        describe_change(view, 7, "micro-batch 6 × accumulation 1", {"rendezvous": 2.0})
+    """
+    parts = []
+    for verb, group in (("left", view.left), ("joined", view.joined)):
+        by_node: dict[str, list[Member]] = {}
+        for m in group:
+            by_node.setdefault(m.node, []).append(m)
+        for node, ms in by_node.items():
+            ranks = [m.rank for m in ms] if verb == "left" else [view.members.index(m) for m in ms]
+            parts.append(f"{verb} host {ms[0].host} (node {node[:8]}, {_ranks(view.members, ranks)})")
+    who = "; ".join(parts) or "same members"
+    total = sum(costs.values())
+    detail = ", ".join(f"{k} {v:.2f} s" for k, v in costs.items())
+    plan_text = f"; {plan}" if plan else ""
+    return (f"lockstep run: membership: {who}; world size {view.world_size} on {view.nodes} node"
+            f"{'s' if view.nodes != 1 else ''}{plan_text}; resumed at step {step}; cost {total:.2f} s ({detail})")
+
+
+class ElasticGroup:
+    """The process group of a job whose nodes may leave and join (see the module docstring).
+
+    Args:
+        membership: this worker's rendezvous.
+        stateful: name to object with ``state_dict``/``load_state_dict`` (model, optimizer, data
+            position): what a joiner or a survivor takes from the live peer.
+        backend: ``"gloo"`` or ``"nccl"``.
+        timeout: seconds a collective waits for a peer (how long a cut link takes to detect).
+        plan: the batch plan at a world size, for the membership line (``"micro-batch 6 ×
+            accumulation 1"``); the session's global-batch planner fits here.
+        out: where the membership line goes (rank 0 only).
+        restore: called on one member when no member holds a committed step (the job's first
+            start, or every node was lost): loads the state from the disk checkpoint into the
+            ``stateful`` objects and returns the steps it had committed (0 when there is none).
+
+    Example::
+
+        group = ElasticGroup(membership, {"model": model}, timeout=10)
+    """
+
+    def __init__(self, membership: Membership, stateful: dict[str, Any], backend: str = "gloo",
+                 timeout: float = 60.0, plan: Callable[[int], str] | None = None, out: TextIO | None = None,
+                 restore: Callable[[], int] | None = None) -> None:
+        self.membership, self.stateful, self.backend = membership, dict(stateful), backend
+        self.timeout, self.plan, self.out, self.restore = timeout, plan, out, restore
+        self.view: RoundView | None = None
+        self.step = 0  # steps committed by the job, handed over with the state
+        self.events: list[dict[str, Any]] = []
+        self.stateful["elastic"] = self
+        self._store: Any = None  # the store's client connection, kept open with the group
+        self._restored = False
+
+    @classmethod
+    def from_env(cls, stateful: dict[str, Any], **options: Any) -> ElasticGroup:
+        """The group of a worker of ``lockstep run --nodes MIN:MAX`` (store, secret and node from it).
+
+        Args:
+            stateful: see :class:`ElasticGroup`.
+            **options: ``backend``, ``timeout``, ``plan``, ``out``, ``restore``.
+
+        Example::
+
+            group = ElasticGroup.from_env({"model": model})
+        """
+        settings, world = read_settings(), detect_world()
+        host, _, port = settings.elastic_store.rpartition(":")
+        low, _, high = settings.elastic_nodes.partition(":")
+        given = options.pop("timeout", None)
+        timeout = float(given if given is not None else settings.timeout or 60.0)
+        store = torch.distributed.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                                           timeout=timedelta(seconds=max(timeout, 30.0)))
+        prefixed = torch.distributed.PrefixStore("lockstep-elastic/", store)
+        me = Member.here(settings.node_id, world.local_rank, world.local_world_size)
+        membership = Membership(prefixed, settings.secret.encode(), me, (int(low), int(high)))
+        group = cls(membership, stateful, timeout=timeout, **options)
+        group._store = store  # kept alive with the group
+        return group
+
+    @property
+    def rank(self) -> int:
+        """This worker's rank in the current group."""
+        return self.view.rank if self.view else 0
+
+    @property
+    def world_size(self) -> int:
+        """Workers in the current group."""
+        return self.view.world_size if self.view else 1
+
+    def state_dict(self) -> dict[str, int]:
+        """The committed step count, handed over with the rest of the state."""
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Take the committed step count from the peer."""
+        self.step = int(state["step"])
+
+    def start(self) -> RoundView:
+        """Join the job (a node starting late joins a running group) and take the live state."""
+        return self._regroup(committed=-1, lost=0.0, first=True)
+
+    def run_step(self, fn: Callable[[], Any]) -> bool:
+        """Run one training step, unless the membership changes first; count it when it ends.
+
+        Returns True when the step was committed; False when a node left or joined, the group
+        was rebuilt and the state taken from a peer (the caller runs the step at :attr:`step` again).
+
+        Args:
+            fn: the step: forward, backward, all_reduce of gradients, then ``optimizer.step()``.
+        """
+        began = time.monotonic()
+        try:
+            if self.admit():
+                return False
+            fn()
+        except Exception as exc:  # noqa: BLE001 - only a peer's death is handled; the rest is raised
+            if not is_membership_failure(exc):
+                raise
+            self._regroup(committed=self.step, lost=time.monotonic() - began)
+            return False
+        self.step += 1
+        return True
+
+    def close(self) -> None:
+        """Destroy the current process group (barrier first, so no rank leaves while others send)."""
+        dist = torch.distributed
+        if dist.is_initialized():
+            try:
+                dist.barrier()
+            finally:
+                dist.destroy_process_group()
+
+    def admit(self) -> bool:
+        """Let in the nodes waiting to join, if any, at this step boundary (every rank calls it).
+
+        Returns True when the group was rebuilt (the state then comes from a peer). Whether someone
+        waits is what rank 0 saw, so every rank makes the same decision.
+
+        Example::
+
+            while group.world_size < 4:      # hold until a second node of 2 workers is in
+                group.admit() or time.sleep(0.2)
+        """
+        assert self.view is not None
+        began = time.monotonic()
+        try:
+            flag = torch.tensor([1 if self.rank == 0 and self.membership.waiting(self.view) else 0])
+            torch.distributed.broadcast(flag, 0)
+        except Exception as exc:  # noqa: BLE001 - a peer died between steps
+            if not is_membership_failure(exc):
+                raise
+            flag = torch.tensor([1])
+        if not flag.item():
+            return False
+        self._regroup(committed=self.step, lost=time.monotonic() - began)
+        return True
+
+    def _regroup(self, committed: int, lost: float, first: bool = False) -> RoundView:
+        """Form the next round's group and take the state; again if a peer dies meanwhile."""
+        began = time.monotonic()
+        while True:
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()  # a dead peer's group cannot be used again
+            # not retried: a member that cannot reach the store is the one cut off, and must stop
+            view = self.membership.join(None if first else self.view, step=committed)
+            try:
+                return self._form(view, lost, began)
+            except Exception as exc:  # noqa: BLE001 - only a peer's death is retried
+                if not is_membership_failure(exc):
+                    raise
+                # the state was loaded only if the whole broadcast arrived; a restore counts as held
+                committed, first = (self.step if self._restored else committed), False
+
+    def _form(self, view: RoundView, lost: float, began: float) -> RoundView:
+        dist = torch.distributed
+        dist.init_process_group(self.backend, store=dist.PrefixStore(f"pg/{view.round}/", self.membership.store.store),
+                                rank=view.rank, world_size=view.world_size, timeout=timedelta(seconds=self.timeout))
+        self.view, formed = view, time.monotonic()
+        steps = torch.tensor([m.step for m in view.members])
+        src = int(torch.argmax(steps).item())  # the first member with the most committed steps
+        if int(steps[src]) < 0 and self.restore is not None and view.rank == src:
+            self.step, self._restored = self.restore(), True  # nobody holds it in memory: the disk
+        sent = broadcast_state(self.stateful, src)
+        costs = {"step lost": lost, "rendezvous": formed - began, "state": time.monotonic() - formed}
+        plan = self.plan(view.world_size) if self.plan else ""
+        event = {"round": view.round, "world_size": view.world_size, "step": self.step, "src": src,
+                 "bytes": sent, "left": [m.host for m in view.left], "joined": [m.host for m in view.joined],
+                 **costs}
+        self.events.append(event)
+        if self.rank == 0 and (view.left or view.joined):
+            print(describe_change(view, self.step, plan, costs), file=self.out or sys.stdout, flush=True)
+        return view

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from lockstep.data.seeding import SeededDataset
+from lockstep.data.steps import StepBatches, StepSampler
 
 __all__ = ["DeviceLoader", "TrainLoaders", "progress_bar"]
 
@@ -38,7 +39,9 @@ class DeviceLoader:
         train: True for a training loader; its sampler position advances per batch so a
             checkpoint taken mid-epoch knows how far the epoch got.
         on_batch: called with :attr:`remaining` (the batch included) as each training batch
-            is handed out, before the model sees it (the session's accumulation window).
+            is handed out, before the model sees it (the session's accumulation window); in
+            the default order also with the size of the batch's accumulation window and the
+            factor on its loss (:meth:`lockstep.data.steps.MicroStep.weight`).
 
     Example::
 
@@ -47,7 +50,7 @@ class DeviceLoader:
     """
 
     def __init__(self, loader: torch.utils.data.DataLoader, device: torch.device, train: bool,
-                 on_batch: Callable[[int], None] | None = None) -> None:
+                 on_batch: Callable[..., None] | None = None) -> None:
         from lockstep.data.loader import move_to_device
 
         self.loader = loader
@@ -57,6 +60,13 @@ class DeviceLoader:
         self._non_blocking = device.type == "cuda"
         self._on_batch = on_batch if train else None
         self.tracker: Any = None  # the session's TrainLoaders, told when a batch goes out or the loader runs out
+        self.share = 0  # samples of this rank in the batch last handed out (0: a zero-weight stand-in)
+
+    @property
+    def steps(self) -> StepSampler | None:
+        """The sampler of the default order (one global cursor), or ``None`` for the torch order."""
+        sampler = self.loader.sampler
+        return sampler if isinstance(sampler, StepSampler) else None
 
     @property
     def sampler(self) -> Any:
@@ -67,17 +77,20 @@ class DeviceLoader:
     def dataset(self) -> Any:
         """The dataset behind the loader (the one given, not the per-sample seeding wrapper)."""
         dataset = self.loader.dataset
+        dataset = dataset.dataset if isinstance(dataset, StepBatches) else dataset
         return dataset.dataset if isinstance(dataset, SeededDataset) else dataset
 
     @property
     def collate_fn(self) -> Any:
         """The loader's collate function."""
-        return self.loader.collate_fn
+        dataset = self.loader.dataset
+        return dataset.collate if isinstance(dataset, StepBatches) else self.loader.collate_fn
 
     @property
     def batch_size(self) -> int:
-        """Samples per batch on this rank."""
-        return int(self.loader.batch_size or 1)
+        """Samples per batch on this rank (the largest micro-batch in the default order)."""
+        steps = self.steps
+        return steps.plan.micro if steps is not None else int(self.loader.batch_size or 1)
 
     @property
     def remaining(self) -> int:
@@ -90,6 +103,8 @@ class DeviceLoader:
         return len(self.loader)
 
     def __len__(self) -> int:
+        if (steps := self.steps) is not None:
+            return steps.micro_per_epoch
         samples = getattr(self.sampler, "num_samples", None)  # a whole epoch; len(sampler) counts the rest
         if samples is None or not self.loader.batch_size:
             return len(self.loader)
@@ -97,6 +112,31 @@ class DeviceLoader:
         return samples // size if self.loader.drop_last else -(-samples // size)
 
     def __iter__(self) -> Iterator[Any]:
+        if self.steps is not None:
+            return self._iter_steps(self.steps)
+        return self._iter_padded()
+
+    def _iter_steps(self, steps: StepSampler) -> Iterator[Any]:
+        """The default order: each batch's place in its step is known from the cursor, whatever the prefetch."""
+        on_host, tracker, on_batch = self.device.type == "cpu", self.tracker, self._on_batch
+        world, rank = steps.world_size, steps.rank
+        upcoming = steps.upcoming() if self.train else []
+        for i, batch in enumerate(self.loader):
+            if self.train:
+                micro = upcoming[i]
+                lo, hi = micro.share(world, rank)
+                self.share = hi - lo
+                steps.advance(micro.stop - micro.start)  # counted when handed out, as below
+                if tracker is not None:
+                    tracker.epoch_done = False
+                if on_batch is not None:
+                    on_batch(len(upcoming) - i, micro.count, micro.weight(world, rank))
+            yield batch if on_host else self._move(batch, self.device, self._non_blocking)
+        if tracker is not None:
+            tracker.epoch_done = True
+
+    def _iter_padded(self) -> Iterator[Any]:
+        """The torch order: every rank has the same batches (padded), of ``batch_size`` but the last."""
         move, device, nb = self._move, self.device, self._non_blocking
         on_host = device.type == "cpu"  # the loader's batches are already there
         advance = getattr(self.sampler, "advance", None) if self.train else None
@@ -112,6 +152,7 @@ class DeviceLoader:
                 advance((full or _batch_len(batch)) * world)
             if tracker is not None:
                 tracker.epoch_done = False
+            self.share = _batch_len(batch)
             if on_batch is not None:
                 on_batch(left)
             yield batch if on_host else move(batch, device, nb)
@@ -184,12 +225,40 @@ class TrainLoaders:
         first = self.first
         if first is None:
             return []
+        if (steps := first.steps) is not None:  # the plan's own figures, uneven shares said
+            plan = steps.plan
+            return [f"batch {plan.micro} per device", f"global batch {plan.global_batch} ({plan.describe()})",
+                    f"{steps.steps_per_epoch} steps per epoch"]
         b, g = first.batch_size, first.batch_size * world_size * accumulate
         return [f"batch {b} per device", f"global batch {g} ({b} x {world_size} x {accumulate})",
                 f"{-(-len(first) // accumulate)} steps per epoch"]  # an epoch ends with a step
 
+    @staticmethod
+    def options(options: dict[str, Any], config: Any, per_step: int, eval: bool) -> dict[str, Any]:
+        """``make_loader``'s options for a session loader: the session's data order and global batch.
+
+        Args:
+            options: what the script gave ``Session.loader`` (they win).
+            config: the session's :class:`~lockstep.session.config.SessionConfig`.
+            per_step: the loader's batch size times the world size.
+            eval: an evaluation loader (neither applies).
+
+        Example::
+
+            TrainLoaders.options({}, SessionConfig(global_batch=24), 8, eval=False)
+        """
+        if eval:
+            return options
+        out = {"order": config.order, **options}
+        if out["order"] == "lockstep" and "global_batch" not in out:
+            if config.global_batch is not None:
+                out["global_batch"] = config.global_batch
+            elif config.accumulate > 1:
+                out["global_batch"] = per_step * config.accumulate
+        return out
+
     def wrap(self, loader: torch.utils.data.DataLoader, device: torch.device, *, train: bool,
-             on_batch: Callable[[int], None] | None = None) -> DeviceLoader:
+             on_batch: Callable[..., None] | None = None) -> DeviceLoader:
         """Return ``loader`` as a :class:`DeviceLoader` on ``device``; a training one is tracked (:meth:`add`).
 
         Args:

@@ -95,6 +95,10 @@ class Session(Position):
             the folder last given to :meth:`save`/:meth:`load`, exits 75), ``"flag"`` (sets
             :attr:`should_stop`) or ``"off"`` (:mod:`lockstep.session.preempt`).
         preempt_check_seconds: about how often the ranks agree on a stop signal.
+        order: training data order: ``"lockstep"`` (one global order and cursor, no padding,
+            every sample once per epoch at any world size) or ``"torch"`` (``DistributedSampler``'s).
+        global_batch: samples per optimizer step, held when the world size changes (micro-batch
+            and accumulation re-planned; the loaders' ``batch_size`` is the per-device cap).
 
     Raises:
         ConfigError: a bad option (before any process group), or ``config`` with other options.
@@ -113,7 +117,8 @@ class Session(Position):
         nonfinite: str = "skip", timeout: float | timedelta | None = None, backend: str = "auto",
         init_method: str | None = None, grad_compression: str | None = None, shard_optimizer: bool = False,
         strategy_options: dict[str, Any] | None = None, compile: bool | dict[str, Any] = False, quiet: bool = False,
-        preemption: str = "save", preempt_check_seconds: float = 1.0,
+        preemption: str = "save", preempt_check_seconds: float = 1.0, order: str = "lockstep",
+        global_batch: int | None = None,
     ) -> None:
         keywords = {name: value for name, value in locals().items() if name in OPTION_NAMES}
         config = SessionConfig.from_keywords(keywords, config)  # every option checked once, before any group
@@ -217,10 +222,16 @@ class Session(Position):
 
             train = session.loader(train_set, batch_size=64)
         """
+        options = self.state.loaders.options(options, self.config, batch_size * self.world_size, eval)
         loader = make_loader(dataset, batch_size, world_size=self.world_size, rank=self.rank,
                              shuffle=shuffle and not eval, eval=eval, seed=self.seed, **options)
-        return self.state.loaders.wrap(loader, self.device, train=not eval,
-                                       on_batch=self._accum.on_batch if self.accumulate > 1 else None)
+        steps = options.get("order") == "lockstep" and not eval
+        wrapped = self.state.loaders.wrap(loader, self.device, train=not eval,
+                                          on_batch=self._accum.on_batch if self.accumulate > 1 or steps else None)
+        if wrapped.steps is not None and wrapped is self.state.loaders.first:
+            self._accum.k = wrapped.steps.plan.accumulate  # global_batch planned it for this world size
+            self._say_replan()
+        return wrapped
 
     # -- the loop ---------------------------------------------------------------------------
     def epochs(self, n: int, start: int = 0) -> Iterator[int]:
@@ -371,7 +382,14 @@ class Session(Position):
                             model=model_wrappers(model, self._models, self.strategy))
         if resume.resumed and not self.quiet:
             self.print(resumed_line(resume))
+            self._say_replan()
         return resume
+
+    def _say_replan(self) -> None:
+        """After a resume at another world size, once a loader knows the plan: the re-planned batch."""
+        line = self.state.replan_line()
+        if line is not None and not self.quiet:
+            self.print(line)
 
     def close(self) -> None:
         """Give up the checkpoint folders, end the job's communication (barrier + destroy). Safe to call twice."""

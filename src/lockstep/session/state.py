@@ -92,6 +92,7 @@ class TrainState:
         self.global_step = 0
         self.skipped_steps = 0
         self.loaders = TrainLoaders()
+        self._resumed_from: tuple[int, int | None] | None = None  # (world size, global batch) of a checkpoint
 
     @property
     def epoch_done(self) -> bool:
@@ -183,10 +184,34 @@ class TrainState:
         states, legacy = state.get("samplers"), False
         if states is None:  # written before checkpoints kept every loader's position
             states, legacy = ([state["sampler"]] if state.get("sampler") else []), True
+        saved = [s for s in states if s] or [{}]
+        self._resumed_from = (int(state.get("world_size") or self.world_size), saved[0].get("global_batch"))
         done = state.get("epoch_done")
         mid = self.loaders.restore(list(states), epoch, None if done is None else bool(done), legacy)
         self.epoch = epoch if mid else epoch + 1
         return mid
+
+
+    def replan_line(self) -> str | None:
+        """Once, after a resume at another world size: how the first loader's steps are planned now.
+
+        ``None`` when the world size is the checkpoint's, or no loader of the default order exists yet.
+
+        Example::
+
+            state.replan_line()
+            # 'lockstep: world size 2 -> 3: global batch 24 kept, micro-batch 4 x world 3 x accumulate 2'
+        """
+        first = self.loaders.first
+        steps = first.steps if first is not None else None
+        if self._resumed_from is None or steps is None:
+            return None
+        (world, batch), self._resumed_from = self._resumed_from, None
+        if world == self.world_size:
+            return None
+        plan = steps.plan
+        kept = "kept" if batch in (None, plan.global_batch) else f"(was {batch})"
+        return f"lockstep: world size {world} -> {self.world_size}: global batch {plan.global_batch} {kept}, {plan.describe()}"
 
 
 def save_state(directory: Path, train: TrainState, *, comm: Comm, strategy: Strategy, precision: Precision,

@@ -227,7 +227,9 @@ class TrainLoaders:
             return []
         if (steps := first.steps) is not None:  # the plan's own figures, uneven shares said
             plan = steps.plan
-            return [f"batch {plan.micro} per device", f"global batch {plan.global_batch} ({plan.describe()})",
+            up_to = "" if plan.even else "up to "
+            shape = f"{up_to}{plan.micro} x {plan.world_size} x {plan.accumulate}"
+            return [f"batch {plan.micro} per device", f"global batch {plan.global_batch} ({shape})",
                     f"{steps.steps_per_epoch} steps per epoch"]
         b, g = first.batch_size, first.batch_size * world_size * accumulate
         return [f"batch {b} per device", f"global batch {g} ({b} x {world_size} x {accumulate})",

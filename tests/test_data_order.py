@@ -102,6 +102,10 @@ def test_the_position_moves_between_world_sizes_and_orders_are_not_mixed() -> No
         old.load_state_dict({"epoch": 0, "seen": 40, "seed": 0, "order": "torch", "dataset_len": N})
     with pytest.raises(ConfigError, match="data order 'lockstep'"):
         TrainSampler(N, 2, 0, order="torch").load_state_dict(state)
+    # a membership change in place: the same global batch re-planned, the position kept
+    moved = StepSampler(N, plan_batches(GLOBAL, 2, CAP), rank=1, micro_cap=CAP)
+    moved.load_state_dict(state)
+    assert moved.resize(3, 2) == plan_batches(GLOBAL, 3, CAP) and moved.cursor == 66 and moved.rank == 2
 
 
 def test_a_batch_larger_than_a_share_is_refused() -> None:

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorData
 from lockstep.data.loader import make_loader
 from lockstep.data.samplers import TrainSampler, epoch_order
 from lockstep.data.seeding import SampleKey, SeededDataset, sample_seed
-from lockstep.data.steps import StepBatches
+from lockstep.data.loader import StepBatches
 from lockstep.errors import ConfigError
 
 

@@ -25,10 +25,10 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from lockstep.data.samplers import EvalSampler, TrainSampler, check_order, epoch_order, shard_bounds
 from lockstep.data.seeding import SeededDataset, derive_seed, init_worker, seed_worker
-from lockstep.data.steps import StepBatches, StepSampler, plan_batches
+from lockstep.data.steps import StepSampler, plan_batches
 from lockstep.errors import ConfigError
 
-__all__ = ["TrainSampler", "EvalSampler", "epoch_order", "shard_bounds", "make_loader",
+__all__ = ["TrainSampler", "EvalSampler", "StepBatches", "epoch_order", "shard_bounds", "make_loader",
            "default_num_workers", "move_to_device", "seed_worker", "init_worker", "SeededDataset"]
 
 
@@ -91,8 +91,35 @@ def _dataset_len(dataset: Dataset[Any]) -> int:
     return len(dataset)
 
 
+class StepBatches(Dataset[Any]):
+    """A dataset read one micro-batch at a time: its index is a :class:`StepSampler` list.
+
+    The DataLoader of the default order has no batch size of its own (batches vary in size), so
+    each item of this dataset is a whole collated batch.
+
+    Args:
+        dataset: the map-style dataset (or its :class:`~lockstep.data.seeding.SeededDataset`).
+        collate: builds the batch from the list of samples.
+
+    Example::
+
+        batches = StepBatches(dataset, default_collate)
+        batches[[3, 1, 4]]     # the collated batch of samples 3, 1 and 4
+    """
+
+    def __init__(self, dataset: Any, collate: Callable[[list[Any]], Any]) -> None:
+        self.dataset, self.collate = dataset, collate
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, indices: list[Any]) -> Any:
+        many = getattr(self.dataset, "__getitems__", None)  # SeededDataset seeds each sample there
+        return self.collate(many(indices) if many is not None else [self.dataset[i] for i in indices])
+
+
 def _as_is(batch: Any) -> Any:
-    """The batch is collated already (:class:`~lockstep.data.steps.StepBatches`)."""
+    """The batch is collated already (:class:`StepBatches`)."""
     return batch
 
 
@@ -198,7 +225,7 @@ def make_loader(dataset: Dataset[Any], batch_size: int, *, world_size: int, rank
     elif steps:
         plan = plan_batches(global_batch or batch_size * world_size, world_size, batch_size)
         sampler = StepSampler(n, plan, rank, shuffle=shuffle, seed=seed, drop_last=drop_last,
-                              sample_seeds=seed_samples)
+                              sample_seeds=seed_samples, micro_cap=batch_size)
     else:
         sampler = TrainSampler(n, world_size, rank, shuffle=shuffle, seed=seed, drop_last=drop_last,
                                order=order, sample_seeds=seed_samples)
@@ -225,8 +252,8 @@ def make_loader(dataset: Dataset[Any], batch_size: int, *, world_size: int, rank
     if steps:  # batches of varying size: the sampler yields each one's indices
         data, collate_fn = StepBatches(data, collate_fn or default_collate), _as_is
     return _Loader(
-        data, batch_size=None if steps else batch_size, sampler=sampler,
-        num_workers=num_workers, collate_fn=collate_fn, pin_memory=pin_memory, drop_last=drop_last and not (eval or steps),
+        data, batch_size=None if steps else batch_size, sampler=sampler, num_workers=num_workers,
+        collate_fn=collate_fn, pin_memory=pin_memory, drop_last=drop_last and not (eval or steps),
         worker_init_fn=init_worker if num_workers > 0 else None, generator=generator,
         persistent_workers=persistent_workers and num_workers > 0,
         lockstep_seed=seed, lockstep_rank=rank,

@@ -30,18 +30,18 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-from torch.utils.data import Dataset, Sampler
+from torch.utils.data import Sampler
 
 from lockstep.data.samplers import epoch_order, shard_bounds
 from lockstep.data.seeding import SampleKey, sample_seed
 from lockstep.errors import ConfigError
 
-__all__ = ["BatchPlan", "MicroStep", "plan_batches", "micro_steps", "rank_batches", "StepSampler", "StepBatches"]
+__all__ = ["BatchPlan", "MicroStep", "plan_batches", "micro_steps", "rank_batches", "StepSampler"]
 
 
 @dataclass(frozen=True)
@@ -223,6 +223,7 @@ class StepSampler(Sampler[list[Any]]):
         seed: the data seed; the order is a function of ``(seed, epoch)`` only.
         drop_last: leave out each epoch's last step when it is short.
         sample_seeds: yield :class:`~lockstep.data.seeding.SampleKey` indices (per-sample seeds).
+        micro_cap: the largest per-rank micro-batch :meth:`resize` may plan (default ``plan.micro``).
 
     Example::
 
@@ -234,10 +235,11 @@ class StepSampler(Sampler[list[Any]]):
     order = "lockstep"
 
     def __init__(self, dataset_len: int, plan: BatchPlan, rank: int, *, shuffle: bool = True, seed: int = 0,
-                 drop_last: bool = False, sample_seeds: bool = False) -> None:
+                 drop_last: bool = False, sample_seeds: bool = False, micro_cap: int | None = None) -> None:
         if not 0 <= rank < plan.world_size:
             raise ConfigError(f"rank {rank} is out of range for world_size {plan.world_size}")
         self.dataset_len, self.plan, self.rank = dataset_len, plan, rank
+        self.micro_cap = micro_cap or plan.micro
         self.shuffle, self.seed, self.drop_last, self.sample_seeds = shuffle, seed, drop_last, sample_seeds
         self.epoch = 0
         self.cursor = 0
@@ -252,6 +254,26 @@ class StepSampler(Sampler[list[Any]]):
     def seen(self) -> int:
         """The cursor, under the name :class:`~lockstep.data.samplers.TrainSampler` gives it."""
         return self.cursor
+
+    def resize(self, world_size: int, rank: int) -> BatchPlan:
+        """Re-plan the same global batch for another world size; the position is kept.
+
+        For a job whose membership changed in place: call it at a step boundary, before the
+        loader is iterated again. Returns the new plan (its ``accumulate`` is the session's).
+
+        Args:
+            world_size: the new number of ranks.
+            rank: this process's new rank.
+
+        Example::
+
+            sampler.resize(4, 1).describe()   # 'micro-batch 3 x world 4 x accumulate 2'
+        """
+        plan = plan_batches(self.plan.global_batch, world_size, self.micro_cap)
+        if not 0 <= rank < world_size:
+            raise ConfigError(f"rank {rank} is out of range for world_size {world_size}")
+        self.plan, self.rank = plan, rank
+        return plan
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its beginning (or keep a position just loaded for that epoch).
@@ -352,29 +374,3 @@ class StepSampler(Sampler[list[Any]]):
             else:
                 yield mine
 
-
-class StepBatches(Dataset[Any]):
-    """A dataset read one micro-batch at a time: its index is a :class:`StepSampler` list.
-
-    The DataLoader of the default order has no batch size of its own (batches vary in size), so
-    each item of this dataset is a whole collated batch.
-
-    Args:
-        dataset: the map-style dataset (or its :class:`~lockstep.data.seeding.SeededDataset`).
-        collate: builds the batch from the list of samples.
-
-    Example::
-
-        batches = StepBatches(dataset, default_collate)
-        batches[[3, 1, 4]]     # the collated batch of samples 3, 1 and 4
-    """
-
-    def __init__(self, dataset: Any, collate: Callable[[list[Any]], Any]) -> None:
-        self.dataset, self.collate = dataset, collate
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, indices: list[Any]) -> Any:
-        many = getattr(self.dataset, "__getitems__", None)  # SeededDataset seeds each sample there
-        return self.collate(many(indices) if many is not None else [self.dataset[i] for i in indices])

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from lockstep.data.seeding import SeededDataset
-from lockstep.data.steps import StepBatches, StepSampler
+from lockstep.data.loader import StepBatches
+from lockstep.data.steps import StepSampler
 
 __all__ = ["DeviceLoader", "TrainLoaders", "progress_bar"]
 
@@ -196,6 +197,7 @@ class TrainLoaders:
         self._pending: list[dict[str, Any]] = []
         self._epoch = 0
         self.epoch_done = False  # written by the loaders: True once one ran out after the last batch
+        self.on_add: Callable[[], None] | None = None  # told when a training loader is made (TrainState's)
 
     @property
     def live(self) -> list[DeviceLoader]:
@@ -260,7 +262,7 @@ class TrainLoaders:
         return out
 
     def wrap(self, loader: torch.utils.data.DataLoader, device: torch.device, *, train: bool,
-             on_batch: Callable[..., None] | None = None) -> DeviceLoader:
+             on_batch: Callable[..., None] | None = None, accum: Any = None) -> DeviceLoader:
         """Return ``loader`` as a :class:`DeviceLoader` on ``device``; a training one is tracked (:meth:`add`).
 
         Args:
@@ -268,14 +270,20 @@ class TrainLoaders:
             device: where its batches go.
             train: a training loader (its epoch and position are the session's).
             on_batch: told as each training batch is handed out (see :class:`DeviceLoader`).
+            accum: the session's :class:`~lockstep.session.loop.Accumulator`: told of each batch,
+                and given the first loader's planned accumulation (a global batch plans it).
 
         Example::
 
             train = loaders.wrap(make_loader(data, 32, world_size=1, rank=0), torch.device("cpu"), train=True)
         """
-        wrapped = DeviceLoader(loader, device, train, on_batch)
+        wrapped = DeviceLoader(loader, device, train, accum.on_batch if accum is not None else on_batch)
         if train:
             self.add(wrapped)
+            if accum is not None and wrapped.steps is not None and wrapped is self.first:
+                accum.k = wrapped.steps.plan.accumulate
+            if self.on_add is not None:
+                self.on_add()
         return wrapped
 
     def add(self, loader: DeviceLoader) -> None:

@@ -95,10 +95,7 @@ class Session(Position):
             the folder last given to :meth:`save`/:meth:`load`, exits 75), ``"flag"`` (sets
             :attr:`should_stop`) or ``"off"`` (:mod:`lockstep.session.preempt`).
         preempt_check_seconds: about how often the ranks agree on a stop signal.
-        order: training data order: ``"lockstep"`` (one global order and cursor, no padding,
-            every sample once per epoch at any world size) or ``"torch"`` (``DistributedSampler``'s).
-        global_batch: samples per optimizer step, held when the world size changes (micro-batch
-            and accumulation re-planned; the loaders' ``batch_size`` is the per-device cap).
+        order, global_batch: the data order, and samples per step held at any world size (``SessionConfig``).
 
     Raises:
         ConfigError: a bad option (before any process group), or ``config`` with other options.
@@ -136,7 +133,7 @@ class Session(Position):
         self.precision = build_precision(config.precision, self.device, comm=self.comm)
         self.strategy = get_strategy(config.strategy, self.comm, self.device, **config.strategy_kwargs(self.world_size))
         seed_everything(config.seed)
-        self.state = TrainState(self.rank, self.world_size)
+        self.state = TrainState(self.rank, self.world_size, say=None if config.quiet else self.print)
         self._steps = TrainStep(self.state, self._accum, self._finite, self.precision, self.strategy, self.comm,
                                 config.clip_grad_norm, say=self.print)
         self._models: list[ModelWrappers] = []  # each setup's layers, the last one the model in training
@@ -225,13 +222,7 @@ class Session(Position):
         options = self.state.loaders.options(options, self.config, batch_size * self.world_size, eval)
         loader = make_loader(dataset, batch_size, world_size=self.world_size, rank=self.rank,
                              shuffle=shuffle and not eval, eval=eval, seed=self.seed, **options)
-        steps = options.get("order") == "lockstep" and not eval
-        wrapped = self.state.loaders.wrap(loader, self.device, train=not eval,
-                                          on_batch=self._accum.on_batch if self.accumulate > 1 or steps else None)
-        if wrapped.steps is not None and wrapped is self.state.loaders.first:
-            self._accum.k = wrapped.steps.plan.accumulate  # global_batch planned it for this world size
-            self._say_replan()
-        return wrapped
+        return self.state.loaders.wrap(loader, self.device, train=not eval, accum=self._accum)
 
     # -- the loop ---------------------------------------------------------------------------
     def epochs(self, n: int, start: int = 0) -> Iterator[int]:
@@ -382,14 +373,7 @@ class Session(Position):
                             model=model_wrappers(model, self._models, self.strategy))
         if resume.resumed and not self.quiet:
             self.print(resumed_line(resume))
-            self._say_replan()
         return resume
-
-    def _say_replan(self) -> None:
-        """After a resume at another world size, once a loader knows the plan: the re-planned batch."""
-        line = self.state.replan_line()
-        if line is not None and not self.quiet:
-            self.print(line)
 
     def close(self) -> None:
         """Give up the checkpoint folders, end the job's communication (barrier + destroy). Safe to call twice."""

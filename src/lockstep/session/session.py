@@ -95,7 +95,8 @@ class Session(Position):
             the folder last given to :meth:`save`/:meth:`load`, exits 75), ``"flag"`` (sets
             :attr:`should_stop`) or ``"off"`` (:mod:`lockstep.session.preempt`).
         preempt_check_seconds: about how often the ranks agree on a stop signal.
-        order, global_batch: the data order, and samples per step held at any world size (``SessionConfig``).
+        order: the training data order, ``"lockstep"`` (never padded) or ``"torch"`` (see ``SessionConfig``).
+        global_batch: samples per optimizer step, held at any world size (see ``SessionConfig``).
 
     Raises:
         ConfigError: a bad option (before any process group), or ``config`` with other options.

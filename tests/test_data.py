@@ -14,6 +14,7 @@ from _dist import run_distributed
 from lockstep.data.loader import (EvalSampler, TrainSampler, default_num_workers, epoch_order,
                            make_loader, move_to_device, seed_worker)
 from lockstep.errors import ConfigError
+from lockstep.data.steps import StepSampler
 
 
 def _ranks(n: int, world_size: int, epoch: int = 0, **kw: object) -> list[list[int]]:
@@ -175,8 +176,11 @@ def test_make_loader_errors() -> None:
 
 
 def test_make_loader_defaults_and_samplers() -> None:
-    train = make_loader(_tensors(10), 4, world_size=2, rank=1)
+    train = make_loader(_tensors(10), 4, world_size=2, rank=1, order="torch")
     assert isinstance(train.sampler, TrainSampler) and train.batch_size == 4
+    default = make_loader(_tensors(10), 4, world_size=2, rank=1)  # one global cursor, no padding
+    assert isinstance(default.sampler, StepSampler) and default.sampler.plan.micro == 4
+    assert [b[1].tolist() for b in default] == [[epoch_order(10, 0, 0)[i] for i in r] for r in ([4, 5, 6, 7], [9])]
     assert train.num_workers == 0 and train.pin_memory is (torch.cuda.is_available())
     ev = make_loader(_tensors(5), 2, world_size=2, rank=1, eval=True)
     assert isinstance(ev.sampler, EvalSampler)
@@ -279,7 +283,7 @@ def _train_uneven(n: int, batch: int) -> dict:
     model = DistributedDataParallel(torch.nn.Linear(2, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     data = TensorDataset(torch.randn(n, 2, generator=torch.Generator().manual_seed(1)), torch.randn(n, 1))
-    loader = make_loader(data, batch, world_size=comm.world_size, rank=comm.rank, seed=3)
+    loader = make_loader(data, batch, world_size=comm.world_size, rank=comm.rank, seed=3, order="torch")
     steps = []
     for epoch in range(2):
         loader.sampler.set_epoch(epoch)
@@ -316,4 +320,4 @@ def test_uneven_dataset_trains_with_equal_step_counts(world_size: int, n: int) -
         assert res["weights"] == results[0]["weights"]  # DDP kept replicas equal
     # The ranks computed the same epoch order in separate processes: together they cover range(n).
     flat = _interleave([res["epoch0"] for res in results])
-    assert flat[:n] == epoch_order(n, seed=3, epoch=0)
+    assert flat[:n] == epoch_order(n, seed=3, epoch=0, order="torch")

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorData
 from lockstep.data.loader import make_loader
 from lockstep.data.samplers import TrainSampler, epoch_order
 from lockstep.data.seeding import SampleKey, SeededDataset, sample_seed
+from lockstep.data.loader import StepBatches
 from lockstep.errors import ConfigError
 
 
@@ -109,11 +111,22 @@ def test_sample_keys_and_the_wrapper() -> None:
     data = SeededDataset(_Augmented())
     assert data[key].tolist() == data[key].tolist() and len(data) == 8 and data.n == 8
     assert data[3][0] == 3.0  # a plain index is read as it is
-    plain = make_loader(TensorDataset(torch.arange(4.0)), 2, world_size=1, rank=0)
-    assert isinstance(plain.dataset, TensorDataset)  # nothing random to seed
-    assert all(type(i) is int for i in plain.sampler)
-    seeded = make_loader(_Augmented(), 2, world_size=1, rank=0, eval=False)
-    assert isinstance(seeded.dataset, SeededDataset) and all(isinstance(i, SampleKey) for i in seeded.sampler)
+    for order in ("torch", "lockstep"):  # the default order reads whole batches through StepBatches
+        plain = make_loader(TensorDataset(torch.arange(4.0)), 2, world_size=1, rank=0, order=order)
+        assert isinstance(_inner(plain), TensorDataset)  # nothing random to seed
+        assert all(type(i) is int for i in _flat(plain.sampler))
+        seeded = make_loader(_Augmented(), 2, world_size=1, rank=0, eval=False, order=order)
+        assert isinstance(_inner(seeded), SeededDataset) and all(isinstance(i, SampleKey) for i in _flat(seeded.sampler))
+
+
+def _inner(loader: DataLoader) -> Any:
+    """The dataset a loader reads samples from (the default order wraps it in StepBatches)."""
+    return loader.dataset.dataset if isinstance(loader.dataset, StepBatches) else loader.dataset
+
+
+def _flat(sampler: Any) -> list[Any]:
+    """The indices a sampler yields, its batches (the default order's) flattened."""
+    return [i for item in sampler for i in (item if isinstance(item, list) else [item])]
 
 
 # --- the data order of the tutorial ----------------------------------------------------------

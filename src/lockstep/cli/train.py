@@ -64,13 +64,15 @@ _HELP = {
     "pretrained": "start from pretrained weights (needs --weights FILE; nothing is downloaded)",
     "val_fraction": "held-out share of an image folder without train/ and val/",
     "progress": "progress bar: auto (when the terminal shows one), on or off",
+    "order": "training data order: lockstep (every sample once per epoch, never padded) or torch "
+             "(DistributedSampler's order and padding)",
 }
 
 
 _METAVARS = {"grad_compression": "none|bf16|fp16|powersgd", "powersgd_rank": "R", "powersgd_start_iter": "STEPS",
              "data": "SPEC", "epochs": "E", "batch_size": "B", "base_batch": "B", "workers": "N", "accumulate": "K",
              "out": "DIR", "keep": "K", "image_size": "PIXELS", "max_steps": "S", "weights": "FILE",
-             "val_fraction": "F", "progress": "auto|on|off"}
+             "val_fraction": "F", "progress": "auto|on|off", "order": "lockstep|torch"}
 LAUNCH = ("nproc", "nodes", "node_rank", "master", "max_restarts", "timeout")
 """The launch flags ``lockstep train`` honours (declared by :func:`~lockstep.cli.flags.add_launch_flags`);
 after a failure the restarted workers resume from ``--out``. Under Slurm (one task per node), Kubeflow

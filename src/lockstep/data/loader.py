@@ -21,13 +21,14 @@ from collections.abc import Callable, Iterator, Mapping, Sized
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, default_collate
 
-from lockstep.data.samplers import EvalSampler, TrainSampler, epoch_order, shard_bounds
+from lockstep.data.samplers import EvalSampler, TrainSampler, check_order, epoch_order, shard_bounds
 from lockstep.data.seeding import SeededDataset, derive_seed, init_worker, seed_worker
+from lockstep.data.steps import StepSampler, plan_batches
 from lockstep.errors import ConfigError
 
-__all__ = ["TrainSampler", "EvalSampler", "epoch_order", "shard_bounds", "make_loader",
+__all__ = ["TrainSampler", "EvalSampler", "StepBatches", "epoch_order", "shard_bounds", "make_loader",
            "default_num_workers", "move_to_device", "seed_worker", "init_worker", "SeededDataset"]
 
 
@@ -90,6 +91,50 @@ def _dataset_len(dataset: Dataset[Any]) -> int:
     return len(dataset)
 
 
+class StepBatches(Dataset[Any]):
+    """A dataset read one micro-batch at a time: its index is a :class:`StepSampler` list.
+
+    The DataLoader of the default order has no batch size of its own (batches vary in size), so
+    each item of this dataset is a whole collated batch.
+
+    Args:
+        dataset: the map-style dataset (or its :class:`~lockstep.data.seeding.SeededDataset`).
+        collate: builds the batch from the list of samples.
+
+    Example::
+
+        batches = StepBatches(dataset, default_collate)
+        batches[[3, 1, 4]]     # the collated batch of samples 3, 1 and 4
+    """
+
+    def __init__(self, dataset: Any, collate: Callable[[list[Any]], Any]) -> None:
+        self.dataset, self.collate = dataset, collate
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, indices: list[Any]) -> Any:
+        many = getattr(self.dataset, "__getitems__", None)  # SeededDataset seeds each sample there
+        return self.collate(many(indices) if many is not None else [self.dataset[i] for i in indices])
+
+
+def _as_is(batch: Any) -> Any:
+    """The batch is collated already (:class:`StepBatches`)."""
+    return batch
+
+
+def _check_global(n: int, batch_size: int, world_size: int, global_batch: int | None) -> None:
+    """A step larger than the dataset would make the start line describe a batch that never happens."""
+    wanted = global_batch if global_batch is not None else batch_size * world_size
+    if wanted <= n:
+        return
+    how = "" if global_batch is not None else f" ({batch_size} per device x {world_size} processes)"
+    fix = (f"a global batch of {n} or less" if global_batch is not None
+           else f"a batch size of {max(n // world_size, 1)} per device or less, or fewer processes")
+    raise ConfigError(f"a global batch of {wanted} samples{how} is more than the {n} samples of the training "
+                      f"set, so each process's share is smaller than one batch; use {fix}")
+
+
 def _validate(n: int, batch_size: int, world_size: int, eval: bool, drop_last: bool) -> None:
     if batch_size < 1:
         raise ConfigError(f"batch size must be >= 1 (it is per device), got {batch_size}")
@@ -115,7 +160,7 @@ def make_loader(dataset: Dataset[Any], batch_size: int, *, world_size: int, rank
                 collate_fn: Callable[[list[Any]], Any] | None = None,
                 persistent_workers: bool | None = None, device: torch.device | None = None,
                 local_world_size: int | None = None, order: str = "lockstep",
-                seed_samples: bool | None = None) -> DataLoader:
+                seed_samples: bool | None = None, global_batch: int | None = None) -> DataLoader:
     """Build this rank's DataLoader: the right sampler, seeded samples, pinned memory on CUDA.
 
     A training loader reads every sample with torch's CPU generator, ``random`` and NumPy
@@ -143,17 +188,22 @@ def make_loader(dataset: Dataset[Any], batch_size: int, *, world_size: int, rank
         device: the rank's device, for the defaults; CUDA when available, else CPU.
         local_world_size: ranks on this machine, for the default worker count; read from the
             launch environment when omitted.
-        order: training order: ``"lockstep"`` (default) or ``"torch"``, which reads exactly
-            what ``DistributedSampler(shuffle=shuffle, seed=seed)`` with ``set_epoch`` reads at
-            this world size (see :class:`TrainSampler`).
+        order: training order: ``"lockstep"`` (default: one global order and cursor, no
+            padding, uneven shares in an epoch's last step; :class:`~lockstep.data.steps.StepSampler`)
+            or ``"torch"``, which reads exactly what ``DistributedSampler(shuffle=shuffle,
+            seed=seed)`` with ``set_epoch`` reads at this world size, padding included (see
+            :class:`TrainSampler`).
         seed_samples: seed each training sample's randomness (the ``dataset`` is read through
             :class:`SeededDataset`, ``loader.dataset``); default: True except for a plain
             ``TensorDataset``, whose items draw no random numbers.
+        global_batch: ``"lockstep"`` order only: samples per optimizer step over all ranks
+            (default ``batch_size * world_size``); ``batch_size`` is then the largest per-rank
+            micro-batch and the step is planned by :func:`~lockstep.data.steps.plan_batches`.
 
     Raises:
         ConfigError: batch size < 1, an empty or iterable training dataset, drop_last on an
-            evaluation loader, a training shard smaller than one batch with ``drop_last``, or
-            an unknown order.
+            evaluation loader, a training shard smaller than one batch (a global batch larger
+            than the training set), or an unknown order.
 
     Example::
 
@@ -162,12 +212,20 @@ def make_loader(dataset: Dataset[Any], batch_size: int, *, world_size: int, rank
     """
     n = _dataset_len(dataset)
     _validate(n, batch_size, world_size, eval, drop_last)
-    sampler: TrainSampler | EvalSampler
+    check_order(order)
+    if not eval:
+        _check_global(n, batch_size, world_size, global_batch)
+    sampler: TrainSampler | EvalSampler | StepSampler
     if seed_samples is None:
         seed_samples = type(dataset) is not TensorDataset
     seed_samples = seed_samples and not eval
+    steps = not eval and order == "lockstep"
     if eval:
         sampler = EvalSampler(n, world_size, rank)
+    elif steps:
+        plan = plan_batches(global_batch or batch_size * world_size, world_size, batch_size)
+        sampler = StepSampler(n, plan, rank, shuffle=shuffle, seed=seed, drop_last=drop_last,
+                              sample_seeds=seed_samples, micro_cap=batch_size)
     else:
         sampler = TrainSampler(n, world_size, rank, shuffle=shuffle, seed=seed, drop_last=drop_last,
                                order=order, sample_seeds=seed_samples)
@@ -190,9 +248,12 @@ def make_loader(dataset: Dataset[Any], batch_size: int, *, world_size: int, rank
         persistent_workers = num_workers > 0
     generator = torch.Generator()
     generator.manual_seed(_worker_base_seed(seed, rank, 0))
+    data: Any = SeededDataset(dataset) if seed_samples else dataset
+    if steps:  # batches of varying size: the sampler yields each one's indices
+        data, collate_fn = StepBatches(data, collate_fn or default_collate), _as_is
     return _Loader(
-        SeededDataset(dataset) if seed_samples else dataset, batch_size=batch_size, sampler=sampler,
-        num_workers=num_workers, collate_fn=collate_fn, pin_memory=pin_memory, drop_last=drop_last and not eval,
+        data, batch_size=None if steps else batch_size, sampler=sampler, num_workers=num_workers,
+        collate_fn=collate_fn, pin_memory=pin_memory, drop_last=drop_last and not (eval or steps),
         worker_init_fn=init_worker if num_workers > 0 else None, generator=generator,
         persistent_workers=persistent_workers and num_workers > 0,
         lockstep_seed=seed, lockstep_rank=rank,

@@ -4,7 +4,10 @@
 the epoch order is a function of ``(seed, epoch)`` only, and the position inside an epoch is a
 count of *global* samples consumed, so a run stopped mid-epoch resumes with exactly the indices it
 would have read next, on the same world size or on another one. With ``order="torch"`` it reads
-exactly what ``DistributedSampler(shuffle=True, seed=seed)`` with ``set_epoch`` reads.
+exactly what ``DistributedSampler(shuffle=True, seed=seed)`` with ``set_epoch`` reads. It pads
+each epoch's tail to a multiple of the world size, as ``DistributedSampler`` does, so
+:func:`~lockstep.data.loader.make_loader` uses it only for ``order="torch"``; its default
+training order is :class:`~lockstep.data.steps.StepSampler` (no padding, one global cursor).
 
 :class:`EvalSampler` never pads nor duplicates: the shards of all ranks together are exactly
 ``range(n)``, so sums and counts reduced over ranks are the single-process figures.
@@ -27,10 +30,11 @@ from torch.utils.data import Sampler
 from lockstep.data.seeding import SampleKey, derive_seed, sample_seed
 from lockstep.errors import ConfigError
 
-__all__ = ["TrainSampler", "EvalSampler", "epoch_order", "shard_bounds", "ORDERS"]
+__all__ = ["TrainSampler", "EvalSampler", "epoch_order", "shard_bounds", "ORDERS", "check_order"]
 
 ORDERS = ("lockstep", "torch")
-"""The epoch orders :class:`TrainSampler` offers (see :func:`epoch_order`)."""
+"""The training orders: ``"lockstep"`` (one global order and cursor, no padding:
+:mod:`lockstep.data.steps`) and ``"torch"`` (``DistributedSampler``'s: :class:`TrainSampler`)."""
 
 
 def _check_world(world_size: int, rank: int) -> None:
@@ -45,9 +49,25 @@ def _check_len(dataset_len: int) -> None:
         raise ConfigError(f"dataset length must be >= 0, got {dataset_len}")
 
 
-def _check_order(order: str) -> None:
+def check_order(order: str) -> str:
+    """Return ``order`` when it is one of :data:`ORDERS`.
+
+    Args:
+        order: ``"lockstep"`` or ``"torch"``.
+
+    Raises:
+        ConfigError: naming the choices.
+
+    Example::
+
+        check_order("torch")   # 'torch'
+    """
     if order not in ORDERS:
         raise ConfigError(f"unknown data order {order!r}; choose one of {', '.join(ORDERS)}")
+    return order
+
+
+_check_order = check_order
 
 
 def epoch_order(dataset_len: int, seed: int, epoch: int, shuffle: bool = True, order: str = "lockstep") -> list[int]:
@@ -211,6 +231,9 @@ class TrainSampler(Sampler[int]):
                 f"the sampler state was saved for a dataset of {saved_len} samples but this "
                 f"dataset has {self.dataset_len}; resume with the same dataset or start afresh"
             )
+        if "cursor" in state:  # a position of the global-cursor order (lockstep.data.steps)
+            raise ConfigError("this data position was saved with the data order 'lockstep' (one global cursor, "
+                              "no padding); resume it with that data order, or start afresh")
         epoch, seen = int(state["epoch"]), int(state["seen"])
         if epoch < 0 or seen < 0:
             raise ConfigError(f"bad sampler state: epoch {epoch}, seen {seen} (both must be >= 0)")

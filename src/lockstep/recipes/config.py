@@ -34,7 +34,7 @@ _PROGRESS = ("auto", "on", "off")
 RUN_FLAGS = ("model", "data", "strategy", "precision", "grad_compression", "powersgd_rank", "powersgd_start_iter",
              "epochs", "batch_size", "lr", "scale_lr", "base_batch",
              "momentum", "weight_decay", "sync_bn", "accumulate", "seed", "out", "keep", "image_size", "max_steps",
-             "weights", "pretrained", "val_fraction")
+             "weights", "pretrained", "val_fraction", "order")
 """The fields that say what a run computes: a preempted run continues only with the same ones
 (where, how many processes and how it is shown may change)."""
 RESUME_MAY_CHANGE = ("epochs", "keep")
@@ -93,6 +93,8 @@ class TrainConfig:
         pretrained: ask for pretrained weights (needs ``weights``; nothing is downloaded).
         val_fraction: held-out share of an image folder without ``train/`` and ``val/``.
         progress: ``auto`` (a bar when the terminal shows one), ``on`` or ``off``.
+        order: the training data order: ``lockstep`` (every sample once per epoch, never padded)
+            or ``torch`` (``DistributedSampler``'s order and padding).
 
     Example::
 
@@ -133,6 +135,7 @@ class TrainConfig:
     pretrained: bool = False
     val_fraction: float = 0.1
     progress: str = "auto"
+    order: str = "lockstep"
 
     def __post_init__(self) -> None:
         from lockstep.zoo.datasets import parse_data
@@ -181,7 +184,8 @@ class TrainConfig:
         return session_config(strategy=self.strategy, precision=self.precision, sync_bn=self.sync_bn,
                               accumulate=self.accumulate, seed=self.seed, timeout=self.timeout,
                               grad_compression=self.grad_compression, powersgd_rank=self.powersgd_rank,
-                              powersgd_start_iter=self.powersgd_start_iter, compile=self.compile)
+                              powersgd_start_iter=self.powersgd_start_iter, compile=self.compile,
+                              order=self.order)
 
     def _check_files(self) -> None:
         if self.pretrained and self.weights is None:

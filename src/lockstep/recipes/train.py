@@ -135,8 +135,9 @@ def _epoch(session: lockstep.Session, config: TrainConfig, model: nn.Module, opt
             loss = criterion(model(images).float(), labels)
             session.backward(loss)
             took += session.step(optimizer)
-            totals[0] += loss.detach().double() * labels.shape[0]
-            totals[1] += labels.shape[0]
+            share = getattr(train_loader, "share", labels.shape[0])  # a zero-sample rank's stand-in counts 0
+            totals[0] += loss.detach().double() * share
+            totals[1] += share
             if hasattr(bar, "set_postfix") and i % POSTFIX_EVERY == 0:
                 speed = totals[1].item() * session.world_size / max(time.perf_counter() - began, 1e-9)
                 bar.set_postfix(loss=f"{loss.item():.4f}", samples_s=f"{speed:.0f}", refresh=False)

@@ -56,11 +56,13 @@ OWNERS: dict[str, str] = {
     "quiet": _HERE,
     "preemption": _HERE,
     "preempt_check_seconds": _HERE,
+    "order": "lockstep.data.samplers",
+    "global_batch": _HERE,
 }
 """The one module whose messages refuse each option (a layout test holds the code to it)."""
 
 _FLAGS = ("strategy", "precision", "sync_bn", "accumulate", "seed", "timeout", "grad_compression", "compile",
-          "nonfinite")
+          "nonfinite", "order")
 """The options the apps (``lockstep train``, ``bench``, ``verify``) take as flags too."""
 
 
@@ -106,6 +108,13 @@ class SessionConfig:
         quiet: print neither the start summary nor the "resumed from" line.
         preemption: ``"save"``, ``"flag"`` or ``"off"`` (see :mod:`lockstep.session.preempt`).
         preempt_check_seconds: about how often the ranks agree on a stop signal (positive, finite).
+        order: the training data order: ``"lockstep"`` (one global order and cursor, no padding,
+            exactly once at any world size; :mod:`lockstep.data.steps`) or ``"torch"``
+            (``DistributedSampler``'s order and padding).
+        global_batch: samples per optimizer step over all ranks, held when the world size
+            changes: the loader's ``batch_size`` becomes the largest per-rank micro-batch and
+            the micro-batch and accumulation are planned for the world size
+            (:func:`~lockstep.data.steps.plan_batches`). ``None``: ``batch_size x world x accumulate``.
 
     Raises:
         ConfigError: naming the option, its flag and the fix.
@@ -133,6 +142,8 @@ class SessionConfig:
     quiet: bool = False
     preemption: str = "save"
     preempt_check_seconds: float = 1.0
+    order: str = "lockstep"
+    global_batch: int | None = None
 
     @classmethod
     def from_keywords(cls, keywords: dict[str, Any], config: SessionConfig | None = None) -> SessionConfig:
@@ -167,6 +178,7 @@ class SessionConfig:
         self._check_choices()
         self._check_strategy_options()
         self._check_lower_layers()
+        self._check_data()
 
     def _set(self, name: str, value: Any) -> None:
         """Keep the canonical spelling of a checked value (the dataclass is frozen for everyone else)."""
@@ -246,6 +258,27 @@ class SessionConfig:
             compression, strategy=self.strategy, backend=self.backend, bucket_cap_mb=options.get("bucket_cap_mb"),
             **knobs))
         self._set("compile", check_compile(self.compile))
+
+    def _check_data(self) -> None:
+        """The data order, and a global batch that plans the accumulation itself."""
+        from lockstep.data.samplers import check_order
+
+        check_order(self.order)
+        batch = self.global_batch
+        if batch is None:
+            return
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise ConfigError(f"{_given('global_batch', batch)} must be an integer >= 1 (samples per optimizer "
+                              "step over all processes), or None")
+        if self.accumulate != 1:
+            raise ConfigError(f"{_given('global_batch', batch)} plans the accumulation for the world size itself; "
+                              f"drop accumulate={self.accumulate}")
+        if self.order != "lockstep":
+            raise ConfigError(f"{_given('global_batch', batch)} needs the data order 'lockstep' (one global "
+                              "cursor); the torch order pads each rank's share")
+        if self.strategy == "horovod":
+            raise ConfigError(f"{_given('global_batch', batch)} re-plans the accumulation per world size, which "
+                              "Horovod's optimizer fixes when it is built; use strategy 'ddp' or drop it")
 
     @property
     def compile_backend(self) -> str:

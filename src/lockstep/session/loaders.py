@@ -21,6 +21,8 @@ from typing import Any
 import torch
 
 from lockstep.data.seeding import SeededDataset
+from lockstep.data.loader import StepBatches
+from lockstep.data.steps import StepSampler
 
 __all__ = ["DeviceLoader", "TrainLoaders", "progress_bar"]
 
@@ -38,7 +40,9 @@ class DeviceLoader:
         train: True for a training loader; its sampler position advances per batch so a
             checkpoint taken mid-epoch knows how far the epoch got.
         on_batch: called with :attr:`remaining` (the batch included) as each training batch
-            is handed out, before the model sees it (the session's accumulation window).
+            is handed out, before the model sees it (the session's accumulation window); in
+            the default order also with the size of the batch's accumulation window and the
+            factor on its loss (:meth:`lockstep.data.steps.MicroStep.weight`).
 
     Example::
 
@@ -47,7 +51,7 @@ class DeviceLoader:
     """
 
     def __init__(self, loader: torch.utils.data.DataLoader, device: torch.device, train: bool,
-                 on_batch: Callable[[int], None] | None = None) -> None:
+                 on_batch: Callable[..., None] | None = None) -> None:
         from lockstep.data.loader import move_to_device
 
         self.loader = loader
@@ -57,6 +61,13 @@ class DeviceLoader:
         self._non_blocking = device.type == "cuda"
         self._on_batch = on_batch if train else None
         self.tracker: Any = None  # the session's TrainLoaders, told when a batch goes out or the loader runs out
+        self.share = 0  # samples of this rank in the batch last handed out (0: a zero-weight stand-in)
+
+    @property
+    def steps(self) -> StepSampler | None:
+        """The sampler of the default order (one global cursor), or ``None`` for the torch order."""
+        sampler = self.loader.sampler
+        return sampler if isinstance(sampler, StepSampler) else None
 
     @property
     def sampler(self) -> Any:
@@ -67,17 +78,20 @@ class DeviceLoader:
     def dataset(self) -> Any:
         """The dataset behind the loader (the one given, not the per-sample seeding wrapper)."""
         dataset = self.loader.dataset
+        dataset = dataset.dataset if isinstance(dataset, StepBatches) else dataset
         return dataset.dataset if isinstance(dataset, SeededDataset) else dataset
 
     @property
     def collate_fn(self) -> Any:
         """The loader's collate function."""
-        return self.loader.collate_fn
+        dataset = self.loader.dataset
+        return dataset.collate if isinstance(dataset, StepBatches) else self.loader.collate_fn
 
     @property
     def batch_size(self) -> int:
-        """Samples per batch on this rank."""
-        return int(self.loader.batch_size or 1)
+        """Samples per batch on this rank (the largest micro-batch in the default order)."""
+        steps = self.steps
+        return steps.plan.micro if steps is not None else int(self.loader.batch_size or 1)
 
     @property
     def remaining(self) -> int:
@@ -90,6 +104,8 @@ class DeviceLoader:
         return len(self.loader)
 
     def __len__(self) -> int:
+        if (steps := self.steps) is not None:
+            return steps.micro_per_epoch
         samples = getattr(self.sampler, "num_samples", None)  # a whole epoch; len(sampler) counts the rest
         if samples is None or not self.loader.batch_size:
             return len(self.loader)
@@ -97,6 +113,31 @@ class DeviceLoader:
         return samples // size if self.loader.drop_last else -(-samples // size)
 
     def __iter__(self) -> Iterator[Any]:
+        if self.steps is not None:
+            return self._iter_steps(self.steps)
+        return self._iter_padded()
+
+    def _iter_steps(self, steps: StepSampler) -> Iterator[Any]:
+        """The default order: each batch's place in its step is known from the cursor, whatever the prefetch."""
+        on_host, tracker, on_batch = self.device.type == "cpu", self.tracker, self._on_batch
+        world, rank = steps.world_size, steps.rank
+        upcoming = steps.upcoming() if self.train else []
+        for i, batch in enumerate(self.loader):
+            if self.train:
+                micro = upcoming[i]
+                lo, hi = micro.share(world, rank)
+                self.share = hi - lo
+                steps.advance(micro.stop - micro.start)  # counted when handed out, as below
+                if tracker is not None:
+                    tracker.epoch_done = False
+                if on_batch is not None:
+                    on_batch(len(upcoming) - i, micro.count, micro.weight(world, rank))
+            yield batch if on_host else self._move(batch, self.device, self._non_blocking)
+        if tracker is not None:
+            tracker.epoch_done = True
+
+    def _iter_padded(self) -> Iterator[Any]:
+        """The torch order: every rank has the same batches (padded), of ``batch_size`` but the last."""
         move, device, nb = self._move, self.device, self._non_blocking
         on_host = device.type == "cpu"  # the loader's batches are already there
         advance = getattr(self.sampler, "advance", None) if self.train else None
@@ -112,6 +153,7 @@ class DeviceLoader:
                 advance((full or _batch_len(batch)) * world)
             if tracker is not None:
                 tracker.epoch_done = False
+            self.share = _batch_len(batch)
             if on_batch is not None:
                 on_batch(left)
             yield batch if on_host else move(batch, device, nb)
@@ -155,6 +197,7 @@ class TrainLoaders:
         self._pending: list[dict[str, Any]] = []
         self._epoch = 0
         self.epoch_done = False  # written by the loaders: True once one ran out after the last batch
+        self.on_add: Callable[[], None] | None = None  # told when a training loader is made (TrainState's)
 
     @property
     def live(self) -> list[DeviceLoader]:
@@ -185,14 +228,44 @@ class TrainLoaders:
         first = self.first
         if first is None:
             return []
+        if (steps := first.steps) is not None:  # the plan's own figures, uneven shares said
+            plan = steps.plan
+            up_to = "" if plan.even else "up to "
+            shape = f"{up_to}{plan.micro} x {plan.world_size} x {plan.accumulate}"
+            return [f"batch {plan.micro} per device", f"global batch {plan.global_batch} ({shape})",
+                    f"{steps.steps_per_epoch} steps per epoch"]
         b, g = first.batch_size, first.batch_size * world_size * accumulate
         steps = -(-len(first) // accumulate)  # an epoch ends with a step
         taken = f"{max_steps} of {steps}" if max_steps is not None and max_steps < steps else f"{steps}"
         return [f"batch {b} per device", f"global batch {g} ({b} x {world_size} x {accumulate})",
                 f"{taken} steps per epoch"]
 
+    @staticmethod
+    def options(options: dict[str, Any], config: Any, per_step: int, eval: bool) -> dict[str, Any]:
+        """``make_loader``'s options for a session loader: the session's data order and global batch.
+
+        Args:
+            options: what the script gave ``Session.loader`` (they win).
+            config: the session's :class:`~lockstep.session.config.SessionConfig`.
+            per_step: the loader's batch size times the world size.
+            eval: an evaluation loader (neither applies).
+
+        Example::
+
+            TrainLoaders.options({}, SessionConfig(global_batch=24), 8, eval=False)
+        """
+        if eval:
+            return options
+        out = {"order": config.order, **options}
+        if out["order"] == "lockstep" and "global_batch" not in out:
+            if config.global_batch is not None:
+                out["global_batch"] = config.global_batch
+            elif config.accumulate > 1:
+                out["global_batch"] = per_step * config.accumulate
+        return out
+
     def wrap(self, loader: torch.utils.data.DataLoader, device: torch.device, *, train: bool,
-             on_batch: Callable[[int], None] | None = None) -> DeviceLoader:
+             on_batch: Callable[..., None] | None = None, accum: Any = None) -> DeviceLoader:
         """Return ``loader`` as a :class:`DeviceLoader` on ``device``; a training one is tracked (:meth:`add`).
 
         Args:
@@ -200,14 +273,20 @@ class TrainLoaders:
             device: where its batches go.
             train: a training loader (its epoch and position are the session's).
             on_batch: told as each training batch is handed out (see :class:`DeviceLoader`).
+            accum: the session's :class:`~lockstep.session.loop.Accumulator`: told of each batch,
+                and given the first loader's planned accumulation (a global batch plans it).
 
         Example::
 
             train = loaders.wrap(make_loader(data, 32, world_size=1, rank=0), torch.device("cpu"), train=True)
         """
-        wrapped = DeviceLoader(loader, device, train, on_batch)
+        wrapped = DeviceLoader(loader, device, train, accum.on_batch if accum is not None else on_batch)
         if train:
             self.add(wrapped)
+            if accum is not None and wrapped.steps is not None and wrapped is self.first:
+                accum.k = wrapped.steps.plan.accumulate
+            if self.on_add is not None:
+                self.on_add()
         return wrapped
 
     def add(self, loader: DeviceLoader) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from fractions import Fraction
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -65,6 +66,7 @@ class Accumulator:
         self.k = k
         self.micro = 0
         self.window = k  # micro-steps of the current window
+        self.weight: Fraction | None = None  # the current batch's loss factor, when its loader gives one
         self._ctx: AbstractContextManager[Any] | None = None
         self._model: nn.Module | None = None
         self._strategy: Any = None
@@ -79,24 +81,35 @@ class Accumulator:
         """True when the window's micro-steps have run since the last optimizer step."""
         return self.micro >= self.window
 
-    def on_batch(self, left: int) -> None:
+    def on_batch(self, left: int, window: int | None = None, weight: Fraction | None = None) -> None:
         """A training loader handed out a batch; ``left`` batches of its epoch remain, this one included.
 
-        At a window's first batch this sizes the window: ``k``, or fewer at the epoch's end.
+        At a window's first batch this sizes the window: ``k``, or fewer at the epoch's end (or
+        ``window``, when the loader plans its steps).
 
         Args:
             left: the loader's remaining batches before this one was handed out.
+            window: the micro-steps of the batch's optimizer step (the default data order).
+            weight: the factor on the batch's loss, in place of ``1 / window``: this rank's share
+                of the step's samples times the world size (:mod:`lockstep.data.steps`).
         """
+        self.weight = weight
         if self.micro == 0:
-            self.window = max(1, min(self.k, left))
+            self.window = max(1, min(self.k, left)) if window is None else window
             if self.window == 1:
                 self._close()  # this forward is the window's last: it syncs
             else:
                 self._open()
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss`` divided by the window's size, so that the step applies the window's mean."""
-        return loss / self.window if self.window > 1 else loss
+        """``loss`` divided by the window's size, so that the step applies the window's mean;
+        or times the batch's weight, so that it applies the mean over the step's samples."""
+        weight = self.weight
+        if weight is None:
+            return loss / self.window if self.window > 1 else loss
+        if weight == 1:
+            return loss
+        return loss / weight.denominator if weight.numerator == 1 else loss * weight.numerator / weight.denominator
 
     def after_backward(self) -> None:
         """Advance one micro-step; the last one's forward runs with gradient sync."""
@@ -108,10 +121,11 @@ class Accumulator:
         """Start the next accumulation window."""
         self.micro = 0
         self.window = self.k
+        self.weight = None
         self._open()
 
     def _open(self) -> None:
-        if self.k > 1 and self._model is not None and self._ctx is None:
+        if max(self.k, self.window) > 1 and self._model is not None and self._ctx is None:
             self._ctx = self._strategy.no_backward_sync(self._model)
             self._ctx.__enter__()
 

@@ -96,6 +96,8 @@ class Session(Position):
             the folder last given to :meth:`save`/:meth:`load`, exits 75), ``"flag"`` (sets
             :attr:`should_stop`) or ``"off"`` (:mod:`lockstep.session.preempt`).
         preempt_check_seconds: about how often the ranks agree on a stop signal.
+        order: the training data order, ``"lockstep"`` (never padded) or ``"torch"`` (see ``SessionConfig``).
+        global_batch: samples per optimizer step, held at any world size (see ``SessionConfig``).
 
     Raises:
         ConfigError: a bad option (before any process group), or ``config`` with other options.
@@ -114,7 +116,8 @@ class Session(Position):
         nonfinite: str = "skip", timeout: float | timedelta | None = None, backend: str = "auto",
         init_method: str | None = None, grad_compression: str | None = None, shard_optimizer: bool = False,
         strategy_options: dict[str, Any] | None = None, compile: bool | dict[str, Any] = False, quiet: bool = False,
-        preemption: str = "save", preempt_check_seconds: float = 1.0,
+        preemption: str = "save", preempt_check_seconds: float = 1.0, order: str = "lockstep",
+        global_batch: int | None = None,
     ) -> None:
         keywords = {name: value for name, value in locals().items() if name in OPTION_NAMES}
         config = SessionConfig.from_keywords(keywords, config)  # every option checked once, before any group
@@ -132,7 +135,7 @@ class Session(Position):
         self.precision = build_precision(config.precision, self.device, comm=self.comm)
         self.strategy = get_strategy(config.strategy, self.comm, self.device, **config.strategy_kwargs(self.world_size))
         seed_everything(config.seed)
-        self.state = TrainState(self.rank, self.world_size)
+        self.state = TrainState(self.rank, self.world_size, say=None if config.quiet else self.print)
         self._steps = TrainStep(self.state, self._accum, self._finite, self.precision, self.strategy, self.comm,
                                 config.clip_grad_norm, say=self.print)
         self._models: list[ModelWrappers] = []  # each setup's layers, the last one the model in training
@@ -219,10 +222,10 @@ class Session(Position):
 
             train = session.loader(train_set, batch_size=64)
         """
+        options = self.state.loaders.options(options, self.config, batch_size * self.world_size, eval)
         loader = make_loader(dataset, batch_size, world_size=self.world_size, rank=self.rank,
                              shuffle=shuffle and not eval, eval=eval, seed=self.seed, **options)
-        return self.state.loaders.wrap(loader, self.device, train=not eval,
-                                       on_batch=self._accum.on_batch if self.accumulate > 1 else None)
+        return self.state.loaders.wrap(loader, self.device, train=not eval, accum=self._accum)
 
     # -- the loop ---------------------------------------------------------------------------
     def epochs(self, n: int, start: int = 0) -> Iterator[int]:

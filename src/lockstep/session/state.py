@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -77,6 +78,7 @@ class TrainState:
     Args:
         rank: this process's rank (picks its RNG state out of a checkpoint).
         world_size: ranks in the job (RNG states are restored only at the same world size).
+        say: prints the line of a resume at another world size (:meth:`replan_line`); ``None``: quiet.
 
     Example::
 
@@ -86,12 +88,14 @@ class TrainState:
         state.load_state_dict({**saved, "rng": [saved["rng"]]})
     """
 
-    def __init__(self, rank: int = 0, world_size: int = 1) -> None:
-        self.rank, self.world_size = rank, world_size
+    def __init__(self, rank: int = 0, world_size: int = 1, say: Callable[[str], None] | None = None) -> None:
+        self.rank, self.world_size, self.say = rank, world_size, say
         self.epoch = 0
         self.global_step = 0
         self.skipped_steps = 0
         self.loaders = TrainLoaders()
+        self._resumed_from: tuple[int, int | None] | None = None  # (world size, global batch) of a checkpoint
+        self.loaders.on_add = self._say_replan
 
     @property
     def epoch_done(self) -> bool:
@@ -183,10 +187,41 @@ class TrainState:
         states, legacy = state.get("samplers"), False
         if states is None:  # written before checkpoints kept every loader's position
             states, legacy = ([state["sampler"]] if state.get("sampler") else []), True
+        saved = [s for s in states if s] or [{}]
+        self._resumed_from = (int(state.get("world_size") or self.world_size), saved[0].get("global_batch"))
         done = state.get("epoch_done")
         mid = self.loaders.restore(list(states), epoch, None if done is None else bool(done), legacy)
         self.epoch = epoch if mid else epoch + 1
+        self._say_replan()
         return mid
+
+    def _say_replan(self) -> None:
+        """Said once a loader knows the new plan: after the load, or when the first loader is made."""
+        line = self.replan_line()
+        if line is not None and self.say is not None:
+            self.say(line)
+
+
+    def replan_line(self) -> str | None:
+        """Once, after a resume at another world size: how the first loader's steps are planned now.
+
+        ``None`` when the world size is the checkpoint's, or no loader of the default order exists yet.
+
+        Example::
+
+            state.replan_line()
+            # 'lockstep: world size 2 -> 3: global batch 24 kept, micro-batch 4 x world 3 x accumulate 2'
+        """
+        first = self.loaders.first
+        steps = first.steps if first is not None else None
+        if self._resumed_from is None or steps is None:
+            return None
+        (world, batch), self._resumed_from = self._resumed_from, None
+        if world == self.world_size:
+            return None
+        plan = steps.plan
+        kept = "kept" if batch in (None, plan.global_batch) else f"(was {batch})"
+        return f"lockstep: world size {world} -> {self.world_size}: global batch {plan.global_batch} {kept}, {plan.describe()}"
 
 
 def save_state(directory: Path, train: TrainState, *, comm: Comm, strategy: Strategy, precision: Precision,

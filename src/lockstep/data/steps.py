@@ -1,0 +1,376 @@
+"""The default training order: one global order per epoch, one global cursor, no padding.
+
+Every epoch has one permutation of the dataset, a function of ``(seed, epoch)`` only
+(:func:`~lockstep.data.samplers.epoch_order`), and one cursor: the number of samples of that
+order the whole job has consumed. An optimizer step takes the next ``global_batch`` samples
+(fewer at the epoch's end); the step is cut into ``accumulate`` micro-steps and each micro-step's
+samples are shared among the ranks in contiguous pieces whose sizes differ by at most one. A
+rank's share of any step is therefore a function of ``(seed, epoch, cursor, world size, rank)``
+and of the :class:`BatchPlan`: nothing is padded or repeated, every sample is read exactly once
+per epoch, and the position resumes at any world size.
+
+The data position is a small dict, :meth:`StepSampler.state_dict`::
+
+    {"seed": 0, "epoch": 3, "cursor": 480, "order": "lockstep", ...}
+
+and :func:`rank_batches` gives a rank's micro-batches from such a position for any world size.
+
+Loss normalisation: with uneven shares the plain mean of per-rank means is not the mean over
+the step's samples. A rank holding ``n`` of the ``N`` samples of a step at world size ``W``
+scales its micro-batch loss by ``W * n / N`` (see :class:`MicroStep.weight`); DDP's average of
+the gradients then equals the gradient of the mean loss over the ``N`` samples, the update of
+one process over the same samples. A rank with no sample in a micro-step (``N < W`` at an
+epoch's end) still gets one sample, weighted zero, so that it joins the gradient all-reduce.
+
+Example::
+
+    plan = plan_batches(global_batch=24, world_size=3, micro_cap=4)   # 4 per rank x 3 x 2
+    rank_batches({"seed": 0, "epoch": 0, "cursor": 96}, 100, plan, rank=1)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+from torch.utils.data import Sampler
+
+from lockstep.data.samplers import epoch_order, shard_bounds
+from lockstep.data.seeding import SampleKey, sample_seed
+from lockstep.errors import ConfigError
+
+__all__ = ["BatchPlan", "MicroStep", "plan_batches", "micro_steps", "rank_batches", "StepSampler"]
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one optimizer step's samples are spread: ``global_batch`` over ranks and micro-steps.
+
+    Args:
+        global_batch: samples per optimizer step (all ranks, all micro-steps).
+        world_size: ranks.
+        micro: the largest per-rank micro-batch.
+        accumulate: micro-steps per optimizer step.
+
+    Example::
+
+        plan_batches(24, 3, 4)   # BatchPlan(global_batch=24, world_size=3, micro=4, accumulate=2)
+    """
+
+    global_batch: int
+    world_size: int
+    micro: int
+    accumulate: int
+
+    @property
+    def even(self) -> bool:
+        """True when every rank gets ``micro`` samples in every micro-step of a full step."""
+        return self.global_batch == self.micro * self.world_size * self.accumulate
+
+    def describe(self) -> str:
+        """``"micro-batch 4 x world 3 x accumulate 2"`` (``up to`` when shares are uneven).
+
+        Example::
+
+            plan_batches(24, 3, 4).describe()
+        """
+        up_to = "" if self.even else "up to "
+        return f"{up_to}micro-batch {self.micro} x world {self.world_size} x accumulate {self.accumulate}"
+
+
+def plan_batches(global_batch: int, world_size: int, micro_cap: int) -> BatchPlan:
+    """Plan a step of ``global_batch`` samples on ``world_size`` ranks, at most ``micro_cap`` per rank at once.
+
+    The fewest micro-steps that fit are taken: ``accumulate = ceil(global_batch / (world_size *
+    micro_cap))``; the per-rank micro-batch is then as even as possible.
+
+    Args:
+        global_batch: samples per optimizer step.
+        world_size: ranks.
+        micro_cap: the largest per-rank batch the user allows (the loader's ``batch_size``).
+
+    Raises:
+        ConfigError: a number below 1.
+
+    Example::
+
+        plan_batches(24, 4, 4)   # micro 3, accumulate 2
+    """
+    if min(global_batch, world_size, micro_cap) < 1:
+        raise ConfigError(f"a step plan needs a global batch, world size and batch size >= 1, got "
+                          f"{global_batch}, {world_size} and {micro_cap}")
+    accumulate = -(-global_batch // (world_size * micro_cap))
+    micro = -(-global_batch // (world_size * accumulate))
+    return BatchPlan(global_batch, world_size, micro, accumulate)
+
+
+@dataclass(frozen=True)
+class MicroStep:
+    """One micro-step of the whole job: positions ``start:stop`` of the epoch's order.
+
+    Args:
+        start: first position (in the epoch's global order).
+        stop: one past the last position.
+        step_samples: samples of the optimizer step this micro-step belongs to.
+        index: this micro-step's place in its step (0-based).
+        count: micro-steps of its step.
+
+    Example::
+
+        MicroStep(0, 10, 10, 0, 1).share(3, 2)   # (7, 10)
+    """
+
+    start: int
+    stop: int
+    step_samples: int
+    index: int
+    count: int
+
+    def share(self, world_size: int, rank: int) -> tuple[int, int]:
+        """``(start, stop)`` positions of ``rank``'s contiguous share (the first ranks get one more)."""
+        lo, hi = shard_bounds(self.stop - self.start, world_size, rank)
+        return self.start + lo, self.start + hi
+
+    def weight(self, world_size: int, rank: int) -> Fraction:
+        """The factor on ``rank``'s mean loss: ``world_size * n / step_samples`` (see the module)."""
+        lo, hi = self.share(world_size, rank)
+        return Fraction(world_size * (hi - lo), self.step_samples)
+
+
+def micro_steps(dataset_len: int, cursor: int, plan: BatchPlan, drop_last: bool = False) -> list[MicroStep]:
+    """The job's micro-steps from ``cursor`` to the end of the epoch.
+
+    A step takes ``plan.global_batch`` samples, the epoch's last one the rest (none with
+    ``drop_last``); each step is cut into the fewest micro-steps of at most ``micro x world``
+    samples, of sizes differing by at most one.
+
+    Args:
+        dataset_len: samples in an epoch.
+        cursor: samples of the epoch already consumed (a step boundary).
+        plan: the batch plan.
+        drop_last: leave out the epoch's last step when it is short.
+
+    Example::
+
+        [(m.start, m.stop) for m in micro_steps(10, 0, plan_batches(4, 2, 2))]   # [(0,4), (4,8), (8,10)]
+    """
+    out: list[MicroStep] = []
+    end = dataset_len - dataset_len % plan.global_batch if drop_last else dataset_len
+    per_micro = plan.micro * plan.world_size
+    while cursor < end:
+        size = min(plan.global_batch, end - cursor)
+        count = -(-size // per_micro)
+        for index in range(count):
+            lo, hi = shard_bounds(size, count, index)
+            out.append(MicroStep(cursor + lo, cursor + hi, size, index, count))
+        cursor += size
+    return out
+
+
+def rank_batches(position: dict[str, Any], dataset_len: int, plan: BatchPlan, rank: int,
+                 shuffle: bool = True, drop_last: bool = False) -> list[list[int]]:
+    """``rank``'s micro-batches (dataset indices) from a data position to the epoch's end.
+
+    This is the whole rule: the same ``position`` gives every world size its share of the rest of
+    the epoch, and the shares of all ranks together are that rest, each index once. A rank with
+    no sample in a micro-step gets ``[]`` here (:class:`StepSampler` reads one, weighted zero).
+
+    Args:
+        position: ``{"seed", "epoch", "cursor"}`` (a :meth:`StepSampler.state_dict` will do).
+        dataset_len: samples in an epoch.
+        plan: the batch plan (its ``world_size`` is the world the shares are for).
+        rank: the rank, ``0 <= rank < plan.world_size``.
+        shuffle: permute each epoch (False: dataset order).
+        drop_last: leave out the epoch's last step when it is short.
+
+    Example::
+
+        rank_batches({"seed": 0, "epoch": 1, "cursor": 48}, 100, plan_batches(24, 2, 12), rank=0)
+    """
+    _check_step_order(position)
+    order = epoch_order(dataset_len, int(position["seed"]), int(position["epoch"]), shuffle)
+    out = []
+    for micro in micro_steps(dataset_len, int(position["cursor"]), plan, drop_last):
+        lo, hi = micro.share(plan.world_size, rank)
+        out.append(order[lo:hi])
+    return out
+
+
+def _check_step_order(state: dict[str, Any]) -> None:
+    """A position saved in the torch order (padded, interleaved) cannot continue in this one."""
+    saved = str(state.get("order", "lockstep"))
+    if saved != "lockstep":
+        raise ConfigError(f"this data position was saved with the data order {saved!r} (DistributedSampler's "
+                          "order and padding); resume it with that data order, or start afresh")
+
+
+class StepSampler(Sampler[list[Any]]):
+    """A rank's micro-batches of the global order (the default training order; see the module).
+
+    It is the DataLoader's sampler and yields one list of indices per micro-step (a batch of
+    varying size). Like :class:`~lockstep.data.samplers.TrainSampler` it keeps a position in
+    global samples (:attr:`cursor`) that the loader moves as batches are handed out
+    (:meth:`advance`), and saves and restores it (:meth:`state_dict`, :meth:`load_state_dict`),
+    at any world size.
+
+    Args:
+        dataset_len: samples in the dataset.
+        plan: the batch plan (its world size is the job's).
+        rank: this rank.
+        shuffle: permute each epoch (True) or read in dataset order.
+        seed: the data seed; the order is a function of ``(seed, epoch)`` only.
+        drop_last: leave out each epoch's last step when it is short.
+        sample_seeds: yield :class:`~lockstep.data.seeding.SampleKey` indices (per-sample seeds).
+        micro_cap: the largest per-rank micro-batch :meth:`resize` may plan (default ``plan.micro``).
+
+    Example::
+
+        sampler = StepSampler(100, plan_batches(24, 3, 4), rank=0)
+        sampler.set_epoch(0)
+        first = next(iter(sampler))    # rank 0's 4 indices of the first micro-step
+    """
+
+    order = "lockstep"
+
+    def __init__(self, dataset_len: int, plan: BatchPlan, rank: int, *, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = False, sample_seeds: bool = False, micro_cap: int | None = None) -> None:
+        if not 0 <= rank < plan.world_size:
+            raise ConfigError(f"rank {rank} is out of range for world_size {plan.world_size}")
+        self.dataset_len, self.plan, self.rank = dataset_len, plan, rank
+        self.micro_cap = micro_cap or plan.micro
+        self.shuffle, self.seed, self.drop_last, self.sample_seeds = shuffle, seed, drop_last, sample_seeds
+        self.epoch = 0
+        self.cursor = 0
+        self._resume_epoch: int | None = None  # as TrainSampler: set_epoch(loaded epoch) keeps the position
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the job (the plan's)."""
+        return self.plan.world_size
+
+    @property
+    def seen(self) -> int:
+        """The cursor, under the name :class:`~lockstep.data.samplers.TrainSampler` gives it."""
+        return self.cursor
+
+    def resize(self, world_size: int, rank: int) -> BatchPlan:
+        """Re-plan the same global batch for another world size; the position is kept.
+
+        For a job whose membership changed in place: call it at a step boundary, before the
+        loader is iterated again. Returns the new plan (its ``accumulate`` is the session's).
+
+        Args:
+            world_size: the new number of ranks.
+            rank: this process's new rank.
+
+        Example::
+
+            sampler.resize(4, 1).describe()   # 'micro-batch 3 x world 4 x accumulate 2'
+        """
+        plan = plan_batches(self.plan.global_batch, world_size, self.micro_cap)
+        if not 0 <= rank < world_size:
+            raise ConfigError(f"rank {rank} is out of range for world_size {world_size}")
+        self.plan, self.rank = plan, rank
+        return plan
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` from its beginning (or keep a position just loaded for that epoch).
+
+        Args:
+            epoch: the epoch number.
+
+        Example::
+
+            sampler.set_epoch(2)
+        """
+        if epoch < 0:
+            raise ConfigError(f"epoch must be >= 0, got {epoch}")
+        keep = self._resume_epoch is not None and epoch == self._resume_epoch
+        self._resume_epoch = None
+        if not keep:
+            self.epoch, self.cursor = epoch, 0
+
+    def advance(self, global_samples: int) -> None:
+        """Record that the job consumed ``global_samples`` more samples (clamped at the epoch's end).
+
+        Args:
+            global_samples: samples of all ranks together.
+
+        Example::
+
+            sampler.advance(micro.stop - micro.start)
+        """
+        if global_samples < 0:
+            raise ValueError(f"cannot advance by a negative number of samples ({global_samples})")
+        self.cursor = min(self.cursor + global_samples, self.dataset_len)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The data position: ``seed``, ``epoch``, ``cursor``, ``order``, plus ``shuffle``, ``dataset_len``.
+
+        ``seen`` repeats ``cursor`` for readers of older positions. It holds nothing of the world size.
+
+        Example::
+
+            sampler.state_dict()   # {"seed": 0, "epoch": 1, "cursor": 48, "order": "lockstep", ...}
+        """
+        return {"seed": self.seed, "epoch": self.epoch, "cursor": self.cursor, "order": self.order,
+                "shuffle": self.shuffle, "dataset_len": self.dataset_len, "seen": self.cursor,
+                "global_batch": self.plan.global_batch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a saved position (of this sampler, or a ``TrainSampler`` one in the same order).
+
+        Args:
+            state: a dict from :meth:`state_dict`; ``seen`` is read when ``cursor`` is absent.
+
+        Raises:
+            ConfigError: another dataset length, the torch order, or a malformed position.
+
+        Example::
+
+            sampler.load_state_dict(checkpoint["samplers"][0])
+        """
+        saved_len = int(state.get("dataset_len", self.dataset_len))
+        if saved_len != self.dataset_len:
+            raise ConfigError(f"the sampler state was saved for a dataset of {saved_len} samples but this dataset "
+                              f"has {self.dataset_len}; resume with the same dataset or start afresh")
+        _check_step_order(state)
+        epoch, cursor = int(state["epoch"]), int(state.get("cursor", state.get("seen", 0)))
+        if epoch < 0 or cursor < 0:
+            raise ConfigError(f"bad sampler state: epoch {epoch}, cursor {cursor} (both must be >= 0)")
+        self.seed = int(state.get("seed", self.seed))
+        self.shuffle = bool(state.get("shuffle", self.shuffle))
+        self.epoch, self.cursor = epoch, min(cursor, self.dataset_len)
+        self._resume_epoch = epoch
+
+    def upcoming(self) -> list[MicroStep]:
+        """The job's micro-steps from the cursor to the epoch's end."""
+        return micro_steps(self.dataset_len, self.cursor, self.plan, self.drop_last)
+
+    @property
+    def micro_per_epoch(self) -> int:
+        """Micro-batches of a whole epoch (the same on every rank)."""
+        return len(micro_steps(self.dataset_len, 0, self.plan, self.drop_last))
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps of a whole epoch."""
+        full, rest = divmod(self.dataset_len, self.plan.global_batch)
+        return full + (1 if rest and not self.drop_last else 0)
+
+    def __len__(self) -> int:
+        return len(self.upcoming())
+
+    def __iter__(self) -> Iterator[list[Any]]:
+        self._resume_epoch = None  # being consumed: a later set_epoch() of this epoch starts it over
+        order = epoch_order(self.dataset_len, self.seed, self.epoch, self.shuffle)
+        for micro in self.upcoming():
+            lo, hi = micro.share(self.world_size, self.rank)
+            mine = order[lo:hi] if hi > lo else [order[micro.start]]  # read, weighted zero
+            if self.sample_seeds:
+                yield [SampleKey(i, sample_seed(self.seed, self.epoch, i)) for i in mine]
+            else:
+                yield mine
+

@@ -228,17 +228,18 @@ class TrainLoaders:
         first = self.first
         if first is None:
             return []
-        if (steps := first.steps) is not None:  # the plan's own figures, uneven shares said
-            plan = steps.plan
+        if (planned := first.steps) is not None:  # the plan's own figures, uneven shares said
+            plan = planned.plan
             up_to = "" if plan.even else "up to "
+            b, g = plan.micro, plan.global_batch
             shape = f"{up_to}{plan.micro} x {plan.world_size} x {plan.accumulate}"
-            return [f"batch {plan.micro} per device", f"global batch {plan.global_batch} ({shape})",
-                    f"{steps.steps_per_epoch} steps per epoch"]
-        b, g = first.batch_size, first.batch_size * world_size * accumulate
-        steps = -(-len(first) // accumulate)  # an epoch ends with a step
+            steps = planned.steps_per_epoch
+        else:
+            b, g = first.batch_size, first.batch_size * world_size * accumulate
+            shape = f"{b} x {world_size} x {accumulate}"
+            steps = -(-len(first) // accumulate)  # an epoch ends with a step
         taken = f"{max_steps} of {steps}" if max_steps is not None and max_steps < steps else f"{steps}"
-        return [f"batch {b} per device", f"global batch {g} ({b} x {world_size} x {accumulate})",
-                f"{taken} steps per epoch"]
+        return [f"batch {b} per device", f"global batch {g} ({shape})", f"{taken} steps per epoch"]
 
     @staticmethod
     def options(options: dict[str, Any], config: Any, per_step: int, eval: bool) -> dict[str, Any]:

@@ -53,7 +53,8 @@ from typing import Any
 
 from lockstep.errors import EXIT_USAGE, LockstepError
 from lockstep.launch.horovod import check_horovod_hosts, horovod_rendezvous
-from lockstep.launch.report import JobReporter, say
+from lockstep.launch.report import say
+from lockstep.launch.reporter import JobReporter
 from lockstep.launch.rendezvous import BACKEND as LOCAL_BACKEND
 from lockstep.launch.rendezvous import register as register_local_rendezvous
 from lockstep.launch.membership import membership_environment, membership_store, new_node_id

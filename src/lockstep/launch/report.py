@@ -19,16 +19,14 @@ from __future__ import annotations
 
 import re
 import signal
-import socket
 import sys
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lockstep.errors import EXIT_FAILURE, EXIT_PREEMPTED, format_ranks, signal_name
-from lockstep.launch.spec import PREFIX, LaunchSpec
+from lockstep.errors import EXIT_PREEMPTED, format_ranks, signal_name
+from lockstep.launch.spec import PREFIX
 
-__all__ = ["Failure", "Summary", "JobReporter", "summarize", "say", "signal_name"]
+__all__ = ["Failure", "Summary", "summarize", "say", "signal_name"]
 
 # Errors a rank raises when another rank died under it: not the root cause.
 _PEER_TYPES = {"DistBackendError", "DistNetworkError", "DistStoreError"}
@@ -294,73 +292,3 @@ def say(text: str) -> None:
     """Print one of the launcher's own lines (on stderr, after the ranks' output so far)."""
     sys.stdout.flush()
     print(text, file=sys.stderr, flush=True)
-
-
-class JobReporter:
-    """Prints restarts and the final verdict of one ``lockstep run``; fed by the agent
-    (:func:`lockstep.launch.torch_agent.reporting_agent`).
-
-    Args:
-        spec: the job being launched (a :class:`~lockstep.launch.spec.LaunchSpec`).
-        postmortem_dir: where the ranks keep their collective records; when they name the cause of
-            a failure better than how the ranks ended, the summary says so (:mod:`lockstep.launch.postmortem`).
-
-    Example::
-
-        report = JobReporter(spec)
-        sys.exit(report.failed(exc.failures))
-    """
-
-    def __init__(self, spec: LaunchSpec, postmortem_dir: str = "") -> None:
-        self.spec = spec
-        self.postmortem_dir = postmortem_dir
-        self.host = socket.gethostname()
-        self.last_failures: dict[int, Any] = {}
-        self.exit_codes: dict[int, int | None] = {}
-        self._shown_traceback = ""
-
-    def shown_local_ranks(self) -> set[int] | None:
-        """The local ranks whose output is shown on this node (``None``: all)."""
-        if not self.spec.rank0_only:
-            return None
-        return {0} if self.spec.node_rank == 0 else set()
-
-    def failures(self, raw: Mapping[int, Any]) -> list[Failure]:
-        return [Failure.from_process_failure(rank, f, self.host) for rank, f in raw.items()]
-
-    def restarting(self, raw: Mapping[int, Any], attempt: int) -> None:
-        summary = summarize(self.failures(raw))
-        total = self.spec.max_restarts + 1
-        lines = [f"{PREFIX}restarting the job (attempt {attempt} of {total}) after "
-                 f"rank {summary.root.rank} {summary.root.describe()}"]
-        # the same crash again: once is enough; an exit (sys.exit) is no error to trace
-        if summary.root.traceback != self._shown_traceback and summary.root.error_type != "SystemExit":
-            lines += ["  " + line for line in summary.root.traceback.rstrip().splitlines()]
-            self._shown_traceback = summary.root.traceback
-        say("\n".join(lines))
-
-    def failed(self, raw: Mapping[int, Any]) -> int:
-        from lockstep.launch.postmortem import postmortem_text
-
-        failures = self.failures(raw)
-        summary = summarize(failures)
-        verdict = None if summary.preempted else postmortem_text(self.postmortem_dir, failures, summary)
-        say(verdict or summary.text(PREFIX))
-        if verdict and self.spec.log_dir:
-            say(f"{PREFIX}the ranks' records are under {self.postmortem_dir} (lockstep postmortem DIR reads them)")
-        if summary.preempted:
-            return EXIT_PREEMPTED
-        if self.spec.max_restarts:
-            say(f"{PREFIX}gave up after {self.spec.max_restarts} restarts")
-        if self.spec.log_dir:
-            say(f"{PREFIX}every rank's output is under {self.spec.log_dir}")
-        return EXIT_FAILURE
-
-    def signalled(self, signum: int) -> int:
-        codes = [c for c in self.exit_codes.values() if c is not None]
-        if codes and all(c == EXIT_PREEMPTED for c in codes):
-            say(f"{PREFIX}received {signal_name(signum)}: the job was preempted; every rank stopped with "
-                 f"exit code {EXIT_PREEMPTED}. Resume it by running the same command again.")
-            return EXIT_PREEMPTED
-        say(f"{PREFIX}received {signal_name(signum)}: stopped every rank")
-        return 128 + signum

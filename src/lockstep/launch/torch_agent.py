@@ -33,7 +33,8 @@ from typing import Any
 
 from lockstep.env import read_settings
 from lockstep.launch.output import OutputRelay, relay_for
-from lockstep.launch.report import JobReporter, summarize
+from lockstep.launch.report import summarize
+from lockstep.launch.reporter import JobReporter
 
 __all__ = ["reporting_agent", "quiet_torch"]
 

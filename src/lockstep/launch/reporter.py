@@ -1,0 +1,89 @@
+"""The launcher's voice during a job: restarts, the final verdict (with the ranks' post-mortem when
+it names the cause better than how the ranks ended) and a stop by signal.
+
+Example::
+
+    report = JobReporter(spec, postmortem_dir="logs/postmortem")
+    sys.exit(report.failed(exc.failures))
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Mapping
+from typing import Any
+
+from lockstep.errors import EXIT_FAILURE, EXIT_PREEMPTED, signal_name
+from lockstep.launch.postmortem import postmortem_text
+from lockstep.launch.report import Failure, say, summarize
+from lockstep.launch.spec import PREFIX, LaunchSpec
+
+__all__ = ["JobReporter"]
+
+
+class JobReporter:
+    """Prints restarts and the final verdict of one ``lockstep run``; fed by the agent
+    (:func:`lockstep.launch.torch_agent.reporting_agent`).
+
+    Args:
+        spec: the job being launched (a :class:`~lockstep.launch.spec.LaunchSpec`).
+        postmortem_dir: where the ranks keep their collective records; when they name the cause of
+            a failure better than how the ranks ended, the summary says so (:mod:`lockstep.launch.postmortem`).
+
+    Example::
+
+        report = JobReporter(spec)
+        sys.exit(report.failed(exc.failures))
+    """
+
+    def __init__(self, spec: LaunchSpec, postmortem_dir: str = "") -> None:
+        self.spec = spec
+        self.postmortem_dir = postmortem_dir
+        self.host = socket.gethostname()
+        self.last_failures: dict[int, Any] = {}
+        self.exit_codes: dict[int, int | None] = {}
+        self._shown_traceback = ""
+
+    def shown_local_ranks(self) -> set[int] | None:
+        """The local ranks whose output is shown on this node (``None``: all)."""
+        if not self.spec.rank0_only:
+            return None
+        return {0} if self.spec.node_rank == 0 else set()
+
+    def failures(self, raw: Mapping[int, Any]) -> list[Failure]:
+        return [Failure.from_process_failure(rank, f, self.host) for rank, f in raw.items()]
+
+    def restarting(self, raw: Mapping[int, Any], attempt: int) -> None:
+        summary = summarize(self.failures(raw))
+        total = self.spec.max_restarts + 1
+        lines = [f"{PREFIX}restarting the job (attempt {attempt} of {total}) after "
+                 f"rank {summary.root.rank} {summary.root.describe()}"]
+        # the same crash again: once is enough; an exit (sys.exit) is no error to trace
+        if summary.root.traceback != self._shown_traceback and summary.root.error_type != "SystemExit":
+            lines += ["  " + line for line in summary.root.traceback.rstrip().splitlines()]
+            self._shown_traceback = summary.root.traceback
+        say("\n".join(lines))
+
+    def failed(self, raw: Mapping[int, Any]) -> int:
+        failures = self.failures(raw)
+        summary = summarize(failures)
+        verdict = None if summary.preempted else postmortem_text(self.postmortem_dir, failures, summary)
+        say(verdict or summary.text(PREFIX))
+        if verdict and self.spec.log_dir:
+            say(f"{PREFIX}the ranks' records are under {self.postmortem_dir} (lockstep postmortem DIR reads them)")
+        if summary.preempted:
+            return EXIT_PREEMPTED
+        if self.spec.max_restarts:
+            say(f"{PREFIX}gave up after {self.spec.max_restarts} restarts")
+        if self.spec.log_dir:
+            say(f"{PREFIX}every rank's output is under {self.spec.log_dir}")
+        return EXIT_FAILURE
+
+    def signalled(self, signum: int) -> int:
+        codes = [c for c in self.exit_codes.values() if c is not None]
+        if codes and all(c == EXIT_PREEMPTED for c in codes):
+            say(f"{PREFIX}received {signal_name(signum)}: the job was preempted; every rank stopped with "
+                 f"exit code {EXIT_PREEMPTED}. Resume it by running the same command again.")
+            return EXIT_PREEMPTED
+        say(f"{PREFIX}received {signal_name(signum)}: stopped every rank")
+        return 128 + signum

@@ -36,6 +36,7 @@ from typing import Any
 
 from lockstep.checkpoint.write import agree
 from lockstep.checkpoint.files import CheckpointError, io_error
+from lockstep.checkpoint.storage import is_url, local_path
 from lockstep.comm.group import Comm
 
 __all__ = ["LOCK_FILE", "FolderInUseError", "FolderLock", "lock_folder"]
@@ -116,7 +117,8 @@ def lock_folder(directory: str | Path, comm: Comm) -> FolderLock:
     folder this job already holds is refused like any other holder.
 
     Args:
-        directory: the checkpoint folder (created if missing).
+        directory: the checkpoint folder (created if missing), or an fsspec URL: a lock object
+            put only if absent holds it (:mod:`lockstep.checkpoint.objlock`).
         comm: the job's :class:`~lockstep.comm.group.Comm`.
 
     Returns:
@@ -134,10 +136,14 @@ def lock_folder(directory: str | Path, comm: Comm) -> FolderLock:
         ...
         lock.release()
     """
+    if is_url(directory):
+        from lockstep.checkpoint.objlock import lock_objects
+
+        return lock_objects(str(directory), comm)
     lock, error = FolderLock(), None
     if comm.is_main:
         try:
-            lock = _acquire(Path(directory))
+            lock = _acquire(local_path(directory))
         except CheckpointError as exc:
             error = exc
     agree(comm, error, on_error=lock.release)

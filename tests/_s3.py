@@ -32,6 +32,16 @@ def weed_binary() -> str | None:
     return str(beside) if beside.is_file() else shutil.which("weed")
 
 
+def _die_with_parent() -> None:
+    """In the child: SIGTERM when the test process dies, however it dies (Linux; elsewhere nothing)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _free_ports(count: int) -> list[int]:
     """Ports free now (bound together so they differ), released for weed to take."""
     socks = []
@@ -102,7 +112,7 @@ def start_s3(folder: Path, timeout: float = 60) -> S3Server:
     log = folder / "weed.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env={**os.environ, **creds}, start_new_session=True)
+                                env={**os.environ, **creds}, start_new_session=True, preexec_fn=_die_with_parent)
     endpoint = f"http://127.0.0.1:{ports['s3.port']}"
     server = S3Server(endpoint, proc.pid, log, env={**creds, "AWS_ENDPOINT_URL": endpoint,
                                                    "AWS_DEFAULT_REGION": "us-east-1"})

@@ -328,7 +328,6 @@ def _filesystem(url: str, options: dict[str, Any]) -> tuple[Any, str]:
     opts = dict(options)
     if protocol in ("s3", "s3a"):
         opts.setdefault("use_listings_cache", False)
-        opts.setdefault("skip_instance_cache", True)
     try:
         return fsspec.core.url_to_fs(url, **opts)  # type: ignore[no-any-return]
     except ImportError as exc:

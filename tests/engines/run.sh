@@ -45,6 +45,7 @@ SCENARIOS=(
     "kubeflow_pytorchjob 300 kubeflow"
     "ray_torchtrainer 600 ray"
     "link_down 300 two-hosts"
+    "s3_two_hosts 400 two-hosts"
 )
 # Scenarios that fail because of a known lockstep bug, not because of the harness: they are
 # reported as "xfail" and do not fail the run (one that passes is reported as "xpass").

@@ -32,12 +32,15 @@ import os
 import socket
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lockstep.checkpoint.write import agree
-from lockstep.checkpoint.files import CheckpointError, io_error
+from lockstep.checkpoint.files import CheckpointError, FolderInUseError, io_error
 from lockstep.checkpoint.storage import is_url, local_path
 from lockstep.comm.group import Comm
+
+if TYPE_CHECKING:
+    from lockstep.checkpoint.objlock import ObjectLock
 
 __all__ = ["LOCK_FILE", "FolderInUseError", "FolderLock", "lock_folder"]
 
@@ -46,10 +49,6 @@ logger = logging.getLogger("lockstep.checkpoint.core")
 LOCK_FILE = ".lockstep.lock"
 _UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 _TRIES = 5
-
-
-class FolderInUseError(CheckpointError):
-    """Another live job holds the checkpoint folder."""
 
 
 class FolderLock:
@@ -108,7 +107,7 @@ class FolderLock:
         self.release()
 
 
-def lock_folder(directory: str | Path, comm: Comm) -> FolderLock:
+def lock_folder(directory: str | Path, comm: Comm) -> FolderLock | ObjectLock:
     """Hold checkpoint folder ``directory`` for this job until :meth:`FolderLock.release`.
 
     Every rank calls it (collective); rank 0 takes the lock and all ranks learn the outcome.

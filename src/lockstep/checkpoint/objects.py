@@ -52,6 +52,7 @@ from lockstep.checkpoint.confine import check_name
 from lockstep.checkpoint.files import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError, io_error
 from lockstep.checkpoint.layout import step_name
 from lockstep.checkpoint.manifest import MANIFEST_FILE, check_manifest, check_record, manifest_bytes
+from lockstep.checkpoint.read import read_chosen
 from lockstep.checkpoint.storage import Storage, open_storage
 from lockstep.checkpoint.write import Parts, agree, check_args, first_failure, prepare, write_own
 from lockstep.comm.group import Comm
@@ -353,8 +354,6 @@ def load_objects(url: str, comm: Comm, *, map_location: torch.device | str | Non
 
         state = load_objects("s3://bucket/run", comm)
     """
-    from lockstep.checkpoint.core import read_chosen
-
     storage = storage or open_storage(url)
     steps: list[int] = []
     error: CheckpointError | None = None

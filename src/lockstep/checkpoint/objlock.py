@@ -31,24 +31,24 @@ import threading
 import time
 from typing import Any
 
-from lockstep.checkpoint.files import CheckpointError
-from lockstep.checkpoint.lock import LOCK_FILE, FolderInUseError, FolderLock
+from lockstep.checkpoint.files import CheckpointError, FolderInUseError
 from lockstep.checkpoint.storage import Storage, open_storage
 from lockstep.checkpoint.write import agree
 from lockstep.comm.group import Comm
 
-__all__ = ["ObjectLock", "lock_objects", "DEFAULT_TTL"]
+__all__ = ["ObjectLock", "lock_objects", "DEFAULT_TTL", "LOCK_FILE"]
 
 logger = logging.getLogger("lockstep.checkpoint.core")
 
 DEFAULT_TTL = 120.0
+LOCK_FILE = ".lockstep.lock"   # the name of a folder's lock file too
 
 
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-class ObjectLock(FolderLock):
+class ObjectLock:
     """A checkpoint URL held by this job (rank 0 holds the object; the other ranks an empty lock).
 
     Args:
@@ -64,7 +64,6 @@ class ObjectLock(FolderLock):
 
     def __init__(self, storage: Storage | None = None, body: dict[str, Any] | None = None,
                  ttl: float = DEFAULT_TTL) -> None:
-        super().__init__()
         self.storage, self.body, self.ttl = storage, body, ttl
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -101,6 +100,12 @@ class ObjectLock(FolderLock):
                 storage.delete([LOCK_FILE])
         except (CheckpointError, OSError) as exc:
             logger.warning("could not remove the lock %s: %s", storage.where(LOCK_FILE), exc)
+
+    def __enter__(self) -> ObjectLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 def _read(storage: Storage) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from lockstep.checkpoint.files import CheckpointError
 from lockstep.checkpoint.lock import FolderInUseError, FolderLock, lock_folder
+from lockstep.checkpoint.objlock import ObjectLock
 from lockstep.checkpoint.storage import location
 from lockstep.comm.group import Comm
 
@@ -45,7 +46,7 @@ class FolderLocks:
 
     def __init__(self, comm: Comm) -> None:
         self.comm = comm
-        self._held: dict[str, FolderLock] = {}
+        self._held: dict[str, FolderLock | ObjectLock] = {}
         # a session dropped without close() gives its folders up when it is collected
         self._finalizer = weakref.finalize(self, _release_all, self._held)
 
@@ -87,6 +88,6 @@ class FolderLocks:
         _release_all(self._held)
 
 
-def _release_all(held: dict[str, FolderLock]) -> None:
+def _release_all(held: dict[str, FolderLock | ObjectLock]) -> None:
     while held:
         held.popitem()[1].release()

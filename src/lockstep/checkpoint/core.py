@@ -43,12 +43,13 @@ from typing import Any
 import torch
 
 from lockstep.checkpoint.files import (
-    SHARDED_DIR, STATE_FILE, CheckpointError, CorruptCheckpointError, UnsafeCheckpointError, discard,
+    SHARDED_DIR, CheckpointError, CorruptCheckpointError, UnsafeCheckpointError, discard,
 )
 from lockstep.checkpoint.layout import latest_checkpoint, list_checkpoints
 from lockstep.checkpoint.manifest import read_manifest, verify_checkpoint
-from lockstep.checkpoint.portable import PREFIX, join_tensors, marked, templates
-from lockstep.checkpoint.safety import UnsupportedStateError, load_state_file, read_dcp_metadata
+from lockstep.checkpoint.read import read_chosen
+from lockstep.checkpoint.safety import UnsupportedStateError
+from lockstep.checkpoint.storage import is_url, local_path
 from lockstep.checkpoint.write import agree, begin, finish, write_parts
 from lockstep.comm.group import Comm
 
@@ -63,11 +64,13 @@ logger = logging.getLogger("lockstep.checkpoint.core")
 
 def save_checkpoint(directory: str | Path, state: dict[str, Any], comm: Comm, *, step: int,
                     keep: int | None = None, sharded: dict[str, Any] | None = None,
-                    replicated: dict[str, Any] | None = None) -> Path:
+                    replicated: dict[str, Any] | None = None, position: Any = None) -> Path | str:
     """Write ``state`` as checkpoint ``step-NNNNNN`` in ``directory``; every rank must call it.
 
     Args:
-        directory: the checkpoint folder (created if missing). Only one job may write into it.
+        directory: the checkpoint folder (created if missing), or any fsspec URL
+            (``s3://bucket/run``: every rank uploads its own part, and the manifest commits it by
+            a conditional put; :mod:`lockstep.checkpoint.objects`). Only one job may write into it.
         state: the complete, already gathered state: counters, extras, and full model and
             optimizer state dicts unless they go in ``replicated``. Identical on every rank, and
             only rank 0's copy is written, except ``state["rng"]``: each rank passes its own RNG
@@ -86,9 +89,11 @@ def save_checkpoint(directory: str | Path, state: dict[str, Any], comm: Comm, *,
             ...}``): their tensors are written through ``torch.distributed.checkpoint`` too, each
             by one rank (the bytes spread over the ranks), and :func:`load_checkpoint` returns
             them as keys of the state, as if they had been in ``state``.
+        position: the data position, recorded as it is (JSON) in an object-store checkpoint's
+            manifest; ``None`` records none.
 
     Returns:
-        The committed checkpoint folder.
+        The committed checkpoint folder (a ``Path``), or its URL (a ``str``) for a URL.
 
     Raises:
         UnsupportedStateError: ``state`` holds a value that could not be loaded back safely.
@@ -100,6 +105,12 @@ def save_checkpoint(directory: str | Path, state: dict[str, Any], comm: Comm, *,
         save_checkpoint("ckpt", {"step": 100, "rng": torch.get_rng_state()}, comm, step=100, keep=3,
                         replicated={"model": model.state_dict()})
     """
+    if is_url(directory):
+        from lockstep.checkpoint.objects import save_objects
+
+        return save_objects(str(directory), state, comm, step=step, keep=keep, sharded=sharded,
+                            replicated=replicated, position=position)
+    directory = local_path(directory)
     root, parts, tmp = begin(directory, state, comm, step=step, keep=keep, replicated=replicated, sharded=sharded)
     records, error = write_parts(tmp, parts, comm.rank, comm.world_size, comm.all_gather_object)
     if error is not None:
@@ -122,7 +133,9 @@ def load_checkpoint(directory: str | Path, comm: Comm, *, map_location: torch.de
     links and folders whose manifest records another step are skipped.
 
     Args:
-        directory: the checkpoint folder; missing or empty means no checkpoint (``None``).
+        directory: the checkpoint folder; missing or empty means no checkpoint (``None``). Or
+            any fsspec URL: the newest checkpoint whose every object verifies is loaded, each
+            rank downloading only what it reads (:mod:`lockstep.checkpoint.objects`).
         comm: the job's :class:`~lockstep.comm.group.Comm`.
         map_location: where tensors are put; default CPU, so a checkpoint written from
             ``cuda:0`` never lands on another rank's GPU. Pass the local device to load there.
@@ -152,7 +165,11 @@ def load_checkpoint(directory: str | Path, comm: Comm, *, map_location: torch.de
         state = load_checkpoint("ckpt", comm, map_location=device)
         start = 0 if state is None else state["step"] + 1
     """
-    root = Path(directory)
+    if is_url(directory):
+        from lockstep.checkpoint.objects import load_objects
+
+        return load_objects(str(directory), comm, map_location=map_location, sharded=sharded, fallback=fallback)
+    root = local_path(directory)
     choice, error = None, None
     if comm.is_main:
         try:
@@ -162,28 +179,7 @@ def load_checkpoint(directory: str | Path, comm: Comm, *, map_location: torch.de
     choice = agree(comm, error, choice)[0]
     if choice is None:
         return None
-    path, files = Path(choice[0]), choice[1]["files"]
-    where = "cpu" if map_location is None else map_location
-    state, metadata, error = None, None, None
-    try:
-        state, metadata = _read_state(path, files, where, sharded)
-    except CheckpointError as exc:
-        error = exc
-    agree(comm, error)
-    assert state is not None
-    if metadata is not None:  # a DCP part: replicated tensors (ddp) and/or sharded state dicts (fsdp)
-        from lockstep.checkpoint.sharded import load_sharded
-
-        filled, error = {}, None
-        try:
-            filled = templates(metadata, marked(state), where)
-        except CheckpointError as exc:
-            error = exc
-        agree(comm, error)
-        agree(comm, load_sharded(path, files, metadata, {**filled, **(sharded or {})}, comm))
-        state = join_tensors(state, filled)
-    state["path"] = str(path)
-    return state
+    return read_chosen(Path(choice[0]), choice[1]["files"], comm, map_location, sharded)
 
 
 def _choose(root: Path, fallback: bool) -> tuple[str, dict[str, Any]] | None:
@@ -203,22 +199,3 @@ def _choose(root: Path, fallback: bool) -> tuple[str, dict[str, Any]] | None:
         raise CorruptCheckpointError(f"no usable checkpoint in {root}; every one failed verification:\n  "
                                      + "\n  ".join(bad))
     return None
-
-
-def _read_state(path: Path, files: dict[str, Any], map_location: Any,
-                sharded: dict[str, Any] | None) -> tuple[dict[str, Any], Any]:
-    """This rank's ``state.pt`` and, when ``sharded`` is given, the verified DCP metadata."""
-    state = load_state_file(path, files, map_location)
-    if not isinstance(state, dict):
-        raise CheckpointError(f"{path / STATE_FILE} holds a {type(state).__name__}, not a checkpoint dict")
-    if sharded is None and not marked(state):
-        return state, None  # state.pt alone (written before ddp's tensors went through DCP)
-    if not any(name.startswith(SHARDED_DIR + "/") for name in files):
-        raise CheckpointError(f"checkpoint {path} has no sharded state, but "
-                              + ("sharded= templates were given: it was saved without sharded= (another strategy?)"
-                                 if sharded is not None else "its state.pt names tensors stored there"))
-    metadata = read_dcp_metadata(path, files)
-    if sharded is not None and all(name.startswith(PREFIX) for name in metadata.state_dict_metadata):
-        raise CheckpointError(f"checkpoint {path} holds full state dicts, not sharded ones, but sharded= "
-                              "templates were given: it was saved without sharded= (another strategy?)")
-    return state, metadata

@@ -29,7 +29,7 @@ import torch
 from lockstep.errors import LockstepError
 
 __all__ = [
-    "CheckpointError", "CorruptCheckpointError", "UnsafeCheckpointError", "DiskFullError", "STATE_FILE", "SHARDED_DIR",
+    "CheckpointError", "CorruptCheckpointError", "UnsafeCheckpointError", "DiskFullError", "FolderInUseError", "STATE_FILE", "SHARDED_DIR",
     "write_state_file",
     "write_bytes", "hash_file", "hash_stream", "fsync_dir", "publish", "discard", "io_error",
 ]
@@ -50,6 +50,10 @@ class CorruptCheckpointError(CheckpointError):
 
 class DiskFullError(CheckpointError):
     """The disk (or a quota) filled up while a checkpoint was written; nothing of that save is kept."""
+
+
+class FolderInUseError(CheckpointError):
+    """Another live job holds the checkpoint folder (or URL prefix); the message names it."""
 
 
 class UnsafeCheckpointError(CheckpointError):

@@ -32,11 +32,15 @@ import os
 import socket
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lockstep.checkpoint.write import agree
-from lockstep.checkpoint.files import CheckpointError, io_error
+from lockstep.checkpoint.files import CheckpointError, FolderInUseError, io_error
+from lockstep.checkpoint.storage import is_url, local_path
 from lockstep.comm.group import Comm
+
+if TYPE_CHECKING:
+    from lockstep.checkpoint.objlock import ObjectLock
 
 __all__ = ["LOCK_FILE", "FolderInUseError", "FolderLock", "lock_folder"]
 
@@ -45,10 +49,6 @@ logger = logging.getLogger("lockstep.checkpoint.core")
 LOCK_FILE = ".lockstep.lock"
 _UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 _TRIES = 5
-
-
-class FolderInUseError(CheckpointError):
-    """Another live job holds the checkpoint folder."""
 
 
 class FolderLock:
@@ -107,7 +107,7 @@ class FolderLock:
         self.release()
 
 
-def lock_folder(directory: str | Path, comm: Comm) -> FolderLock:
+def lock_folder(directory: str | Path, comm: Comm) -> FolderLock | ObjectLock:
     """Hold checkpoint folder ``directory`` for this job until :meth:`FolderLock.release`.
 
     Every rank calls it (collective); rank 0 takes the lock and all ranks learn the outcome.
@@ -116,7 +116,8 @@ def lock_folder(directory: str | Path, comm: Comm) -> FolderLock:
     folder this job already holds is refused like any other holder.
 
     Args:
-        directory: the checkpoint folder (created if missing).
+        directory: the checkpoint folder (created if missing), or an fsspec URL: a lock object
+            put only if absent holds it (:mod:`lockstep.checkpoint.objlock`).
         comm: the job's :class:`~lockstep.comm.group.Comm`.
 
     Returns:
@@ -134,10 +135,14 @@ def lock_folder(directory: str | Path, comm: Comm) -> FolderLock:
         ...
         lock.release()
     """
+    if is_url(directory):
+        from lockstep.checkpoint.objlock import lock_objects
+
+        return lock_objects(str(directory), comm)
     lock, error = FolderLock(), None
     if comm.is_main:
         try:
-            lock = _acquire(Path(directory))
+            lock = _acquire(local_path(directory))
         except CheckpointError as exc:
             error = exc
     agree(comm, error, on_error=lock.release)

@@ -34,7 +34,7 @@ from lockstep.checkpoint.files import (
 )
 from lockstep.checkpoint.layout import step_name, step_of
 
-__all__ = ["MANIFEST_FILE", "FORMAT", "write_manifest", "read_manifest", "check_record", "verify_checkpoint",
+__all__ = ["MANIFEST_FILE", "FORMAT", "manifest_bytes", "check_manifest", "write_manifest", "read_manifest", "check_record", "verify_checkpoint",
            "read_verified"]
 
 MANIFEST_FILE = "manifest.json"
@@ -45,6 +45,68 @@ _MANIFEST_LIMIT = 64 << 20
 def _manifest_digest(body: dict[str, Any]) -> str:
     canonical = {k: v for k, v in body.items() if k != "manifest_sha256"}
     return hashlib.sha256(json.dumps(canonical, sort_keys=True).encode()).hexdigest()
+
+
+def manifest_bytes(files: dict[str, dict[str, Any]], *, step: int, world_size: int,
+                   position: Any = None) -> bytes:
+    """The content of a manifest: every file's record, the step, the world size, its own sha256.
+
+    Args:
+        files: ``{relative name: {"size": ..., "sha256": ...}}``.
+        step: the checkpoint's step.
+        world_size: how many ranks took part in the save.
+        position: the data position to record (any JSON value, kept opaque), or ``None``.
+
+    Example::
+
+        manifest_bytes({"state.pt": record}, step=3, world_size=2)
+    """
+    body: dict[str, Any] = {
+        "format": FORMAT,
+        "step": step,
+        "world_size": world_size,
+        "torch_version": torch.__version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "files": files,
+    }
+    if position is not None:
+        body["position"] = position
+    body["manifest_sha256"] = _manifest_digest(body)
+    return json.dumps(body, indent=1, sort_keys=True).encode()
+
+
+def check_manifest(raw: bytes, where: str, named: int | None) -> dict[str, Any]:
+    """Parse and check a manifest's bytes: its own sha256, its format, the step its name says.
+
+    Args:
+        raw: the manifest's content.
+        where: "checkpoint X is corrupt", the start of the messages.
+        named: the step the checkpoint's name says, or ``None``.
+
+    Raises:
+        CorruptCheckpointError: unreadable or altered.
+        CheckpointError: it records another step than ``named``.
+
+    Example::
+
+        check_manifest(storage.get("step-000003/manifest.json"), "checkpoint s3://b/r/step-000003 is corrupt", 3)
+    """
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise CorruptCheckpointError(f"{where}: unreadable {MANIFEST_FILE} ({exc})") from None
+    if not isinstance(body, dict) or body.get("manifest_sha256") != _manifest_digest(body):
+        raise CorruptCheckpointError(f"{where}: checksum mismatch in {MANIFEST_FILE}")
+    files, step = body.get("files"), body.get("step")
+    if (body.get("format") != FORMAT or not isinstance(files, dict) or STATE_FILE not in files
+            or not all(_is_record(r) for r in files.values()) or type(step) is not int):
+        raise CorruptCheckpointError(f"{where}: {MANIFEST_FILE} is not a {FORMAT} manifest")
+    if named is not None and named != step:
+        raise CheckpointError(
+            f"{where.replace(' is corrupt', '')} is not what its name says: its {MANIFEST_FILE} records step "
+            f"{step}. It was renamed or copied in under another name; rename it to {step_name(step)} to resume from it."
+        )
+    return body
 
 
 def write_manifest(folder: Path, files: dict[str, dict[str, Any]], *, step: int, world_size: int) -> None:
@@ -63,16 +125,7 @@ def write_manifest(folder: Path, files: dict[str, dict[str, Any]], *, step: int,
 
         write_manifest(tmp, {"state.pt": record}, step=3, world_size=2)
     """
-    body: dict[str, Any] = {
-        "format": FORMAT,
-        "step": step,
-        "world_size": world_size,
-        "torch_version": torch.__version__,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "files": files,
-    }
-    body["manifest_sha256"] = _manifest_digest(body)
-    write_bytes(folder / MANIFEST_FILE, json.dumps(body, indent=1, sort_keys=True).encode())
+    write_bytes(folder / MANIFEST_FILE, manifest_bytes(files, step=step, world_size=world_size))
 
 
 def _is_record(record: Any) -> bool:
@@ -104,27 +157,15 @@ def read_manifest(checkpoint: str | Path) -> dict[str, Any]:
     where = f"checkpoint {folder} is corrupt"
     try:
         with open_file(folder, MANIFEST_FILE) as f:
-            body = json.loads(f.read(_MANIFEST_LIMIT))
+            raw = f.read(_MANIFEST_LIMIT)
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{where}: {MANIFEST_FILE} is missing, nothing to verify it by") from None
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
         raise CorruptCheckpointError(f"{where}: unreadable {MANIFEST_FILE} ({exc})") from None
-    if not isinstance(body, dict) or body.get("manifest_sha256") != _manifest_digest(body):
-        raise CorruptCheckpointError(f"{where}: checksum mismatch in {MANIFEST_FILE}")
-    files, step = body.get("files"), body.get("step")
-    if (body.get("format") != FORMAT or not isinstance(files, dict) or STATE_FILE not in files
-            or not all(_is_record(r) for r in files.values()) or type(step) is not int):
-        raise CorruptCheckpointError(f"{where}: {MANIFEST_FILE} is not a {FORMAT} manifest")
-    named = step_of(folder.name)
-    if named is not None and named != step:
-        raise CheckpointError(
-            f"checkpoint {folder} is not what its name says: its {MANIFEST_FILE} records step {step}. It "
-            f"was renamed or copied in under another name; rename it to {step_name(step)} to resume from it."
-        )
-    return body
+    return check_manifest(raw, where, step_of(folder.name))
 
 
-def check_record(path: Path, record: dict[str, Any], actual: dict[str, Any]) -> None:
+def check_record(path: Path | str, record: dict[str, Any], actual: dict[str, Any]) -> None:
     """Raise :class:`CorruptCheckpointError` unless ``actual`` (size, sha256) matches ``record``.
 
     Args:

@@ -24,6 +24,7 @@ import importlib
 import io
 import pickle
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,8 @@ __all__ = ["UnsafeCheckpointError", "UnsupportedStateError", "check_loadable", "
            "read_dcp_metadata", "safe_load_planner", "DCP_METADATA"]
 
 DCP_METADATA = f"{SHARDED_DIR}/.metadata"
+Reader = Callable[[str], bytes]
+"""Reads file ``name`` of a checkpoint and returns its bytes, checked against the manifest."""
 
 _LEAVES = (str, bytes, bytearray, int, float, bool, complex, type(None),
            torch.dtype, torch.device, torch.layout, torch.Size)
@@ -126,7 +129,8 @@ def _unsafe_message(path: Path, exc: Exception) -> str:
             "values, or remove this one if nobody here wrote it.")
 
 
-def load_state_file(checkpoint: Path, files: dict[str, dict[str, Any]], map_location: Any) -> Any:
+def load_state_file(checkpoint: Path, files: dict[str, dict[str, Any]], map_location: Any,
+                    read: Reader | None = None) -> Any:
     """Read ``state.pt`` of ``checkpoint`` once, verify it and unpickle it with ``weights_only=True``.
 
     The bytes that were checked against the manifest are the bytes that are unpickled, even
@@ -136,6 +140,7 @@ def load_state_file(checkpoint: Path, files: dict[str, dict[str, Any]], map_loca
         checkpoint: the ``step-N`` folder.
         files: the manifest's ``"files"`` table.
         map_location: where tensors go (``"cpu"``, a device, ...), passed to ``torch.load``.
+        read: reads a listed file's verified bytes by name (an object store's); default the folder's.
 
     Raises:
         CorruptCheckpointError: the file does not match the manifest.
@@ -146,7 +151,7 @@ def load_state_file(checkpoint: Path, files: dict[str, dict[str, Any]], map_loca
         load_state_file(ckpt, manifest["files"], "cpu")
     """
     path = checkpoint / STATE_FILE
-    data = read_verified(checkpoint, STATE_FILE, files)
+    data = read(STATE_FILE) if read is not None else read_verified(checkpoint, STATE_FILE, files)
     try:
         return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
@@ -180,7 +185,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"WeightsUnpickler error: unsupported GLOBAL {module}.{name}")
 
 
-def read_dcp_metadata(checkpoint: Path, files: dict[str, dict[str, Any]]) -> Any:
+def read_dcp_metadata(checkpoint: Path, files: dict[str, dict[str, Any]], read: Reader | None = None) -> Any:
     """Read, verify and unpickle ``sharded/.metadata`` with an allowlist; return the ``Metadata``.
 
     ``dcp.load`` would read this file with plain ``pickle.load``. Here its bytes are read once,
@@ -190,6 +195,7 @@ def read_dcp_metadata(checkpoint: Path, files: dict[str, dict[str, Any]]) -> Any
     Args:
         checkpoint: the ``step-N`` folder.
         files: the manifest's ``"files"`` table.
+        read: reads a listed file's verified bytes by name (an object store's); default the folder's.
 
     Raises:
         UnsafeCheckpointError: it names anything outside the allowlist.
@@ -202,7 +208,7 @@ def read_dcp_metadata(checkpoint: Path, files: dict[str, dict[str, Any]]) -> Any
     from torch.distributed.checkpoint.metadata import Metadata
 
     path = checkpoint / DCP_METADATA
-    data = read_verified(checkpoint, DCP_METADATA, files)
+    data = read(DCP_METADATA) if read is not None else read_verified(checkpoint, DCP_METADATA, files)
     try:
         metadata = _MetadataUnpickler(io.BytesIO(data)).load()
     except pickle.UnpicklingError as exc:

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from lockstep.checkpoint.confine import check_name
 from lockstep.checkpoint.files import SHARDED_DIR, CheckpointError, io_error
 from lockstep.checkpoint.manifest import read_verified
-from lockstep.checkpoint.safety import safe_load_planner
+from lockstep.checkpoint.safety import Reader, safe_load_planner
 from lockstep.comm.group import Comm
 
 __all__ = ["VerifiedReader", "save_sharded", "load_sharded", "sharded_error"]
@@ -55,10 +55,11 @@ def _quiet_single_process() -> Iterator[None]:
 class _ManifestFileSystem(FileSystem):
     """The file access of :class:`VerifiedReader`: names checked, bytes verified, read only."""
 
-    def __init__(self, checkpoint: Path, files: dict[str, dict[str, Any]]) -> None:
+    def __init__(self, checkpoint: Path, files: dict[str, dict[str, Any]], read: Reader | None = None) -> None:
         super().__init__()
         self.checkpoint = checkpoint
         self.files = files
+        self.read = read
 
     def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str:
         # ``suffix`` is a shard's ``relative_path`` from the metadata: check it before joining,
@@ -70,7 +71,8 @@ class _ManifestFileSystem(FileSystem):
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
         if mode != "rb":
             raise CheckpointError(f"checkpoint {self.checkpoint} is read-only while it is loaded")
-        yield io.BytesIO(read_verified(self.checkpoint, os.fspath(path), self.files))
+        name = os.fspath(path)
+        yield io.BytesIO(self.read(name) if self.read is not None else read_verified(self.checkpoint, name, self.files))
 
 
 class VerifiedReader(FileSystemReader):
@@ -82,6 +84,7 @@ class VerifiedReader(FileSystemReader):
         metadata: the DCP ``Metadata`` from
             :func:`~lockstep.checkpoint.safety.read_dcp_metadata`; returned by
             :meth:`read_metadata` instead of reading the file again.
+        read: reads a listed file's verified bytes by name (an object store's); default the folder's.
 
     Example::
 
@@ -89,9 +92,10 @@ class VerifiedReader(FileSystemReader):
         dcp.load(template, storage_reader=reader, planner=safe_load_planner())
     """
 
-    def __init__(self, checkpoint: Path, files: dict[str, dict[str, Any]], metadata: Any) -> None:
+    def __init__(self, checkpoint: Path, files: dict[str, dict[str, Any]], metadata: Any,
+                 read: Reader | None = None) -> None:
         super().__init__(checkpoint / SHARDED_DIR)
-        self.fs = _ManifestFileSystem(checkpoint, files)
+        self.fs = _ManifestFileSystem(checkpoint, files, read)
         self.path = SHARDED_DIR        # names are relative to the checkpoint folder
         self.verified_metadata = metadata
 
@@ -145,7 +149,7 @@ def save_sharded(target: Path, tensors: dict[str, Any], world_size: int, group: 
 
 
 def load_sharded(checkpoint: Path, files: dict[str, dict[str, Any]], metadata: Any, sharded: dict[str, Any],
-                 comm: Comm) -> CheckpointError | None:
+                 comm: Comm, read: Reader | None = None) -> CheckpointError | None:
     """``dcp.load`` into the templates ``sharded`` (every rank); return this rank's error, if any.
 
     Args:
@@ -154,6 +158,7 @@ def load_sharded(checkpoint: Path, files: dict[str, dict[str, Any]], metadata: A
         metadata: the verified DCP metadata (see :class:`VerifiedReader`).
         sharded: the templates, filled in place.
         comm: the job's communicator.
+        read: reads a listed file's verified bytes by name (an object store's); default the folder's.
 
     Example::
 
@@ -162,7 +167,7 @@ def load_sharded(checkpoint: Path, files: dict[str, dict[str, Any]], metadata: A
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    reader = VerifiedReader(checkpoint, files, metadata)
+    reader = VerifiedReader(checkpoint, files, metadata, read)
     try:
         with _quiet_single_process():
             dcp.load(sharded, storage_reader=reader, planner=safe_load_planner(), no_dist=comm.world_size == 1)

@@ -40,7 +40,7 @@ from lockstep.checkpoint.safety import check_loadable
 from lockstep.comm.group import Comm
 from lockstep.errors import ConfigError
 
-__all__ = ["Parts", "agree", "begin", "check_args", "prepare", "open_folder", "write_parts", "commit", "finish",
+__all__ = ["Parts", "agree", "begin", "check_args", "prepare", "open_folder", "write_parts", "write_own", "commit", "finish",
            "prune_after", "what_is_left", "first_failure"]
 
 logger = logging.getLogger("lockstep.checkpoint.write")
@@ -221,6 +221,33 @@ def write_parts(tmp: Path, parts: Parts, rank: int, world_size: int, gather: Gat
 
         records, error = write_parts(tmp, parts, comm.rank, comm.world_size, comm.all_gather_object)
     """
+    records, error = write_own(tmp, parts, rank, world_size, group)
+    gathered = gather((records, what_is_left(error, tmp.parent)))
+    merged: dict[str, Any] = {}
+    for theirs, _ in gathered:
+        merged.update(theirs)
+    return merged, first_failure([e for _, e in gathered], rank)
+
+
+def write_own(tmp: Path, parts: Parts, rank: int, world_size: int,
+              group: Any = None) -> tuple[dict[str, Any], CheckpointError | None]:
+    """This rank's files of ``parts`` in ``tmp`` and their records, or this rank's error (no exchange).
+
+    Rank 0 writes ``state.pt`` (and DCP's metadata); every rank writes its share of the tensors
+    (a collective of DCP's over ``group``). ``tmp`` may be a folder of this rank's own: an
+    object-store save writes each rank's part locally, then uploads it.
+
+    Args:
+        tmp: the folder to write into.
+        parts: what :func:`prepare` returned.
+        rank: this rank.
+        world_size: ranks in the job.
+        group: the process group DCP uses (``None``: the default one).
+
+    Example::
+
+        records, error = write_own(Path(mkdtemp()), parts, comm.rank, comm.world_size)
+    """
     records: dict[str, Any] = {}
     error: CheckpointError | None = None
     if rank == 0:
@@ -240,11 +267,7 @@ def write_parts(tmp: Path, parts: Parts, rank: int, world_size: int, gather: Gat
             except OSError as exc:
                 failed = io_error(exc, tmp, "read")
         error = error or failed
-    gathered = gather((records, what_is_left(error, tmp.parent)))
-    merged: dict[str, Any] = {}
-    for theirs, _ in gathered:
-        merged.update(theirs)
-    return merged, first_failure([e for _, e in gathered], rank)
+    return records, error
 
 
 def _hash_own(tmp: Path, rank: int) -> dict[str, Any]:

@@ -143,7 +143,7 @@ def _link_or_copy(source: str, target: str) -> object:
 
 
 def report(session: Session, metrics: Mapping[str, Any], *, folder: str | Path, model: nn.Module,
-           optimizer: torch.optim.Optimizer | None = None, keep: int | None = None, **extras: Any) -> Path:
+           optimizer: torch.optim.Optimizer | None = None, keep: int | None = None, **extras: Any) -> Path | str:
     """Save a lockstep checkpoint into ``folder`` and report it to Ray Train with ``metrics``.
 
     Every rank must call it (``Session.save`` and ``ray.train.report`` are both collective). Rank
@@ -160,7 +160,7 @@ def report(session: Session, metrics: Mapping[str, Any], *, folder: str | Path, 
         **extras: your own values, saved with the checkpoint.
 
     Returns:
-        The checkpoint folder written (``folder/step-N``).
+        The checkpoint folder written (``folder/step-N``); for a URL, its URL (not staged for Ray).
 
     Example::
 
@@ -170,7 +170,7 @@ def report(session: Session, metrics: Mapping[str, Any], *, folder: str | Path, 
     import ray.train
 
     path = session.save(folder, model=model, optimizer=optimizer, keep=keep, **extras)
-    if not session.is_main:
+    if not session.is_main or isinstance(path, str):  # a URL's checkpoint stays in its object store
         ray.train.report(dict(metrics))
         return path
     with tempfile.TemporaryDirectory(prefix="lockstep-ray-") as stage:

@@ -81,7 +81,9 @@ class TrainConfig:
         sync_bn: SyncBatchNorm across processes (GPU only).
         accumulate: micro-batches per optimizer step.
         seed: seed of weights, data order and augmentation.
-        out: folder for checkpoints, ``metrics.csv``, ``config.json`` and TensorBoard events.
+        out: folder for checkpoints, ``metrics.csv``, ``config.json`` and TensorBoard events; or
+            an fsspec URL (``s3://bucket/run``): checkpoints only, in ``<url>/checkpoints``,
+            resumed from whenever there are any (no local files are written).
         resume: continue from the newest checkpoint in ``out``.
         keep: checkpoints kept in ``out``.
         image_size: input side (``None``: 28 for convnet, 224 otherwise).
@@ -195,7 +197,7 @@ class TrainConfig:
             raise ConfigError(f"weights file {self.weights} does not exist")
         if self.resume and self.out is None:
             raise ConfigError("--resume needs --out DIR, the folder of the run to continue")
-        if self.out is not None:
+        if self.out is not None and not _is_url(self.out):  # a URL: checked by check_out, resumed from as it is
             out = Path(self.out)
             if out.exists() and not out.is_dir():
                 raise ConfigError(f"--out {out} exists and is not a folder")
@@ -340,10 +342,10 @@ def check_out(config: TrainConfig) -> None:
     """
     if config.out is None:
         return
-    from lockstep.checkpoint import CheckpointError, lock_folder
-    from lockstep.comm.group import Comm
-    from lockstep.env import World
-
+    if _is_url(config.out):
+        if config.node_rank == 0:
+            _try_lock(f"{config.out}/{CHECKPOINTS}", config.out)
+        return
     out = Path(config.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -356,8 +358,24 @@ def check_out(config: TrainConfig) -> None:
     if config.node_rank != 0:
         return  # the folder is node 0's to lock (rank 0 holds it); on a shared file system the
         # other nodes' launchers would find each other's probes and refuse their own job
+    _try_lock(out / CHECKPOINTS, out)
+
+
+def _is_url(out: str) -> bool:
+    """``--out`` is an fsspec URL (the checkpoint layer decides; imported only when asked)."""
+    from lockstep.checkpoint.storage import is_url
+
+    return is_url(out)
+
+
+def _try_lock(checkpoints: str | Path, out: str | Path) -> None:
+    """Take and release the checkpoints' lock: refused at once when a live job holds them."""
+    from lockstep.checkpoint import CheckpointError, lock_folder
+    from lockstep.comm.group import Comm
+    from lockstep.env import World
+
     try:
-        lock_folder(out / CHECKPOINTS, Comm(World())).release()
+        lock_folder(checkpoints, Comm(World())).release()
     except CheckpointError as exc:
         raise ConfigError(f"--out {out}: {exc}") from None
 

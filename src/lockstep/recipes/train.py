@@ -26,6 +26,7 @@ from torch import nn
 
 import lockstep
 from lockstep.recipes.config import CHECKPOINTS, TrainConfig, check_data
+from lockstep.checkpoint import is_url
 from lockstep.recipes.outputs import RunLog
 from lockstep.zoo.datasets import materialized
 from lockstep.zoo.models import build_model, load_weights
@@ -78,10 +79,12 @@ def _prepare(session: lockstep.Session, config: TrainConfig, data: Any) -> tuple
 
 def _run(session: lockstep.Session, config: TrainConfig, data: Any) -> None:
     model, optimizer, train_loader, test_loader, lr = _prepare(session, config, data)
-    out = Path(config.out) if config.out is not None else None
+    url = config.out if config.out is not None and is_url(config.out) else None
+    out = Path(config.out) if config.out is not None and url is None else None  # the local files' folder
+    checkpoints = f"{url}/{CHECKPOINTS}" if url is not None else (out / CHECKPOINTS if out is not None else None)
     state = lockstep.ResumeState()
-    if out is not None:  # also the folder a preemption saves into
-        state = session.load(out / CHECKPOINTS, model=model, optimizer=optimizer)
+    if checkpoints is not None:  # also the folder a preemption saves into
+        state = session.load(checkpoints, model=model, optimizer=optimizer)
     # The recipe saves after whole epochs only; the count it stored is authoritative even when
     # --max-steps ended the epoch before its last batch.
     start = int(state.extras.get("epochs_done", state.epoch)) if state.resumed else 0
@@ -104,8 +107,8 @@ def _run(session: lockstep.Session, config: TrainConfig, data: Any) -> None:
                           f"test loss {row['test_loss']:.4f}, test accuracy {row['test_accuracy']:.4f} "
                           f"({row['test_count']} samples), {row['samples_per_s']:.0f} samples/s, "
                           f"{row['epoch_time_s']:.1f} s")
-            if out is not None:
-                session.save(out / CHECKPOINTS, model=model, optimizer=optimizer, keep=config.keep,
+            if checkpoints is not None:
+                session.save(checkpoints, model=model, optimizer=optimizer, keep=config.keep,
                              epochs_done=epoch + 1)
             log.epoch(row)
     except lockstep.Preempted as stop:

@@ -24,6 +24,8 @@ from pathlib import Path
 
 from lockstep.checkpoint.files import CheckpointError
 from lockstep.checkpoint.lock import FolderInUseError, FolderLock, lock_folder
+from lockstep.checkpoint.objlock import ObjectLock
+from lockstep.checkpoint.storage import location
 from lockstep.comm.group import Comm
 
 __all__ = ["FolderLocks"]
@@ -44,18 +46,18 @@ class FolderLocks:
 
     def __init__(self, comm: Comm) -> None:
         self.comm = comm
-        self._held: dict[str, FolderLock] = {}
+        self._held: dict[str, FolderLock | ObjectLock] = {}
         # a session dropped without close() gives its folders up when it is collected
         self._finalizer = weakref.finalize(self, _release_all, self._held)
 
-    def hold(self, directory: str | Path) -> Path:
+    def hold(self, directory: str | Path) -> Path | str:
         """Take ``directory``'s lock unless this session holds it already (every rank calls it).
 
         Args:
             directory: the checkpoint folder.
 
         Returns:
-            ``directory`` as a ``Path``.
+            ``directory`` as a ``Path``, or a URL (``s3://...``) as a ``str``.
 
         Raises:
             FolderInUseError: another live job holds the folder.
@@ -64,7 +66,8 @@ class FolderLocks:
 
             locks.hold("checkpoints")
         """
-        key = os.path.abspath(directory)
+        where = location(directory)
+        key = where if isinstance(where, str) else os.path.abspath(where)
         if key not in self._held:
             try:
                 self._held[key] = lock_folder(directory, self.comm)
@@ -73,7 +76,7 @@ class FolderLocks:
             except CheckpointError as exc:  # every rank gets the same error: all go on alike
                 logger.warning("lockstep: %s; using the folder without a lock", exc)
                 self._held[key] = FolderLock()
-        return Path(directory)
+        return where
 
     def release(self) -> None:
         """Give every folder up (safe to call twice; no collective).
@@ -85,6 +88,6 @@ class FolderLocks:
         _release_all(self._held)
 
 
-def _release_all(held: dict[str, FolderLock]) -> None:
+def _release_all(held: dict[str, FolderLock | ObjectLock]) -> None:
     while held:
         held.popitem()[1].release()

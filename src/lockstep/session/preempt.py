@@ -84,7 +84,7 @@ class Preempted(SystemExit):
             print("stopped at", stop.step); raise
     """
 
-    def __init__(self, message: str, step: int, path: Path | None) -> None:
+    def __init__(self, message: str, step: int, path: Path | str | None) -> None:
         super().__init__(EXIT_PREEMPTED)
         self.message, self.step, self.path = message, step, path
 
@@ -112,7 +112,7 @@ def parse_grace(text: str) -> float:
     return grace if 0 <= grace < math.inf else DEFAULT_GRACE
 
 
-def stop_message(signals: list[int | None], step: int, path: Path | None) -> str:
+def stop_message(signals: list[int | None], step: int, path: Path | str | None) -> str:
     """The line rank 0 prints when the job stops: which signal reached which ranks, and the save.
 
     Args:

@@ -30,7 +30,7 @@ class SaveTarget:
     """Where and how the last save (or load) wrote: a preemption saves there again.
 
     Args:
-        directory: the checkpoint folder.
+        directory: the checkpoint folder (or URL).
         keep: the ``keep`` given to that save (``None``: keep every checkpoint).
         extras: the user's own values given to that save.
 
@@ -39,7 +39,7 @@ class SaveTarget:
         SaveTarget(Path("checkpoints"), keep=2, extras={"best": 0.97})
     """
 
-    directory: Path
+    directory: Path | str
     keep: int | None = None
     extras: dict[str, Any] = field(default_factory=dict)
 
@@ -60,7 +60,7 @@ class SaveInFlight:
         self.writers = WriterGroup(comm)
         self.pending: PendingSave | None = None
 
-    def track(self, saved: Path | PendingSave) -> Path:
+    def track(self, saved: Path | str | PendingSave) -> Path | str:
         """Keep a background save until :meth:`wait`; the folder the checkpoint has (or will have).
 
         Args:
@@ -70,12 +70,12 @@ class SaveInFlight:
 
             path = saves.track(save_state(...))
         """
-        if isinstance(saved, Path):
+        if not isinstance(saved, PendingSave):
             return saved
         self.pending = saved
         return saved.path
 
-    def wait(self) -> Path | None:
+    def wait(self) -> Path | str | None:
         """Finish the save in flight, if any (every rank calls it; raises its error on every rank).
 
         Returns:

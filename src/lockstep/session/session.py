@@ -316,11 +316,13 @@ class Session(Position):
 
     # -- checkpoints -------------------------------------------------------------------------
     def save(self, directory: str | Path, *, model: nn.Module, optimizer: Optimizer | None = None,
-             keep: int | None = None, blocking: bool = True, **extras: Any) -> Path:
+             keep: int | None = None, blocking: bool = True, **extras: Any) -> Path | str:
         """Write a complete, crash-safe checkpoint (every rank must call it).
 
         Args:
-            directory: folder of checkpoints (``step-000123`` inside); no other live job may use it.
+            directory: folder of checkpoints (``step-000123`` inside), or any fsspec URL such as
+                ``"s3://bucket/run"`` (every rank uploads its part; ``pip install 'lockstep[s3]'``);
+                no other live job may use it. A URL's checkpoint is returned as a ``str``.
             model: the model returned by :meth:`setup`.
             optimizer: its optimizer.
             keep: keep only the newest ``keep`` checkpoints (pruned after the new one is committed).
@@ -342,7 +344,7 @@ class Session(Position):
                                             extras=extras, blocking=blocking,
                                             writers=self._saves.writers))
 
-    def wait_for_save(self) -> Path | None:
+    def wait_for_save(self) -> Path | str | None:
         """Wait until a non-blocking save is committed (every rank must call it).
 
         :meth:`save` with ``blocking=False`` returns while the ranks write; the next save, load

@@ -50,7 +50,7 @@ class ResumeState:
     Args:
         epoch: the epoch to start (or continue) from; pass it to ``Session.epochs(n, start=...)``.
         step: optimizer steps taken so far.
-        path: the checkpoint that was loaded, or ``None`` when training starts fresh.
+        path: the checkpoint that was loaded (a URL as a ``str``), or ``None`` when training starts fresh.
         extras: the user's own values given to ``Session.save`` (``{}`` when fresh).
         mid_epoch: True when the checkpoint was taken in the middle of ``epoch``; the training
             loader then continues from the saved position.
@@ -62,7 +62,7 @@ class ResumeState:
 
     epoch: int = 0
     step: int = 0
-    path: Path | None = None
+    path: Path | str | None = None
     extras: dict[str, Any] = field(default_factory=dict)
     mid_epoch: bool = False
 
@@ -224,10 +224,10 @@ class TrainState:
         return f"lockstep: world size {world} -> {self.world_size}: global batch {plan.global_batch} {kept}, {plan.describe()}"
 
 
-def save_state(directory: Path, train: TrainState, *, comm: Comm, strategy: Strategy, precision: Precision,
+def save_state(directory: Path | str, train: TrainState, *, comm: Comm, strategy: Strategy, precision: Precision,
                model: ModelWrappers, optimizer: torch.optim.Optimizer | None, keep: int | None,
                extras: dict[str, Any], blocking: bool = True, writers: WriterGroup | None = None
-               ) -> Path | PendingSave:
+               ) -> Path | str | PendingSave:
     """Write ``train`` with the model, optimizer, precision state and ``extras`` as one checkpoint.
 
     The model's and optimizer's tensors are written through ``torch.distributed.checkpoint``,
@@ -237,7 +237,7 @@ def save_state(directory: Path, train: TrainState, *, comm: Comm, strategy: Stra
     folder).
 
     Args:
-        directory: the checkpoint folder.
+        directory: the checkpoint folder, or an fsspec URL.
         train: the loop's state.
         comm: the job's collectives (every rank calls this).
         strategy: what wrapped ``model``; gives its (and the optimizer's) state.
@@ -263,14 +263,25 @@ def save_state(directory: Path, train: TrainState, *, comm: Comm, strategy: Stra
         extras = copy.deepcopy(extras)  # the user's tensors may change while the state is written
     state: dict[str, Any] = {"format": FORMAT, **train.state_dict(), "precision": precision.state_dict(),
                              "extras": extras}
+    position = _json_or_none(state.get("samplers"))  # recorded in an object store's manifest
     if blocking:
         return save_checkpoint(directory, state, comm, step=train.global_step, keep=keep, sharded=sharded,
-                               replicated=full)
+                               replicated=full, position=position)
     return save_checkpoint_async(directory, state, comm, step=train.global_step, keep=keep, sharded=sharded,
-                                 replicated=full, writers=writers)
+                                 replicated=full, writers=writers, position=position)
 
 
-def load_state(directory: Path, train: TrainState, *, comm: Comm, device: torch.device, strategy: Strategy,
+def _json_or_none(value: Any) -> Any:
+    """``value`` if JSON can hold it as it is (the loaders' positions), else ``None``."""
+    import json
+
+    try:
+        return json.loads(json.dumps(value))
+    except (TypeError, ValueError):
+        return None
+
+
+def load_state(directory: Path | str, train: TrainState, *, comm: Comm, device: torch.device, strategy: Strategy,
                precision: Precision, model: ModelWrappers, optimizer: torch.optim.Optimizer | None
                ) -> ResumeState:
     """Load the newest good checkpoint in ``directory`` into ``train``, the model and the optimizer.
@@ -299,6 +310,7 @@ def load_state(directory: Path, train: TrainState, *, comm: Comm, device: torch.
     """
     from lockstep.checkpoint.core import load_checkpoint
     from lockstep.checkpoint.files import CheckpointError
+    from lockstep.checkpoint.storage import location
 
     inner = model.wrapped
     sharded = strategy.sharded_state(inner, optimizer)
@@ -312,7 +324,7 @@ def load_state(directory: Path, train: TrainState, *, comm: Comm, device: torch.
     strategy.load_checkpoint_state(inner, optimizer, state, sharded)
     precision.load_state_dict(state.get("precision") or {})
     mid = train.load_state_dict(state)
-    return ResumeState(epoch=train.epoch, step=train.global_step, path=Path(state.get("path", directory)),
+    return ResumeState(epoch=train.epoch, step=train.global_step, path=location(state.get("path", directory)),
                        extras=dict(state.get("extras") or {}), mid_epoch=mid)
 
 

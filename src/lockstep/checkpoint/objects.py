@@ -1,0 +1,394 @@
+"""Checkpoints on an object store (any fsspec URL): commit by a conditional put, not a rename.
+
+An object store has no rename, so a checkpoint cannot be written under a temporary name and
+renamed when complete. Instead::
+
+    s3://bucket/run/
+        step-000100/state.pt               <- rank 0
+        step-000100/sharded/__0_0.distcp   <- each rank uploads its own part, nothing gathered
+        step-000100/sharded/__1_0.distcp
+        step-000100/sharded/.metadata
+        step-000100/manifest.json          <- written last, only if absent (If-None-Match: *)
+        latest                             <- "step-000100", after the manifest: a hint only
+        .lockstep.lock                     <- the job holding the prefix (lockstep.checkpoint.objlock)
+
+1. Each rank writes its part into a private local folder (only its own share: nothing of the
+   checkpoint is gathered on one rank or one disk), uploads each file under the step's prefix,
+   retrying transient errors, and records its size and sha256.
+2. The records meet on rank 0, which writes the manifest (every object's sha256, the world
+   size, the step, the data position) with a conditional put: a step is committed once the
+   manifest exists, and two writers can never both commit it. Objects without a manifest are
+   a partial upload: never loaded, deleted by a later save.
+3. ``latest`` is written after the manifest, then old checkpoints are pruned (their manifest
+   first, so a checkpoint half deleted is no longer committed). Pruning never touches the
+   checkpoint just committed nor anything newer.
+
+A load walks back from the newest manifest: rank 0 picks the newest checkpoint whose manifest
+verifies and whose objects all exist with their recorded sizes; every rank then downloads only
+what it reads (``state.pt``, the DCP metadata, the shards DCP asks for at this world size) and
+checks each object's sha256 before using a byte of it. If any rank finds an object corrupt or
+missing, every rank learns it (naming the object) and the ranks go on to the previous one.
+
+Example::
+
+    save_objects("s3://bucket/run", state, comm, step=100, keep=3, replicated={"model": msd})
+    state = load_objects("s3://bucket/run", comm)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lockstep.checkpoint.confine import check_name
+from lockstep.checkpoint.files import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError, io_error
+from lockstep.checkpoint.layout import step_name
+from lockstep.checkpoint.manifest import MANIFEST_FILE, check_manifest, check_record, manifest_bytes
+from lockstep.checkpoint.read import read_chosen
+from lockstep.checkpoint.storage import Storage, open_storage
+from lockstep.checkpoint.write import Parts, agree, check_args, first_failure, prepare, write_own
+from lockstep.comm.group import Comm
+
+__all__ = ["LATEST", "committed_steps", "begin_objects", "write_objects", "save_objects", "load_objects",
+           "prune_objects", "object_reader"]
+
+logger = logging.getLogger("lockstep.checkpoint.objects")
+
+LATEST = "latest"
+_MANIFEST = re.compile(r"^step-(\d+)/" + re.escape(MANIFEST_FILE) + "$")
+_STEP = re.compile(r"^step-(\d+)/")
+
+Gather = Callable[[Any], list[Any]]
+
+
+def committed_steps(storage: Storage) -> list[int]:
+    """The steps whose manifest exists (committed, not verified), oldest first.
+
+    Args:
+        storage: the checkpoints' storage.
+
+    Example::
+
+        committed_steps(open_storage("s3://bucket/run"))   # [100, 200]
+    """
+    return sorted(int(m.group(1)) for name in storage.list() if (m := _MANIFEST.match(name)))
+
+
+def _steps_present(names: dict[str, int]) -> set[int]:
+    return {int(m.group(1)) for name in names if (m := _STEP.match(name))}
+
+
+def _remove_step(storage: Storage, step: int) -> None:
+    """Delete a checkpoint: its manifest first, so what is left of it is never taken for committed."""
+    prefix = step_name(step) + "/"
+    manifest = prefix + MANIFEST_FILE
+    storage.delete([manifest])
+    storage.delete([name for name in storage.list(prefix) if name != manifest])
+
+
+def begin_objects(storage: Storage, state: dict[str, Any], comm: Comm, *, step: int, keep: int | None,
+                  replicated: dict[str, Any] | None, sharded: dict[str, Any] | None) -> Parts:
+    """Every rank: check, :func:`~lockstep.checkpoint.write.prepare`; rank 0 clears the step's prefix; agreed.
+
+    What a killed save left under this step is deleted; so is a checkpoint of this step that a
+    run which went further committed (the job holds the prefix: saving a step again replaces it).
+
+    Example::
+
+        parts = begin_objects(storage, state, comm, step=3, keep=2, replicated=full, sharded=None)
+    """
+    check_args(step, keep)
+    parts, error = None, None
+    try:
+        parts = prepare(state, comm, replicated=replicated, sharded=sharded)
+        if comm.is_main:
+            if storage.exists(f"{step_name(step)}/{MANIFEST_FILE}"):
+                logger.warning("replacing checkpoint %s, committed by a run that went further",
+                               storage.where(step_name(step)))
+            _remove_step(storage, step)
+    except CheckpointError as exc:
+        error = exc
+    agree(comm, error)
+    assert parts is not None
+    return parts
+
+
+def _upload_own(storage: Storage, parts: Parts, step: int, rank: int, world_size: int,
+                group: Any) -> tuple[dict[str, Any], CheckpointError | None]:
+    """This rank's part written to a private local folder, uploaded file by file, then removed."""
+    tmp = Path(tempfile.mkdtemp(prefix=f"lockstep-{step_name(step)}-r{rank}-"))
+    records: dict[str, Any] = {}
+    try:
+        records, error = write_own(tmp, parts, rank, world_size, group)
+        if error is None:
+            for name in sorted(records):
+                storage.put(f"{step_name(step)}/{name}", (tmp / name).read_bytes())
+        return records, error
+    except CheckpointError as exc:
+        return records, exc
+    except OSError as exc:
+        return records, io_error(exc, tmp, "read")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_objects(storage: Storage, parts: Parts, step: int, keep: int | None, rank: int, world_size: int,
+                  gather: Gather, group: Any = None, position: Any = None) -> tuple[str | None, CheckpointError | None]:
+    """Upload this rank's part, exchange the records, rank 0 commits and prunes (nothing raised).
+
+    Args:
+        storage: the checkpoints' storage.
+        parts: what :func:`begin_objects` returned.
+        step: the global step.
+        keep: keep only the newest ``keep`` checkpoints up to this one.
+        rank: this rank.
+        world_size: ranks in the job.
+        gather: every rank's value by rank (``comm.all_gather_object`` or over the writers' group).
+        group: the process group DCP uses (``None``: the default one).
+        position: the data position recorded in the manifest (opaque JSON), or ``None``.
+
+    Returns:
+        On rank 0 the committed checkpoint's URL, and the error (another rank's names it).
+
+    Example::
+
+        final, error = write_objects(storage, parts, 3, 2, comm.rank, comm.world_size, comm.all_gather_object)
+    """
+    records, error = _upload_own(storage, parts, step, rank, world_size, group)
+    gathered = gather((records, error))
+    error = first_failure([e for _, e in gathered], rank)
+    if rank != 0:
+        return None, error
+    if error is not None:
+        _discard(storage, step)
+        return None, error
+    merged: dict[str, Any] = {}
+    for theirs, _ in gathered:
+        merged.update(theirs)
+    try:
+        return _commit(storage, step, world_size, merged, keep, position), None
+    except CheckpointError as exc:
+        return None, exc
+
+
+def _discard(storage: Storage, step: int) -> None:
+    """Best effort: delete the objects of a save that failed before its commit."""
+    try:
+        if not storage.exists(f"{step_name(step)}/{MANIFEST_FILE}"):
+            _remove_step(storage, step)
+    except CheckpointError as exc:
+        logger.warning("could not delete the partial upload %s: %s", storage.where(step_name(step)), exc)
+
+
+def _commit(storage: Storage, step: int, world_size: int, files: dict[str, Any], keep: int | None,
+            position: Any) -> str:
+    """Rank 0: the manifest by a conditional put, then ``latest``, then pruning."""
+    name = f"{step_name(step)}/{MANIFEST_FILE}"
+    body = manifest_bytes(files, step=step, world_size=world_size, position=position)
+    if not storage.put_new(name, body):
+        raise CheckpointError(f"cannot commit {storage.where(name)}: another writer committed step {step} first. "
+                              f"Is a second job writing into {storage.url}? Give each job its own prefix.")
+    try:
+        storage.put(LATEST, step_name(step).encode())
+    except CheckpointError as exc:  # a hint only: a load lists the manifests anyway
+        logger.warning("could not update %s: %s", storage.where(LATEST), exc)
+    prune_objects(storage, keep, step)
+    return storage.where(step_name(step))
+
+
+def prune_objects(storage: Storage, keep: int | None, step: int) -> None:
+    """Rank 0, after committing ``step``: delete older checkpoints past ``keep`` and older partial uploads.
+
+    ``step`` itself (the last verified checkpoint) and anything newer are never touched. A
+    failure only warns: the new checkpoint is committed.
+
+    Args:
+        storage: the checkpoints' storage.
+        keep: how many committed checkpoints up to ``step`` to keep (``None``: all).
+        step: the checkpoint just committed.
+
+    Example::
+
+        prune_objects(storage, 2, 300)   # leaves step-000200 and step-000300 (and anything newer)
+    """
+    try:
+        names = storage.list()
+        done = sorted(int(m.group(1)) for name in names if (m := _MANIFEST.match(name)))
+        older = [s for s in done if s < step]
+        doomed = set(older[: max(0, len(older) - (keep - 1))]) if keep is not None else set()
+        doomed |= {s for s in _steps_present(names) - set(done) if s < step}  # partial uploads of killed saves
+        for old in sorted(doomed):
+            _remove_step(storage, old)
+    except CheckpointError as exc:
+        logger.warning("could not prune old checkpoints in %s: %s", storage.url, exc)
+
+
+def save_objects(url: str, state: dict[str, Any], comm: Comm, *, step: int, keep: int | None = None,
+                 sharded: dict[str, Any] | None = None, replicated: dict[str, Any] | None = None,
+                 position: Any = None, storage: Storage | None = None) -> str:
+    """:func:`~lockstep.checkpoint.core.save_checkpoint` for a URL: every rank calls it.
+
+    Args:
+        url: the checkpoints' URL (``s3://bucket/run``).
+        state: as for ``save_checkpoint``.
+        comm: the job's collectives.
+        step: the global step.
+        keep: keep only the newest ``keep`` checkpoints.
+        sharded: DTensor state dicts (FSDP2).
+        replicated: state dicts identical on every rank.
+        position: the data position recorded in the manifest (opaque JSON), or ``None``.
+        storage: the storage to use (default :func:`~lockstep.checkpoint.storage.open_storage` of ``url``).
+
+    Returns:
+        The committed checkpoint's URL (``s3://bucket/run/step-000100``).
+
+    Example::
+
+        save_objects("s3://bucket/run", {"step": 3}, comm, step=3, replicated={"model": msd})
+    """
+    storage = storage or open_storage(url)
+    parts = begin_objects(storage, state, comm, step=step, keep=keep, replicated=replicated, sharded=sharded)
+    final, error = write_objects(storage, parts, step, keep, comm.rank, comm.world_size, comm.all_gather_object,
+                                 position=position)
+    return str(agree(comm, error, final)[0])
+
+
+def object_reader(storage: Storage, step: int, files: dict[str, dict[str, Any]]) -> Callable[[str], bytes]:
+    """Reads a listed object of checkpoint ``step`` once and checks it against the manifest.
+
+    Args:
+        storage: the checkpoints' storage.
+        step: the checkpoint.
+        files: its manifest's ``"files"`` table.
+
+    Example::
+
+        data = object_reader(storage, 100, manifest["files"])("state.pt")
+    """
+    prefix = step_name(step)
+
+    def read(name: str) -> bytes:
+        record = files.get(name)
+        if record is None:
+            raise UnsafeCheckpointError(f"refusing to read {name!r} of checkpoint {storage.where(prefix)}: "
+                                        f"{MANIFEST_FILE} does not list it, so nothing vouches for its content")
+        check_name(Path(prefix), name)
+        try:
+            data = storage.get(f"{prefix}/{name}")
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"checkpoint {storage.where(prefix)} is corrupt: object "
+                                         f"{storage.where(prefix + '/' + name)} is missing") from None
+        check_record(storage.where(f"{prefix}/{name}"), record,
+                     {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+        return data
+    return read
+
+
+def _plausible(storage: Storage, step: int) -> dict[str, Any]:
+    """Rank 0: the manifest of ``step`` if it verifies and every object it lists exists at its size."""
+    prefix = step_name(step)
+    where = f"checkpoint {storage.where(prefix)} is corrupt"
+    try:
+        raw = storage.get(f"{prefix}/{MANIFEST_FILE}")
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{where}: {MANIFEST_FILE} vanished") from None
+    manifest = check_manifest(raw, where, step)
+    present = storage.list(prefix + "/")
+    for name, record in sorted(manifest["files"].items()):
+        check_name(Path(prefix), name)
+        size = present.get(f"{prefix}/{name}")
+        if size is None:
+            raise CorruptCheckpointError(f"{where}: object {storage.where(prefix + '/' + name)} is missing")
+        if size != record["size"]:
+            raise CorruptCheckpointError(f"{where}: object {storage.where(prefix + '/' + name)} holds {size} bytes, "
+                                         f"its manifest says {record['size']}")
+    return manifest
+
+
+def _next_choice(storage: Storage, steps: list[int], bad: list[str], fallback: bool) -> tuple[int, Any] | None:
+    """Rank 0: pop the newest plausible checkpoint off ``steps`` (newest last); the others go to ``bad``."""
+    while steps:
+        step = steps.pop()
+        try:
+            return step, _plausible(storage, step)
+        except UnsafeCheckpointError:
+            raise
+        except CheckpointError as exc:
+            if not fallback:
+                raise
+            logger.warning("checkpoint %s is unusable, falling back to the previous one. %s",
+                           storage.where(step_name(step)), exc)
+            bad.append(str(exc))
+    return None
+
+
+def load_objects(url: str, comm: Comm, *, map_location: torch.device | str | None = None,
+                 sharded: dict[str, Any] | None = None, fallback: bool = True,
+                 storage: Storage | None = None) -> dict[str, Any] | None:
+    """:func:`~lockstep.checkpoint.core.load_checkpoint` for a URL: every rank calls it.
+
+    Args:
+        url: the checkpoints' URL.
+        comm: the job's collectives.
+        map_location: where tensors go (default CPU).
+        sharded: templates of ``sharded=`` state dicts, filled in place.
+        fallback: go back to the previous checkpoint when one is corrupt (else raise).
+        storage: the storage to use (default :func:`~lockstep.checkpoint.storage.open_storage` of ``url``).
+
+    Returns:
+        The state (``"path"`` the checkpoint's URL), or ``None`` when there is none.
+
+    Raises:
+        CorruptCheckpointError: every checkpoint (or, with ``fallback=False``, the newest) is corrupt.
+        UnsafeCheckpointError: a checkpoint points outside itself or holds an unsafe pickle.
+
+    Example::
+
+        state = load_objects("s3://bucket/run", comm)
+    """
+    storage = storage or open_storage(url)
+    steps: list[int] = []
+    error: CheckpointError | None = None
+    if comm.is_main:
+        try:
+            steps = committed_steps(storage)
+        except CheckpointError as exc:
+            error = exc
+    agree(comm, error)
+    bad: list[str] = []
+    while True:
+        choice, error = None, None
+        if comm.is_main:
+            try:
+                choice = _next_choice(storage, steps, bad, fallback)
+            except CheckpointError as exc:
+                error = exc
+        choice, bad = agree(comm, error, (choice, bad))[0]  # rank 0's view: the walk stays in step
+        if choice is None:
+            break
+        step, manifest = choice
+        prefix = step_name(step)
+        try:
+            return read_chosen(Path(prefix), manifest["files"], comm, map_location, sharded,
+                               object_reader(storage, step, manifest["files"]), storage.where(prefix))
+        except UnsafeCheckpointError:
+            raise
+        except CheckpointError as exc:  # every rank raised the same: every rank walks back alike
+            if not fallback:
+                raise
+            if comm.is_main:
+                logger.warning("checkpoint %s is unusable, falling back to the previous one. %s",
+                               storage.where(prefix), exc)
+            bad.append(str(exc))
+    if bad:
+        raise CorruptCheckpointError(f"no usable checkpoint in {storage.url}; every one failed verification:\n  "
+                                     + "\n  ".join(bad))
+    return None

@@ -25,6 +25,7 @@ SHIMS = {
     "precision/torch_amp.py",       # GradScaler._unscale_grads_, the fused optimizers' found_inf, ...
     "strategies/torch_internals.py",  # DDP's reducer, PowerSGD's rule, torch.compile, autograd engine
     "checkpoint/torch_dcp.py",      # torch.distributed.checkpoint._traverse
+    "cli/py_argparse.py",           # ArgumentParser._actions
 }
 # documented public names that start with "_": os._exit, and namedtuple's methods
 PUBLIC = {("os", "_exit"), ("*", "_fields"), ("*", "_asdict"), ("*", "_replace"), ("*", "_make")}

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from lockstep.checkpoint import torch_dcp
+from lockstep.cli import py_argparse
 from lockstep.comm import py_frames
 from lockstep.launch import py_atexit, torch_agent
 from lockstep.precision import torch_amp
@@ -31,6 +32,16 @@ def _changed(shim: Any, what: str) -> str:
 
 def _params(fn: Any) -> list[str]:
     return list(inspect.signature(fn).parameters)
+
+
+# -- lockstep.cli.py_argparse --------------------------------------------------------------------
+
+def test_py_argparse_lists_every_action() -> None:
+    parser = __import__("argparse").ArgumentParser()
+    parser.add_argument("--nproc", type=int)
+    parser.add_argument("script")
+    actions = py_argparse.parser_actions(parser)
+    assert [a.dest for a in actions] == ["help", "nproc", "script"], _changed(py_argparse, "ArgumentParser._actions")
 
 
 # -- lockstep.precision.torch_amp ----------------------------------------------------------------

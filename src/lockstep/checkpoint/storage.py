@@ -241,7 +241,7 @@ class FsspecStorage:
         if fs is None:
             fs, _ = _filesystem(self.url, options)
         self.fs = fs
-        self.root = fs._strip_protocol(self.url).rstrip("/")
+        self.root = _strip_protocol(self.url)
         self.retries, self.backoff = retries, backoff
 
     def where(self, name: str) -> str:
@@ -351,3 +351,10 @@ def open_storage(url: str, **options: Any) -> FsspecStorage:
         storage = open_storage("s3://bucket/run")
     """
     return FsspecStorage(url, **options)
+
+
+def _strip_protocol(url: str) -> str:
+    """``s3://bucket/run`` -> ``bucket/run``: the path fsspec's calls take."""
+    from fsspec.core import split_protocol
+
+    return str(split_protocol(url)[1]).rstrip("/")

@@ -18,6 +18,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lockstep.cli.py_argparse import parser_actions
+
 __all__ = ["Flag", "command_parser", "collect_flags", "flag_page"]
 
 _INTRO = """# Every flag
@@ -97,9 +99,8 @@ def collect_flags(commands: list[str] | None = None) -> list[Flag]:
     flags: dict[str, Flag] = {}
     aliases: list[tuple[str, str]] = []
     for command in commands or list(COMMANDS):
-        # argparse lists a parser's flags only in its _actions
-        for action in command_parser(command)._actions:
-            if not action.option_strings or isinstance(action, argparse._HelpAction):
+        for action in parser_actions(command_parser(command)):
+            if not action.option_strings or action.dest == "help":
                 continue
             name = max(action.option_strings, key=len)
             if isinstance(action, DeprecatedFlag):

@@ -28,6 +28,7 @@ Example::
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import mmap
 import os
@@ -66,7 +67,9 @@ def user_site(depth: int = 2) -> str:
 
         user_site()   # "train.py:33 in main"
     """
-    frame: Any = sys._getframe(depth)
+    frame: Any = inspect.currentframe()
+    for _ in range(depth):
+        frame = frame.f_back if frame is not None else None
     while frame is not None and is_own(frame.f_code.co_filename):
         frame = frame.f_back
     if frame is None:

@@ -11,7 +11,7 @@ from it is unpickled.
 Example::
 
     with membership_store(spec):                  # hosts the store when this node owns the address
-        os.environ.update(membership_environment(spec, node_id))
+        env = membership_environment(spec, node_id)   # the workers' variables
 """
 
 from __future__ import annotations

@@ -1,0 +1,30 @@
+"""The one private argparse name the CLI layer reads: a parser's list of actions.
+
+argparse offers no public way to list the flags a parser was given; ``parser._actions`` is where
+every argparse version keeps them (``format_help`` only prints them). The flag table
+(:mod:`lockstep.cli.reference`) reads them through :func:`parser_actions`, so a Python that changes
+it breaks this module and its version test (``tests/test_shims.py``). Checked on CPython 3.11.
+
+Example::
+
+    [a.dest for a in parser_actions(parser)]   # ['help', 'nproc', ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["parser_actions"]
+
+
+def parser_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """Every action (flag or positional) ``parser`` was given, in order, ``-h/--help`` included.
+
+    Args:
+        parser: an ``argparse.ArgumentParser``.
+
+    Example::
+
+        parser_actions(argparse.ArgumentParser())[0].option_strings   # ['-h', '--help']
+    """
+    return list(parser._actions)

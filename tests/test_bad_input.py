@@ -23,7 +23,8 @@ from lockstep.env import World
 from lockstep.errors import ConfigError
 from lockstep.launch.report import Failure, summarize
 from lockstep.launch.spec import oversubscription_warning
-from lockstep.recipes.config import TrainConfig, check_data, check_out
+from lockstep.recipes.checks import check_data, check_out
+from lockstep.recipes.config import TrainConfig
 from lockstep.recipes.train import DivergedError, train
 from lockstep.zoo.datasets import open_data, parse_data
 from lockstep.zoo.idx import read_idx, write_idx

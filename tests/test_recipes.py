@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from lockstep.errors import ConfigError
-from lockstep.recipes.config import TrainConfig, check_data
+from lockstep.recipes.checks import check_data
+from lockstep.recipes.config import TrainConfig
 from lockstep.zoo.datasets import ImageTensors, SyntheticImages, open_data, parse_data
 from lockstep.zoo.folders import CHECK_PER_CLASS
 from lockstep.zoo.idx import read_idx, read_mnist, write_idx

@@ -195,7 +195,7 @@ def main(args: argparse.Namespace) -> int:
     config = config_from_args(args)  # first: a bad flag is refused before torch is imported
     from lockstep.errors import ConfigError, LockstepError
     from lockstep.launch.relaunch import launched_as_worker, relaunch
-    from lockstep.recipes.config import check_data, check_out
+    from lockstep.recipes.checks import check_data, check_out
     from lockstep.recipes.train import train
 
     # asked for processes or nodes: e.g. one `srun` task per node running the launcher

@@ -23,7 +23,7 @@ __all__ = ["TrainConfig", "check_data", "DataSpec", "ImageData", "open_data", "p
 
 # Each name is imported when first used: `lockstep train --resume` reads the run's flags through
 # lockstep.recipes.config and refuses a conflicting one before torch is imported.
-_HOMES = {"TrainConfig": "lockstep.recipes.config", "check_data": "lockstep.recipes.config",
+_HOMES = {"TrainConfig": "lockstep.recipes.config", "check_data": "lockstep.recipes.checks",
           "DataSpec": "lockstep.zoo.datasets", "ImageData": "lockstep.zoo.datasets",
           "open_data": "lockstep.zoo.datasets", "parse_data": "lockstep.zoo.datasets",
           "ConvNet": "lockstep.zoo.models", "build_model": "lockstep.zoo.models",

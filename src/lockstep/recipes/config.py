@@ -1,6 +1,6 @@
 """The configuration of one ``lockstep train`` run, validated when it is built.
 
-Every check that needs no process group happens here (or in :func:`check_data`), in the
+Every check that needs no process group happens here (or in :func:`lockstep.recipes.checks.check_data`), in the
 launching process, so a bad flag or a bad folder is one line and exit code 2 before any worker
 starts.
 
@@ -14,20 +14,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Collection, Sized
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Collection
+from typing import TYPE_CHECKING, Any
 
 from lockstep.errors import ConfigError
 
 if TYPE_CHECKING:  # the session's modules load when a config is built, not when the CLI starts
     from lockstep.session.config import SessionConfig
 
-__all__ = ["TrainConfig", "check_data", "check_out", "resume_values", "CHECKPOINTS", "RUN_FLAGS",
-           "RESUME_MAY_CHANGE"]
+__all__ = ["TrainConfig", "resume_values", "CHECKPOINTS", "RUN_FLAGS", "RESUME_MAY_CHANGE"]
 
 CHECKPOINTS = "checkpoints"
 _PROGRESS = ("auto", "on", "off")
@@ -197,7 +194,7 @@ class TrainConfig:
             raise ConfigError(f"weights file {self.weights} does not exist")
         if self.resume and self.out is None:
             raise ConfigError("--resume needs --out DIR, the folder of the run to continue")
-        if self.out is not None and not _is_url(self.out):  # a URL: checked by check_out, resumed from as it is
+        if self.out is not None and not is_url(self.out):  # a URL: checked by check_out, resumed from as it is
             out = Path(self.out)
             if out.exists() and not out.is_dir():
                 raise ConfigError(f"--out {out} exists and is not a folder")
@@ -322,90 +319,13 @@ def _has_checkpoints(out: Path) -> bool:
     return ckpts.is_dir() and any(p.name.startswith("step-") for p in ckpts.iterdir())
 
 
-def check_out(config: TrainConfig) -> None:
-    """Check, in the launching process, that ``--out`` can be written and is no other job's.
-
-    Creates the folder (as the run would), writes and removes a probe file, and, on node 0 only,
-    tries the lock of its checkpoint folder (:func:`lockstep.checkpoint.lock_folder`) without
-    keeping it.
-
-    Args:
-        config: the run's configuration (nothing is checked without ``out``).
-
-    Raises:
-        ConfigError: the folder cannot be created or written (a read-only file system, a file
-            in its path), or a live job holds its checkpoints (naming its host and pid).
+def is_url(out: str) -> bool:
+    """``--out`` is an fsspec URL (the checkpoint layer decides; imported only when asked).
 
     Example::
 
-        check_out(TrainConfig(out="runs/a"))
+        is_url("s3://bucket/run")   # True
     """
-    if config.out is None:
-        return
-    if _is_url(config.out):
-        if config.node_rank == 0:
-            _try_lock(f"{config.out}/{CHECKPOINTS}", config.out)
-        return
-    out = Path(config.out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".lockstep-probe-", dir=out)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        raise ConfigError(f"--out {out}: cannot write there ({exc.strerror or exc}); "
-                          "choose a writable folder") from None
-    if config.node_rank != 0:
-        return  # the folder is node 0's to lock (rank 0 holds it); on a shared file system the
-        # other nodes' launchers would find each other's probes and refuse their own job
-    _try_lock(out / CHECKPOINTS, out)
+    from lockstep.checkpoint.storage import is_url as _url
 
-
-def _is_url(out: str) -> bool:
-    """``--out`` is an fsspec URL (the checkpoint layer decides; imported only when asked)."""
-    from lockstep.checkpoint.storage import is_url
-
-    return is_url(out)
-
-
-def _try_lock(checkpoints: str | Path, out: str | Path) -> None:
-    """Take and release the checkpoints' lock: refused at once when a live job holds them."""
-    from lockstep.checkpoint import CheckpointError, lock_folder
-    from lockstep.comm.group import Comm
-    from lockstep.env import World
-
-    try:
-        lock_folder(checkpoints, Comm(World())).release()
-    except CheckpointError as exc:
-        raise ConfigError(f"--out {out}: {exc}") from None
-
-
-def check_data(config: TrainConfig, world_size: int) -> Any:
-    """Open the data (checking folders and images) and check the batch against the shard.
-
-    Args:
-        config: the run's configuration.
-        world_size: processes in the job.
-
-    Returns:
-        The :class:`~lockstep.zoo.datasets.ImageData`.
-
-    Example::
-
-        data = check_data(TrainConfig(batch_size=64), world_size=2)
-    """
-    from lockstep.zoo.datasets import native_channels, open_data, parse_data
-    from lockstep.zoo.models import input_channels
-
-    spec = parse_data(config.data)
-    channels = input_channels(config.model, native_channels(spec))
-    data = open_data(spec, config.input_size, channels, val_fraction=config.val_fraction)
-    size = len(cast(Sized, data.train))
-    shard = size // world_size
-    if config.batch_size > shard:
-        raise ConfigError(
-            f"--batch-size {config.batch_size} (per device) is larger than each process's share of the "
-            f"training set ({size} samples / {world_size} processes = {shard}); "
-            f"use --batch-size {max(shard, 1)} or less, or fewer processes"
-        )
-    return data
+    return _url(out)

@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 import lockstep
-from lockstep.recipes.config import CHECKPOINTS, TrainConfig, check_data
+from lockstep.recipes.checks import check_data
+from lockstep.recipes.config import CHECKPOINTS, TrainConfig
 from lockstep.checkpoint import is_url
 from lockstep.recipes.outputs import RunLog
 from lockstep.zoo.datasets import materialized
@@ -46,7 +47,7 @@ def train(config: TrainConfig, data: Any = None) -> int:
 
     Args:
         config: the validated configuration.
-        data: the data from :func:`~lockstep.recipes.config.check_data` when already opened.
+        data: the data from :func:`~lockstep.recipes.checks.check_data` when already opened.
 
     Example::
 

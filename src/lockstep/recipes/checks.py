@@ -1,0 +1,105 @@
+"""The checks of a ``lockstep train`` run that touch the world outside its flags: the ``--out``
+folder (or URL) can be written and is not another live job's, and the data opens and suits the
+run. They run in the launching process, before any worker starts (one line, exit code 2).
+
+Example::
+
+    config = TrainConfig(out="runs/a")
+    check_out(config)
+    data = check_data(config, world_size=2)
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Sized
+from pathlib import Path
+from typing import Any, cast
+
+from lockstep.errors import ConfigError
+from lockstep.recipes.config import CHECKPOINTS, TrainConfig, is_url
+
+__all__ = ["check_out", "check_data"]
+
+
+def check_out(config: TrainConfig) -> None:
+    """Check, in the launching process, that ``--out`` can be written and is no other job's.
+
+    Creates the folder (as the run would), writes and removes a probe file, and, on node 0 only,
+    tries the lock of its checkpoint folder (:func:`lockstep.checkpoint.lock_folder`) without
+    keeping it.
+
+    Args:
+        config: the run's configuration (nothing is checked without ``out``).
+
+    Raises:
+        ConfigError: the folder cannot be created or written (a read-only file system, a file
+            in its path), or a live job holds its checkpoints (naming its host and pid).
+
+    Example::
+
+        check_out(TrainConfig(out="runs/a"))
+    """
+    if config.out is None:
+        return
+    if is_url(config.out):
+        if config.node_rank == 0:
+            _try_lock(f"{config.out}/{CHECKPOINTS}", config.out)
+        return
+    out = Path(config.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".lockstep-probe-", dir=out)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ConfigError(f"--out {out}: cannot write there ({exc.strerror or exc}); "
+                          "choose a writable folder") from None
+    if config.node_rank != 0:
+        return  # the folder is node 0's to lock (rank 0 holds it); on a shared file system the
+        # other nodes' launchers would find each other's probes and refuse their own job
+    _try_lock(out / CHECKPOINTS, out)
+
+
+def _try_lock(checkpoints: str | Path, out: str | Path) -> None:
+    """Take and release the checkpoints' lock: refused at once when a live job holds them."""
+    from lockstep.checkpoint import CheckpointError, lock_folder
+    from lockstep.comm.group import Comm
+    from lockstep.env import World
+
+    try:
+        lock_folder(checkpoints, Comm(World())).release()
+    except CheckpointError as exc:
+        raise ConfigError(f"--out {out}: {exc}") from None
+
+
+def check_data(config: TrainConfig, world_size: int) -> Any:
+    """Open the data (checking folders and images) and check the batch against the shard.
+
+    Args:
+        config: the run's configuration.
+        world_size: processes in the job.
+
+    Returns:
+        The :class:`~lockstep.zoo.datasets.ImageData`.
+
+    Example::
+
+        data = check_data(TrainConfig(batch_size=64), world_size=2)
+    """
+    from lockstep.zoo.datasets import native_channels, open_data, parse_data
+    from lockstep.zoo.models import input_channels
+
+    spec = parse_data(config.data)
+    channels = input_channels(config.model, native_channels(spec))
+    data = open_data(spec, config.input_size, channels, val_fraction=config.val_fraction)
+    size = len(cast(Sized, data.train))
+    shard = size // world_size
+    if config.batch_size > shard:
+        raise ConfigError(
+            f"--batch-size {config.batch_size} (per device) is larger than each process's share of the "
+            f"training set ({size} samples / {world_size} processes = {shard}); "
+            f"use --batch-size {max(shard, 1)} or less, or fewer processes"
+        )
+    return data

@@ -28,10 +28,13 @@ import torch
 from lockstep.errors import ConfigError
 from lockstep.session.nonfinite import NONFINITE_POLICIES
 
-__all__ = ["SessionConfig", "OWNERS", "PREEMPTION_MODES", "OPTION_NAMES"]
+__all__ = ["SessionConfig", "OWNERS", "PREEMPTION_MODES", "LOG_TIMINGS", "OPTION_NAMES"]
 
 PREEMPTION_MODES = ("save", "flag", "off")
 """What a stop signal does: save and exit 75, set ``should_stop``, or nothing (no handler)."""
+
+LOG_TIMINGS = ("off", "main", "all")
+"""Which ranks' step timings the loggers receive: none, rank 0's, or every rank's (rank 0 writes them all)."""
 
 _HERE = "lockstep.session.config"
 OWNERS: dict[str, str] = {
@@ -56,6 +59,9 @@ OWNERS: dict[str, str] = {
     "quiet": _HERE,
     "preemption": _HERE,
     "preempt_check_seconds": _HERE,
+    "loggers": _HERE,
+    "log_timings": _HERE,
+    "timings_every": _HERE,
 }
 """The one module whose messages refuse each option (a layout test holds the code to it)."""
 
@@ -106,6 +112,11 @@ class SessionConfig:
         quiet: print neither the start summary nor the "resumed from" line.
         preemption: ``"save"``, ``"flag"`` or ``"off"`` (see :mod:`lockstep.session.preempt`).
         preempt_check_seconds: about how often the ranks agree on a stop signal (positive, finite).
+        loggers: :class:`lockstep.loggers.Logger` objects ``session.log`` writes to (rank 0 only).
+        log_timings: the step timings the loggers receive: ``"off"``, ``"main"`` (rank 0's) or ``"all"``.
+        timings_every: the fewest steps of a timing window (windows also last about half a second);
+            every window the ranks compare timings (one small all-reduce) and a slow rank is named;
+            0 turns timings off.
 
     Raises:
         ConfigError: naming the option, its flag and the fix.
@@ -133,6 +144,9 @@ class SessionConfig:
     quiet: bool = False
     preemption: str = "save"
     preempt_check_seconds: float = 1.0
+    loggers: list[Any] | tuple[Any, ...] | None = None
+    log_timings: str = "main"
+    timings_every: int = 5
 
     @classmethod
     def from_keywords(cls, keywords: dict[str, Any], config: SessionConfig | None = None) -> SessionConfig:
@@ -167,6 +181,7 @@ class SessionConfig:
         self._check_choices()
         self._check_strategy_options()
         self._check_lower_layers()
+        self._check_observing()
 
     def _set(self, name: str, value: Any) -> None:
         """Keep the canonical spelling of a checked value (the dataclass is frozen for everyone else)."""
@@ -246,6 +261,23 @@ class SessionConfig:
             compression, strategy=self.strategy, backend=self.backend, bucket_cap_mb=options.get("bucket_cap_mb"),
             **knobs))
         self._set("compile", check_compile(self.compile))
+
+    def _check_observing(self) -> None:
+        """Loggers are lockstep's logger objects; timings are a choice and a window length."""
+        from lockstep.loggers import Logger
+
+        loggers = self.loggers
+        if loggers is not None and (not isinstance(loggers, (list, tuple))
+                                    or not all(isinstance(x, Logger) for x in loggers)):
+            raise ConfigError(f"{_given('loggers', loggers)} must be a list of lockstep.loggers objects, e.g. "
+                              "[lockstep.loggers.CSVLogger('runs/a'), lockstep.loggers.TensorBoardLogger('runs/a/tb')]")
+        self._set("loggers", tuple(loggers or ()))
+        if self.log_timings not in LOG_TIMINGS:
+            raise ConfigError(f"{_given('log_timings', self.log_timings)}; choose one of {', '.join(LOG_TIMINGS)}")
+        every = self.timings_every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise ConfigError(f"{_given('timings_every', every)} must be an integer >= 0 (steps per timing "
+                              "window at least; 0 turns timings off)")
 
     @property
     def compile_backend(self) -> str:

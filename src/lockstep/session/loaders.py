@@ -39,6 +39,7 @@ class DeviceLoader:
             checkpoint taken mid-epoch knows how far the epoch got.
         on_batch: called with :attr:`remaining` (the batch included) as each training batch
             is handed out, before the model sees it (the session's accumulation window).
+        timer: times each wait for a training batch (:mod:`lockstep.session.timings`), or ``None``.
 
     Example::
 
@@ -47,7 +48,7 @@ class DeviceLoader:
     """
 
     def __init__(self, loader: torch.utils.data.DataLoader, device: torch.device, train: bool,
-                 on_batch: Callable[[int], None] | None = None) -> None:
+                 on_batch: Callable[[int], None] | None = None, timer: Any = None) -> None:
         from lockstep.data.loader import move_to_device
 
         self.loader = loader
@@ -57,6 +58,7 @@ class DeviceLoader:
         self._non_blocking = device.type == "cuda"
         self._on_batch = on_batch if train else None
         self.tracker: Any = None  # the session's TrainLoaders, told when a batch goes out or the loader runs out
+        self.timer = timer if train else None
 
     @property
     def sampler(self) -> Any:
@@ -97,6 +99,11 @@ class DeviceLoader:
         return samples // size if self.loader.drop_last else -(-samples // size)
 
     def __iter__(self) -> Iterator[Any]:
+        batches = self._batches()
+        return batches if self.timer is None else self.timer.data(batches, _batch_len)
+
+    def _batches(self) -> Iterator[Any]:
+        """The batches on the device; the sampler's position and the accumulation window told of each."""
         move, device, nb = self._move, self.device, self._non_blocking
         on_host = device.type == "cpu"  # the loader's batches are already there
         advance = getattr(self.sampler, "advance", None) if self.train else None
@@ -189,7 +196,7 @@ class TrainLoaders:
                 f"{-(-len(first) // accumulate)} steps per epoch"]  # an epoch ends with a step
 
     def wrap(self, loader: torch.utils.data.DataLoader, device: torch.device, *, train: bool,
-             on_batch: Callable[[int], None] | None = None) -> DeviceLoader:
+             on_batch: Callable[[int], None] | None = None, timer: Any = None) -> DeviceLoader:
         """Return ``loader`` as a :class:`DeviceLoader` on ``device``; a training one is tracked (:meth:`add`).
 
         Args:
@@ -197,12 +204,13 @@ class TrainLoaders:
             device: where its batches go.
             train: a training loader (its epoch and position are the session's).
             on_batch: told as each training batch is handed out (see :class:`DeviceLoader`).
+            timer: times each wait for a training batch (see :class:`DeviceLoader`).
 
         Example::
 
             train = loaders.wrap(make_loader(data, 32, world_size=1, rank=0), torch.device("cpu"), train=True)
         """
-        wrapped = DeviceLoader(loader, device, train, on_batch)
+        wrapped = DeviceLoader(loader, device, train, on_batch, timer)
         if train:
             self.add(wrapped)
         return wrapped

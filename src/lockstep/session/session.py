@@ -39,6 +39,7 @@ from lockstep.session.loaders import DeviceLoader, progress_bar
 from lockstep.session.locks import FolderLocks
 from lockstep.session.loop import Accumulator, TrainStep
 from lockstep.session.nonfinite import NonFiniteLossError, NonFinitePolicy
+from lockstep.session.observe import Observing, TimingReport
 from lockstep.session.options import summary_line
 from lockstep.session.position import Position
 from lockstep.session.preempt import Preempted, StopGuard, stop_message
@@ -53,7 +54,7 @@ Optimizer = torch.optim.Optimizer
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
 
 
-class Session(Position):
+class Session(Position, Observing):
     """One training job: where this rank is, how it talks, how the model is wrapped.
 
     The options are one :class:`~lockstep.session.config.SessionConfig` (its docstring has the
@@ -95,6 +96,7 @@ class Session(Position):
             the folder last given to :meth:`save`/:meth:`load`, exits 75), ``"flag"`` (sets
             :attr:`should_stop`) or ``"off"`` (:mod:`lockstep.session.preempt`).
         preempt_check_seconds: about how often the ranks agree on a stop signal.
+        loggers, log_timings, timings_every: logging and step timings (:class:`~lockstep.session.observe.Observing`).
 
     Raises:
         ConfigError: a bad option (before any process group), or ``config`` with other options.
@@ -102,8 +104,7 @@ class Session(Position):
     Example::
 
         session = lockstep.Session(strategy="ddp", precision="bf16-mixed", accumulate=2)
-        session = lockstep.Session(strategy="ddp", grad_compression="powersgd",
-                                   strategy_options={"powersgd_rank": 2})
+        session = lockstep.Session(strategy="ddp", grad_compression="powersgd", strategy_options={"powersgd_rank": 2})
         session = lockstep.Session(config=lockstep.SessionConfig(strategy="ddp", clip_grad_norm=1.0))
     """
 
@@ -113,7 +114,8 @@ class Session(Position):
         nonfinite: str = "skip", timeout: float | timedelta | None = None, backend: str = "auto",
         init_method: str | None = None, grad_compression: str | None = None, shard_optimizer: bool = False,
         strategy_options: dict[str, Any] | None = None, compile: bool | dict[str, Any] = False, quiet: bool = False,
-        preemption: str = "save", preempt_check_seconds: float = 1.0,
+        preemption: str = "save", preempt_check_seconds: float = 1.0, loggers: list[Any] | None = None,
+        log_timings: str = "main", timings_every: int = 5,
     ) -> None:
         keywords = {name: value for name, value in locals().items() if name in OPTION_NAMES}
         config = SessionConfig.from_keywords(keywords, config)  # every option checked once, before any group
@@ -132,8 +134,9 @@ class Session(Position):
         self.strategy = get_strategy(config.strategy, self.comm, self.device, **config.strategy_kwargs(self.world_size))
         seed_everything(config.seed)
         self.state = TrainState(self.rank, self.world_size)
+        self._report = TimingReport(self.comm, self.device, config, say=self.print, step=lambda: self.global_step)
         self._steps = TrainStep(self.state, self._accum, self._finite, self.precision, self.strategy, self.comm,
-                                config.clip_grad_norm, say=self.print)
+                                config.clip_grad_norm, say=self.print, timer=self._report.timer)
         self._models: list[ModelWrappers] = []  # each setup's layers, the last one the model in training
         self.compiled = False  # set by setup: True once torch.compile wrapped the model
         self._announced = False
@@ -192,7 +195,7 @@ class Session(Position):
                 opt = optimizer(wrapped.parameters())
             opt = self.strategy.setup_optimizer(opt, wrapped, self.accumulate)
             opt = self.precision.setup_optimizer(opt, wrapped)
-        self._accum.attach(self.strategy, wrapped)  # no_sync needs the strategy's own wrapper
+        self._steps.attach(wrapped)  # no_sync needs the strategy's own wrapper; the timings hook its parameters
         self.compiled = layers.is_compiled
         self._models.append(layers)
         return layers.trained if opt is None else (layers.trained, opt)
@@ -220,7 +223,8 @@ class Session(Position):
         loader = make_loader(dataset, batch_size, world_size=self.world_size, rank=self.rank,
                              shuffle=shuffle and not eval, eval=eval, seed=self.seed, **options)
         return self.state.loaders.wrap(loader, self.device, train=not eval,
-                                       on_batch=self._accum.on_batch if self.accumulate > 1 else None)
+                                       on_batch=self._accum.on_batch if self.accumulate > 1 else None,
+                                       timer=self._report.timer)
 
     # -- the loop ---------------------------------------------------------------------------
     def epochs(self, n: int, start: int = 0) -> Iterator[int]:
@@ -380,6 +384,7 @@ class Session(Position):
         self._saves.wait()  # a save still being written (blocking=False) ends, or raises, here
         self._folders.release()
         self._saves.close()
+        self._report.close()
         self.comm.shutdown()
         for layers in self._models:
             self.strategy.release(layers.wrapped)

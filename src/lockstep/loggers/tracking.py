@@ -16,25 +16,40 @@ from typing import Any
 from lockstep.errors import ConfigError
 from lockstep.loggers.base import Logger, require
 
-__all__ = ["MLflowLogger", "WandbLogger"]
+__all__ = ["MLflowLogger", "WandbLogger", "tracking_uri", "DATABASE"]
+
+
+DATABASE = "mlflow.db"
+"""The sqlite database a folder given to :class:`MLflowLogger` holds."""
 
 
 def tracking_uri(where: str | Path) -> str:
-    """An MLflow tracking URI from a folder path or a URI (``sqlite:///runs/mlflow.db``, ``file:///...``).
+    """An MLflow tracking URI: a folder becomes the sqlite database ``mlflow.db`` in it; a URI stays as it is.
+
+    MLflow 3 keeps its file store (``file:///...``) for old runs only (it asks for
+    ``MLFLOW_ALLOW_FILE_STORE=true``), so a local folder gets a sqlite database.
 
     Example::
 
-        tracking_uri("runs/mlruns")      # 'file:///home/me/runs/mlruns'
+        tracking_uri("runs/mlflow")      # 'sqlite:////home/me/runs/mlflow/mlflow.db'
     """
     text = str(where)
-    return text if "://" in text or text.startswith("sqlite:") else Path(text).resolve().as_uri()
+    return text if "://" in text or text.startswith("sqlite:") else f"sqlite:///{Path(text).resolve() / DATABASE}"
+
+
+def _artifacts(uri: str) -> str | None:
+    """Where a new experiment keeps artifacts: beside a sqlite database (not in the working directory)."""
+    if uri.startswith("sqlite:///"):
+        return (Path(uri[len("sqlite:///"):]).parent / "artifacts").resolve().as_uri()
+    return None
 
 
 class MLflowLogger(Logger):
     """An MLflow run, written through ``MlflowClient`` (no global active run is touched).
 
     Args:
-        where: a folder (a file store) or a tracking URI such as ``sqlite:///runs/mlflow.db``.
+        where: a folder (a sqlite database ``mlflow.db`` in it) or a tracking URI such as
+            ``sqlite:///runs/mlflow.db`` or ``file:///runs/mlruns`` (MLflow's file store).
         experiment: the experiment's name (made if missing).
         run_name: the run's name (MLflow picks one when ``None``).
         params: parameters recorded with the run (values become strings).
@@ -69,7 +84,8 @@ class MLflowLogger(Logger):
             Path(self.directory[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
         self._client = client = MlflowClient(tracking_uri=self.directory)
         found = client.get_experiment_by_name(self.experiment)
-        experiment_id = found.experiment_id if found is not None else client.create_experiment(self.experiment)
+        experiment_id = found.experiment_id if found is not None else client.create_experiment(
+            self.experiment, artifact_location=_artifacts(self.directory))
         self.run_id = client.create_run(experiment_id, run_name=self.run_name).info.run_id
         for key, value in self.params.items():
             client.log_param(self.run_id, key, str(value))

@@ -15,7 +15,7 @@ from typing import Any
 from lockstep.errors import EXIT_PREEMPTED, ConfigError, LockstepError
 
 __version__ = "0.1.0"
-__all__ = ["Session", "SessionConfig", "ResumeState", "spawn", "metrics", "init_comm", "detect_world", "World",
+__all__ = ["Session", "SessionConfig", "ResumeState", "spawn", "metrics", "loggers", "init_comm", "detect_world", "World",
            "Preempted", "CollectiveTimeoutError", "ConfigError", "LockstepError", "EXIT_PREEMPTED",
            "__version__"]
 
@@ -25,6 +25,7 @@ _LAZY = {
     "spawn": ("lockstep.launch.spawn", "spawn"),
     "ResumeState": ("lockstep.session.state", "ResumeState"),
     "metrics": ("lockstep.metrics", None),
+    "loggers": ("lockstep.loggers", None),
     "init_comm": ("lockstep.comm", "init_comm"),
     "detect_world": ("lockstep.env", "detect_world"),
     "World": ("lockstep.env", "World"),

@@ -18,6 +18,7 @@ import math
 import sys
 import time
 from collections.abc import Iterable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from torch import nn
 
 import lockstep
 from lockstep.recipes.config import CHECKPOINTS, TrainConfig, check_data
-from lockstep.recipes.outputs import RunLog
+from lockstep.recipes.outputs import TENSORBOARD_DIR, RunLog, tensorboard_logger
 from lockstep.zoo.datasets import materialized
 from lockstep.zoo.models import build_model, load_weights
 
@@ -54,7 +55,9 @@ def train(config: TrainConfig, data: Any = None) -> int:
     world = lockstep.detect_world()
     if data is None:
         data = check_data(config, world.world_size)  # before the process group: errors stay one line
-    session = lockstep.Session(config=config.session_config())
+    # the step timings of every window go to TensorBoard beside the epoch metrics, against the global step
+    timings = tensorboard_logger(Path(config.out) / TENSORBOARD_DIR / "timings", None) if config.out else None
+    session = lockstep.Session(config=replace(config.session_config(), loggers=[timings] if timings else None))
     with session:
         _run(session, config, data)
     return 0
@@ -88,7 +91,9 @@ def _run(session: lockstep.Session, config: TrainConfig, data: Any) -> None:
     session.print(f"{session.summary()}, lr {lr:g}")
     if state.resumed:
         session.print(f"lockstep train: resumed from {state.path} after epoch {start}")
-    log = RunLog(out, session.is_main, start)
+    for logger in session.config.loggers or ():
+        logger.resume_at(session.global_step + 1)  # steps after the checkpoint are trained (and logged) again
+    log = RunLog(out, session.is_main, start, say=session.print)
     log.write_config({**config.to_dict(), "world_size": session.world_size, "image_size": data.image_size,
                       "lr_effective": lr, "global_batch": train_loader.batch_size * session.world_size
                       * session.accumulate, "lockstep": lockstep.__version__,

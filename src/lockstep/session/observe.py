@@ -25,6 +25,7 @@ import torch
 from lockstep.comm.group import Comm
 from lockstep.loggers import LoggerSet
 from lockstep.session.config import SessionConfig
+from lockstep.session.state import TrainState
 from lockstep.session.slow_rank import PHASES, SlowRank, SlowRankDetector
 from lockstep.session.timings import StepTimer, TimingWindow
 
@@ -100,6 +101,15 @@ class Observing:
     """
 
     _report: TimingReport
+    comm: Comm
+    device: torch.device
+    print: Callable[..., None]
+    state: TrainState
+
+    def _observe(self, config: SessionConfig) -> StepTimer | None:
+        """Build the session's timing report (its ``_report``); return the timer the training step calls."""
+        self._report = TimingReport(self.comm, self.device, config, say=self.print, step=lambda: self.state.global_step)
+        return self._report.timer
 
     def log(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
         """Write ``metrics`` to the session's loggers (rank 0 only; other ranks return at once).

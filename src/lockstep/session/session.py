@@ -15,8 +15,7 @@ The same script runs as ``python train.py`` (one process), ``lockstep run --npro
         acc = lockstep.metrics.accuracy(model, test, session)
         session.save("checkpoints", model=model, optimizer=optimizer, keep=2)
 
-The session is thin: it delegates to the layers below (env, comm, strategies, precision, data,
-metrics, checkpoint).
+The session is thin: it delegates to the layers below (env, comm, strategies, precision, data, metrics, checkpoint).
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ from lockstep.session.loaders import DeviceLoader, progress_bar
 from lockstep.session.locks import FolderLocks
 from lockstep.session.loop import Accumulator, TrainStep
 from lockstep.session.nonfinite import NonFiniteLossError, NonFinitePolicy
-from lockstep.session.observe import Observing, TimingReport
+from lockstep.session.observe import Observing
 from lockstep.session.options import summary_line
 from lockstep.session.position import Position
 from lockstep.session.preempt import Preempted, StopGuard, stop_message
@@ -96,7 +95,9 @@ class Session(Position, Observing):
             the folder last given to :meth:`save`/:meth:`load`, exits 75), ``"flag"`` (sets
             :attr:`should_stop`) or ``"off"`` (:mod:`lockstep.session.preempt`).
         preempt_check_seconds: about how often the ranks agree on a stop signal.
-        loggers, log_timings, timings_every: logging and step timings (:class:`~lockstep.session.observe.Observing`).
+        loggers: :mod:`lockstep.loggers` objects that :meth:`log` and the step timings write to (rank 0 only).
+        log_timings: whose step timings the loggers get every window: ``"main"`` (rank 0), ``"all"`` or ``"off"``.
+        timings_every: fewest steps per timing window (0: no timings); a persistently slow rank is named then.
 
     Raises:
         ConfigError: a bad option (before any process group), or ``config`` with other options.
@@ -134,9 +135,8 @@ class Session(Position, Observing):
         self.strategy = get_strategy(config.strategy, self.comm, self.device, **config.strategy_kwargs(self.world_size))
         seed_everything(config.seed)
         self.state = TrainState(self.rank, self.world_size)
-        self._report = TimingReport(self.comm, self.device, config, say=self.print, step=lambda: self.global_step)
         self._steps = TrainStep(self.state, self._accum, self._finite, self.precision, self.strategy, self.comm,
-                                config.clip_grad_norm, say=self.print, timer=self._report.timer)
+                                config.clip_grad_norm, say=self.print, timer=self._observe(config))
         self._models: list[ModelWrappers] = []  # each setup's layers, the last one the model in training
         self.compiled = False  # set by setup: True once torch.compile wrapped the model
         self._announced = False

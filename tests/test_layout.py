@@ -19,7 +19,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("comm",),
     ("strategies", "precision"),
     ("data",),
-    ("metrics",),
+    ("metrics", "loggers"),
     ("checkpoint",),
     ("session",),
     ("launch",),

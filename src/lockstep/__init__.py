@@ -15,7 +15,7 @@ from typing import Any
 from lockstep.errors import EXIT_PREEMPTED, ConfigError, LockstepError
 
 __version__ = "0.1.0"
-__all__ = ["Session", "SessionConfig", "ResumeState", "spawn", "launch", "metrics", "init_comm", "detect_world", "World",
+__all__ = ["Session", "SessionConfig", "ResumeState", "spawn", "launch", "metrics", "loggers", "init_comm", "detect_world", "World",
            "Preempted", "CollectiveTimeoutError", "ConfigError", "LockstepError", "SessionUsageError", "EXIT_PREEMPTED",
            "__version__"]
 
@@ -26,6 +26,7 @@ _LAZY = {
     "ResumeState": ("lockstep.session.state", "ResumeState"),
     "metrics": ("lockstep.metrics", None),
     "launch": ("lockstep.launch", None),
+    "loggers": ("lockstep.loggers", None),
     "init_comm": ("lockstep.comm", "init_comm"),
     "detect_world": ("lockstep.env", "detect_world"),
     "World": ("lockstep.env", "World"),

@@ -93,6 +93,15 @@ def _worker_args(spec: LaunchSpec) -> list[str]:
     return args + list(spec.args)
 
 
+def _say_log_folder(log_dir: str, run_id: str) -> None:
+    """Name the folder torch's agent made under ``--log-dir`` for this job (``RUNID_xxxx``, a random suffix)."""
+    made = sorted((os.path.join(log_dir, d) for d in os.listdir(log_dir) if d.startswith(run_id + "_")),
+                  key=os.path.getmtime) if os.path.isdir(log_dir) else []
+    if made:
+        say(f"lockstep run: every rank's output is under {os.path.abspath(made[-1])} "
+            "(attempt_N/LOCAL_RANK/stdout.log and stderr.log)")
+
+
 def _launch_config(spec: LaunchSpec, log_dir: str) -> Any:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.launcher.api import LaunchConfig
@@ -232,10 +241,12 @@ def launch(spec: LaunchSpec) -> int:
             say(warning)
     log_dir = spec.log_dir or tempfile.mkdtemp(prefix="lockstep-run-")
     report = JobReporter(spec, postmortem_dir=os.path.join(log_dir, "postmortem"))
+    config: Any = None
     try:
         with (horovod_rendezvous(spec) as horovod, _launch_environment(spec, report.postmortem_dir, horovod),
               quiet_torch(spec.verbose), reporting_agent(report)):
-            elastic_launch(_launch_config(spec, log_dir), sys.executable)(*_worker_args(spec))
+            config = _launch_config(spec, log_dir)
+            elastic_launch(config, sys.executable)(*_worker_args(spec))
         return 0
     except ChildFailedError as exc:
         return report.failed(exc.failures)
@@ -247,3 +258,5 @@ def launch(spec: LaunchSpec) -> int:
         sys.stdout.flush()
         if spec.log_dir is None:
             shutil.rmtree(log_dir, ignore_errors=True)
+        elif config is not None:
+            _say_log_folder(log_dir, config.run_id)

@@ -1,9 +1,10 @@
 """What a ``lockstep train`` run leaves in ``--out``: ``config.json``, ``metrics.csv``, TensorBoard events.
 
-Only rank 0 writes. ``metrics.csv`` has one row per finished epoch; a resumed run keeps the rows
-of the epochs its checkpoint covers and drops any later ones (an epoch logged but not saved is
-trained again, so it would otherwise appear twice). TensorBoard events are written when the
-``tensorboard`` package is installed, and silently skipped when it is not. A run stopped for
+Only rank 0 writes, through :mod:`lockstep.loggers`. ``metrics.csv`` has one row per finished epoch;
+a resumed run keeps the rows of the epochs its checkpoint covers and drops any later ones (an
+epoch logged but not saved is trained again, so it would otherwise appear twice). TensorBoard
+events (the same numbers against the epoch) go to ``tensorboard/`` when the ``tensorboard``
+package is installed; when it is not, one line says so and how to install it. A run stopped for
 preemption leaves ``preempted.json`` (its flags, the step and the checkpoint): the same command
 run again (a scheduler's requeue) continues it without ``--resume``; a run that finishes removes it.
 
@@ -17,18 +18,42 @@ Example::
 
 from __future__ import annotations
 
-import csv
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RunLog", "read_preempted", "METRICS_FILE", "CONFIG_FILE", "PREEMPTED_FILE", "COLUMNS"]
+from lockstep.errors import ConfigError
+from lockstep.loggers import CSVLogger, Logger, TensorBoardLogger
+
+__all__ = ["RunLog", "read_preempted", "tensorboard_logger", "METRICS_FILE", "CONFIG_FILE", "PREEMPTED_FILE",
+           "TENSORBOARD_DIR", "COLUMNS"]
 
 METRICS_FILE = "metrics.csv"
 CONFIG_FILE = "config.json"
 PREEMPTED_FILE = "preempted.json"
+TENSORBOARD_DIR = "tensorboard"
 COLUMNS = ("epoch", "step", "train_loss", "test_loss", "test_accuracy", "test_count", "samples_per_s",
            "epoch_time_s", "lr")
+
+
+def tensorboard_logger(directory: Path, say: Callable[[str], None] | None) -> TensorBoardLogger | None:
+    """A TensorBoard logger for ``directory``, or ``None`` (saying so once) when tensorboard is not installed.
+
+    Args:
+        directory: the event files' folder.
+        say: prints the line that says TensorBoard is left out (rank 0's print), or ``None``.
+
+    Example::
+
+        tensorboard_logger(Path("runs/a/tensorboard"), print)
+    """
+    try:
+        return TensorBoardLogger(directory)
+    except ConfigError as exc:  # optional for lockstep train: metrics.csv holds the same numbers
+        if say is not None:
+            say(f"lockstep train: no TensorBoard events: {exc}")
+        return None
 
 
 class RunLog:
@@ -38,37 +63,29 @@ class RunLog:
         out: the ``--out`` folder, or ``None`` to write nothing.
         is_main: True on rank 0.
         start_epoch: first epoch this run trains (0-based); rows from it on are dropped.
+        say: prints rank 0's lines (where the run's outputs are; TensorBoard left out), or ``None``.
 
     Example::
 
         log = RunLog(None, is_main=True, start_epoch=0)   # writes nothing
     """
 
-    def __init__(self, out: Path | None, is_main: bool, start_epoch: int) -> None:
+    def __init__(self, out: Path | None, is_main: bool, start_epoch: int,
+                 say: Callable[[str], None] | None = None) -> None:
         self.out = out if is_main else None
-        self._tb: Any = None
+        self._loggers: list[Logger] = []
         if self.out is None:
             return
         self.out.mkdir(parents=True, exist_ok=True)
-        self._trim(start_epoch)
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:  # tensorboard is optional
-            return
-        self._tb = SummaryWriter(log_dir=str(self.out / "tensorboard"), purge_step=start_epoch + 1)
-
-    def _trim(self, start_epoch: int) -> None:
-        """Keep the rows of epochs before ``start_epoch`` (1-based epoch column <= start_epoch)."""
-        assert self.out is not None
-        path = self.out / METRICS_FILE
-        rows: list[dict[str, str]] = []
-        if path.is_file():
-            with open(path, newline="") as f:
-                rows = [r for r in csv.DictReader(f) if int(r["epoch"]) <= start_epoch]
-        with open(path, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=COLUMNS)
-            writer.writeheader()
-            writer.writerows(rows)
+        self._csv = CSVLogger(self.out, METRICS_FILE, columns=COLUMNS, step_column="epoch")
+        self._tb = tensorboard_logger(self.out / TENSORBOARD_DIR, say)
+        self._loggers = [self._csv] + ([self._tb] if self._tb is not None else [])
+        for logger in self._loggers:
+            logger.resume_at(start_epoch + 1)  # epochs count from 1 in the files
+        self._csv.log({}, start_epoch)  # opens the file now: the rows a resumed run trains again are gone
+        if say is not None:
+            say(f"lockstep train: writing {METRICS_FILE}, config.json, checkpoints"
+                f"{' and TensorBoard events' if self._tb is not None else ''} to {self.out.resolve()}")
 
     def write_config(self, config: dict[str, Any]) -> None:
         """Write ``config.json`` (the run's flags, resolved defaults and world).
@@ -95,12 +112,10 @@ class RunLog:
         """
         if self.out is None:
             return
-        with open(self.out / METRICS_FILE, "a", newline="") as f:
-            csv.DictWriter(f, fieldnames=COLUMNS).writerow({k: row.get(k, "") for k in COLUMNS})
+        epoch = int(row["epoch"])
+        self._csv.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, epoch)
         if self._tb is not None:
-            for key in COLUMNS[2:]:
-                if isinstance(row.get(key), (int, float)):
-                    self._tb.add_scalar(key, row[key], int(row["epoch"]))
+            self._tb.log({k: row[k] for k in COLUMNS[2:] if isinstance(row.get(k), (int, float))}, epoch)
             self._tb.flush()
 
     def preempted(self, config: dict[str, Any], step: int, checkpoint: Path | None) -> None:
@@ -132,15 +147,14 @@ class RunLog:
             (self.out / PREEMPTED_FILE).unlink(missing_ok=True)
 
     def close(self) -> None:
-        """Close the TensorBoard writer (the CSV file is closed after every row).
+        """Close the loggers (the CSV file is closed after every row). Safe to call twice.
 
         Example::
 
             log.close()
         """
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        for logger in self._loggers:
+            logger.close()
 
 
 def read_preempted(out: Path) -> dict[str, Any] | None:

@@ -18,6 +18,7 @@ import math
 import sys
 import time
 from collections.abc import Iterable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +26,10 @@ import torch
 from torch import nn
 
 import lockstep
+from lockstep.checkpoint import is_url
 from lockstep.recipes.checks import check_data
 from lockstep.recipes.config import CHECKPOINTS, TrainConfig
-from lockstep.checkpoint import is_url
-from lockstep.recipes.outputs import RunLog
+from lockstep.recipes.outputs import TENSORBOARD_DIR, RunLog, tensorboard_logger
 from lockstep.zoo.datasets import materialized
 from lockstep.zoo.models import build_model, load_weights
 
@@ -56,7 +57,11 @@ def train(config: TrainConfig, data: Any = None) -> int:
     world = lockstep.detect_world()
     if data is None:
         data = check_data(config, world.world_size)  # before the process group: errors stay one line
-    session = lockstep.Session(config=config.session_config())
+    # the step timings of every window go to TensorBoard beside the epoch metrics, against the global step
+    # (a local --out only: a URL holds the checkpoints alone)
+    local = config.out is not None and not is_url(config.out)
+    timings = tensorboard_logger(Path(str(config.out)) / TENSORBOARD_DIR / "timings", None) if local else None
+    session = lockstep.Session(config=replace(config.session_config(), loggers=[timings] if timings else None))
     with session:
         _run(session, config, data)
     return 0
@@ -92,7 +97,9 @@ def _run(session: lockstep.Session, config: TrainConfig, data: Any) -> None:
     session.print(f"{session.summary(config.max_steps)}, lr {lr:g}")  # --max-steps: the steps it takes
     if state.resumed:
         session.print(f"lockstep train: resumed from {state.path} after epoch {start}")
-    log = RunLog(out, session.is_main, start)
+    for logger in session.config.loggers or ():
+        logger.resume_at(session.global_step + 1)  # steps after the checkpoint are trained (and logged) again
+    log = RunLog(out, session.is_main, start, say=session.print)
     # "resume": whether this run continued from a checkpoint (every worker is given --resume)
     log.write_config({**config.to_dict(), "resume": state.resumed, "world_size": session.world_size,
                       "image_size": data.image_size,

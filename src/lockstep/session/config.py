@@ -28,10 +28,13 @@ import torch
 from lockstep.errors import ConfigError
 from lockstep.session.nonfinite import NONFINITE_POLICIES
 
-__all__ = ["SessionConfig", "OWNERS", "PREEMPTION_MODES", "OPTION_NAMES"]
+__all__ = ["SessionConfig", "OWNERS", "PREEMPTION_MODES", "LOG_TIMINGS", "OPTION_NAMES"]
 
 PREEMPTION_MODES = ("save", "flag", "off")
 """What a stop signal does: save and exit 75, set ``should_stop``, or nothing (no handler)."""
+
+LOG_TIMINGS = ("off", "main", "all")
+"""Which ranks' step timings the loggers receive: none, rank 0's, or every rank's (rank 0 writes them all)."""
 
 _HERE = "lockstep.session.config"
 OWNERS: dict[str, str] = {
@@ -58,6 +61,9 @@ OWNERS: dict[str, str] = {
     "preempt_check_seconds": _HERE,
     "order": "lockstep.data.samplers",
     "global_batch": _HERE,
+    "loggers": _HERE,
+    "log_timings": _HERE,
+    "timings_every": _HERE,
 }
 """The one module whose messages refuse each option (a layout test holds the code to it)."""
 
@@ -115,6 +121,11 @@ class SessionConfig:
             changes: the loader's ``batch_size`` becomes the largest per-rank micro-batch and
             the micro-batch and accumulation are planned for the world size
             (:func:`~lockstep.data.steps.plan_batches`). ``None``: ``batch_size x world x accumulate``.
+        loggers: :class:`lockstep.loggers.Logger` objects ``session.log`` writes to (rank 0 only).
+        log_timings: the step timings the loggers receive: ``"off"``, ``"main"`` (rank 0's) or ``"all"``.
+        timings_every: the fewest steps of a timing window (windows also last about half a second);
+            every window the ranks compare timings (one small all-reduce) and a slow rank is named;
+            0 turns timings off.
 
     Raises:
         ConfigError: naming the option, its flag and the fix.
@@ -144,6 +155,9 @@ class SessionConfig:
     preempt_check_seconds: float = 1.0
     order: str = "lockstep"
     global_batch: int | None = None
+    loggers: list[Any] | tuple[Any, ...] | None = None
+    log_timings: str = "main"
+    timings_every: int = 5
 
     @classmethod
     def from_keywords(cls, keywords: dict[str, Any], config: SessionConfig | None = None) -> SessionConfig:
@@ -179,6 +193,7 @@ class SessionConfig:
         self._check_strategy_options()
         self._check_lower_layers()
         self._check_data()
+        self._check_observing()
 
     def _set(self, name: str, value: Any) -> None:
         """Keep the canonical spelling of a checked value (the dataclass is frozen for everyone else)."""
@@ -279,6 +294,23 @@ class SessionConfig:
         if self.strategy == "horovod":
             raise ConfigError(f"{_given('global_batch', batch)} re-plans the accumulation per world size, which "
                               "Horovod's optimizer fixes when it is built; use strategy 'ddp' or drop it")
+
+    def _check_observing(self) -> None:
+        """Loggers are lockstep's logger objects; timings are a choice and a window length."""
+        from lockstep.loggers import Logger
+
+        loggers = self.loggers
+        if loggers is not None and (not isinstance(loggers, (list, tuple))
+                                    or not all(isinstance(x, Logger) for x in loggers)):
+            raise ConfigError(f"{_given('loggers', loggers)} must be a list of lockstep.loggers objects, e.g. "
+                              "[lockstep.loggers.CSVLogger('runs/a'), lockstep.loggers.TensorBoardLogger('runs/a/tb')]")
+        self._set("loggers", tuple(loggers or ()))
+        if self.log_timings not in LOG_TIMINGS:
+            raise ConfigError(f"{_given('log_timings', self.log_timings)}; choose one of {', '.join(LOG_TIMINGS)}")
+        every = self.timings_every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise ConfigError(f"{_given('timings_every', every)} must be an integer >= 0 (steps per timing "
+                              "window at least; 0 turns timings off)")
 
     @property
     def compile_backend(self) -> str:

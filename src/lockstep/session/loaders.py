@@ -43,6 +43,7 @@ class DeviceLoader:
             is handed out, before the model sees it (the session's accumulation window); in
             the default order also with the size of the batch's accumulation window and the
             factor on its loss (:meth:`lockstep.data.steps.MicroStep.weight`).
+        timer: times each wait for a training batch (:mod:`lockstep.session.timings`), or ``None``.
 
     Example::
 
@@ -51,7 +52,7 @@ class DeviceLoader:
     """
 
     def __init__(self, loader: torch.utils.data.DataLoader, device: torch.device, train: bool,
-                 on_batch: Callable[..., None] | None = None) -> None:
+                 on_batch: Callable[..., None] | None = None, timer: Any = None) -> None:
         from lockstep.data.loader import move_to_device
 
         self.loader = loader
@@ -61,6 +62,7 @@ class DeviceLoader:
         self._non_blocking = device.type == "cuda"
         self._on_batch = on_batch if train else None
         self.tracker: Any = None  # the session's TrainLoaders, told when a batch goes out or the loader runs out
+        self.timer = timer if train else None
         self.share = 0  # samples of this rank in the batch last handed out (0: a zero-weight stand-in)
 
     @property
@@ -113,9 +115,8 @@ class DeviceLoader:
         return samples // size if self.loader.drop_last else -(-samples // size)
 
     def __iter__(self) -> Iterator[Any]:
-        if self.steps is not None:
-            return self._iter_steps(self.steps)
-        return self._iter_padded()
+        batches = self._iter_steps(self.steps) if self.steps is not None else self._iter_padded()
+        return batches if self.timer is None else self.timer.data(batches, _batch_len)
 
     def _iter_steps(self, steps: StepSampler) -> Iterator[Any]:
         """The default order: each batch's place in its step is known from the cursor, whatever the prefetch."""
@@ -266,7 +267,7 @@ class TrainLoaders:
         return out
 
     def wrap(self, loader: torch.utils.data.DataLoader, device: torch.device, *, train: bool,
-             on_batch: Callable[..., None] | None = None, accum: Any = None) -> DeviceLoader:
+             on_batch: Callable[..., None] | None = None, accum: Any = None, timer: Any = None) -> DeviceLoader:
         """Return ``loader`` as a :class:`DeviceLoader` on ``device``; a training one is tracked (:meth:`add`).
 
         Args:
@@ -276,12 +277,13 @@ class TrainLoaders:
             on_batch: told as each training batch is handed out (see :class:`DeviceLoader`).
             accum: the session's :class:`~lockstep.session.loop.Accumulator`: told of each batch,
                 and given the first loader's planned accumulation (a global batch plans it).
+            timer: times each wait for a training batch (see :class:`DeviceLoader`).
 
         Example::
 
             train = loaders.wrap(make_loader(data, 32, world_size=1, rank=0), torch.device("cpu"), train=True)
         """
-        wrapped = DeviceLoader(loader, device, train, accum.on_batch if accum is not None else on_batch)
+        wrapped = DeviceLoader(loader, device, train, accum.on_batch if accum is not None else on_batch, timer)
         if train:
             self.add(wrapped)
             if accum is not None and wrapped.steps is not None and wrapped is self.first:

@@ -32,6 +32,7 @@ from lockstep.session.state import TrainState
 
 if TYPE_CHECKING:  # the session builds them; importing them here would only cost import time
     from lockstep.precision.base import Precision
+    from lockstep.session.timings import StepTimer
     from lockstep.strategies.base import Strategy
 
 __all__ = ["Accumulator", "TrainStep"]
@@ -151,6 +152,7 @@ class TrainStep:
         comm: the job's collectives (the watchdog names a rank missing in backward).
         clip: the largest global gradient norm, or ``None``.
         say: prints a warning once (``Session.print``).
+        timer: times the phases of each step (:mod:`lockstep.session.timings`), or ``None``.
 
     Example::
 
@@ -159,10 +161,21 @@ class TrainStep:
     """
 
     def __init__(self, state: TrainState, accum: Accumulator, finite: NonFinitePolicy, precision: Precision,
-                 strategy: Strategy, comm: Comm, clip: float | None, say: Callable[[str], None]) -> None:
+                 strategy: Strategy, comm: Comm, clip: float | None, say: Callable[[str], None],
+                 timer: StepTimer | None = None) -> None:
         self.state, self.accum, self.finite = state, accum, finite
         self.precision, self.strategy, self.comm = precision, strategy, comm
-        self.clip, self.say = clip, say
+        self.clip, self.say, self.timer = clip, say, timer
+
+    def attach(self, model: nn.Module) -> None:
+        """Bind the accumulation to the wrapped ``model`` (its first no-sync window) and time its gradients.
+
+        Args:
+            model: the strategy-wrapped model.
+        """
+        self.accum.attach(self.strategy, model)
+        if self.timer is not None:
+            self.timer.watch(model)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate ``loss``, scaled for fp16 and for the accumulation window.
@@ -180,6 +193,8 @@ class TrainStep:
             raise watch.explain(exc) or exc  # a timeout names the rank that did not arrive
         finally:
             watch.leave()
+        if self.timer is not None:
+            self.timer.after_backward()
         self.accum.after_backward()
 
     def step(self, optimizer: torch.optim.Optimizer, model: nn.Module | None) -> bool:
@@ -190,6 +205,8 @@ class TrainStep:
             model: the strategy-wrapped model whose gradients are clipped (``None``: no clip).
         """
         state = self.state
+        if self.timer is not None:
+            self.timer.before_step()
         # a loss-scaling precision skips a non-finite step itself (and every rank sees the same grads)
         attempt = state.global_step + state.skipped_steps + 1  # the step's number counts skipped ones too
         decision = GO_AHEAD if self.precision.scales_loss else self.finite.decide(optimizer, attempt, state.epoch)
@@ -207,6 +224,8 @@ class TrainStep:
         if took:  # a loss scaler's own skip (an overflow while it calibrates) is neither taken nor counted
             state.count_step()
         self._note(self.finite.after_step())  # no-sync path: skipped steps reported late
+        if self.timer is not None:  # after the counters: a window's end is logged at this step
+            self.timer.after_step()
         return took
 
     def count_late_skips(self, name_ranks: bool = True) -> None:

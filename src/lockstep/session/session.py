@@ -15,8 +15,7 @@ The same script runs as ``python train.py`` (one process), ``lockstep run --npro
         acc = lockstep.metrics.accuracy(model, test, session)
         session.save("checkpoints", model=model, optimizer=optimizer, keep=2)
 
-The session is thin: it delegates to the layers below (env, comm, strategies, precision, data,
-metrics, checkpoint).
+The session is thin: it delegates to the layers below (env, comm, strategies, precision, data, metrics, checkpoint).
 """
 
 from __future__ import annotations
@@ -39,6 +38,7 @@ from lockstep.session.loaders import DeviceLoader, progress_bar
 from lockstep.session.locks import FolderLocks
 from lockstep.session.loop import Accumulator, TrainStep
 from lockstep.session.nonfinite import NonFiniteLossError, NonFinitePolicy
+from lockstep.session.observe import Observing
 from lockstep.session.options import summary_line
 from lockstep.session.position import Position
 from lockstep.session.preempt import Preempted, StopGuard, stop_message
@@ -54,7 +54,7 @@ Optimizer = torch.optim.Optimizer
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
 
 
-class Session(Position):
+class Session(Position, Observing):
     """One training job: where this rank is, how it talks, how the model is wrapped.
 
     The options are one :class:`~lockstep.session.config.SessionConfig` (its docstring has the
@@ -98,6 +98,9 @@ class Session(Position):
         preempt_check_seconds: about how often the ranks agree on a stop signal.
         order: the training data order, ``"lockstep"`` (never padded) or ``"torch"`` (see ``SessionConfig``).
         global_batch: samples per optimizer step, held at any world size (see ``SessionConfig``).
+        loggers: :mod:`lockstep.loggers` objects that :meth:`log` and the step timings write to (rank 0 only).
+        log_timings: whose step timings the loggers get every window: ``"main"`` (rank 0), ``"all"`` or ``"off"``.
+        timings_every: fewest steps per timing window (0: no timings); a persistently slow rank is named then.
 
     Raises:
         ConfigError: a bad option (before any process group), or ``config`` with other options.
@@ -105,8 +108,7 @@ class Session(Position):
     Example::
 
         session = lockstep.Session(strategy="ddp", precision="bf16-mixed", accumulate=2)
-        session = lockstep.Session(strategy="ddp", grad_compression="powersgd",
-                                   strategy_options={"powersgd_rank": 2})
+        session = lockstep.Session(strategy="ddp", grad_compression="powersgd", strategy_options={"powersgd_rank": 2})
         session = lockstep.Session(config=lockstep.SessionConfig(strategy="ddp", clip_grad_norm=1.0))
     """
 
@@ -117,7 +119,8 @@ class Session(Position):
         init_method: str | None = None, grad_compression: str | None = None, shard_optimizer: bool = False,
         strategy_options: dict[str, Any] | None = None, compile: bool | dict[str, Any] = False, quiet: bool = False,
         preemption: str = "save", preempt_check_seconds: float = 1.0, order: str = "lockstep",
-        global_batch: int | None = None,
+        global_batch: int | None = None, loggers: list[Any] | None = None, log_timings: str = "main",
+        timings_every: int = 5,
     ) -> None:
         keywords = {name: value for name, value in locals().items() if name in OPTION_NAMES}
         config = SessionConfig.from_keywords(keywords, config)  # every option checked once, before any group
@@ -137,7 +140,7 @@ class Session(Position):
         seed_everything(config.seed)
         self.state = TrainState(self.rank, self.world_size, say=None if config.quiet else self.print)
         self._steps = TrainStep(self.state, self._accum, self._finite, self.precision, self.strategy, self.comm,
-                                config.clip_grad_norm, say=self.print)
+                                config.clip_grad_norm, say=self.print, timer=self._observe(config))
         self._models: list[ModelWrappers] = []  # each setup's layers, the last one the model in training
         self.compiled = False  # set by setup: True once torch.compile wrapped the model
         self._announced = False
@@ -197,7 +200,7 @@ class Session(Position):
                 opt = optimizer(wrapped.parameters())
             opt = self.strategy.setup_optimizer(opt, wrapped, self.accumulate)
             opt = self.precision.setup_optimizer(opt, wrapped)
-        self._accum.attach(self.strategy, wrapped)  # no_sync needs the strategy's own wrapper
+        self._steps.attach(wrapped)  # no_sync needs the strategy's own wrapper; the timings hook its parameters
         self.compiled = layers.is_compiled
         self._models.append(layers)
         return layers.trained if opt is None else (layers.trained, opt)
@@ -225,7 +228,8 @@ class Session(Position):
         options = self.state.loaders.options(options, self.config, batch_size * self.world_size, eval)
         loader = make_loader(dataset, batch_size, world_size=self.world_size, rank=self.rank,
                              shuffle=shuffle and not eval, eval=eval, seed=self.seed, **options)
-        return self.state.loaders.wrap(loader, self.device, train=not eval, accum=self._accum)
+        return self.state.loaders.wrap(loader, self.device, train=not eval, accum=self._accum,
+                                       timer=self._report.timer)
 
     # -- the loop ---------------------------------------------------------------------------
     def epochs(self, n: int, start: int = 0) -> Iterator[int]:
@@ -390,6 +394,7 @@ class Session(Position):
         self._saves.wait()  # a save still being written (blocking=False) ends, or raises, here
         self._folders.release()
         self._saves.close()
+        self._report.close()
         self.comm.shutdown()
         for layers in self._models:
             self.strategy.release(layers.wrapped)

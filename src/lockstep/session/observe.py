@@ -1,0 +1,149 @@
+"""What a session tells about its own steps: each window's timings, the slow rank, the loggers.
+
+:class:`TimingReport` owns the session's :class:`~lockstep.session.timings.StepTimer`: at the end
+of each window it shares this rank's row with the others (one all-reduce of a few floats per
+rank), asks the :class:`~lockstep.session.slow_rank.SlowRankDetector` whether one rank holds the
+others back (rank 0 prints the verdict in one line) and logs the timings. :class:`Observing` is
+the part of ``Session`` users meet: :meth:`Observing.log`, :attr:`Observing.timings` and
+:attr:`Observing.slow_ranks`.
+
+Example::
+
+    session = lockstep.Session(loggers=[lockstep.loggers.CSVLogger("runs/a")], log_timings="all")
+    ...
+    session.log({"loss": loss}, step=session.global_step)
+    session.timings.of(1)["compute"]      # rank 1's median compute per step in the last window
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from lockstep.comm.group import Comm
+from lockstep.loggers import LoggerSet
+from lockstep.session.config import SessionConfig
+from lockstep.session.state import TrainState
+from lockstep.session.slow_rank import PHASES, SlowRank, SlowRankDetector
+from lockstep.session.timings import StepTimer, TimingWindow
+
+__all__ = ["TimingReport", "Observing"]
+
+
+class TimingReport:
+    """The session's timings: measured by a :class:`StepTimer`, shared, judged, printed and logged.
+
+    Args:
+        comm: the job's collectives (the window's all-reduce; the peers' host names).
+        device: this rank's device.
+        config: the session's options (``loggers``, ``log_timings``, ``timings_every``).
+        say: prints a line once, on rank 0 (``Session.print``).
+        step: the session's global step, the x-axis of what is logged.
+
+    Example::
+
+        report = TimingReport(comm, torch.device("cpu"), SessionConfig(), say=print, step=lambda: 0)
+    """
+
+    def __init__(self, comm: Comm, device: torch.device, config: SessionConfig, say: Callable[[str], None],
+                 step: Callable[[], int]) -> None:
+        self.comm, self.say, self._step = comm, say, step
+        self.loggers = LoggerSet(config.loggers or (), active=comm.is_main, say=say)
+        self.log_timings = config.log_timings
+        self._device = device if comm.backend == "nccl" else torch.device("cpu")
+        hosts = {int(p.get("rank", i)): str(p.get("host", "?")) for i, p in enumerate(comm.peers)}
+        self.detector = SlowRankDetector([hosts.get(r, "?") for r in range(comm.world_size)])
+        self.timer = StepTimer(device, config.timings_every, self._exchange, self._on_window) \
+            if config.timings_every > 0 else None
+        self.latest: TimingWindow | None = None
+        self.slow: list[SlowRank] = []
+
+    def log(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        """Log ``metrics`` at ``step`` (the global step when ``None``) on the ranks that write."""
+        self.loggers.log(metrics, self._step() if step is None else step)
+
+    def _exchange(self, row: list[float]) -> list[list[float]]:
+        """Every rank's row: one all-reduce of a world x row table where each rank fills its own line."""
+        if self.comm.world_size == 1:
+            return [row]
+        table = torch.zeros(self.comm.world_size, len(row), dtype=torch.float64, device=self._device)
+        table[self.comm.rank] = torch.tensor(row, dtype=torch.float64)
+        return self.comm.all_reduce(table).tolist()  # type: ignore[no-any-return]
+
+    def _on_window(self, window: TimingWindow) -> None:
+        """Judge the window (the same verdict on every rank), print a new verdict and log."""
+        self.latest = window
+        step = self._step()
+        verdict = self.detector.update([row[:len(PHASES)] for row in window.table], step)
+        if verdict is not None:
+            self.slow.append(verdict)
+            self.say(verdict.message())
+            self.log({"slow_rank/rank": verdict.rank, f"slow_rank/{verdict.phase}_s": verdict.seconds,
+                              "slow_rank/others_s": verdict.others, "slow_rank/waited_s": verdict.waited}, step)
+        if self.log_timings != "off":
+            self.log(window.scalars(self.log_timings), step)
+
+    def close(self) -> None:
+        """Remove the hooks and close the loggers."""
+        if self.timer is not None:
+            self.timer.unwatch()
+        self.loggers.close()
+
+
+class Observing:
+    """The session's logging and timings (``Session`` inherits these; the report is its ``_report``).
+
+    Example::
+
+        session.log({"loss": loss.item(), "lr": lr}, step=session.global_step)
+    """
+
+    _report: TimingReport
+    comm: Comm
+    device: torch.device
+    print: Callable[..., None]
+    state: TrainState
+
+    def _observe(self, config: SessionConfig) -> StepTimer | None:
+        """Build the session's timing report (its ``_report``); return the timer the training step calls."""
+        self._report = TimingReport(self.comm, self.device, config, say=self.print, step=lambda: self.state.global_step)
+        return self._report.timer
+
+    def log(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        """Write ``metrics`` to the session's loggers (rank 0 only; other ranks return at once).
+
+        Every rank may call it (only rank 0 writes); values that are not numbers are left out, a
+        one-element tensor is read with ``.item()`` (a host sync on GPU: log every few steps).
+
+        Args:
+            metrics: names and numbers, e.g. ``{"loss": 0.31, "lr": 0.1}``.
+            step: the x-axis value; the session's :attr:`global_step` when ``None``.
+
+        Example::
+
+            session.log({"loss": loss}, step=session.global_step)
+        """
+        self._report.log(metrics, step)
+
+    @property
+    def timings(self) -> TimingWindow | None:
+        """The last timing window every rank shared (``None`` before the first one, or with timings off).
+
+        Example::
+
+            window = session.timings
+            window.of(session.rank)     # {"data": 0.001, "compute": 0.012, "comm": 0.003, ...}
+        """
+        return self._report.latest
+
+    @property
+    def slow_ranks(self) -> list[SlowRank]:
+        """Every slow rank named so far (the same list on every rank).
+
+        Example::
+
+            [(v.rank, v.phase) for v in session.slow_ranks]     # [(2, "compute")]
+        """
+        return list(self._report.slow)

@@ -1,0 +1,330 @@
+"""Per-rank step timings: where each optimizer step's time goes on this rank, measured always and cheaply.
+
+A step is split into four phases, each summed over the step's micro-batches:
+
+* ``data``: waiting for the session loader's next batch (host time, the copy to the device included);
+* ``compute``: from the batch handed out to the moment backward produced the last parameter
+  gradient: the forward, the loss and the backward's own work;
+* ``comm``: from that last gradient to the end of backward: the gradient communication that did
+  *not* overlap the backward (DDP all-reduces buckets while backward runs; what is left to wait
+  for at the end is the cost a rank sees; a rank waiting for a slower peer waits here);
+* ``optimizer``: ``session.step``: unscaling, clipping and the optimizer's step.
+
+Time between these (the user's own code between backward and step, logging...) belongs to no
+phase. On CPU the phases are read from the host clock; on a GPU ``compute``, ``comm`` and
+``optimizer`` are CUDA events on the current stream, read only when a window closes (no host
+sync per step), and ``data`` stays host time. Scripts that do not use ``session.loader`` see
+their data loading inside ``compute``. Where gradients arrive through other means than
+parameter hooks (FSDP's sharded parameters), ``comm`` is 0 and its time is in ``compute``.
+
+Every window of steps (at least ``every`` steps and about half a second) the ranks share their
+medians in one all-reduce of a few floats (:class:`TimingWindow`); the session names a slow rank
+from it (:mod:`lockstep.session.slow_rank`) and logs it.
+
+Example::
+
+    timer = StepTimer(torch.device("cpu"), every=5, exchange=lambda row: [row], on_window=print)
+    for batch in timer.data(iter(batches), len):
+        ...; timer.after_backward(); timer.before_step(); ...; timer.after_step()
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import resource
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lockstep.session.slow_rank import PHASES
+
+__all__ = ["StepTimer", "TimingWindow", "ROW", "MIN_WINDOW_SECONDS", "MAX_WINDOW_STEPS", "peak_flops"]
+
+ROW = PHASES + ("step", "samples_per_s", "host_mem_gb", "device_mem_gb", "mfu")
+"""The values each rank shares per window: the phases' medians (s/step), wall time per step, samples/s,
+resident host memory, peak device memory and MFU (NaN where not known)."""
+
+MIN_WINDOW_SECONDS = 0.5
+"""A window lasts at least this long (and ``every`` steps), so fast steps pay one small collective per half second."""
+
+MAX_WINDOW_STEPS = 1000
+"""A window never lasts more steps than this."""
+
+_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10G": 70e12,
+              "V100": 125e12, "T4": 65e12}
+"""Dense bf16/fp16 tensor-core peak per GPU model (vendor data sheets, SXM parts)."""
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The device's dense half-precision peak in FLOP/s, or ``None`` when unknown (CPUs, other GPUs).
+
+    Example::
+
+        peak_flops(torch.device("cpu"))     # None
+    """
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in _PEAK_BF16.items() if k in name), None)
+
+
+@dataclass(frozen=True)
+class TimingWindow:
+    """The timings every rank shared at the end of one window.
+
+    Attributes:
+        step: the global step the window ended at.
+        steps: optimizer steps in the window.
+        table: ``table[rank]`` holds the :data:`ROW` values of that rank.
+
+    Example::
+
+        window.scalars("main")      # {"timings/compute_s": 0.012, ...}, rank 0's
+    """
+
+    step: int
+    steps: int
+    table: list[list[float]]
+
+    def of(self, rank: int) -> dict[str, float]:
+        """Rank ``rank``'s values by name (:data:`ROW`)."""
+        return dict(zip(ROW, self.table[rank]))
+
+    def scalars(self, ranks: str = "main") -> dict[str, float]:
+        """What a logger receives: rank 0's values (``"main"``) or every rank's (``"all"``), and the job's samples/s.
+
+        Example::
+
+            window.scalars("all")["timings/rank1/data_s"]
+        """
+        out: dict[str, float] = {"timings/job_samples_per_s": sum(row[ROW.index("samples_per_s")] for row in self.table)}
+        chosen = range(len(self.table)) if ranks == "all" else [0]
+        for rank in chosen:
+            prefix = "timings/" if ranks != "all" else f"timings/rank{rank}/"
+            for name, value in self.of(rank).items():
+                if not math.isnan(value):
+                    out[prefix + (name + "_s" if name in PHASES or name == "step" else name)] = value
+        return out
+
+
+class StepTimer:
+    """Measure this rank's phases per optimizer step and close a window every so often.
+
+    The session calls :meth:`data` (through its loaders), :meth:`after_backward`, :meth:`before_step`
+    and :meth:`after_step`; :meth:`watch` hooks the model's parameters to see when backward produced
+    the last gradient. Every rank closes its windows at the same step: the next window's length is
+    decided from the table all ranks share.
+
+    Args:
+        device: the rank's device (CUDA: device events, read lazily).
+        every: the fewest steps in a window (0 turns timings off).
+        exchange: shares this rank's row and returns every rank's (one collective).
+        on_window: told each closed window.
+
+    Example::
+
+        timer = StepTimer(torch.device("cpu"), 5, exchange=lambda row: [row], on_window=print)
+    """
+
+    def __init__(self, device: torch.device, every: int, exchange: Callable[[list[float]], list[list[float]]],
+                 on_window: Callable[[TimingWindow], None]) -> None:
+        self.device, self.every = device, every
+        self.enabled = every > 0
+        self._exchange, self._on_window = exchange, on_window
+        self._cuda = device.type == "cuda"
+        self._clock = time.perf_counter
+        self._due = every
+        self._hooks: list[Any] = []
+        self._peak = peak_flops(device)
+        self._flops: Any = None  # the FLOP counter, open during the one micro-step it measures
+        self._flops_per_sample: float | None = None
+        self._reset_window()
+        self._start: Any = None  # where the current micro-step's compute began
+        self._grad: Any = None  # the last gradient of this backward (a time or an event)
+        self._grad_last, self._grad_target = -1, -1
+        self.step = 0  # steps timed so far (the session's global step counts only those taken)
+
+    def _reset_window(self) -> None:
+        """A new window: no steps yet, its clock started now."""
+        self._rows: list[Any] = []
+        self._data, self._samples, self._window_samples = 0.0, 0, 0
+        self._acc = [0.0, 0.0, 0.0, 0.0]
+        self._pending: list[tuple[int, Any, Any]] = []
+        self._opt_began: Any = None
+        self._window_began = self._clock()
+
+    def _mark(self) -> Any:
+        """Now: the host clock, or an event recorded on the current CUDA stream."""
+        if not self._cuda:
+            return self._clock()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _span(self, phase: int, began: Any, ended: Any) -> None:
+        """Add ``ended - began`` to a phase: at once on the host, when the window closes on a GPU."""
+        if self._cuda:
+            self._pending.append((phase, began, ended))
+        else:
+            self._acc[phase] += ended - began
+
+    # -- the model's gradients --------------------------------------------------------------------------------------
+    def watch(self, model: nn.Module) -> None:
+        """Hook ``model``'s parameters: the time the last gradient is ready ends ``compute`` and begins ``comm``.
+
+        Args:
+            model: the wrapped model (its trainable parameters are hooked; others are left alone).
+        """
+        if not self.enabled:
+            return
+        for index, param in enumerate(p for p in model.parameters() if p.requires_grad):
+            try:
+                self._hooks.append(param.register_post_accumulate_grad_hook(self._grad_hook(index)))
+            except (RuntimeError, AttributeError):  # parameters that take no hooks: comm is then in compute
+                return
+
+    def _grad_hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        """One parameter's hook: on a GPU only the parameter that finished last the step before records an event."""
+        def hook(_: torch.Tensor) -> None:
+            self._grad_last = index
+            if not self._cuda:
+                self._grad = self._clock()
+            elif index == self._grad_target:
+                self._grad = self._mark()
+        return hook
+
+    def unwatch(self) -> None:
+        """Remove the parameter hooks (the session's close)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    # -- the step's phases ----------------------------------------------------------------------------------------------
+    def data(self, batches: Iterator[Any], size: Callable[[Any], int]) -> Iterator[Any]:
+        """Yield ``batches``, timing each wait for the next one (``data``) and counting samples.
+
+        Args:
+            batches: the loader's batches (already on the device).
+            size: samples in a batch.
+        """
+        clock = self._clock
+        while True:
+            began = clock()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            now = clock()
+            self._data += now - began
+            self._samples += size(batch)
+            self._start = self._mark() if self._cuda else now
+            if self._peak is not None and self._flops_per_sample is None and self._flops is None and self.step > 0:
+                self._count_flops(size(batch))
+            yield batch
+
+    def after_backward(self) -> None:
+        """Backward returned: close the micro-step's ``compute`` and ``comm``."""
+        end = self._mark()
+        if self._start is not None:
+            if self._grad is not None:
+                self._span(1, self._start, self._grad)
+                self._span(2, self._grad, end)
+            else:
+                self._span(1, self._start, end)
+        self._grad, self._start = None, end
+        self._grad_target = self._grad_last
+        if self._flops is not None:
+            self._close_flops()
+
+    def before_step(self) -> None:
+        """``session.step`` begins: the ``optimizer`` phase starts."""
+        self._opt_began = self._mark()
+
+    def after_step(self) -> None:
+        """``session.step`` ends: the step is recorded; at a window's end the ranks share their rows."""
+        end = self._mark()
+        if self._flops is not None:  # backward never came: count nothing rather than the whole run
+            counter, self._flops = self._flops, None
+            counter.__exit__(None, None, None)
+        if self._opt_began is not None:
+            self._span(3, self._opt_began, end)
+        self._start, self._opt_began = end, None
+        if self._cuda:
+            self._rows.append((self._data, self._pending))
+            self._pending = []
+        else:
+            self._rows.append((self._data, *self._acc[1:]))
+            self._acc = [0.0, 0.0, 0.0, 0.0]
+        self._window_samples += self._samples
+        self._data, self._samples = 0.0, 0
+        self.step += 1
+        if len(self._rows) >= self._due:
+            self._close_window()
+
+    # -- windows ----------------------------------------------------------------------------------------------------
+    def _close_window(self) -> None:
+        """Share this rank's medians, pick the next window's length from everyone's step time, report."""
+        steps = len(self._rows)
+        seconds = max(self._clock() - self._window_began, 1e-9)
+        phases = self._resolve()
+        row = [statistics.median(p[i] for p in phases) for i in range(len(PHASES))]
+        per_s = self._window_samples / seconds
+        mfu = per_s * self._flops_per_sample / self._peak if self._flops_per_sample and self._peak else math.nan
+        row += [seconds / steps, per_s, _host_memory_gb(), self._device_memory_gb(), mfu]
+        table = self._exchange(row)
+        slowest = max(r[ROW.index("step")] for r in table)  # the same table on every rank: the same decision
+        self._due = int(min(MAX_WINDOW_STEPS, max(self.every, math.ceil(MIN_WINDOW_SECONDS / max(slowest, 1e-9)))))
+        self._on_window(TimingWindow(step=self.step, steps=steps, table=table))
+        self._reset_window()
+
+    def _resolve(self) -> list[tuple[float, float, float, float]]:
+        """Every step's four phases in seconds (on a GPU, the events of the window are read now: one sync)."""
+        if not self._cuda:
+            return self._rows
+        if self._rows and self._rows[-1][1]:
+            self._rows[-1][1][-1][2].synchronize()
+        out = []
+        for data, spans in self._rows:
+            acc = [data, 0.0, 0.0, 0.0]
+            for phase, began, ended in spans:
+                acc[phase] += began.elapsed_time(ended) / 1e3
+            out.append((acc[0], acc[1], acc[2], acc[3]))
+        return out
+
+    def _device_memory_gb(self) -> float:
+        """Peak device memory since the last window (NaN on CPU)."""
+        if not self._cuda:
+            return math.nan
+        peak = torch.cuda.max_memory_allocated(self.device) / 1e9
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return peak
+
+    # -- MFU ---------------------------------------------------------------------------------------------------------
+    def _count_flops(self, samples: int) -> None:
+        """Count one micro-step's FLOPs (forward and backward) with torch's counter, once per run."""
+        from torch.utils.flop_counter import FlopCounterMode
+
+        self._flops = FlopCounterMode(display=False)
+        self._flops.__enter__()
+        self._flops_samples = max(samples, 1)
+
+    def _close_flops(self) -> None:
+        """Leave the FLOP counter; its total per sample gives the MFU of every later window."""
+        counter, self._flops = self._flops, None
+        counter.__exit__(None, None, None)
+        self._flops_per_sample = counter.get_total_flops() / self._flops_samples
+
+
+def _host_memory_gb() -> float:
+    """This process's resident memory (Linux ``/proc``; elsewhere its peak)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e9
+    except (OSError, ValueError, IndexError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6

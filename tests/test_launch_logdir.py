@@ -1,0 +1,27 @@
+"""``lockstep run --log-dir DIR`` says which folder under DIR holds the ranks' output (torch's agent
+makes one with a random suffix per job)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_the_log_folder_is_printed_and_holds_each_rank(tmp_path: Path) -> None:
+    script = tmp_path / "hello.py"
+    script.write_text("import os\nprint('hello from', os.environ['RANK'])\n")
+    logs = tmp_path / "logs"
+    done = subprocess.run([sys.executable, "-m", "lockstep", "run", "--nproc", "2", "--log-dir", str(logs),
+                           str(script)], capture_output=True, text=True, timeout=140,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    [line] = [x for x in done.stderr.splitlines() if "every rank's output is under" in x]
+    folder = Path(line.split("under ", 1)[1].split(" (", 1)[0])
+    assert folder.parent == logs.resolve()
+    assert "hello from 1" in (folder / "attempt_0" / "1" / "stdout.log").read_text()

@@ -316,7 +316,10 @@ def _subject(message: str) -> str | None:
 
 # A rule about the state an option meets at run time, not about its value: the option's owner
 # cannot know it, so the module that meets the state refuses it.
-_RUNTIME_RULES = {("shard_optimizer", "lockstep.strategies.zero"): "the optimizer already holds state at setup"}
+_RUNTIME_RULES = {("shard_optimizer", "lockstep.strategies.zero"): "the optimizer already holds state at setup",
+                  # verify's own --global-batch (the batch both of its runs train on), not the Session's
+                  ("global_batch", "lockstep.verify.config"): "verify splits its batch evenly over the processes",
+                  ("global_batch", "lockstep.verify.inputs"): "the dataset holds fewer samples than verify's batch"}
 
 
 def test_no_option_is_refused_in_two_modules() -> None:

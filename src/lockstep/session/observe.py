@@ -17,7 +17,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -25,6 +25,8 @@ import torch
 from lockstep.comm.group import Comm
 from lockstep.loggers import LoggerSet
 from lockstep.session.config import SessionConfig
+from lockstep.session.position import Position
+from lockstep.session.loaders import progress_bar
 from lockstep.session.state import TrainState
 from lockstep.session.slow_rank import PHASES, SlowRank, SlowRankDetector
 from lockstep.session.timings import StepTimer, TimingWindow
@@ -92,8 +94,8 @@ class TimingReport:
         self.loggers.close()
 
 
-class Observing:
-    """The session's logging and timings (``Session`` inherits these; the report is its ``_report``).
+class Observing(Position):
+    """The session's logging and timings (``Session`` inherits these, and :meth:`print` and :meth:`progress`; the report is its ``_report``).
 
     Example::
 
@@ -101,10 +103,7 @@ class Observing:
     """
 
     _report: TimingReport
-    comm: Comm
     device: torch.device
-    print: Callable[..., None]
-    state: TrainState
 
     def _observe(self, config: SessionConfig) -> StepTimer | None:
         """Build the session's timing report (its ``_report``); return the timer the training step calls."""
@@ -147,3 +146,13 @@ class Observing:
             [(v.rank, v.phase) for v in session.slow_ranks]     # [(2, "compute")]
         """
         return list(self._report.slow)
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on rank 0 only (flushed unless ``flush=False``)."""
+        if self.is_main:
+            print(*args, **{"flush": True, **kwargs})
+
+    def progress(self, iterable: Iterable[Any], **kwargs: Any) -> Iterable[Any]:
+        """Wrap ``iterable`` in a tqdm bar on rank 0 (other ranks iterate silently)."""
+        kwargs.setdefault("desc", f"epoch {self.epoch}")
+        return progress_bar(iterable, self.is_main, **kwargs)

@@ -10,6 +10,10 @@ Example::
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
+
 from lockstep.comm.group import Comm
 from lockstep.env import World, WorldView
 from lockstep.session.state import TrainState
@@ -18,7 +22,8 @@ __all__ = ["Position"]
 
 
 class Position(WorldView):
-    """Rank, world (:class:`~lockstep.env.WorldView`) and loop counters, read from the session's ``comm`` and ``state``.
+    """Rank, world (:class:`~lockstep.env.WorldView`) and loop counters, read from the session's ``comm`` and ``state``;
+    the two collectives a script calls itself (:meth:`all_reduce`, :meth:`barrier`).
 
     Example::
 
@@ -47,3 +52,14 @@ class Position(WorldView):
     def skipped_steps(self) -> int:
         """Steps skipped for a non-finite loss (``nonfinite="skip"``)."""
         return self.state.skipped_steps
+
+    def all_reduce(self, value: torch.Tensor | float, op: str = "sum") -> Any:
+        """Reduce a tensor (in place) or a number over all ranks; returns the result."""
+        if isinstance(value, torch.Tensor):
+            return self.comm.all_reduce(value, op)
+        t = torch.tensor([float(value)], dtype=torch.float64)
+        return self.comm.all_reduce(t, op).item()
+
+    def barrier(self) -> None:
+        """Wait until every rank gets here."""
+        self.comm.barrier()

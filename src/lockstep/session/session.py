@@ -34,13 +34,12 @@ from lockstep.data.loader import make_loader
 from lockstep.env import detect_world
 from lockstep.precision import build_precision
 from lockstep.session.config import OPTION_NAMES, SessionConfig
-from lockstep.session.loaders import DeviceLoader, progress_bar
+from lockstep.session.loaders import DeviceLoader
 from lockstep.session.locks import FolderLocks
 from lockstep.session.loop import Accumulator, TrainStep
 from lockstep.session.nonfinite import NonFiniteLossError, NonFinitePolicy
 from lockstep.session.observe import Observing
 from lockstep.session.options import summary_line
-from lockstep.session.position import Position
 from lockstep.session.preempt import Preempted, StopGuard, stop_message
 from lockstep.session.saves import SaveInFlight, SaveTarget
 from lockstep.session.state import ResumeState, TrainState, load_state, resumed_line, save_state, seed_everything
@@ -54,7 +53,7 @@ Optimizer = torch.optim.Optimizer
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
 
 
-class Session(Position, Observing):
+class Session(Observing):
     """One training job: where this rank is, how it talks, how the model is wrapped.
 
     The options are one :class:`~lockstep.session.config.SessionConfig` (its docstring has the
@@ -283,28 +282,6 @@ class Session(Position, Observing):
         self.print(message)
         self.close()
         raise Preempted(message, self.global_step, path)
-
-    # -- talking and printing ----------------------------------------------------------------
-    def all_reduce(self, value: torch.Tensor | float, op: str = "sum") -> Any:
-        """Reduce a tensor (in place) or a number over all ranks; returns the result."""
-        if isinstance(value, torch.Tensor):
-            return self.comm.all_reduce(value, op)
-        t = torch.tensor([float(value)], dtype=torch.float64)
-        return self.comm.all_reduce(t, op).item()
-
-    def barrier(self) -> None:
-        """Wait until every rank gets here."""
-        self.comm.barrier()
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        """``print`` on rank 0 only (flushed unless ``flush=False``)."""
-        if self.is_main:
-            print(*args, **{"flush": True, **kwargs})
-
-    def progress(self, iterable: Iterable[Any], **kwargs: Any) -> Iterable[Any]:
-        """Wrap ``iterable`` in a tqdm bar on rank 0 (other ranks iterate silently)."""
-        kwargs.setdefault("desc", f"epoch {self.epoch}")
-        return progress_bar(iterable, self.is_main, **kwargs)
 
     def summary(self, max_steps: int | None = None) -> str:
         """The line printed at start: world, strategy, precision, batches (steps per epoch at most ``max_steps``)."""

@@ -35,6 +35,14 @@ test: install
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not e2e" tests
 	$(BIN)/mypy
 
+# Planted bugs (tests/mutations/*.patch: each breaks one guarantee the README makes): each is
+# applied to a copy of the tree and the tests named for it must fail. Prints caught / missed per
+# mutation and the total; exits non-zero unless every one was caught. Not part of `make test`
+# (tens of minutes); `make test` only checks that every patch still applies.
+.PHONY: test-mutations
+test-mutations: install
+	$(BIN)/python tests/mutations/run.py
+
 .PHONY: test-e2e
 test-e2e: install
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m e2e tests

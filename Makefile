@@ -68,8 +68,9 @@ horovod: install
 
 # lockstep under the real engines, on two network-namespace hosts: Slurm (srun, sbatch, scancel and
 # requeue), OpenMPI, Ray Train, a Kubeflow PyTorchJob's pods, `lockstep run` across hosts. Needs root;
-# installs slurm-wlm, munge, openmpi-bin (apt) and ray[train] (pip) when missing; skipped without
-# root or network namespaces. 6 to 20 minutes on 2 cores (more when busy); logs in build/test-engines/.
+# installs slurm-wlm, munge, openmpi-bin (apt) and ray[train] (pip) when missing; without root or
+# network namespaces it cannot run: one line says why and it fails (make reports the script's
+# exit 3; .ci/run tells that apart from a failed scenario). 6 to 20 minutes on 2 cores (more when busy); logs in build/test-engines/.
 .PHONY: test-engines
 test-engines: test-e2e
 	bash tests/engines/run.sh

@@ -15,7 +15,7 @@
 # root, a tool missing, no network namespaces): nothing ran, so nothing passed. Every
 # daemon, namespace and mount it makes is removed on the way out, whatever the way out (a failure,
 # Ctrl-C, SIGTERM). Each scenario has a hang guard, and all of them together a time budget
-# ($ENGINES_BUDGET seconds, 1560 by default). Logs: build/test-engines/.
+# ($ENGINES_BUDGET seconds, 2100 by default). Logs: build/test-engines/.
 #
 # Naming scenarios runs only those (their prerequisites first), e.g.
 #   bash tests/engines/run.sh slurm_direct_usr1 mpi_two_nodes
@@ -24,7 +24,7 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 ENGINES_DIR=$ROOT/tests/engines
 VENV=$ROOT/.venv
-BUDGET=${ENGINES_BUDGET:-1560}
+BUDGET=${ENGINES_BUDGET:-2100}
 LOG_DIR=$ROOT/build/test-engines
 
 # name, hang guard (seconds), engine
@@ -34,17 +34,17 @@ SCENARIOS=(
     "loopback_hostname 300 two-hosts"
     "slurm_srun_direct 300 slurm"
     "slurm_lockstep_run 300 slurm"
-    "slurm_lockstep_train 300 slurm"
+    "slurm_lockstep_train 600 slurm"
     "slurm_direct_usr1 400 slurm"
     "slurm_direct_scancel 400 slurm"
     "slurm_perhost_scancel 400 slurm"
     "slurm_sbatch_usr1_requeue 500 slurm"
     "slurm_perhost_usr1_repeat 600 slurm"
     "slurm_perhost_usr1_then_scancel 400 slurm"
-    "mpi_one_node 300 openmpi"
-    "mpi_two_nodes 300 openmpi"
-    "kubeflow_pytorchjob 300 kubeflow"
-    "ray_torchtrainer 600 ray"
+    "mpi_one_node 450 openmpi"
+    "mpi_two_nodes 450 openmpi"
+    "kubeflow_pytorchjob 450 kubeflow"
+    "ray_torchtrainer 900 ray"
     "link_down 300 two-hosts"
 )
 # Scenarios that fail because of a known lockstep bug, not because of the harness: they are

@@ -35,6 +35,14 @@ test: install
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not e2e" tests
 	$(BIN)/mypy
 
+# Planted bugs (tests/mutations/*.patch: each breaks one guarantee the README makes): each is
+# applied to a copy of the tree and the tests named for it must fail. Prints caught / missed per
+# mutation and the total; exits non-zero unless every one was caught. Not part of `make test`
+# (tens of minutes); `make test` only checks that every patch still applies.
+.PHONY: test-mutations
+test-mutations: install
+	$(BIN)/python tests/mutations/run.py
+
 .PHONY: test-e2e
 test-e2e: install
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m e2e tests
@@ -60,8 +68,9 @@ horovod: install
 
 # lockstep under the real engines, on two network-namespace hosts: Slurm (srun, sbatch, scancel and
 # requeue), OpenMPI, Ray Train, a Kubeflow PyTorchJob's pods, `lockstep run` across hosts. Needs root;
-# installs slurm-wlm, munge, openmpi-bin (apt) and ray[train] (pip) when missing; skipped without
-# root or network namespaces. 6 to 20 minutes on 2 cores (more when busy); logs in build/test-engines/.
+# installs slurm-wlm, munge, openmpi-bin (apt) and ray[train] (pip) when missing; without root or
+# network namespaces it cannot run: one line says why and it fails (make reports the script's
+# exit 3; .ci/run tells that apart from a failed scenario). 6 to 20 minutes on 2 cores (more when busy); logs in build/test-engines/.
 .PHONY: test-engines
 test-engines: test-e2e
 	bash tests/engines/run.sh

@@ -169,3 +169,75 @@ def test_sigkill_during_an_async_save_resumes_from_the_previous_checkpoint(tmp_p
     assert [p.name for p in list_checkpoints(folder)] == ["step-000002"]
     again = subprocess.run([sys.executable, str(script), str(folder)], capture_output=True, text=True, timeout=60)
     assert again.returncode == 0 and again.stdout.startswith("resumed 2"), again.stderr
+
+
+# -- the checkpoint holds the state at the save, whatever training did while it was written --------
+
+def _local_state(session: lockstep.Session, model: nn.Module, opt: Any) -> dict[str, torch.Tensor]:
+    """This rank's weights and optimizer tensors (its shard of them under fsdp or ZeRO), copied."""
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return (t.to_local() if hasattr(t, "to_local") else t).detach().clone()
+
+    out = {f"model.{k}": local(v) for k, v in session.strategy.unwrap(model).state_dict().items()}
+    states = opt.optim.state if hasattr(opt, "optim") else opt.state   # ZeRO: the rank's own part
+    for i, p in enumerate(session.strategy.unwrap(model).parameters()):
+        for k, v in states.get(p, {}).items():
+            if torch.is_tensor(v):
+                out[f"optim.{i}.{k}"] = local(v)
+    return out
+
+
+def _save_while_training(directory: str, strategy: str, options: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Save at step 3 without blocking; the write waits until 3 more steps changed every tensor in
+    place; returns the state at the save."""
+    from lockstep.checkpoint import background
+
+    session = lockstep.Session(strategy=strategy, quiet=True, timeout=60, **options)
+    model, opt = session.setup(_model(), lambda p: torch.optim.Adam(p, lr=0.01))
+    trained, real = threading.Event(), background.write_parts
+
+    def held(*args: Any) -> Any:
+        assert trained.wait(60), "training never went on"
+        return real(*args)
+
+    background.write_parts = held  # type: ignore[assignment]
+    try:
+        n = GLOBAL_BATCH // session.world_size
+        while session.global_step < 6:
+            x, y = torch.randn(GLOBAL_BATCH, 4), torch.randn(GLOBAL_BATCH, 2)
+            session.backward(F.mse_loss(model(x[:n]), y[:n]))
+            session.step(opt)
+            if session.global_step == 3:
+                session.save(directory, model=model, optimizer=opt, blocking=False)
+                at_save = _local_state(session, model, opt)
+        trained.set()
+        changed = _local_state(session, model, opt)
+        assert session.wait_for_save() is not None
+    finally:
+        background.write_parts = real  # type: ignore[assignment]
+    assert all(not torch.equal(at_save[k], changed[k]) for k in at_save if "step" not in k), "nothing changed"
+    session.close()
+    return at_save
+
+
+def _load_saved(directory: str, strategy: str, options: dict[str, Any]) -> dict[str, torch.Tensor]:
+    session = lockstep.Session(strategy=strategy, quiet=True, timeout=60, **options)
+    model, opt = session.setup(_model(), lambda p: torch.optim.Adam(p, lr=0.01))
+    assert session.load(directory, model=model, optimizer=opt).step == 3
+    out = _local_state(session, model, opt)
+    session.close()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("strategy", "options"), [("ddp", {}), ("fsdp", {}), ("ddp", {"shard_optimizer": True})],
+                         ids=["ddp", "fsdp", "zero"])
+def test_a_checkpoint_written_while_training_goes_on_holds_the_state_at_the_save(
+        tmp_path: Path, strategy: str, options: dict[str, Any]) -> None:
+    at_save = run_distributed(_save_while_training, 2, str(tmp_path), strategy, options, timeout=200)
+    loaded = run_distributed(_load_saved, 2, str(tmp_path), strategy, options, timeout=200)
+    for rank in range(2):
+        assert at_save[rank].keys() == loaded[rank].keys() and len(at_save[rank]) > 4
+        wrong = [k for k in at_save[rank] if not torch.equal(at_save[rank][k], loaded[rank][k])]
+        assert not wrong, f"rank {rank}: the checkpoint does not hold the state at the save: {wrong}"

@@ -33,6 +33,16 @@ from lockstep.strategies.compile import apply_compile, check_compile, compile_la
 STEPS = 8
 TOLERANCE = 1e-5
 AOT = {"backend": "aot_eager"}
+_GRAPHS: list[int] = []  # the graphs _counted_aot_eager was given in this process
+
+
+def _counted_aot_eager(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+    """aot_eager, counting the graphs dynamo hands it: a run that stayed eager counts none."""
+    _GRAPHS.append(len(gm.graph.nodes))
+    return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+
+COUNTED = {"backend": _counted_aot_eager}
 
 
 def _model() -> nn.Module:
@@ -65,7 +75,8 @@ def test_unavailable_backend_warns_once_and_runs_eager() -> None:
 
 @pytest.mark.timeout(120)
 def test_one_process_compiled_matches_eager_and_says_so() -> None:
-    with lockstep.Session(compile=AOT, quiet=True) as session:
+    before = len(_GRAPHS)
+    with lockstep.Session(compile=COUNTED, quiet=True) as session:
         model, opt = session.setup(_model(), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
         assert session.compiled and "compiled" in session.summary()
         assert hasattr(model, "_orig_mod")  # the user trains the compiled wrapper
@@ -74,12 +85,14 @@ def test_one_process_compiled_matches_eager_and_says_so() -> None:
             session.backward(F.mse_loss(model(x), y))
             session.step(opt)
         got = session.strategy.unwrap(model).state_dict()
+    assert len(_GRAPHS) > before, "the compiled wrapper ran eager: no graph was compiled"
     assert _rel_diff(got, _reference(_model(), STEPS)) <= TOLERANCE
 
 
 # -- world 2 on gloo -------------------------------------------------------------------------------
 
 def _train_body(strategy: str, compile: Any, steps: int) -> dict[str, Any]:
+    before = len(_GRAPHS)
     session = lockstep.Session(strategy=strategy, compile=compile, quiet=True, timeout=60)
     model, opt = session.setup(_model(), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
     n = GLOBAL_BATCH // session.world_size
@@ -89,7 +102,7 @@ def _train_body(strategy: str, compile: Any, steps: int) -> dict[str, Any]:
         session.backward(F.mse_loss(model(x[part]), y[part]))
         session.step(opt)
     weights = session.strategy.model_state_dict(model)  # full tensors on every rank (fsdp gathers)
-    out = {"weights": weights, "compiled": session.compiled}
+    out = {"weights": weights, "compiled": session.compiled, "graphs": len(_GRAPHS) - before}
     session.close()
     return out
 
@@ -98,10 +111,13 @@ def _train_body(strategy: str, compile: Any, steps: int) -> dict[str, Any]:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_compiled_world_two_matches_eager_one_process(strategy: str) -> None:
-    results = run_distributed(_train_body, 2, strategy, AOT, STEPS, timeout=240)
+    results = run_distributed(_train_body, 2, strategy, COUNTED, STEPS, timeout=240)
     reference = _reference(_model(), STEPS)
     for result in results:
         assert result["compiled"]
+        # not asserted here: with torch 2.14 on gloo, dynamo hands no graph of the DDP or FSDP2
+        # wrapper's forward to the backend (the run is eager there); the one-process test asserts it
+        print(f"{strategy} world 2: {result['graphs']} graph(s) compiled")
         diff = _rel_diff(result["weights"], reference)
         print(f"{strategy} compiled (aot_eager) world 2 vs eager 1 process: {diff:.2e}")
         assert diff <= TOLERANCE, diff

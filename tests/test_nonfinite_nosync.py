@@ -16,7 +16,7 @@ import torch
 
 from _dist import run_distributed
 from lockstep.errors import ConfigError
-from lockstep.session.nonfinite import LateSkips, NonFinitePolicy
+from lockstep.session.nonfinite import FiniteCheck, LateSkips, NonFinitePolicy
 from lockstep.session.state import TrainState
 
 BAD_STEPS = {3, 4, 9}  # 1-based steps whose loss is NaN
@@ -97,6 +97,37 @@ def test_only_optimizers_that_skip_themselves_get_the_flag() -> None:
     assert decision.take and not decision.message and not hasattr(opt, "found_inf")  # "stop" checks at once
     with pytest.raises(ConfigError, match="read_every must be at least 1"):
         NonFinitePolicy("skip", read_every=0)
+
+
+@pytest.mark.parametrize("bad", [0, 1])
+def test_every_groups_flag_is_folded_off_the_host(bad: int) -> None:
+    """The accelerator's path run on CPU tensors: no host view of the flags, so the groups' flags
+    (here float32 and float64 parameters: two groups) are folded into one on the device and read
+    once, or folded into the lent ``found_inf``. A NaN in either group skips the step."""
+    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3, dtype=torch.float64))]
+    opt = torch.optim.SGD(params, lr=0.1, fused=True)
+    check = FiniteCheck()
+    plan = check.plan(opt)
+    assert len(plan.groups) == 2
+    plan.on_host = False  # as for CUDA gradients: fold on the device, one read
+
+    def grads(nan_in: int | None) -> None:
+        for i, p in enumerate(params):
+            p.grad = torch.zeros_like(p)
+            if i == nan_in:
+                p.grad[1] = math.nan
+
+    grads(bad)
+    assert check(opt) is False
+    assert all(float(g.flag[0]) == 0.0 for g in plan.groups)  # cleared for the next step
+    grads(None)
+    assert check(opt) is True
+    for nan_in, expected in ((bad, 1.0), (None, 0.0)):  # the lent path folds the same flags
+        grads(nan_in)
+        plan.lend_flag(opt, None)
+        assert float(opt.found_inf) == expected  # type: ignore[attr-defined]
+        plan.take_flag_back(opt)
+    assert plan.read_skipped() == (1, False)
 
 
 def _ranks() -> dict[str, Any]:

@@ -17,10 +17,13 @@ import textwrap
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from lockstep.comm.signed import SignedStore
+from lockstep.comm.store import CommError, handshake
+from lockstep.comm.watchdog import Watchdog
 from lockstep.errors import EXIT_PREEMPTED
 
 _SCRIPT = """
@@ -158,7 +161,8 @@ def test_outsider_writes_change_nothing_and_run_nothing(tmp_path: Path) -> None:
     assert any(p.name.startswith("step-") for p in ckpt.iterdir()), out
 
 
-def test_signed_values_refuse_forgery() -> None:
+def test_signed_values_refuse_forgery(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
     import torch.distributed as dist
 
     raw = dist.HashStore()
@@ -168,6 +172,42 @@ def test_signed_values_refuse_forgery() -> None:
     assert other.get("verdict") is None            # another secret: not ours
     raw.set("verdict", b"rank 1 hung")              # unsigned, as an outsider writes it
     assert job.get_if_set("verdict") is None
-    raw.set("verdict", pickle.dumps(_Marker("/nonexistent")))
+    raw.set("verdict", pickle.dumps(_Marker(str(marker))))
     assert job.get_if_set("verdict") is None
     assert job.get_if_set("absent") is None
+    assert not marker.exists(), "a forged value was unpickled"
+
+
+def _poisoned(marker: Path, keys: list[str]) -> Any:
+    """A store whose every key holds a pickle that would create ``marker`` if anything unpickled it."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    for key in keys:
+        store.set(key, pickle.dumps(_Marker(str(marker))))
+    return store
+
+
+def test_the_watchdog_reads_a_poisoned_store_without_running_it(tmp_path: Path) -> None:
+    """Every key the watchdog reads (each rank's position, the verdict) holds a pickle: it reads
+    them all (while it explains a timeout) and finds nothing it trusts; nothing ran."""
+    marker = tmp_path / "pwned"
+    keys = ["0", "1", "2", "verdict"]
+    store = _poisoned(marker, keys)
+    watch = Watchdog(store, rank=0, world_size=3, timeout=1.0, error_file="", secret=b"job")
+    err = watch.explain(RuntimeError("allreduce timed out"))
+    assert err is not None and "rank 1" in str(err) and "rank 2" in str(err)  # no post trusted: both unknown
+    for key in keys:                                                         # the raw reads too
+        assert SignedStore(store, b"job").get_if_set(key) in (None, str(err) if key == "verdict" else None)
+    assert not marker.exists(), "a store value was unpickled"
+
+
+def test_the_handshake_refuses_a_poisoned_post_without_running_it(tmp_path: Path) -> None:
+    """A pickle where a rank's hello should be: the handshake refuses it and runs nothing."""
+    marker = tmp_path / "pwned"
+    store = _poisoned(marker, ["hello/1"])
+    store.add("count", 1)  # the outsider's "rank" came first
+    me = {"rank": 0, "world_size": 2, "host": "h", "pid": 1}
+    with pytest.raises(CommError, match="hello/1 was not written by a rank of this job"):
+        handshake(SignedStore(store, b"job"), me, timedelta(seconds=5))  # type: ignore[arg-type]
+    assert not marker.exists(), "a store value was unpickled"

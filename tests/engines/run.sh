@@ -11,10 +11,11 @@
 # Missing packages are installed first (apt: slurm-wlm munge openmpi-bin; pip: ray[train]).
 #
 # Prints one line per scenario, which engines ran, and `N passed, M failed` last; exits 1 when a
-# scenario failed. Skips (exit 0, one line) when not root or without network namespaces. Every
+# scenario failed. Exits 3 (CANNOT_RUN), with one line saying why, where it cannot run at all (not
+# root, a tool missing, no network namespaces): nothing ran, so nothing passed. Every
 # daemon, namespace and mount it makes is removed on the way out, whatever the way out (a failure,
 # Ctrl-C, SIGTERM). Each scenario has a hang guard, and all of them together a time budget
-# ($ENGINES_BUDGET seconds, 1560 by default). Logs: build/test-engines/.
+# ($ENGINES_BUDGET seconds, 2100 by default). Logs: build/test-engines/.
 #
 # Naming scenarios runs only those (their prerequisites first), e.g.
 #   bash tests/engines/run.sh slurm_direct_usr1 mpi_two_nodes
@@ -23,7 +24,7 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 ENGINES_DIR=$ROOT/tests/engines
 VENV=$ROOT/.venv
-BUDGET=${ENGINES_BUDGET:-1560}
+BUDGET=${ENGINES_BUDGET:-2100}
 LOG_DIR=$ROOT/build/test-engines
 
 # name, hang guard (seconds), engine
@@ -33,17 +34,17 @@ SCENARIOS=(
     "loopback_hostname 300 two-hosts"
     "slurm_srun_direct 300 slurm"
     "slurm_lockstep_run 300 slurm"
-    "slurm_lockstep_train 300 slurm"
+    "slurm_lockstep_train 600 slurm"
     "slurm_direct_usr1 400 slurm"
     "slurm_direct_scancel 400 slurm"
     "slurm_perhost_scancel 400 slurm"
     "slurm_sbatch_usr1_requeue 500 slurm"
     "slurm_perhost_usr1_repeat 600 slurm"
     "slurm_perhost_usr1_then_scancel 400 slurm"
-    "mpi_one_node 300 openmpi"
-    "mpi_two_nodes 300 openmpi"
-    "kubeflow_pytorchjob 300 kubeflow"
-    "ray_torchtrainer 600 ray"
+    "mpi_one_node 450 openmpi"
+    "mpi_two_nodes 450 openmpi"
+    "kubeflow_pytorchjob 450 kubeflow"
+    "ray_torchtrainer 900 ray"
     "link_down 300 two-hosts"
     "doctor_comm_slow_host 300 two-hosts"
     "elastic_kill 400 two-hosts"
@@ -54,23 +55,28 @@ SCENARIOS=(
 # reported as "xfail" and do not fail the run (one that passes is reported as "xpass").
 declare -A XFAIL=()
 
+CANNOT_RUN=3  # exit status where the engines cannot run here (.ci/run tells it from a failure)
+
 say() { printf '%s\n' "$*"; }
+
+cannot_run() {  # cannot_run WHY: one line, then exit CANNOT_RUN
+    say "test-engines: cannot run here: $*"
+    exit "$CANNOT_RUN"
+}
 
 skip_checks() {
     if [ "$(id -u)" -ne 0 ]; then
-        say "test-engines: skipped: needs root (network namespaces, Slurm and munge daemons)"
-        exit 0
+        cannot_run "needs root (network namespaces, Slurm and munge daemons)"
     fi
     local tool
     for tool in ip nsenter unshare runuser timeout; do
-        command -v "$tool" >/dev/null 2>&1 || { say "test-engines: skipped: $tool is not installed"; exit 0; }
+        command -v "$tool" >/dev/null 2>&1 || cannot_run "$tool is not installed"
     done
     local probe="lockstep-e2e-probe-$$"
     [ -d /run/netns ] || RUN_NETNS_MADE=yes   # `ip netns add` makes it (and a mount on it) if missing
     if ! ip netns add "$probe" >/dev/null 2>&1; then
-        say "test-engines: skipped: ip netns is unavailable here (cannot create a network namespace)"
         [ -n "$RUN_NETNS_MADE" ] && [ -z "$(ls -A /run/netns 2>/dev/null)" ] && { umount /run/netns; rmdir /run/netns; } 2>/dev/null
-        exit 0
+        cannot_run "ip netns is unavailable (cannot create a network namespace)"
     fi
     ip netns del "$probe"
     [ -x "$VENV/bin/lockstep" ] || { say "test-engines: no $VENV/bin/lockstep; run make install first"; exit 1; }

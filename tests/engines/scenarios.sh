@@ -58,6 +58,28 @@ EOF
     [ -z "$why" ] || fail "$why"
 }
 
+same_checkpoint_weights() {  # same_checkpoint_weights RUN REFERENCE: the newest checkpoints in the
+    # two folders hold bit-identical model weights (read as a single process reads a checkpoint)
+    local why
+    why=$("$ROOT/.venv/bin/python" - "$1" "$2" <<'PY'
+import sys, torch
+from lockstep.checkpoint import load_checkpoint
+from lockstep.comm.group import Comm
+from lockstep.env import World
+a, b = (load_checkpoint(p, Comm(World())) for p in sys.argv[1:3])
+if a is None or b is None:
+    print(f"no checkpoint in {sys.argv[1] if a is None else sys.argv[2]}")
+elif a["step"] != b["step"] or a["model"].keys() != b["model"].keys():
+    print(f"the checkpoints differ: step {a['step']} vs {b['step']}, {len(a['model'])} vs {len(b['model'])} tensors")
+else:
+    diff = [k for k in b["model"] if not torch.equal(a["model"][k], b["model"][k])]
+    if diff:
+        print(f"final weights differ from the one-host reference in {len(diff)} of {len(b['model'])} tensors: {diff[:3]}")
+PY
+)
+    [ -z "$why" ] || fail "$why"
+}
+
 # ---- Slurm helpers -------------------------------------------------------------------------
 sq() { on node0 "$@"; }  # Slurm's client commands run on node0, next to the controller
 
@@ -216,6 +238,10 @@ scenario_slurm_lockstep_train() {
         --out "$W/run" >"$W/out" 2>&1 || fail "srun ... lockstep train --nproc 1 exited $?: $(tail -2 "$W/out" | tr '\n' ' ')"
     expect "$W/out" "^lockstep: world 2," "lockstep train under srun did not read the two nodes from Slurm"
     [ "$(grep -c '^lockstep: world' "$W/out")" -eq 1 ] || fail "more than one job started (each node trained alone)"
+    # the same flags on one host with two processes: the same final weights
+    on node0 lockstep train --nproc 2 --epochs 1 --max-steps 4 --workers 1 --out "$W/ref" >"$W/ref.out" 2>&1 \
+        || fail "lockstep train --nproc 2 on one host exited $?: $(tail -2 "$W/ref.out" | tr '\n' ' ')"
+    same_checkpoint_weights "$W/run/checkpoints" "$W/ref/checkpoints"
 }
 
 scenario_slurm_sbatch_usr1_requeue() {
@@ -320,6 +346,10 @@ scenario_mpi_one_node() {
         bash examples/mpi.sh 2 examples/allreduce_rank.py >"$W/out" 2>&1 \
         || fail "examples/mpi.sh 2 exited $?: $(tail -2 "$W/out" | tr '\n' ' ')"
     expect "$W/out" "^world_size 2 sum of ranks 1$" "mpirun -np 2 did not form a world of 2"
+    on node0 env -u MASTER_PORT -u MASTER_ADDR MPIRUN_ARGS="--allow-run-as-root --oversubscribe" \
+        bash examples/mpi.sh 2 "$TINY" --epochs $EPOCHS --result "$W/result.json" >"$W/tiny.out" 2>&1 \
+        || fail "examples/mpi.sh 2 $TINY exited $?: $(tail -2 "$W/tiny.out" | tr '\n' ' ')"
+    same_weights "$W/result.json" "$STATE/reference.json"
 }
 
 scenario_mpi_two_nodes() {
@@ -329,6 +359,12 @@ scenario_mpi_two_nodes() {
         bash examples/mpi.sh 4 examples/allreduce_rank.py >"$W/out" 2>&1 \
         || fail "examples/mpi.sh 4 across node0,node1 exited $?: $(tail -2 "$W/out" | tr '\n' ' ')"
     expect "$W/out" "^world_size 4 sum of ranks 6$" "mpirun across two nodes did not form a world of 4"
+    # one rank per host: the two-rank job of the reference, its ranks on two hosts
+    on node0 env -u MASTER_PORT -u MASTER_ADDR HOSTS=node0:1,node1:1 ENGINES_STATE="$STATE" \
+        MPIRUN_ARGS="--allow-run-as-root --oversubscribe --mca plm_rsh_agent $ENGINES_DIR/mpi_agent.sh --mca oob_tcp_if_include 192.0.2.0/24 --mca btl_tcp_if_include 192.0.2.0/24" \
+        bash examples/mpi.sh 2 "$TINY" --epochs $EPOCHS --result "$W/result.json" >"$W/tiny.out" 2>&1 \
+        || fail "examples/mpi.sh 2 $TINY across node0,node1 exited $?: $(tail -2 "$W/tiny.out" | tr '\n' ' ')"
+    same_weights "$W/result.json" "$STATE/reference.json"
 }
 
 # ---- Kubeflow ------------------------------------------------------------------------------
@@ -339,6 +375,12 @@ scenario_kubeflow_pytorchjob() {
     local world
     world=$(sed -n 's/^pods: WORLD_SIZE=\([0-9]*\).*/\1/p' "$W/out" | head -1)
     expect "$W/out" "lockstep: world $world," "the pods' ranks did not form the world of $world processes the job describes ($(grep -E -o 'lockstep: world [0-9]+' "$W/out" | head -1))"
+    # the same pods (operator environment, one process each) running the reference's job
+    on node0 python "$ENGINES_DIR/scripts/pods.py" examples/kubernetes/pytorchjob.yaml --workdir "$ROOT" \
+        --master-addr 127.0.0.1 --nproc-per-node 1 \
+        --command "lockstep run $TINY --epochs $EPOCHS --result $W/result.json" >"$W/tiny.out" 2>&1 \
+        || fail "the pods running $TINY exited $?: $(tail -3 "$W/tiny.out" | tr '\n' ' ')"
+    same_weights "$W/result.json" "$STATE/reference.json"
 }
 
 # ---- Ray -----------------------------------------------------------------------------------
@@ -353,6 +395,12 @@ scenario_ray_torchtrainer() {
     expect "$W/out" "first fit ended at epoch 1 step 16" "the first fit did not train 2 epochs"
     expect "$W/out" "second fit resumed at step 16 and ended at epoch 3 step 32, world size 2" \
         "the second fit did not resume from Ray's checkpoint"
+    # Ray's two workers running the reference's job: the same final weights
+    on node0 env RAY_TMPDIR="$STATE/ray" RAY_USAGE_STATS_ENABLED=0 RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS=0 \
+        python "$ENGINES_DIR/scripts/ray_tiny.py" --storage "$W/tiny-storage" -- --epochs $EPOCHS \
+        --result "$W/result.json" >"$W/tiny.out" 2>&1 \
+        || fail "ray_tiny.py exited $?: $(grep -v PlacementGroupCleaner "$W/tiny.out" | tail -3 | tr '\n' ' ')"
+    same_weights "$W/result.json" "$STATE/reference.json"
 }
 
 # ---- lockstep doctor --comm on three hosts, one of them behind a slow link ------------------

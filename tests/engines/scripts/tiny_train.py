@@ -24,8 +24,8 @@ import torch
 import lockstep
 
 
-def main() -> None:
-    """Train, checkpoint every epoch, report the final weights."""
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The job's flags (``sys.argv`` when ``argv`` is None)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--checkpoints", default=None)
@@ -34,9 +34,16 @@ def main() -> None:
     parser.add_argument("--started", default=None, help="write FILE.rankN after --started-step steps")
     parser.add_argument("--started-step", type=int, default=3)
     parser.add_argument("--result", default=None, help="rank 0 writes the final step and weights here")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
 
-    session = lockstep.Session(seed=0)
+
+def main() -> None:
+    """Train, checkpoint every epoch, report the final weights."""
+    train(lockstep.Session(seed=0), parse())
+
+
+def train(session: lockstep.Session, args: argparse.Namespace) -> None:
+    """The job itself, in ``session`` (made by ``main``, or by Ray's workers in ray_tiny.py)."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(256, 8, generator=gen)
     y = x @ torch.linspace(-1, 1, 8).unsqueeze(1) + 0.1 * torch.randn(256, 1, generator=gen)

@@ -53,7 +53,7 @@ def test_out_that_cannot_be_written(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     def read_only(*args: Any, **kwargs: Any) -> Any:
         raise OSError(errno.EROFS, "Read-only file system")
 
-    monkeypatch.setattr("lockstep.recipes.config.tempfile.mkstemp", read_only)
+    monkeypatch.setattr("lockstep.recipes.checks.tempfile.mkstemp", read_only)
     with pytest.raises(ConfigError, match=r"cannot write there \(Read-only file system\)"):
         check_out(TrainConfig(out=str(tmp_path / "ro")))
     monkeypatch.undo()

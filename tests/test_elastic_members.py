@@ -71,8 +71,8 @@ def test_a_node_that_never_comes_back_is_dropped(store: Any) -> None:
     assert [v.world_size for v in second] == [2, 2]
     assert [m.node for m in second[0].left] == ["b"] and second[0].joined == ()
     assert {m.step for m in second[0].members} == {7}
-    # survivors keep their old order
-    assert [m.node for m in second[0].members] == [n for n in "ac"]
+    # survivors keep their old order (the first round's ranks, set by arrival)
+    assert [m.node for m in second[0].members] == sorted("ac", key=lambda n: first[n].rank)
 
 
 def test_a_late_node_waits_and_is_let_in(store: Any) -> None:

@@ -99,3 +99,21 @@ def test_a_worker_joins_only_the_rendezvous_served_for_its_own_job() -> None:
     # a job started inside a worker (spawn) inherits the outer job's variables: not its rendezvous
     assert not read_settings({**served, "RANK": "0", "WORLD_SIZE": "3"}).horovod_rendezvous
     assert not read_settings({"RANK": "1", "WORLD_SIZE": "2"}).horovod_rendezvous
+
+
+@pytest.mark.horovod
+def test_the_launchers_rendezvous_is_served_on_loopback_and_only_for_horovod_scripts(tmp_path: Path) -> None:
+    pytest.importorskip("horovod.runner.http.http_server", reason="horovod not installed: make horovod",
+                        exc_type=ImportError)
+    from test_store_trust import _listening
+
+    plain = tmp_path / "plain.py"
+    plain.write_text("import torch\n")
+    with launch_horovod.horovod_rendezvous(LaunchSpec(str(plain), nproc=2)) as variables:
+        assert variables == {}  # a script that does not import Horovod gets no server
+    with launch_horovod.horovod_rendezvous(LaunchSpec(str(SCRIPT), nproc=2)) as variables:
+        port = int(variables["HOROVOD_GLOO_RENDEZVOUS_PORT"])
+        assert variables["HOROVOD_GLOO_RENDEZVOUS_ADDR"] == "127.0.0.1"
+        assert (("127.0.0.1", port)) in _listening([os.getpid()])[os.getpid()]
+        assert all(addr == "127.0.0.1" for addr, _ in _listening([os.getpid()])[os.getpid()])
+    assert _listening([os.getpid()])[os.getpid()] == []  # stopped with the job

@@ -2,12 +2,13 @@
 
 An unmodified Horovod script (``hvd.init()``, ``hvd.DistributedOptimizer``) reads its job from
 the environment. Where Horovod is installed, ``lockstep run`` on one node starts Horovod's own
-rendezvous server (``horovod.runner.http.http_server.RendezvousServer``, as
-``horovod.runner.gloo_run`` does) for the job's one host, and exports what ``horovodrun`` exports:
+rendezvous server (Horovod's ``RendezvousHTTPServer``, as ``horovod.runner.gloo_run`` does, but on
+loopback) for the job's one host when the script imports Horovod, and exports what ``horovodrun`` exports:
 the rendezvous address and port, ``HOROVOD_CONTROLLER=gloo``, ``HOROVOD_CPU_OPERATIONS=gloo``,
 the interface, host name and sizes; each worker's bootstrap adds its own ``HOROVOD_RANK``,
 ``HOROVOD_LOCAL_RANK`` and ``HOROVOD_CROSS_RANK`` (:func:`lockstep._cluster.horovod_rank_variables`).
-``Session(strategy="horovod")`` joins the same rendezvous. A script that imports Horovod is
+``Session(strategy="horovod")`` joins it where the launcher serves one, else rank 0 serves its own
+(:func:`lockstep.strategies.horovod.init_horovod`). A script that imports Horovod is
 refused on several nodes, in one line naming ``horovodrun`` (Horovod's gloo needs the interface
 that joins the hosts, which ``horovodrun`` discovers).
 
@@ -28,6 +29,7 @@ from pathlib import Path
 from lockstep._cluster import horovod_variables
 from lockstep.errors import ConfigError
 from lockstep.launch.spec import LaunchSpec
+from lockstep.strategies.horovod import loopback_rendezvous
 
 __all__ = ["horovod_rendezvous", "imports_horovod", "check_horovod_hosts"]
 
@@ -76,8 +78,9 @@ def check_horovod_hosts(spec: LaunchSpec) -> None:
 def horovod_rendezvous(spec: LaunchSpec) -> Iterator[dict[str, str]]:
     """Serve Horovod's rendezvous for the job while it runs; yield the variables every worker needs.
 
-    Nothing (an empty dict) where Horovod is not installed, or on several nodes
-    (:func:`check_horovod_hosts`). On one node the server listens while the job runs.
+    Nothing (an empty dict) where Horovod is not installed, where the script does not import it
+    (``Session(strategy="horovod")`` serves its own), or on several nodes (:func:`check_horovod_hosts`).
+    On one node the server listens on loopback while the job runs.
 
     Args:
         spec: what ``lockstep run`` starts.
@@ -87,18 +90,12 @@ def horovod_rendezvous(spec: LaunchSpec) -> Iterator[dict[str, str]]:
         with horovod_rendezvous(LaunchSpec("train.py", nproc=2)) as variables:
             variables["HOROVOD_SIZE"]   # "2"
     """
-    if spec.nodes > 1 or importlib.util.find_spec("horovod") is None:
+    if spec.nodes > 1 or importlib.util.find_spec("horovod") is None or not imports_horovod(spec):
         yield {}
         return
     from horovod.runner.common.util.hosts import HostInfo, get_host_assignments
-    from horovod.runner.http.http_server import RendezvousServer
 
     hostname = socket.gethostname()
     plan = get_host_assignments([HostInfo(hostname, spec.nproc)], spec.nproc)
-    server = RendezvousServer()
-    port = server.start()
-    server.init(plan)  # one host's scopes; Horovod clears them once every rank joined, ready for a restart
-    try:
+    with loopback_rendezvous(plan) as port:
         yield horovod_variables(port=port, hostname=hostname, size=spec.nproc, local_size=spec.nproc)
-    finally:
-        server.stop()

@@ -41,7 +41,7 @@ from lockstep.errors import ConfigError
 from lockstep.strategies.base import Strategy, broadcast_module_state, unwrap_module
 from lockstep.strategies.torch_internals import queue_backward_callback
 
-__all__ = ["HorovodStrategy", "HorovodGradients", "HorovodUnavailableError", "horovod_unavailable", "import_horovod",
+__all__ = ["HorovodStrategy", "loopback_rendezvous", "HorovodGradients", "HorovodUnavailableError", "horovod_unavailable", "import_horovod",
            "init_horovod", "apply_horovod_optimizer"]
 
 NOT_INSTALLED = "horovod not installed: make horovod"
@@ -133,7 +133,6 @@ def init_horovod(comm: Comm) -> Any:
 def _init_with_own_rendezvous(hvd: Any, comm: Comm) -> None:
     """Start Horovod's rendezvous server on rank 0 and ``hvd.init()`` every rank against it."""
     from horovod.runner.common.util.hosts import HostInfo, get_host_assignments
-    from horovod.runner.http.http_server import RendezvousServer
 
     world = comm.world
     hosts = comm.all_gather_object(socket.gethostname())
@@ -144,27 +143,50 @@ def _init_with_own_rendezvous(hvd: Any, comm: Comm) -> None:
             "-H host1:N,host2:N --gloo python train.py`"
         )
     plan = get_host_assignments([HostInfo(hosts[0], world.world_size)], world.world_size)
-    server = None
-    port = 0
-    if world.is_main:
-        server = RendezvousServer()
-        port = server.start()
-        server.init(plan)
-    port = comm.broadcast_object(port, 0)
-    slot = plan[world.rank]
-    # what horovodrun exports to each rank it starts (horovod.runner.gloo_run), for one host
-    export_environment({
-        **horovod_variables(port=port, hostname=slot.hostname, size=slot.size, local_size=slot.local_size,
-                            cross_size=slot.cross_size),
-        "HOROVOD_RANK": str(slot.rank), "HOROVOD_LOCAL_RANK": str(slot.local_rank),
-        "HOROVOD_CROSS_RANK": str(slot.cross_rank),
-    })
-    try:
+    with contextlib.ExitStack() as stack:
+        port = stack.enter_context(loopback_rendezvous(plan)) if world.is_main else 0
+        port = comm.broadcast_object(port, 0)
+        slot = plan[world.rank]
+        # what horovodrun exports to each rank it starts (horovod.runner.gloo_run), for one host
+        export_environment({
+            **horovod_variables(port=port, hostname=slot.hostname, size=slot.size, local_size=slot.local_size,
+                                cross_size=slot.cross_size),
+            "HOROVOD_RANK": str(slot.rank), "HOROVOD_LOCAL_RANK": str(slot.local_rank),
+            "HOROVOD_CROSS_RANK": str(slot.cross_rank),
+        })
         hvd.init()
         comm.barrier()  # the server is only needed until every rank has joined
+
+
+@contextlib.contextmanager
+def loopback_rendezvous(plan: list[Any]) -> Iterator[int]:
+    """Serve Horovod's rendezvous for one host's ranks on a free loopback port; yield the port.
+
+    Horovod's own ``RendezvousServer.start()`` listens on every interface; its key-value store
+    takes writes from anyone who reaches it. A job on one host needs loopback only.
+
+    Args:
+        plan: Horovod's slots for the host (``get_host_assignments``).
+
+    Example::
+
+        with loopback_rendezvous(get_host_assignments([HostInfo("node0", 2)], 2)) as port:
+            ...   # HOROVOD_GLOO_RENDEZVOUS_ADDR=127.0.0.1, HOROVOD_GLOO_RENDEZVOUS_PORT=port
+    """
+    import threading
+
+    from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer
+
+    server = RendezvousHTTPServer(("127.0.0.1", 0), RendezvousHandler, 0)
+    server.init(plan)  # the scopes' sizes; Horovod clears them once every rank joined, ready for a restart
+    thread = threading.Thread(target=server.serve_forever, name="horovod-rendezvous", daemon=True)
+    thread.start()
+    try:
+        yield int(server.server_address[1])
     finally:
-        if server is not None:
-            server.stop()
+        server.shutdown()
+        server.server_close()
+        thread.join()
 
 
 class HorovodGradients:

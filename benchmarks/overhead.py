@@ -181,6 +181,7 @@ def _profile(steps_of: dict[str, Callable[[], None]], steps: int, rank: int) -> 
             stats.sort_stats("tottime").print_stats(15)
             # the step path's own functions, by cumulative time: where lockstep spends it
             stats.sort_stats("cumulative").print_stats(r"lockstep/|overhead\.py", 25)
+            stats.sort_stats("tottime").print_stats(r"lockstep/", 25)
             text.append(f"=== {arm}: {steps} steps on rank 0 ===\n{out.getvalue()}")
     return "\n".join(text)
 

@@ -3,9 +3,9 @@
 Every rank of a data-parallel job waits for the slowest one at each gradient all-reduce, so a
 slow rank shows twice: in its own work (waiting for data, computing, stepping the optimizer)
 and in everybody else's *communication* wait. :class:`SlowRankDetector` compares each rank's own
-work with the median of the other ranks' over one window of steps (medians, so a single
-descheduled step does not count) and names a rank only when it is slower by both a relative and
-an absolute margin, in the same rank for several windows in a row. Every rank runs the same
+work (its means per step over one window) with the median of the other ranks' and names a rank
+only when it is slower by both a relative and an absolute margin, in the same rank for several
+windows in a row (so a single descheduled step or window does not count). Every rank runs the same
 detector on the same gathered table, so every rank reaches the same verdict; rank 0 prints it.
 
 Example::
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 __all__ = ["PHASES", "WORK_PHASES", "SlowRank", "SlowRankDetector"]
 
 PHASES = ("data", "compute", "comm", "optimizer")
-"""The phases of a step, in the order of a timing row (seconds per step, medians over a window)."""
+"""The phases of a step, in the order of a timing row (seconds per step, means over a window)."""
 
 WORK_PHASES = ("data", "compute", "optimizer")
 """The phases that are a rank's own work; ``comm`` is where a rank waits for the others."""
@@ -44,9 +44,9 @@ class SlowRank:
         rank: the slow rank.
         host: its host name.
         phase: ``"data"``, ``"compute"`` or ``"optimizer"``: where its extra time goes.
-        seconds: its median time per step in that phase.
+        seconds: its mean time per step in that phase.
         others: the other ranks' median in that phase.
-        waited: the other ranks' median communication wait per step (the time they lose to it).
+        waited: the other ranks' median of their mean communication wait per step (the time they lose to it).
         windows: consecutive windows it was the slow one.
         step: the global step of the window that named it.
 
@@ -76,7 +76,7 @@ class SlowRankDetector:
     """Decide, window after window, whether one rank is persistently slower than the others.
 
     A rank is a suspect in a window when its own work per step (data + compute + optimizer,
-    medians) exceeds the median of the other ranks' by more than ``margin_s`` **and** by more
+    means per step) exceeds the median of the other ranks' by more than ``margin_s`` **and** by more
     than ``ratio`` times theirs; it is named once it has been the suspect ``windows`` windows in a
     row. It is named once per episode: when no rank is a suspect any more, a later episode is
     named again.
@@ -102,7 +102,7 @@ class SlowRankDetector:
         """Take one window's table (a row of :data:`PHASES` seconds per rank); a new verdict or ``None``.
 
         Args:
-            table: ``table[rank] = [data, compute, comm, optimizer]``, medians per step.
+            table: ``table[rank] = [data, compute, comm, optimizer]``, means per step.
             step: the global step the window ended at (recorded in the verdict).
 
         Example::

@@ -18,7 +18,7 @@ their data loading inside ``compute``. Where gradients arrive through other mean
 parameter hooks (FSDP's sharded parameters), ``comm`` is 0 and its time is in ``compute``.
 
 Every window of steps (at least ``every`` steps and about half a second) the ranks share their
-medians in one all-reduce of a few floats (:class:`TimingWindow`); the session names a slow rank
+means in one all-reduce of a few floats (:class:`TimingWindow`); the session names a slow rank
 from it (:mod:`lockstep.session.slow_rank`) and logs it.
 
 Example::
@@ -47,7 +47,8 @@ from lockstep.session.slow_rank import PHASES
 __all__ = ["StepTimer", "TimingWindow", "ROW", "MIN_WINDOW_SECONDS", "MAX_WINDOW_STEPS", "peak_flops"]
 
 ROW = PHASES + ("step", "samples_per_s", "host_mem_gb", "device_mem_gb", "mfu")
-"""The values each rank shares per window: the phases' medians (s/step), wall time per step, samples/s,
+"""The values each rank shares per window: the phases' means (s/step; a mean, not a median: with loader
+workers a rank's data waits come in bursts, long then none, and a median would miss them), wall time per step, samples/s,
 resident host memory, peak device memory and MFU (NaN where not known)."""
 
 MIN_WINDOW_SECONDS = 0.5
@@ -178,26 +179,35 @@ class StepTimer:
     def watch(self, model: nn.Module) -> None:
         """Hook ``model``'s parameters: the time the last gradient is ready ends ``compute`` and begins ``comm``.
 
+        Every trainable parameter is hooked for the first backward; from then on only the one whose
+        gradient came last keeps its hook (one Python call per backward, not one per parameter).
+
         Args:
             model: the wrapped model (its trainable parameters are hooked; others are left alone).
         """
         if not self.enabled:
             return
-        for index, param in enumerate(p for p in model.parameters() if p.requires_grad):
-            try:
-                self._hooks.append(param.register_post_accumulate_grad_hook(self._grad_hook(index)))
+        for param in (p for p in model.parameters() if p.requires_grad):
+            try:  # a hook's index is its place in _hooks (several models: one list)
+                self._hooks.append(param.register_post_accumulate_grad_hook(self._grad_hook(len(self._hooks))))
             except (RuntimeError, AttributeError):  # parameters that take no hooks: comm is then in compute
+                self.unwatch()
                 return
 
     def _grad_hook(self, index: int) -> Callable[[torch.Tensor], None]:
-        """One parameter's hook: on a GPU only the parameter that finished last the step before records an event."""
+        """One parameter's hook: records when its gradient is ready (a time, or an event on a GPU)."""
         def hook(_: torch.Tensor) -> None:
             self._grad_last = index
-            if not self._cuda:
-                self._grad = self._clock()
-            elif index == self._grad_target:
-                self._grad = self._mark()
+            self._grad = self._mark()
         return hook
+
+    def _keep_last_hook(self) -> None:
+        """After the first backward: drop every hook but the last gradient's (the order is the graph's)."""
+        if len(self._hooks) > 1 and 0 <= self._grad_target < len(self._hooks):
+            for index, handle in enumerate(self._hooks):
+                if index != self._grad_target:
+                    handle.remove()
+            self._hooks = [self._hooks[self._grad_target]]
 
     def unwatch(self) -> None:
         """Remove the parameter hooks (the session's close)."""
@@ -238,7 +248,9 @@ class StepTimer:
             else:
                 self._span(1, self._start, end)
         self._grad, self._start = None, end
-        self._grad_target = self._grad_last
+        if self._grad_target < 0:
+            self._grad_target = self._grad_last
+            self._keep_last_hook()
         if self._flops is not None:
             self._close_flops()
 
@@ -269,11 +281,11 @@ class StepTimer:
 
     # -- windows ----------------------------------------------------------------------------------------------------
     def _close_window(self) -> None:
-        """Share this rank's medians, pick the next window's length from everyone's step time, report."""
+        """Share this rank's means, pick the next window's length from everyone's step time, report."""
         steps = len(self._rows)
         seconds = max(self._clock() - self._window_began, 1e-9)
         phases = self._resolve()
-        row = [statistics.median(p[i] for p in phases) for i in range(len(PHASES))]
+        row = [statistics.fmean(p[i] for p in phases) for i in range(len(PHASES))]
         per_s = self._window_samples / seconds
         mfu = per_s * self._flops_per_sample / self._peak if self._flops_per_sample and self._peak else math.nan
         row += [seconds / steps, per_s, _host_memory_gb(), self._device_memory_gb(), mfu]

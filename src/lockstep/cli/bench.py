@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 from lockstep.bench.matrix import DEFAULT_REPEATS, DEFAULT_STEPS, DEFAULT_WARMUP, BenchConfig, parse_list
-from lockstep.cli.flags import NPROC_PER_GPU, add_deprecated, add_launch_flags
+from lockstep.cli.flags import NPROC_PER_GPU, add_deprecated, add_launch_flags, describe_command
 
 __all__ = ["add_arguments", "main", "config_from_args", "default_nprocs"]
 
@@ -61,8 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """
     from lockstep.session.nonfinite import NONFINITE_POLICIES
 
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.epilog = __doc__.split("\n", 2)[2].replace("::", ":").replace("``", "") if __doc__ else None
+    describe_command(parser, __doc__)
     add = parser.add_argument
     add("--model", default="convnet",
         help="a lockstep train model (convnet, resnet18, resnet50, any torchvision classifier) or your own "

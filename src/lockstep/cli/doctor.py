@@ -21,7 +21,8 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from lockstep.cli.flags import NPROC_PER_GPU, PLACEMENT_FLAGS, add_launch_flags, launch_options
+from lockstep.cli.flags import (NPROC_PER_GPU, PLACEMENT_FLAGS, add_launch_flags, describe_command,
+                                 launch_options)
 from lockstep.errors import LockstepError
 
 __all__ = ["add_arguments", "main", "LAUNCH"]
@@ -42,8 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """
     from lockstep.doctor.bandwidth import DEFAULT_SIZES
 
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.epilog = __doc__.split("\n", 2)[2] if __doc__ else None
+    describe_command(parser, __doc__)
     add_launch_flags(parser, LAUNCH, nproc_default=None, nproc_default_text=NPROC_PER_GPU)
     parser.add_argument("--sizes", default=DEFAULT_SIZES, metavar="LOW..HIGH",
                         help=f"allreduce message sizes: powers of 4 from LOW to HIGH, or a list like 1M,64M "

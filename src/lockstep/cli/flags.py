@@ -22,7 +22,8 @@ import argparse
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-__all__ = ["add_launch_flags", "launch_options", "value_flags", "flag_strings", "split_at_target", "add_deprecated",
+__all__ = ["describe_command",
+           "add_launch_flags", "launch_options", "value_flags", "flag_strings", "split_at_target", "add_deprecated",
            "deprecation_notes", "DeprecatedFlag", "LAUNCH_FLAGS", "PLACEMENT_FLAGS", "NPROC_PER_GPU"]
 
 LAUNCH_FLAGS = ("nproc", "nodes", "node_rank", "master", "max_restarts", "join_timeout", "timeout", "grace",
@@ -68,6 +69,22 @@ _DECLARATIONS: dict[str, tuple[str, dict[str, Any]]] = {
                                   help="keep every rank's stdout/stderr under this folder")),
     "verbose": ("--verbose", dict(action="store_true", help="show torch's own agent logging")),
 }
+
+
+def describe_command(parser: argparse.ArgumentParser, doc: str | None) -> None:
+    """Show a subcommand's module docstring, but its first line, after its flags in ``--help``.
+
+    Args:
+        parser: the subcommand's parser.
+        doc: the subcommand module's ``__doc__`` (its reST ``::`` and ````code```` marks are dropped).
+
+    Example::
+
+        describe_command(parser, __doc__)
+    """
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    body = doc.split("\n", 2)[2] if doc and doc.count("\n") >= 2 else None
+    parser.epilog = body.replace("::", ":").replace("``", "") if body else None
 
 
 def add_launch_flags(parser: argparse.ArgumentParser, names: Sequence[str] = LAUNCH_FLAGS, *,

@@ -21,6 +21,7 @@ import argparse
 import os
 
 from lockstep.errors import ConfigError
+from lockstep.cli.flags import describe_command
 
 __all__ = ["add_arguments", "main"]
 
@@ -35,8 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
         add_arguments(argparse.ArgumentParser())
     """
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.epilog = __doc__.split("\n", 2)[2] if __doc__ else None
+    describe_command(parser, __doc__)
     parser.add_argument("folders", nargs="+", metavar="DIR",
                         help="the post-mortem folder(s) (rank<N>.ring, rank<N>.json), or a run's log folder "
                              "holding postmortem/; several folders (one per node) are read as one job")

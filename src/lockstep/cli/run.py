@@ -21,8 +21,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from lockstep.cli.flags import (LAUNCH_FLAGS, NPROC_PER_GPU, add_launch_flags, flag_strings, launch_options,
-                                split_at_target, value_flags)
+from lockstep.cli.flags import (LAUNCH_FLAGS, NPROC_PER_GPU, add_launch_flags, describe_command, flag_strings,
+                                launch_options, split_at_target, value_flags)
 from lockstep.errors import ConfigError, LockstepError
 
 __all__ = ["add_arguments", "split_argv", "misplaced_flags", "main"]
@@ -38,8 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
         add_arguments(argparse.ArgumentParser())
     """
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.epilog = __doc__.split("\n", 2)[2].replace("::", ":") if __doc__ else None
+    describe_command(parser, __doc__)
     parser.allow_abbrev = False  # never guess: `--n` is refused here, and a script's `--n` is its own
     add_launch_flags(parser, LAUNCH_FLAGS, nproc_default=None, nproc_default_text=f"{NPROC_PER_GPU}, or the engine's (Kubeflow, SkyPilot)",
                      slurm=True)

@@ -31,7 +31,7 @@ import dataclasses
 import sys
 from typing import Any
 
-from lockstep.cli.flags import NPROC_PER_GPU, add_launch_flags, launch_options
+from lockstep.cli.flags import NPROC_PER_GPU, add_launch_flags, describe_command, launch_options
 
 __all__ = ["add_arguments", "main", "config_from_args", "worker_argv", "LAUNCH"]
 
@@ -95,8 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
         add_arguments(argparse.ArgumentParser(prog="lockstep train"))
     """
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.epilog = __doc__.split("\n", 2)[2] if __doc__ else None
+    describe_command(parser, __doc__)
     types = {"powersgd_rank": int, "powersgd_start_iter": int,
              "epochs": int, "batch_size": int, "lr": float, "base_batch": int, "momentum": float,
              "weight_decay": float, "workers": int, "accumulate": int, "seed": int, "keep": int, "image_size": int,

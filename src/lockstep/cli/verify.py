@@ -20,7 +20,8 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from lockstep.cli.flags import NPROC_PER_GPU, add_deprecated, add_launch_flags, launch_options
+from lockstep.cli.flags import (NPROC_PER_GPU, add_deprecated, add_launch_flags, describe_command,
+                                 launch_options)
 from lockstep.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -46,8 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from lockstep.verify.config import DROPOUT_MODES, STRATEGIES, VerifyConfig
 
     d = VerifyConfig.__dataclass_fields__
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.epilog = __doc__.split("\n", 2)[2] if __doc__ else None
+    describe_command(parser, __doc__)
     parser.allow_abbrev = False  # after the model, `--n 2` is refused rather than guessed to be --nproc
     parser.add_argument("model_arg", nargs="?", default=None, metavar="MODEL", help="the same as --model")
     parser.add_argument("--model", default=None, help=_MODEL_HELP)

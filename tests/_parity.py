@@ -1,7 +1,10 @@
 """Shared pieces of the parity tests that train a small MLP on fixed batches and compare the
-weights with a one-process reference (tests/test_compile.py, tests/test_grad_compression.py)."""
+weights with a one-process reference (tests/test_compile.py, tests/test_grad_compression.py), and
+the seeded Session step of the checkpoint tests (tests/test_async_save.py, tests/test_objstore_s3.py)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -30,3 +33,14 @@ def reference(model: nn.Module, steps: int) -> dict[str, torch.Tensor]:
         opt.step()
         opt.zero_grad()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def session_step(session: Any, model: nn.Module, optimizer: torch.optim.Optimizer, global_batch: int) -> None:
+    """One Session step on the global batch seeded by the step number (4 inputs, 2 targets); each rank
+    takes its contiguous slice (``global_batch`` divisible by the world size)."""
+    n = global_batch // session.world_size
+    gen = torch.Generator().manual_seed(session.global_step)
+    x, y = torch.randn(global_batch, 4, generator=gen), torch.randn(global_batch, 2, generator=gen)
+    part = slice(session.rank * n, (session.rank + 1) * n)
+    session.backward(F.mse_loss(model(x[part]), y[part]))
+    session.step(optimizer)

@@ -21,6 +21,7 @@ from torch import nn
 
 import lockstep
 from _dist import run_distributed
+from _parity import session_step
 from lockstep.checkpoint import CheckpointError, list_checkpoints, verify_checkpoint
 
 GLOBAL_BATCH = 8
@@ -35,13 +36,8 @@ def _body(directory: str, steps: int, save_every: int | None, strategy: str = "d
     session = lockstep.Session(strategy=strategy, quiet=True, timeout=60)
     model, opt = session.setup(_model(), lambda p: torch.optim.Adam(p, lr=0.01))
     session.load(directory, model=model, optimizer=opt)
-    n = GLOBAL_BATCH // session.world_size
     while session.global_step < steps:
-        gen = torch.Generator().manual_seed(session.global_step)
-        x, y = torch.randn(GLOBAL_BATCH, 4, generator=gen), torch.randn(GLOBAL_BATCH, 2, generator=gen)
-        part = slice(session.rank * n, (session.rank + 1) * n)
-        session.backward(F.mse_loss(model(x[part]), y[part]))
-        session.step(opt)
+        session_step(session, model, opt, GLOBAL_BATCH)
         if save_every and session.global_step % save_every == 0:
             session.save(directory, model=model, optimizer=opt, keep=2, blocking=False)
     out = session.strategy.model_state_dict(model)

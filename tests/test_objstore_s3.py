@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import lockstep
 from _dist import run_distributed
+from _parity import session_step
 from lockstep.checkpoint.files import CorruptCheckpointError
 from lockstep.checkpoint.lock import FolderInUseError
 from lockstep.checkpoint.objects import committed_steps, load_objects
@@ -71,13 +71,8 @@ def _train(env: dict[str, str], url: str, steps: int, blocking: bool = True,
     assert expect is None or resume.step == expect, f"resumed from step {resume.step}, not {expect}"
     loaded = {"step": resume.step, "path": resume.path,
               "weights": {k: v.clone() for k, v in session.strategy.model_state_dict(model).items()}}
-    n = GLOBAL_BATCH // session.world_size
     while session.global_step < steps:
-        gen = torch.Generator().manual_seed(session.global_step)
-        x, y = torch.randn(GLOBAL_BATCH, 4, generator=gen), torch.randn(GLOBAL_BATCH, 2, generator=gen)
-        part = slice(session.rank * n, (session.rank + 1) * n)
-        session.backward(F.mse_loss(model(x[part]), y[part]))
-        session.step(opt)
+        session_step(session, model, opt, GLOBAL_BATCH)
         if session.global_step % 2 == 0:
             session.save(url, model=model, optimizer=opt, keep=2, blocking=blocking)
     out = {**loaded, "final": session.strategy.model_state_dict(model)}

@@ -260,6 +260,7 @@ def _bench(tmp_path: Path, *flags: str) -> tuple[int, dict[str, Any]]:
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.timeout(240)
 def test_bench_command_schema_and_skips(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, doc = _bench(tmp_path, "--strategies", "single,dp,ddp", "--precision", "fp32", "--nproc", "1,2")
@@ -298,6 +299,7 @@ def test_bench_command_schema_and_skips(tmp_path: Path, capsys: pytest.CaptureFi
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.timeout(240)
 def test_compressed_ddp_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, doc = _bench(tmp_path, "--strategies", "ddp,ddp+fp16,ddp+powersgd,ddp+zero", "--precision", "fp32",

@@ -200,6 +200,7 @@ def test_world_3_trains_every_index_once_per_epoch(tmp_path: Path, one_process: 
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.timeout(600)
 def test_stop_at_world_2_resume_at_worlds_1_2_3_4(tmp_path: Path, one_process: dict[str, Any]) -> None:
     stopped = tmp_path / "stopped"

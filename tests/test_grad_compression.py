@@ -197,7 +197,7 @@ def _resume_body(directory: str, steps: int, save_at: int | None, width: int) ->
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("width", [0, 600])
+@pytest.mark.parametrize("width", [0, pytest.param(600, marks=pytest.mark.e2e)])
 def test_powersgd_memory_is_checkpointed_and_resume_is_exact(tmp_path: Path, width: int) -> None:
     """A resumed job's DDP starts with its gradients in another order than the saved one had (it
     lays its buckets out again, by the order gradients arrive, after its first step); the memory

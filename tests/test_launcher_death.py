@@ -118,6 +118,7 @@ def test_a_launcher_that_cannot_start_every_worker_leaves_none(tmp_path: Path) -
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.timeout(240)
 def test_a_second_job_on_the_same_folder_is_refused(tmp_path: Path) -> None:
     (tmp_path / "sleeper.py").write_text(SLEEPER)

@@ -123,7 +123,7 @@ def _corrupt(s3: Any, url: str, step: int, how: str) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("how", ["flip", "missing"])
+@pytest.mark.parametrize("how", [pytest.param("flip", marks=pytest.mark.e2e), "missing"])
 def test_bad_object_is_named_and_the_previous_checkpoint_used(s3: Any, how: str) -> None:
     url = s3.url()
     first = run_distributed(_train, 2, s3.env, url, 4, timeout=200)

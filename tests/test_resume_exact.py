@@ -69,7 +69,7 @@ def _train(directory: str, accumulate: int, stop: str | None, epochs: int = 3) -
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("accumulate", [1, 3])
+@pytest.mark.parametrize("accumulate", [1, pytest.param(3, marks=pytest.mark.e2e)])
 def test_resume_with_workers_and_augmentation_is_bit_identical(tmp_path: Path, accumulate: int) -> None:
     """2 ranks, 2 persistent workers each, random augmentation; stopped at epoch 0's end, resumed
     and stopped again in the middle of epoch 1, resumed to the end. With accumulate=3 and 10

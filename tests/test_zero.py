@@ -69,6 +69,7 @@ def test_sharded_optimizer_trains_like_plain_ddp_with_a_part_of_the_state(tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.timeout(400)
 def test_sharded_checkpoint_resumes_anywhere(tmp_path: Path) -> None:
     whole = run_distributed(_body, 2, str(tmp_path / "whole"), 8, None, True, timeout=200)[0]["weights"]

@@ -17,7 +17,7 @@ sync per step), and ``data`` stays host time. Scripts that do not use ``session.
 their data loading inside ``compute``. Where gradients arrive through other means than
 parameter hooks (FSDP's sharded parameters), ``comm`` is 0 and its time is in ``compute``.
 
-Every window of steps (at least ``every`` steps and about half a second) the ranks share their
+Every window of steps (at least ``every`` steps and about half a second of their own work) the ranks share their
 means in one all-reduce of a few floats (:class:`TimingWindow`); the session names a slow rank
 from it (:mod:`lockstep.session.slow_rank`) and logs it.
 
@@ -52,7 +52,8 @@ workers a rank's data waits come in bursts, long then none, and a median would m
 resident host memory, peak device memory and MFU (NaN where not known)."""
 
 MIN_WINDOW_SECONDS = 0.5
-"""A window lasts at least this long (and ``every`` steps), so fast steps pay one small collective per half second."""
+"""A window holds at least this much of the steps' own work (the four phases; and ``every`` steps), so fast steps
+pay one small collective per half second of training."""
 
 MAX_WINDOW_STEPS = 1000
 """A window never lasts more steps than this."""
@@ -290,8 +291,10 @@ class StepTimer:
         mfu = per_s * self._flops_per_sample / self._peak if self._flops_per_sample and self._peak else math.nan
         row += [seconds / steps, per_s, _host_memory_gb(), self._device_memory_gb(), mfu]
         table = self._exchange(row)
-        slowest = max(r[ROW.index("step")] for r in table)  # the same table on every rank: the same decision
-        self._due = int(min(MAX_WINDOW_STEPS, max(self.every, math.ceil(MIN_WINDOW_SECONDS / max(slowest, 1e-9)))))
+        # sized on the steps' own work, not the wall clock: time spent between steps (evaluation, another loop)
+        # must not shrink the windows. The same table on every rank: the same decision.
+        busiest = max(sum(r[:len(PHASES)]) for r in table)
+        self._due = int(min(MAX_WINDOW_STEPS, max(self.every, math.ceil(MIN_WINDOW_SECONDS / max(busiest, 1e-9)))))
         self._on_window(TimingWindow(step=self.step, steps=steps, table=table))
         self._reset_window()
 

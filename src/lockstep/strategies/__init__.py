@@ -25,18 +25,20 @@ from typing import Any
 import torch
 from torch import nn
 
+from lockstep.comm.elastic_comm import ElasticComm
 from lockstep.comm.group import Comm
 from lockstep.errors import ConfigError
 from lockstep.strategies.base import Strategy, apply_sync_bn, broadcast_module_state, unwrap_module
 from lockstep.strategies.ddp import DDPStrategy, UnusedParametersError, apply_ddp, explain_ddp_error
 from lockstep.strategies.dp import DataParallelStrategy, apply_dp
+from lockstep.strategies.elastic import ElasticDDPStrategy
 from lockstep.strategies.fsdp import FSDPStrategy, apply_fsdp, holds_fsdp
 from lockstep.strategies.horovod import HorovodStrategy, HorovodUnavailableError, horovod_unavailable
 from lockstep.strategies.single import SingleStrategy
 from lockstep.strategies.state import StateDicts
 
 __all__ = [
-    "Strategy", "SingleStrategy", "DataParallelStrategy", "DDPStrategy", "FSDPStrategy", "HorovodStrategy",
+    "Strategy", "SingleStrategy", "DataParallelStrategy", "DDPStrategy", "ElasticDDPStrategy", "FSDPStrategy", "HorovodStrategy",
     "HorovodUnavailableError", "horovod_unavailable",
     "UnusedParametersError", "register_strategy", "get_strategy", "available_strategies", "check_strategy",
     "check_processes",
@@ -193,6 +195,10 @@ def get_strategy(name: str, comm: Comm, device: torch.device, **options: Any) ->
         strategy = get_strategy("ddp", comm, device, find_unused_parameters=True)
     """
     key = name if name == "auto" or name in _REGISTRY else check_strategy(name)  # a checked name is canonical
+    if isinstance(comm, ElasticComm):  # lockstep run --nodes: ddp without a wrapper bound to one group
+        if key not in ("auto", "ddp"):
+            raise ConfigError(f"strategy {key!r} cannot run under lockstep run --nodes MIN:MAX; use ddp")
+        return ElasticDDPStrategy(comm, device, **{k: v for k, v in options.items() if k == "sync_bn"})
     if key == "auto":
         key = resolve_auto(comm, device)
         known = set().union(*(cls.defaults for cls in _REGISTRY.values()))

@@ -75,20 +75,7 @@ def options_under_nodes(config: SessionConfig) -> SessionConfig:
     nodes = read_settings().elastic_nodes
     if not nodes:
         return config
-    where = f"under lockstep run --nodes {nodes}"
-    if config.strategy not in ("ddp", "auto"):
-        raise ConfigError(f"strategy {config.strategy!r} cannot run {where}: its state is bound to a fixed group; "
-                          "use strategy='ddp' (the group is rebuilt in place when nodes leave or join)")
-    for name in ("sync_bn", "grad_compression", "shard_optimizer"):
-        if getattr(config, name) not in (None, False, "none"):
-            raise ConfigError(f"{name}={getattr(config, name)!r} cannot be used {where}: it binds state to a "
-                              "process group that is rebuilt when nodes leave or join")
-    if config.order != "lockstep":
-        raise ConfigError(f"order={config.order!r} cannot be used {where}: only the default order keeps every sample "
-                          "exactly once when the world size changes; use order='lockstep'")
-    if config.global_batch is None:
-        raise ConfigError(f"Session(global_batch=G) is needed {where}: the samples per step must not change "
-                          "with the membership (micro-batch and accumulation are re-planned for each world size)")
+    config.check_nodes(nodes)
     return dataclasses.replace(config, preemption="off", timings_every=0)
 
 

@@ -75,7 +75,7 @@ class ElasticDDPStrategy(Strategy):
     Args:
         comm: the job's collectives (an :class:`~lockstep.comm.elastic_comm.ElasticComm`).
         device: this rank's device.
-        **options: none beyond the base's ``sync_bn``, which is refused (SyncBatchNorm binds a group).
+        **options: none (``sync_bn`` is refused under ``--nodes``: SyncBatchNorm binds a group).
 
     Example::
 
@@ -89,13 +89,6 @@ class ElasticDDPStrategy(Strategy):
         """Move ``model`` to the device; the weights come from a live peer when the worker joins."""
         self.validate(model)
         return model.to(self.device)
-
-    def _validate(self, model: nn.Module) -> None:
-        from lockstep.errors import ConfigError
-
-        if self.options["sync_bn"]:
-            raise ConfigError("sync_bn cannot be used under lockstep run --nodes MIN:MAX: SyncBatchNorm is bound "
-                              "to a process group, and that group is rebuilt when a node leaves or joins")
 
     def sync_gradients(self, model: nn.Module) -> None:
         average_gradients(model, self.comm.all_reduce, self.comm.world_size)

@@ -178,13 +178,16 @@ class ElasticTraining:
         """Join the job if not in yet (``session.epochs``); returns the epoch to run (a running job's may be later)."""
         if not self.group.joined:
             self._join()
-        return max(epoch, self.state.epoch)
+        # a running job's epoch wins over the script's start; a fresh job (every worker new) starts alike everywhere
+        return self.state.epoch if self.group.step > 0 else max(epoch, self.state.epoch)
 
     def at_boundary(self) -> None:
         """A step is about to start: join, or let in a node that waits (every rank calls it at the same step)."""
         if not self.group.joined:
             self._join()
-        elif self.group.admit():
+            return
+        self.position.commit()  # nothing is in flight here: the live position (maybe a new epoch's start) is the one
+        if self.group.admit():
             self._changed()
 
     def step(self, train_step: Callable[[], bool]) -> bool:

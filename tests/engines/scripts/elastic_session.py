@@ -53,6 +53,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--step-time", type=float, default=0.0, help="seconds of sleep per batch")
     parser.add_argument("--reference", action="store_true")
+    parser.add_argument("--resume", action="store_true", help="continue from LEDGER/ckpt when no node holds the state")
     parser.add_argument("--hold", action="append", default=[], metavar="STEP:WORLD",
                         help="from STEP on, batches take 0.5 s until the group has WORLD ranks (a node expected to join)")
     args = parser.parse_args()
@@ -63,7 +64,9 @@ def main() -> None:
     train = session.loader(Indexed(args.samples), batch_size=args.batch_size, num_workers=0)
     me = f"{os.environ.get('LOCKSTEP_NODE_ID', 'node')}-{os.environ.get('LOCAL_RANK', '0')}"
     ledger = open(os.path.join(args.ledger, f"ledger-{me}.jsonl"), "a") if not args.reference else None
-    for _epoch in session.epochs(args.epochs):
+    ckpt = os.path.join(args.ledger, "ckpt")
+    start = session.load(ckpt, model=model, optimizer=optimizer).epoch if args.resume else 0
+    for _epoch in session.epochs(args.epochs, start=start):
         for x, y, index in train:
             if ledger is not None:
                 record = {"round": getattr(session.comm, "round", 0), "step": session.global_step,
@@ -75,7 +78,7 @@ def main() -> None:
             time.sleep(0.5 if session.world_size < wanted else args.step_time)
             session.backward(torch.nn.functional.mse_loss(model(x), y))
             session.step(optimizer)
-        session.save(os.path.join(args.ledger, "ckpt"), model=model, optimizer=optimizer, keep=1)
+        session.save(ckpt, model=model, optimizer=optimizer, keep=1)
     if session.is_main:
         name = "reference.pt" if args.reference else "final.pt"
         torch.save(model.state_dict(), os.path.join(args.ledger, name))

@@ -148,6 +148,7 @@ class ElasticTraining:
         self.group = comm.group
         self.position = CommittedPosition(state)
         self.generation = 0  # moves at every change: a loader then restarts from the committed position
+        self._began = time.monotonic()  # the current step's start (its first batch): what a dropped step lost
         self._models: list[nn.Module] = []
         self._optimizers: list[torch.optim.Optimizer] = []
         self.group.stateful["position"] = self.position
@@ -189,6 +190,7 @@ class ElasticTraining:
         self.position.commit()  # nothing is in flight here: the live position (maybe a new epoch's start) is the one
         if self.group.admit():
             self._changed()
+        self._began = time.monotonic()
 
     def step(self, train_step: Callable[[], bool]) -> bool:
         """Run the session's step; count it committed, or drop it when a peer died in it.
@@ -199,13 +201,12 @@ class ElasticTraining:
         Returns:
             What ``train_step`` returned, or False when the step was dropped.
         """
-        began = time.monotonic()
         try:
             took = train_step()
         except Exception as exc:  # noqa: BLE001 - only a peer's death is handled; the rest is raised
             if not is_membership_failure(exc):
                 raise
-            self.group.recover(time.monotonic() - began)
+            self.group.recover(time.monotonic() - self._began)  # the step's batches and its all-reduce
             self._changed()
             return False
         self.position.commit()

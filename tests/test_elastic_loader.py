@@ -1,6 +1,7 @@
 """The session's side of ``--nodes`` in one process: a dropped step goes back to the committed position, the
 loader restarts there with the new world's share, accumulation is re-planned; a change found at a new
-epoch's first batch keeps that epoch (a stand-in group plays the membership)."""
+epoch's first batch keeps that epoch (a stand-in group plays the membership). Options that cannot follow
+the membership are refused before any group."""
 
 from __future__ import annotations
 
@@ -112,3 +113,32 @@ def test_a_node_let_in_at_a_new_epochs_first_batch_keeps_that_epoch() -> None:
             plan = plan_batches(G, 2, CAP)
             assert handed == [i for b in rank_batches({"seed": 0, "epoch": 1, "cursor": 0}, N, plan, 0) for i in b]
             assert state.epoch == 1 and elastic.generation == 2
+
+
+@pytest.mark.parametrize("options, named", [
+    ({"strategy": "fsdp", "global_batch": 24}, "strategy='fsdp'"),
+    ({"order": "torch"}, "order='torch'"),
+    ({"global_batch": 24, "grad_compression": "fp16"}, "grad_compression='fp16'"),
+    ({"global_batch": 24, "shard_optimizer": True}, "shard_optimizer=True"),
+    ({}, "global_batch=None"),
+])
+def test_what_cannot_follow_the_membership_is_refused_in_one_line_before_any_group(
+        monkeypatch: pytest.MonkeyPatch, options: dict[str, Any], named: str) -> None:
+    import lockstep
+    from lockstep.errors import ConfigError
+
+    monkeypatch.setenv("LOCKSTEP_NODES", "1:3")
+    monkeypatch.setenv("LOCKSTEP_ELASTIC_STORE", "127.0.0.1:9")  # never reached: refused first
+    with pytest.raises(ConfigError, match="--nodes 1:3") as info:
+        lockstep.Session(**options)
+    assert named in str(info.value) and "\n" not in str(info.value)
+
+
+def test_under_nodes_preemption_and_timings_are_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lockstep.session.config import SessionConfig
+    from lockstep.session.elastic import options_under_nodes
+
+    assert options_under_nodes(SessionConfig(global_batch=24)) == SessionConfig(global_batch=24)  # not under --nodes
+    monkeypatch.setenv("LOCKSTEP_NODES", "1:3")
+    config = options_under_nodes(SessionConfig(global_batch=24))
+    assert (config.preemption, config.timings_every, config.global_batch) == ("off", 0, 24)

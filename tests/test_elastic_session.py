@@ -48,10 +48,11 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
 
 
-def _node(name: str, port: int, secret: Path, ledger: Path, out: Path) -> subprocess.Popen[bytes]:
+def _node(name: str, port: int, secret: Path, ledger: Path, out: Path,
+          job: tuple[str, ...] = ("--hold", "0:2", "--hold", "12:2")) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "lockstep", "run", "--nodes", "1:3", "--master", f"127.0.0.1:{port}",
            "--secret-file", str(secret), "--timeout", "20", "--nproc", "1", str(SCRIPT), "--ledger", str(ledger),
-           *JOB, "--step-time", "0.05", "--hold", "0:2", "--hold", "12:2"]
+           *JOB, "--step-time", "0.05", *job]
     return subprocess.Popen(cmd, stdout=open(out / f"node{name}.log", "wb"), stderr=subprocess.STDOUT, env=_env(),
                             start_new_session=True)  # its own process group, killed whole below
 
@@ -110,3 +111,18 @@ def test_a_session_loop_loses_nothing_when_a_node_dies_and_another_joins(tmp_pat
     print("membership events (s):", [{k: e[k] if isinstance(e[k], int) else round(e[k], 2) for k in
                                       ("round", "world_size", "step", "step lost", "rendezvous", "state")}
                                      for e in events])
+
+
+def test_a_job_started_again_reads_its_checkpoint_once_and_goes_on(tmp_path: Path) -> None:
+    """No node holds the state at a new start: one member reads the disk, the loop's own ``session.load``."""
+    secret, ledger = tmp_path / "secret", tmp_path / "ledger"
+    secret.write_text("a job secret\n")
+    first = _node("A", _free_port(), secret, ledger, tmp_path, job=("--epochs", "1"))
+    assert first.wait(120) == 0, (tmp_path / "nodeA.log").read_text()[-3000:]
+    again = _node("A2", _free_port(), secret, ledger, tmp_path, job=("--resume",))
+    assert again.wait(120) == 0, (tmp_path / "nodeA2.log").read_text()[-3000:]
+    log = (tmp_path / "nodeA2.log").read_text()
+    assert "resumed from" in log and "at epoch 1, step 10" in log and "resumed at step 10" in log, log
+    subprocess.run([sys.executable, str(SCRIPT), "--ledger", str(ledger), *JOB, "--reference"], check=True,
+                   env=_env(), stdout=subprocess.DEVNULL)
+    assert _checker().check(str(ledger), SAMPLES, BATCH, EPOCHS) == []  # type: ignore[attr-defined]

@@ -92,21 +92,16 @@ class CommittedPosition:
 
         position = CommittedPosition(session.state)
         position.commit()         # after a step
-        position.rollback()       # after a change: back to the committed position
+        position.rollback(1, 2)   # after a change: back to the committed position, as rank 1 of 2
     """
 
     def __init__(self, state: TrainState) -> None:
         self.state = state
-        self.committed: dict[str, Any] = self._capture()
-
-    def _capture(self) -> dict[str, Any]:
-        loaders = self.state.loaders
-        return {"epoch": self.state.epoch, "step": self.state.global_step, "skipped": self.state.skipped_steps,
-                "samplers": [loader.sampler.state_dict() for loader in loaders.live], "epoch_done": loaders.epoch_done}
+        self.committed: dict[str, Any] = state.position()
 
     def commit(self) -> None:
-        """Record the live position as committed (a step ended, or the state came from the disk)."""
-        self.committed = self._capture()
+        """Record the live position as committed (a step ended, a boundary was reached, or the disk was read)."""
+        self.committed = self.state.position()
 
     def state_dict(self) -> dict[str, Any]:
         """The committed position."""
@@ -116,13 +111,9 @@ class CommittedPosition:
         """Take a peer's committed position (applied by :meth:`rollback`)."""
         self.committed = state
 
-    def rollback(self) -> None:
-        """Put the committed position back into the counters and the loaders' samplers."""
-        saved, state = self.committed, self.state
-        state.epoch, state.global_step, state.skipped_steps = saved["epoch"], saved["step"], saved["skipped"]
-        for loader, sampler in zip(state.loaders.live, saved["samplers"]):
-            loader.sampler.load_state_dict(sampler)
-        state.loaders.epoch_done = bool(saved["epoch_done"])
+    def rollback(self, rank: int, world_size: int) -> None:
+        """Put the committed position back into the counters and the loaders, as ``rank`` of ``world_size``."""
+        self.state.load_position(self.committed, rank, world_size)
 
 
 class ElasticTraining:
@@ -247,13 +238,12 @@ class ElasticTraining:
 
     def _changed(self) -> None:
         """The group was rebuilt: the committed position back, gradients zeroed, the batches re-planned."""
-        self.position.rollback()
+        world, rank = self.comm.world_size, self.comm.rank
+        self.position.rollback(rank, world)
         for optimizer in self._optimizers:
             optimizer.zero_grad(set_to_none=True)
         for model in self._models:
             model.zero_grad(set_to_none=True)
-        world, rank = self.comm.world_size, self.comm.rank
-        self.state.rank, self.state.world_size = rank, world
         for loader in self.state.loaders.live:
             if loader.steps is not None:
                 loader.steps.resize(world, rank)

@@ -201,7 +201,7 @@ def launch_options(args: argparse.Namespace, slurm: Mapping[str, Any] | None = N
         values["nodes"], max_nodes = parse_nodes(values["nodes"])
         if max_nodes is not None and not elastic:
             raise ConfigError(f"--nodes {args.nodes}: a range of nodes is for `lockstep run` with a script (a Session "
-                              "loop with global_batch, or one driving lockstep.comm.elastic.ElasticGroup); give a number here")
+                              "loop, or one driving lockstep.comm.elastic.ElasticGroup); give a number here")
         if max_nodes is not None:
             values["max_nodes"] = max_nodes
     return values

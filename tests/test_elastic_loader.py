@@ -54,11 +54,11 @@ class _Comm:
         self.group.start()
 
 
-def _training() -> tuple[ElasticTraining, TrainState, Accumulator, Any]:
+def _training(workers: int = 0) -> tuple[ElasticTraining, TrainState, Accumulator, Any]:
     comm, state, accum = _Comm(), TrainState(), Accumulator(1)
     checks = type("Checks", (), {"compared": False})()
     elastic = ElasticTraining(comm, state, accum, checks)  # type: ignore[arg-type]
-    loader = make_loader(TensorDataset(torch.arange(N)), CAP, world_size=1, rank=0, global_batch=G, num_workers=0)
+    loader = make_loader(TensorDataset(torch.arange(N)), CAP, world_size=1, rank=0, global_batch=G, num_workers=workers)
     train = state.loaders.wrap(loader, torch.device("cpu"), train=True, accum=accum)
     return elastic, state, accum, train
 
@@ -84,8 +84,9 @@ def _run_step(elastic: ElasticTraining, batches: Any, accum: Accumulator, fail: 
     return seen
 
 
-def test_a_dropped_step_is_trained_again_from_the_committed_cursor_with_the_new_share() -> None:
-    elastic, state, accum, train = _training()
+@pytest.mark.parametrize("workers", [0, 2])  # with workers, the loader's iterator is made again from the cursor
+def test_a_dropped_step_is_trained_again_from_the_committed_cursor_with_the_new_share(workers: int) -> None:
+    elastic, state, accum, train = _training(workers)
     assert elastic.start(0) == 0 and elastic.group.joined
     state.start_epoch(0)
     batches = iter(train)

@@ -217,8 +217,8 @@ def launch_options(args: argparse.Namespace, slurm: Mapping[str, Any] | None = N
     if isinstance(values.get("nodes"), str):
         values["nodes"], max_nodes = parse_nodes(values["nodes"])
         if max_nodes is not None and not elastic:
-            raise ConfigError(f"--nodes {args.nodes}: a range of nodes is for `lockstep run` with a script that "
-                              "drives its steps through lockstep.comm.elastic.ElasticGroup; give a number here")
+            raise ConfigError(f"--nodes {args.nodes}: a range of nodes is for `lockstep run` with a script (a Session "
+                              "loop, or one driving lockstep.comm.elastic.ElasticGroup); give a number here")
         if max_nodes is not None:
             values["max_nodes"] = max_nodes
     return values

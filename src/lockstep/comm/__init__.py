@@ -1,6 +1,9 @@
 """comm: how ranks talk. Process-group lifetime, the rendezvous store, the hang watchdog.
 
-* :mod:`~lockstep.comm.group`: :class:`Comm` (world size 1 is a null object), :func:`init_comm`;
+* :mod:`~lockstep.comm.group`: :func:`init_comm`, the process group's lifetime;
+* :mod:`~lockstep.comm.collectives`: :class:`Comm` (world size 1 is a null object), :class:`GroupComm`;
+* :mod:`~lockstep.comm.elastic`, :mod:`~lockstep.comm.elastic_comm`: the group of ``--nodes MIN:MAX``,
+  rebuilt in place when nodes leave and join;
 * :mod:`~lockstep.comm.store`: the rendezvous store and the consistency handshake;
 * :mod:`~lockstep.comm.watchdog`: names the rank a timed-out collective waited for;
 * :mod:`~lockstep.comm.hang_report`: turns what the ranks posted into that message;

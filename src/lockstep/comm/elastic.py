@@ -173,9 +173,42 @@ class ElasticGroup:
         """Take the committed step count from the peer."""
         self.step = int(state["step"])
 
+    @property
+    def joined(self) -> bool:
+        """True once :meth:`start` formed this worker's first group."""
+        return self.view is not None
+
     def start(self) -> RoundView:
         """Join the job (a node starting late joins a running group) and take the live state."""
         return self._regroup(committed=-1, lost=0.0, first=True)
+
+    def commit(self) -> None:
+        """Count one committed step (after its last collective and the optimizer's step).
+
+        For a caller that runs its steps itself instead of through :meth:`run_step`.
+
+        Example::
+
+            train_step(); group.commit()
+        """
+        self.step += 1
+
+    def recover(self, lost: float) -> RoundView:
+        """After a peer's death was seen: form the next round's group and take the state from a peer.
+
+        Args:
+            lost: seconds of the step in progress that were lost (for the membership line).
+
+        Example::
+
+            try:
+                train_step()
+            except RuntimeError as exc:
+                if not is_membership_failure(exc):
+                    raise
+                group.recover(time.monotonic() - began)
+        """
+        return self._regroup(committed=self.step, lost=lost)
 
     def run_step(self, fn: Callable[[], Any]) -> bool:
         """Run one training step, unless the membership changes first; count it when it ends.
@@ -194,9 +227,9 @@ class ElasticGroup:
         except Exception as exc:  # noqa: BLE001 - only a peer's death is handled; the rest is raised
             if not is_membership_failure(exc):
                 raise
-            self._regroup(committed=self.step, lost=time.monotonic() - began)
+            self.recover(time.monotonic() - began)
             return False
-        self.step += 1
+        self.commit()
         return True
 
     def close(self) -> None:

@@ -49,11 +49,12 @@ def _check_len(dataset_len: int) -> None:
         raise ConfigError(f"dataset length must be >= 0, got {dataset_len}")
 
 
-def check_order(order: str) -> str:
+def check_order(order: str, nodes: str = "") -> str:
     """Return ``order`` when it is one of :data:`ORDERS`.
 
     Args:
         order: ``"lockstep"`` or ``"torch"``.
+        nodes: ``MIN:MAX`` of ``lockstep run --nodes``, where only ``"lockstep"`` keeps every sample once.
 
     Raises:
         ConfigError: naming the choices.
@@ -64,6 +65,9 @@ def check_order(order: str) -> str:
     """
     if order not in ORDERS:
         raise ConfigError(f"unknown data order {order!r}; choose one of {', '.join(ORDERS)}")
+    if nodes and order != "lockstep":
+        raise ConfigError(f"order={order!r} cannot be used under lockstep run --nodes {nodes}: only the order "
+                          "'lockstep' keeps every sample exactly once when the world size changes")
     return order
 
 

@@ -340,6 +340,34 @@ class SessionConfig:
 
         check_processes(self.strategy, world_size)
 
+    def check_nodes(self, nodes: str) -> None:
+        """Refuse what a job whose nodes leave and join (``lockstep run --nodes MIN:MAX``) cannot honour.
+
+        Args:
+            nodes: the launch's ``MIN:MAX``.
+
+        Raises:
+            ConfigError: an option bound to a fixed group or world size, naming the fix.
+
+        Example::
+
+            SessionConfig(global_batch=24).check_nodes("1:3")
+        """
+        from lockstep.data.samplers import check_order
+        from lockstep.strategies import check_nodes
+        from lockstep.strategies.comm_hooks import check_grad_compression
+
+        check_nodes(self.strategy, nodes)
+        check_order(self.order, nodes=nodes)
+        check_grad_compression(self.grad_compression, nodes=nodes)
+        where = f"under lockstep run --nodes {nodes}: it binds state to a group that is rebuilt when nodes leave or join"
+        for name in ("sync_bn", "shard_optimizer"):
+            if getattr(self, name):
+                raise ConfigError(f"{_given(name, True)} cannot be used {where}")
+        if self.global_batch is None:
+            raise ConfigError(f"{_given('global_batch', None)} under lockstep run --nodes {nodes}: give Session("
+                              "global_batch=G), so that the samples per step do not change with the membership")
+
     def strategy_kwargs(self, world_size: int) -> dict[str, Any]:
         """The keyword arguments :func:`lockstep.strategies.get_strategy` builds the strategy with.
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -64,6 +64,7 @@ class DeviceLoader:
         self.tracker: Any = None  # the session's TrainLoaders, told when a batch goes out or the loader runs out
         self.timer = timer if train else None
         self.share = 0  # samples of this rank in the batch last handed out (0: a zero-weight stand-in)
+        self.boundary: Any = None  # under --nodes: asked at each step's first batch (session.elastic)
 
     @property
     def steps(self) -> StepSampler | None:
@@ -119,13 +120,30 @@ class DeviceLoader:
         return batches if self.timer is None else self.timer.data(batches, _batch_len)
 
     def _iter_steps(self, steps: StepSampler) -> Iterator[Any]:
-        """The default order: each batch's place in its step is known from the cursor, whatever the prefetch."""
+        """The default order: each batch's place in its step is known from the cursor, whatever the prefetch.
+        Under ``--nodes`` a membership change sets the position back to the last committed step: a new
+        pass starts there with this rank's new share (none when that position is in a later epoch)."""
+        epoch = steps.epoch
+        while (yield from self._pass(steps)) and steps.epoch == epoch:
+            pass
+        if self.tracker is not None and steps.epoch == epoch:
+            self.tracker.epoch_done = True
+
+    def _pass(self, steps: StepSampler) -> Generator[Any, None, bool]:
+        """Batches from the sampler's position on; True when the membership moved the position meanwhile."""
         on_host, tracker, on_batch = self.device.type == "cpu", self.tracker, self._on_batch
         world, rank = steps.world_size, steps.rank
         upcoming = steps.upcoming() if self.train else []
+        boundary = self.boundary if self.train else None
+        seen = boundary.generation if boundary is not None else 0
         for i, batch in enumerate(self.loader):
             if self.train:
                 micro = upcoming[i]
+                if boundary is not None:
+                    if micro.index == 0:
+                        boundary.at_boundary()  # a node that waits joins here, before the step's first forward
+                    if boundary.generation != seen:
+                        return True
                 lo, hi = micro.share(world, rank)
                 self.share = hi - lo
                 steps.advance(micro.stop - micro.start)  # counted when handed out, as below
@@ -134,8 +152,7 @@ class DeviceLoader:
                 if on_batch is not None:
                     on_batch(len(upcoming) - i, micro.count, micro.weight(world, rank))
             yield batch if on_host else self._move(batch, self.device, self._non_blocking)
-        if tracker is not None:
-            tracker.epoch_done = True
+        return boundary is not None and boundary.generation != seen
 
     def _iter_padded(self) -> Iterator[Any]:
         """The torch order: every rank has the same batches (padded), of ``batch_size`` but the last."""
@@ -199,6 +216,7 @@ class TrainLoaders:
         self._epoch = 0
         self.epoch_done = False  # written by the loaders: True once one ran out after the last batch
         self.on_add: Callable[[], None] | None = None  # told when a training loader is made (TrainState's)
+        self.boundary: Any = None  # under --nodes: given to each training loader (session.elastic)
 
     @property
     def live(self) -> list[DeviceLoader]:
@@ -303,7 +321,7 @@ class TrainLoaders:
         else:
             self._pending = []
             loader.sampler.set_epoch(self._epoch)
-        loader.tracker = self
+        loader.tracker, loader.boundary = self, self.boundary
         self._refs.append(weakref.ref(loader))
 
     def set_epoch(self, epoch: int) -> None:

@@ -207,6 +207,8 @@ class TrainStep:
         state = self.state
         if self.timer is not None:
             self.timer.before_step()
+        if model is not None:
+            self.strategy.sync_gradients(model)  # a no-op where backward averaged them (ddp, fsdp)
         # a loss-scaling precision skips a non-finite step itself (and every rank sees the same grads)
         attempt = state.global_step + state.skipped_steps + 1  # the step's number counts skipped ones too
         decision = GO_AHEAD if self.precision.scales_loss else self.finite.decide(optimizer, attempt, state.epoch)

@@ -21,6 +21,7 @@ The session is thin: it delegates to the layers below (env, comm, strategies, pr
 from __future__ import annotations
 
 import gc
+from functools import partial
 from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -34,6 +35,7 @@ from lockstep.data.loader import make_loader
 from lockstep.env import detect_world
 from lockstep.precision import build_precision
 from lockstep.session.config import OPTION_NAMES, SessionConfig
+from lockstep.session.elastic import ElasticTraining, options_under_nodes
 from lockstep.session.loaders import DeviceLoader
 from lockstep.session.locks import FolderLocks
 from lockstep.session.loop import Accumulator, TrainStep
@@ -123,6 +125,7 @@ class Session(Observing):
     ) -> None:
         keywords = {name: value for name, value in locals().items() if name in OPTION_NAMES}
         config = SessionConfig.from_keywords(keywords, config)  # every option checked once, before any group
+        config = options_under_nodes(config)  # lockstep run --nodes: refused or adapted, before any group too
         self.config = config
         world = detect_world()
         config.check_processes(world.world_size)
@@ -140,13 +143,14 @@ class Session(Observing):
         self.state = TrainState(self.rank, self.world_size, say=None if config.quiet else self.print)
         self._steps = TrainStep(self.state, self._accum, self._finite, self.precision, self.strategy, self.comm,
                                 config.clip_grad_norm, say=self.print, timer=self._observe(config))
+        self._checks = LoopChecks(self.comm)  # setup before backward before step; equal replicas
+        self._elastic = ElasticTraining.of(self.comm, self.state, self._accum, self._checks)  # only under --nodes
         self._models: list[ModelWrappers] = []  # each setup's layers, the last one the model in training
         self.compiled = False  # set by setup: True once torch.compile wrapped the model
         self._announced = False
         self._ckpt: SaveTarget | None = None  # where a preemption saves
-        self._folders = FolderLocks(self.comm)  # one live job per checkpoint folder
+        self._folders = self._elastic.folders() if self._elastic else FolderLocks(self.comm)  # one live job each
         self._saves = SaveInFlight(self.comm)
-        self._checks = LoopChecks(self.comm)  # setup before backward before step; equal replicas
 
     @classmethod
     def from_config(cls, config: SessionConfig) -> Session:
@@ -200,6 +204,8 @@ class Session(Observing):
             opt = self.strategy.setup_optimizer(opt, wrapped, self.accumulate)
             opt = self.precision.setup_optimizer(opt, wrapped)
         self._steps.attach(wrapped)  # no_sync needs the strategy's own wrapper; the timings hook its parameters
+        if self._elastic is not None:  # handed over when nodes leave or join
+            self._elastic.watch(wrapped, opt, self.precision)
         self.compiled = layers.is_compiled
         self._models.append(layers)
         return layers.trained if opt is None else (layers.trained, opt)
@@ -240,6 +246,7 @@ class Session(Observing):
 
             for epoch in session.epochs(10, start=state.epoch): ...
         """
+        start = self._elastic.start(start) if self._elastic else start  # joins a running job: maybe a later epoch
         for epoch in range(start, n):
             self.state.start_epoch(epoch)  # a loader resumed mid-epoch keeps its position
             self._announce()
@@ -265,7 +272,10 @@ class Session(Observing):
         self._checks.before_step(self._accum.micro)
         if not self._accum.ready:
             return False
-        if took := self._steps.step(optimizer, self._models[-1].wrapped if self._models else None):
+        model = self._models[-1].wrapped if self._models else None
+        if self._elastic is not None:  # no replica check, no preemption: a peer's death drops the step
+            return self._elastic.step(lambda: self._steps.step(optimizer, model))
+        if took := self._steps.step(optimizer, model):
             self._checks.after_step(optimizer, replicated=not self.strategy.sharded)
         if self._guard.poll() and self._guard.mode == "save":
             self._stop_every_rank(optimizer)
@@ -357,9 +367,9 @@ class Session(Observing):
         self._saves.wait()  # a save still being written ends (or fails) before the load
         if (directory := self._folders.hold(directory)) != (self._ckpt.directory if self._ckpt else None):
             self._ckpt = SaveTarget(directory)
-        resume = load_state(directory, self.state, comm=self.comm, device=self.device, strategy=self.strategy,
-                            precision=self.precision, optimizer=optimizer,
-                            model=model_wrappers(model, self._models, self.strategy))
+        restore = partial(load_state, directory, self.state, device=self.device, strategy=self.strategy, optimizer=optimizer,
+                          precision=self.precision, model=model_wrappers(model, self._models, self.strategy))
+        resume = self._elastic.load(restore) if self._elastic else restore(comm=self.comm)  # under --nodes: joins
         if resume.resumed and not self.quiet:
             self.print(resumed_line(resume))
         return resume

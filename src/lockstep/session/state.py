@@ -142,6 +142,34 @@ class TrainState:
         self.epoch = epoch
         self.loaders.set_epoch(epoch)
 
+    def position(self) -> dict[str, Any]:
+        """The counters and every training loader's position, without the RNG: what a peer hands over under ``--nodes``.
+
+        Example::
+
+            state.position()["samplers"][0]["cursor"]
+        """
+        return {"epoch": self.epoch, "step": self.global_step, "skipped": self.skipped_steps,
+                "samplers": self.loaders.state_dicts(), "epoch_done": self.loaders.epoch_done}
+
+    def load_position(self, position: dict[str, Any], rank: int, world_size: int) -> None:
+        """Go back to (or take a peer's) :meth:`position`, as ``rank`` of ``world_size`` from now on.
+
+        Args:
+            position: what :meth:`position` returned, here or on a peer.
+            rank: this process's rank now.
+            world_size: ranks in the job now.
+
+        Example::
+
+            state.load_position(committed, rank=1, world_size=2)
+        """
+        self.epoch, self.global_step, self.skipped_steps = position["epoch"], position["step"], position["skipped"]
+        for loader, sampler in zip(self.loaders.live, position["samplers"]):
+            loader.sampler.load_state_dict(sampler)
+        self.loaders.epoch_done = bool(position["epoch_done"])
+        self.rank, self.world_size = rank, world_size
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's part of a checkpoint (``"rng"`` is this rank's; the save gathers every rank's).
 

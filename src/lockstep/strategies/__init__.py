@@ -25,21 +25,23 @@ from typing import Any
 import torch
 from torch import nn
 
+from lockstep.comm.elastic_comm import ElasticComm
 from lockstep.comm.group import Comm
 from lockstep.errors import ConfigError
 from lockstep.strategies.base import Strategy, apply_sync_bn, broadcast_module_state, unwrap_module
 from lockstep.strategies.ddp import DDPStrategy, UnusedParametersError, apply_ddp, explain_ddp_error
 from lockstep.strategies.dp import DataParallelStrategy, apply_dp
+from lockstep.strategies.elastic import ElasticDDPStrategy
 from lockstep.strategies.fsdp import FSDPStrategy, apply_fsdp, holds_fsdp
 from lockstep.strategies.horovod import HorovodStrategy, HorovodUnavailableError, horovod_unavailable
 from lockstep.strategies.single import SingleStrategy
 from lockstep.strategies.state import StateDicts
 
 __all__ = [
-    "Strategy", "SingleStrategy", "DataParallelStrategy", "DDPStrategy", "FSDPStrategy", "HorovodStrategy",
+    "Strategy", "SingleStrategy", "DataParallelStrategy", "DDPStrategy", "ElasticDDPStrategy", "FSDPStrategy", "HorovodStrategy",
     "HorovodUnavailableError", "horovod_unavailable",
     "UnusedParametersError", "register_strategy", "get_strategy", "available_strategies", "check_strategy",
-    "check_processes",
+    "check_processes", "check_nodes",
     "resolve_auto", "strategy_for_model", "StateDicts", "apply_ddp", "apply_fsdp", "apply_dp", "apply_sync_bn",
     "broadcast_module_state", "unwrap_module", "explain_ddp_error",
 ]
@@ -133,6 +135,25 @@ def check_processes(strategy: str, world_size: int) -> None:
                           f"{world_size} processes; use ddp (one process per GPU) or run one process")
 
 
+def check_nodes(strategy: str, nodes: str) -> None:
+    """Refuse a strategy that cannot run while nodes leave and join (``lockstep run --nodes MIN:MAX``).
+
+    Args:
+        strategy: a name :func:`check_strategy` returned.
+        nodes: the launch's ``MIN:MAX``.
+
+    Raises:
+        ConfigError: any strategy but ``ddp`` (or ``auto``).
+
+    Example::
+
+        check_nodes("fsdp", "1:3")     # ConfigError
+    """
+    if strategy not in ("ddp", "auto"):
+        raise ConfigError(f"strategy={strategy!r} (--strategy) cannot run under lockstep run --nodes {nodes}: its state "
+                          "is bound to a fixed group; use strategy 'ddp', whose group is rebuilt in place")
+
+
 def resolve_auto(comm: Comm, device: torch.device) -> str:
     """The strategy ``auto`` stands for in this process.
 
@@ -193,6 +214,9 @@ def get_strategy(name: str, comm: Comm, device: torch.device, **options: Any) ->
         strategy = get_strategy("ddp", comm, device, find_unused_parameters=True)
     """
     key = name if name == "auto" or name in _REGISTRY else check_strategy(name)  # a checked name is canonical
+    if isinstance(comm, ElasticComm):  # lockstep run --nodes: ddp without a wrapper bound to one group
+        check_nodes(key, "MIN:MAX")
+        return ElasticDDPStrategy(comm, device)
     if key == "auto":
         key = resolve_auto(comm, device)
         known = set().union(*(cls.defaults for cls in _REGISTRY.values()))

@@ -178,6 +178,21 @@ class Strategy(StateDicts):
         """
         return contextlib.nullcontext()
 
+    def sync_gradients(self, model: nn.Module) -> None:
+        """Average the gradients over the ranks before the optimizer steps, where backward did not.
+
+        The base does nothing: DDP and FSDP reduce in backward, Horovod in its optimizer. A
+        strategy whose process group may be rebuilt between steps (``lockstep run --nodes``)
+        reduces here, over whatever group is current.
+
+        Args:
+            model: the module returned by :meth:`setup_module`.
+
+        Example::
+
+            strategy.sync_gradients(model)   # then clip and step
+        """
+
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """Scale the gradients so that their global 2-norm is at most ``max_norm``.
 

@@ -49,7 +49,7 @@ _BACKENDS = {"bf16": ("gloo", "nccl"), "fp16": ("gloo", "nccl"), "powersgd": ("g
 
 def check_grad_compression(compression: str | None, *, strategy: str = "ddp", backend: str = "gloo",
                            powersgd_rank: int = 1, powersgd_start_iter: int = 10,
-                           bucket_cap_mb: float | None = None) -> str:
+                           bucket_cap_mb: float | None = None, nodes: str = "") -> str:
     """Return ``compression`` in canonical form (``"none"``, ``"bf16"``, ``"fp16"``, ``"powersgd"``) or refuse it.
 
     Args:
@@ -63,6 +63,7 @@ def check_grad_compression(compression: str | None, *, strategy: str = "ddp", ba
         bucket_cap_mb: the bucket size the user asked for, if any. PowerSGD on gloo hangs at its
             first compressed step when DDP has more than one bucket (torch 2.14), so on gloo
             the ddp strategy puts every gradient in one bucket and refuses a given size.
+        nodes: ``MIN:MAX`` of ``lockstep run --nodes``, where no compression runs (no DDP wrapper).
 
     Raises:
         ConfigError: an unknown name, a strategy other than ddp, a backend that cannot run the
@@ -80,6 +81,9 @@ def check_grad_compression(compression: str | None, *, strategy: str = "ddp", ba
             raise ConfigError(f"{knob} must be an integer >= {least}, got {value!r}")
     if name == "none":
         return name
+    if nodes:
+        raise ConfigError(f"grad_compression={name!r} cannot be used under lockstep run --nodes {nodes}: it is a "
+                          "hook of a DDP wrapper, and there the gradients are averaged without one; drop it")
     key = str(strategy).strip().lower()
     if key not in ("ddp", "auto"):
         raise ConfigError(f"grad_compression={name!r} needs strategy 'ddp' (it is a DistributedDataParallel "

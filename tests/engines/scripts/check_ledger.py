@@ -20,7 +20,7 @@ from typing import Any
 
 
 def committed_steps(folder: str) -> dict[int, list[dict[str, Any]]]:
-    """Each step's records from the last round that ran it (an earlier try was not committed)."""
+    """Each step's records from the last round that ran it (an earlier try was not committed), one per rank."""
     by_step: dict[int, dict[int, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
     for path in glob.glob(os.path.join(folder, "ledger-*.jsonl")):
         with open(path) as fp:
@@ -28,7 +28,18 @@ def committed_steps(folder: str) -> dict[int, list[dict[str, Any]]]:
                 if line.strip():
                     rec = json.loads(line)
                     by_step[rec["step"]][rec["round"]].append(rec)
-    return {step: rounds[max(rounds)] for step, rounds in by_step.items()}
+    return {step: _by_rank(rounds[max(rounds)]) for step, rounds in by_step.items()}
+
+
+def _by_rank(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One record per rank: a rank that trains a step in several micro-batches writes one record for each."""
+    merged: dict[int, dict[str, Any]] = {}
+    for rec in records:
+        if rec["rank"] in merged:
+            merged[rec["rank"]]["indices"] += rec["indices"]
+        else:
+            merged[rec["rank"]] = {**rec, "indices": list(rec["indices"])}
+    return list(merged.values())
 
 
 def check(folder: str, samples: int, global_batch: int, epochs: int, tolerance: float = 1e-6) -> list[str]:

@@ -20,15 +20,26 @@ import time
 import torch
 import torch.distributed as dist
 
-
-def share(order: torch.Tensor, cursor: int, global_batch: int, world_size: int, rank: int) -> torch.Tensor:
-    """This rank's share of the step at ``cursor`` of the epoch's global order (no padding)."""
-    return order[cursor:cursor + global_batch][rank::world_size]
+from lockstep.data import BatchPlan, epoch_order, micro_steps, plan_batches
 
 
-def plan(global_batch: int, world_size: int) -> str:
+def share(epoch: int, cursor: int, samples: int, global_batch: int, world_size: int, rank: int) -> torch.Tensor:
+    """This rank's share of the step at ``cursor`` of the epoch: ``lockstep.data``'s rule (one global order and
+    cursor, contiguous shares differing by at most one, no padding), one micro-step per step."""
+    micro = micro_steps(samples, cursor, plan(global_batch, world_size))[0]
+    lo, hi = micro.share(world_size, rank)
+    return torch.tensor(epoch_order(samples, seed=0, epoch=epoch)[lo:hi], dtype=torch.long)
+
+
+def plan(global_batch: int, world_size: int) -> BatchPlan:
+    """The whole global batch in one micro-step at any world size (``lockstep.data``'s planner)."""
+    return plan_batches(global_batch, world_size, micro_cap=global_batch)
+
+
+def describe(global_batch: int, world_size: int) -> str:
     """The batch plan at a world size, for the membership line."""
-    return f"micro-batch {math.ceil(global_batch / world_size)} × accumulation 1"
+    p = plan(global_batch, world_size)
+    return f"micro-batch {p.micro} × accumulation {p.accumulate}"
 
 
 def data(samples: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,13 +88,10 @@ def main() -> None:
     per_epoch = math.ceil(args.samples / args.global_batch)
     total = per_epoch * args.epochs
 
-    def order(epoch: int) -> torch.Tensor:
-        return torch.randperm(args.samples, generator=torch.Generator().manual_seed(1000 + epoch))
-
     if args.reference:
         for step in range(total):
             cursor = (step % per_epoch) * args.global_batch
-            idx = share(order(step // per_epoch), cursor, args.global_batch, 1, 0)
+            idx = share(step // per_epoch, cursor, args.samples, args.global_batch, 1, 0)
             step_fn(model, opt, x, y, idx, len(idx), reduce=False)
         torch.save(model.state_dict(), os.path.join(args.ledger, "reference.pt"))
         return
@@ -91,7 +99,7 @@ def main() -> None:
     from lockstep.comm.elastic import ElasticGroup
 
     group = ElasticGroup.from_env({"model": model, "optimizer": opt},
-                                  plan=lambda world: plan(args.global_batch, world))
+                                  plan=lambda world: describe(args.global_batch, world))
     group.start()
     me = f"{os.environ.get('LOCKSTEP_NODE_ID', 'node')}-{os.environ.get('LOCAL_RANK', '0')}"
     with open(os.path.join(args.ledger, f"ledger-{me}.jsonl"), "a") as ledger:
@@ -103,16 +111,16 @@ def main() -> None:
                     time.sleep(0.1)
                 continue
             cursor = (step % per_epoch) * args.global_batch
-            batch = order(step // per_epoch)[cursor:cursor + args.global_batch]
+            in_step = min(args.global_batch, args.samples - cursor)
 
             def one() -> None:
-                idx = share(batch, 0, args.global_batch, group.world_size, group.rank)
+                idx = share(step // per_epoch, cursor, args.samples, args.global_batch, group.world_size, group.rank)
                 ledger.write(json.dumps({"round": group.view.round, "step": step, "rank": group.rank,
                                          "world": group.world_size, "host": os.uname().nodename,
                                          "indices": idx.tolist()}) + "\n")
                 ledger.flush()
                 time.sleep(args.step_time)
-                step_fn(model, opt, x, y, idx, len(batch), reduce=True)
+                step_fn(model, opt, x, y, idx, in_step, reduce=True)
 
             group.run_step(one)
     if group.rank == 0:

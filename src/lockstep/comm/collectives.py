@@ -1,0 +1,174 @@
+"""The job's collectives: :class:`Comm` (one process: a null object) and :class:`GroupComm` (a process group).
+
+:func:`~lockstep.comm.group.init_comm` forms the group and returns one of these; the comm of a job
+whose nodes leave and join (:class:`~lockstep.comm.elastic_comm.ElasticComm`) builds on
+:class:`GroupComm` too.
+
+Example::
+
+    comm = Comm(World())
+    comm.all_reduce(torch.ones(2))   # tensor([1., 1.])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from lockstep.comm.record import CollectiveRecord
+from lockstep.comm.store import Peer, describe_self
+from lockstep.comm.watchdog import NullWatchdog
+from lockstep.env import World, WorldView
+
+__all__ = ["Comm", "GroupComm"]
+
+T = TypeVar("T")
+_OPS = {"sum", "mean", "max", "min"}
+
+
+class Comm(WorldView):
+    """Collectives for a job of one process: each call returns its input unchanged.
+
+    Subclasses implement the same calls across a process group; code written against
+    :class:`Comm` never needs ``if distributed:`` branches.
+
+    Args:
+        world: where this process is (see :func:`lockstep.env.detect_world`).
+
+    Example::
+
+        comm = Comm(World())
+        comm.all_reduce(torch.ones(2))   # tensor([1., 1.])
+    """
+
+    backend = "none"
+    watchdog: NullWatchdog = NullWatchdog()
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.peers: list[Peer] = [describe_self(world)]
+
+    def barrier(self) -> None:
+        """Wait until every rank reaches this call."""
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduce ``tensor`` over all ranks in place and return it.
+
+        Args:
+            tensor: the local value; on return it holds the reduced value on every rank.
+            op: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``.
+        """
+        _check_op(op)
+        return self._all_reduce(tensor, op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Copy ``tensor`` from rank ``src`` into every rank's ``tensor`` and return it."""
+        self._check_src(src)
+        return self._broadcast(tensor, src)
+
+    def all_gather_object(self, obj: T) -> list[T]:
+        """Return the list of every rank's ``obj`` (small, picklable values only)."""
+        return [obj]
+
+    def broadcast_object(self, obj: T, src: int = 0) -> T:
+        """Return rank ``src``'s ``obj`` on every rank (small, picklable values only)."""
+        self._check_src(src)
+        return obj
+
+    def shutdown(self) -> None:
+        """End the job's communication (barrier, then destroy the process group)."""
+
+    def _all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        return tensor
+
+    def _broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        return tensor
+
+    def _check_src(self, src: int) -> None:
+        if not 0 <= src < self.world_size:
+            raise ValueError(f"src rank {src} is out of range for world_size {self.world_size}")
+
+
+class GroupComm(Comm):
+    """Collectives over a ``torch.distributed`` process group (see :func:`init_comm`).
+
+    Each collective is a sync point of the :attr:`watchdog`: a timeout raises
+    :class:`~lockstep.comm.watchdog.CollectiveTimeoutError` naming the ranks that never came.
+    """
+
+    def __init__(self, world: World, backend: str, peers: list[Peer], watchdog: NullWatchdog | None = None,
+                 owned: bool = True, record: CollectiveRecord | None = None) -> None:
+        super().__init__(world)
+        self.backend, self.owned = backend, owned
+        self.peers = peers
+        self.watchdog = watchdog or NullWatchdog()
+        self.record = record
+        self._calls = 0
+        self._alive = True
+
+    def _call(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run one collective as a numbered sync point; explain a timeout."""
+        self._calls += 1
+        watch = self.watchdog
+        watch.enter(name + " #{}", self._calls, record=False)  # the torch.distributed call records it
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as exc:
+            raise watch.explain(exc) or exc
+        finally:
+            watch.leave()
+
+    def barrier(self) -> None:
+        self._call("barrier", torch.distributed.barrier)
+
+    def _all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        dist = torch.distributed
+        red = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+               "min": dist.ReduceOp.MIN}[op]
+        self._call("all_reduce", dist.all_reduce, tensor, op=red)
+        if op == "mean":
+            if tensor.is_floating_point() or tensor.is_complex():
+                tensor.div_(self.world_size)
+            else:
+                tensor.floor_divide_(self.world_size)
+        return tensor
+
+    def _broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        self._call("broadcast", torch.distributed.broadcast, tensor, src=src)
+        return tensor
+
+    def all_gather_object(self, obj: T) -> list[T]:
+        out: list[Any] = [None] * self.world_size
+        self._call("all_gather_object", torch.distributed.all_gather_object, out, obj)
+        return out
+
+    def broadcast_object(self, obj: T, src: int = 0) -> T:
+        self._check_src(src)
+        box = [obj]
+        self._call("broadcast_object", torch.distributed.broadcast_object_list, box, src=src)
+        return box[0]
+
+    def shutdown(self) -> None:
+        if not self._alive:
+            return
+        self._alive = False
+        dist = torch.distributed
+        try:
+            if dist.is_initialized():
+                try:
+                    self.barrier()
+                finally:
+                    if self.owned:  # an adopted group belongs to whoever formed it
+                        dist.destroy_process_group()
+        finally:
+            # after the barrier: rank 0 (the store's host) may exit while the others still tear down
+            self.watchdog.stop()
+            if self.record is not None:
+                self.record.close()
+
+
+def _check_op(op: str) -> None:
+    if op not in _OPS:
+        raise ValueError(f"unknown reduction {op!r}; choose one of {sorted(_OPS)}")

@@ -1,0 +1,106 @@
+"""The job's :class:`~lockstep.comm.group.Comm` under ``lockstep run --nodes MIN:MAX``.
+
+:func:`~lockstep.comm.group.init_comm` returns an :class:`ElasticComm` there: the same collectives,
+over the process group of the current membership round of an
+:class:`~lockstep.comm.elastic.ElasticGroup`. Its rank and world size are the round's and change
+when a node leaves or joins; code that asks ``comm.rank`` / ``comm.world_size`` at each use (not once)
+follows them. The worker joins the job lazily, at its first collective or when its owner calls
+:meth:`ElasticComm.join`, so that the objects handed over on a change (model, optimizer, data position)
+can be registered first (:attr:`ElasticComm.group`'s ``stateful``). Before it joins, the worker is
+rank 0 of a world of 1.
+
+A collective that fails because a peer died raises as usual; the owner of the training step (the
+session) catches it, calls :meth:`~lockstep.comm.elastic.ElasticGroup.recover` and goes on.
+
+Example (a worker of ``lockstep run --nodes 1:3 ...``)::
+
+    comm = init_comm()                       # an ElasticComm; nothing joined yet
+    comm.group.stateful["model"] = model
+    comm.join()                              # the first round; the model comes from a live peer
+    comm.all_reduce(torch.ones(1))           # over the current round's group
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from lockstep.comm.elastic import ElasticGroup
+from lockstep.comm.collectives import GroupComm
+from lockstep.env import World
+
+__all__ = ["ElasticComm"]
+
+
+class ElasticComm(GroupComm):
+    """Collectives over the current membership round (see the module docstring).
+
+    Args:
+        here: this worker as its node's launcher described it (its local rank and node size).
+        group: the job's elastic group, not joined yet.
+
+    Example::
+
+        comm = ElasticComm.from_env(detect_world(), timedelta(seconds=60))
+    """
+
+    def __init__(self, here: World, group: ElasticGroup) -> None:
+        self._here = here
+        self.group = group
+        super().__init__(here, "gloo", peers=[])
+
+    @classmethod
+    def from_env(cls, here: World, timeout: timedelta) -> ElasticComm:
+        """The comm of a worker of ``lockstep run --nodes MIN:MAX`` (store, secret and node from the environment).
+
+        Args:
+            here: this worker as its launcher described it.
+            timeout: how long a collective waits for a peer (how long a cut link takes to detect).
+
+        Example::
+
+            comm = ElasticComm.from_env(detect_world(), timedelta(seconds=30))
+        """
+        return cls(here, ElasticGroup.from_env({}, timeout=timeout.total_seconds()))
+
+    @property  # type: ignore[override]  # the base class keeps a fixed world; this one follows the rounds
+    def world(self) -> World:
+        """The current round's world (rank 0 of 1 before :meth:`join`)."""
+        view = self.group.view
+        if view is None:
+            return World(source="lockstep run --nodes")
+        nodes = list(dict.fromkeys(m.node for m in view.members))
+        me = view.members[view.rank]
+        return World(rank=view.rank, local_rank=me.local_rank, world_size=view.world_size,
+                     local_world_size=me.nproc, node_rank=nodes.index(me.node), num_nodes=len(nodes),
+                     source="lockstep run --nodes")
+
+    @world.setter
+    def world(self, value: World) -> None:
+        self._here = value
+
+    @property
+    def round(self) -> int:
+        """The membership round this worker is in (a new one after each change; ``-1`` before :meth:`join`)."""
+        return self.group.view.round if self.group.view is not None else -1
+
+    def join(self) -> bool:
+        """Enter the job, once: the first round's group forms and the state comes from a live peer.
+
+        Returns True when this call joined (False: already in).
+        """
+        if self.group.joined:
+            return False
+        self.group.start()
+        return True
+
+    def _call(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        self.join()  # a script that never joined explicitly joins at its first collective
+        return super()._call(name, fn, *args, **kwargs)
+
+    def shutdown(self) -> None:
+        if not self.group.joined:
+            self._alive = False
+            return
+        super().shutdown()

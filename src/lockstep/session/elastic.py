@@ -1,0 +1,272 @@
+"""A Session under ``lockstep run --nodes MIN:MAX``: the same loop, nodes leaving and joining under it.
+
+The script does not change::
+
+    session = lockstep.Session(global_batch=24)
+    model, optimizer = session.setup(Net(), lambda p: torch.optim.SGD(p, lr=0.05))
+    train = session.loader(train_set, batch_size=8)
+    for epoch in session.epochs(2):
+        for x, y in train:
+            session.backward(loss_fn(model(x), y))
+            session.step(optimizer)
+        session.save("ckpt", model=model, optimizer=optimizer)
+
+Under ``--nodes`` the session's comm is an :class:`~lockstep.comm.elastic_comm.ElasticComm` and its
+strategy :class:`~lockstep.strategies.elastic.ElasticDDPStrategy` (no DDP wrapper: gradients are
+averaged at ``session.step``). :class:`ElasticTraining` ties the loop to the membership:
+
+* the worker joins the job at the first step boundary (``session.epochs`` or the first batch), once
+  the model, the optimizer and the loaders exist: they are what a peer hands over;
+* at each step's first batch the training loader asks :meth:`ElasticTraining.at_boundary` whether a
+  node waits to join (one broadcast); if so, the group is rebuilt and the state taken from a peer;
+* a step is committed when its gradient all-reduce and the optimizer's step are done; a peer's death
+  in the step drops it (``session.step`` returns False), the group is rebuilt, and every rank goes
+  back to the last committed position (:class:`CommittedPosition`), taken from the member with the
+  most committed steps;
+* after each change, gradients are zeroed, micro-batch x accumulation re-planned for the new world
+  size (the global batch is kept), the samplers resized to (world, rank), and the loader continues
+  from the committed cursor with this rank's new share: every sample of an epoch lands in exactly
+  one committed step, and each committed step holds the global batch.
+
+What ``--nodes`` changes in the options (:func:`options_under_nodes`, checked before any group):
+``global_batch`` is required and the data order must be ``"lockstep"``; only ``ddp`` (or ``auto``)
+without ``sync_bn``, ``grad_compression`` or ``shard_optimizer``; preemption is ``"off"`` (a node that
+gets SIGTERM leaves and the others go on) and step timings are off; the checkpoint folder is not
+locked (its holder, rank 0, changes with the membership).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lockstep.comm.collectives import Comm
+from lockstep.comm.elastic import is_membership_failure
+from lockstep.comm.elastic_comm import ElasticComm
+from lockstep.data.steps import plan_batches
+from lockstep.env import World, read_settings
+from lockstep.errors import ConfigError
+from lockstep.session.config import SessionConfig
+from lockstep.session.locks import FolderLocks
+from lockstep.session.state import ResumeState, TrainState, load_state
+
+__all__ = ["ElasticTraining", "CommittedPosition", "options_under_nodes"]
+
+
+def options_under_nodes(config: SessionConfig) -> SessionConfig:
+    """``config`` as it runs under ``lockstep run --nodes MIN:MAX`` (unchanged elsewhere); refuse what cannot work.
+
+    Args:
+        config: the session's checked options.
+
+    Raises:
+        ConfigError: an option a job whose membership changes cannot honour, named with the fix.
+
+    Example::
+
+        config = options_under_nodes(SessionConfig(global_batch=24))
+    """
+    nodes = read_settings().elastic_nodes
+    if not nodes:
+        return config
+    config.check_nodes(nodes)
+    return dataclasses.replace(config, preemption="off", timings_every=0)
+
+
+class CommittedPosition:
+    """The session's counters and data position as of the last committed step: what a peer hands over.
+
+    The loaders count a batch when they hand it out, so during a step the live position is ahead of
+    the last committed one; a step that is dropped goes back here (:meth:`rollback`).
+
+    Args:
+        state: the session's :class:`~lockstep.session.state.TrainState`.
+
+    Example::
+
+        position = CommittedPosition(session.state)
+        position.commit()         # after a step
+        position.rollback(1, 2)   # after a change: back to the committed position, as rank 1 of 2
+    """
+
+    def __init__(self, state: TrainState) -> None:
+        self.state = state
+        self.committed: dict[str, Any] = state.position()
+
+    def commit(self) -> None:
+        """Record the live position as committed (a step ended, a boundary was reached, or the disk was read)."""
+        self.committed = self.state.position()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The committed position."""
+        return self.committed
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take a peer's committed position (applied by :meth:`rollback`)."""
+        self.committed = state
+
+    def rollback(self, rank: int, world_size: int) -> None:
+        """Put the committed position back into the counters and the loaders, as ``rank`` of ``world_size``."""
+        self.state.load_position(self.committed, rank, world_size)
+
+
+class ElasticTraining:
+    """What the session does at the step boundaries of a job whose nodes leave and join (see the module).
+
+    The training loaders ask it at each step's first batch (:meth:`at_boundary`) and restart from the
+    committed position when :attr:`generation` moved.
+
+    Args:
+        comm: the session's :class:`~lockstep.comm.elastic_comm.ElasticComm`.
+        state: the session's counters and loaders.
+        accum: the session's :class:`~lockstep.session.loop.Accumulator` (re-planned after a change).
+        checks: the session's loop checks (the first-step replica comparison is not needed: every
+            change hands the whole state over).
+
+    Example::
+
+        elastic = ElasticTraining.of(session.comm, session.state, accum, checks)   # None unless --nodes
+    """
+
+    def __init__(self, comm: ElasticComm, state: TrainState, accum: Any, checks: Any) -> None:
+        self.comm, self.state, self.accum = comm, state, accum
+        self.group = comm.group
+        self.position = CommittedPosition(state)
+        self.generation = 0  # moves at every change: a loader then restarts from the committed position
+        self._began = time.monotonic()  # the current step's start (its first batch): what a dropped step lost
+        self._models: list[nn.Module] = []
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self.group.stateful["position"] = self.position
+        self.group.plan = self._plan
+        state.loaders.boundary = self
+        checks.compared = True
+
+    @classmethod
+    def of(cls, comm: Comm, state: TrainState, accum: Any, checks: Any) -> ElasticTraining | None:
+        """The session's elastic side when ``comm`` is an :class:`ElasticComm`, else ``None`` (see the class)."""
+        return cls(comm, state, accum, checks) if isinstance(comm, ElasticComm) else None
+
+    def folders(self) -> FolderLocks:
+        """Checkpoint folders used without a lock: the lock's holder, rank 0, changes with the membership."""
+        return _UnlockedFolders(self.comm)
+
+    def watch(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, precision: Any) -> None:
+        """Hand ``model``, ``optimizer`` and the precision's state over at every change (``session.setup``)."""
+        n = len(self._models)
+        self._models.append(model)
+        self.group.stateful[f"model{n or ''}"] = model
+        if optimizer is not None:
+            self.group.stateful[f"optimizer{len(self._optimizers) or ''}"] = optimizer
+            self._optimizers.append(optimizer)
+        self.group.stateful["precision"] = precision
+
+    def start(self, epoch: int) -> int:
+        """Join the job if not in yet (``session.epochs``); returns the epoch to run (a running job's may be later)."""
+        if not self.group.joined:
+            self._join()
+        # a running job's epoch wins over the script's start; a fresh job (every worker new) starts alike everywhere
+        return self.state.epoch if self.group.step > 0 else max(epoch, self.state.epoch)
+
+    def at_boundary(self) -> None:
+        """A step is about to start: join, or let in a node that waits (every rank calls it at the same step)."""
+        if not self.group.joined:
+            self._join()
+            return
+        self.position.commit()  # nothing is in flight here: the live position (maybe a new epoch's start) is the one
+        if self.group.admit():
+            self._changed()
+        self._began = time.monotonic()
+
+    def step(self, train_step: Callable[[], bool]) -> bool:
+        """Run the session's step; count it committed, or drop it when a peer died in it.
+
+        Args:
+            train_step: averages the gradients, decides, clips and steps (``TrainStep.step``).
+
+        Returns:
+            What ``train_step`` returned, or False when the step was dropped.
+        """
+        try:
+            took = train_step()
+        except Exception as exc:  # noqa: BLE001 - only a peer's death is handled; the rest is raised
+            if not is_membership_failure(exc):
+                raise
+            self.group.recover(time.monotonic() - self._began)  # the step's batches and its all-reduce
+            self._changed()
+            return False
+        self.position.commit()
+        self.group.commit()
+        return took
+
+    def load(self, restore: Callable[..., ResumeState]) -> ResumeState:
+        """``session.load``: join, the disk checkpoint read only when no member holds the state.
+
+        Args:
+            restore: ``restore(comm=...)`` loads the newest checkpoint into the session's objects.
+
+        Raises:
+            ConfigError: no model or no training loader yet (what a peer hands over must exist first).
+        """
+        if not self._models or not self.state.loaders.live:
+            raise ConfigError("under lockstep run --nodes, call session.load after session.setup and "
+                              "session.loader: the job's live state is handed over to those objects")
+        loaded: list[ResumeState] = []
+
+        def from_disk() -> int:
+            loaded.append(restore(comm=Comm(World())))  # this member alone reads it; the others get it by broadcast
+            self.position.commit()
+            return self.state.global_step + self.state.skipped_steps
+
+        self.group.restore = from_disk
+        if not self.group.joined:
+            self._join()
+        state = self.state
+        mine = loaded[0] if loaded else ResumeState()
+        return ResumeState(epoch=state.epoch, step=state.global_step, path=mine.path, extras=mine.extras,
+                           mid_epoch=bool(state.loaders.live) and not state.loaders.epoch_done)
+
+    def _join(self) -> None:
+        self.position.commit()
+        self.comm.join()
+        self._changed()
+
+    def _changed(self) -> None:
+        """The group was rebuilt: the committed position back, gradients zeroed, the batches re-planned."""
+        world, rank = self.comm.world_size, self.comm.rank
+        self.position.rollback(rank, world)
+        for optimizer in self._optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        for model in self._models:
+            model.zero_grad(set_to_none=True)
+        for loader in self.state.loaders.live:
+            if loader.steps is not None:
+                loader.steps.resize(world, rank)
+        first = self.state.loaders.first
+        if first is not None and first.steps is not None:
+            self.accum.k = first.steps.plan.accumulate
+        self.accum.after_step()  # a fresh accumulation window
+        self.generation += 1
+
+    def _plan(self, world_size: int) -> str:
+        """The membership line's batch plan at ``world_size`` (the first training loader's)."""
+        first = self.state.loaders.first
+        if first is None or first.steps is None:
+            return ""
+        steps = first.steps
+        plan = plan_batches(steps.plan.global_batch, world_size, steps.micro_cap)
+        return f"micro-batch {plan.micro} × accumulation {plan.accumulate}"
+
+
+class _UnlockedFolders(FolderLocks):
+    """Folders used as they are: under ``--nodes`` no rank holds a lock for the whole job."""
+
+    def hold(self, directory: str | Path) -> Path | str:
+        from lockstep.checkpoint.storage import location
+
+        return location(directory)

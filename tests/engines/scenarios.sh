@@ -471,6 +471,8 @@ scenario_doctor_comm_slow_host() {
 # epoch and 24 samples in every committed step, and the final weights those of one process.
 ELASTIC_ARGS=(--samples 960 --global-batch 24 --epochs 2 --step-time 0.1 --hold 0:4 --hold 16:4)
 ELASTIC=tests/engines/scripts/elastic_train.py
+ELASTIC_LEFT="micro-batch 12 × accumulation 1"
+ELASTIC_JOINED="micro-batch 6 × accumulation 1; resumed at step 16"
 
 elastic_node() {  # elastic_node N: start `lockstep run --nodes 1:3` on nodeN (pid in ELASTIC_PID)
     "$ENGINES_DIR/nsrun.sh" "$STATE" "node$1" lockstep run --nodes 1:3 --master 192.0.2.1:24500 \
@@ -516,10 +518,10 @@ elastic_run() {  # elastic_run kill|cut: the scenario, B lost the given way
     kill -KILL "$b" 2>/dev/null
     wait "$b" 2>/dev/null
     grep -h "membership:" "$W/node0.out"
-    expect "$W/node0.out" "membership: left host node1 .*world size 2 on 1 node; micro-batch 12 × accumulation 1" \
+    expect "$W/node0.out" "membership: left host node1 .*world size 2 on 1 node; $ELASTIC_LEFT" \
         "node0 did not say that node1 left"
-    expect "$W/node0.out" "membership: joined host node2 .*world size 4 on 2 nodes; micro-batch 6 × accumulation 1; resumed at step 16" \
-        "node0 did not say that node2 joined at step 16"
+    expect "$W/node0.out" "membership: joined host node2 .*world size 4 on 2 nodes; $ELASTIC_JOINED" \
+        "node0 did not say that node2 joined"
     "$ROOT/.venv/bin/python" "$ELASTIC" --ledger "$W/ledger" "${ELASTIC_ARGS[@]}" --reference || fail "the reference run failed"
     "$ROOT/.venv/bin/python" tests/engines/scripts/check_ledger.py "$W/ledger" --samples 960 --global-batch 24 \
         --epochs 2 >"$W/ledger.out" 2>&1
@@ -529,6 +531,15 @@ elastic_run() {  # elastic_run kill|cut: the scenario, B lost the given way
 }
 
 scenario_elastic_kill() {
+    elastic_run kill
+}
+
+# The same job as a plain Session loop (elastic_session.py: session.loader, backward, step, save),
+# per-device batch at most 8: alone on node0 (2 ranks) it re-plans to 6 x 2, at 4 ranks 6 x 1.
+scenario_elastic_session_kill() {
+    ELASTIC=tests/engines/scripts/elastic_session.py
+    ELASTIC_LEFT="micro-batch 6 × accumulation 2"
+    ELASTIC_JOINED="micro-batch 6 × accumulation 1; resumed at step [0-9]+"
     elastic_run kill
 }
 

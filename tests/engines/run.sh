@@ -50,6 +50,7 @@ SCENARIOS=(
     "elastic_kill 400 two-hosts"
     "elastic_cut 400 two-hosts"
     "elastic_session_kill 400 two-hosts"
+    "elastic_session_cut 400 two-hosts"
     "s3_two_hosts 400 two-hosts"
 )
 # Scenarios that fail because of a known lockstep bug, not because of the harness: they are

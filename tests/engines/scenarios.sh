@@ -472,6 +472,8 @@ scenario_doctor_comm_slow_host() {
 ELASTIC_ARGS=(--samples 960 --global-batch 24 --epochs 2 --step-time 0.1 --hold 0:4 --hold 16:4)
 ELASTIC=tests/engines/scripts/elastic_train.py
 ELASTIC_LEFT="micro-batch 12 × accumulation 1"
+ELASTIC_LOSE_AT='"step": 7, "rank": [0-9], "world": 4'    # B is lost then (ledger line)
+ELASTIC_JOIN_AT='"step": 15, "rank": 0, "world": 2'       # C starts then
 ELASTIC_JOINED="micro-batch 6 × accumulation 1; resumed at step 16"
 
 elastic_node() {  # elastic_node N: start `lockstep run --nodes 1:3` on nodeN (pid in ELASTIC_PID)
@@ -503,14 +505,14 @@ elastic_run() {  # elastic_run kill|cut: the scenario, B lost the given way
     done
     elastic_node 1
     b=$ELASTIC_PID
-    ledger_has 300 "$a" '"step": 7, "rank": [0-9], "world": 4'
+    ledger_has 300 "$a" "$ELASTIC_LOSE_AT"
     if [ "$1" = kill ]; then
         kill -KILL "$b"   # nsrun's process: the kernel ends every process of host B with it
     else
         ip -n "$(cat "$STATE/netns-node1")" link set eth1 down
     fi
     echo "node1 lost ($1) at $(date +%T.%N)"
-    ledger_has 300 "$a" '"step": 15, "rank": 0, "world": 2'
+    ledger_has 300 "$a" "$ELASTIC_JOIN_AT"
     elastic_node 2
     c=$ELASTIC_PID
     wait "$a" || fail "node0 failed (exit $?): $(tail -5 "$W/node0.out")"
@@ -534,21 +536,32 @@ scenario_elastic_kill() {
     elastic_run kill
 }
 
-# The same job as a plain Session loop (elastic_session.py: session.loader, backward, step, save),
-# per-device batch at most 8: alone on node0 (2 ranks) it re-plans to 6 x 2, at 4 ranks 6 x 1.
-scenario_elastic_session_kill() {
-    ELASTIC=tests/engines/scripts/elastic_session.py
-    ELASTIC_LEFT="micro-batch 6 × accumulation 2"
-    ELASTIC_JOINED="micro-batch 6 × accumulation 1; resumed at step [0-9]+"
-    elastic_run kill
-}
-
 scenario_elastic_cut() {
     local ns
     ns=$(cat "$STATE/netns-node1")
     # shellcheck disable=SC2064  # expanded now on purpose: $ns is local to this function
     trap "ip -n '$ns' link set eth1 up 2>/dev/null" EXIT   # the later scenarios need the link
     elastic_run cut
+}
+
+# The same job as a plain Session loop (elastic_session.py: session.loader, backward, step, save),
+# per-device batch at most 8: alone on node0 (2 ranks) it re-plans to 6 x 2, at 4 ranks 6 x 1.
+# The Session's holds only slow the steps (0.5 s a batch) while the group is short, so B joins at a
+# step near 7: B is lost at the first step from 7 on at world 4, and C starts from step 15 at world 2.
+elastic_session() {  # elastic_session kill|cut
+    local ELASTIC=tests/engines/scripts/elastic_session.py ELASTIC_LEFT="micro-batch 6 × accumulation 2"
+    local ELASTIC_JOINED="micro-batch 6 × accumulation 1; resumed at step [0-9]+"
+    local ELASTIC_LOSE_AT='"step": ([7-9]|[1-9][0-9]), "rank": [0-9], "world": 4'
+    local ELASTIC_JOIN_AT='"step": (1[5-9]|[2-9][0-9]), "rank": 0, "world": 2'
+    if [ "$1" = cut ]; then scenario_elastic_cut; else elastic_run kill; fi
+}
+
+scenario_elastic_session_kill() {
+    elastic_session kill
+}
+
+scenario_elastic_session_cut() {
+    elastic_session cut
 }
 
 # ---- object store: two hosts that share no disk, only an S3 server ------------------------------

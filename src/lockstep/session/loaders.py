@@ -116,21 +116,21 @@ class DeviceLoader:
         return samples // size if self.loader.drop_last else -(-samples // size)
 
     def __iter__(self) -> Iterator[Any]:
-        batches = self._iter_steps(self.steps) if self.steps is not None else self._iter_padded()
+        steps = self.steps  # one pass of the default order, unless under --nodes a change can start another
+        batches = (self._iter_padded() if steps is None else
+                   self._iter_passes(steps) if self.boundary is not None and self.train else self._pass(steps))
         return batches if self.timer is None else self.timer.data(batches, _batch_len)
 
-    def _iter_steps(self, steps: StepSampler) -> Iterator[Any]:
-        """The default order: each batch's place in its step is known from the cursor, whatever the prefetch.
-        Under ``--nodes`` a membership change sets the position back to the last committed step: a new
-        pass starts there with this rank's new share (none when that position is in a later epoch)."""
+    def _iter_passes(self, steps: StepSampler) -> Iterator[Any]:
+        """Under ``--nodes``: a membership change sets the position back to the last committed step, and a
+        new pass starts there with this rank's new share (none when that position is in a later epoch)."""
         epoch = steps.epoch
         while (yield from self._pass(steps)) and steps.epoch == epoch:
             pass
-        if self.tracker is not None and steps.epoch == epoch:
-            self.tracker.epoch_done = True
 
     def _pass(self, steps: StepSampler) -> Generator[Any, None, bool]:
-        """Batches from the sampler's position on; True when the membership moved the position meanwhile."""
+        """The default order from the sampler's position on: each batch's place in its step is known from the
+        cursor, whatever the prefetch. Returns True when the membership moved the position meanwhile."""
         on_host, tracker, on_batch = self.device.type == "cpu", self.tracker, self._on_batch
         world, rank = steps.world_size, steps.rank
         upcoming = steps.upcoming() if self.train else []
@@ -152,7 +152,11 @@ class DeviceLoader:
                 if on_batch is not None:
                     on_batch(len(upcoming) - i, micro.count, micro.weight(world, rank))
             yield batch if on_host else self._move(batch, self.device, self._non_blocking)
-        return boundary is not None and boundary.generation != seen
+        if boundary is not None and boundary.generation != seen:
+            return True
+        if tracker is not None:
+            tracker.epoch_done = True
+        return False
 
     def _iter_padded(self) -> Iterator[Any]:
         """The torch order: every rank has the same batches (padded), of ``batch_size`` but the last."""

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from _elastic import free_port, ledger_checker, listening, node_env, until
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(420)]
 
@@ -25,72 +24,40 @@ SCRIPT = ROOT / "tests" / "engines" / "scripts" / "elastic_train.py"
 SAMPLES, BATCH, EPOCHS = 240, 24, 2
 
 
-def _checker() -> object:
-    """The ledger check the engines' scenarios run too."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("check_ledger", SCRIPT.parent / "check_ledger.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-
-
 def _node(name: str, port: int, secret: Path, ledger: Path, out: Path, hold: bool = True) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "lockstep", "run", "--nodes", "1:3", "--master", f"127.0.0.1:{port}",
            "--secret-file", str(secret), "--timeout", "20", "--nproc", "1", str(SCRIPT), "--ledger", str(ledger),
            "--samples", str(SAMPLES), "--global-batch", str(BATCH), "--epochs", str(EPOCHS),
            "--step-time", "0.2", *(["--hold", "0:2", "--hold", "12:2"] if hold else [])]
-    return subprocess.Popen(cmd, stdout=open(out / f"node{name}.log", "wb"), stderr=subprocess.STDOUT, env=_env())
+    return subprocess.Popen(cmd, stdout=open(out / f"node{name}.log", "wb"), stderr=subprocess.STDOUT, env=node_env())
 
 
-def _until(cond: object, what: str, timeout: float = 240.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():  # type: ignore[operator]
-        assert time.monotonic() < deadline, f"never: {what}"
-        time.sleep(0.1)
+def _wait(cond: object, what: str, timeout: float = 240.0) -> None:
+    until(cond, what, timeout)  # type: ignore[arg-type]
 
 
 def _records(ledger: Path) -> list[str]:
     return [line for p in ledger.glob("ledger-*.jsonl") for line in p.read_text().splitlines()]
 
 
-def _listening(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-        return True
-    except OSError:
-        return False
-
-
 def test_a_node_killed_then_a_node_joining_lose_nothing(tmp_path: Path) -> None:
     secret, ledger = tmp_path / "secret", tmp_path / "ledger"
     secret.write_text("a job secret\n")
-    port = _free_port()
+    port = free_port()
     a = _node("A", port, secret, ledger, tmp_path)
-    _until(lambda: _listening(port), "node A hosts the store")
+    _wait(lambda: listening(port), "node A hosts the store")
     b = _node("B", port, secret, ledger, tmp_path)
-    _until(lambda: any('"world": 2' in r and '"step": 4,' in r for r in _records(ledger)), "A and B reach step 4")
+    _wait(lambda: any('"world": 2' in r and '"step": 4,' in r for r in _records(ledger)), "A and B reach step 4")
     b.send_signal(signal.SIGKILL)  # the launcher; its worker dies with it
     b.wait(30)
-    _until(lambda: any('"world": 1' in r and '"round": 1' in r or '"world": 1' in r and '"round": 2' in r
+    _wait(lambda: any('"world": 1' in r and '"round": 1' in r or '"world": 1' in r and '"round": 2' in r
                        for r in _records(ledger)), "A goes on alone")
     c = _node("C", port, secret, ledger, tmp_path)
     assert a.wait(300) == 0, (tmp_path / "nodeA.log").read_text()[-3000:]
     assert c.wait(60) == 0, (tmp_path / "nodeC.log").read_text()[-3000:]
     subprocess.run([sys.executable, str(SCRIPT), "--ledger", str(ledger), "--samples", str(SAMPLES),
-                    "--global-batch", str(BATCH), "--epochs", str(EPOCHS), "--reference"], check=True, env=_env())
-    assert _checker().check(str(ledger), SAMPLES, BATCH, EPOCHS) == []  # type: ignore[attr-defined]
+                    "--global-batch", str(BATCH), "--epochs", str(EPOCHS), "--reference"], check=True, env=node_env())
+    assert ledger_checker().check(str(ledger), SAMPLES, BATCH, EPOCHS) == []  # type: ignore[attr-defined]
     lines = [x for x in (tmp_path / "nodeA.log").read_text().splitlines() if "membership:" in x]
     assert any("left host" in x and "world size 1 on 1 node" in x and "micro-batch 24 × accumulation 1" in x
                for x in lines), lines
@@ -114,9 +81,9 @@ def test_an_outsiders_pickles_in_every_key_of_the_membership_store_run_nothing(t
 
     secret, ledger, marker = tmp_path / "secret", tmp_path / "ledger", tmp_path / "pwned"
     secret.write_text("a job secret\n")
-    port = _free_port()
+    port = free_port()
     a = _node("A", port, secret, ledger, tmp_path, hold=False)
-    _until(lambda: any('"step": 3,' in r for r in _records(ledger)), "the job reaches step 3")
+    _wait(lambda: any('"step": 3,' in r for r in _records(ledger)), "the job reaches step 3")
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
     keys = store.list_keys()
     payload = pickle.dumps(_Marker(str(marker)))
@@ -131,5 +98,5 @@ def test_an_outsiders_pickles_in_every_key_of_the_membership_store_run_nothing(t
     log = (tmp_path / "nodeA.log").read_text()
     assert log.count("membership:") == 1, log  # the start only: no forged newcomer let in
     subprocess.run([sys.executable, str(SCRIPT), "--ledger", str(ledger), "--samples", str(SAMPLES),
-                    "--global-batch", str(BATCH), "--epochs", str(EPOCHS), "--reference"], check=True, env=_env())
-    assert _checker().check(str(ledger), SAMPLES, BATCH, EPOCHS) == []  # type: ignore[attr-defined]
+                    "--global-batch", str(BATCH), "--epochs", str(EPOCHS), "--reference"], check=True, env=node_env())
+    assert ledger_checker().check(str(ledger), SAMPLES, BATCH, EPOCHS) == []  # type: ignore[attr-defined]

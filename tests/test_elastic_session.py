@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from _elastic import free_port, ledger_checker, listening, node_env, until
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -27,75 +27,43 @@ SAMPLES, BATCH, EPOCHS = 240, 24, 2
 JOB = ["--samples", str(SAMPLES), "--global-batch", str(BATCH), "--batch-size", "8", "--epochs", str(EPOCHS)]
 
 
-def _checker() -> object:
-    """The ledger check the engines' scenarios run too."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("check_ledger", SCRIPT.parent / "check_ledger.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-
-
 def _node(name: str, port: int, secret: Path, ledger: Path, out: Path,
           job: tuple[str, ...] = ("--hold", "0:2", "--hold", "12:2")) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "lockstep", "run", "--nodes", "1:3", "--master", f"127.0.0.1:{port}",
            "--secret-file", str(secret), "--timeout", "20", "--nproc", "1", str(SCRIPT), "--ledger", str(ledger),
            *JOB, "--step-time", "0.05", *job]
-    return subprocess.Popen(cmd, stdout=open(out / f"node{name}.log", "wb"), stderr=subprocess.STDOUT, env=_env(),
+    return subprocess.Popen(cmd, stdout=open(out / f"node{name}.log", "wb"), stderr=subprocess.STDOUT, env=node_env(),
                             start_new_session=True)  # its own process group, killed whole below
 
 
-def _until(cond: object, what: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():  # type: ignore[operator]
-        assert time.monotonic() < deadline, f"never: {what}"
-        time.sleep(0.1)
+def _wait(cond: object, what: str, timeout: float = 120.0) -> None:
+    until(cond, what, timeout)  # type: ignore[arg-type]
 
 
 def _records(ledger: Path) -> list[dict[str, object]]:
     return [json.loads(line) for p in ledger.glob("ledger-*.jsonl") for line in p.read_text().splitlines() if line]
 
 
-def _listening(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-        return True
-    except OSError:
-        return False
-
-
 def test_a_session_loop_loses_nothing_when_a_node_dies_and_another_joins(tmp_path: Path) -> None:
     secret, ledger = tmp_path / "secret", tmp_path / "ledger"
     secret.write_text("a job secret\n")
-    port = _free_port()
+    port = free_port()
     a = _node("A", port, secret, ledger, tmp_path)
-    _until(lambda: _listening(port), "node A hosts the store")
+    _wait(lambda: listening(port), "node A hosts the store")
     b = _node("B", port, secret, ledger, tmp_path)
-    _until(lambda: any(r["world"] == 2 and int(r["step"]) >= 6 for r in _records(ledger)),  # type: ignore[call-overload]
+    _wait(lambda: any(r["world"] == 2 and int(r["step"]) >= 6 for r in _records(ledger)),  # type: ignore[call-overload]
            "A and B train together")
     os.killpg(b.pid, signal.SIGKILL)  # the launcher and its worker
     b.wait(30)
     killed_at = max(int(r["step"]) for r in _records(ledger))  # type: ignore[call-overload]
-    _until(lambda: any(r["world"] == 1 and int(r["step"]) >= killed_at  # type: ignore[call-overload]
+    _wait(lambda: any(r["world"] == 1 and int(r["step"]) >= killed_at  # type: ignore[call-overload]
                        for r in _records(ledger)), "A goes on alone")
     c = _node("C", port, secret, ledger, tmp_path)
     assert a.wait(180) == 0, (tmp_path / "nodeA.log").read_text()[-3000:]
     assert c.wait(60) == 0, (tmp_path / "nodeC.log").read_text()[-3000:]
     subprocess.run([sys.executable, str(SCRIPT), "--ledger", str(ledger), *JOB, "--reference"], check=True,
-                   env=_env(), stdout=subprocess.DEVNULL)
-    assert _checker().check(str(ledger), SAMPLES, BATCH, EPOCHS) == []  # type: ignore[attr-defined]
+                   env=node_env(), stdout=subprocess.DEVNULL)
+    assert ledger_checker().check(str(ledger), SAMPLES, BATCH, EPOCHS) == []  # type: ignore[attr-defined]
     lines = [x for x in (tmp_path / "nodeA.log").read_text().splitlines() if "membership:" in x]
     assert any("left host" in x and "world size 1 on 1 node" in x and "micro-batch 8 × accumulation 3" in x
                for x in lines), lines
@@ -117,12 +85,12 @@ def test_a_job_started_again_reads_its_checkpoint_once_and_goes_on(tmp_path: Pat
     """No node holds the state at a new start: one member reads the disk, the loop's own ``session.load``."""
     secret, ledger = tmp_path / "secret", tmp_path / "ledger"
     secret.write_text("a job secret\n")
-    first = _node("A", _free_port(), secret, ledger, tmp_path, job=("--epochs", "1"))
+    first = _node("A", free_port(), secret, ledger, tmp_path, job=("--epochs", "1"))
     assert first.wait(120) == 0, (tmp_path / "nodeA.log").read_text()[-3000:]
-    again = _node("A2", _free_port(), secret, ledger, tmp_path, job=("--resume",))
+    again = _node("A2", free_port(), secret, ledger, tmp_path, job=("--resume",))
     assert again.wait(120) == 0, (tmp_path / "nodeA2.log").read_text()[-3000:]
     log = (tmp_path / "nodeA2.log").read_text()
     assert "resumed from" in log and "at epoch 1, step 10" in log and "resumed at step 10" in log, log
     subprocess.run([sys.executable, str(SCRIPT), "--ledger", str(ledger), *JOB, "--reference"], check=True,
-                   env=_env(), stdout=subprocess.DEVNULL)
-    assert _checker().check(str(ledger), SAMPLES, BATCH, EPOCHS) == []  # type: ignore[attr-defined]
+                   env=node_env(), stdout=subprocess.DEVNULL)
+    assert ledger_checker().check(str(ledger), SAMPLES, BATCH, EPOCHS) == []  # type: ignore[attr-defined]

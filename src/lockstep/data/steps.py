@@ -106,6 +106,9 @@ def plan_batches(global_batch: int, world_size: int, micro_cap: int) -> BatchPla
     return BatchPlan(global_batch, world_size, micro, accumulate)
 
 
+_ONE = Fraction(1)
+"""The weight of every share when a step splits evenly (most steps): made once."""
+
 @dataclass(frozen=True)
 class MicroStep:
     """One micro-step of the whole job: positions ``start:stop`` of the epoch's order.
@@ -136,7 +139,8 @@ class MicroStep:
     def weight(self, world_size: int, rank: int) -> Fraction:
         """The factor on ``rank``'s mean loss: ``world_size * n / step_samples`` (see the module)."""
         lo, hi = self.share(world_size, rank)
-        return Fraction(world_size * (hi - lo), self.step_samples)
+        samples = world_size * (hi - lo)
+        return _ONE if samples == self.step_samples else Fraction(samples, self.step_samples)  # even shares: no gcd
 
 
 def micro_steps(dataset_len: int, cursor: int, plan: BatchPlan, drop_last: bool = False) -> list[MicroStep]:

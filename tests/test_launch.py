@@ -335,3 +335,26 @@ def test_durations_that_are_not_numbers_of_seconds_are_refused(tmp_path: Path, f
     with pytest.raises(ConfigError, match=flag):
         LaunchSpec(str(script), **{field: value})
     LaunchSpec(str(script), **{field: 30.0})  # an ordinary value passes
+
+
+def test_an_error_file_is_whole_or_absent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A rank stopped while writing its error file (the launcher's SIGTERM after a peer died) must not leave
+    # half a file: torch's agent raises on one it cannot parse, and the job's summary is lost.
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from lockstep.comm import failure
+
+    path = tmp_path / "error.json"
+
+    def stopped_mid_write(data: object, fp: object) -> None:
+        fp.write('{"message": {"mess')  # type: ignore[attr-defined]
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(failure.json, "dump", stopped_mid_write)
+        with pytest.raises(KeyboardInterrupt):
+            failure.record_failure(ValueError("bad"), 1, str(path))
+    assert not path.exists()
+    failure.record_failure(ValueError("bad"), 1, str(path))
+    read = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(path))
+    assert read.message["message"] == "ValueError: bad" and json.loads(path.read_text())["lockstep"]["exit_code"] == 1

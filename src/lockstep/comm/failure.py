@@ -128,8 +128,12 @@ def record_failure(exc: BaseException, exit_code: int, path: str, callstack: str
             "blame": [int(r) for r in getattr(exc, "blame", ())],
         },
     }
+    # written whole, then renamed: a rank stopped mid-write (the launcher's SIGTERM after a peer died)
+    # must leave no file rather than a truncated one, which the elastic agent cannot parse
+    partial = f"{path}.{os.getpid()}.partial"
     try:
-        with open(path, "w") as fp:
+        with open(partial, "w") as fp:
             json.dump(data, fp)
+        os.replace(partial, path)
     except OSError:
         traceback.print_exception(kind, exc, exc.__traceback__)

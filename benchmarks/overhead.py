@@ -25,6 +25,11 @@ Run (pick a quiet moment; the load average is printed with the figures)::
 
     OMP_NUM_THREADS=1 python benchmarks/overhead.py
     OMP_NUM_THREADS=1 python benchmarks/overhead.py --workload tiny --rounds 9 --profile
+    OMP_NUM_THREADS=1 python benchmarks/overhead.py --workload tiny --timings-every 0   # the step timings' cost
+
+The Session's step timings are on by default (``timings_every=5``); a run with ``--timings-every 0``
+beside a default run shows what they cost: the two lockstep/raw ratios should differ by less than
+each run's A/A control.
 """
 
 from __future__ import annotations
@@ -141,10 +146,10 @@ def _calibrate(step: Callable[[], None], seconds: float) -> int:
     return int(count.item())
 
 
-def rank_main(workload: str, rounds: int, seconds: float, profile: bool) -> dict[str, Any]:
+def rank_main(workload: str, rounds: int, seconds: float, profile: bool, timings_every: int) -> dict[str, Any]:
     """One rank: build the three arms, warm them up, time them interleaved; rank 0 reports."""
     torch.set_num_threads(1)
-    session = lockstep.Session(strategy="ddp", precision="fp32", seed=0, quiet=True)
+    session = lockstep.Session(strategy="ddp", precision="fp32", seed=0, quiet=True, timings_every=timings_every)
     data = build_data(workload)
     steps_of = {"raw": raw_arm(workload, data, session.rank, session.world_size),
                 "raw-again": raw_arm(workload, data, session.rank, session.world_size),
@@ -186,13 +191,13 @@ def _profile(steps_of: dict[str, Callable[[], None]], steps: int, rank: int) -> 
     return "\n".join(text)
 
 
-def run_workload(workload: str, rounds: int, seconds: float, profile: bool) -> dict[str, Any]:
+def run_workload(workload: str, rounds: int, seconds: float, profile: bool, timings_every: int = 5) -> dict[str, Any]:
     """Start the 2-rank job for ``workload`` and return rank 0's report."""
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["LOCKSTEP_INIT_METHOD"] = f"file://{tmp}/rendezvous"
         os.environ["OMP_NUM_THREADS"] = "1"
         try:
-            return lockstep.spawn(rank_main, 2, args=(workload, rounds, seconds, profile))[0]
+            return lockstep.spawn(rank_main, 2, args=(workload, rounds, seconds, profile, timings_every))[0]
         finally:
             del os.environ["LOCKSTEP_INIT_METHOD"]
 
@@ -244,12 +249,15 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=21, help="interleaved rounds per arm (default 21)")
     parser.add_argument("--seconds", type=float, default=0.5, help="length of one timed window (default 0.5)")
     parser.add_argument("--profile", action="store_true", help="cProfile one window per arm on rank 0")
+    parser.add_argument("--timings-every", type=int, default=5,
+                        help="the Session's timings_every (default 5, its own default; 0: step timings off)")
     args = parser.parse_args()
     targets = {"convnet": 0.99, "tiny": 0.97}
     names = list(WORKLOADS) if args.workload == "all" else [args.workload]
-    print(f"torch {torch.__version__}, lockstep {lockstep.__version__}, load average {os.getloadavg()}")
+    print(f"torch {torch.__version__}, lockstep {lockstep.__version__}, timings_every {args.timings_every}, "
+          f"load average {os.getloadavg()}")
     for name in names:
-        report = run_workload(name, args.rounds, args.seconds, args.profile)
+        report = run_workload(name, args.rounds, args.seconds, args.profile, args.timings_every)
         print(summarize(name, report, targets[name]), flush=True)
         if "profile" in report:
             print(report["profile"])

@@ -53,6 +53,17 @@ def test_the_ring_keeps_the_last_collectives_in_its_file(tmp_path: Path) -> None
     assert read_ring((tmp_path / "rank1.ring").read_bytes())[0]["closed"]
 
 
+def test_an_entry_too_long_for_its_slot_keeps_its_first_shapes_and_every_field(tmp_path: Path) -> None:
+    record = CollectiveRecord(0, 2, str(tmp_path))
+    shapes = [[i, 2] for i in range(100)]
+    where = 'odd "name"\\é.py:7 in f'  # quotes, a backslash and a non-ASCII letter survive the slot's JSON
+    record.begin("all_gather", shapes, "float32", "ranks 0,1", "", where)
+    entry = read_ring((tmp_path / "rank0.ring").read_bytes())[1][-1]
+    assert 0 < len(entry["shapes"]) < 100 and entry["shapes"] == shapes[:len(entry["shapes"])]
+    assert entry["where"] == where and entry["group"] == "ranks 0,1" and entry["op"] == "all_gather"
+    record.close()
+
+
 def _recorded_calls(out: str) -> list[dict]:
     import torch
     import torch.distributed as dist

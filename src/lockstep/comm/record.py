@@ -57,6 +57,14 @@ _DETAIL_KEYS = ("src", "dst", "op")
 _tls = threading.local()
 
 
+_str = json.encoder.encode_basestring_ascii  # a JSON string literal (quotes and escapes), in C
+
+
+def _shapes(shapes: list[list[int]], kept: int) -> str:
+    """The first ``kept`` of ``shapes`` as a JSON list of lists."""
+    return "[" + ",".join("[" + ",".join(map(str, s)) + "]" for s in shapes[:kept]) + "]"
+
+
 def user_site(depth: int = 2) -> str:
     """The innermost frame of the caller's stack outside torch and lockstep, as ``file:line in func``.
 
@@ -182,9 +190,9 @@ class CollectiveRecord:
         self._put(0, DONE, json.dumps(head))
 
     def _put(self, slot: int, state: bytes, text: str) -> None:
-        data = text.encode()[:SLOT_BYTES - 2]
+        data = state + text.encode()[:SLOT_BYTES - 2] + b"\n"  # a reader stops at the newline
         at = slot * SLOT_BYTES
-        self._ring[at:at + SLOT_BYTES] = state + data + b"\n" + b" " * (SLOT_BYTES - 2 - len(data))
+        self._ring[at:at + len(data)] = data
 
     # -- the wrapped calls' side ----------------------------------------------------------------
     def begin(self, op: str, shapes: list[list[int]], dtype: str, group: str, detail: str, where: str) -> int:
@@ -199,10 +207,13 @@ class CollectiveRecord:
             where: the user's ``file:line in func``.
         """
         self.seq += 1
-        entry: dict[str, Any] = {"seq": self.seq, "op": op, "shapes": shapes, "dtype": dtype, "group": group,
-                 "detail": detail, "where": where, "t": round(time.time(), 3)}
-        while len(text := json.dumps(entry, separators=(",", ":"))) > SLOT_BYTES - 2 and entry["shapes"]:
-            entry["shapes"] = entry["shapes"][:-1]  # many tensors: keep the first ones
+        # formatted by hand, not json.dumps of a dict: this runs at every backward (see benchmarks/overhead.py)
+        head = f'{{"seq":{self.seq},"op":{_str(op)},"shapes":'
+        tail = (f',"dtype":{_str(dtype)},"group":{_str(group)},"detail":{_str(detail)},"where":{_str(where)},'
+                f'"t":{time.time():.3f}}}')
+        kept = len(shapes)
+        while len(text := head + _shapes(shapes, kept) + tail) > SLOT_BYTES - 2 and kept:
+            kept -= 1  # many tensors: keep the first ones
         self._put(1 + (self.seq - 1) % SLOTS, RUNNING, text)
         return self.seq
 

@@ -139,7 +139,11 @@ class MicroStep:
     def weight(self, world_size: int, rank: int) -> Fraction:
         """The factor on ``rank``'s mean loss: ``world_size * n / step_samples`` (see the module)."""
         lo, hi = self.share(world_size, rank)
-        samples = world_size * (hi - lo)
+        return self.weight_of(hi - lo, world_size)
+
+    def weight_of(self, share: int, world_size: int) -> Fraction:
+        """:meth:`weight` for a rank whose share (from :meth:`share`) holds ``share`` samples."""
+        samples = world_size * share
         return _ONE if samples == self.step_samples else Fraction(samples, self.step_samples)  # even shares: no gcd
 
 

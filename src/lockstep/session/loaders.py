@@ -119,7 +119,7 @@ class DeviceLoader:
         steps = self.steps  # one pass of the default order, unless under --nodes a change can start another
         batches = (self._iter_padded() if steps is None else
                    self._iter_passes(steps) if self.boundary is not None and self.train else self._pass(steps))
-        return batches if self.timer is None else self.timer.data(batches, _batch_len)
+        return batches if self.timer is None else self.timer.data(batches, self, _batch_len)
 
     def _iter_passes(self, steps: StepSampler) -> Iterator[Any]:
         """Under ``--nodes``: a membership change sets the position back to the last committed step, and a
@@ -145,12 +145,12 @@ class DeviceLoader:
                     if boundary.generation != seen:
                         return True
                 lo, hi = micro.share(world, rank)
-                self.share = hi - lo
+                self.share = share = hi - lo
                 steps.advance(micro.stop - micro.start)  # counted when handed out, as below
                 if tracker is not None:
                     tracker.epoch_done = False
                 if on_batch is not None:
-                    on_batch(len(upcoming) - i, micro.count, micro.weight(world, rank))
+                    on_batch(len(upcoming) - i, micro.count, micro.weight_of(share, world))
             yield batch if on_host else self._move(batch, self.device, self._non_blocking)
         if boundary is not None and boundary.generation != seen:
             return True

@@ -24,7 +24,7 @@ from it (:mod:`lockstep.session.slow_rank`) and logs it.
 Example::
 
     timer = StepTimer(torch.device("cpu"), every=5, exchange=lambda row: [row], on_window=print)
-    for batch in timer.data(iter(batches), len):
+    for batch in timer.data(iter(loader), loader, len):   # loader.share: this rank's samples in the batch
         ...; timer.after_backward(); timer.before_step(); ...; timer.after_step()
 """
 
@@ -217,12 +217,13 @@ class StepTimer:
         self._hooks = []
 
     # -- the step's phases ----------------------------------------------------------------------------------------------
-    def data(self, batches: Iterator[Any], size: Callable[[Any], int]) -> Iterator[Any]:
+    def data(self, batches: Iterator[Any], source: Any, size: Callable[[Any], int]) -> Iterator[Any]:
         """Yield ``batches``, timing each wait for the next one (``data``) and counting samples.
 
         Args:
             batches: the loader's batches (already on the device).
-            size: samples in a batch.
+            source: what yields them; its ``share`` is this rank's samples in the batch just handed out.
+            size: a batch's length (the samples a FLOP count covers, read once per run).
         """
         clock = self._clock
         while True:
@@ -233,7 +234,7 @@ class StepTimer:
                 return
             now = clock()
             self._data += now - began
-            self._samples += size(batch)
+            self._samples += source.share
             self._start = self._mark() if self._cuda else now
             if self._peak is not None and self._flops_per_sample is None and self._flops is None and self.step > 0:
                 self._count_flops(size(batch))

@@ -143,3 +143,35 @@ def test_under_nodes_preemption_and_timings_are_off(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("LOCKSTEP_NODES", "1:3")
     config = options_under_nodes(SessionConfig(global_batch=24))
     assert (config.preemption, config.timings_every, config.global_batch) == ("off", 0, 24)
+
+
+def _elastic_ddp_step(sync_buffers: bool) -> tuple[list[str], list[float], list[float], str]:
+    from datetime import timedelta
+
+    from lockstep.comm.group import init_comm
+    from lockstep.session.options import summary_line
+    from lockstep.strategies.elastic import ElasticDDPStrategy
+
+    comm = init_comm(timeout=30)
+    strategy = ElasticDDPStrategy(comm, torch.device("cpu"), sync_buffers=sync_buffers, bucket_cap_mb=50)
+    torch.manual_seed(0)
+    model = strategy.setup_module(torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)))
+    torch.manual_seed(1 + comm.rank)  # each rank its own batch: its own gradients and batch statistics
+    model(torch.randn(8, 3)).sum().backward()
+    strategy.sync_gradients(model)
+    line = summary_line(world_size=2, strategy=strategy, precision="fp32", backend="gloo",
+                        timeout=timedelta(seconds=30), loaders=[])
+    out = (strategy.ignored, model[0].weight.grad.flatten().tolist(), model[1].running_mean.tolist(), line)
+    comm.shutdown()
+    return out
+
+
+@pytest.mark.parametrize("sync_buffers", [True, False])
+def test_elastic_ddp_averages_gradients_and_shares_buffers_as_ddp_does(sync_buffers: bool) -> None:
+    from _dist import run_distributed
+
+    (ignored, grad0, mean0, line), (_, grad1, mean1, _) = run_distributed(_elastic_ddp_step, 2, sync_buffers)
+    assert grad0 == grad1  # averaged over both ranks
+    assert (mean0 == mean1) is sync_buffers  # rank 0's running statistics, as DDP broadcasts them
+    # a wrapper's tuning has nothing to tune: accepted, left unused, and said so once
+    assert ignored == ["bucket_cap_mb"] and "bucket_cap_mb unused under --nodes" in line

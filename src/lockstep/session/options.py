@@ -38,6 +38,8 @@ def summary_line(*, world_size: int, strategy: Any, precision: str, backend: str
     compression = strategy.options.get("grad_compression", "none")
     if compression != "none" and world_size > 1:
         parts.append(f"grad compression {compression}")
+    if getattr(strategy, "ignored", None):
+        parts.append(f"{', '.join(strategy.ignored)} unused under --nodes (no DDP wrapper: one all_reduce per step)")
     if compiled:
         parts.append("compiled")
     parts += [f"precision {precision}", f"backend {backend}", f"timeout {timeout.total_seconds():g} s", *loaders]

@@ -216,7 +216,7 @@ def get_strategy(name: str, comm: Comm, device: torch.device, **options: Any) ->
     key = name if name == "auto" or name in _REGISTRY else check_strategy(name)  # a checked name is canonical
     if isinstance(comm, ElasticComm):  # lockstep run --nodes: ddp without a wrapper bound to one group
         check_nodes(key, "MIN:MAX")
-        return ElasticDDPStrategy(comm, device)
+        return ElasticDDPStrategy(comm, device, **options)
     if key == "auto":
         key = resolve_auto(comm, device)
         known = set().union(*(cls.defaults for cls in _REGISTRY.values()))

@@ -28,8 +28,12 @@ import torch
 from torch import nn
 
 from lockstep.strategies.base import Strategy
+from lockstep.strategies.modules import broadcast_module_state
 
-__all__ = ["ElasticDDPStrategy", "average_gradients"]
+__all__ = ["ElasticDDPStrategy", "WRAPPER_ONLY", "average_gradients"]
+
+WRAPPER_ONLY = ("bucket_cap_mb", "static_graph", "find_unused_parameters", "gradient_as_bucket_view")
+"""ddp's options that tune its ``DistributedDataParallel`` wrapper, which a job under ``--nodes`` does not have."""
 
 
 def average_gradients(model: nn.Module, all_reduce: Any, world_size: int) -> None:
@@ -72,10 +76,15 @@ class ElasticDDPStrategy(Strategy):
     Checkpoints hold full state dicts, as under ``ddp``, so a job saved under ``--nodes`` resumes
     under a fixed number of nodes and the other way round.
 
+    Buffers (BatchNorm's running statistics) are broadcast from rank 0 after the gradients, as DDP
+    broadcasts them before the next forward (``sync_buffers=False`` keeps each rank's own).
+
     Args:
         comm: the job's collectives (an :class:`~lockstep.comm.elastic_comm.ElasticComm`).
         device: this rank's device.
-        **options: none (``sync_bn`` is refused under ``--nodes``: SyncBatchNorm binds a group).
+        **options: ``sync_buffers`` (True). ``sync_bn`` is refused under ``--nodes`` (SyncBatchNorm
+            binds a group). ddp's tuning of its wrapper (:data:`WRAPPER_ONLY`) has nothing to tune
+            here: it is accepted, left unused and listed in :attr:`ignored` (the start line says so).
 
     Example::
 
@@ -83,7 +92,11 @@ class ElasticDDPStrategy(Strategy):
     """
 
     name: ClassVar[str] = "ddp"
-    defaults: ClassVar[dict[str, Any]] = {"sync_bn": False}
+    defaults: ClassVar[dict[str, Any]] = {"sync_bn": False, "sync_buffers": True}
+
+    def __init__(self, comm: Any, device: torch.device, **options: Any) -> None:
+        self.ignored = sorted(k for k in options if k in WRAPPER_ONLY)
+        super().__init__(comm, device, **{k: v for k, v in options.items() if k not in WRAPPER_ONLY})
 
     def setup_module(self, model: nn.Module) -> nn.Module:
         """Move ``model`` to the device; the weights come from a live peer when the worker joins."""
@@ -92,3 +105,5 @@ class ElasticDDPStrategy(Strategy):
 
     def sync_gradients(self, model: nn.Module) -> None:
         average_gradients(model, self.comm.all_reduce, self.comm.world_size)
+        if self.options["sync_buffers"] and next(model.buffers(), None) is not None:
+            broadcast_module_state(self.comm, model, parameters=False)

@@ -123,15 +123,43 @@ def test_transient_errors_are_retried_then_the_object_named() -> None:
 def test_object_lock_names_the_holder_and_is_taken_over_when_dead(tmp_path: Path) -> None:
     storage = LocalStorage(tmp_path)
     lock = lock_objects("mem://x", COMM, storage=storage)
+    assert lock.name == ".lockstep.lock/00000001"
     with pytest.raises(FolderInUseError, match=r"in use by another job \(host .*pid"):
         lock_objects("mem://x", COMM, storage=storage)
     lock.release()
-    assert not storage.exists(".lockstep.lock")
-    body = {"host": "elsewhere", "pid": 1, "since": "then", "renewed": 0, "token": "t"}
-    storage.put(".lockstep.lock", json.dumps(body).encode())        # a holder that stopped renewing
-    lock = lock_objects("mem://x", COMM, storage=storage, ttl=30)
-    assert lock.held
+    assert json.loads(storage.get(lock.name))["released"] is True
+    lock = lock_objects("mem://x", COMM, storage=storage)       # the next generation; the older one is gone
+    assert storage.list(".lockstep.lock/") == {".lockstep.lock/00000002": len(storage.get(lock.name))}
     lock.release()
+    body = {"host": "elsewhere", "pid": 1, "since": "then", "renewed": 0, "token": "t"}
+    storage.put(".lockstep.lock/00000003", json.dumps(body).encode())        # a holder that stopped renewing
+    lock = lock_objects("mem://x", COMM, storage=storage, ttl=30)
+    assert lock.held and lock.name == ".lockstep.lock/00000004"
+    lock.release()
+
+
+def test_two_jobs_taking_over_one_dead_holder_end_with_one_holder(tmp_path: Path) -> None:
+    """Both read the dead holder; the first takes over (and deletes that generation); the second, acting
+    on what it read, must not remove the first one's lock nor hold one too."""
+    class Stale(LocalStorage):
+        frozen: dict[str, int] | None = None
+
+        def list(self, prefix: str = "") -> dict[str, int]:
+            if self.frozen is not None and prefix.startswith(".lockstep.lock"):
+                seen, self.frozen = self.frozen, None
+                return seen
+            return super().list(prefix)
+
+    dead = {"host": "elsewhere", "pid": 1, "since": "then", "renewed": 0, "token": "t"}
+    LocalStorage(tmp_path).put(".lockstep.lock/00000001", json.dumps(dead).encode())
+    second = Stale(tmp_path)
+    second.frozen = second.list(".lockstep.lock/")                   # it read the dead holder...
+    first = lock_objects("mem://x", COMM, storage=LocalStorage(tmp_path), ttl=30)   # ...then the first took over
+    with pytest.raises(FolderInUseError, match="in use by another job"):
+        lock_objects("mem://x", COMM, storage=second, ttl=30)
+    assert first.name == ".lockstep.lock/00000002" and list(second.list(".lockstep.lock/")) == [first.name]
+    assert json.loads(second.get(first.name))["token"] == first.body["token"]   # the first job's lock, intact
+    first.release()
 
 
 def test_upload_failure_leaves_no_commit(tmp_path: Path) -> None:

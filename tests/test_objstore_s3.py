@@ -5,8 +5,10 @@ second job on the same prefix is refused."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import textwrap
@@ -22,11 +24,14 @@ from _dist import run_distributed
 from _parity import session_step
 from lockstep.checkpoint.files import CorruptCheckpointError
 from lockstep.checkpoint.lock import FolderInUseError
-from lockstep.checkpoint.objects import committed_steps, load_objects
+from lockstep.checkpoint.layout import step_name
+from lockstep.checkpoint.manifest import MANIFEST_FILE
+from lockstep.checkpoint.objects import committed_steps, load_objects, object_reader
 from lockstep.checkpoint.objlock import lock_objects
 from lockstep.checkpoint.storage import open_storage
 from lockstep.comm.group import Comm
 from lockstep.env import World
+from lockstep.session.preempt import Preempted
 
 GLOBAL_BATCH = 12
 
@@ -36,9 +41,10 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 2))
 
 
-def _kill_at(rank: int, kill: tuple[int, int, str, str] | None) -> None:
-    """Make this rank SIGKILL itself at its ``k``-th object write (before or after it), if it is ``kill``'s rank;
-    it touches ``kill[3]`` first, so the test knows the planned kill (not another failure) ended the run."""
+def _kill_at(rank: int, kill: tuple[int, int, str, str] | None, signum: int = 9) -> None:
+    """Make this rank SIGKILL itself (or send itself ``signum``) at its ``k``-th object write (before or after
+    it), if it is ``kill``'s rank; it touches ``kill[3]`` first, so the test knows the planned kill (not another
+    failure) ended the run."""
     if kill is None or kill[0] != rank:
         return
     from lockstep.checkpoint.storage import FsspecStorage
@@ -51,11 +57,11 @@ def _kill_at(rank: int, kill: tuple[int, int, str, str] | None) -> None:
             count[0] += 1
             if count[0] == kill[1] and kill[2] == "before":
                 Path(kill[3]).write_text(name)
-                os.kill(os.getpid(), 9)
+                os.kill(os.getpid(), signum)
             out = _original(self, name, data)
             if count[0] == kill[1] and kill[2] == "after":
                 Path(kill[3]).write_text(name)
-                os.kill(os.getpid(), 9)
+                os.kill(os.getpid(), signum)
             return out
         setattr(FsspecStorage, method, wrapped)
 
@@ -188,6 +194,51 @@ def test_kill_9_during_uploads_never_resumes_from_a_partial_checkpoint(s3: Any, 
         if kill is None:
             break
         url = s3.url()   # that run finished before its kill point: the next kills start a fresh run
+
+
+def _stopped(env: dict[str, str], url: str, steps: int, term: tuple[int, int, str, str]) -> dict[str, Any]:
+    """Background saves every 2 steps until a SIGTERM (sent by a rank to itself during one of its uploads)
+    stops the job: what the stop reported."""
+    os.environ.update(env)
+    session = lockstep.Session(strategy="ddp", quiet=True, timeout=60)
+    _kill_at(session.rank, term, signal.SIGTERM)
+    model, opt = session.setup(_model(), lambda p: torch.optim.Adam(p, lr=0.01))
+    session.load(url, model=model, optimizer=opt)
+    try:
+        while session.global_step < steps:
+            session_step(session, model, opt, GLOBAL_BATCH)
+            if session.global_step % 2 == 0:
+                session.save(url, model=model, optimizer=opt, keep=2, blocking=False)
+    except Preempted as stop:
+        return {"step": stop.step, "path": str(stop.path)}
+    session.close()
+    return {"step": None, "path": None}
+
+
+@pytest.mark.slow
+@pytest.mark.e2e  # three two-rank runs a case
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("rank", [0, 1])
+def test_sigterm_during_a_background_upload_commits_whole_checkpoints_only(s3: Any, tmp_path: Path,
+                                                                            rank: int) -> None:
+    """A preemption that lands while a background save uploads: the upload finishes inside the grace, the stop's
+    own save is committed, every committed checkpoint verifies, and the resumed run ends bit-identical."""
+    steps = 12
+    url, marker = s3.url(), tmp_path / "signalled"
+    # rank 0's third write is inside the first background save; rank 1's second, inside the second save
+    stops = run_distributed(_stopped, 2, s3.env, url, 10 * steps, (rank, 3 - rank, "before", str(marker)),
+                            timeout=200)
+    assert marker.exists() and stops[0]["step"] == stops[1]["step"] is not None
+    stopped = stops[0]["step"]
+    assert stops[0]["path"] == f"{url}/step-{stopped:06d}" and committed_steps(open_storage(url))[-1] == stopped
+    storage = open_storage(url)
+    for step in committed_steps(storage):   # each one whole: every object its manifest lists reads back and verifies
+        files = json.loads(storage.get(f"{step_name(step)}/{MANIFEST_FILE}"))["files"]
+        read = object_reader(storage, step, files)
+        assert all(read(name) is not None for name in files)
+    resumed = run_distributed(_train, 2, s3.env, url, stopped + steps, False, None, stopped, timeout=200)
+    again = run_distributed(_train, 2, s3.env, s3.url(), stopped + steps, timeout=200)[0]["final"]
+    assert _same(resumed[0]["final"], again) and _same(resumed[1]["final"], again)
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ renamed when complete. Instead::
         step-000100/sharded/.metadata
         step-000100/manifest.json          <- written last, only if absent (If-None-Match: *)
         latest                             <- "step-000100", after the manifest: a hint only
-        .lockstep.lock                     <- the job holding the prefix (lockstep.checkpoint.objlock)
+        .lockstep.lock/00000003            <- the job holding the prefix (lockstep.checkpoint.objlock)
 
 1. Each rank writes its part into a private local folder (only its own share: nothing of the
    checkpoint is gathered on one rank or one disk), uploads each file under the step's prefix,

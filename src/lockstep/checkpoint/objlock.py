@@ -1,16 +1,25 @@
-"""One live job per checkpoint URL, without a shared disk: a lock object put only if absent.
+"""One live job per checkpoint URL, without a shared disk: lock objects put only if absent.
 
-Rank 0 creates ``<url>/.lockstep.lock`` with a conditional put (``If-None-Match: *``); its body
-names the holder (host, pid, since) and a random token. While the job lives, a thread renews it
-(rewrites ``renewed``) every ``ttl / 4`` seconds. A second job finds the object and is refused
-with one line naming the holder, unless the holder is gone:
+The lock is a series of objects ``<url>/.lockstep.lock/<generation>`` (``00000001``, ...), each created by
+a conditional put (``If-None-Match: *``) and never deleted while the prefix is in use; the highest
+generation is the holder. Its body names the holder (host, pid, since) and a random token. While the
+job lives, a thread renews it (rewrites ``renewed``) every ``ttl / 4`` seconds; at the end the job
+marks it released. A second job reads the highest generation and is refused with one line naming
+the holder, unless the holder is gone:
 
+* released (the job ended);
 * same host and its pid no longer runs (a job killed and restarted on that host, ``kill -9``
   included): taken over at once;
 * otherwise when it was not renewed for ``ttl`` seconds (a lost host): taken over.
 
-An object store offers no lock that dies with its process, so a holder on a lost host keeps
-the prefix for up to ``ttl`` (120 s by default).
+Taking over is creating the next generation: of two jobs that both find the holder gone, one
+conditional put wins and the other sees the winner alive. No job deletes the generation it
+takes over, so none can remove a lock another one just took (a delete-then-create takeover can:
+both read the dead holder, one deletes it and creates its own, the other's delete removes that).
+A job whose generation is found below another's after its put backs off; the holder deletes the
+generations below its own. An object store offers no lock that
+dies with its process, so a holder on a lost host keeps the prefix for up to ``ttl`` (120 s by
+default).
 
 Example::
 
@@ -41,7 +50,7 @@ __all__ = ["ObjectLock", "lock_objects", "DEFAULT_TTL", "LOCK_FILE"]
 logger = logging.getLogger("lockstep.checkpoint.core")
 
 DEFAULT_TTL = 120.0
-LOCK_FILE = ".lockstep.lock"   # the name of a folder's lock file too
+LOCK_FILE = ".lockstep.lock"   # the folder of the lock's generations (a local folder's lock file has this name)
 
 
 def _now() -> str:
@@ -49,12 +58,13 @@ def _now() -> str:
 
 
 class ObjectLock:
-    """A checkpoint URL held by this job (rank 0 holds the object; the other ranks an empty lock).
+    """A checkpoint URL held by this job (rank 0 holds a lock generation; the other ranks an empty lock).
 
     Args:
         storage: the checkpoints' storage (``None`` on the other ranks).
         body: what rank 0 wrote (``token`` identifies this holder).
         ttl: seconds without renewal after which another job may take the lock over.
+        name: the lock generation's object (``.lockstep.lock/00000003``).
 
     Example::
 
@@ -63,8 +73,8 @@ class ObjectLock:
     """
 
     def __init__(self, storage: Storage | None = None, body: dict[str, Any] | None = None,
-                 ttl: float = DEFAULT_TTL) -> None:
-        self.storage, self.body, self.ttl = storage, body, ttl
+                 ttl: float = DEFAULT_TTL, name: str = "") -> None:
+        self.storage, self.body, self.ttl, self.name = storage, body, ttl, name
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if storage is not None and body is not None:
@@ -73,7 +83,7 @@ class ObjectLock:
 
     @property
     def held(self) -> bool:
-        """True while this process holds the lock object (rank 0 only)."""
+        """True while this process holds the lock (rank 0 only)."""
         return self.body is not None
 
     def _renew(self) -> None:
@@ -82,24 +92,24 @@ class ObjectLock:
             if storage is None or body is None:
                 return
             try:
-                if _read(storage).get("token") != body["token"]:
+                if _newest(storage)[0] != self.name:
                     logger.error("lockstep: the lock %s was taken over by another job", storage.where(LOCK_FILE))
                     return
-                storage.put(LOCK_FILE, json.dumps({**body, "renewed": time.time()}).encode())
+                storage.put(self.name, json.dumps({**body, "renewed": time.time()}).encode())
             except (CheckpointError, OSError) as exc:
-                logger.warning("could not renew the lock %s: %s", storage.where(LOCK_FILE), exc)
+                logger.warning("could not renew the lock %s: %s", storage.where(self.name), exc)
 
     def release(self) -> None:
-        """Delete the lock object if it is still this job's (safe to call twice)."""
+        """Mark this job's generation released if it is still the holder (safe to call twice)."""
         storage, body, self.body = self.storage, self.body, None
         self._stop.set()
         if storage is None or body is None:
             return
         try:
-            if _read(storage).get("token") == body["token"]:
-                storage.delete([LOCK_FILE])
+            if _newest(storage)[0] == self.name:
+                storage.put(self.name, json.dumps({**body, "released": True}).encode())
         except (CheckpointError, OSError) as exc:
-            logger.warning("could not remove the lock %s: %s", storage.where(LOCK_FILE), exc)
+            logger.warning("could not release the lock %s: %s", storage.where(self.name), exc)
 
     def __enter__(self) -> ObjectLock:
         return self
@@ -108,19 +118,35 @@ class ObjectLock:
         self.release()
 
 
-def _read(storage: Storage) -> dict[str, Any]:
-    """The lock object's body ({} if missing or unreadable)."""
+def _generation(number: int) -> str:
+    return f"{LOCK_FILE}/{number:08d}"
+
+
+def _generations(storage: Storage) -> list[str]:
+    """The lock generations' objects, oldest first."""
+    names = [n for n in storage.list(LOCK_FILE + "/") if n.rsplit("/", 1)[-1].isdigit()]
+    return sorted(names, key=lambda n: int(n.rsplit("/", 1)[-1]))
+
+
+def _newest(storage: Storage) -> tuple[str, int, dict[str, Any]]:
+    """The highest lock generation: its object, number and body (``("", 0, {})`` when there is none)."""
+    names = _generations(storage)
+    if not names:
+        return "", 0, {}
+    name = names[-1]
     try:
-        body = json.loads(storage.get(LOCK_FILE))
+        body = json.loads(storage.get(name))
     except FileNotFoundError:
-        return {}
+        body = {}
     except ValueError:
-        return {"holder": "unreadable"}
-    return body if isinstance(body, dict) else {}
+        body = {"holder": "unreadable"}
+    return name, int(name.rsplit("/", 1)[-1]), body if isinstance(body, dict) else {}
 
 
 def _gone(body: dict[str, Any], ttl: float) -> bool:
-    """True when the holder is known dead (same host, pid not running) or stopped renewing."""
+    """True when the holder released the lock, is known dead (same host, pid not running) or stopped renewing."""
+    if body.get("released") is True:
+        return True
     if body.get("host") == socket.gethostname() and isinstance(body.get("pid"), int):
         if body["pid"] == os.getpid():
             return False
@@ -143,21 +169,34 @@ def _describe(body: dict[str, Any]) -> str:
 
 
 def _acquire(storage: Storage, ttl: float) -> ObjectLock:
-    """Rank 0: create the lock object, or take over a dead holder's; refuse a live one's."""
+    """Rank 0: create the next lock generation, unless the holder of the newest one is alive."""
     body = {"host": socket.gethostname(), "pid": os.getpid(), "since": _now(), "renewed": time.time(),
             "token": secrets.token_hex(8)}
     data = json.dumps(body).encode()
-    for _ in range(3):
-        if storage.put_new(LOCK_FILE, data):
-            return ObjectLock(storage, body, ttl)
-        holder = _read(storage)
-        if holder and not _gone(holder, ttl):
+    for _ in range(5):
+        name, number, holder = _newest(storage)
+        if name and not _gone(holder, ttl):
             raise FolderInUseError(f"checkpoint prefix {storage.url} is in use by another job ({_describe(holder)}); "
                                    "wait for it to end, or give this job another prefix")
-        logger.info("taking over %s: its holder (%s) is gone", storage.where(LOCK_FILE), _describe(holder))
-        if _read(storage).get("token") == holder.get("token"):  # not renewed meanwhile
-            storage.delete([LOCK_FILE])
+        if name and not holder.get("released"):
+            logger.info("taking over %s: its holder (%s) is gone", storage.where(LOCK_FILE), _describe(holder))
+        mine = _generation(number + 1)
+        if storage.put_new(mine, data):
+            names = _generations(storage)
+            if names[-1] == mine:
+                # the older generations are done with: a job that still creates one of them sees ours above it
+                _forget(storage, names[:-1])
+                return ObjectLock(storage, body, ttl, mine)
+            # a job that read an older generation created one above ours meanwhile: it holds the lock
+            storage.put(mine, json.dumps({**body, "released": True}).encode())
     raise CheckpointError(f"cannot lock checkpoint prefix {storage.url}: {storage.where(LOCK_FILE)} keeps changing")
+
+
+def _forget(storage: Storage, names: list[str]) -> None:
+    try:
+        storage.delete(names)
+    except (CheckpointError, OSError) as exc:  # left behind: harmless, the newest generation decides
+        logger.warning("could not delete old lock generations in %s: %s", storage.where(LOCK_FILE), exc)
 
 
 def lock_objects(url: str, comm: Comm, ttl: float | None = None, storage: Storage | None = None) -> ObjectLock:

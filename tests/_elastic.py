@@ -26,9 +26,9 @@ def ledger_checker() -> ModuleType:
 
 def free_port() -> int:
     """A port nothing listens on now (for ``--master``, which must be given under ``--nodes``)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    from lockstep.launch.rendezvous import free_port as free_now
+
+    return free_now("127.0.0.1")  # below the ephemeral range: no connection takes it before the job binds it
 
 
 def node_env() -> dict[str, str]:

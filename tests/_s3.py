@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -43,15 +42,13 @@ def _die_with_parent() -> None:
 
 
 def _free_ports(count: int) -> list[int]:
-    """Ports free now (bound together so they differ), released for weed to take."""
-    socks = []
-    for _ in range(count):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
+    """Distinct ports free now, below the ephemeral range (no connection takes one before weed binds it)."""
+    from lockstep.launch.rendezvous import free_port
+
+    ports: list[int] = []
+    while len(ports) < count:
+        if (port := free_port("127.0.0.1")) not in ports:
+            ports.append(port)
     return ports
 
 

@@ -94,11 +94,9 @@ def _launch(tmp_path: Path, envs: list[dict[str, str]], args: list[str]) -> list
 
 
 def _free_port() -> int:
-    import socket
+    from lockstep.launch.rendezvous import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port("127.0.0.1")  # below the ephemeral range: no connection takes it before rank 0 binds it
 
 
 @pytest.mark.slow
@@ -174,11 +172,7 @@ def test_store_that_never_listens_is_named() -> None:
 @pytest.mark.slow
 def test_rank_that_starts_before_the_store_joins_when_it_listens(tmp_path: Path) -> None:
     """Rank 1 starts first and waits for rank 0's store (probing it, not torch's backoff)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     code = textwrap.dedent(f"""
         import sys
         from lockstep.comm.group import init_comm

@@ -54,9 +54,9 @@ def _run(args: list[str], timeout: float = 60, cwd: Path | None = None) -> subpr
 
 
 def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    from lockstep.launch.rendezvous import free_port
+
+    return free_port("127.0.0.1")  # below the ephemeral range: no connection takes it before the job binds it
 
 
 @pytest.fixture
@@ -358,3 +358,17 @@ def test_an_error_file_is_whole_or_absent(tmp_path: Path, monkeypatch: pytest.Mo
     failure.record_failure(ValueError("bad"), 1, str(path))
     read = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(path))
     assert read.message["message"] == "ValueError: bad" and json.loads(path.read_text())["lockstep"]["exit_code"] == 1
+
+
+def test_a_free_port_is_chosen_below_the_ephemeral_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    # rank 0 binds it seconds later: a port of the ephemeral range may meanwhile be the local end of any
+    # connection on the machine (it happened: "rank 0 cannot listen on 127.0.0.1:46597")
+    from lockstep.launch import rendezvous
+
+    low = rendezvous._ephemeral_low()
+    ports = [rendezvous.free_port("127.0.0.1") for _ in range(20)]
+    assert all(max(10000, low - 10000) <= p < low for p in ports) and len(set(ports)) > 1
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", ports[0]))  # free indeed
+    monkeypatch.setattr(rendezvous, "_ephemeral_low", lambda: 10500)  # no room below: the kernel picks
+    assert rendezvous.free_port("127.0.0.1") >= low  # the kernel's own choice: from its (real) range

@@ -17,10 +17,11 @@ Example::
 
 from __future__ import annotations
 
+import random
 import socket
 from typing import Any
 
-__all__ = ["BACKEND", "LocalRendezvous", "register", "free_loopback_port"]
+__all__ = ["BACKEND", "LocalRendezvous", "register", "free_loopback_port", "free_port"]
 
 BACKEND = "lockstep-local"
 
@@ -32,9 +33,50 @@ def free_loopback_port() -> int:
 
         port = free_loopback_port()
     """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+    return free_port("127.0.0.1")
+
+
+def free_port(host: str) -> int:
+    """A port free on ``host`` now, below the kernel's ephemeral range where it can.
+
+    Rank 0 binds it seconds later, once its interpreter has started. A port of the ephemeral range
+    (``bind(0)``'s answer) can meanwhile become the local end of any outgoing connection on the
+    machine (another job's gloo pairs, a store client) and rank 0's bind then fails; the kernel never
+    hands out a port below that range by itself, so only another explicit bind can take one of those.
+
+    Args:
+        host: the address to bind (``127.0.0.1``, or a node's address).
+
+    Example::
+
+        port = free_port("127.0.0.1")
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    low = _ephemeral_low()
+    chooser = random.SystemRandom()
+    for _ in range(64 if low - _LOWEST >= 1000 else 0):  # no room below the range: the kernel picks
+        port = chooser.randrange(max(_LOWEST, low - 10000), low)
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue  # taken: another
+            return port
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+_LOWEST = 10000  # well above the ports services register (1024-9999 holds many)
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux ``ip_local_port_range``; 32768 elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _handler_class() -> type:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import pickle
 import queue
-import socket
 import sys
 import time
 import traceback
@@ -29,6 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from lockstep.errors import ConfigError, LockstepError
+from lockstep.launch.rendezvous import free_port
 from lockstep.launch.report import signal_name
 
 __all__ = ["spawn", "SpawnError"]
@@ -54,14 +54,6 @@ class SpawnError(LockstepError):
         super().__init__(message)
         self.rank = rank
         self.worker_traceback = worker_traceback
-
-
-def _free_port(host: str) -> int:
-    # The port is released before rank 0 binds it; the window is a few milliseconds, and the
-    # operating system hands out ephemeral ports in a random order.
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def _worker(env: dict[str, str], payload: bytes, results: Any, stdio: None = None) -> None:
@@ -139,7 +131,7 @@ def _check(fn: Callable[..., Any], nprocs: int, nodes: int, node_rank: int, mast
         raise ConfigError(f"master {master!r} must look like HOST:PORT") from None
     if port == 0 and nodes > 1:
         raise ConfigError("spawn with nodes > 1 needs master='HOST:PORT' with a real port, the same on every node")
-    return host, (port or _free_port(host))
+    return host, (port or free_port(host))
 
 
 def spawn(

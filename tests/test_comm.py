@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from _dist import run_distributed
+from _elastic import free_port as _free_port
 from lockstep.comm.group import Comm, CommError, init_comm
 from lockstep.env import World
 
@@ -91,12 +92,6 @@ def _launch(tmp_path: Path, envs: list[dict[str, str]], args: list[str]) -> list
         out, _ = p.communicate(timeout=60)
         outs.append(subprocess.CompletedProcess(p.args, p.returncode, out, ""))
     return outs
-
-
-def _free_port() -> int:
-    from lockstep.launch.rendezvous import free_port
-
-    return free_port("127.0.0.1")  # below the ephemeral range: no connection takes it before rank 0 binds it
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from _elastic import free_port as _free_port
 from lockstep.cli.run import add_arguments
 from lockstep.errors import ConfigError
 from lockstep.launch.elastic import LaunchSpec, exposure_warning, parse_master, resolve_nproc, slurm_defaults
@@ -51,12 +52,6 @@ def _run(args: list[str], timeout: float = 60, cwd: Path | None = None) -> subpr
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "lockstep", "run", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=cwd or ROOT)
-
-
-def _free_port() -> int:
-    from lockstep.launch.rendezvous import free_port
-
-    return free_port("127.0.0.1")  # below the ephemeral range: no connection takes it before the job binds it
 
 
 @pytest.fixture

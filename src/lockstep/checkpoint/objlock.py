@@ -1,8 +1,7 @@
 """One live job per checkpoint URL, without a shared disk: lock objects put only if absent.
 
 The lock is a series of objects ``<url>/.lockstep.lock/<generation>`` (``00000001``, ...), each created by
-a conditional put (``If-None-Match: *``) and never deleted while the prefix is in use; the highest
-generation is the holder. Its body names the holder (host, pid, since) and a random token. While the
+a conditional put (``If-None-Match: *``); the highest generation is the holder. Its body names the holder (host, pid, since) and a random token. While the
 job lives, a thread renews it (rewrites ``renewed``) every ``ttl / 4`` seconds; at the end the job
 marks it released. A second job reads the highest generation and is refused with one line naming
 the holder, unless the holder is gone:
@@ -17,9 +16,8 @@ conditional put wins and the other sees the winner alive. No job deletes the gen
 takes over, so none can remove a lock another one just took (a delete-then-create takeover can:
 both read the dead holder, one deletes it and creates its own, the other's delete removes that).
 A job whose generation is found below another's after its put backs off; the holder deletes the
-generations below its own. An object store offers no lock that
-dies with its process, so a holder on a lost host keeps the prefix for up to ``ttl`` (120 s by
-default).
+generations below its own. An object store offers no lock that dies with its process, so a holder
+on a lost host keeps the prefix for up to ``ttl`` (120 s by default).
 
 Example::
 

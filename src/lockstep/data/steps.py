@@ -109,6 +109,7 @@ def plan_batches(global_batch: int, world_size: int, micro_cap: int) -> BatchPla
 _ONE = Fraction(1)
 """The weight of every share when a step splits evenly (most steps): made once."""
 
+
 @dataclass(frozen=True)
 class MicroStep:
     """One micro-step of the whole job: positions ``start:stop`` of the epoch's order.

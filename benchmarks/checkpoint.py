@@ -31,10 +31,10 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import uuid
 import statistics
 import tempfile
 import time
+import uuid
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -51,8 +51,9 @@ WAYS = ("blocking", "async", "rank0")
 def _save(session: lockstep.Session, folder: str, way: str, model: nn.Module, opt: Any) -> None:
     if way == "rank0":
         full, _ = session.strategy.checkpoint_state(model, opt)
-        save_checkpoint(folder, {"step": session.global_step, **(full or {})}, session.comm,
-                        step=session.global_step, keep=1)
+        save_checkpoint(
+            folder, {"step": session.global_step, **(full or {})}, session.comm, step=session.global_step, keep=1
+        )
     else:
         session.save(folder, model=model, optimizer=opt, keep=1, blocking=way == "blocking")
 
@@ -91,8 +92,9 @@ def main() -> None:
     layers = max(1, round(args.mb * 2**20 / 4 / (width * width + width)))
     torch.manual_seed(0)
     session = lockstep.Session(quiet=True, preemption="off")
-    model, opt = session.setup(nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]),
-                               lambda p: torch.optim.Adam(p, lr=1e-4))
+    model, opt = session.setup(
+        nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]), lambda p: torch.optim.Adam(p, lr=1e-4)
+    )
     session.backward(model(torch.randn(2, width)).pow(2).mean())
     session.step(opt)
     blocked: dict[str, list[float]] = {way: [] for way in WAYS}
@@ -122,14 +124,17 @@ def main() -> None:
     if not session.is_main:
         return
     block = statistics.median(blocked["blocking"])
-    print(f"{size:.0f} MB of weights, Adam (checkpoint ~{3 * size:.0f} MB), {session.world_size} rank(s), "
-          f"{args.saves} saves each way" + (f", to {args.url}" if args.url else ""))
+    print(
+        f"{size:.0f} MB of weights, Adam (checkpoint ~{3 * size:.0f} MB), {session.world_size} rank(s), "
+        f"{args.saves} saves each way" + (f", to {args.url}" if args.url else "")
+    )
     for way, label in (("blocking", "blocking save"), ("async", "async save"), ("rank0", "rank 0 alone")):
         runs = ", ".join(f"{t:.2f}" for t in blocked[way])
         extra = f", committed after {statistics.median(committed):.2f} s" if way == "async" else ""
         print(f"  {label + ':':15s}loop blocked {statistics.median(blocked[way]):.2f} s (runs {runs}){extra}")
     print(f"  MB written by a blocking save: {', '.join(f'{k} {v:.1f}' for k, v in parts.items())}")
     print(f"  blocked time async / blocking: {statistics.median(blocked['async']) / block:.2f} (target <= 0.20)")
+
 
 if __name__ == "__main__":
     main()

@@ -107,12 +107,16 @@ def single_gpu_rows(args: argparse.Namespace, device: torch.device) -> dict[str,
     import lockstep
 
     session = lockstep.Session(strategy="single", precision="bf16-mixed", quiet=True)
-    steps = {"hand-written": hand_written(args, device), "lockstep single": with_session(session, args, args.batch_size)}
+    steps = {
+        "hand-written": hand_written(args, device),
+        "lockstep single": with_session(session, args, args.batch_size),
+    }
     steps["lockstep single, nonfinite=ignore"] = steps["lockstep single"]
     sessions = {"lockstep single": session, "lockstep single, nonfinite=ignore": session}
     if args.compile:
-        compiled = lockstep.Session(strategy="single", precision="bf16-mixed", quiet=True,
-                                    compile={"backend": args.compile})
+        compiled = lockstep.Session(
+            strategy="single", precision="bf16-mixed", quiet=True, compile={"backend": args.compile}
+        )
         steps["lockstep single, compiled"] = with_session(compiled, args, args.batch_size)
         sessions["lockstep single, compiled"] = compiled
     rates: dict[str, list[float]] = {name: [] for name in steps}
@@ -137,8 +141,12 @@ def dp_row(args: argparse.Namespace, gpus: int) -> float:
 
 
 VARIANTS: dict[str, dict[str, Any]] = {
-    "plain": {}, "bf16": {"grad_compression": "bf16"}, "fp16": {"grad_compression": "fp16"},
-    "powersgd": {"grad_compression": "powersgd"}, "compile": {"compile": True}, "zero": {"shard_optimizer": True},
+    "plain": {},
+    "bf16": {"grad_compression": "bf16"},
+    "fp16": {"grad_compression": "fp16"},
+    "powersgd": {"grad_compression": "powersgd"},
+    "compile": {"compile": True},
+    "zero": {"shard_optimizer": True},
 }
 
 
@@ -168,10 +176,17 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=50, help="timed steps per window (default 50)")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps before each window (default 10)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the single-GPU rows")
-    parser.add_argument("--compile", metavar="BACKEND", default=None,
-                        help="add a compiled single-GPU row with this torch.compile backend (e.g. inductor)")
-    parser.add_argument("--ddp-variants", default="",
-                        help="more ddp rows with >1 GPU, comma-separated: bf16, fp16, powersgd, compile, zero")
+    parser.add_argument(
+        "--compile",
+        metavar="BACKEND",
+        default=None,
+        help="add a compiled single-GPU row with this torch.compile backend (e.g. inductor)",
+    )
+    parser.add_argument(
+        "--ddp-variants",
+        default="",
+        help="more ddp rows with >1 GPU, comma-separated: bf16, fp16, powersgd, compile, zero",
+    )
     parser.add_argument("--allow-cpu", action="store_true", help="run on the CPU (checks the script only)")
     args = parser.parse_args()
     variants = [v.strip() for v in args.ddp_variants.split(",") if v.strip()]
@@ -179,14 +194,19 @@ def main() -> int:
     if unknown:
         parser.error(f"--ddp-variants: unknown {', '.join(unknown)}; choose from bf16, fp16, powersgd, compile, zero")
     if not torch.cuda.is_available() and not args.allow_cpu:
-        print("gpu_resnet50.py needs a CUDA GPU and none is visible (torch.cuda.is_available() is False); "
-              "run it on a machine with GPUs", file=sys.stderr)
+        print(
+            "gpu_resnet50.py needs a CUDA GPU and none is visible (torch.cuda.is_available() is False); "
+            "run it on a machine with GPUs",
+            file=sys.stderr,
+        )
         return 2
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     gpus = torch.cuda.device_count() if device.type == "cuda" else 0
     name = torch.cuda.get_device_name(0) if gpus else "cpu"
-    print(f"ResNet-50, bf16 autocast, channels_last, batch {args.batch_size} per GPU, {args.image_size}px, "
-          f"{args.steps} steps after {args.warmup} warm-up; {gpus} x {name}; torch {torch.__version__}")
+    print(
+        f"ResNet-50, bf16 autocast, channels_last, batch {args.batch_size} per GPU, {args.image_size}px, "
+        f"{args.steps} steps after {args.warmup} warm-up; {gpus} x {name}; torch {torch.__version__}"
+    )
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # the same for every row
     rows = single_gpu_rows(args, device)

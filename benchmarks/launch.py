@@ -86,18 +86,20 @@ def run_once(launcher: str, script: Path, baseline_src: str | None = None) -> di
     return times
 
 
-def measure(runs: int, folder: Path, first_step: bool = True,
-            baseline_src: str | None = None) -> dict[str, dict[str, list[float]]]:
+def measure(
+    runs: int, folder: Path, first_step: bool = True, baseline_src: str | None = None
+) -> dict[str, dict[str, list[float]]]:
     """Rotate the launchers ``runs`` times over the no-op (and the first-step) script."""
     noop, first = folder / "noop.py", folder / "first_step.py"
     noop.write_text(NOOP)
     first.write_text(FIRST_STEP)
     launchers = ["lockstep", "torchrun"] + ([BASELINE] if baseline_src else [])
     results: dict[str, dict[str, list[float]]] = {
-        name: {"noop_wall": [], "started": [], "first_step": [], "first_wall": []} for name in launchers}
+        name: {"noop_wall": [], "started": [], "first_step": [], "first_wall": []} for name in launchers
+    }
     for i in range(runs):
         # each launcher goes first as often as the others: a load burst falls on all alike
-        order = launchers[i % len(launchers):] + launchers[:i % len(launchers)]
+        order = launchers[i % len(launchers) :] + launchers[: i % len(launchers)]
         for launcher in order:
             results[launcher]["noop_wall"].append(run_once(launcher, noop, baseline_src)["wall"])
             if not first_step:
@@ -113,8 +115,12 @@ def measure(runs: int, folder: Path, first_step: bool = True,
 
 def report(results: dict[str, dict[str, list[float]]]) -> str:
     """Median seconds per launcher and measurement, each launcher's ratio to torchrun, the ranges."""
-    labels = {"noop_wall": "no-op job, wall", "started": "launch -> script starts", "first_step": "launch -> first step",
-              "first_wall": "first-step job, wall"}
+    labels = {
+        "noop_wall": "no-op job, wall",
+        "started": "launch -> script starts",
+        "first_step": "launch -> first step",
+        "first_wall": "first-step job, wall",
+    }
     names = list(results)
     lines = [f"{'':24s}" + "".join(f"{n:>22s}" for n in names) + "   ratio to torchrun"]
     for key, label in labels.items():
@@ -123,8 +129,9 @@ def report(results: dict[str, dict[str, list[float]]]) -> str:
         medians = {n: statistics.median(results[n][key]) for n in names}
         ratios = " / ".join(f"{medians[n] / medians['torchrun']:.2f}" for n in names if n != "torchrun")
         lines.append(f"{label:24s}" + "".join(f"{medians[n]:20.2f} s" for n in names) + f"   {ratios}")
-        lines.append(f"{'  range':24s}" + "".join(
-            f"{min(results[n][key]):>13.2f}-{max(results[n][key]):.2f} s" for n in names))
+        lines.append(
+            f"{'  range':24s}" + "".join(f"{min(results[n][key]):>13.2f}-{max(results[n][key]):.2f} s" for n in names)
+        )
     return "\n".join(lines)
 
 
@@ -133,8 +140,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=7, help="launches per launcher and script (default 7)")
     parser.add_argument("--no-first-step", action="store_true", help="time the no-op job only")
-    parser.add_argument("--baseline-src", metavar="DIR", default=None,
-                        help="also time lockstep run from this source folder (another checkout's src), interleaved")
+    parser.add_argument(
+        "--baseline-src",
+        metavar="DIR",
+        default=None,
+        help="also time lockstep run from this source folder (another checkout's src), interleaved",
+    )
     args = parser.parse_args()
     print(f"python {sys.version.split()[0]}, load average {os.getloadavg()}", flush=True)
     baseline = str(Path(args.baseline_src).resolve()) if args.baseline_src else None

@@ -85,8 +85,14 @@ def raw_arm(workload: str, data: Dataset[Any], rank: int, world_size: int) -> Ca
     criterion = nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(model.parameters(), 1e-4)
     sampler: Any = torch.utils.data.distributed.DistributedSampler(data, num_replicas=world_size, rank=rank)
-    loader = DataLoader(dataset=data, batch_size=WORKLOADS[workload]["batch"], shuffle=False, num_workers=0,
-                        pin_memory=torch.cuda.is_available(), sampler=sampler)
+    loader = DataLoader(
+        dataset=data,
+        batch_size=WORKLOADS[workload]["batch"],
+        shuffle=False,
+        num_workers=0,
+        pin_memory=torch.cuda.is_available(),
+        sampler=sampler,
+    )
 
     def batches() -> Iterator[Any]:
         epoch = 0
@@ -151,16 +157,18 @@ def rank_main(workload: str, rounds: int, seconds: float, profile: bool, timings
     torch.set_num_threads(1)
     session = lockstep.Session(strategy="ddp", precision="fp32", seed=0, quiet=True, timings_every=timings_every)
     data = build_data(workload)
-    steps_of = {"raw": raw_arm(workload, data, session.rank, session.world_size),
-                "raw-again": raw_arm(workload, data, session.rank, session.world_size),
-                "lockstep": lockstep_arm(workload, data, session)}
+    steps_of = {
+        "raw": raw_arm(workload, data, session.rank, session.world_size),
+        "raw-again": raw_arm(workload, data, session.rank, session.world_size),
+        "lockstep": lockstep_arm(workload, data, session),
+    }
     steps_of["lockstep-ignore"] = steps_of["lockstep"]  # the same loop, the check switched off
     for arm in ARMS:
         _window(steps_of[arm], 10)  # warm-up
     steps = _calibrate(steps_of["raw"], seconds)
     rates: dict[str, list[float]] = {arm: [] for arm in ARMS}
     for r in range(rounds):
-        for arm in ARMS[r % len(ARMS):] + ARMS[:r % len(ARMS)]:  # rotate: no arm always runs first
+        for arm in ARMS[r % len(ARMS) :] + ARMS[: r % len(ARMS)]:  # rotate: no arm always runs first
             session.nonfinite = "ignore" if arm == "lockstep-ignore" else "skip"
             rates[arm].append(_window(steps_of[arm], steps))
     session.nonfinite = "skip"
@@ -221,8 +229,10 @@ def summarize(workload: str, report: dict[str, Any], target: float) -> str:
     and of the best windows are printed beside it, and the A/A control's distance from 1.0.
     """
     rates = report["rates"]
-    lines = [f"{workload}: {len(rates['raw'])} interleaved rounds of {report['steps']} steps at world 2 (gloo)",
-             f"  {'':16s} {'median steps/s':>15s} {'best steps/s':>13s}"]
+    lines = [
+        f"{workload}: {len(rates['raw'])} interleaved rounds of {report['steps']} steps at world 2 (gloo)",
+        f"  {'':16s} {'median steps/s':>15s} {'best steps/s':>13s}",
+    ]
     for arm in ARMS:
         lines.append(f"  {arm:16s} {statistics.median(rates[arm]):15.1f} {max(rates[arm]):13.1f}")
     for arm in ARMS[1:]:
@@ -231,14 +241,18 @@ def summarize(workload: str, report: dict[str, Any], target: float) -> str:
         low, high = median_interval(ratios)
         of_medians = statistics.median(rates[arm]) / statistics.median(rates["raw"])
         of_best = max(rates[arm]) / max(rates["raw"])
-        text = (f"  {arm}/raw = {paired:.3f} (median of paired rounds, 95% interval {low:.3f}-{high:.3f}); "
-                f"ratio of medians {of_medians:.3f}, of best windows {of_best:.3f}")
+        text = (
+            f"  {arm}/raw = {paired:.3f} (median of paired rounds, 95% interval {low:.3f}-{high:.3f}); "
+            f"ratio of medians {of_medians:.3f}, of best windows {of_best:.3f}"
+        )
         if arm == "lockstep":
             text += f"; target >= {target} -> {'meets' if paired >= target else 'below'}"
         lines.append(text)
     control = statistics.median(a / b for a, b in zip(rates["raw-again"], rates["raw"]))
-    lines.append(f"  A/A control: two copies of the raw loop differ by {abs(1 - control):.1%} in this run; "
-                 "smaller differences are this machine's noise")
+    lines.append(
+        f"  A/A control: two copies of the raw loop differ by {abs(1 - control):.1%} in this run; "
+        "smaller differences are this machine's noise"
+    )
     return "\n".join(lines)
 
 
@@ -249,13 +263,19 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=21, help="interleaved rounds per arm (default 21)")
     parser.add_argument("--seconds", type=float, default=0.5, help="length of one timed window (default 0.5)")
     parser.add_argument("--profile", action="store_true", help="cProfile one window per arm on rank 0")
-    parser.add_argument("--timings-every", type=int, default=5,
-                        help="the Session's timings_every (default 5, its own default; 0: step timings off)")
+    parser.add_argument(
+        "--timings-every",
+        type=int,
+        default=5,
+        help="the Session's timings_every (default 5, its own default; 0: step timings off)",
+    )
     args = parser.parse_args()
     targets = {"convnet": 0.99, "tiny": 0.97}
     names = list(WORKLOADS) if args.workload == "all" else [args.workload]
-    print(f"torch {torch.__version__}, lockstep {lockstep.__version__}, timings_every {args.timings_every}, "
-          f"load average {os.getloadavg()}")
+    print(
+        f"torch {torch.__version__}, lockstep {lockstep.__version__}, timings_every {args.timings_every}, "
+        f"load average {os.getloadavg()}"
+    )
     for name in names:
         report = run_workload(name, args.rounds, args.seconds, args.profile, args.timings_every)
         print(summarize(name, report, targets[name]), flush=True)

@@ -35,8 +35,15 @@ def _rank(shard: bool, mb: float) -> dict[str, Any]:
     session.backward(model(torch.randn(4, width)).pow(2).mean())
     session.step(opt)
     local = opt.optim.state if hasattr(opt, "optim") else opt.state  # this rank's own part
-    state_mb = sum(v.numel() * v.element_size() for entry in local.values() for v in entry.values()
-                   if isinstance(v, torch.Tensor)) / 2**20
+    state_mb = (
+        sum(
+            v.numel() * v.element_size()
+            for entry in local.values()
+            for v in entry.values()
+            if isinstance(v, torch.Tensor)
+        )
+        / 2**20
+    )
     weights_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     session.close()
@@ -55,11 +62,15 @@ def main() -> None:
     print(f"world {args.nproc}, Adam, {results[False][0]['weights_mb']:.0f} MB of weights per rank")
     for shard, label in ((False, "ddp"), (True, "ddp shard_optimizer")):
         for rank, r in enumerate(results[shard]):
-            print(f"  {label:20s} rank {rank}: optimizer state {r['state_mb']:7.1f} MB, peak RSS {r['peak_mb']:7.0f} MB")
+            print(
+                f"  {label:20s} rank {rank}: optimizer state {r['state_mb']:7.1f} MB, peak RSS {r['peak_mb']:7.0f} MB"
+            )
     plain = max(r["state_mb"] for r in results[False])
     sharded = max(r["state_mb"] for r in results[True])
-    print(f"largest optimizer state per rank: sharded / plain = {sharded / plain:.2f} "
-          f"(1/{args.nproc} = {1 / args.nproc:.2f} is the ideal)")
+    print(
+        f"largest optimizer state per rank: sharded / plain = {sharded / plain:.2f} "
+        f"(1/{args.nproc} = {1 / args.nproc:.2f} is the ideal)"
+    )
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ def _literal_blocks(lines: list[str]) -> list[str]:
         end = i + 1
         while end < len(lines) and (not lines[end].strip() or _indent(lines[end]) > base):
             end += 1
-        body = lines[i + 1:end]
+        body = lines[i + 1 : end]
         while body and not body[0].strip():
             body.pop(0)
         while body and not body[-1].strip():

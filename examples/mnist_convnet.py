@@ -28,11 +28,17 @@ class ConvNet(nn.Module):
     def __init__(self, num_classes: int = 10, image_size: int = 28) -> None:
         super().__init__()
         self.layer1 = nn.Sequential(
-            nn.Conv2d(1, 16, kernel_size=5, stride=1, padding=2), nn.BatchNorm2d(16), nn.ReLU(),
-            nn.MaxPool2d(kernel_size=2, stride=2))
+            nn.Conv2d(1, 16, kernel_size=5, stride=1, padding=2),
+            nn.BatchNorm2d(16),
+            nn.ReLU(),
+            nn.MaxPool2d(kernel_size=2, stride=2),
+        )
         self.layer2 = nn.Sequential(
-            nn.Conv2d(16, 32, kernel_size=5, stride=1, padding=2), nn.BatchNorm2d(32), nn.ReLU(),
-            nn.MaxPool2d(kernel_size=2, stride=2))
+            nn.Conv2d(16, 32, kernel_size=5, stride=1, padding=2),
+            nn.BatchNorm2d(32),
+            nn.ReLU(),
+            nn.MaxPool2d(kernel_size=2, stride=2),
+        )
         side = image_size // 4
         self.fc = nn.Linear(side * side * 32, num_classes)
 
@@ -51,8 +57,7 @@ def digits(size: int = 28) -> tuple[torch.utils.data.TensorDataset, torch.utils.
     y = torch.tensor(data.target, dtype=torch.long)
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
     test, train = order[:297], order[297:]
-    return (torch.utils.data.TensorDataset(x[train], y[train]),
-            torch.utils.data.TensorDataset(x[test], y[test]))
+    return (torch.utils.data.TensorDataset(x[train], y[train]), torch.utils.data.TensorDataset(x[test], y[test]))
 
 
 def main() -> None:
@@ -82,8 +87,10 @@ def main() -> None:
             session.backward(loss)
             session.step(optimizer)
         result = lockstep.metrics.evaluate(model, test, session)
-        session.print(f"Epoch [{epoch + 1}/{args.epochs}] loss {result['loss']:.4f} "
-                      f"test accuracy {result['accuracy']:.4f} over {result['count']} samples")
+        session.print(
+            f"Epoch [{epoch + 1}/{args.epochs}] loss {result['loss']:.4f} "
+            f"test accuracy {result['accuracy']:.4f} over {result['count']} samples"
+        )
         if args.checkpoints:
             session.save(args.checkpoints, model=model, optimizer=optimizer, keep=2)
     session.print(f"Training complete in: {time.perf_counter() - start:.1f} s")

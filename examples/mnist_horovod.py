@@ -74,10 +74,16 @@ def main() -> None:
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     train_sampler = torch.utils.data.distributed.DistributedSampler(
-        train_set, num_replicas=hvd.size(), rank=hvd.rank(), shuffle=True, seed=0)
-    train_loader = torch.utils.data.DataLoader(train_set, batch_size=args.batch_size, shuffle=False,
-                                               num_workers=0, pin_memory=device.type == "cuda",
-                                               sampler=train_sampler)
+        train_set, num_replicas=hvd.size(), rank=hvd.rank(), shuffle=True, seed=0
+    )
+    train_loader = torch.utils.data.DataLoader(
+        train_set,
+        batch_size=args.batch_size,
+        shuffle=False,
+        num_workers=0,
+        pin_memory=device.type == "cuda",
+        sampler=train_sampler,
+    )
     start = time.perf_counter()
     for epoch in range(args.epochs):
         train_sampler.set_epoch(epoch)
@@ -90,8 +96,11 @@ def main() -> None:
             optimizer.step()
         test_loss, accuracy, count = evaluate(model, test_set, device)
         if hvd.rank() == 0:
-            print(f"Epoch [{epoch + 1}/{args.epochs}] loss {test_loss:.4f} test accuracy {accuracy:.4f} "
-                  f"over {count} samples", flush=True)
+            print(
+                f"Epoch [{epoch + 1}/{args.epochs}] loss {test_loss:.4f} test accuracy {accuracy:.4f} "
+                f"over {count} samples",
+                flush=True,
+            )
     if hvd.rank() == 0:
         print(f"Training complete in: {time.perf_counter() - start:.1f} s", flush=True)
 

@@ -50,8 +50,13 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             session.backward(torch.nn.functional.mse_loss(model(inputs), targets))
             session.step(optimizer)
         result = lockstep.metrics.evaluate(model, test, session, loss_fn=torch.nn.functional.mse_loss)
-        metrics = {"epoch": epoch, "step": session.global_step, "mse": result["loss"],
-                   "world_size": session.world_size, "resumed_step": state.step}
+        metrics = {
+            "epoch": epoch,
+            "step": session.global_step,
+            "mse": result["loss"],
+            "world_size": session.world_size,
+            "resumed_step": state.step,
+        }
         lockstep_ray.report(session, metrics, folder=config["folder"], model=model, optimizer=optimizer, keep=2)
     session.close()
 
@@ -101,12 +106,18 @@ def main() -> None:
         ray.init(num_cpus=max(2, args.workers), include_dashboard=False)  # a local cluster
     try:
         first = fit(args, args.first_epochs, attempt=1)
-        print(f"ray_train: first fit ended at epoch {first.metrics['epoch']} step {first.metrics['step']}, "
-              f"checkpoint {first.checkpoint.path}", flush=True)
+        print(
+            f"ray_train: first fit ended at epoch {first.metrics['epoch']} step {first.metrics['step']}, "
+            f"checkpoint {first.checkpoint.path}",
+            flush=True,
+        )
         second = fit(args, args.epochs, attempt=2)
         m = second.metrics
-        print(f"ray_train: second fit resumed at step {m['resumed_step']} and ended at epoch {m['epoch']} "
-              f"step {m['step']}, world size {m['world_size']}, mse {m['mse']:.6f}", flush=True)
+        print(
+            f"ray_train: second fit resumed at step {m['resumed_step']} and ended at epoch {m['epoch']} "
+            f"step {m['step']}, world size {m['world_size']}, mse {m['mse']:.6f}",
+            flush=True,
+        )
     finally:
         ray.shutdown()
 

@@ -23,7 +23,9 @@ START_METHOD = os.environ.get("LOCKSTEP_TEST_START_METHOD", "forkserver")
 def _rank_body(fn: Callable[..., Any], init: str, args: tuple[Any, ...]) -> Any:
     os.environ.update({"LOCKSTEP_INIT_METHOD": init, "OMP_NUM_THREADS": "1"})
     # a rank's post-mortem report goes next to the rendezvous file, not into the working directory
-    os.environ.setdefault("LOCKSTEP_POSTMORTEM_DIR", os.path.join(os.path.dirname(init[len("file://"):]), "postmortem"))
+    os.environ.setdefault(
+        "LOCKSTEP_POSTMORTEM_DIR", os.path.join(os.path.dirname(init[len("file://") :]), "postmortem")
+    )
     import torch
 
     torch.set_num_threads(1)
@@ -34,8 +36,13 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     """Run ``fn(*args)`` on ``world_size`` processes and return their results by rank."""
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            results = spawn(_rank_body, world_size, args=(fn, f"file://{tmp}/rdzv", args), timeout=timeout,
-                            start_method=START_METHOD)
+            results = spawn(
+                _rank_body,
+                world_size,
+                args=(fn, f"file://{tmp}/rdzv", args),
+                timeout=timeout,
+                start_method=START_METHOD,
+            )
         except SpawnError as exc:
             raise AssertionError(f"distributed test failed:\n{exc}") from None
     return list(results)

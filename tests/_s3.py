@@ -20,8 +20,18 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-_PORTS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc",
-          "s3.port", "s3.port.grpc", "admin.port", "admin.port.grpc")
+_PORTS = (
+    "master.port",
+    "master.port.grpc",
+    "volume.port",
+    "volume.port.grpc",
+    "filer.port",
+    "filer.port.grpc",
+    "s3.port",
+    "s3.port.grpc",
+    "admin.port",
+    "admin.port.grpc",
+)
 BUCKET = "lockstep-tests"
 
 
@@ -70,8 +80,13 @@ class S3Server:
         """A boto3 client of the server (for tests that alter objects behind lockstep's back)."""
         import boto3
 
-        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=self.env["AWS_ACCESS_KEY_ID"],
-                            aws_secret_access_key=self.env["AWS_SECRET_ACCESS_KEY"], region_name="us-east-1")
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=self.env["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=self.env["AWS_SECRET_ACCESS_KEY"],
+            region_name="us-east-1",
+        )
 
     def stop(self) -> None:
         """Stop the server by its pid (SIGTERM, then SIGKILL after 10 s)."""
@@ -103,16 +118,34 @@ def start_s3(folder: Path, timeout: float = 60) -> S3Server:
     data.mkdir(parents=True, exist_ok=True)
     ports = dict(zip(_PORTS, _free_ports(len(_PORTS))))
     creds = {"AWS_ACCESS_KEY_ID": "lockstep", "AWS_SECRET_ACCESS_KEY": "lockstep-secret-key"}
-    args = [weed, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-webdav=false", "-admin.ui=false",
-            "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.volumeSizeLimitMB=64"]
+    args = [
+        weed,
+        "mini",
+        f"-dir={data}",
+        "-ip=127.0.0.1",
+        "-ip.bind=127.0.0.1",
+        "-webdav=false",
+        "-admin.ui=false",
+        "-s3.port.iceberg=0",
+        "-s3.port.lance=0",
+        "-master.volumeSizeLimitMB=64",
+    ]
     args += [f"-{name}={port}" for name, port in ports.items()]
     log = folder / "weed.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env={**os.environ, **creds}, start_new_session=True, preexec_fn=_die_with_parent)
+        proc = subprocess.Popen(
+            args,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **creds},
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
     endpoint = f"http://127.0.0.1:{ports['s3.port']}"
-    server = S3Server(endpoint, proc.pid, log, env={**creds, "AWS_ENDPOINT_URL": endpoint,
-                                                   "AWS_DEFAULT_REGION": "us-east-1"})
+    server = S3Server(
+        endpoint, proc.pid, log, env={**creds, "AWS_ENDPOINT_URL": endpoint, "AWS_DEFAULT_REGION": "us-east-1"}
+    )
     deadline = time.monotonic() + timeout
     last: Exception | None = None
     while time.monotonic() < deadline:

@@ -8,8 +8,18 @@ from collections.abc import Iterator
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-_DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-              "GROUP_RANK", "LOCKSTEP_INIT_METHOD", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID")
+_DIST_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_RANK",
+    "LOCKSTEP_INIT_METHOD",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_RUN_ID",
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

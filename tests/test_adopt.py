@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from _dist import run_distributed
 from lockstep.comm.group import CommError, check_reachable_host
 from lockstep.env import Settings
-
-from _dist import run_distributed
 
 
 def _formed_first(keep_env: bool) -> tuple[int, int, float, bool]:
@@ -51,8 +50,12 @@ def _async_save_then_close(folder: str) -> tuple[int, int, bool]:
 
     import lockstep
 
-    dist.init_process_group("gloo", init_method=os.environ["LOCKSTEP_INIT_METHOD"],
-                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    dist.init_process_group(
+        "gloo",
+        init_method=os.environ["LOCKSTEP_INIT_METHOD"],
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+    )
     before = len(_world.pg_map)
     session = lockstep.Session(strategy="ddp", quiet=True)
     model, opt = session.setup(torch.nn.Linear(2, 1), lambda p: torch.optim.SGD(p, lr=0.1))

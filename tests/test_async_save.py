@@ -51,11 +51,11 @@ def _body(directory: str, steps: int, save_every: int | None, strategy: str = "d
 def test_resume_from_an_async_save_is_bit_identical(tmp_path: Path, strategy: str) -> None:
     whole = run_distributed(_body, 2, str(tmp_path / "whole"), 9, None, strategy, timeout=200)[0]
     folder = tmp_path / "ck"
-    run_distributed(_body, 2, str(folder), 6, 3, strategy, timeout=200)    # async saves at steps 3 and 6
+    run_distributed(_body, 2, str(folder), 6, 3, strategy, timeout=200)  # async saves at steps 3 and 6
     assert [p.name for p in list_checkpoints(folder)] == ["step-000003", "step-000006"]
     for path in list_checkpoints(folder):
-        files = verify_checkpoint(path)["files"]                          # manifest and hashes check
-        assert {"sharded/__0_0.distcp", "sharded/__1_0.distcp"} <= set(files)   # both ranks wrote a part
+        files = verify_checkpoint(path)["files"]  # manifest and hashes check
+        assert {"sharded/__0_0.distcp", "sharded/__1_0.distcp"} <= set(files)  # both ranks wrote a part
     resumed = run_distributed(_body, 2, str(folder), 9, None, strategy, timeout=200)[0]
     assert whole.keys() == resumed.keys() and all(torch.equal(whole[k], resumed[k]) for k in whole)
 
@@ -82,29 +82,30 @@ def test_training_goes_on_while_rank_0_writes(tmp_path: Path, monkeypatch: pytes
     monkeypatch.setattr(background, "write_parts", slow_write)
     session, model, opt = _single(tmp_path)
     path = session.save(tmp_path, model=model, optimizer=opt, blocking=False)
-    assert entered.wait(30) and not path.exists()                 # returned while the write waits
-    session.backward(model(torch.ones(2, 4)).sum())                # ...and training goes on
+    assert entered.wait(30) and not path.exists()  # returned while the write waits
+    session.backward(model(torch.ones(2, 4)).sum())  # ...and training goes on
     session.step(opt)
     release.set()
-    session.close()                                                # waits for the write
+    session.close()  # waits for the write
     assert path.name == "step-000001" and [p.name for p in list_checkpoints(tmp_path)] == ["step-000001"]
 
 
 def test_wait_for_save_returns_the_committed_checkpoint(tmp_path: Path) -> None:
     session, model, opt = _single(tmp_path)
-    assert session.wait_for_save() is None                         # nothing in flight
+    assert session.wait_for_save() is None  # nothing in flight
     path = session.save(tmp_path, model=model, optimizer=opt, blocking=False)
-    assert session.wait_for_save() == path and path.is_dir()       # committed when it returns
+    assert session.wait_for_save() == path and path.is_dir()  # committed when it returns
     assert session.wait_for_save() is None
     session.close()
 
 
-def test_a_full_disk_during_an_async_save_is_raised_at_the_next_save(tmp_path: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_full_disk_during_an_async_save_is_raised_at_the_next_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from lockstep.checkpoint import write
 
     session, model, opt = _single(tmp_path)
-    good = session.save(tmp_path, model=model, optimizer=opt)      # step 1, blocking
+    good = session.save(tmp_path, model=model, optimizer=opt)  # step 1, blocking
     session.backward(model(torch.ones(2, 4)).sum())
     session.step(opt)
 
@@ -112,13 +113,13 @@ def test_a_full_disk_during_an_async_save_is_raised_at_the_next_save(tmp_path: P
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(write, "write_state_file", full)
-    session.save(tmp_path, model=model, optimizer=opt, blocking=False)   # step 2: fails in the background
+    session.save(tmp_path, model=model, optimizer=opt, blocking=False)  # step 2: fails in the background
     with pytest.raises(CheckpointError, match=rf"no space left on device.*{good.name}, is intact"):
-        session.save(tmp_path, model=model, optimizer=opt)              # raised before this one starts
+        session.save(tmp_path, model=model, optimizer=opt)  # raised before this one starts
     monkeypatch.undo()
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000001"]
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["step-000001"]
-    session.save(tmp_path, model=model, optimizer=opt)                 # the disk has room again
+    session.save(tmp_path, model=model, optimizer=opt)  # the disk has room again
     session.close()
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000001", "step-000002"]
 
@@ -169,13 +170,15 @@ def test_sigkill_during_an_async_save_resumes_from_the_previous_checkpoint(tmp_p
 
 # -- the checkpoint holds the state at the save, whatever training did while it was written --------
 
+
 def _local_state(session: lockstep.Session, model: nn.Module, opt: Any) -> dict[str, torch.Tensor]:
     """This rank's weights and optimizer tensors (its shard of them under fsdp or ZeRO), copied."""
+
     def local(t: torch.Tensor) -> torch.Tensor:
         return (t.to_local() if hasattr(t, "to_local") else t).detach().clone()
 
     out = {f"model.{k}": local(v) for k, v in session.strategy.unwrap(model).state_dict().items()}
-    states = opt.optim.state if hasattr(opt, "optim") else opt.state   # ZeRO: the rank's own part
+    states = opt.optim.state if hasattr(opt, "optim") else opt.state  # ZeRO: the rank's own part
     for i, p in enumerate(session.strategy.unwrap(model).parameters()):
         for k, v in states.get(p, {}).items():
             if torch.is_tensor(v):
@@ -227,10 +230,14 @@ def _load_saved(directory: str, strategy: str, options: dict[str, Any]) -> dict[
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize(("strategy", "options"), [("ddp", {}), ("fsdp", {}), ("ddp", {"shard_optimizer": True})],
-                         ids=["ddp", "fsdp", "zero"])
+@pytest.mark.parametrize(
+    ("strategy", "options"),
+    [("ddp", {}), ("fsdp", {}), ("ddp", {"shard_optimizer": True})],
+    ids=["ddp", "fsdp", "zero"],
+)
 def test_a_checkpoint_written_while_training_goes_on_holds_the_state_at_the_save(
-        tmp_path: Path, strategy: str, options: dict[str, Any]) -> None:
+    tmp_path: Path, strategy: str, options: dict[str, Any]
+) -> None:
     at_save = run_distributed(_save_while_training, 2, str(tmp_path), strategy, options, timeout=200)
     loaded = run_distributed(_load_saved, 2, str(tmp_path), strategy, options, timeout=200)
     for rank in range(2):

@@ -28,18 +28,20 @@ from lockstep.recipes.config import TrainConfig
 from lockstep.recipes.train import DivergedError, train
 from lockstep.zoo.datasets import open_data, parse_data
 from lockstep.zoo.idx import read_idx, write_idx
-
 from test_recipes import write_image_folder, write_mnist
 
 
-@pytest.mark.parametrize("flags, message", [
-    ({"lr": math.inf}, "--lr must be a positive, finite number, got inf"),
-    ({"lr": math.nan}, "--lr must be a positive, finite number, got nan"),
-    ({"momentum": math.nan}, "--momentum must be a finite number, at least 0, got nan"),
-    ({"weight_decay": math.inf}, "--weight-decay must be a finite number, at least 0, got inf"),
-    ({"timeout": math.inf, "nproc": 1}, "timeout=inf (--timeout) must be a positive number of seconds"),
-    ({"val_fraction": math.nan}, "--val-fraction must be between 0 and 1"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        ({"lr": math.inf}, "--lr must be a positive, finite number, got inf"),
+        ({"lr": math.nan}, "--lr must be a positive, finite number, got nan"),
+        ({"momentum": math.nan}, "--momentum must be a finite number, at least 0, got nan"),
+        ({"weight_decay": math.inf}, "--weight-decay must be a finite number, at least 0, got inf"),
+        ({"timeout": math.inf, "nproc": 1}, "timeout=inf (--timeout) must be a positive number of seconds"),
+        ({"val_fraction": math.nan}, "--val-fraction must be between 0 and 1"),
+    ],
+)
 def test_non_finite_numbers_refused(flags: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
         TrainConfig(**flags)
@@ -92,8 +94,10 @@ def test_mnist_labels_out_of_range(tmp_path: Path) -> None:
     write_idx(folder / "train-labels-idx1-ubyte", train)
     data = open_data(parse_data(f"mnist:{folder}"), 28, 1)
     assert data.num_classes == 200
-    assert data.notes == [f"{folder}: the labels run from 0 to 199, so the model gets 200 classes (MNIST has 10), "
-                          "189 of them without a training image"]
+    assert data.notes == [
+        f"{folder}: the labels run from 0 to 199, so the model gets 200 classes (MNIST has 10), "
+        "189 of them without a training image"
+    ]
     assert open_data(parse_data("digits"), 28, 1).notes == []
 
 
@@ -124,10 +128,17 @@ def test_disk_full_without_an_earlier_checkpoint(tmp_path: Path, monkeypatch: py
 
 def test_the_rank_that_reported_the_error_is_blamed() -> None:
     text = "DiskFullError: cannot write checkpoint ck: no space left on device"
-    own = Failure(rank=0, local_rank=0, host="h", pid=10, exitcode=1, time=2.0, error=text,
-                  error_type="DiskFullError")
-    relayed = Failure(rank=1, local_rank=1, host="h", pid=11, exitcode=1, time=1.0,
-                      error=f"{text} (reported by rank 0)", error_type="DiskFullError")
+    own = Failure(rank=0, local_rank=0, host="h", pid=10, exitcode=1, time=2.0, error=text, error_type="DiskFullError")
+    relayed = Failure(
+        rank=1,
+        local_rank=1,
+        host="h",
+        pid=11,
+        exitcode=1,
+        time=1.0,
+        error=f"{text} (reported by rank 0)",
+        error_type="DiskFullError",
+    )
     summary = summarize([relayed, own])  # rank 1 raised its copy first
     assert summary.root.rank == 0
     assert summary.text().splitlines()[-1] == "lockstep run: then rank 1 stopped on the error rank 0 reported"
@@ -145,8 +156,10 @@ def test_every_step_skipped_fails_the_run(tmp_path: Path, capsys: pytest.Capture
 
     weights = tmp_path / "nan.pth"
     model = build_model("convnet", 1, 10, 28)
-    torch.save({k: torch.full_like(v, math.nan) if v.is_floating_point() else v
-                for k, v in model.state_dict().items()}, weights)
+    torch.save(
+        {k: torch.full_like(v, math.nan) if v.is_floating_point() else v for k, v in model.state_dict().items()},
+        weights,
+    )
     config = TrainConfig(nproc=1, epochs=2, max_steps=3, weights=str(weights), progress="off")
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
     with pytest.raises(DivergedError, match="every step of epoch 1 was skipped: the loss was not finite \\(3 steps\\)"):
@@ -166,7 +179,7 @@ def test_only_node_0_probes_the_checkpoint_lock(tmp_path: Path) -> None:
     from lockstep.comm.group import Comm
     from lockstep.env import World
 
-    held = lock_folder(tmp_path / "run" / "checkpoints", Comm(World()))   # another node's probe
+    held = lock_folder(tmp_path / "run" / "checkpoints", Comm(World()))  # another node's probe
     try:
         check_out(TrainConfig(out=str(tmp_path / "run"), nodes=2, node_rank=1, master="node0:29400"))
         with pytest.raises(ConfigError, match="is in use by another job"):

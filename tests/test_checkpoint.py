@@ -21,8 +21,15 @@ import torch
 
 import lockstep.checkpoint.files as cio
 from lockstep.checkpoint.core import (
-    CheckpointError, CorruptCheckpointError, UnsafeCheckpointError, UnsupportedStateError, latest_checkpoint,
-    list_checkpoints, load_checkpoint, read_manifest, save_checkpoint,
+    CheckpointError,
+    CorruptCheckpointError,
+    UnsafeCheckpointError,
+    UnsupportedStateError,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    read_manifest,
+    save_checkpoint,
 )
 from lockstep.checkpoint.manifest import write_manifest
 from lockstep.comm.group import Comm
@@ -38,9 +45,14 @@ def _state(step: int, n: int = 64) -> dict[str, Any]:
     opt = torch.optim.Adam(model.parameters())
     model(torch.randn(2, n)).sum().backward()
     opt.step()
-    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "epoch": step // 3,
-            "extras": {"name": "run", "scores": [0.5, 0.75], "shape": torch.Size([2]), "t": torch.arange(3)},
-            "rng": torch.get_rng_state()}
+    return {
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "step": step,
+        "epoch": step // 3,
+        "extras": {"name": "run", "scores": [0.5, 0.75], "shape": torch.Size([2]), "t": torch.arange(3)},
+        "rng": torch.get_rng_state(),
+    }
 
 
 def _assert_same(a: Any, b: Any) -> None:
@@ -69,7 +81,7 @@ def test_round_trip_and_layout(tmp_path: Path) -> None:
     assert sorted(p.name for p in path.iterdir()) == ["manifest.json", "state.pt"]
     loaded = load_checkpoint(tmp_path, COMM)
     assert loaded is not None and loaded.pop("path") == str(path)
-    assert isinstance(loaded["rng"], list) and len(loaded["rng"]) == 1      # one entry per saving rank
+    assert isinstance(loaded["rng"], list) and len(loaded["rng"]) == 1  # one entry per saving rank
     _assert_same({**state, "rng": [state["rng"]]}, loaded)
     manifest = read_manifest(path)
     assert manifest["step"] == 5 and manifest["world_size"] == 1 and manifest["torch_version"] == torch.__version__
@@ -121,8 +133,9 @@ class _Opaque:
     pass
 
 
-@pytest.mark.parametrize("value, fragment", [(np.float64(0.9), "numpy.float64"), (_Opaque(), "_Opaque"),
-                                              (lambda: 1, "function")])
+@pytest.mark.parametrize(
+    "value, fragment", [(np.float64(0.9), "numpy.float64"), (_Opaque(), "_Opaque"), (lambda: 1, "function")]
+)
 def test_state_that_could_never_load_is_refused_before_writing(tmp_path: Path, value: Any, fragment: str) -> None:
     with pytest.raises(UnsupportedStateError, match=fragment) as info:
         save_checkpoint(tmp_path, {"extras": {"best": [1, value]}}, COMM, step=1)
@@ -160,17 +173,17 @@ class _FillingDisk:
 
 
 @pytest.mark.parametrize("victim, limit", [("state.pt", 4000), ("manifest.json", 100)])
-def test_disk_full_keeps_previous_and_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                     victim: str, limit: int) -> None:
+def test_disk_full_keeps_previous_and_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, victim: str, limit: int
+) -> None:
     save_checkpoint(tmp_path, _state(1), COMM, step=1)
     real_open = cio._open_for_write
-    monkeypatch.setattr(cio, "_open_for_write",
-                        lambda p: _FillingDisk(p, limit) if p.name == victim else real_open(p))
+    monkeypatch.setattr(cio, "_open_for_write", lambda p: _FillingDisk(p, limit) if p.name == victim else real_open(p))
     with pytest.raises(CheckpointError, match="no space left on device") as info:
         save_checkpoint(tmp_path, _state(2, n=512), COMM, step=2)
     assert str(tmp_path) in str(info.value) and "intact" in str(info.value)
     assert "unexpected pos" not in str(info.value)
-    assert [p.name for p in tmp_path.iterdir()] == ["step-000001"]      # no temp files left
+    assert [p.name for p in tmp_path.iterdir()] == ["step-000001"]  # no temp files left
     loaded = load_checkpoint(tmp_path, COMM, fallback=False)
     assert loaded is not None and loaded["step"] == 1
     _assert_same(_state(1)["model"], loaded["model"])
@@ -239,14 +252,14 @@ def test_killed_mid_save_resumes_from_previous(tmp_path: Path, where: str) -> No
     leftovers = _leftovers(root)
     assert len(leftovers) == 1 and leftovers[0].startswith(".tmp-step-000002-")
     written = (root / leftovers[0] / "state.pt").stat().st_size
-    if where == "data":                                                # cut off after 1 MiB of 16 MiB
+    if where == "data":  # cut off after 1 MiB of 16 MiB
         assert 1 << 20 < written < 16 << 20
-    else:                                                              # whole file, no manifest yet
+    else:  # whole file, no manifest yet
         assert written > 16 << 20 and not (root / leftovers[0] / "manifest.json").exists()
     assert [p.name for p in list_checkpoints(root)] == ["step-000001"]
     loaded = load_checkpoint(root, COMM, fallback=False)
     assert loaded is not None and loaded["step"] == 1 and torch.equal(loaded["w"], torch.ones(8))
-    save_checkpoint(root, {"step": 3}, COMM, step=3)                   # the next save cleans up
+    save_checkpoint(root, {"step": 3}, COMM, step=3)  # the next save cleans up
     assert _leftovers(root) == [] and [p.name for p in list_checkpoints(root)] == ["step-000001", "step-000003"]
 
 
@@ -265,9 +278,9 @@ def test_bit_flip_in_tensor_data_is_refused(tmp_path: Path, caplog: pytest.LogCa
     bad = tmp_path / "step-000002" / "state.pt"
     data = bytearray(bad.read_bytes())
     start = bytes(data).index(weights.numpy().tobytes())
-    data[start + weights.numel() * 2] ^= 0x10                        # the middle of the tensor's bytes
+    data[start + weights.numel() * 2] ^= 0x10  # the middle of the tensor's bytes
     bad.write_bytes(bytes(data))
-    silently_wrong = torch.load(bad, weights_only=True)["w"]           # what plain torch.load does
+    silently_wrong = torch.load(bad, weights_only=True)["w"]  # what plain torch.load does
     assert not torch.equal(silently_wrong, weights)
     with pytest.raises(CorruptCheckpointError, match="corrupt: checksum mismatch") as info:
         load_checkpoint(tmp_path, COMM, fallback=False)
@@ -333,7 +346,7 @@ def test_malicious_pickle_is_refused_and_never_retried(tmp_path: Path, monkeypat
     marker = tmp_path / "pwned"
     probe = tmp_path / "probe.pt"
     torch.save({"x": _Evil(marker)}, probe)
-    torch.load(probe, weights_only=False)                              # the payload really works...
+    torch.load(probe, weights_only=False)  # the payload really works...
     assert marker.exists()
     marker.unlink()
     root = tmp_path / "ckpt"
@@ -346,7 +359,7 @@ def test_malicious_pickle_is_refused_and_never_retried(tmp_path: Path, monkeypat
         with pytest.raises(UnsafeCheckpointError, match="weights_only=True") as info:
             load_checkpoint(root, COMM, fallback=fallback)
         assert "unsafe" in str(info.value) and "io.open" in str(info.value)
-    assert not marker.exists()                                         # ...but never through lockstep
+    assert not marker.exists()  # ...but never through lockstep
     assert calls and all(k.get("weights_only") is True for k in calls)
 
 

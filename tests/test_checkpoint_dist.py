@@ -15,8 +15,13 @@ from torch import nn
 import lockstep.checkpoint.files as cio
 from _dist import run_distributed
 from lockstep.checkpoint.core import (
-    CheckpointError, CorruptCheckpointError, UnsafeCheckpointError, list_checkpoints, load_checkpoint,
-    read_manifest, save_checkpoint,
+    CheckpointError,
+    CorruptCheckpointError,
+    UnsafeCheckpointError,
+    list_checkpoints,
+    load_checkpoint,
+    read_manifest,
+    save_checkpoint,
 )
 from lockstep.checkpoint.manifest import write_manifest
 from lockstep.comm.group import Comm, init_comm
@@ -45,7 +50,7 @@ def test_sharded_round_trip_and_verification(tmp_path: Path) -> None:
     template = {"m": {"a": torch.empty(8), "note": ""}}
     loaded = load_checkpoint(tmp_path, COMM, sharded=template)
     assert loaded is not None and loaded["step"] == 2
-    assert torch.equal(template["m"]["a"], a) and template["m"]["note"] == "hi"   # filled in place
+    assert torch.equal(template["m"]["a"], a) and template["m"]["note"] == "hi"  # filled in place
     shard = path / "sharded" / "__0_0.distcp"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x01
@@ -88,14 +93,17 @@ def test_sharded_malicious_content_is_refused(tmp_path: Path, where: str) -> Non
     root = tmp_path / "ckpt"
     path = save_checkpoint(root, {"step": 1}, COMM, step=1, sharded={"m": {"a": torch.ones(2), "v": 1}})
     sharded = path / "sharded"
-    if where == "metadata":   # dcp reads .metadata with plain pickle.load
+    if where == "metadata":  # dcp reads .metadata with plain pickle.load
         (sharded / ".metadata").write_bytes(pickle.dumps(_Evil(marker)))
-    else:                     # and non-tensor values with torch.load(weights_only=False)
+    else:  # and non-tensor values with torch.load(weights_only=False)
         for f in sharded.iterdir():
             f.unlink()
         dcp.save({"m": {"a": torch.ones(2), "v": _Evil(marker)}}, checkpoint_id=sharded, no_dist=True)
-    files = {p.relative_to(path).as_posix(): cio.hash_file(p) for p in path.rglob("*") if p.is_file()
-             and p.name != "manifest.json"}
+    files = {
+        p.relative_to(path).as_posix(): cio.hash_file(p)
+        for p in path.rglob("*")
+        if p.is_file() and p.name != "manifest.json"
+    }
     write_manifest(path, files, step=1, world_size=1)
     with pytest.raises(UnsafeCheckpointError, match="weights_only"):
         load_checkpoint(root, COMM, sharded={"m": {"a": torch.zeros(2), "v": 0}})
@@ -112,13 +120,13 @@ def _full_disk(path: Path) -> Any:
 def _save_with_two(root: str) -> dict[str, Any]:
     comm = init_comm(timeout=60)
     torch.manual_seed(100 + comm.rank)
-    rng = torch.get_rng_state()                   # differs per rank
+    rng = torch.get_rng_state()  # differs per rank
     torch.manual_seed(0)
-    model = nn.Linear(4, 2)                       # the same on every rank
+    model = nn.Linear(4, 2)  # the same on every rank
     for step in (1, 2):
         model.weight.data.fill_(float(step))
         save_checkpoint(root, {"model": model.state_dict(), "step": step, "rng": rng}, comm, step=step)
-    if comm.rank == 0:                            # only rank 0 writes; its disk fills up
+    if comm.rank == 0:  # only rank 0 writes; its disk fills up
         cio._open_for_write = _full_disk
     error = None
     try:
@@ -126,7 +134,7 @@ def _save_with_two(root: str) -> dict[str, Any]:
     except CheckpointError as exc:
         error = str(exc)
     comm.shutdown()
-    return {"rng": rng.tolist(), "error": error}   # plain lists: tensors cannot outlive the process
+    return {"rng": rng.tolist(), "error": error}  # plain lists: tensors cannot outlive the process
 
 
 def _load_with_three(root: str) -> dict[str, Any]:
@@ -134,8 +142,12 @@ def _load_with_three(root: str) -> dict[str, Any]:
     state = load_checkpoint(root, comm)
     comm.shutdown()
     assert state is not None
-    return {"step": state["step"], "rngs": len(state["rng"]), "weight": state["model"]["weight"].tolist(),
-            "path": state["path"]}
+    return {
+        "step": state["step"],
+        "rngs": len(state["rng"]),
+        "weight": state["model"]["weight"].tolist(),
+        "path": state["path"],
+    }
 
 
 @pytest.mark.slow
@@ -143,18 +155,18 @@ def _load_with_three(root: str) -> dict[str, Any]:
 def test_world_size_change_and_shared_failure(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     saved = run_distributed(_save_with_two, 2, str(root), timeout=100)
-    for rank, result in enumerate(saved):         # rank 0's ENOSPC reached rank 1 too: no hang
+    for rank, result in enumerate(saved):  # rank 0's ENOSPC reached rank 1 too: no hang
         assert result["error"] is not None and "no space left on device" in result["error"]
         assert ("reported by rank 0" in result["error"]) == (rank == 1)
     assert [p.name for p in root.iterdir()] == ["step-000001", "step-000002"]
-    alone = load_checkpoint(root, COMM)           # world size 1
+    alone = load_checkpoint(root, COMM)  # world size 1
     assert alone is not None and alone["step"] == 2 and read_manifest(alone["path"])["world_size"] == 2
     assert torch.equal(alone["model"]["weight"], torch.full((2, 4), 2.0))
     assert len(alone["rng"]) == 2
     for rank in range(2):
         assert alone["rng"][rank].tolist() == saved[rank]["rng"]
     assert saved[0]["rng"] != saved[1]["rng"]
-    bad = root / "step-000002" / "state.pt"       # corrupt the newest: all three ranks fall back together
+    bad = root / "step-000002" / "state.pt"  # corrupt the newest: all three ranks fall back together
     data = bytearray(bad.read_bytes())
     data[len(data) // 2] ^= 0xFF
     bad.write_bytes(bytes(data))
@@ -187,8 +199,9 @@ def _fsdp_round_trip(root: str) -> dict[str, Any]:
 
     model, opt = build(0)
     msd, osd = get_state_dict(model, [opt])
-    save_checkpoint(root, {"step": 5, "rng": torch.get_rng_state()}, comm, step=5,
-                    sharded={"model": msd, "optimizer": osd})
+    save_checkpoint(
+        root, {"step": 5, "rng": torch.get_rng_state()}, comm, step=5, sharded={"model": msd, "optimizer": osd}
+    )
     fresh, fresh_opt = build(1)
     differed = not torch.equal(fresh[0].weight.full_tensor(), model[0].weight.full_tensor())
     tm, to = get_state_dict(fresh, [fresh_opt])
@@ -196,18 +209,25 @@ def _fsdp_round_trip(root: str) -> dict[str, Any]:
     state = load_checkpoint(root, comm, sharded=template)
     assert state is not None
     set_state_dict(fresh, [fresh_opt], model_state_dict=template["model"], optim_state_dict=template["optimizer"])
-    loaded_equal = all(torch.equal(a.full_tensor(), b.full_tensor())
-                       for a, b in zip(model.parameters(), fresh.parameters()))
-    x = torch.randn(3, 4)                         # one more step each: same optimizer state => same result
+    loaded_equal = all(
+        torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(model.parameters(), fresh.parameters())
+    )
+    x = torch.randn(3, 4)  # one more step each: same optimizer state => same result
     for m, o in ((model, opt), (fresh, fresh_opt)):
         m(x).sum().backward()
         o.step()
-    stepped_equal = all(torch.equal(a.full_tensor(), b.full_tensor())
-                        for a, b in zip(model.parameters(), fresh.parameters()))
+    stepped_equal = all(
+        torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(model.parameters(), fresh.parameters())
+    )
     files = sorted(read_manifest(state["path"])["files"])
     comm.shutdown()
-    return {"differed": differed, "loaded": loaded_equal, "stepped": stepped_equal, "files": files,
-            "step": state["step"]}
+    return {
+        "differed": differed,
+        "loaded": loaded_equal,
+        "stepped": stepped_equal,
+        "files": files,
+        "step": state["step"],
+    }
 
 
 @pytest.mark.slow

@@ -46,7 +46,7 @@ def test_split_and_join_give_back_the_same_tree() -> None:
     skeleton, tensors = split_tensors(tree)
     assert len(tensors) == 6 + 6 * 3 + 2 and sorted(marked(skeleton)) == sorted(tensors)
     assert "full/optimizer/state/0/exp_avg" in tensors and "full/model/0.weight" in tensors
-    assert _same(join_tensors(skeleton, tensors), tree)             # int keys, OrderedDict, tuples kept
+    assert _same(join_tensors(skeleton, tensors), tree)  # int keys, OrderedDict, tuples kept
     with pytest.raises(CheckpointError, match="full/model/0.weight"):
         join_tensors(skeleton, {})
 
@@ -72,8 +72,8 @@ def test_a_checkpoint_of_state_pt_alone_still_loads(tmp_path: Path) -> None:
     state = load_checkpoint(tmp_path / "new", COMM)
     assert state is not None
     del state["path"]
-    state["rng"] = state["rng"][0]                                  # this rank's (the save gathers them)
-    old = save_checkpoint(tmp_path / "old", state, COMM, step=state["step"])   # the layout of earlier versions
+    state["rng"] = state["rng"][0]  # this rank's (the save gathers them)
+    old = save_checkpoint(tmp_path / "old", state, COMM, step=state["step"])  # the layout of earlier versions
     assert sorted(verify_checkpoint(old)["files"]) == ["state.pt"]
     session.close()
 
@@ -109,9 +109,9 @@ def test_every_ddp_rank_writes_a_part_and_one_process_reads_it_all(tmp_path: Pat
     saved = run_distributed(_ddp_save, 2, str(tmp_path), timeout=100)[0]
     files = verify_checkpoint(saved["path"])["files"]
     parts = [files[f"sharded/__{rank}_0.distcp"]["size"] for rank in (0, 1)]
-    assert min(parts) > 0.3 * sum(parts)                           # the bytes are spread, neither writes all
-    assert files["state.pt"]["size"] < min(parts)                   # and rank 0's state.pt holds none of them
-    loaded = load_checkpoint(tmp_path, COMM)                        # one process: another world size
+    assert min(parts) > 0.3 * sum(parts)  # the bytes are spread, neither writes all
+    assert files["state.pt"]["size"] < min(parts)  # and rank 0's state.pt holds none of them
+    loaded = load_checkpoint(tmp_path, COMM)  # one process: another world size
     assert loaded is not None and len(loaded["rng"]) == 2
     assert _same(loaded["model"], saved["model"])
 
@@ -123,10 +123,10 @@ def test_each_tensor_is_copied_by_one_rank_with_the_bytes_balanced() -> None:
     for share in shares:
         for name, copy in share.items():
             assert torch.equal(copy, tensors[name]) and copy.data_ptr() != tensors[name].data_ptr()
-    tensors["a"].add_(1)                                      # training goes on: the copy does not change
+    tensors["a"].add_(1)  # training goes on: the copy does not change
     assert torch.equal(shares[0]["a"], torch.ones(100))
     alone = [own_share({"w": torch.ones(3)}, rank, 3) for rank in range(3)]
-    assert [sorted(s) for s in alone] == [["w"], [], []]      # ranks without a share still take part
+    assert [sorted(s) for s in alone] == [["w"], [], []]  # ranks without a share still take part
 
 
 def _ddp_save_small(directory: str) -> dict[str, Any]:

@@ -28,7 +28,12 @@ import lockstep.checkpoint.files as cio
 from _dist import run_distributed
 from lockstep.checkpoint import FolderInUseError, lock_folder
 from lockstep.checkpoint.core import (
-    CheckpointError, UnsafeCheckpointError, list_checkpoints, load_checkpoint, read_manifest, save_checkpoint,
+    CheckpointError,
+    UnsafeCheckpointError,
+    list_checkpoints,
+    load_checkpoint,
+    read_manifest,
+    save_checkpoint,
 )
 from lockstep.checkpoint.manifest import write_manifest
 from lockstep.comm.group import Comm, init_comm
@@ -57,8 +62,11 @@ class _System:
 def _rewrite_manifest(checkpoint: Path, skip: tuple[str, ...] = ()) -> None:
     """What someone who may write into the folder can do: a manifest matching every file."""
     (checkpoint / "manifest.json").unlink()
-    files = {p.relative_to(checkpoint).as_posix(): cio.hash_file(p) for p in sorted(checkpoint.rglob("*"))
-             if p.is_file() and p.name not in skip}
+    files = {
+        p.relative_to(checkpoint).as_posix(): cio.hash_file(p)
+        for p in sorted(checkpoint.rglob("*"))
+        if p.is_file() and p.name not in skip
+    }
     write_manifest(checkpoint, files, step=int(checkpoint.name.split("-")[1]), world_size=1)
 
 
@@ -74,10 +82,10 @@ class _Swapper(threading.Thread):
         spare = self.target.with_name(self.target.name + ".swap")
         while not self.stop.is_set():
             for data in (self.other, self.good):
-                if self.in_place:        # rewrite the same file (what a re-opened handle sees)
+                if self.in_place:  # rewrite the same file (what a re-opened handle sees)
                     with open(self.target, "r+b") as f:
                         f.write(data)
-                else:                    # swap in another file by rename (atomic)
+                else:  # swap in another file by rename (atomic)
                     spare.write_bytes(data)
                     os.replace(spare, self.target)
 
@@ -152,9 +160,10 @@ def _outside_shard(tmp_path: Path) -> Path:
 
 def _point_shards_at(path: Path, relative_path: str) -> None:
     metadata_file = path / "sharded" / ".metadata"
-    metadata = pickle.loads(metadata_file.read_bytes())      # the test trusts its own file
-    metadata.storage_data = {index: dataclasses.replace(info, relative_path=relative_path)
-                             for index, info in metadata.storage_data.items()}
+    metadata = pickle.loads(metadata_file.read_bytes())  # the test trusts its own file
+    metadata.storage_data = {
+        index: dataclasses.replace(info, relative_path=relative_path) for index, info in metadata.storage_data.items()
+    }
     metadata_file.write_bytes(pickle.dumps(metadata))
 
 
@@ -183,7 +192,7 @@ def test_paths_leading_outside_are_refused(tmp_path: Path, how: str) -> None:
     _rewrite_manifest(path, skip)
     template = {"m": {"a": torch.full((8,), -1.0)}}
     with pytest.raises(UnsafeCheckpointError, match="refusing to read"):
-        load_checkpoint(root, COMM, sharded=template)          # not skipped by fallback either
+        load_checkpoint(root, COMM, sharded=template)  # not skipped by fallback either
     assert torch.equal(template["m"]["a"], torch.full((8,), -1.0))
 
 
@@ -209,8 +218,8 @@ def test_linked_step_folder_never_shadows_or_prunes(tmp_path: Path, caplog: pyte
     save_checkpoint(root, {"step": 4}, COMM, step=4, keep=2)
     assert [p.name for p in list_checkpoints(root)] == ["step-000003", "step-000004"]
     assert (root / "step-000999").is_symlink() and read_manifest(foreign)["step"] == 999
-    (root / "step-000998").symlink_to(tmp_path / "gone", target_is_directory=True)   # dangling
-    for step in (998, 999):                                    # saving that step replaces the link only
+    (root / "step-000998").symlink_to(tmp_path / "gone", target_is_directory=True)  # dangling
+    for step in (998, 999):  # saving that step replaces the link only
         save_checkpoint(root, {"step": step}, COMM, step=step)
         assert not (root / f"step-000{step}").is_symlink()
     assert load_checkpoint(other, COMM)["step"] == 999  # type: ignore[index]
@@ -245,7 +254,7 @@ def test_refusal_names_the_global_and_never_suggests_disabling_the_check(tmp_pat
     marker = tmp_path / "pwned"
     probe = tmp_path / "probe.pt"
     torch.save({"x": _System(marker)}, probe)
-    torch.load(probe, weights_only=False)                    # the payload really runs...
+    torch.load(probe, weights_only=False)  # the payload really runs...
     assert marker.exists()
     marker.unlink()
     path = save_checkpoint(tmp_path / "ckpt", {"step": 1}, COMM, step=1)
@@ -257,7 +266,7 @@ def test_refusal_names_the_global_and_never_suggests_disabling_the_check(tmp_pat
     assert f"unsupported GLOBAL {os.system.__module__}.system" in message
     for advice in ("weights_only=False", "set to `False`", "Re-running", "will likely succeed", "\n"):
         assert advice not in message
-    assert not marker.exists()                               # ...but never through lockstep
+    assert not marker.exists()  # ...but never through lockstep
 
 
 # -- FAULTS row 31: one live job per checkpoint folder ----------------------------------------------
@@ -270,7 +279,7 @@ def test_second_lock_in_the_same_process_is_refused_then_released(tmp_path: Path
         lock_folder(tmp_path, COMM)
     message = str(info.value)
     assert "\n" not in message and f"pid {os.getpid()}" in message and socket.gethostname() in message
-    save_checkpoint(tmp_path, {"step": 1}, COMM, step=1, keep=1)   # the lock file is no checkpoint
+    save_checkpoint(tmp_path, {"step": 1}, COMM, step=1, keep=1)  # the lock file is no checkpoint
     save_checkpoint(tmp_path, {"step": 2}, COMM, step=2, keep=1)
     assert lock.path.exists() and [p.name for p in list_checkpoints(tmp_path)] == ["step-000002"]
     lock.release()

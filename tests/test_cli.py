@@ -46,7 +46,10 @@ def test_launch_flags_match_lockstep_run() -> None:
             if dest != "nproc":  # how many processes a command starts unasked is its own choice
                 assert action.default == theirs.default, (command, dest)
                 slurm = command == "train"  # run and train read Slurm's layout
-                assert action.help == (theirs.help if slurm else theirs.help.replace(", or Slurm's", "")), (command, dest)
+                assert action.help == (theirs.help if slurm else theirs.help.replace(", or Slurm's", "")), (
+                    command,
+                    dest,
+                )
 
 
 def test_launch_options_fill_in_runs_defaults() -> None:
@@ -62,8 +65,14 @@ def test_launch_options_fill_in_runs_defaults() -> None:
         launch_options(parser.parse_args(["--nproc", "many"]))
 
 
-@pytest.mark.parametrize("argv", [["--model", "convnet", "--nproc", "3"], ["convnet", "--nproc", "3"],
-                                  ["convnet", "--model", "convnet", "--nproc", "3"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--model", "convnet", "--nproc", "3"],
+        ["convnet", "--nproc", "3"],
+        ["convnet", "--model", "convnet", "--nproc", "3"],
+    ],
+)
 def test_verify_takes_model_as_flag_or_first_argument(argv: list[str]) -> None:
     from lockstep.cli.verify import config_from_args
 
@@ -100,19 +109,31 @@ def test_run_takes_the_engines_process_count_when_nproc_is_not_given() -> None:
     assert launch_options(parser.parse_args(["s.py"]), slurm={}).get("nproc") is None  # run then uses 1
 
 
-@pytest.mark.parametrize("argv, own, script_args", [
-    (["--nproc", "2", "s.py", "--n", "100"], ("2", False, "s.py"), ["--n", "100"]),  # not read as --nproc
-    (["--nproc", "2", "s.py", "--n=100", "--nproc", "3", "--node-rank=1"], ("2", False, "s.py"),
-     ["--n=100", "--nproc", "3", "--node-rank=1"]),
-    (["s.py", "--", "--x"], (None, False, "s.py"), ["--", "--x"]),  # a -- after the script is the script's
-    (["s.py", "x", "--", "-h", "--help"], (None, False, "s.py"), ["x", "--", "-h", "--help"]),
-    (["--nproc", "2", "--", "-odd.py", "--nproc", "5"], ("2", False, "-odd.py"), ["--nproc", "5"]),
-    (["--nproc=2", "-m", "pkg.train", "-m", "other", "--lr", "0.1"], ("2", True, "pkg.train"),
-     ["-m", "other", "--lr", "0.1"]),
-    (["--rank0-only", "--master", "h:1", "--log-dir", "logs", "s.py", "a b", ""], (None, False, "s.py"),
-     ["a b", ""]),
-    (["s.py"], (None, False, "s.py"), []),
-])
+@pytest.mark.parametrize(
+    "argv, own, script_args",
+    [
+        (["--nproc", "2", "s.py", "--n", "100"], ("2", False, "s.py"), ["--n", "100"]),  # not read as --nproc
+        (
+            ["--nproc", "2", "s.py", "--n=100", "--nproc", "3", "--node-rank=1"],
+            ("2", False, "s.py"),
+            ["--n=100", "--nproc", "3", "--node-rank=1"],
+        ),
+        (["s.py", "--", "--x"], (None, False, "s.py"), ["--", "--x"]),  # a -- after the script is the script's
+        (["s.py", "x", "--", "-h", "--help"], (None, False, "s.py"), ["x", "--", "-h", "--help"]),
+        (["--nproc", "2", "--", "-odd.py", "--nproc", "5"], ("2", False, "-odd.py"), ["--nproc", "5"]),
+        (
+            ["--nproc=2", "-m", "pkg.train", "-m", "other", "--lr", "0.1"],
+            ("2", True, "pkg.train"),
+            ["-m", "other", "--lr", "0.1"],
+        ),
+        (
+            ["--rank0-only", "--master", "h:1", "--log-dir", "logs", "s.py", "a b", ""],
+            (None, False, "s.py"),
+            ["a b", ""],
+        ),
+        (["s.py"], (None, False, "s.py"), []),
+    ],
+)
 def test_run_hands_everything_after_the_script_to_it(argv: list[str], own: tuple, script_args: list[str]) -> None:
     args = parse_args(["run", *argv])
     assert (args.command, args.nproc, args.module, args.target) == ("run", *own)
@@ -132,19 +153,29 @@ def test_split_at_target() -> None:
     takes_value = value_flags()
     assert {"--nproc", "--nodes", "--master", "--log-dir", "--secret-file"} <= takes_value
     assert not {"--verbose", "--rank0-only", "--local-rank-arg"} & takes_value
-    assert split_at_target(["--nproc", "2", "t.py", "--n", "1"], takes_value) == (["--nproc", "2", "t.py"],
-                                                                                  ["--n", "1"])
+    assert split_at_target(["--nproc", "2", "t.py", "--n", "1"], takes_value) == (
+        ["--nproc", "2", "t.py"],
+        ["--n", "1"],
+    )
     assert split_at_target(["--verbose", "t.py", "--verbose"], takes_value) == (["--verbose", "t.py"], ["--verbose"])
     assert split_at_target(["--", "--", "x"], takes_value) == (["--", "--"], ["x"])  # the script is named --
     assert split_at_target(["--nproc", "2"], takes_value) == (["--nproc", "2"], [])
     assert split_at_target(["-", "x"], takes_value) == (["-"], ["x"])
 
 
-@pytest.mark.parametrize("command, argv", [("run", ["--np", "2", "s.py"]), ("train", ["--bogus"]),
-                                           ("bench", ["--strategy", "ddp", "--bogus", "1"]),
-                                           ("verify", ["convnet", "--bogus"]), ("doctor", ["--bogus"])])
-def test_a_bad_flag_shows_the_subcommands_usage(command: str, argv: list[str],
-                                                capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "command, argv",
+    [
+        ("run", ["--np", "2", "s.py"]),
+        ("train", ["--bogus"]),
+        ("bench", ["--strategy", "ddp", "--bogus", "1"]),
+        ("verify", ["convnet", "--bogus"]),
+        ("doctor", ["--bogus"]),
+    ],
+)
+def test_a_bad_flag_shows_the_subcommands_usage(
+    command: str, argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main([command, *argv])
     err = capsys.readouterr().err
@@ -153,8 +184,9 @@ def test_a_bad_flag_shows_the_subcommands_usage(command: str, argv: list[str],
     assert f"lockstep {command}: error: unrecognized arguments: --bogus" in err or "--np" in err
 
 
-def test_run_names_its_own_flags_after_the_script(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-                                                  capsys: pytest.CaptureFixture[str]) -> None:
+def test_run_names_its_own_flags_after_the_script(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from lockstep.cli.run import misplaced_flags
 
     monkeypatch.chdir(tmp_path)
@@ -180,9 +212,11 @@ def test_old_spellings_still_work_with_one_deprecation_line(capsys: pytest.Captu
     new = parse_args(["bench", "--strategy", "single", "--max-steps", "3", "--progress", "off"])
     assert (old.strategy, old.steps, old.progress) == (new.strategy, new.steps, new.progress) == ("single", 3, "off")
     notes = deprecation_notes(old)
-    assert notes == ["--strategies is deprecated; write --strategy (same meaning)",
-                     "--steps is deprecated; write --max-steps (same meaning)",
-                     "--no-progress is deprecated; write --progress off (same meaning)"]
+    assert notes == [
+        "--strategies is deprecated; write --strategy (same meaning)",
+        "--steps is deprecated; write --max-steps (same meaning)",
+        "--no-progress is deprecated; write --progress off (same meaning)",
+    ]
     assert deprecation_notes(new) == [] and old.given == new.given == {"strategy", "steps", "progress"}
     verify = parse_args(["verify", "convnet", "--batch", "30", "--classes", "4", "--steps", "2"])
     assert (verify.batch, verify.classes, verify.steps) == (30, 4, 2) and len(deprecation_notes(verify)) == 3

@@ -85,8 +85,15 @@ def _launch(tmp_path: Path, envs: list[dict[str, str]], args: list[str]) -> list
     for extra in envs:
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
         env.update(extra)
-        procs.append(subprocess.Popen([sys.executable, str(script), *args], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script), *args],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     outs = []
     for p in procs:
         out, _ = p.communicate(timeout=60)
@@ -181,8 +188,7 @@ def test_rank_that_starts_before_the_store_joins_when_it_listens(tmp_path: Path)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = []
     for r in (1, 0):  # rank 0 (the store) starts only once rank 1 is joining, however slow the machine
-        procs.append(subprocess.Popen([sys.executable, "-c", code, str(r)], stdout=subprocess.PIPE, text=True,
-                                      env=env))
+        procs.append(subprocess.Popen([sys.executable, "-c", code, str(r)], stdout=subprocess.PIPE, text=True, env=env))
         assert procs[-1].stdout is not None and procs[-1].stdout.readline() == "joining\n"
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0]

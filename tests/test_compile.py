@@ -50,8 +50,8 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
 
 
-
 # -- options (one process) -------------------------------------------------------------------------
+
 
 def test_compile_option_is_checked() -> None:
     assert check_compile(False) is None and check_compile(None) is None
@@ -91,6 +91,7 @@ def test_one_process_compiled_matches_eager_and_says_so() -> None:
 
 # -- world 2 on gloo -------------------------------------------------------------------------------
 
+
 def _train_body(strategy: str, compile: Any, steps: int) -> dict[str, Any]:
     before = len(_GRAPHS)
     session = lockstep.Session(strategy=strategy, compile=compile, quiet=True, timeout=60)
@@ -124,6 +125,7 @@ def test_compiled_world_two_matches_eager_one_process(strategy: str) -> None:
 
 
 # -- checkpoints -----------------------------------------------------------------------------------
+
 
 def _save_body(strategy: str, folder: str, compile: Any) -> dict[str, torch.Tensor]:
     session = lockstep.Session(strategy=strategy, compile=compile, quiet=True, timeout=60)
@@ -199,6 +201,7 @@ def test_inductor_one_process_matches_eager() -> None:
 
 # -- the command lines -----------------------------------------------------------------------------
 
+
 def test_compile_flag_in_train_verify_and_bench() -> None:
     import argparse
 
@@ -212,7 +215,9 @@ def test_compile_flag_in_train_verify_and_bench() -> None:
 
     assert session_config(compile=None).compile_backend == "none"
     assert session_config(compile="aot_eager").compile_backend == "aot_eager"
-    with pytest.raises(ConfigError, match="--compile 'inductr': unknown torch.compile backend; choose one of.*inductor"):
+    with pytest.raises(
+        ConfigError, match="--compile 'inductr': unknown torch.compile backend; choose one of.*inductor"
+    ):
         session_config(compile="inductr")
     for module in (train_cli, verify_cli, bench_cli):
         parser = argparse.ArgumentParser()

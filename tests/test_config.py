@@ -29,6 +29,7 @@ SRC = Path(lockstep.__file__).parent
 
 # -- every entry point -------------------------------------------------------------------------------
 
+
 def _parse(module: Any, argv: list[str]) -> Any:
     parser = argparse.ArgumentParser()
     module.add_arguments(parser)
@@ -82,15 +83,24 @@ class _Count:
 _BAD = {  # option: (the Session's keywords, then the same bad value as each app's flags; None: no such flag)
     "strategy": ({"strategy": "zero3"}, ["--strategy", "zero3"], ["--strategies", "zero3"], ["--strategy", "zero3"]),
     "precision": ({"precision": "fp8"}, ["--precision", "fp8"], ["--precision", "fp8"], ["--precision", "fp8"]),
-    "grad_compression": ({"strategy": "ddp", "grad_compression": "int8"}, ["--grad-compression", "int8"],
-                         ["--strategies", "ddp+int8"], ["--grad-compression", "int8"]),
-    "grad_compression outside ddp": ({"strategy": "fsdp", "grad_compression": "fp16"},
-                                     ["--strategy", "fsdp", "--grad-compression", "fp16"],
-                                     ["--strategies", "fsdp+fp16"],
-                                     ["--strategy", "fsdp", "--grad-compression", "fp16"]),
-    "powersgd_rank": ({"strategy": "ddp", "grad_compression": "powersgd", "strategy_options": {"powersgd_rank": 0}},
-                      ["--grad-compression", "powersgd", "--powersgd-rank", "0"], None,
-                      ["--grad-compression", "powersgd", "--powersgd-rank", "0"]),
+    "grad_compression": (
+        {"strategy": "ddp", "grad_compression": "int8"},
+        ["--grad-compression", "int8"],
+        ["--strategies", "ddp+int8"],
+        ["--grad-compression", "int8"],
+    ),
+    "grad_compression outside ddp": (
+        {"strategy": "fsdp", "grad_compression": "fp16"},
+        ["--strategy", "fsdp", "--grad-compression", "fp16"],
+        ["--strategies", "fsdp+fp16"],
+        ["--strategy", "fsdp", "--grad-compression", "fp16"],
+    ),
+    "powersgd_rank": (
+        {"strategy": "ddp", "grad_compression": "powersgd", "strategy_options": {"powersgd_rank": 0}},
+        ["--grad-compression", "powersgd", "--powersgd-rank", "0"],
+        None,
+        ["--grad-compression", "powersgd", "--powersgd-rank", "0"],
+    ),
     "sync_bn": ({"sync_bn": True}, ["--sync-bn"], None, ["--sync-bn"]),
     "accumulate": ({"accumulate": 0}, ["--accumulate", "0"], None, ["--accumulate", "0"]),
     "timeout": ({"timeout": -1.0}, ["--timeout", "-1"], None, ["--timeout", "-1"]),
@@ -113,14 +123,39 @@ def test_each_bad_value_is_refused_once_with_one_message(option: str, monkeypatc
 
 def test_every_entry_point_builds_the_same_config(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("LOCKSTEP_TIMEOUT", raising=False)
-    flags = ["--strategy", "DDP", "--precision", "O1", "--accumulate", "2", "--seed", "3", "--timeout", "30",
-             "--grad-compression", "PowerSGD", "--powersgd-rank", "2", "--compile", "aot_eager"]
-    expected = SessionConfig(strategy="ddp", precision="fp16-mixed", accumulate=2, seed=3, timeout=30,
-                             grad_compression="powersgd", quiet=True, compile={"backend": "aot_eager"},
-                             strategy_options={"powersgd_rank": 2, "powersgd_start_iter": 10})
+    flags = [
+        "--strategy",
+        "DDP",
+        "--precision",
+        "O1",
+        "--accumulate",
+        "2",
+        "--seed",
+        "3",
+        "--timeout",
+        "30",
+        "--grad-compression",
+        "PowerSGD",
+        "--powersgd-rank",
+        "2",
+        "--compile",
+        "aot_eager",
+    ]
+    expected = SessionConfig(
+        strategy="ddp",
+        precision="fp16-mixed",
+        accumulate=2,
+        seed=3,
+        timeout=30,
+        grad_compression="powersgd",
+        quiet=True,
+        compile={"backend": "aot_eager"},
+        strategy_options={"powersgd_rank": 2, "powersgd_start_iter": 10},
+    )
     assert _train(*flags).session_config() == expected
     assert _verify(*flags).session_config() == SessionConfig(
-        **{**vars_of(expected), "strategy_options": {"powersgd_rank": 2, "powersgd_start_iter": 2}})
+        **{**vars_of(expected), "strategy_options": {"powersgd_rank": 2, "powersgd_start_iter": 2}}
+    )
     bench = _bench("--strategies", "ddp+powersgd,fsdp", "--precision", "O1,bf16-mixed", "--compile", "none,aot_eager")
     cells = bench.cell_configs()
     assert len(cells) == 8  # every strategy x precision x compile, each a SessionConfig checked up front
@@ -143,11 +178,15 @@ def test_session_construction_runs_each_check_once(monkeypatch: pytest.MonkeyPat
     import lockstep.strategies.compile
 
     calls: dict[str, int] = {}
-    for module, name in ((lockstep.comm.group, "pick_backend"), (lockstep.comm.store, "resolve_timeout"),
-                         (lockstep.precision, "check_precision"), (lockstep.precision, "get_precision"),
-                         (lockstep.strategies, "check_strategy"),
-                         (lockstep.strategies.comm_hooks, "check_grad_compression"),
-                         (lockstep.strategies.compile, "check_compile")):
+    for module, name in (
+        (lockstep.comm.group, "pick_backend"),
+        (lockstep.comm.store, "resolve_timeout"),
+        (lockstep.precision, "check_precision"),
+        (lockstep.precision, "get_precision"),
+        (lockstep.strategies, "check_strategy"),
+        (lockstep.strategies.comm_hooks, "check_grad_compression"),
+        (lockstep.strategies.compile, "check_compile"),
+    ):
         real = getattr(module, name)
 
         def counted(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
@@ -155,11 +194,23 @@ def test_session_construction_runs_each_check_once(monkeypatch: pytest.MonkeyPat
             return _real(*args, **kwargs)
 
         monkeypatch.setattr(module, name, counted)
-    session = lockstep.Session(strategy="ddp", precision="bf16-mixed", grad_compression="fp16", timeout=30,
-                               compile={"backend": "eager"}, quiet=True)
+    session = lockstep.Session(
+        strategy="ddp",
+        precision="bf16-mixed",
+        grad_compression="fp16",
+        timeout=30,
+        compile={"backend": "eager"},
+        quiet=True,
+    )
     session.close()
-    assert calls == {"pick_backend": 1, "resolve_timeout": 1, "check_precision": 1, "check_strategy": 1,
-                     "check_grad_compression": 1, "check_compile": 1}  # get_precision: the plugin built once
+    assert calls == {
+        "pick_backend": 1,
+        "resolve_timeout": 1,
+        "check_precision": 1,
+        "check_strategy": 1,
+        "check_grad_compression": 1,
+        "check_compile": 1,
+    }  # get_precision: the plugin built once
 
 
 def test_session_takes_a_config_or_keywords_never_both() -> None:
@@ -187,25 +238,29 @@ def dataclasses_frozen() -> type[Exception]:
     return dataclasses.FrozenInstanceError
 
 
-@pytest.mark.parametrize("keywords, text", [
-    ({"clip_grad_norm": 0.0}, "clip_grad_norm=0.0 must be a positive, finite number"),
-    ({"clip_grad_norm": float("inf")}, "clip_grad_norm=inf must be a positive, finite number"),
-    ({"clip_grad_norm": float("nan")}, "clip_grad_norm=nan must be a positive, finite number"),
-    ({"clip_grad_norm": True}, "clip_grad_norm=True must be a positive, finite number"),
-    ({"accumulate": 1.5}, "accumulate=1.5 (--accumulate) must be an integer >= 1"),
-    ({"seed": "7"}, "seed='7' (--seed) must be an integer"),
-    ({"sync_bn": 1}, "sync_bn=1 (--sync-bn) must be True or False"),
-    ({"quiet": "yes"}, "quiet='yes' must be True or False"),
-    ({"preempt_check_seconds": float("inf")}, "preempt_check_seconds=inf must be a positive, finite number"),
-    ({"init_method": "localhost:29500"}, "init_method='localhost:29500' must be a URL"),
-    ({"strategy_options": [1]}, "strategy_options=[1] must be a dict"),
-    ({"backend": "mpich"}, "unknown backend 'mpich'"),
-    ({"timeout": float("nan")}, "timeout=nan (--timeout) must be a positive number of seconds"),
-    ({"compile": "yes"}, "compile must be True, False or a dict"),
-    ({"strategy": "dp", "sync_bn": True}, "sync_bn=True (--sync-bn) needs strategy 'ddp' or 'fsdp'"),
-])
-def test_session_config_refusals_name_the_option(keywords: dict[str, Any], text: str,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    "keywords, text",
+    [
+        ({"clip_grad_norm": 0.0}, "clip_grad_norm=0.0 must be a positive, finite number"),
+        ({"clip_grad_norm": float("inf")}, "clip_grad_norm=inf must be a positive, finite number"),
+        ({"clip_grad_norm": float("nan")}, "clip_grad_norm=nan must be a positive, finite number"),
+        ({"clip_grad_norm": True}, "clip_grad_norm=True must be a positive, finite number"),
+        ({"accumulate": 1.5}, "accumulate=1.5 (--accumulate) must be an integer >= 1"),
+        ({"seed": "7"}, "seed='7' (--seed) must be an integer"),
+        ({"sync_bn": 1}, "sync_bn=1 (--sync-bn) must be True or False"),
+        ({"quiet": "yes"}, "quiet='yes' must be True or False"),
+        ({"preempt_check_seconds": float("inf")}, "preempt_check_seconds=inf must be a positive, finite number"),
+        ({"init_method": "localhost:29500"}, "init_method='localhost:29500' must be a URL"),
+        ({"strategy_options": [1]}, "strategy_options=[1] must be a dict"),
+        ({"backend": "mpich"}, "unknown backend 'mpich'"),
+        ({"timeout": float("nan")}, "timeout=nan (--timeout) must be a positive number of seconds"),
+        ({"compile": "yes"}, "compile must be True, False or a dict"),
+        ({"strategy": "dp", "sync_bn": True}, "sync_bn=True (--sync-bn) needs strategy 'ddp' or 'fsdp'"),
+    ],
+)
+def test_session_config_refusals_name_the_option(
+    keywords: dict[str, Any], text: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # sync_bn's own CPU refusal aside
     with pytest.raises(ConfigError, match=re.escape(text)):
         SessionConfig(**keywords)
@@ -219,12 +274,17 @@ def test_dp_with_several_processes_is_refused_by_the_processes_check() -> None:
 
 # -- the layout: one module refuses each option ------------------------------------------------------
 
+
 def _patterns(option: str) -> list[str]:
     """How a message names an option: ``name=value``, ``--flag``, ``unknown name``, ``name must``;
     a name with an underscore is distinctive enough to count anywhere."""
     flag = "--" + option.replace("_", "-")
-    found = [rf"(?<![\w-]){option}=", rf"(?<![\w-]){re.escape(flag)}(?![\w-])", rf"\bunknown {option}\b",
-             rf"(?<![\w-]){option} must\b"]
+    found = [
+        rf"(?<![\w-]){option}=",
+        rf"(?<![\w-]){re.escape(flag)}(?![\w-])",
+        rf"\bunknown {option}\b",
+        rf"(?<![\w-]){option} must\b",
+    ]
     return found + ([rf"(?<![\w-]){option}(?![\w-])"] if "_" in option else [])
 
 
@@ -236,8 +296,11 @@ def _error_names(trees: dict[str, ast.Module]) -> set[str]:
         grew = False
         for tree in trees.values():
             for node in ast.walk(tree):
-                if isinstance(node, ast.ClassDef) and node.name not in names and any(
-                        isinstance(b, ast.Name) and b.id in names for b in node.bases):
+                if (
+                    isinstance(node, ast.ClassDef)
+                    and node.name not in names
+                    and any(isinstance(b, ast.Name) and b.id in names for b in node.bases)
+                ):
                     names.add(node.name)
                     grew = True
     return names
@@ -252,8 +315,12 @@ def _text(node: ast.AST, strings: dict[str, list[str]]) -> str:
         return "".join(_text(part, strings) for part in node.values)
     if isinstance(node, ast.FormattedValue):
         value = node.value
-        if (isinstance(value, ast.Call) and value.args and isinstance(value.args[0], ast.Constant)
-                and isinstance(value.args[0].value, str)):
+        if (
+            isinstance(value, ast.Call)
+            and value.args
+            and isinstance(value.args[0], ast.Constant)
+            and isinstance(value.args[0].value, str)
+        ):
             return f"{value.args[0].value}="
         if isinstance(value, ast.Name):
             return " | ".join(strings.get(value.id, ["{}"]))
@@ -280,9 +347,16 @@ def _messages(tree: ast.Module, errors: set[str]) -> Iterator[str]:
                 if text:
                     strings.setdefault(node.targets[0].id, []).append(text)
         for node in _own_nodes(scope):
-            if (isinstance(node, ast.Call) and node.args and
-                    (isinstance(node.func, ast.Name) and node.func.id in errors
-                     or isinstance(node.func, ast.Attribute) and node.func.attr in errors)):
+            if (
+                isinstance(node, ast.Call)
+                and node.args
+                and (
+                    isinstance(node.func, ast.Name)
+                    and node.func.id in errors
+                    or isinstance(node.func, ast.Attribute)
+                    and node.func.attr in errors
+                )
+            ):
                 yield _text(node.args[0], strings)
 
 
@@ -316,18 +390,32 @@ def _subject(message: str) -> str | None:
 
 # A rule about the state an option meets at run time, not about its value: the option's owner
 # cannot know it, so the module that meets the state refuses it.
-_RUNTIME_RULES = {("shard_optimizer", "lockstep.strategies.zero"): "the optimizer already holds state at setup",
-                  # verify's own --global-batch (the batch both of its runs train on), not the Session's
-                  ("global_batch", "lockstep.verify.config"): "verify splits its batch evenly over the processes",
-                  ("global_batch", "lockstep.verify.inputs"): "the dataset holds fewer samples than verify's batch"}
+_RUNTIME_RULES = {
+    ("shard_optimizer", "lockstep.strategies.zero"): "the optimizer already holds state at setup",
+    # verify's own --global-batch (the batch both of its runs train on), not the Session's
+    ("global_batch", "lockstep.verify.config"): "verify splits its batch evenly over the processes",
+    ("global_batch", "lockstep.verify.inputs"): "the dataset holds fewer samples than verify's batch",
+}
 
 
 def test_no_option_is_refused_in_two_modules() -> None:
     found = _refusals()
-    assert {"strategy", "precision", "sync_bn", "accumulate", "clip_grad_norm", "grad_compression", "timeout",
-            "nonfinite", "preemption", "max_norm"} <= set(found)  # the scan sees the checks it is about
-    stray = {option: sorted(m for m in modules if m != OWNERS[option] and (option, m) not in _RUNTIME_RULES)
-             for option, modules in found.items()}
+    assert {
+        "strategy",
+        "precision",
+        "sync_bn",
+        "accumulate",
+        "clip_grad_norm",
+        "grad_compression",
+        "timeout",
+        "nonfinite",
+        "preemption",
+        "max_norm",
+    } <= set(found)  # the scan sees the checks it is about
+    stray = {
+        option: sorted(m for m in modules if m != OWNERS[option] and (option, m) not in _RUNTIME_RULES)
+        for option, modules in found.items()
+    }
     assert {option: modules for option, modules in stray.items() if modules} == {}
 
 

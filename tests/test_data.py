@@ -11,10 +11,17 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
 from _dist import run_distributed
-from lockstep.data.loader import (EvalSampler, TrainSampler, default_num_workers, epoch_order,
-                           make_loader, move_to_device, seed_worker)
-from lockstep.errors import ConfigError
+from lockstep.data.loader import (
+    EvalSampler,
+    TrainSampler,
+    default_num_workers,
+    epoch_order,
+    make_loader,
+    move_to_device,
+    seed_worker,
+)
 from lockstep.data.steps import StepSampler
+from lockstep.errors import ConfigError
 
 
 def _ranks(n: int, world_size: int, epoch: int = 0, **kw: object) -> list[list[int]]:
@@ -33,6 +40,7 @@ def _interleave(per_rank: list[list[int]]) -> list[int]:
 
 # --- EvalSampler -------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("n", [0, 1, 5, 7, 1797])
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_eval_shards_cover_range_exactly_once(n: int, world_size: int) -> None:
@@ -49,6 +57,7 @@ def test_eval_sampler_refuses_bad_rank() -> None:
 
 
 # --- TrainSampler: order ---------------------------------------------------------------------
+
 
 def test_epochs_differ_and_are_permutations() -> None:
     orders = [_interleave(_ranks(100, 2, epoch=e, seed=3)) for e in range(3)]
@@ -80,12 +89,13 @@ def test_equal_lengths_on_all_ranks(n: int, world_size: int) -> None:
     flat = _interleave(cut)
     assert len({len(p) for p in cut}) == 1 and len(flat) == (n // world_size) * world_size
     assert len(set(flat)) == len(flat)  # drop_last never duplicates
-    assert flat == epoch_order(n, seed=1, epoch=0)[:len(flat)]
+    assert flat == epoch_order(n, seed=1, epoch=0)[: len(flat)]
     for r in range(world_size):
         assert len(TrainSampler(n, world_size, r, drop_last=True)) == len(cut[r])
 
 
 # --- TrainSampler: resume ----------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("n,world_size,batch,steps", [(100, 1, 8, 3), (101, 2, 4, 5), (47, 3, 5, 2), (9, 2, 1, 4)])
 @pytest.mark.parametrize("drop_last", [False, True])
@@ -103,7 +113,7 @@ def test_resume_mid_epoch_same_world_size(n: int, world_size: int, batch: int, s
         resumed.load_state_dict(state)
         resumed.set_epoch(2)  # what an epoch loop does on resume: keeps the loaded position
         rest = list(resumed)
-        assert rest == full[r][steps * batch:]
+        assert rest == full[r][steps * batch :]
         assert len(resumed) == len(rest)
 
 
@@ -123,8 +133,8 @@ def test_resume_on_another_world_size_covers_the_rest(new_world_size: int) -> No
         per_rank.append(list(t))
     assert len({len(p) for p in per_rank}) == 1
     flat = _interleave(per_rank)
-    assert flat[:n - seen] == order[seen:]  # the exact global order from `seen` on
-    assert set(flat[n - seen:]) <= set(order[:seen])  # padding reuses already-seen samples only
+    assert flat[: n - seen] == order[seen:]  # the exact global order from `seen` on
+    assert set(flat[n - seen :]) <= set(order[:seen])  # padding reuses already-seen samples only
 
 
 def test_set_epoch_resets_position_and_end_of_epoch_is_empty() -> None:
@@ -150,6 +160,7 @@ def test_bad_sampler_state_refused() -> None:
 
 
 # --- make_loader -------------------------------------------------------------------------------
+
 
 def _tensors(n: int) -> TensorDataset:
     return TensorDataset(torch.arange(n, dtype=torch.float32).unsqueeze(1), torch.arange(n))
@@ -216,8 +227,9 @@ class _Noisy(Dataset):
 @pytest.mark.parametrize("persistent", [False, True])
 def test_worker_seeds_are_reproducible_and_differ_by_rank_and_epoch(persistent: bool) -> None:
     def draw(rank: int, epoch: int) -> torch.Tensor:
-        loader = make_loader(_Noisy(), 4, world_size=2, rank=rank, num_workers=2, seed=9,
-                             shuffle=False, persistent_workers=persistent)
+        loader = make_loader(
+            _Noisy(), 4, world_size=2, rank=rank, num_workers=2, seed=9, shuffle=False, persistent_workers=persistent
+        )
         if epoch:
             list(loader)  # persistent workers live on from the epoch before
         loader.sampler.set_epoch(epoch)
@@ -272,6 +284,7 @@ def test_pinned_loader_and_non_blocking_copy_on_cuda() -> None:
 
 
 # --- FAULTS 10: uneven inputs with a real DDP model ----------------------------------------------
+
 
 def _train_uneven(n: int, batch: int) -> dict:
     from torch.nn.parallel import DistributedDataParallel

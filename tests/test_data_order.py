@@ -31,6 +31,7 @@ N, GLOBAL, CAP = 100, 33, 4  # 100 = 3 x 33 + 1: the epoch's last step has one s
 
 # --- the plan and the shares -------------------------------------------------------------------
 
+
 def test_plans_hold_the_global_batch() -> None:
     assert plan_batches(24, 3, 4) == plan_batches(24, 3, 4) and plan_batches(24, 3, 4).accumulate == 2
     assert (plan_batches(24, 4, 4).micro, plan_batches(24, 4, 4).accumulate) == (3, 2)
@@ -70,7 +71,9 @@ def test_loss_weights_make_the_mean_over_the_step() -> None:
             assert [w * micro.step_samples for w in weights] == [world * n for n in sizes]
             assert [micro.weight_of(n, world) for n in sizes] == weights  # the loader's form
         last = micro_steps(N, 0, plan)[-1]
-        assert last.step_samples == 1 and [last.weight(world, r) for r in range(world)][1:] == [Fraction(0)] * (world - 1)
+        assert last.step_samples == 1 and [last.weight(world, r) for r in range(world)][1:] == [Fraction(0)] * (
+            world - 1
+        )
 
 
 def test_a_zero_sample_rank_still_reads_one_sample() -> None:
@@ -86,14 +89,19 @@ def test_the_position_moves_between_world_sizes_and_orders_are_not_mixed() -> No
     two.set_epoch(1)
     two.advance(66)
     state = two.state_dict()
-    assert {k: state[k] for k in ("seed", "epoch", "cursor", "order")} == {"seed": 3, "epoch": 1, "cursor": 66,
-                                                                            "order": "lockstep"}
+    assert {k: state[k] for k in ("seed", "epoch", "cursor", "order")} == {
+        "seed": 3,
+        "epoch": 1,
+        "cursor": 66,
+        "order": "lockstep",
+    }
     four = [StepSampler(N, plan_batches(GLOBAL, 4, CAP), rank=r) for r in range(4)]
     for sampler in four:
         sampler.load_state_dict(state)
         sampler.set_epoch(1)  # keeps the loaded position
-    rest = [i for s in four for m, b in zip(s.upcoming(), s) if m.share(4, s.rank)[1] > m.share(4, s.rank)[0]
-            for i in b]
+    rest = [
+        i for s in four for m, b in zip(s.upcoming(), s) if m.share(4, s.rank)[1] > m.share(4, s.rank)[0] for i in b
+    ]
     assert sorted(rest) == sorted(epoch_order(N, 3, 1)[66:])
     # a position of the padded order (an older checkpoint's "seen") continues in this one
     old = StepSampler(N, plan_batches(GLOBAL, 3, CAP), rank=0)
@@ -122,14 +130,18 @@ def test_a_batch_larger_than_a_share_is_refused() -> None:
 
 def test_global_batch_options_are_checked() -> None:
     assert lockstep.SessionConfig(global_batch=24).global_batch == 24
-    for bad, match in [({"global_batch": 0}, "global_batch=0"), ({"global_batch": 8, "accumulate": 2}, "drop accumulate"),
-                       ({"global_batch": 8, "order": "torch"}, "needs the data order 'lockstep'"),
-                       ({"order": "numpy"}, "unknown data order 'numpy'")]:
+    for bad, match in [
+        ({"global_batch": 0}, "global_batch=0"),
+        ({"global_batch": 8, "accumulate": 2}, "drop accumulate"),
+        ({"global_batch": 8, "order": "torch"}, "needs the data order 'lockstep'"),
+        ({"order": "numpy"}, "unknown data order 'numpy'"),
+    ]:
         with pytest.raises(ConfigError, match=match):
             lockstep.SessionConfig(**bad)
 
 
 # --- training: the ledger ----------------------------------------------------------------------
+
 
 def _data() -> TensorDataset:
     gen = torch.Generator().manual_seed(1)
@@ -155,7 +167,7 @@ def _run(ckpt: str, epochs: int, stop_after: int | None) -> dict[str, Any]:
         pending: list[int] = []
         for epoch in session.epochs(epochs, start=state.epoch):
             for x, y, index in train:
-                pending += index[:train.share].tolist()
+                pending += index[: train.share].tolist()
                 session.backward(nn.functional.mse_loss(model(x), y))
                 if session.step(opt):
                     ledger.append((epoch, session.global_step, pending))

@@ -55,14 +55,22 @@ def _blocks_of(path: Path, root: Path = ROOT) -> list[Block]:
         if fence:
             if line.strip() == fence:
                 if marker is not None:
-                    blocks.append(Block(f"{path.relative_to(root)}:{start}", _title(lines[start - 1]),
-                                        marker, "\n".join(lines[start:number - 1]) + "\n"))
+                    blocks.append(
+                        Block(
+                            f"{path.relative_to(root)}:{start}",
+                            _title(lines[start - 1]),
+                            marker,
+                            "\n".join(lines[start : number - 1]) + "\n",
+                        )
+                    )
                 fence, marker = "", None
             continue
         if found := FENCE.match(line):
             fence, start = found["fence"], number
             if marker is not None:
-                assert found["info"].split()[:1] == ["python"], f"{path.name}:{number}: a run marker above a non-python block"
+                assert found["info"].split()[:1] == ["python"], (
+                    f"{path.name}:{number}: a run marker above a non-python block"
+                )
             continue
         if found := MARKER.match(line):
             marker = tuple(command.strip() for command in found["commands"].split(";"))
@@ -117,8 +125,11 @@ def _check_training(stdout: str, world: int) -> None:
 
 
 CHECKS = {"train.py": _check_training}
-CASES = [pytest.param(block, command, id=f"{block.title or block.where}-{re.sub(r'[^A-Za-z0-9]+', '-', command).strip('-')}")
-         for block in _runnable() for command in block.commands]
+CASES = [
+    pytest.param(block, command, id=f"{block.title or block.where}-{re.sub(r'[^A-Za-z0-9]+', '-', command).strip('-')}")
+    for block in _runnable()
+    for command in block.commands
+]
 
 
 def test_readme_has_the_setup_commands_first() -> None:
@@ -143,8 +154,10 @@ def test_the_examples_are_marked() -> None:
 
 def test_a_marker_inside_a_fence_is_text(tmp_path: Path) -> None:
     page = tmp_path / "page.md"
-    page.write_text('<!-- run: python -->\n\n```python title="a.py"\nprint(1)\n```\n\n'
-                    '````\n<!-- run: python -->\n\n```python\nprint(2)\n```\n````\n')
+    page.write_text(
+        '<!-- run: python -->\n\n```python title="a.py"\nprint(1)\n```\n\n'
+        "````\n<!-- run: python -->\n\n```python\nprint(2)\n```\n````\n"
+    )
     blocks = [(block.title, block.code) for block in _blocks_of(page, root=tmp_path)]
     assert blocks == [("a.py", "print(1)\n")]
 
@@ -167,7 +180,14 @@ def test_docstrings_read_as_markdown() -> None:
     text = "See :class:`~lockstep.session.Session` and :func:`helper`.\n\nExample::\n\n    x = 1\n\nAfter."
     assert module.markdown(text).splitlines() == [
         'See <autoref identifier="lockstep.session.Session" optional><code>Session</code></autoref> and `helper`.',
-        "", "Examples:", "    ```python", "    x = 1", "    ```", "", "After."]
+        "",
+        "Examples:",
+        "    ```python",
+        "    x = 1",
+        "    ```",
+        "",
+        "After.",
+    ]
 
 
 @pytest.mark.slow
@@ -176,8 +196,9 @@ def test_docstrings_read_as_markdown() -> None:
 def test_runnable_block(tmp_path: Path, block: Block, command: str) -> None:
     script = tmp_path / (block.title or "example.py")
     script.write_text(block.code)
-    out = subprocess.run(_argv(command, script), capture_output=True, text=True, timeout=140,
-                         env=_unactivated_env(), cwd=tmp_path)
+    out = subprocess.run(
+        _argv(command, script), capture_output=True, text=True, timeout=140, env=_unactivated_env(), cwd=tmp_path
+    )
     assert out.returncode == 0, f"{block.where} under {command}:\n{out.stdout}{out.stderr}"
     if block.title in CHECKS:
         CHECKS[block.title](out.stdout, _world(command))
@@ -187,12 +208,20 @@ def test_runnable_block(tmp_path: Path, block: Block, command: str) -> None:
 @pytest.mark.timeout(300)
 def test_docs_build_strict(tmp_path: Path) -> None:
     needed = ("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers.python")
-    missing = [name for name in needed if importlib.util.find_spec(name.split(".")[0]) is None
-               or importlib.util.find_spec(name) is None]
+    missing = [
+        name
+        for name in needed
+        if importlib.util.find_spec(name.split(".")[0]) is None or importlib.util.find_spec(name) is None
+    ]
     if missing:
         pytest.skip(f"the docs extra is not installed ({', '.join(missing)}): pip install -e '.[docs]'")
-    out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                         capture_output=True, text=True, timeout=280, cwd=ROOT,
-                         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    out = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        cwd=ROOT,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert (tmp_path / "site" / "reference" / "session.html").exists()

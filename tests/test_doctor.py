@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from _dist import run_distributed
-from lockstep.doctor.checks import Report, diagnose, format_report, verdict_line
 from lockstep.doctor.bandwidth import BandwidthRow, bus_factor, format_size, parse_size, parse_sizes
+from lockstep.doctor.checks import Report, diagnose, format_report, verdict_line
 from lockstep.errors import ConfigError
 
 
@@ -37,9 +37,21 @@ def test_bus_factor_is_nccl_tests_definition() -> None:
 
 
 def _rank(rank: int, **changes: object) -> dict:
-    info = {"rank": rank, "local_rank": rank, "node_rank": 0, "host": "h", "python": "3.11.7", "torch": "2.4.0",
-            "cuda": "12.4", "nccl": "2.20.5", "cuda_available": False, "gpus": 0, "gpu_names": [],
-            "device": "cpu", "local_world_size": 2}
+    info = {
+        "rank": rank,
+        "local_rank": rank,
+        "node_rank": 0,
+        "host": "h",
+        "python": "3.11.7",
+        "torch": "2.4.0",
+        "cuda": "12.4",
+        "nccl": "2.20.5",
+        "cuda_available": False,
+        "gpus": 0,
+        "gpu_names": [],
+        "device": "cpu",
+        "local_world_size": 2,
+    }
     info.update(changes)
     return info
 
@@ -100,8 +112,8 @@ def _measure() -> list:
     import torch
 
     from lockstep.comm.group import init_comm
-    from lockstep.doctor.checks import clock_offsets
     from lockstep.doctor.bandwidth import measure_allreduce
+    from lockstep.doctor.checks import clock_offsets
 
     comm = init_comm(timeout=90)
     rows = measure_allreduce(comm, [4096, 1 << 18], iters=4, warmup=1)
@@ -127,16 +139,23 @@ def test_world_three_measures_every_size_with_bus_factor() -> None:
     assert offsets[0] == 0.0 and all(abs(o) < 1.0 for o in offsets)  # one machine, one clock
 
 
-_TABLE_ROW = re.compile(r"^(?:\[rank0\]: )?\s+(\d+ [KMG]?B)\s+([\d.]+) ms\s+([\d.]+) GB/s"
-                        r"\s+([\d.]+) GB/s\s+(\d+)\s+(\S+)")
+_TABLE_ROW = re.compile(
+    r"^(?:\[rank0\]: )?\s+(\d+ [KMG]?B)\s+([\d.]+) ms\s+([\d.]+) GB/s"
+    r"\s+([\d.]+) GB/s\s+(\d+)\s+(\S+)"
+)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_cli_world_two_reports_bandwidth_table() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "lockstep", "doctor", "--nproc", "2", "--sizes", "4K..64K",
-                           "--iters", "5"], env=env, capture_output=True, text=True, timeout=170)
+    proc = subprocess.run(
+        [sys.executable, "-m", "lockstep", "doctor", "--nproc", "2", "--sizes", "4K..64K", "--iters", "5"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     rows = [m.groups() for m in map(_TABLE_ROW.match, lines) if m]

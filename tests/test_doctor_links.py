@@ -56,9 +56,10 @@ class _SlowRank:
         self.rank, self.delay = rank, delay
 
     def send(self, tensor, dst: int) -> None:  # type: ignore[no-untyped-def]
+        import os
+
         import torch.distributed as dist
 
-        import os
         if self.rank in (dst, int(os.environ["RANK"])):
             time.sleep(self.delay)
         dist.send(tensor, dst)
@@ -75,8 +76,7 @@ def _links(slow: int | None) -> tuple[list[str], list[str], list[str], list[str]
 
     comm = init_comm(timeout=30)
     transport = _SlowRank(slow, 0.05) if slow is not None else None
-    report = measure_links(comm, [0, 1, 2], ["rank 0", "rank 1", "rank 2"], size=1 << 16, iters=3,
-                           transport=transport)
+    report = measure_links(comm, [0, 1, 2], ["rank 0", "rank 1", "rank 2"], size=1 << 16, iters=3, transport=transport)
     comm.shutdown()
     return (*slow_parts(report), format_links(report))
 

@@ -21,17 +21,21 @@ def test_probe_reaches_a_live_host_and_names_a_dead_one() -> None:
         with socket.socket() as closed:  # a port with nobody listening: the "host" is unreachable
             closed.bind(("127.0.0.1", 0))
             dead_port = closed.getsockname()[1]
-        infos = [probe.info,
-                 {**probe.info, "rank": 1, "host": "other"},                      # reachable listener
-                 {**probe.info, "rank": 2, "host": "gone", "port": dead_port}]    # nothing there
+        infos = [
+            probe.info,
+            {**probe.info, "rank": 1, "host": "other"},  # reachable listener
+            {**probe.info, "rank": 2, "host": "gone", "port": dead_port},
+        ]  # nothing there
         assert probe.reach(infos, timeout=2.0) == [2]
     finally:
         probe.close()
 
 
 def test_warnings_and_lines() -> None:
-    infos = [{"rank": 0, "host": "n0", "interface": "eth0", "address": "192.0.2.1", "port": 1, "nccl": "eth0"},
-             {"rank": 1, "host": "n1", "interface": "lo", "address": "127.0.0.1", "port": 1, "nccl": "docker0"}]
+    infos = [
+        {"rank": 0, "host": "n0", "interface": "eth0", "address": "192.0.2.1", "port": 1, "nccl": "eth0"},
+        {"rank": 1, "host": "n1", "interface": "lo", "address": "127.0.0.1", "port": 1, "nccl": "docker0"},
+    ]
     problems, warnings = network_warnings(infos, [[], [0]])
     assert problems == ["rank 1 (n1) cannot reach rank 0 over lo: check routes and firewalls between the nodes"]
     assert len(warnings) == 1 and "rank 1 (n1) uses lo" in warnings[0] and "GLOO_SOCKET_IFNAME" in warnings[0]

@@ -22,13 +22,21 @@ def _documented(page: str, pattern: str) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("call", [r"lockstep\.launch\.spawn\(fn, nprocs, args=\(\.\.\.\)\)",
-                                  r"lockstep\.spawn\(fn, nprocs, args=\(\.\.\.\)\)"])
+@pytest.mark.parametrize(
+    "call",
+    [r"lockstep\.launch\.spawn\(fn, nprocs, args=\(\.\.\.\)\)", r"lockstep\.spawn\(fn, nprocs, args=\(\.\.\.\)\)"],
+)
 def test_spawn_as_the_reference_writes_it(call: str) -> None:
     written = _documented("docs/reference/launch.md", call)
-    code = ("import operator\nimport lockstep\nfn, nprocs = operator.add, 2\n"
-            f"print({written.replace('(...)', '(1, 2)')})\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    code = (
+        f"import operator\nimport lockstep\nfn, nprocs = operator.add, 2\nprint({written.replace('(...)', '(1, 2)')})\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.strip() == "[3, 3]", out.stdout

@@ -29,8 +29,14 @@ def group() -> Any:
         return 5
 
     out = io.StringIO()
-    g = ElasticGroup(membership, {"model": model}, timeout=10, out=out, restore=restore,
-                     plan=lambda world: f"micro-batch {24 // world} × accumulation 1")
+    g = ElasticGroup(
+        membership,
+        {"model": model},
+        timeout=10,
+        out=out,
+        restore=restore,
+        plan=lambda world: f"micro-batch {24 // world} × accumulation 1",
+    )
     g.keep = store  # type: ignore[attr-defined]
     yield g, model, out
     if dist.is_initialized():
@@ -41,8 +47,10 @@ def test_the_disk_is_the_fallback_when_no_member_holds_the_state(group: Any) -> 
     g, model, out = group
     g.start()
     assert g.step == 5 and torch.all(model.weight == 0.5)
-    assert "joined host host-a (node a, rank 0); world size 1 on 1 node; micro-batch 24 × accumulation 1; " \
-           "resumed at step 5" in out.getvalue()
+    assert (
+        "joined host host-a (node a, rank 0); world size 1 on 1 node; micro-batch 24 × accumulation 1; "
+        "resumed at step 5" in out.getvalue()
+    )
 
 
 def test_a_lost_peer_rebuilds_the_group_and_the_step_runs_again(group: Any) -> None:
@@ -70,5 +78,7 @@ def test_which_errors_are_a_lost_peer() -> None:
     assert not is_membership_failure(ValueError("timeout"))
     view = RoundView(round=3, rank=0, members=(Member("a", "ha", 0, 1, 0, 7),), left=(Member("b", "hb", 0, 1, 1, 7),))
     line = describe_change(view, 7, "micro-batch 24 × accumulation 1", {"step lost": 0.5, "rendezvous": 2.0})
-    assert line == ("lockstep run: membership: left host hb (node b, rank 1); world size 1 on 1 node; micro-batch 24 × "
-                    "accumulation 1; resumed at step 7; cost 2.50 s (step lost 0.50 s, rendezvous 2.00 s)")
+    assert line == (
+        "lockstep run: membership: left host hb (node b, rank 1); world size 1 on 1 node; micro-batch 24 × "
+        "accumulation 1; resumed at step 7; cost 2.50 s (step lost 0.50 s, rendezvous 2.00 s)"
+    )

@@ -116,15 +116,19 @@ def test_a_node_let_in_at_a_new_epochs_first_batch_keeps_that_epoch() -> None:
             assert state.epoch == 1 and elastic.generation == 2
 
 
-@pytest.mark.parametrize("options, named", [
-    ({"strategy": "fsdp", "global_batch": 24}, "strategy='fsdp'"),
-    ({"order": "torch"}, "order='torch'"),
-    ({"global_batch": 24, "grad_compression": "fp16"}, "grad_compression='fp16'"),
-    ({"global_batch": 24, "shard_optimizer": True}, "shard_optimizer=True"),
-    ({}, "global_batch=None"),
-])
+@pytest.mark.parametrize(
+    "options, named",
+    [
+        ({"strategy": "fsdp", "global_batch": 24}, "strategy='fsdp'"),
+        ({"order": "torch"}, "order='torch'"),
+        ({"global_batch": 24, "grad_compression": "fp16"}, "grad_compression='fp16'"),
+        ({"global_batch": 24, "shard_optimizer": True}, "shard_optimizer=True"),
+        ({}, "global_batch=None"),
+    ],
+)
 def test_what_cannot_follow_the_membership_is_refused_in_one_line_before_any_group(
-        monkeypatch: pytest.MonkeyPatch, options: dict[str, Any], named: str) -> None:
+    monkeypatch: pytest.MonkeyPatch, options: dict[str, Any], named: str
+) -> None:
     import lockstep
     from lockstep.errors import ConfigError
 
@@ -159,8 +163,9 @@ def _elastic_ddp_step(sync_buffers: bool) -> tuple[list[str], list[float], list[
     torch.manual_seed(1 + comm.rank)  # each rank its own batch: its own gradients and batch statistics
     model(torch.randn(8, 3)).sum().backward()
     strategy.sync_gradients(model)
-    line = summary_line(world_size=2, strategy=strategy, precision="fp32", backend="gloo",
-                        timeout=timedelta(seconds=30), loaders=[])
+    line = summary_line(
+        world_size=2, strategy=strategy, precision="fp32", backend="gloo", timeout=timedelta(seconds=30), loaders=[]
+    )
     out = (strategy.ignored, model[0].weight.grad.flatten().tolist(), model[1].running_mean.tolist(), line)
     comm.shutdown()
     return out

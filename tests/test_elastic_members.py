@@ -25,8 +25,15 @@ def store() -> Any:
     return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=20))
 
 
-def _membership(store: Any, node: str, local_rank: int = 0, nproc: int = 1, nodes: tuple[int, int] = (1, 3),
-                secret: bytes = SECRET, **kw: Any) -> Membership:
+def _membership(
+    store: Any,
+    node: str,
+    local_rank: int = 0,
+    nproc: int = 1,
+    nodes: tuple[int, int] = (1, 3),
+    secret: bytes = SECRET,
+    **kw: Any,
+) -> Membership:
     me = Member(node=node, host=f"host-{node}", local_rank=local_rank, nproc=nproc)
     return Membership(dist.PrefixStore("el/", store), secret, me, nodes, last_call=kw.pop("last_call", 0.5), **kw)
 

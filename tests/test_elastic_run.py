@@ -25,10 +25,34 @@ SAMPLES, BATCH, EPOCHS = 240, 24, 2
 
 
 def _node(name: str, port: int, secret: Path, ledger: Path, out: Path, hold: bool = True) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "lockstep", "run", "--nodes", "1:3", "--master", f"127.0.0.1:{port}",
-           "--secret-file", str(secret), "--timeout", "20", "--nproc", "1", str(SCRIPT), "--ledger", str(ledger),
-           "--samples", str(SAMPLES), "--global-batch", str(BATCH), "--epochs", str(EPOCHS),
-           "--step-time", "0.2", *(["--hold", "0:2", "--hold", "12:2"] if hold else [])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lockstep",
+        "run",
+        "--nodes",
+        "1:3",
+        "--master",
+        f"127.0.0.1:{port}",
+        "--secret-file",
+        str(secret),
+        "--timeout",
+        "20",
+        "--nproc",
+        "1",
+        str(SCRIPT),
+        "--ledger",
+        str(ledger),
+        "--samples",
+        str(SAMPLES),
+        "--global-batch",
+        str(BATCH),
+        "--epochs",
+        str(EPOCHS),
+        "--step-time",
+        "0.2",
+        *(["--hold", "0:2", "--hold", "12:2"] if hold else []),
+    ]
     return subprocess.Popen(cmd, stdout=open(out / f"node{name}.log", "wb"), stderr=subprocess.STDOUT, env=node_env())
 
 
@@ -50,19 +74,40 @@ def test_a_node_killed_then_a_node_joining_lose_nothing(tmp_path: Path) -> None:
     _wait(lambda: any('"world": 2' in r and '"step": 4,' in r for r in _records(ledger)), "A and B reach step 4")
     b.send_signal(signal.SIGKILL)  # the launcher; its worker dies with it
     b.wait(30)
-    _wait(lambda: any('"world": 1' in r and '"round": 1' in r or '"world": 1' in r and '"round": 2' in r
-                       for r in _records(ledger)), "A goes on alone")
+    _wait(
+        lambda: any(
+            '"world": 1' in r and '"round": 1' in r or '"world": 1' in r and '"round": 2' in r for r in _records(ledger)
+        ),
+        "A goes on alone",
+    )
     c = _node("C", port, secret, ledger, tmp_path)
     assert a.wait(300) == 0, (tmp_path / "nodeA.log").read_text()[-3000:]
     assert c.wait(60) == 0, (tmp_path / "nodeC.log").read_text()[-3000:]
-    subprocess.run([sys.executable, str(SCRIPT), "--ledger", str(ledger), "--samples", str(SAMPLES),
-                    "--global-batch", str(BATCH), "--epochs", str(EPOCHS), "--reference"], check=True, env=node_env())
+    subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--ledger",
+            str(ledger),
+            "--samples",
+            str(SAMPLES),
+            "--global-batch",
+            str(BATCH),
+            "--epochs",
+            str(EPOCHS),
+            "--reference",
+        ],
+        check=True,
+        env=node_env(),
+    )
     assert ledger_checker().check(str(ledger), SAMPLES, BATCH, EPOCHS) == []  # type: ignore[attr-defined]
     lines = [x for x in (tmp_path / "nodeA.log").read_text().splitlines() if "membership:" in x]
-    assert any("left host" in x and "world size 1 on 1 node" in x and "micro-batch 24 × accumulation 1" in x
-               for x in lines), lines
-    assert any("joined host" in x and "world size 2 on 2 nodes" in x and "resumed at step 12" in x
-               for x in lines), lines
+    assert any(
+        "left host" in x and "world size 1 on 1 node" in x and "micro-batch 24 × accumulation 1" in x for x in lines
+    ), lines
+    assert any("joined host" in x and "world size 2 on 2 nodes" in x and "resumed at step 12" in x for x in lines), (
+        lines
+    )
 
 
 class _Marker:
@@ -97,6 +142,21 @@ def test_an_outsiders_pickles_in_every_key_of_the_membership_store_run_nothing(t
     assert not marker.exists(), "code from the store ran"
     log = (tmp_path / "nodeA.log").read_text()
     assert log.count("membership:") == 1, log  # the start only: no forged newcomer let in
-    subprocess.run([sys.executable, str(SCRIPT), "--ledger", str(ledger), "--samples", str(SAMPLES),
-                    "--global-batch", str(BATCH), "--epochs", str(EPOCHS), "--reference"], check=True, env=node_env())
+    subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--ledger",
+            str(ledger),
+            "--samples",
+            str(SAMPLES),
+            "--global-batch",
+            str(BATCH),
+            "--epochs",
+            str(EPOCHS),
+            "--reference",
+        ],
+        check=True,
+        env=node_env(),
+    )
     assert ledger_checker().check(str(ledger), SAMPLES, BATCH, EPOCHS) == []  # type: ignore[attr-defined]

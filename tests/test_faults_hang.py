@@ -17,19 +17,21 @@ import pytest
 
 from _dist import run_distributed
 from lockstep.comm.group import resolve_timeout
+from lockstep.comm.watchdog import Post, diagnose
 from lockstep.errors import ConfigError
 from lockstep.launch.report import Failure, summarize
-from lockstep.comm.watchdog import Post, diagnose
 
 
 def _post(rank: int, seq: int, inside: bool, what: str, where: str = "", in_torch: bool = False) -> Post:
-    return Post(rank=rank, seq=seq, inside=inside, what=what, host="h", pid=100 + rank, where=where,
-                in_torch=in_torch)
+    return Post(rank=rank, seq=seq, inside=inside, what=what, host="h", pid=100 + rank, where=where, in_torch=in_torch)
 
 
 def test_diagnose_names_the_rank_behind() -> None:
-    posts = {0: _post(0, 57, True, "all_reduce #57"), 1: _post(1, 56, False, "all_reduce #56", "train.py:9 in f"),
-             2: _post(2, 57, True, "all_reduce #57")}
+    posts = {
+        0: _post(0, 57, True, "all_reduce #57"),
+        1: _post(1, 56, False, "all_reduce #56", "train.py:9 in f"),
+        2: _post(2, 57, True, "all_reduce #57"),
+    }
     err = diagnose(posts, 3, 30.0, me=0)
     assert err.blame == (1,) and err.waiting == (0, 2)
     assert str(err).splitlines() == [
@@ -40,8 +42,11 @@ def test_diagnose_names_the_rank_behind() -> None:
 
 def test_diagnose_missing_post_and_hidden_collective() -> None:
     # rank 2 never posted (stuck holding the GIL); rank 0 waits in a collective the counter does not see
-    posts = {0: _post(0, 3, False, "backward of step 3", "train.py:20 in main", in_torch=True),
-             1: _post(1, 3, False, "backward of step 3", "train.py:14 in main"), 2: None}
+    posts = {
+        0: _post(0, 3, False, "backward of step 3", "train.py:20 in main", in_torch=True),
+        1: _post(1, 3, False, "backward of step 3", "train.py:14 in main"),
+        2: None,
+    }
     err = diagnose(posts, 3, 5.0, me=0)
     assert err.blame == (1, 2) and err.waiting == (0,)
     text = str(err)
@@ -53,13 +58,16 @@ def test_diagnose_shows_an_old_post_as_the_last_report() -> None:
     # rank 1 posted during an earlier stall, then its host went off the network: what it posted is
     # its last report, not where it is now (a rank that still answers posts every quarter timeout)
     now = 1_000_000.0
-    posts = {0: Post(0, 57, True, "all_reduce #57", "h0", 100, at=now - 1),
-             1: Post(1, 12, False, "all_reduce #12", "h1", 101, "train.py:9 in f", at=now - 300)}
+    posts = {
+        0: Post(0, 57, True, "all_reduce #57", "h0", 100, at=now - 1),
+        1: Post(1, 12, False, "all_reduce #12", "h1", 101, "train.py:9 in f", at=now - 300),
+    }
     err = diagnose(posts, 2, 30.0, me=0, now=now)
     assert err.blame == (1,)
     assert str(err).splitlines()[1] == (
         "rank 1 has not reported for 300 s (its host is unreachable, or it is stuck without releasing the "
-        "Python interpreter lock); then it had finished all_reduce #12 at train.py:9 in f")
+        "Python interpreter lock); then it had finished all_reduce #12 at train.py:9 in f"
+    )
     fresh = {**posts, 1: Post(1, 56, False, "all_reduce #56", "h1", 101, "train.py:9 in f", at=now - 5)}
     assert "rank 1 last finished all_reduce #56" in str(diagnose(fresh, 2, 30.0, me=0, now=now))
 
@@ -84,8 +92,17 @@ def test_diagnose_without_a_rank_behind() -> None:
 
 
 def _failure(rank: int, exitcode: int, t: float, error: str = "", blame: tuple[int, ...] = ()) -> Failure:
-    return Failure(rank=rank, local_rank=rank, host="h", pid=100 + rank, exitcode=exitcode, time=t,
-                   error=error, error_type=error.split(":")[0], blame=blame)
+    return Failure(
+        rank=rank,
+        local_rank=rank,
+        host="h",
+        pid=100 + rank,
+        exitcode=exitcode,
+        time=t,
+        error=error,
+        error_type=error.split(":")[0],
+        blame=blame,
+    )
 
 
 def test_summary_blames_the_named_rank_not_the_waiters() -> None:
@@ -114,7 +131,8 @@ def test_a_rank_stopped_after_it_failed_keeps_its_error() -> None:
 def test_backstop_reports_when_the_backend_never_raises(tmp_path: Path) -> None:
     """A collective stuck past the timeout with no error from the backend: the watchdog reports and exits."""
     script = tmp_path / "stuck.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import time, torch.distributed as dist
         from lockstep.comm.watchdog import Watchdog
         watch = Watchdog(dist.FileStore({str(tmp_path / "store")!r}, 1), rank=0, world_size=2, timeout=1.0,
@@ -122,10 +140,16 @@ def test_backstop_reports_when_the_backend_never_raises(tmp_path: Path) -> None:
         watch.start()
         watch.enter("all_reduce #{{}}", 7)
         time.sleep(30)   # rank 1 never posts; nothing raises
-    """))
+    """)
+    )
     error_file = tmp_path / "error.json"
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "TORCHELASTIC_ERROR_FILE": str(error_file)})
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "TORCHELASTIC_ERROR_FILE": str(error_file)},
+    )
     assert proc.returncode == 1  # the watchdog ended it: the sleep would have exited 0
     assert "lockstep: rank 1 did not reach all_reduce #7 within 1 s; rank 0 waited there." in proc.stderr
     assert "rank 1 never reported its position" in proc.stderr
@@ -202,9 +226,13 @@ HANG = textwrap.dedent("""
 def _launch_hang(tmp_path: Path, nproc: int, mode: str) -> tuple[subprocess.CompletedProcess, float]:
     script = tmp_path / "hang.py"
     script.write_text(HANG)
-    proc = subprocess.Popen([sys.executable, "-m", "lockstep", "run", "--nproc", str(nproc), "--timeout", "5",
-                             str(script), mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lockstep", "run", "--nproc", str(nproc), "--timeout", "5", str(script), mode],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.stdout is not None
     while "hanging" not in (line := proc.stdout.readline()):
         assert line, "the job ended before rank 1 hung"
@@ -219,8 +247,11 @@ def test_hung_rank_in_backward_is_named(tmp_path: Path) -> None:
     proc, took = _launch_hang(tmp_path, 3, "session")
     assert proc.returncode == 1 and took < 45, (took, proc.stderr)  # a hang guard: rank 1 sleeps 60 s
     err = proc.stderr
-    assert re.search(r"lockstep run: rank 1 \(host \S+, pid \d+\) did not reach backward of step 4 within "
-                     r"5 s; ranks 0, 2 waited there\.", err), err
+    assert re.search(
+        r"lockstep run: rank 1 \(host \S+, pid \d+\) did not reach backward of step 4 within "
+        r"5 s; ranks 0, 2 waited there\.",
+        err,
+    ), err
     assert "rank 1 last finished backward of step 3 and was at hang.py:10 in <module>" in err
     assert "rank 0 raised" not in err and "rank 2 raised" not in err and "Traceback" not in err
 
@@ -231,6 +262,9 @@ def test_backend_timeout_outside_lockstep_is_explained(tmp_path: Path) -> None:
     """gloo's own timeout, raised by a torch.distributed call in the script, gets the same message."""
     proc, took = _launch_hang(tmp_path, 2, "direct")
     assert proc.returncode == 1 and took < 45, (took, proc.stderr)  # a hang guard: rank 1 sleeps 60 s
-    assert re.search(r"rank 1 \(host \S+, pid \d+\) did not reach a torch.distributed collective at "
-                     r"hang.py:12 in <module> within 5 s; rank 0 waited there", proc.stderr), proc.stderr
+    assert re.search(
+        r"rank 1 \(host \S+, pid \d+\) did not reach a torch.distributed collective at "
+        r"hang.py:12 in <module> within 5 s; rank 0 waited there",
+        proc.stderr,
+    ), proc.stderr
     assert "rank 0 raised" not in proc.stderr

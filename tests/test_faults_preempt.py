@@ -20,10 +20,10 @@ from torch import nn
 import lockstep
 from lockstep.cli.run import add_arguments
 from lockstep.comm.group import Comm
+from lockstep.comm.watchdog import NullWatchdog
 from lockstep.env import World
 from lockstep.errors import EXIT_PREEMPTED
 from lockstep.launch.elastic import LaunchSpec, _launch_config, _launch_environment
-from lockstep.comm.watchdog import NullWatchdog
 from lockstep.session.preempt import Preempted, StopGuard, parse_grace
 
 
@@ -124,7 +124,8 @@ def test_poll_and_a_failed_job_resending_the_recorded_signal(monkeypatch: pytest
 @pytest.mark.slow
 def test_a_stop_nobody_agrees_on_ends_the_process_after_the_grace(tmp_path: Path) -> None:
     script = tmp_path / "idle.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import os, signal, time, torch, lockstep
         session = lockstep.Session(quiet=True)
         model, opt = session.setup(torch.nn.Linear(2, 1), lambda p: torch.optim.SGD(p, lr=0.1))
@@ -132,9 +133,15 @@ def test_a_stop_nobody_agrees_on_ends_the_process_after_the_grace(tmp_path: Path
         os.kill(os.getpid(), signal.SIGTERM)      # but no step follows: nobody agrees
         print("waiting", flush=True)
         time.sleep(20)
-    """))
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "LOCKSTEP_GRACE": "1"})
+    """)
+    )
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "LOCKSTEP_GRACE": "1"},
+    )
     # the grace ended it: the sleep would have exited 0
     assert proc.returncode == -signal.SIGTERM and proc.stdout == "waiting\n", proc.stderr
 

@@ -91,8 +91,14 @@ def _env() -> dict[str, str]:
 
 
 def _train(tmp: Path, mode: str, *flags: str, name: str = "out.pt") -> subprocess.CompletedProcess:
-    return subprocess.run(_cmd(*flags, str(tmp / "train.py"), str(tmp / "ckpt"), str(tmp / name), mode),
-                          capture_output=True, text=True, timeout=100, env=_env(), cwd=tmp)
+    return subprocess.run(
+        _cmd(*flags, str(tmp / "train.py"), str(tmp / "ckpt"), str(tmp / name), mode),
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env=_env(),
+        cwd=tmp,
+    )
 
 
 @pytest.fixture
@@ -127,8 +133,9 @@ def test_crash_once_restarts_and_resumes(job: Path, reference: dict) -> None:
     proc = _train(job, "crash", "--max-restarts", "1")
     assert proc.returncode == 0, proc.stderr
     assert "restarting the job (attempt 2 of 2) after rank 1 was killed by SIGKILL" in proc.stderr
-    assert re.search(r"\[rank0\]: lockstep: resumed from \S+step-000008 at epoch 1, step 8 \(attempt 2\)",
-                     proc.stdout), proc.stdout
+    assert re.search(
+        r"\[rank0\]: lockstep: resumed from \S+step-000008 at epoch 1, step 8 \(attempt 2\)", proc.stdout
+    ), proc.stdout
     _assert_same(job / "out.pt", reference)
 
 
@@ -199,7 +206,8 @@ def test_sigterm_to_one_rank_stops_every_rank(job: Path) -> None:
 def test_store_listens_on_loopback_only(tmp_path: Path) -> None:
     """Row 23: on one host the workers' store is bound to 127.0.0.1, not to every interface."""
     script = tmp_path / "listen.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import os
         from lockstep.comm.group import init_comm
         comm = init_comm(timeout=30)
@@ -211,7 +219,8 @@ def test_store_listens_on_loopback_only(tmp_path: Path) -> None:
                     if state == "0A" and int(local.split(":")[1], 16) == port:  # 0A: LISTEN
                         print("listening on", local.split(":")[0], flush=True)
         comm.shutdown()
-    """))
+    """)
+    )
     proc = subprocess.run(_cmd(str(script)), capture_output=True, text=True, timeout=50, env=_env())
     assert proc.returncode == 0, proc.stderr
     assert re.findall(r"listening on (\w+)", proc.stdout) == ["0100007F"]  # 127.0.0.1, and nothing else
@@ -224,8 +233,26 @@ def test_public_master_address_is_warned_about() -> None:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "lockstep", "run", "--nodes", "2", "--node-rank", "1",
-                           "--master", f"0.0.0.0:{port}", "--join-timeout", "1", str(EXAMPLE)],
-                          capture_output=True, text=True, timeout=50, env=_env())
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lockstep",
+            "run",
+            "--nodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--master",
+            f"0.0.0.0:{port}",
+            "--join-timeout",
+            "1",
+            str(EXAMPLE),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        env=_env(),
+    )
     assert proc.returncode != 0 and time.monotonic() - start < 40
     assert "the wildcard address '0.0.0.0'" in proc.stderr and "anyone who reaches it" in proc.stderr

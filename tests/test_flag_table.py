@@ -21,8 +21,14 @@ PAGE = Path(__file__).resolve().parents[1] / "docs" / "flags.md"
 # --num-classes and --classes, --batch-size and --batch, --no-progress and --progress
 _QUALIFIERS = {"no", "num", "max", "min", "size", "count", "n"}
 # different words for one setting
-_SYNONYMS = {"np": "nproc", "nprocs": "nproc", "processes": "nproc", "procs": "nproc", "label": "class",
-             "iteration": "step"}
+_SYNONYMS = {
+    "np": "nproc",
+    "nprocs": "nproc",
+    "processes": "nproc",
+    "procs": "nproc",
+    "label": "class",
+    "iteration": "step",
+}
 
 
 def _word(word: str) -> str:
@@ -43,11 +49,22 @@ def setting(flag: str) -> str:
 
 
 def test_the_check_sees_the_spellings_it_is_about() -> None:
-    for old, new in (("--batch", "--batch-size"), ("--strategies", "--strategy"), ("--steps", "--max-steps"),
-                     ("--classes", "--num-classes"), ("--no-progress", "--progress"), ("--np", "--nproc")):
+    for old, new in (
+        ("--batch", "--batch-size"),
+        ("--strategies", "--strategy"),
+        ("--steps", "--max-steps"),
+        ("--classes", "--num-classes"),
+        ("--no-progress", "--progress"),
+        ("--np", "--nproc"),
+    ):
         assert setting(old) == setting(new), (old, new)
-    for one, other in (("--timeout", "--join-timeout"), ("--global-batch", "--batch-size"), ("--iters", "--epochs"),
-                       ("--weights", "--weight-decay"), ("--nodes", "--node-rank")):
+    for one, other in (
+        ("--timeout", "--join-timeout"),
+        ("--global-batch", "--batch-size"),
+        ("--iters", "--epochs"),
+        ("--weights", "--weight-decay"),
+        ("--nodes", "--node-rank"),
+    ):
         assert setting(one) != setting(other), (one, other)
 
 
@@ -55,8 +72,11 @@ def test_no_two_subcommands_use_different_names_for_one_setting() -> None:
     names: dict[str, dict[str, set[str]]] = {}  # setting -> flag -> subcommands
     for flag in collect_flags():
         names.setdefault(setting(flag.name), {}).setdefault(flag.name, set()).update(flag.defaults)
-    clashes = {key: {name: sorted(where) for name, where in spelled.items()}
-               for key, spelled in names.items() if len(spelled) > 1}
+    clashes = {
+        key: {name: sorted(where) for name, where in spelled.items()}
+        for key, spelled in names.items()
+        if len(spelled) > 1
+    }
     assert clashes == {}, "one setting, several names (keep one, the others as add_deprecated aliases)"
 
 
@@ -82,8 +102,9 @@ def test_bench_sweeps_up_to_the_same_default() -> None:
 
 
 def test_docs_table_is_up_to_date() -> None:
-    assert PAGE.is_file() and PAGE.read_text() == flag_page(), \
+    assert PAGE.is_file() and PAGE.read_text() == flag_page(), (
         "docs/flags.md is out of date: python -m lockstep.cli.reference docs/flags.md"
+    )
 
 
 def test_table_lists_every_flag_of_every_subcommand() -> None:

@@ -22,7 +22,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -35,12 +34,12 @@ from _parity import batch as _batch
 from _parity import reference as _reference
 from _parity import rel_diff as _rel_diff
 from lockstep.checkpoint import load_checkpoint
+from lockstep.comm.group import Comm
+from lockstep.env import World
 from lockstep.errors import ConfigError
 from lockstep.session.config import SessionConfig
 from lockstep.strategies import get_strategy
 from lockstep.strategies.comm_hooks import ONE_BUCKET_MB, check_grad_compression
-from lockstep.comm.group import Comm
-from lockstep.env import World
 
 CPU = torch.device("cpu")
 STEPS = 20
@@ -55,8 +54,8 @@ def _model(width: int = 0) -> nn.Module:
     return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), *(middle if width else []), nn.Linear(16, 3))
 
 
-
 # -- options (one process) -------------------------------------------------------------------------
+
 
 def test_compression_names_and_knobs_are_checked() -> None:
     assert check_grad_compression(None) == "none"
@@ -91,7 +90,9 @@ def test_session_options_refuse_before_any_process_group() -> None:
 
 def test_ddp_strategy_options() -> None:
     comm = Comm(World())
-    options = SessionConfig("ddp", grad_compression="PowerSGD", strategy_options={"powersgd_rank": 2}).strategy_kwargs(1)
+    options = SessionConfig("ddp", grad_compression="PowerSGD", strategy_options={"powersgd_rank": 2}).strategy_kwargs(
+        1
+    )
     strategy = get_strategy("ddp", comm, CPU, **options)
     assert strategy.options["grad_compression"] == "powersgd" and strategy.options["powersgd_rank"] == 2
     assert strategy.options["gradient_as_bucket_view"] is True  # the default: no second copy of the gradients
@@ -106,18 +107,25 @@ def test_ddp_strategy_options() -> None:
 
 # -- world 2 on gloo -------------------------------------------------------------------------------
 
+
 def _train_body(compression: str, options: dict[str, Any]) -> dict[str, Any]:
-    session = lockstep.Session(strategy="ddp", grad_compression=compression, strategy_options=options,
-                               quiet=True, timeout=60)
+    session = lockstep.Session(
+        strategy="ddp", grad_compression=compression, strategy_options=options, quiet=True, timeout=60
+    )
     model, opt = session.setup(_model(), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
     n = GLOBAL_BATCH // session.world_size
     for step in range(STEPS):
         x, y = _batch(step)
-        session.backward(F.mse_loss(model(x[session.rank * n:(session.rank + 1) * n]),
-                                    y[session.rank * n:(session.rank + 1) * n]))
+        session.backward(
+            F.mse_loss(
+                model(x[session.rank * n : (session.rank + 1) * n]), y[session.rank * n : (session.rank + 1) * n]
+            )
+        )
         session.step(opt)
-    out = {"weights": {k: v.detach().clone() for k, v in session.strategy.unwrap(model).state_dict().items()},
-           "summary": session.summary()}
+    out = {
+        "weights": {k: v.detach().clone() for k, v in session.strategy.unwrap(model).state_dict().items()},
+        "summary": session.summary(),
+    }
     session.close()
     return out
 
@@ -140,12 +148,16 @@ def _torch_powersgd_body() -> dict[str, Any]:
     torch's own ``PowerSGDState`` (same rank, start step and seed) and ``powerSGD_hook``."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
-    session = lockstep.Session(strategy="ddp", grad_compression="powersgd", strategy_options=POWERSGD,
-                               quiet=True, timeout=60)
+    session = lockstep.Session(
+        strategy="ddp", grad_compression="powersgd", strategy_options=POWERSGD, quiet=True, timeout=60
+    )
     model, opt = session.setup(_model(), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
     ddp = nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=ONE_BUCKET_MB)  # the same group
-    state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=POWERSGD["powersgd_rank"],
-                                        start_powerSGD_iter=POWERSGD["powersgd_start_iter"])
+    state = powerSGD_hook.PowerSGDState(
+        process_group=None,
+        matrix_approximation_rank=POWERSGD["powersgd_rank"],
+        start_powerSGD_iter=POWERSGD["powersgd_start_iter"],
+    )
     ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     plain = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     n = GLOBAL_BATCH // session.world_size
@@ -157,8 +169,10 @@ def _torch_powersgd_body() -> dict[str, Any]:
         F.mse_loss(ddp(x[part]), y[part]).backward()
         plain.step()
         plain.zero_grad()
-    out = {"weights": {k: v.detach().clone() for k, v in session.strategy.unwrap(model).state_dict().items()},
-           "torch": {k: v.detach().clone() for k, v in ddp.module.state_dict().items()}}
+    out = {
+        "weights": {k: v.detach().clone() for k, v in session.strategy.unwrap(model).state_dict().items()},
+        "torch": {k: v.detach().clone() for k, v in ddp.module.state_dict().items()},
+    }
     del ddp
     session.close()
     return out
@@ -178,15 +192,19 @@ def test_powersgd_matches_torch_ddp_with_the_same_state() -> None:
 
 def _resume_body(directory: str, steps: int, save_at: int | None, width: int) -> dict[str, Any]:
     """Train to ``steps`` from the checkpoint in ``directory`` if any; save after step ``save_at``."""
-    session = lockstep.Session(strategy="ddp", grad_compression="powersgd",
-                               strategy_options=POWERSGD, quiet=True, timeout=60)
+    session = lockstep.Session(
+        strategy="ddp", grad_compression="powersgd", strategy_options=POWERSGD, quiet=True, timeout=60
+    )
     model, opt = session.setup(_model(width), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
     session.load(directory, model=model, optimizer=opt)
     n = GLOBAL_BATCH // session.world_size
     while session.global_step < steps:
         x, y = _batch(session.global_step)
-        session.backward(F.mse_loss(model(x[session.rank * n:(session.rank + 1) * n]),
-                                    y[session.rank * n:(session.rank + 1) * n]))
+        session.backward(
+            F.mse_loss(
+                model(x[session.rank * n : (session.rank + 1) * n]), y[session.rank * n : (session.rank + 1) * n]
+            )
+        )
         session.step(opt)
         if session.global_step == save_at:
             session.save(directory, model=model, optimizer=opt)
@@ -223,6 +241,7 @@ def test_powersgd_memory_is_checkpointed_and_resume_is_exact(tmp_path: Path, wid
 
 # -- lockstep verify ---------------------------------------------------------------------------------
 
+
 def test_verify_refuses_compression_outside_ddp() -> None:
     from lockstep.verify.config import VerifyConfig
 
@@ -237,13 +256,30 @@ def test_verify_refuses_compression_outside_ddp() -> None:
 def test_verify_reports_lossy_hook_with_its_difference(compression: str, capsys: pytest.CaptureFixture) -> None:
     from lockstep.cli.main import main as cli
 
-    code = cli(["verify", "test_verify:mlp", "--shape", "16", "--classes", "4", "--steps", "4", "--batch", "16",
-                "--grad-compression", compression])
+    code = cli(
+        [
+            "verify",
+            "test_verify:mlp",
+            "--shape",
+            "16",
+            "--classes",
+            "4",
+            "--steps",
+            "4",
+            "--batch",
+            "16",
+            "--grad-compression",
+            compression,
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 1, out
     assert f"parallel: 2 processes x 8 samples, strategy ddp, grad compression {compression}" in out
-    found = re.search(rf"verdict: NOT EQUIVALENT, as expected: grad compression {compression} is lossy by design "
-                      r"\(largest relative difference (\S+); tolerance 1e-05\)", out)
+    found = re.search(
+        rf"verdict: NOT EQUIVALENT, as expected: grad compression {compression} is lossy by design "
+        r"\(largest relative difference (\S+); tolerance 1e-05\)",
+        out,
+    )
     assert found is not None, out
     assert float(found.group(1)) > 0  # the measured cost (about 1e-5 for fp16 here, 1e-1 for PowerSGD)
     assert "run without --grad-compression to check the rest of the setup" in out

@@ -54,6 +54,7 @@ def hvd() -> Any:
 
 # -- without Horovod ------------------------------------------------------------------------------
 
+
 def test_missing_horovod_is_refused_with_the_fix(monkeypatch: pytest.MonkeyPatch, forget_horovod: None) -> None:
     monkeypatch.setitem(sys.modules, "horovod", None)  # import horovod now fails as if it were absent
     assert horovod_unavailable() == MISSING
@@ -75,14 +76,18 @@ def test_broken_horovod_is_named(monkeypatch: pytest.MonkeyPatch, forget_horovod
 
     monkeypatch.setattr(builtins, "__import__", failing_import)
     reason = horovod_unavailable()
-    assert reason == ("horovod does not load (mpi_lib_v2.so: undefined symbol: _ZN3c104cuda9SetDeviceEa): "
-                      "make horovod rebuilds it for this torch")
+    assert reason == (
+        "horovod does not load (mpi_lib_v2.so: undefined symbol: _ZN3c104cuda9SetDeviceEa): "
+        "make horovod rebuilds it for this torch"
+    )
 
 
 # -- the strategy on real processes ----------------------------------------------------------------
 
-def _train(strategy: str, steps: int = 50, accumulate: int = 1, clip: float | None = None,
-           nan_at: int | None = None) -> dict[str, Any]:
+
+def _train(
+    strategy: str, steps: int = 50, accumulate: int = 1, clip: float | None = None, nan_at: int | None = None
+) -> dict[str, Any]:
     """Train the BatchNorm-free model ``steps`` steps on a global batch of 24 (momentum SGD).
 
     With ``nan_at``, rank 1's loss is NaN at that step. Returns the weights and, for each step,
@@ -203,13 +208,25 @@ def _env() -> dict[str, str]:
 
 def _horovodrun(*args: str) -> subprocess.CompletedProcess:
     horovodrun = str(Path(sys.executable).parent / "horovodrun")
-    return subprocess.run([horovodrun, "-np", "2", "--gloo", sys.executable, *args], capture_output=True,
-                          text=True, timeout=240, env=_env(), cwd=ROOT)
+    return subprocess.run(
+        [horovodrun, "-np", "2", "--gloo", sys.executable, *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=_env(),
+        cwd=ROOT,
+    )
 
 
 def _lockstep_run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lockstep", "run", "--nproc", "2", *args], capture_output=True,
-                          text=True, timeout=240, env=_env(), cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "lockstep", "run", "--nproc", "2", *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=_env(),
+        cwd=ROOT,
+    )
 
 
 @pytest.mark.horovod
@@ -277,7 +294,9 @@ def test_mnist_horovod_matches_mnist_convnet_under_ddp(hvd: Any) -> None:
     # the same lockstep program under horovodrun with the horovod strategy: the same figures, BatchNorm
     # and all (every rank evaluates with rank 0's statistics, as under ddp)
     assert _epochs(_horovodrun("examples/mnist_convnet.py", "--epochs", "3", "--strategy", "horovod")) == ddp
-    (loss_h, acc_h), (loss_d, acc_d) = [tuple(map(float, pair)) for pair in
-                                        (_epochs(_horovodrun("examples/mnist_horovod.py", "--epochs", "3"))[-1], ddp[-1])]
+    (loss_h, acc_h), (loss_d, acc_d) = [
+        tuple(map(float, pair))
+        for pair in (_epochs(_horovodrun("examples/mnist_horovod.py", "--epochs", "3"))[-1], ddp[-1])
+    ]
     assert abs(acc_h - acc_d) <= ACCURACY_TOLERANCE, (acc_h, acc_d)
     assert abs(loss_h - loss_d) <= LOSS_TOLERANCE, (loss_h, loss_d)

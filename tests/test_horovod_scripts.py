@@ -19,13 +19,30 @@ from lockstep.launch.spec import LaunchSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "horovod_synthetic_benchmark.py"
-TINY = ["--model", "resnet18", "--no-cuda", "--batch-size", "1", "--num-warmup-batches", "1",
-        "--num-batches-per-iter", "1", "--num-iters", "2"]
+TINY = [
+    "--model",
+    "resnet18",
+    "--no-cuda",
+    "--batch-size",
+    "1",
+    "--num-warmup-batches",
+    "1",
+    "--num-batches-per-iter",
+    "1",
+    "--num-iters",
+    "2",
+]
 
 
 def _lockstep(*args: str, timeout: float = 280) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lockstep", "run", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.run(
+        [sys.executable, "-m", "lockstep", "run", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
 
 
 @pytest.mark.horovod
@@ -42,10 +59,17 @@ def test_horovod_synthetic_benchmark_is_one_job_of_two() -> None:
 
 def test_every_rank_gets_what_horovodrun_gives_it() -> None:
     shared = horovod_variables(port=4321, hostname="node0", size=2, local_size=2)
-    assert shared == {"HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1", "HOROVOD_GLOO_RENDEZVOUS_PORT": "4321",
-                      "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo", "HOROVOD_GLOO_IFACE": "lo",
-                      "HOROVOD_HOSTNAME": "node0", "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_SIZE": "2",
-                      "HOROVOD_CROSS_SIZE": "1"}
+    assert shared == {
+        "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1",
+        "HOROVOD_GLOO_RENDEZVOUS_PORT": "4321",
+        "HOROVOD_CONTROLLER": "gloo",
+        "HOROVOD_CPU_OPERATIONS": "gloo",
+        "HOROVOD_GLOO_IFACE": "lo",
+        "HOROVOD_HOSTNAME": "node0",
+        "HOROVOD_SIZE": "2",
+        "HOROVOD_LOCAL_SIZE": "2",
+        "HOROVOD_CROSS_SIZE": "1",
+    }
     worker = {**shared, "RANK": "1", "LOCAL_RANK": "1", "GROUP_RANK": "0"}
     assert horovod_rank_variables(worker) == {"HOROVOD_RANK": "1", "HOROVOD_LOCAL_RANK": "1", "HOROVOD_CROSS_RANK": "0"}
     assert horovod_rank_variables({"RANK": "1", "LOCAL_RANK": "1"}) == {}  # no Horovod job served: nothing
@@ -58,7 +82,10 @@ def test_the_launcher_serves_horovods_rendezvous_while_the_job_runs() -> None:
 
     with launch_horovod.horovod_rendezvous(LaunchSpec(str(SCRIPT), nproc=3)) as variables:
         assert (variables["HOROVOD_SIZE"], variables["HOROVOD_LOCAL_SIZE"], variables["HOROVOD_CROSS_SIZE"]) == (
-            "3", "3", "1")
+            "3",
+            "3",
+            "1",
+        )
         port = int(variables["HOROVOD_GLOO_RENDEZVOUS_PORT"])
         request = urllib.request.Request(f"http://127.0.0.1:{port}/global/probe", data=b"x", method="PUT")
         assert urllib.request.urlopen(request, timeout=5).status == 200  # Horovod's own KV store answers
@@ -83,8 +110,9 @@ def test_a_horovod_script_on_several_nodes_is_refused_in_one_line(tmp_path: Path
     launch_horovod.check_horovod_hosts(LaunchSpec(str(plain), nodes=2, master="127.0.0.1:29400"))  # no Horovod: fine
     with pytest.raises(ConfigError, match="horovodrun -np 4 -H host1:2"):
         launch_horovod.check_horovod_hosts(LaunchSpec(str(SCRIPT), nproc=2, nodes=2, master="127.0.0.1:29400"))
-    proc = _lockstep("--nodes", "2", "--node-rank", "0", "--master", "127.0.0.1:29400", "--nproc", "2", str(SCRIPT),
-                     timeout=60)
+    proc = _lockstep(
+        "--nodes", "2", "--node-rank", "0", "--master", "127.0.0.1:29400", "--nproc", "2", str(SCRIPT), timeout=60
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "horovodrun" in lines[0], proc.stderr
@@ -103,8 +131,9 @@ def test_a_worker_joins_only_the_rendezvous_served_for_its_own_job() -> None:
 
 @pytest.mark.horovod
 def test_the_launchers_rendezvous_is_served_on_loopback_and_only_for_horovod_scripts(tmp_path: Path) -> None:
-    pytest.importorskip("horovod.runner.http.http_server", reason="horovod not installed: make horovod",
-                        exc_type=ImportError)
+    pytest.importorskip(
+        "horovod.runner.http.http_server", reason="horovod not installed: make horovod", exc_type=ImportError
+    )
     from test_store_trust import _listening
 
     plain = tmp_path / "plain.py"

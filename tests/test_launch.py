@@ -50,8 +50,14 @@ FAULT_SCRIPT = textwrap.dedent("""
 
 def _run(args: list[str], timeout: float = 60, cwd: Path | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "lockstep", "run", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=cwd or ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "lockstep", "run", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=cwd or ROOT,
+    )
 
 
 @pytest.fixture
@@ -63,6 +69,7 @@ def fault(tmp_path: Path) -> str:
 
 # ---------- flags and inputs (no processes) ----------
 
+
 def test_script_arguments_pass_through() -> None:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -72,8 +79,14 @@ def test_script_arguments_pass_through() -> None:
 
 
 def test_bad_specs_are_refused(fault: str) -> None:
-    cases = [dict(nproc=0), dict(nodes=2), dict(nodes=2, node_rank=2, master="h:1"),
-             dict(master="127.0.0.1:0"), dict(max_restarts=-1), dict(join_timeout=0)]
+    cases = [
+        dict(nproc=0),
+        dict(nodes=2),
+        dict(nodes=2, node_rank=2, master="h:1"),
+        dict(master="127.0.0.1:0"),
+        dict(max_restarts=-1),
+        dict(join_timeout=0),
+    ]
     for kwargs in cases:
         with pytest.raises(ConfigError):
             LaunchSpec(fault, **kwargs)  # type: ignore[arg-type]
@@ -101,22 +114,34 @@ def test_exposure_warning() -> None:
 
 
 def test_slurm_defaults() -> None:
-    env = {"SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NODEID": "1",
-           "SLURM_JOB_NODELIST": "gpu[003-004]", "SLURM_JOB_ID": "123"}
+    env = {
+        "SLURM_STEP_NUM_NODES": "2",
+        "SLURM_STEP_NUM_TASKS": "2",
+        "SLURM_NODEID": "1",
+        "SLURM_JOB_NODELIST": "gpu[003-004]",
+        "SLURM_JOB_ID": "123",
+    }
     assert slurm_defaults(env) == {"nodes": 2, "node_rank": 1, "master": "gpu003:20123"}
     assert slurm_defaults({**env, "SLURM_STEP_NUM_TASKS": "8"}) == {}  # one task per GPU: not ours
     assert slurm_defaults({}) == {}
 
 
 def _failure(rank: int, exitcode: int, t: float, error: str = "") -> Failure:
-    return Failure(rank=rank, local_rank=rank, host="h", pid=100 + rank, exitcode=exitcode, time=t,
-                   error=error, error_type=error.split(":")[0])
+    return Failure(
+        rank=rank,
+        local_rank=rank,
+        host="h",
+        pid=100 + rank,
+        exitcode=exitcode,
+        time=t,
+        error=error,
+        error_type=error.split(":")[0],
+    )
 
 
 def test_summary_blames_the_first_real_failure() -> None:
     peer = "RuntimeError: Connection closed by peer [127.0.0.1]:1234"
-    summary = summarize([_failure(0, 1, 1.0, peer), _failure(1, 1, 2.0, "ValueError: bad"),
-                         _failure(2, -15, 0.5)])
+    summary = summarize([_failure(0, 1, 1.0, peer), _failure(1, 1, 2.0, "ValueError: bad"), _failure(2, -15, 0.5)])
     assert summary.root.rank == 1 and not summary.preempted
     text = summary.text()
     assert "rank 1 raised ValueError: bad" in text
@@ -136,12 +161,18 @@ def test_bootstrap_records_the_user_traceback(tmp_path: Path) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
     script = tmp_path / "boom.py"
-    script.write_text("import sys\nprint(sys.argv, sys.path[0], flush=True)\ndef f():\n"
-                      "    raise KeyError('missing')\nf()\n")
+    script.write_text(
+        "import sys\nprint(sys.argv, sys.path[0], flush=True)\ndef f():\n    raise KeyError('missing')\nf()\n"
+    )
     error_file = tmp_path / "error.json"
     env = {**os.environ, "TORCHELASTIC_ERROR_FILE": str(error_file)}
-    proc = subprocess.run([sys.executable, "-m", "lockstep.launch.bootstrap", str(script), "--x", "1"],
-                          capture_output=True, text=True, env=env, timeout=30)
+    proc = subprocess.run(
+        [sys.executable, "-m", "lockstep.launch.bootstrap", str(script), "--x", "1"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=30,
+    )
     assert proc.returncode == 1 and "Traceback" not in proc.stderr  # the launcher prints it, once
     assert f"'--x', '1'] {tmp_path}" in proc.stdout
     failure = Failure.from_process_failure(1, ProcessFailure(1, 42, 1, str(error_file)), "h")
@@ -151,6 +182,7 @@ def test_bootstrap_records_the_user_traceback(tmp_path: Path) -> None:
 
 
 # ---------- real launches ----------
+
 
 @pytest.mark.slow
 @pytest.mark.timeout(60)
@@ -167,8 +199,13 @@ def test_example_runs_unchanged_under_python_and_torchrun() -> None:
     alone = subprocess.run([sys.executable, str(EXAMPLE)], capture_output=True, text=True, timeout=60)
     assert alone.returncode == 0 and "world_size 1 sum of ranks 0" in alone.stdout
     torchrun = Path(sys.executable).with_name("torchrun")
-    proc = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", str(EXAMPLE)],
-                          capture_output=True, text=True, timeout=60, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc_per_node", "2", str(EXAMPLE)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0 and "world_size 2 sum of ranks 1" in proc.stdout
 
 
@@ -187,9 +224,11 @@ def test_local_rank_arg_and_script_args(tmp_path: Path) -> None:
 @pytest.mark.timeout(60)
 def test_everything_after_the_script_reaches_every_rank(tmp_path: Path) -> None:
     script = tmp_path / "argv.py"
-    script.write_text("import json, os, pathlib, sys\n"
-                      "pathlib.Path(__file__).with_name(f\"argv{os.environ['RANK']}.json\")"
-                      ".write_text(json.dumps(sys.argv[1:]))\n")
+    script.write_text(
+        "import json, os, pathlib, sys\n"
+        "pathlib.Path(__file__).with_name(f\"argv{os.environ['RANK']}.json\")"
+        ".write_text(json.dumps(sys.argv[1:]))\n"
+    )
     script_args = ["--n", "100", "--nproc", "3", "--", "-h", "a b"]  # --n: once "ambiguous option"
     proc = _run(["--nproc", "2", str(script), *script_args])
     assert proc.returncode == 0, proc.stderr
@@ -203,7 +242,8 @@ def test_module_and_rank0_only(tmp_path: Path) -> None:
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "__init__.py").write_text("")
     (tmp_path / "pkg" / "job.py").write_text(
-        "import os, sys\nif __name__ == '__main__':\n    print('module', os.environ['RANK'], sys.argv[1:], flush=True)\n")
+        "import os, sys\nif __name__ == '__main__':\n    print('module', os.environ['RANK'], sys.argv[1:], flush=True)\n"
+    )
     proc = _run(["--nproc", "2", "--rank0-only", "-m", "pkg.job", "a"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "[rank0]: module 0 ['a']" in proc.stdout and "[rank1]" not in proc.stdout
@@ -244,9 +284,11 @@ def test_restart_recovers_a_crash_on_the_first_attempt(fault: str) -> None:
 @pytest.mark.timeout(90)
 def test_crash_on_every_attempt_gives_up(tmp_path: Path) -> None:
     script = tmp_path / "always.py"  # no torch: this test counts attempts, the one above checks gloo
-    script.write_text("import os, time\nrank, attempt = os.environ['RANK'], os.environ['TORCHELASTIC_RESTART_COUNT']\n"
-                      "print(f'attempt {attempt} rank {rank}', flush=True)\n"
-                      "if rank == '1':\n    raise ValueError('always')\ntime.sleep(30)\n")
+    script.write_text(
+        "import os, time\nrank, attempt = os.environ['RANK'], os.environ['TORCHELASTIC_RESTART_COUNT']\n"
+        "print(f'attempt {attempt} rank {rank}', flush=True)\n"
+        "if rank == '1':\n    raise ValueError('always')\ntime.sleep(30)\n"
+    )
     proc = _run(["--nproc", "2", "--max-restarts", "2", str(script)], timeout=80)
     assert proc.returncode == 1
     assert sorted(re.findall(r"attempt (\d+) rank 1", proc.stdout)) == ["0", "1", "2"]
@@ -261,8 +303,9 @@ def test_busy_port_fails_at_once() -> None:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        proc = _run(["--nproc", "2", "--join-timeout", "600", "--master", f"127.0.0.1:{port}", str(EXAMPLE)],
-                    timeout=120)  # a hang guard far below the join timeout: refused like bad flags, not waited out
+        proc = _run(
+            ["--nproc", "2", "--join-timeout", "600", "--master", f"127.0.0.1:{port}", str(EXAMPLE)], timeout=120
+        )  # a hang guard far below the join timeout: refused like bad flags, not waited out
     assert proc.returncode == 2, proc.stderr
     assert f"port {port} is already in use" in proc.stderr
     assert "rank" not in proc.stderr and "attempt" not in proc.stderr  # no worker was started
@@ -271,8 +314,20 @@ def test_busy_port_fails_at_once() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_node_that_never_joins() -> None:
-    proc = _run(["--nodes", "2", "--node-rank", "0", "--master", f"127.0.0.1:{_free_port()}",
-                 "--join-timeout", "3", str(EXAMPLE)], timeout=40)
+    proc = _run(
+        [
+            "--nodes",
+            "2",
+            "--node-rank",
+            "0",
+            "--master",
+            f"127.0.0.1:{_free_port()}",
+            "--join-timeout",
+            "3",
+            str(EXAMPLE),
+        ],
+        timeout=40,
+    )
     assert proc.returncode != 0
     assert "expected 2 nodes, 1 joined" in proc.stderr
 
@@ -282,10 +337,30 @@ def test_node_that_never_joins() -> None:
 def test_two_nodes_of_two_processes() -> None:
     master = f"127.0.0.1:{_free_port()}"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "lockstep", "run", "--nodes", "2", "--nproc", "2", "--master", master,
-           "--join-timeout", "60"]
-    nodes = [subprocess.Popen([*cmd, "--node-rank", str(i), str(EXAMPLE)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for i in (1, 0)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lockstep",
+        "run",
+        "--nodes",
+        "2",
+        "--nproc",
+        "2",
+        "--master",
+        master,
+        "--join-timeout",
+        "60",
+    ]
+    nodes = [
+        subprocess.Popen(
+            [*cmd, "--node-rank", str(i), str(EXAMPLE)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for i in (1, 0)
+    ]
     outs = [node.communicate(timeout=80) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outs
     assert "[rank0]: world_size 4 sum of ranks 6" in outs[1][0]
@@ -296,8 +371,7 @@ def test_two_nodes_of_two_processes() -> None:
 def test_parallel_launches_never_collide() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "lockstep", "run", "--nproc", "2", str(EXAMPLE)]
-    jobs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-            for _ in range(2)]
+    jobs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
     outs = [job.communicate(timeout=80) for job in jobs]
     assert [job.returncode for job in jobs] == [0, 0], outs
     assert all("sum of ranks 1" in out for out, _ in outs)
@@ -307,10 +381,16 @@ def test_parallel_launches_never_collide() -> None:
 @pytest.mark.timeout(60)
 def test_sigterm_reaches_the_workers_and_counts_as_preemption(tmp_path: Path) -> None:
     script = tmp_path / "wait.py"
-    script.write_text("import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *a: sys.exit(75))\n"
-                      "print('ready', flush=True)\ntime.sleep(60)\n")
-    launcher = subprocess.Popen([sys.executable, "-m", "lockstep", "run", "--nproc", "2", str(script)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    script.write_text(
+        "import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *a: sys.exit(75))\n"
+        "print('ready', flush=True)\ntime.sleep(60)\n"
+    )
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "lockstep", "run", "--nproc", "2", str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert launcher.stdout is not None
     ready = 0
     while ready < 2:
@@ -320,11 +400,13 @@ def test_sigterm_reaches_the_workers_and_counts_as_preemption(tmp_path: Path) ->
     assert launcher.returncode == 75 and "preempted" in err
 
 
-@pytest.mark.parametrize("flag, field", [("--timeout", "timeout"), ("--grace", "grace"),
-                                         ("--join-timeout", "join_timeout")])
+@pytest.mark.parametrize(
+    "flag, field", [("--timeout", "timeout"), ("--grace", "grace"), ("--join-timeout", "join_timeout")]
+)
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), 1e30, -1.0])
-def test_durations_that_are_not_numbers_of_seconds_are_refused(tmp_path: Path, flag: str, field: str,
-                                                               value: float) -> None:
+def test_durations_that_are_not_numbers_of_seconds_are_refused(
+    tmp_path: Path, flag: str, field: str, value: float
+) -> None:
     script = tmp_path / "s.py"
     script.write_text("")
     with pytest.raises(ConfigError, match=flag):

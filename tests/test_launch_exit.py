@@ -44,14 +44,17 @@ def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 def test_exit_skips_only_the_teardown(tmp_path: Path) -> None:
     plain = _run(tmp_path, "plain", "none")
-    assert plain.returncode == 3 and "teardown ran" in plain.stdout      # the control: teardown is visible
+    assert plain.returncode == 3 and "teardown ran" in plain.stdout  # the control: teardown is visible
     armed = _run(tmp_path, "arm", "none")
     assert armed.returncode == 7, armed.stderr
     out = armed.stdout
     assert out.startswith("armed True") and "output without a newline" in out and "teardown ran" not in out
     # the thread is joined first, then the handlers run last-registered first, as Python does
-    assert out.index("thread finished") < out.index("handler registered second ran") < out.index(
-        "handler registered first ran")
+    assert (
+        out.index("thread finished")
+        < out.index("handler registered second ran")
+        < out.index("handler registered first ran")
+    )
 
 
 def test_a_handler_registered_after_arming_keeps_the_usual_exit(tmp_path: Path) -> None:
@@ -64,6 +67,6 @@ def test_only_the_lockstep_run_program_arms_it(monkeypatch: pytest.MonkeyPatch) 
     armed: list[int] = []
     monkeypatch.setattr(lockstep.launch.fast_exit, "exit_without_teardown", armed.append)
     monkeypatch.setattr(lockstep.cli.run, "main", lambda args: 5)
-    assert cli_main(["run", "train.py"]) == 5 and armed == []          # main() called by a program
+    assert cli_main(["run", "train.py"]) == 5 and armed == []  # main() called by a program
     monkeypatch.setattr(sys, "argv", ["lockstep", "run", "train.py"])
-    assert cli_main() == 5 and armed == [5]                              # the process is `lockstep run`
+    assert cli_main() == 5 and armed == [5]  # the process is `lockstep run`

@@ -17,9 +17,13 @@ def test_the_log_folder_is_printed_and_holds_each_rank(tmp_path: Path) -> None:
     script = tmp_path / "hello.py"
     script.write_text("import os\nprint('hello from', os.environ['RANK'])\n")
     logs = tmp_path / "logs"
-    done = subprocess.run([sys.executable, "-m", "lockstep", "run", "--nproc", "2", "--log-dir", str(logs),
-                           str(script)], capture_output=True, text=True, timeout=140,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(
+        [sys.executable, "-m", "lockstep", "run", "--nproc", "2", "--log-dir", str(logs), str(script)],
+        capture_output=True,
+        text=True,
+        timeout=140,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == 0, done.stderr
     [line] = [x for x in done.stderr.splitlines() if "every rank's output is under" in x]
     folder = Path(line.split("under ", 1)[1].split(" (", 1)[0])

@@ -56,17 +56,20 @@ def test_relay_for_shows_the_chosen_local_ranks_with_global_ranks(tmp_path: Path
             path = tmp_path / f"{local}-{kind}.log"
             path.write_text(f"{kind} of local rank {local}\n")
             paths[(local, kind)] = str(path)
-    pcontext = SimpleNamespace(stdouts={r: paths[(r, "stdout")] for r in (0, 1)},
-                               stderrs={r: paths[(r, "stderr")] for r in (0, 1)})
+    pcontext = SimpleNamespace(
+        stdouts={r: paths[(r, "stdout")] for r in (0, 1)}, stderrs={r: paths[(r, "stderr")] for r in (0, 1)}
+    )
     workers = [SimpleNamespace(local_rank=1, global_rank=3), SimpleNamespace(local_rank=0, global_rank=2)]
     out, err = io.StringIO(), io.StringIO()
     relay_for(pcontext, workers, out, err, shown=None).start().stop()
     assert out.getvalue().splitlines() == ["[rank2]: stdout of local rank 0", "[rank3]: stdout of local rank 1"]
-    assert sorted(err.getvalue().splitlines()) == ["[rank2]: stderr of local rank 0",
-                                                   "[rank3]: stderr of local rank 1"]
+    assert sorted(err.getvalue().splitlines()) == ["[rank2]: stderr of local rank 0", "[rank3]: stderr of local rank 1"]
     out, err = io.StringIO(), io.StringIO()
     relay_for(pcontext, workers, out, err, shown={0}).start().stop()
-    assert (out.getvalue(), err.getvalue()) == ("[rank2]: stdout of local rank 0\n", "[rank2]: stderr of local rank 0\n")
+    assert (out.getvalue(), err.getvalue()) == (
+        "[rank2]: stdout of local rank 0\n",
+        "[rank2]: stderr of local rank 0\n",
+    )
     none = relay_for(pcontext, workers, out, err, shown=set())
     assert none.sources == []
     none.start().stop()

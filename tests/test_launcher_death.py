@@ -87,8 +87,14 @@ def _assert_gone(pids: list[int], within: float = 30) -> None:
 
 
 def _start(tmp_path: Path, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "lockstep", "run", "--nproc", "2", *args], env=_env(),
-                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "lockstep", "run", "--nproc", "2", *args],
+        env=_env(),
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 @pytest.mark.slow
@@ -109,8 +115,14 @@ def test_a_launcher_that_cannot_start_every_worker_leaves_none(tmp_path: Path) -
     (tmp_path / "sleeper.py").write_text(SLEEPER)
     (tmp_path / "fork_limit.py").write_text(FORK_LIMIT)
     (tmp_path / "pids").mkdir()
-    proc = subprocess.run([sys.executable, "fork_limit.py", "sleeper.py", str(tmp_path / "pids")], env=_env(),
-                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "fork_limit.py", "sleeper.py", str(tmp_path / "pids")],
+        env=_env(),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 1, proc.stderr
     assert "could not start 4 processes" in proc.stderr and "ulimit -u" in proc.stderr, proc.stderr
     time.sleep(3)  # the two started workers had time to write their pids, had they survived
@@ -128,16 +140,25 @@ def test_a_second_job_on_the_same_folder_is_refused(tmp_path: Path) -> None:
     try:
         pids = _pids(tmp_path / "pids", 2, first, timeout=90)
         holder = f"host {socket.gethostname()}, pid {pids[0]}"
-        second = subprocess.run([sys.executable, "-m", "lockstep", "run", "--nproc", "2", "sleeper.py",
-                                 str(tmp_path / "other"), str(ckpt)], env=_env(), cwd=tmp_path,
-                                capture_output=True, text=True, timeout=90)
+        second = subprocess.run(
+            [sys.executable, "-m", "lockstep", "run", "--nproc", "2", "sleeper.py", str(tmp_path / "other"), str(ckpt)],
+            env=_env(),
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
         assert second.returncode == 1, second.stderr
         headline = second.stderr.splitlines()[0]
         assert headline.startswith("lockstep run: rank 0 raised FolderInUseError: checkpoint folder"), second.stderr
         assert f"in use by another job ({holder}" in headline
-        train = subprocess.run([sys.executable, "-m", "lockstep", "train", "--nproc", "2", "--out",
-                                str(tmp_path / "out"), "--resume"], env=_env(), capture_output=True, text=True,
-                               timeout=90)
+        train = subprocess.run(
+            [sys.executable, "-m", "lockstep", "train", "--nproc", "2", "--out", str(tmp_path / "out"), "--resume"],
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
         assert train.returncode == 2 and len(train.stderr.strip().splitlines()) == 1, train.stderr
         assert f"in use by another job ({holder}" in train.stderr
     finally:
@@ -155,20 +176,24 @@ def _setup() -> tuple[lockstep.Session, nn.Module]:
 def test_one_session_per_checkpoint_folder(tmp_path: Path) -> None:
     first, model = _setup()
     first.load(tmp_path, model=model)
-    first.save(tmp_path, model=model)          # the folder is this session's already
+    first.save(tmp_path, model=model)  # the folder is this session's already
     first.save(tmp_path / ".." / tmp_path.name, model=model)
     second, other = _setup()
-    with pytest.raises(FolderInUseError, match=f"in use by another job \\(host {socket.gethostname()}, "
-                                               f"pid {os.getpid()}, since .*: this process, which already holds it"):
+    with pytest.raises(
+        FolderInUseError,
+        match=f"in use by another job \\(host {socket.gethostname()}, "
+        f"pid {os.getpid()}, since .*: this process, which already holds it",
+    ):
         second.load(tmp_path, model=other)
-    first.close()                              # gives the folder up
+    first.close()  # gives the folder up
     assert second.load(tmp_path, model=other).resumed
     second.close()
     assert not (tmp_path / ".lockstep.lock").exists()
 
 
-def test_a_folder_that_cannot_be_locked_is_still_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                      caplog: pytest.LogCaptureFixture) -> None:
+def test_a_folder_that_cannot_be_locked_is_still_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     writer, model = _setup()
     writer.save(tmp_path, model=model)
     writer.close()

@@ -14,7 +14,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "lockstep"
 # Packages on the same layer (the apps) never import each other.
 LAYERS: list[tuple[str, ...]] = [
     ("errors",),
-    ("_cluster",),          # each engine's variables, read from a mapping
+    ("_cluster",),  # each engine's variables, read from a mapping
     ("env", "_imports"),
     ("comm",),
     ("strategies", "precision"),
@@ -23,8 +23,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("checkpoint",),
     ("session",),
     ("launch",),
-    ("lockstep",),          # the package's public facade (``import lockstep``)
-    ("zoo",),               # models and datasets shared by the apps
+    ("lockstep",),  # the package's public facade (``import lockstep``)
+    ("zoo",),  # models and datasets shared by the apps
     ("recipes", "bench", "verify", "doctor", "integrations"),
     ("cli",),
     ("__main__",),
@@ -101,8 +101,10 @@ def test_no_upward_or_sideways_import(graph: dict[str, set[str]]) -> None:
 def test_no_import_cycle(graph: dict[str, set[str]]) -> None:
     # a package's __init__ re-exporting its own modules is the package's face, not a cycle
     packages = {m for m, path in _modules().items() if path.name == "__init__.py"}
-    edges = {m: {d for d in deps if d in graph and not (m in packages and d.startswith(m + "."))}
-             for m, deps in graph.items()}
+    edges = {
+        m: {d for d in deps if d in graph and not (m in packages and d.startswith(m + "."))}
+        for m, deps in graph.items()
+    }
     state: dict[str, int] = {}
     cycles: list[str] = []
 
@@ -110,7 +112,7 @@ def test_no_import_cycle(graph: dict[str, set[str]]) -> None:
         state[node] = 1
         for dep in edges.get(node, ()):
             if state.get(dep) == 1:
-                cycles.append(" -> ".join(stack[stack.index(dep):] + [dep]))
+                cycles.append(" -> ".join(stack[stack.index(dep) :] + [dep]))
             elif dep not in state:
                 visit(dep, stack + [dep])
         state[node] = 2
@@ -124,8 +126,9 @@ def test_no_import_cycle(graph: dict[str, set[str]]) -> None:
 def test_few_top_level_modules_and_none_large() -> None:
     top = sorted(p.name for p in SRC.glob("*.py"))
     assert len(top) <= MAX_TOP_LEVEL_MODULES, top
-    large = {str(p.relative_to(SRC)): n for p in SRC.rglob("*.py")
-             if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    large = {
+        str(p.relative_to(SRC)): n for p in SRC.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
     assert not large, f"modules over {MAX_LINES} lines: {large}"
 
 

@@ -19,10 +19,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
-from lockstep.data.loader import make_loader
+from lockstep.data.loader import StepBatches, make_loader
 from lockstep.data.samplers import TrainSampler, epoch_order
 from lockstep.data.seeding import SampleKey, SeededDataset, sample_seed
-from lockstep.data.loader import StepBatches
 from lockstep.errors import ConfigError
 
 
@@ -36,8 +35,9 @@ class _Augmented(Dataset):
         return self.n
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        return torch.tensor([float(i), torch.rand(1).item(), float(np.random.rand()), random.random()],
-                            dtype=torch.float64)
+        return torch.tensor(
+            [float(i), torch.rand(1).item(), float(np.random.rand()), random.random()], dtype=torch.float64
+        )
 
 
 def _epoch(loader: DataLoader, epoch: int) -> dict[int, list[float]]:
@@ -47,8 +47,10 @@ def _epoch(loader: DataLoader, epoch: int) -> dict[int, list[float]]:
 
 # --- each sample's randomness -------------------------------------------------------------------
 
+
 def test_persistent_workers_draw_the_same_numbers_after_a_resume() -> None:
     """The repro: epoch 1 right after a start equals epoch 1 after epoch 0 (persistent workers)."""
+
     def epoch_one(run_epoch_zero: bool) -> dict[int, list[float]]:
         loader = make_loader(_Augmented(), 2, world_size=1, rank=0, num_workers=2, persistent_workers=True)
         if run_epoch_zero:
@@ -64,8 +66,15 @@ def test_randomness_is_independent_of_workers_and_world_size() -> None:
     for world_size, num_workers, persistent in setups:
         drawn: dict[int, list[float]] = {}
         for rank in range(world_size):
-            loader = make_loader(_Augmented(9), 2, world_size=world_size, rank=rank, num_workers=num_workers,
-                                 persistent_workers=persistent, seed=4)
+            loader = make_loader(
+                _Augmented(9),
+                2,
+                world_size=world_size,
+                rank=rank,
+                num_workers=num_workers,
+                persistent_workers=persistent,
+                seed=4,
+            )
             _epoch(loader, 0)  # a first epoch in between must not matter
             drawn.update(_epoch(loader, 2))
         assert sorted(drawn) == list(range(9))
@@ -116,7 +125,9 @@ def test_sample_keys_and_the_wrapper() -> None:
         assert isinstance(_inner(plain), TensorDataset)  # nothing random to seed
         assert all(type(i) is int for i in _flat(plain.sampler))
         seeded = make_loader(_Augmented(), 2, world_size=1, rank=0, eval=False, order=order)
-        assert isinstance(_inner(seeded), SeededDataset) and all(isinstance(i, SampleKey) for i in _flat(seeded.sampler))
+        assert isinstance(_inner(seeded), SeededDataset) and all(
+            isinstance(i, SampleKey) for i in _flat(seeded.sampler)
+        )
 
 
 def _inner(loader: DataLoader) -> Any:
@@ -131,6 +142,7 @@ def _flat(sampler: Any) -> list[Any]:
 
 # --- the data order of the tutorial ----------------------------------------------------------
 
+
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 @pytest.mark.parametrize("n", [23, 24, 2])
 @pytest.mark.parametrize("drop_last", [False, True])
@@ -139,8 +151,9 @@ def test_torch_order_equals_distributed_sampler(world_size: int, n: int, drop_la
     if drop_last and n < world_size:
         pytest.skip("DistributedSampler yields nothing here; make_loader refuses it")
     for rank in range(world_size):
-        theirs = DistributedSampler(range(n), num_replicas=world_size, rank=rank, shuffle=shuffle, seed=11,
-                                    drop_last=drop_last)
+        theirs = DistributedSampler(
+            range(n), num_replicas=world_size, rank=rank, shuffle=shuffle, seed=11, drop_last=drop_last
+        )
         ours = TrainSampler(n, world_size, rank, shuffle=shuffle, seed=11, drop_last=drop_last, order="torch")
         for epoch in range(4):
             theirs.set_epoch(epoch)
@@ -162,7 +175,7 @@ def test_torch_order_resumes_mid_epoch_at_the_same_world_size(world_size: int) -
         resumed.load_state_dict(stopped.state_dict())
         resumed.set_epoch(2)
         assert resumed.order == "torch"
-        assert list(resumed) == list(theirs)[steps * batch:]
+        assert list(resumed) == list(theirs)[steps * batch :]
 
 
 def test_torch_order_through_the_loader() -> None:
@@ -181,6 +194,7 @@ def test_torch_order_through_the_loader() -> None:
 
 
 # --- workers and the job's stop signals -------------------------------------------------------
+
 
 class _Pids(Dataset):
     def __len__(self) -> int:

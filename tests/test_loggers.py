@@ -54,8 +54,8 @@ def _read_wandb(folder: Path) -> dict[str, list[tuple[int, float]]]:
         if block - pos % block < 7:
             pos += block - pos % block
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
         if kind in (1, 4):
             records.append(parts + chunk)
             parts = b""
@@ -84,8 +84,13 @@ def test_every_store_reads_back_the_same_series(tmp_path: Path, monkeypatch: pyt
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps its file store for those who ask
     mlflow_file = MLflowLogger((tmp_path / "mlruns").as_uri(), experiment="e")
     mlflow_sql = MLflowLogger(tmp_path / "mlflow", experiment="e")  # a folder: sqlite in it
-    loggers = [CSVLogger(tmp_path / "csv"), TensorBoardLogger(tmp_path / "tb"), mlflow_file, mlflow_sql,
-               WandbLogger(tmp_path / "wb", project="p")]
+    loggers = [
+        CSVLogger(tmp_path / "csv"),
+        TensorBoardLogger(tmp_path / "tb"),
+        mlflow_file,
+        mlflow_sql,
+        WandbLogger(tmp_path / "wb", project="p"),
+    ]
     logged = _job(loggers)
     assert [s for s, _ in logged["loss"]] == [1, 2, 3, 4, 5, 6]
 
@@ -97,8 +102,9 @@ def test_every_store_reads_back_the_same_series(tmp_path: Path, monkeypatch: pyt
     stores["tensorboard"] = {key: [(e.step, e.value) for e in events.Scalars(key)] for key in logged}
     for name, logger in (("mlflow-file", mlflow_file), ("mlflow-sqlite", mlflow_sql)):
         client = MlflowClient(tracking_uri=logger.directory)
-        stores[name] = {key: sorted((m.step, m.value) for m in client.get_metric_history(logger.run_id, key))
-                        for key in logged}
+        stores[name] = {
+            key: sorted((m.step, m.value) for m in client.get_metric_history(logger.run_id, key)) for key in logged
+        }
         assert client.get_run(logger.run_id).info.status == "FINISHED"
     assert (tmp_path / "mlflow" / "mlflow.db").is_file()
     stores["wandb"] = {key: series for key, series in _read_wandb(tmp_path / "wb").items() if key in logged}
@@ -109,13 +115,17 @@ def test_every_store_reads_back_the_same_series(tmp_path: Path, monkeypatch: pyt
             assert [v for _, v in values] == pytest.approx([v for _, v in logged[key]], rel=1e-6), (name, key)
 
 
-@pytest.mark.parametrize("module, build", [
-    ("tensorboard", lambda p: TensorBoardLogger(p)),
-    ("mlflow", lambda p: MLflowLogger(p)),
-    ("wandb", lambda p: WandbLogger(p)),
-])
-def test_a_missing_library_is_named_with_its_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, module: str,
-                                                   build: Any) -> None:
+@pytest.mark.parametrize(
+    "module, build",
+    [
+        ("tensorboard", lambda p: TensorBoardLogger(p)),
+        ("mlflow", lambda p: MLflowLogger(p)),
+        ("wandb", lambda p: WandbLogger(p)),
+    ],
+)
+def test_a_missing_library_is_named_with_its_extra(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, module: str, build: Any
+) -> None:
     monkeypatch.setitem(sys.modules, module, None)  # import fails as if it were not installed
     with pytest.raises(ConfigError, match=rf"needs the {module} package.*pip install 'lockstep\[{module}\]'"):
         build(tmp_path)

@@ -47,8 +47,11 @@ def _reference(model: torch.nn.Module, data: TensorDataset) -> dict:
     with torch.no_grad():
         out = model.double()(x.double())
         model.float()
-    return {"loss": F.cross_entropy(out, y, reduction="sum").item() / len(y),
-            "correct": int((out.argmax(1) == y).sum()), "count": len(y)}
+    return {
+        "loss": F.cross_entropy(out, y, reduction="sum").item() / len(y),
+        "correct": int((out.argmax(1) == y).sum()),
+        "count": len(y),
+    }
 
 
 def _check(got: dict, ref: dict) -> None:
@@ -58,6 +61,7 @@ def _check(got: dict, ref: dict) -> None:
 
 
 # --- single process ---------------------------------------------------------------------------
+
 
 def test_sum_count_reduces_sums_not_means() -> None:
     meter = SumCount()
@@ -154,6 +158,7 @@ def test_evaluate_on_cuda_with_autocast() -> None:
 
 # --- FAULTS 11 with real processes ------------------------------------------------------------
 
+
 def _eval_on_ranks(kind: str, batch: int) -> dict:
     from lockstep.comm.group import init_comm
 
@@ -179,8 +184,10 @@ def _fsdp(comm: Comm, loader: DataLoader, one: DataLoader) -> dict:
 
     torch.manual_seed(0)
     mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
-    whole = {"ref": evaluate(mlp, DataLoader(loader.dataset, batch_size=5), SOLO),
-             "ref_one": evaluate(mlp, DataLoader(one.dataset), SOLO)}
+    whole = {
+        "ref": evaluate(mlp, DataLoader(loader.dataset, batch_size=5), SOLO),
+        "ref_one": evaluate(mlp, DataLoader(one.dataset), SOLO),
+    }
     fully_shard(mlp[0])
     fully_shard(mlp[2])
     fully_shard(mlp)
@@ -212,8 +219,14 @@ def _ddp_with_buffers(comm: Comm, loader: DataLoader, one: DataLoader) -> dict:
     wrapped(torch.randn(6, 4) * (comm.rank + 1)).sum().backward()
     got_one = evaluate(wrapped, one, comm)
     local_one = evaluate(ddp.module, DataLoader(one.dataset), SOLO)
-    return {"ddp": got, "ddp_local": local, "running_mean": ddp.module[0].running_mean.tolist(),
-            "ddp_one": got_one, "ddp_one_local": local_one, "sync_flag": ddp.require_forward_param_sync}
+    return {
+        "ddp": got,
+        "ddp_local": local,
+        "running_mean": ddp.module[0].running_mean.tolist(),
+        "ddp_one": got_one,
+        "ddp_one_local": local_one,
+        "sync_flag": ddp.require_forward_param_sync,
+    }
 
 
 @pytest.mark.slow
@@ -234,7 +247,8 @@ def test_five_samples_on_two_ranks() -> None:
         assert res["ddp"]["count"] == 5 and res["ddp"]["accuracy"] == res["ddp_local"]["accuracy"]
         assert res["ddp"]["loss"] == pytest.approx(res["ddp_local"]["loss"], rel=1e-6)
         assert res["ddp_one"]["count"] == 1 and res["ddp_one"]["loss"] == pytest.approx(
-            results[0]["ddp_one_local"]["loss"], rel=1e-6)
+            results[0]["ddp_one_local"]["loss"], rel=1e-6
+        )
         assert res["sync_flag"] is True  # DDP's own buffer sync is back on for training
         # (0*1 + 1*2) / (1 + 2) = 2/3, whereas the mean of the rank means would be 1/2
         assert res["mean"] == pytest.approx(2 / 3)

@@ -22,8 +22,9 @@ from lockstep.session.state import TrainState
 BAD_STEPS = {3, 4, 9}  # 1-based steps whose loss is NaN
 
 
-def _step(policy: NonFinitePolicy, opt: torch.optim.Optimizer, counts: TrainState, step: int,
-          warnings: list[str]) -> None:
+def _step(
+    policy: NonFinitePolicy, opt: torch.optim.Optimizer, counts: TrainState, step: int, warnings: list[str]
+) -> None:
     """What Session.step does with the policy's decision and late skips."""
     decision = policy.decide(opt, step, 0)
     if decision.take:
@@ -63,8 +64,13 @@ def _loop(defer: bool, fused: bool, make: str, read_every: int = 4, steps: int =
     _note(policy.count_late_skips(), counts, warnings)
     taken, skipped = counts.global_step, counts.skipped_steps
     state = {k: v.clone() for p in model.parameters() for k, v in opt.state[p].items() if torch.is_tensor(v)}
-    return {"weights": [p.detach().clone() for p in model.parameters()], "state": state, "taken": taken,
-            "skipped": skipped, "warnings": warnings}
+    return {
+        "weights": [p.detach().clone() for p in model.parameters()],
+        "state": state,
+        "taken": taken,
+        "skipped": skipped,
+        "warnings": warnings,
+    }
 
 
 @pytest.mark.parametrize("make", ["sgd", "adam"])
@@ -84,12 +90,12 @@ def test_lent_flag_skip_equals_the_per_step_check(make: str) -> None:
 
 
 def test_only_optimizers_that_skip_themselves_get_the_flag() -> None:
-    unfused = _loop(defer=True, fused=False, make="adam")   # no found_inf support: the per-step check
+    unfused = _loop(defer=True, fused=False, make="adam")  # no found_inf support: the per-step check
     assert len(unfused["warnings"]) == 3 and unfused["skipped"] == 3
     model = torch.nn.Linear(2, 1)
     model(torch.ones(1, 2)).sum().backward()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
-    assert not NonFinitePolicy("skip").check.lend_flag(opt, None, None)   # CPU gradients: a read costs nothing
+    assert not NonFinitePolicy("skip").check.lend_flag(opt, None, None)  # CPU gradients: a read costs nothing
     assert NonFinitePolicy("skip").check.lend_flag(opt, None, True) and float(opt.found_inf) == 0.0
     del opt.found_inf
     stop = NonFinitePolicy("stop", defer=True)
@@ -151,8 +157,11 @@ def _ranks() -> dict[str, Any]:
             loss.backward()
             policy.record(loss)
             _step(policy, opt, counts, step, notes)
-        out[str(defer)] = {"weights": [p.detach().clone() for p in model.parameters()],
-                           "skipped": counts.skipped_steps, "notes": notes}
+        out[str(defer)] = {
+            "weights": [p.detach().clone() for p in model.parameters()],
+            "skipped": counts.skipped_steps,
+            "notes": notes,
+        }
     comm.shutdown()
     return out
 
@@ -164,10 +173,12 @@ def test_every_rank_takes_the_same_decision_without_a_sync() -> None:
     for r in results:
         assert all(torch.equal(a, b) for a, b in zip(r["False"]["weights"], r["True"]["weights"]))
         assert r["False"]["skipped"] == r["True"]["skipped"] == 1
-        assert r["False"]["notes"] == ["lockstep: warning: non-finite loss on rank 1 at step 3 (epoch 0); "
-                                       "the step was skipped on every rank"]
-        assert r["True"]["notes"] == ["lockstep: warning: non-finite loss on rank 1: 1 of steps 1-3 skipped "
-                                      "on every rank"]
+        assert r["False"]["notes"] == [
+            "lockstep: warning: non-finite loss on rank 1 at step 3 (epoch 0); the step was skipped on every rank"
+        ]
+        assert r["True"]["notes"] == [
+            "lockstep: warning: non-finite loss on rank 1: 1 of steps 1-3 skipped on every rank"
+        ]
     assert all(torch.equal(a, b) for a, b in zip(results[0]["True"]["weights"], results[1]["True"]["weights"]))
 
 
@@ -188,8 +199,11 @@ def _session_run(defer: bool) -> dict[str, Any]:
             session.step(opt)
         seen.append((session.global_step, session.skipped_steps))
     session.close()
-    return {"weights": [p.detach().clone() for p in model.parameters()],
-            "steps": (session.global_step, session.skipped_steps), "seen": seen}
+    return {
+        "weights": [p.detach().clone() for p in model.parameters()],
+        "steps": (session.global_step, session.skipped_steps),
+        "seen": seen,
+    }
 
 
 def test_session_counts_late_skips_at_each_epoch_end() -> None:

@@ -26,8 +26,16 @@ COMM = Comm(World())
 
 def _save(storage: Any, step: int, keep: int | None = None, value: float = 1.0) -> str:
     model = {"w": torch.full((3,), value), "b": torch.arange(4.0)}
-    return save_objects("mem://x", {"step": step, "extras": {"v": value}}, COMM, step=step, keep=keep,
-                        replicated={"model": model}, position=[{"cursor": step}], storage=storage)
+    return save_objects(
+        "mem://x",
+        {"step": step, "extras": {"v": value}},
+        COMM,
+        step=step,
+        keep=keep,
+        replicated={"model": model},
+        position=[{"cursor": step}],
+        storage=storage,
+    )
 
 
 def test_urls_and_locations() -> None:
@@ -51,16 +59,17 @@ def test_save_load_prune_and_latest(tmp_path: Path) -> None:
 def test_partial_upload_is_never_used_and_is_cleaned(tmp_path: Path) -> None:
     storage = LocalStorage(tmp_path)
     _save(storage, 1)
-    storage.put("step-000002/state.pt", b"half")            # a save killed before its manifest
+    storage.put("step-000002/state.pt", b"half")  # a save killed before its manifest
     state = load_objects("mem://x", COMM, storage=storage)
     assert state is not None and state["step"] == 1
     _save(storage, 3)
-    assert not storage.list("step-000002/")                  # older partial uploads go at the next commit
+    assert not storage.list("step-000002/")  # older partial uploads go at the next commit
 
 
 @pytest.mark.parametrize("damage", ["flip", "missing", "manifest"])
-def test_bad_checkpoint_is_named_and_the_previous_used(tmp_path: Path, damage: str,
-                                                       caplog: pytest.LogCaptureFixture) -> None:
+def test_bad_checkpoint_is_named_and_the_previous_used(
+    tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture
+) -> None:
     storage = LocalStorage(tmp_path)
     _save(storage, 1, value=1.0)
     _save(storage, 2, value=2.0)
@@ -72,7 +81,9 @@ def test_bad_checkpoint_is_named_and_the_previous_used(tmp_path: Path, damage: s
     elif damage == "missing":
         storage.delete([shard])
     else:
-        storage.put("step-000002/manifest.json", storage.get("step-000002/manifest.json").replace(b'"step": 2', b'"step": 9'))
+        storage.put(
+            "step-000002/manifest.json", storage.get("step-000002/manifest.json").replace(b'"step": 2', b'"step": 9')
+        )
     state = load_objects("mem://x", COMM, storage=storage)
     assert state is not None and state["step"] == 1 and torch.equal(state["model"]["w"], torch.ones(3))
     named = shard if damage != "manifest" else "manifest.json"
@@ -128,11 +139,11 @@ def test_object_lock_names_the_holder_and_is_taken_over_when_dead(tmp_path: Path
         lock_objects("mem://x", COMM, storage=storage)
     lock.release()
     assert json.loads(storage.get(lock.name))["released"] is True
-    lock = lock_objects("mem://x", COMM, storage=storage)       # the next generation; the older one is gone
+    lock = lock_objects("mem://x", COMM, storage=storage)  # the next generation; the older one is gone
     assert storage.list(".lockstep.lock/") == {".lockstep.lock/00000002": len(storage.get(lock.name))}
     lock.release()
     body = {"host": "elsewhere", "pid": 1, "since": "then", "renewed": 0, "token": "t"}
-    storage.put(".lockstep.lock/00000003", json.dumps(body).encode())        # a holder that stopped renewing
+    storage.put(".lockstep.lock/00000003", json.dumps(body).encode())  # a holder that stopped renewing
     lock = lock_objects("mem://x", COMM, storage=storage, ttl=30)
     assert lock.held and lock.name == ".lockstep.lock/00000004"
     lock.release()
@@ -141,6 +152,7 @@ def test_object_lock_names_the_holder_and_is_taken_over_when_dead(tmp_path: Path
 def test_two_jobs_taking_over_one_dead_holder_end_with_one_holder(tmp_path: Path) -> None:
     """Both read the dead holder; the first takes over (and deletes that generation); the second, acting
     on what it read, must not remove the first one's lock nor hold one too."""
+
     class Stale(LocalStorage):
         frozen: dict[str, int] | None = None
 
@@ -153,12 +165,12 @@ def test_two_jobs_taking_over_one_dead_holder_end_with_one_holder(tmp_path: Path
     dead = {"host": "elsewhere", "pid": 1, "since": "then", "renewed": 0, "token": "t"}
     LocalStorage(tmp_path).put(".lockstep.lock/00000001", json.dumps(dead).encode())
     second = Stale(tmp_path)
-    second.frozen = second.list(".lockstep.lock/")                   # it read the dead holder...
-    first = lock_objects("mem://x", COMM, storage=LocalStorage(tmp_path), ttl=30)   # ...then the first took over
+    second.frozen = second.list(".lockstep.lock/")  # it read the dead holder...
+    first = lock_objects("mem://x", COMM, storage=LocalStorage(tmp_path), ttl=30)  # ...then the first took over
     with pytest.raises(FolderInUseError, match="in use by another job"):
         lock_objects("mem://x", COMM, storage=second, ttl=30)
     assert first.name == ".lockstep.lock/00000002" and list(second.list(".lockstep.lock/")) == [first.name]
-    assert json.loads(second.get(first.name))["token"] == first.body["token"]   # the first job's lock, intact
+    assert json.loads(second.get(first.name))["token"] == first.body["token"]  # the first job's lock, intact
     first.release()
 
 

@@ -23,8 +23,8 @@ import lockstep
 from _dist import run_distributed
 from _parity import session_step
 from lockstep.checkpoint.files import CorruptCheckpointError
-from lockstep.checkpoint.lock import FolderInUseError
 from lockstep.checkpoint.layout import step_name
+from lockstep.checkpoint.lock import FolderInUseError
 from lockstep.checkpoint.manifest import MANIFEST_FILE
 from lockstep.checkpoint.objects import committed_steps, load_objects, object_reader
 from lockstep.checkpoint.objlock import lock_objects
@@ -63,20 +63,31 @@ def _kill_at(rank: int, kill: tuple[int, int, str, str] | None, signum: int = 9)
                 Path(kill[3]).write_text(name)
                 os.kill(os.getpid(), signum)
             return out
+
         setattr(FsspecStorage, method, wrapped)
 
 
-def _train(env: dict[str, str], url: str, steps: int, blocking: bool = True,
-           kill: tuple[int, int, str, str] | None = None, expect: int | None = None) -> dict[str, Any]:
+def _train(
+    env: dict[str, str],
+    url: str,
+    steps: int,
+    blocking: bool = True,
+    kill: tuple[int, int, str, str] | None = None,
+    expect: int | None = None,
+) -> dict[str, Any]:
     os.environ.update(env)
-    session = lockstep.Session(strategy="ddp" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "single",
-                               quiet=True, timeout=60)
+    session = lockstep.Session(
+        strategy="ddp" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "single", quiet=True, timeout=60
+    )
     _kill_at(session.rank, kill)
     model, opt = session.setup(_model(), lambda p: torch.optim.Adam(p, lr=0.01))
     resume = session.load(url, model=model, optimizer=opt)
     assert expect is None or resume.step == expect, f"resumed from step {resume.step}, not {expect}"
-    loaded = {"step": resume.step, "path": resume.path,
-              "weights": {k: v.clone() for k, v in session.strategy.model_state_dict(model).items()}}
+    loaded = {
+        "step": resume.step,
+        "path": resume.path,
+        "weights": {k: v.clone() for k, v in session.strategy.model_state_dict(model).items()},
+    }
     while session.global_step < steps:
         session_step(session, model, opt, GLOBAL_BATCH)
         if session.global_step % 2 == 0:
@@ -93,7 +104,7 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 def test_conditional_put_is_honoured_by_the_server(s3: Any) -> None:
     storage = open_storage(s3.url())
     assert storage.put_new("step-000001/manifest.json", b"first")
-    assert not storage.put_new("step-000001/manifest.json", b"second")   # If-None-Match: * -> 412
+    assert not storage.put_new("step-000001/manifest.json", b"second")  # If-None-Match: * -> 412
     assert storage.get("step-000001/manifest.json") == b"first"
     assert storage.list() == {"step-000001/manifest.json": 5}
 
@@ -104,7 +115,7 @@ def test_world_2_saves_and_resumes_at_1_and_3(s3: Any) -> None:
     url = s3.url()
     first = run_distributed(_train, 2, s3.env, url, 6, timeout=200)
     storage = open_storage(url)
-    assert committed_steps(storage) == [4, 6]                                       # keep=2, pruned
+    assert committed_steps(storage) == [4, 6]  # keep=2, pruned
     assert {"step-000006/sharded/__0_0.distcp", "step-000006/sharded/__1_0.distcp"} <= set(storage.list())
     for world in (1, 3):
         resumed = run_distributed(_train, world, s3.env, url, 6, timeout=200)
@@ -116,7 +127,7 @@ def test_world_2_saves_and_resumes_at_1_and_3(s3: Any) -> None:
 def _corrupt(s3: Any, url: str, step: int, how: str) -> str:
     storage = open_storage(url)
     name = next(n for n in storage.list(f"step-{step:06d}/") if n.endswith("__1_0.distcp"))
-    bucket, prefix = url[len("s3://"):].split("/", 1)
+    bucket, prefix = url[len("s3://") :].split("/", 1)
     client = s3.client()
     if how == "flip":
         data = bytearray(storage.get(name))
@@ -139,14 +150,18 @@ def test_bad_object_is_named_and_the_previous_checkpoint_used(s3: Any, how: str)
         load_objects(url, Comm(World()), fallback=False)
     resumed = run_distributed(_train, 2, s3.env, url, 4, timeout=200)
     assert [r["step"] for r in resumed] == [2, 2]
-    assert _same(resumed[0]["final"], first[0]["final"])          # step 2 was intact: retrained to 4 alike
+    assert _same(resumed[0]["final"], first[0]["final"])  # step 2 was intact: retrained to 4 alike
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_second_job_on_the_prefix_is_refused_naming_the_holder(s3: Any) -> None:
     url = s3.url()
-    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
         import sys, time
         from lockstep.checkpoint.objlock import lock_objects
         from lockstep.comm.group import Comm
@@ -155,14 +170,20 @@ def test_second_job_on_the_prefix_is_refused_naming_the_holder(s3: Any) -> None:
         print("held", flush=True)
         sys.stdin.read()
         lock.release()
-    """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, **s3.env})
+    """),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **s3.env},
+    )
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         with pytest.raises(FolderInUseError, match=rf"{url} is in use by another job \(host .*, pid {holder.pid},"):
             lock_objects(url, Comm(World()))
     finally:
         holder.communicate("", timeout=30)
-    lock_objects(url, Comm(World())).release()                                     # free once the holder ended
+    lock_objects(url, Comm(World())).release()  # free once the holder ended
 
 
 @pytest.mark.slow
@@ -179,21 +200,27 @@ def test_kill_9_during_uploads_never_resumes_from_a_partial_checkpoint(s3: Any, 
         # rank 0 writes the lock object, then 5 objects a save (state.pt, .metadata, its shard,
         # manifest, latest); rank 1 its shard: 4 saves in a whole run
         rank, marker = rng.randrange(2), tmp_path / f"killed-{kills}"
-        kill = ((rank, rng.randint(1, 21 if rank == 0 else 4), rng.choice(["before", "after"]), str(marker))
-                if kills < 20 else None)
+        kill = (
+            (rank, rng.randint(1, 21 if rank == 0 else 4), rng.choice(["before", "after"]), str(marker))
+            if kills < 20
+            else None
+        )
         newest = (committed_steps(open_storage(url)) or [0])[-1]
         try:
             out = run_distributed(_train, 2, s3.env, url, steps, kills % 2 == 0, kill, newest, timeout=200)
-        except AssertionError as exc:   # only the planned SIGKILL may end an attempt
+        except AssertionError as exc:  # only the planned SIGKILL may end an attempt
             assert kill is not None and marker.exists(), str(exc)[-3000:]
             kills += 1
-            print(f"kill {kills}: rank {kill[0]}, {kill[2]} writing {marker.read_text()}; this run resumed from "
-                  f"step {newest}, committed now {committed_steps(open_storage(url))}", flush=True)
+            print(
+                f"kill {kills}: rank {kill[0]}, {kill[2]} writing {marker.read_text()}; this run resumed from "
+                f"step {newest}, committed now {committed_steps(open_storage(url))}",
+                flush=True,
+            )
             continue
         assert _same(out[0]["final"], whole) and _same(out[1]["final"], whole)
         if kill is None:
             break
-        url = s3.url()   # that run finished before its kill point: the next kills start a fresh run
+        url = s3.url()  # that run finished before its kill point: the next kills start a fresh run
 
 
 def _stopped(env: dict[str, str], url: str, steps: int, term: tuple[int, int, str, str]) -> dict[str, Any]:
@@ -219,20 +246,18 @@ def _stopped(env: dict[str, str], url: str, steps: int, term: tuple[int, int, st
 @pytest.mark.e2e  # three two-rank runs a case
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("rank", [0, 1])
-def test_sigterm_during_a_background_upload_commits_whole_checkpoints_only(s3: Any, tmp_path: Path,
-                                                                            rank: int) -> None:
+def test_sigterm_during_a_background_upload_commits_whole_checkpoints_only(s3: Any, tmp_path: Path, rank: int) -> None:
     """A preemption that lands while a background save uploads: the upload finishes inside the grace, the stop's
     own save is committed, every committed checkpoint verifies, and the resumed run ends bit-identical."""
     steps = 12
     url, marker = s3.url(), tmp_path / "signalled"
     # rank 0's third write is inside the first background save; rank 1's second, inside the second save
-    stops = run_distributed(_stopped, 2, s3.env, url, 10 * steps, (rank, 3 - rank, "before", str(marker)),
-                            timeout=200)
+    stops = run_distributed(_stopped, 2, s3.env, url, 10 * steps, (rank, 3 - rank, "before", str(marker)), timeout=200)
     assert marker.exists() and stops[0]["step"] == stops[1]["step"] is not None
     stopped = stops[0]["step"]
     assert stops[0]["path"] == f"{url}/step-{stopped:06d}" and committed_steps(open_storage(url))[-1] == stopped
     storage = open_storage(url)
-    for step in committed_steps(storage):   # each one whole: every object its manifest lists reads back and verifies
+    for step in committed_steps(storage):  # each one whole: every object its manifest lists reads back and verifies
         files = json.loads(storage.get(f"{step_name(step)}/{MANIFEST_FILE}"))["files"]
         read = object_reader(storage, step, files)
         assert all(read(name) is not None for name in files)
@@ -249,8 +274,14 @@ def test_lockstep_train_out_url_resumes_from_s3(s3: Any, tmp_path: Any) -> None:
     flags = ["--nproc", "2", "--out", url, "--max-steps", "3", "--progress", "off"]
 
     def train(*more: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "lockstep", "train", *flags, *more], capture_output=True,
-                              text=True, timeout=300, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        return subprocess.run(
+            [sys.executable, "-m", "lockstep", "train", *flags, *more],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=tmp_path,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
 
     first = train("--epochs", "1")
     assert first.returncode == 0, first.stdout + first.stderr
@@ -259,4 +290,4 @@ def test_lockstep_train_out_url_resumes_from_s3(s3: Any, tmp_path: Any) -> None:
     assert second.returncode == 0, second.stdout + second.stderr
     assert f"resumed from {url}/checkpoints/step-000003" in second.stdout
     assert committed_steps(open_storage(f"{url}/checkpoints")) == [3, 6]
-    assert not list(tmp_path.iterdir())                       # nothing written locally
+    assert not list(tmp_path.iterdir())  # nothing written locally

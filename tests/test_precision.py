@@ -61,10 +61,19 @@ def _train(precision: Precision, model: nn.Module, opt: torch.optim.Optimizer, s
     return losses
 
 
-@pytest.mark.parametrize("alias,name", [
-    ("fp32", "fp32"), ("O0", "fp32"), ("o1", "fp16-mixed"), ("O2", "fp16-o2"), ("o3", "fp16"),
-    ("BF16-Mixed", "bf16-mixed"), (" bf16 ", "bf16"), ("FP16", "fp16"),
-])
+@pytest.mark.parametrize(
+    "alias,name",
+    [
+        ("fp32", "fp32"),
+        ("O0", "fp32"),
+        ("o1", "fp16-mixed"),
+        ("O2", "fp16-o2"),
+        ("o3", "fp16"),
+        ("BF16-Mixed", "bf16-mixed"),
+        (" bf16 ", "bf16"),
+        ("FP16", "fp16"),
+    ],
+)
 def test_names_and_apex_aliases(alias: str, name: str) -> None:
     assert get_precision(alias, CPU).name == name
 
@@ -85,14 +94,17 @@ def test_each_precision_trains_a_tiny_model(name: str) -> None:
     assert losses[-1] < 0.5 * losses[0], f"{name}: loss went {losses[0]:.4f} -> {losses[-1]:.4f}"
 
 
-@pytest.mark.parametrize("name,linear,norm,inside", [
-    ("fp32", torch.float32, torch.float32, torch.float32),
-    ("bf16-mixed", torch.float32, torch.float32, torch.bfloat16),
-    ("fp16-mixed", torch.float32, torch.float32, torch.float16),
-    ("fp16-o2", torch.float16, torch.float32, torch.float16),
-    ("bf16", torch.bfloat16, torch.bfloat16, torch.bfloat16),
-    ("fp16", torch.float16, torch.float16, torch.float16),
-])
+@pytest.mark.parametrize(
+    "name,linear,norm,inside",
+    [
+        ("fp32", torch.float32, torch.float32, torch.float32),
+        ("bf16-mixed", torch.float32, torch.float32, torch.bfloat16),
+        ("fp16-mixed", torch.float32, torch.float32, torch.float16),
+        ("fp16-o2", torch.float16, torch.float32, torch.float16),
+        ("bf16", torch.bfloat16, torch.bfloat16, torch.bfloat16),
+        ("fp16", torch.float16, torch.float16, torch.float16),
+    ],
+)
 def test_dtypes(name: str, linear: torch.dtype, norm: torch.dtype, inside: torch.dtype) -> None:
     precision, model, opt = _setup(name)
     assert model[0].weight.dtype == linear and model[3].bias.dtype == linear

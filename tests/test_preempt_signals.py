@@ -23,7 +23,6 @@ import torch
 from lockstep.comm.group import Comm
 from lockstep.env import World
 from lockstep.session.preempt import StopGuard
-
 from test_faults_recover import TRAIN, _checkpoints, _finish, _start_slow
 
 
@@ -39,19 +38,19 @@ def guard(monkeypatch: pytest.MonkeyPatch) -> tuple[StopGuard, list[int]]:
 
 def test_the_same_signal_again_is_the_same_request(guard: tuple[StopGuard, list[int]]) -> None:
     stop, ended = guard
-    stop._on_signal(signal.SIGUSR1, None)   # the scheduler's own signal
-    stop._on_signal(signal.SIGUSR1, None)   # forwarded by the launcher
+    stop._on_signal(signal.SIGUSR1, None)  # the scheduler's own signal
+    stop._on_signal(signal.SIGUSR1, None)  # forwarded by the launcher
     assert stop.requested == signal.SIGUSR1 and ended == []
-    stop._on_signal(signal.SIGTERM, None)   # a cancel after the warning: still the same stop
+    stop._on_signal(signal.SIGTERM, None)  # a cancel after the warning: still the same stop
     assert stop.requested == signal.SIGUSR1 and ended == []
 
 
 def test_after_the_grace_the_same_signal_ends_the_process(guard: tuple[StopGuard, list[int]]) -> None:
     stop, ended = guard
     stop._on_signal(signal.SIGTERM, None)
-    stop._resend()                           # the grace timer: nobody agreed in time
-    assert ended == [signal.SIGTERM]         # sent again to the process...
-    stop._on_signal(signal.SIGTERM, None)    # ...whose handler now lets it end
+    stop._resend()  # the grace timer: nobody agreed in time
+    assert ended == [signal.SIGTERM]  # sent again to the process...
+    stop._on_signal(signal.SIGTERM, None)  # ...whose handler now lets it end
     assert ended == [signal.SIGTERM, signal.SIGTERM]
 
 
@@ -59,7 +58,8 @@ def test_after_the_grace_the_same_signal_ends_the_process(guard: tuple[StopGuard
 @pytest.mark.timeout(60)
 def test_usr1_then_term_is_one_preemption_and_the_grace_still_ends_it(tmp_path: Path) -> None:
     script = tmp_path / "twice.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import os, signal, sys, time, torch, lockstep
         session = lockstep.Session(quiet=True)
         model, opt = session.setup(torch.nn.Linear(2, 1), lambda p: torch.optim.SGD(p, lr=0.1))
@@ -76,15 +76,16 @@ def test_usr1_then_term_is_one_preemption_and_the_grace_still_ends_it(tmp_path: 
             print("not reached", flush=True)
         time.sleep(30)                            # no step: the grace (1 s) ends the process
         print("not reached", flush=True)
-    """))
+    """)
+    )
     env = {**os.environ, "LOCKSTEP_GRACE": "1"}
-    agreed = subprocess.run([sys.executable, str(script), "steps"], capture_output=True, text=True,
-                            timeout=50, env=env)
+    agreed = subprocess.run([sys.executable, str(script), "steps"], capture_output=True, text=True, timeout=50, env=env)
     assert agreed.returncode == 75 and agreed.stdout.startswith("still running\n"), agreed.stderr
     assert "SIGUSR1 on rank 0: every rank stopped after step 2" in agreed.stdout
     assert "not reached" not in agreed.stdout
-    stalled = subprocess.run([sys.executable, str(script), "sleep"], capture_output=True, text=True,
-                             timeout=50, env=env)
+    stalled = subprocess.run(
+        [sys.executable, str(script), "sleep"], capture_output=True, text=True, timeout=50, env=env
+    )
     assert stalled.returncode == -signal.SIGUSR1 and stalled.stdout == "still running\n", stalled.stderr
 
 
@@ -97,7 +98,7 @@ def test_signal_to_a_rank_then_to_the_launcher_is_one_preemption(tmp_path: Path)
     os.kill(int((tmp_path / "pid1").read_text()), signal.SIGUSR1)
     time.sleep(0.3)
     launcher.send_signal(signal.SIGUSR1)
-    out, err, step = _finish(launcher)       # exit 75, every rank stopped at one step
+    out, err, step = _finish(launcher)  # exit 75, every rank stopped at one step
     assert "every rank stopped after step" in out and "SIGUSR1 on rank" in out
     assert f"step-{step:06d}" in _checkpoints(tmp_path)
     assert "killed" not in err
@@ -115,7 +116,7 @@ def test_usr1_then_term_to_every_process_is_one_preemption(tmp_path: Path) -> No
             os.kill(pid, signum)
         launcher.send_signal(signum)
         time.sleep(0.3)
-    out, err, step = _finish(launcher)       # exit 75, every rank stopped at one step
+    out, err, step = _finish(launcher)  # exit 75, every rank stopped at one step
     assert "SIGUSR1 on ranks 0, 1: every rank stopped after step" in out
     assert f"step-{step:06d}" in _checkpoints(tmp_path)
     assert "killed" not in err

@@ -19,13 +19,13 @@ from typing import Any
 SRC = Path(__file__).resolve().parents[1] / "src" / "lockstep"
 
 SHIMS = {
-    "launch/torch_agent.py",        # torch's elastic agent
-    "launch/py_atexit.py",          # atexit._run_exitfuncs, atexit._ncallbacks
-    "comm/py_frames.py",            # sys._current_frames
-    "precision/torch_amp.py",       # GradScaler._unscale_grads_, the fused optimizers' found_inf, ...
+    "launch/torch_agent.py",  # torch's elastic agent
+    "launch/py_atexit.py",  # atexit._run_exitfuncs, atexit._ncallbacks
+    "comm/py_frames.py",  # sys._current_frames
+    "precision/torch_amp.py",  # GradScaler._unscale_grads_, the fused optimizers' found_inf, ...
     "strategies/torch_internals.py",  # DDP's reducer, PowerSGD's rule, torch.compile, autograd engine
-    "checkpoint/torch_dcp.py",      # torch.distributed.checkpoint._traverse
-    "cli/py_argparse.py",           # ArgumentParser._actions
+    "checkpoint/torch_dcp.py",  # torch.distributed.checkpoint._traverse
+    "cli/py_argparse.py",  # ArgumentParser._actions
 }
 # documented public names that start with "_": os._exit, and namedtuple's methods
 PUBLIC = {("os", "_exit"), ("*", "_fields"), ("*", "_asdict"), ("*", "_replace"), ("*", "_make")}
@@ -171,11 +171,17 @@ def _findings(tree: ast.Module, own: set[str], classes: set[str]) -> list[tuple[
                 continue
             if root or node.attr not in own:
                 found.append((node.lineno, ast.unparse(node)))
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-              and node.func.id in ("getattr", "hasattr", "setattr", "delattr") and len(node.args) > 1
-              and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
-              and _private(node.args[1].value) and node.args[1].value not in own
-              and ("*", node.args[1].value) not in PUBLIC):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr", "setattr", "delattr")
+            and len(node.args) > 1
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+            and _private(node.args[1].value)
+            and node.args[1].value not in own
+            and ("*", node.args[1].value) not in PUBLIC
+        ):
             found.append((node.lineno, ast.unparse(node)))
         elif isinstance(node, ast.ClassDef):
             found += _class_findings(node, bindings, classes)
@@ -185,16 +191,22 @@ def _findings(tree: ast.Module, own: set[str], classes: set[str]) -> list[tuple[
 def test_no_private_torch_or_python_api_outside_the_shims() -> None:
     trees = _trees()
     own, classes = _own_names(trees)
-    bad = [f"{path}:{line}: {what}" for path, tree in trees.items() if path not in SHIMS
-           for line, what in _findings(tree, own, classes)]
-    assert not bad, ("private torch/CPython API used outside the shim modules; move it behind a function of "
-                     "the layer's shim (" + ", ".join(sorted(SHIMS)) + ") with a version test in "
-                     "tests/test_shims.py:\n  " + "\n  ".join(bad))
+    bad = [
+        f"{path}:{line}: {what}"
+        for path, tree in trees.items()
+        if path not in SHIMS
+        for line, what in _findings(tree, own, classes)
+    ]
+    assert not bad, (
+        "private torch/CPython API used outside the shim modules; move it behind a function of "
+        "the layer's shim (" + ", ".join(sorted(SHIMS)) + ") with a version test in "
+        "tests/test_shims.py:\n  " + "\n  ".join(bad)
+    )
 
 
 def test_the_check_sees_private_uses() -> None:
     """The scanner finds each kind of private use (so an empty result above means something)."""
-    source = '''
+    source = """
 import sys, atexit, torch
 from torch._dynamo.utils import counters
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -208,11 +220,19 @@ sys._current_frames()
 torch.autograd.Variable._execution_engine
 getattr(atexit, "_run_exitfuncs")
 model._orig_mod
-'''
+"""
     found = " | ".join(what for _, what in _findings(ast.parse(source), {"_own"}, set()))
-    for expected in ("torch._dynamo.utils", "_BatchNorm", "overrides _unscale_grads_", "super()._unscale_grads_",
-                     "self._scale of the base class", "sys._current_frames", "_execution_engine",
-                     "_run_exitfuncs", "model._orig_mod"):
+    for expected in (
+        "torch._dynamo.utils",
+        "_BatchNorm",
+        "overrides _unscale_grads_",
+        "super()._unscale_grads_",
+        "self._scale of the base class",
+        "sys._current_frames",
+        "_execution_engine",
+        "_run_exitfuncs",
+        "model._orig_mod",
+    ):
         assert expected in found, (expected, found)
     harmless = "import os\nos._exit(0)\nclass A:\n    def _x(self):\n        return self._own\nt._fields\n"
     assert _findings(ast.parse(harmless), {"_own", "_x"}, {"A"}) == []
@@ -220,11 +240,16 @@ model._orig_mod
 
 def test_every_shim_exists_and_has_a_version_test() -> None:
     tests = ast.parse((Path(__file__).parent / "test_shims.py").read_text())
-    imported = {f"{node.module}.{alias.name}" for node in ast.walk(tests) if isinstance(node, ast.ImportFrom)
-                for alias in node.names}
+    imported = {
+        f"{node.module}.{alias.name}"
+        for node in ast.walk(tests)
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
     used = {node.id for node in ast.walk(tests) if isinstance(node, ast.Name)}
     for shim in SHIMS:
         assert (SRC / shim).is_file(), shim
         module = "lockstep." + shim[:-3].replace("/", ".")
-        assert module in imported and module.rsplit(".", 1)[1] in used, \
+        assert module in imported and module.rsplit(".", 1)[1] in used, (
             f"{module} has no version test in tests/test_shims.py"
+        )

@@ -14,13 +14,13 @@ from torch import nn
 from lockstep.errors import ConfigError
 from lockstep.recipes.checks import check_data
 from lockstep.recipes.config import TrainConfig
+from lockstep.recipes.outputs import RunLog
+from lockstep.session.config import SessionConfig
+from lockstep.strategies import check_strategy
 from lockstep.zoo.datasets import ImageTensors, SyntheticImages, open_data, parse_data
 from lockstep.zoo.folders import CHECK_PER_CLASS
 from lockstep.zoo.idx import read_idx, read_mnist, write_idx
 from lockstep.zoo.models import ConvNet, build_model, input_channels, load_weights, parse_model
-from lockstep.session.config import SessionConfig
-from lockstep.strategies import check_strategy
-from lockstep.recipes.outputs import RunLog
 
 
 def digits_uint8() -> tuple[np.ndarray, np.ndarray]:
@@ -221,20 +221,23 @@ def test_synthetic_is_deterministic() -> None:
 # -- configuration -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"nproc": 0}, "--nproc must be at least 1"),
-    ({"strategy": "horovod2"}, "unknown strategy 'horovod2'; choose one of auto"),
-    ({"strategy": "fsdp+dp"}, "fsdp shards the model"),
-    ({"strategy": "dp", "nproc": 2}, r"strategy='dp' \(--strategy\) drives every GPU from one process"),
-    ({"precision": "fp8"}, "unknown precision 'fp8'"),
-    ({"model": "nonet"}, "unknown model 'nonet'"),
-    ({"resume": True}, "--resume needs --out"),
-    ({"pretrained": True, "model": "resnet18"}, "downloads nothing.*--weights FILE"),
-    ({"nodes": 2, "node_rank": 2, "master": "h:1"}, "--node-rank 2 is out of range"),
-    ({"nodes": 2}, "needs --master"),
-    ({"batch_size": 0}, "--batch-size must be at least 1"),
-    ({"data": "imagefolder:/nonexistent/dir"}, "data directory /nonexistent/dir does not exist"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"nproc": 0}, "--nproc must be at least 1"),
+        ({"strategy": "horovod2"}, "unknown strategy 'horovod2'; choose one of auto"),
+        ({"strategy": "fsdp+dp"}, "fsdp shards the model"),
+        ({"strategy": "dp", "nproc": 2}, r"strategy='dp' \(--strategy\) drives every GPU from one process"),
+        ({"precision": "fp8"}, "unknown precision 'fp8'"),
+        ({"model": "nonet"}, "unknown model 'nonet'"),
+        ({"resume": True}, "--resume needs --out"),
+        ({"pretrained": True, "model": "resnet18"}, "downloads nothing.*--weights FILE"),
+        ({"nodes": 2, "node_rank": 2, "master": "h:1"}, "--node-rank 2 is out of range"),
+        ({"nodes": 2}, "needs --master"),
+        ({"batch_size": 0}, "--batch-size must be at least 1"),
+        ({"data": "imagefolder:/nonexistent/dir"}, "data directory /nonexistent/dir does not exist"),
+    ],
+)
 def test_config_refuses(kwargs: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         TrainConfig(**kwargs)
@@ -266,7 +269,10 @@ def test_session_config_canonical_names_and_refusals(monkeypatch: pytest.MonkeyP
 
 def test_model_spec_names_and_factories() -> None:
     assert not parse_model("convnet").is_factory
-    assert parse_model("convnet").build(channels=1, num_classes=3, image_size=8)(torch.zeros(2, 1, 8, 8)).shape == (2, 3)
+    assert parse_model("convnet").build(channels=1, num_classes=3, image_size=8)(torch.zeros(2, 1, 8, 8)).shape == (
+        2,
+        3,
+    )
     assert isinstance(parse_model("test_recipes:tiny_factory").build(), nn.Linear)
     with pytest.raises(ConfigError, match="unknown model 'resnet19'"):
         parse_model("resnet19")
@@ -299,8 +305,9 @@ def test_batch_larger_than_shard() -> None:
 def test_worker_argv_round_trip(tmp_path: Path) -> None:
     from lockstep.cli.train import add_arguments, config_from_args, worker_argv
 
-    config = TrainConfig(model="resnet18", epochs=2, lr=0.1, scale_lr=True, out=str(tmp_path), nproc=2,
-                         max_steps=3, image_size=32)
+    config = TrainConfig(
+        model="resnet18", epochs=2, lr=0.1, scale_lr=True, out=str(tmp_path), nproc=2, max_steps=3, image_size=32
+    )
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     argv = worker_argv(config)

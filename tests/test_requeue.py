@@ -26,8 +26,23 @@ EPOCHS = 30  # about 0.4 s each on 2 CPU processes: the signal lands well before
 
 
 def _command(out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "lockstep", "train", "--nproc", "2", "--out", str(out), "--epochs", str(EPOCHS),
-            "--max-steps", "2", "--progress", "off", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "lockstep",
+        "train",
+        "--nproc",
+        "2",
+        "--out",
+        str(out),
+        "--epochs",
+        str(EPOCHS),
+        "--max-steps",
+        "2",
+        "--progress",
+        "off",
+        *extra,
+    ]
 
 
 def _env() -> dict[str, str]:

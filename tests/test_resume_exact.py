@@ -89,6 +89,7 @@ def test_resume_with_workers_and_augmentation_is_bit_identical(tmp_path: Path, a
 
 # --- one process --------------------------------------------------------------------------------
 
+
 def _regression(n: int) -> TensorDataset:
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(n, 2, generator=gen)
@@ -113,7 +114,7 @@ def test_an_epoch_ends_with_a_step_on_its_partial_window() -> None:
             taken.append(session.step(opt))
         for start, stop in [(0, 3), (3, 6), (6, 9), (9, 10)]:
             for i in range(start, stop):
-                x, y = (t.to(session.device) for t in data[i:i + 1])
+                x, y = (t.to(session.device) for t in data[i : i + 1])
                 (nn.functional.mse_loss(reference(x), y) / (stop - start)).backward()
             ref_opt.step()
             ref_opt.zero_grad()

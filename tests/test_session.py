@@ -264,7 +264,7 @@ def test_every_training_loader_gets_each_epoch_and_resumes(tmp_path: Path, load_
     whole = _two_loaders(str(tmp_path / "whole"), None, load_first)
     assert len(whole) == 3 * 6  # each loader yields batches in every epoch
     for epoch in range(3):
-        steps = whole[6 * epoch:6 * epoch + 6]
+        steps = whole[6 * epoch : 6 * epoch + 6]
         assert sorted(i for s in steps for i in s[4:]) == list(range(100, 124))  # all of b, once
         a_ids = [i for s in steps for i in s[:4]]
         assert len(set(a_ids)) == 24 and all(0 <= i < 40 for i in a_ids)  # 24 distinct samples of a

@@ -36,6 +36,7 @@ def _params(fn: Any) -> list[str]:
 
 # -- lockstep.cli.py_argparse --------------------------------------------------------------------
 
+
 def test_py_argparse_lists_every_action() -> None:
     parser = __import__("argparse").ArgumentParser()
     parser.add_argument("--nproc", type=int)
@@ -46,16 +47,25 @@ def test_py_argparse_lists_every_action() -> None:
 
 # -- lockstep.precision.torch_amp ----------------------------------------------------------------
 
+
 def test_torch_amp_grad_scaler_hook() -> None:
-    assert _params(torch.amp.GradScaler._unscale_grads_) == ["self", "optimizer", "inv_scale", "found_inf",
-                                                            "allow_fp16"], _changed(torch_amp, "GradScaler._unscale_grads_")
+    assert _params(torch.amp.GradScaler._unscale_grads_) == [
+        "self",
+        "optimizer",
+        "inv_scale",
+        "found_inf",
+        "allow_fp16",
+    ], _changed(torch_amp, "GradScaler._unscale_grads_")
 
     class Always(torch_amp.AgreedGradScaler):
         def agree_found_inf(self, local: torch.Tensor) -> bool:
             return True  # another rank overflowed
 
-    for scaler_type, grad, skipped in ((torch_amp.AgreedGradScaler, 1.0, False),
-                                       (torch_amp.AgreedGradScaler, float("inf"), True), (Always, 1.0, True)):
+    for scaler_type, grad, skipped in (
+        (torch_amp.AgreedGradScaler, 1.0, False),
+        (torch_amp.AgreedGradScaler, float("inf"), True),
+        (Always, 1.0, True),
+    ):
         param = nn.Parameter(torch.ones(2))
         optimizer = torch.optim.SGD([param], lr=0.1)
         scaler = scaler_type("cpu")
@@ -133,11 +143,14 @@ def test_verify_dropout_types_cover_torch() -> None:
     from lockstep.verify import inputs
 
     torch_made = [c for c in _DropoutNd.__subclasses__() if c.__module__.startswith("torch.nn.")]
-    assert set(torch_made) <= set(inputs._DROPOUTS), f"lockstep.verify.inputs: torch's dropout classes changed in " \
+    assert set(torch_made) <= set(inputs._DROPOUTS), (
+        f"lockstep.verify.inputs: torch's dropout classes changed in "
         f"{VERSIONS} (new: {set(torch_made) - set(inputs._DROPOUTS)})"
+    )
 
 
 # -- lockstep.strategies.torch_internals ---------------------------------------------------------
+
 
 def test_torch_internals_release_ddp(tmp_path: Path) -> None:
     import torch.distributed as dist
@@ -156,13 +169,17 @@ def test_torch_internals_release_ddp(tmp_path: Path) -> None:
 def test_torch_internals_powersgd_rule() -> None:
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
-    assert _params(powerSGD_hook._should_compress) == ["num_rows", "num_cols", "matrix_approximation_rank",
-                                                      "min_compression_rate"], \
-        _changed(torch_internals, "powerSGD_hook._should_compress")
+    assert _params(powerSGD_hook._should_compress) == [
+        "num_rows",
+        "num_cols",
+        "matrix_approximation_rank",
+        "min_compression_rate",
+    ], _changed(torch_internals, "powerSGD_hook._should_compress")
     for rows, cols, rank, rate in ((64, 64, 1, 2), (2, 2, 1, 2), (4, 4, 1, 2), (3, 5, 2, 1), (10, 1, 1, 2)):
         expected = (rows + cols) * rank * rate < rows * cols
-        assert torch_internals.powersgd_compresses(rows, cols, rank, rate) is expected, \
-            _changed(torch_internals, f"PowerSGD's rule at {(rows, cols, rank, rate)}")
+        assert torch_internals.powersgd_compresses(rows, cols, rank, rate) is expected, _changed(
+            torch_internals, f"PowerSGD's rule at {(rows, cols, rank, rate)}"
+        )
 
 
 def test_torch_internals_compile() -> None:
@@ -190,10 +207,13 @@ def test_torch_internals_backward_callback() -> None:
 
 # -- lockstep.comm.py_frames, lockstep.launch.py_atexit ------------------------------------------
 
+
 def test_py_frames_sees_another_thread() -> None:
     here = py_frames.thread_frame(threading.get_ident())
     assert here is not None and here.f_back is not None, _changed(py_frames, "sys._current_frames")
-    assert here.f_back.f_code.co_name == "test_py_frames_sees_another_thread", _changed(py_frames, "sys._current_frames")
+    assert here.f_back.f_code.co_name == "test_py_frames_sees_another_thread", _changed(
+        py_frames, "sys._current_frames"
+    )
     release = threading.Event()
 
     def parked() -> None:
@@ -229,29 +249,37 @@ def test_py_atexit_runs_handlers_early() -> None:
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, _changed(py_atexit, f"atexit._ncallbacks/_run_exitfuncs: {out.stderr}")
-    assert out.stdout.split("\n") == ["last registered", "first registered", "after", ""], \
-        _changed(py_atexit, "atexit._run_exitfuncs")
+    assert out.stdout.split("\n") == ["last registered", "first registered", "after", ""], _changed(
+        py_atexit, "atexit._run_exitfuncs"
+    )
 
 
 # -- lockstep.launch.torch_agent, lockstep.checkpoint.torch_dcp ----------------------------------
+
 
 def test_torch_agent_overrides_still_exist() -> None:
     from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
     from torch.distributed.launcher import api
 
     agent = api.LocalElasticAgent
-    for method, params in (("_start_workers", ["self", "worker_group"]), ("_monitor_workers", ["self", "worker_group"]),
-                           ("_restart_workers", ["self", "worker_group"]), ("_shutdown", ["self", "death_sig", "timeout"])):
-        assert _params(getattr(agent, method, None) or (lambda: None)) == params, \
-            _changed(torch_agent, f"LocalElasticAgent.{method}")
+    for method, params in (
+        ("_start_workers", ["self", "worker_group"]),
+        ("_monitor_workers", ["self", "worker_group"]),
+        ("_restart_workers", ["self", "worker_group"]),
+        ("_shutdown", ["self", "death_sig", "timeout"]),
+    ):
+        assert _params(getattr(agent, method, None) or (lambda: None)) == params, _changed(
+            torch_agent, f"LocalElasticAgent.{method}"
+        )
     from torch.distributed.elastic.multiprocessing.api import SubprocessContext
     from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
     source = "".join(inspect.getsource(c) for c in agent.__mro__ if c.__module__.startswith("torch."))
     for attribute in ("self._pcontext", "self._remaining_restarts"):
         assert attribute in source, _changed(torch_agent, f"LocalElasticAgent's {attribute}")
-    assert "self.subprocess_handlers" in inspect.getsource(SubprocessContext), \
-        _changed(torch_agent, "SubprocessContext.subprocess_handlers")
+    assert "self.subprocess_handlers" in inspect.getsource(SubprocessContext), _changed(
+        torch_agent, "SubprocessContext.subprocess_handlers"
+    )
     assert "self.proc" in inspect.getsource(SubprocessHandler), _changed(torch_agent, "SubprocessHandler.proc")
     assert {"SUCCEEDED", "FAILED", "UNHEALTHY"} <= set(WorkerState.__members__), _changed(torch_agent, "WorkerState")
     assert {"state", "failures"} <= set(RunResult.__dataclass_fields__), _changed(torch_agent, "RunResult")
@@ -264,8 +292,9 @@ def test_torch_dcp_set_nested() -> None:
     state: dict[str, Any] = {"optimizer": {"param_groups": [{"lr": 1.0}]}}
     torch_dcp.set_nested(state, ("optimizer", "param_groups", 0, "lr"), 0.1)
     torch_dcp.set_nested(state, ("extra", "step"), 3)
-    assert state == {"optimizer": {"param_groups": [{"lr": 0.1}]}, "extra": {"step": 3}}, \
-        _changed(torch_dcp, "torch.distributed.checkpoint._traverse.set_element")
+    assert state == {"optimizer": {"param_groups": [{"lr": 0.1}]}, "extra": {"step": 3}}, _changed(
+        torch_dcp, "torch.distributed.checkpoint._traverse.set_element"
+    )
     from torch.distributed.checkpoint import DefaultLoadPlanner
 
     planner = DefaultLoadPlanner()
@@ -273,8 +302,9 @@ def test_torch_dcp_set_nested() -> None:
     planner.set_up_planner(original, None, True)
     path = planner.mappings["optimizer.param_groups.0.lr"]
     torch_dcp.set_nested(planner.original_state_dict, path, 0.5)
-    assert planner.flatten_state_dict and original["optimizer"]["param_groups"][0]["lr"] == 0.5, \
-        _changed(torch_dcp, "DefaultLoadPlanner's mappings/original_state_dict")
+    assert planner.flatten_state_dict and original["optimizer"]["param_groups"][0]["lr"] == 0.5, _changed(
+        torch_dcp, "DefaultLoadPlanner's mappings/original_state_dict"
+    )
 
 
 @pytest.mark.parametrize("shim", [torch_amp, torch_internals, py_frames, py_atexit, torch_agent, torch_dcp])

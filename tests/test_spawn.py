@@ -99,7 +99,9 @@ def test_tensors_come_back_by_value() -> None:
 
     for _ in range(3):  # shared-memory tensors died with their process here, most of the time
         values = spawn(_tensor_of_rank, 2, timeout=60)
-        assert [v.tolist() for v in values] == [[0.0] * 3, [1.0] * 3] and all(isinstance(v, torch.Tensor) for v in values)
+        assert [v.tolist() for v in values] == [[0.0] * 3, [1.0] * 3] and all(
+            isinstance(v, torch.Tensor) for v in values
+        )
 
 
 def _report_environment() -> tuple[str, int]:
@@ -111,8 +113,9 @@ def _report_environment() -> tuple[str, int]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
-def test_forkserver_ranks_see_the_callers_environment_and_output(monkeypatch: pytest.MonkeyPatch,
-                                                                capfd: pytest.CaptureFixture) -> None:
+def test_forkserver_ranks_see_the_callers_environment_and_output(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture
+) -> None:
     """A forked rank gets the environment and stdout of the call, not those of the server's start."""
     monkeypatch.setenv("LOCKSTEP_SPAWN_PROBE", "first")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")

@@ -95,7 +95,7 @@ def _listening(pids: list[int]) -> dict[int, list[tuple[str, int]]]:
             if v6:
                 addr = "::" if set(addr_hex) == {"0"} else ("::1" if addr_hex.endswith("01000000") else addr_hex)
             else:
-                addr = ".".join(str(int(addr_hex[i:i + 2], 16)) for i in (6, 4, 2, 0))
+                addr = ".".join(str(int(addr_hex[i : i + 2], 16)) for i in (6, 4, 2, 0))
             out[inodes[inode]].append((addr, int(port_hex, 16)))
     return out
 
@@ -119,8 +119,11 @@ def _attack(ports: list[int], marker: Path) -> int:
             hit += 1
         for prefix in prefixes:  # what the watchdog reads: a verdict and the ranks' positions
             store.set(prefix + "/wd//verdict", "rank 1 hung (forged)")
-            store.set(prefix + "/wd//1", '{"rank": 1, "seq": 0, "inside": true, "what": "x", "host": "h", '
-                                       '"pid": 1, "where": "x", "in_torch": true}')
+            store.set(
+                prefix + "/wd//1",
+                '{"rank": 1, "seq": 0, "inside": true, "what": "x", "host": "h", '
+                '"pid": 1, "where": "x", "in_torch": true}',
+            )
             hit += 2
     return hit
 
@@ -131,8 +134,23 @@ def test_outsider_writes_change_nothing_and_run_nothing(tmp_path: Path) -> None:
     script, ready, marker, ckpt = tmp_path / "job.py", tmp_path / "ready", tmp_path / "pwned", tmp_path / "ckpt"
     script.write_text(textwrap.dedent(_SCRIPT))
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "lockstep", "run", "--nproc", "2", "--timeout", "10", str(script), str(ckpt),
-         str(ready)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "lockstep",
+            "run",
+            "--nproc",
+            "2",
+            "--timeout",
+            "10",
+            str(script),
+            str(ckpt),
+            str(ready),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 90
         while not ready.exists():
@@ -169,8 +187,8 @@ def test_signed_values_refuse_forgery(tmp_path: Path) -> None:
     job, other = SignedStore(raw, b"job"), SignedStore(raw, b"other")
     job.set("verdict", "rank 1 hung")
     assert job.get("verdict") == "rank 1 hung"
-    assert other.get("verdict") is None            # another secret: not ours
-    raw.set("verdict", b"rank 1 hung")              # unsigned, as an outsider writes it
+    assert other.get("verdict") is None  # another secret: not ours
+    raw.set("verdict", b"rank 1 hung")  # unsigned, as an outsider writes it
     assert job.get_if_set("verdict") is None
     raw.set("verdict", pickle.dumps(_Marker(str(marker))))
     assert job.get_if_set("verdict") is None
@@ -197,7 +215,7 @@ def test_the_watchdog_reads_a_poisoned_store_without_running_it(tmp_path: Path) 
     watch = Watchdog(store, rank=0, world_size=3, timeout=1.0, error_file="", secret=b"job")
     err = watch.explain(RuntimeError("allreduce timed out"))
     assert err is not None and "rank 1" in str(err) and "rank 2" in str(err)  # no post trusted: both unknown
-    for key in keys:                                                         # the raw reads too
+    for key in keys:  # the raw reads too
         assert SignedStore(store, b"job").get_if_set(key) in (None, str(err) if key == "verdict" else None)
     assert not marker.exists(), "a store value was unpickled"
 

@@ -7,9 +7,9 @@ several things to keep the number of launches small.
 from __future__ import annotations
 
 import contextlib
-from unittest import mock
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -57,8 +57,15 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(GLOBAL_BATCH, 6, generator=gen), torch.randn(GLOBAL_BATCH, 3, generator=gen)
 
 
-def _train(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, steps: int,
-           accumulate: int = 1, no_sync: Callable[[], Any] | None = None) -> None:
+def _train(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    steps: int,
+    accumulate: int = 1,
+    no_sync: Callable[[], Any] | None = None,
+) -> None:
     for _ in range(steps):
         pieces = list(zip(x.chunk(accumulate), y.chunk(accumulate)))
         for i, (xc, yc) in enumerate(pieces):
@@ -92,11 +99,16 @@ def _reference(steps: int) -> dict[str, Any]:
     F.mse_loss(model(x), y).backward()
     grads = [p.grad.clone() for p in model.parameters()]
     norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
-    return {"weights": _numpy(model.state_dict()), "momentum": momentum, "norm": norm,
-            "grads": [g.numpy() for g in grads]}
+    return {
+        "weights": _numpy(model.state_dict()),
+        "momentum": momentum,
+        "norm": norm,
+        "grads": [g.numpy() for g in grads],
+    }
 
 
 # -- registry and options ----------------------------------------------------------------------
+
 
 def test_registry_lists_and_refuses_unknown() -> None:
     assert available_strategies() == ["auto", "ddp", "dp", "fsdp", "horovod", "single"]
@@ -156,6 +168,7 @@ def test_sync_bn_on_cpu_is_refused_before_training(monkeypatch: pytest.MonkeyPat
 
 
 # -- single process ----------------------------------------------------------------------------
+
 
 def test_single_state_dicts_round_trip() -> None:
     strategy = get_strategy("single", _null_comm(), CPU)
@@ -248,8 +261,10 @@ def test_ddp_and_fsdp_with_one_process_leave_model_unwrapped(name: str) -> None:
 
 def test_explain_ddp_error_names_parameters() -> None:
     model = _Dead()
-    message = ("Expected to have finished reduction in the prior iteration ...\n"
-               "Parameter indices which did not receive grad for rank 1: 2 3\n In addition, ...")
+    message = (
+        "Expected to have finished reduction in the prior iteration ...\n"
+        "Parameter indices which did not receive grad for rank 1: 2 3\n In addition, ..."
+    )
     err = explain_ddp_error(RuntimeError(message), model)
     assert isinstance(err, UnusedParametersError)
     assert err.rank == 1 and err.names == ["dead.weight", "dead.bias"]
@@ -303,7 +318,8 @@ def test_fsdp_blocks_choose_units() -> None:
 def test_gpu_sync_bn_and_dp() -> None:
     device = torch.device("cuda", 0)
     model = get_strategy("single", _null_comm(), device, sync_bn=True).setup_module(
-        nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
+        nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    )
     assert isinstance(model[1], nn.SyncBatchNorm)
     assert model(torch.randn(8, 4, device=device)).shape == (8, 4)
     strategy = get_strategy("dp", _null_comm(), device)
@@ -314,6 +330,7 @@ def test_gpu_sync_bn_and_dp() -> None:
 
 
 # -- multi-process bodies ------------------------------------------------------------------------
+
 
 class _Dead(nn.Module):
     def __init__(self) -> None:
@@ -338,7 +355,7 @@ def _parity_body(name: str) -> dict[str, Any]:
     out: dict[str, Any] = {"initial": _numpy(strategy.model_state_dict(model))}
     n = GLOBAL_BATCH // world
     x, y = _data()
-    xs, ys = x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+    xs, ys = x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
     opt = _sgd(model)
     _train(model, opt, xs, ys, STEPS)
 

@@ -61,8 +61,10 @@ def test_a_suspect_needs_both_margins_and_the_same_rank() -> None:
 
 
 def test_window_scalars_name_every_rank_on_request() -> None:
-    table = [[0.0, 0.01, 0.0, 0.001, 0.012, 800.0, 0.5, float("nan"), float("nan")],
-             [0.0, 0.02, 0.0, 0.001, 0.022, 400.0, 0.5, float("nan"), float("nan")]]
+    table = [
+        [0.0, 0.01, 0.0, 0.001, 0.012, 800.0, 0.5, float("nan"), float("nan")],
+        [0.0, 0.02, 0.0, 0.001, 0.022, 400.0, 0.5, float("nan"), float("nan")],
+    ]
     window = TimingWindow(step=10, steps=5, table=table)
     assert window.of(1)["compute"] == 0.02 and len(ROW) == 9
     main = window.scalars("main")
@@ -100,8 +102,14 @@ class SleepyNet(nn.Module):
         return self.fc(x)
 
 
-def _train(steps: int, forward_delay: dict[int, float], item_delay: dict[int, float], workers: int = 0,
-           out: str | None = None, batch: int = 4) -> dict[str, Any]:
+def _train(
+    steps: int,
+    forward_delay: dict[int, float],
+    item_delay: dict[int, float],
+    workers: int = 0,
+    out: str | None = None,
+    batch: int = 4,
+) -> dict[str, Any]:
     """Train ``steps`` steps of a tiny model; return the verdicts and this rank's last timings."""
     if workers:  # ranks forked from the test's forkserver would start loader workers through it: fork them
         torch.multiprocessing.set_start_method("fork", force=True)
@@ -188,12 +196,15 @@ def test_timings_off_measures_nothing() -> None:
     session.close()
 
 
-@pytest.mark.parametrize("options, named", [
-    ({"log_timings": "some"}, "log_timings='some'"),
-    ({"timings_every": -1}, "timings_every=-1"),
-    ({"timings_every": True}, "timings_every=True"),
-    ({"loggers": ["runs/a"]}, "loggers=['runs/a']"),
-])
+@pytest.mark.parametrize(
+    "options, named",
+    [
+        ({"log_timings": "some"}, "log_timings='some'"),
+        ({"timings_every": -1}, "timings_every=-1"),
+        ({"timings_every": True}, "timings_every=True"),
+        ({"loggers": ["runs/a"]}, "loggers=['runs/a']"),
+    ],
+)
 def test_bad_options_are_refused_before_any_group(options: dict[str, Any], named: str) -> None:
     with pytest.raises(ConfigError, match=named.replace("[", r"\[").replace("]", r"\]")):
         lockstep.SessionConfig(**options)

@@ -33,8 +33,14 @@ FAST = ["--epochs", "1", "--max-steps", "3", "--progress", "off"]
 
 def lockstep_train(*args: str, timeout: float = 150, cwd: Path | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "lockstep", "train", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "lockstep", "train", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=cwd,
+    )
 
 
 def rows(out: Path) -> list[dict[str, str]]:
@@ -52,8 +58,21 @@ def assert_trained(result: subprocess.CompletedProcess, world: int) -> None:
 @pytest.mark.timeout(180)
 def test_digits_two_processes_writes_outputs(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    result = lockstep_train("--nproc", "2", "--out", str(out), "--epochs", "2", "--max-steps", "4",
-                            "--progress", "off", "--scale-lr", "--base-batch", "32")
+    result = lockstep_train(
+        "--nproc",
+        "2",
+        "--out",
+        str(out),
+        "--epochs",
+        "2",
+        "--max-steps",
+        "4",
+        "--progress",
+        "off",
+        "--scale-lr",
+        "--base-batch",
+        "32",
+    )
     assert_trained(result, 2)
     # --lr 0.01 is meant for a global batch of 32; two processes of 32 make 64
     assert "strategy ddp" in result.stdout and "global batch 64" in result.stdout and "lr 0.02" in result.stdout
@@ -69,8 +88,17 @@ def test_digits_two_processes_writes_outputs(tmp_path: Path) -> None:
 @pytest.mark.timeout(180)
 def test_image_folder_and_mnist(tmp_path: Path) -> None:
     write_image_folder(tmp_path / "folders", per_class=12, classes=3)
-    result = lockstep_train("--data", f"imagefolder:{tmp_path / 'folders'}", "--image-size", "16",
-                            "--batch-size", "4", "--nproc", "2", *FAST)
+    result = lockstep_train(
+        "--data",
+        f"imagefolder:{tmp_path / 'folders'}",
+        "--image-size",
+        "16",
+        "--batch-size",
+        "4",
+        "--nproc",
+        "2",
+        *FAST,
+    )
     assert_trained(result, 2)
     assert "(9 samples)" in result.stdout
     write_mnist(tmp_path / "mnist", gz=True)
@@ -100,7 +128,7 @@ def test_resume_matches_uninterrupted_run(tmp_path: Path) -> None:
 
 
 def last_weights(out: Path) -> dict[str, torch.Tensor]:
-    state = load_checkpoint(out / "checkpoints", Comm(World()))   # the newest
+    state = load_checkpoint(out / "checkpoints", Comm(World()))  # the newest
     assert state is not None
     return state["model"]
 
@@ -116,16 +144,35 @@ def test_strategy_and_precision(flags: list[str]) -> None:
 @pytest.mark.timeout(240)
 def test_under_lockstep_run() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-m", "lockstep", "run", "--nproc", "2", "-m", "lockstep",
-                             "train", *FAST], capture_output=True, text=True, timeout=180, env=env)
+    result = subprocess.run(
+        [sys.executable, "-m", "lockstep", "run", "--nproc", "2", "-m", "lockstep", "train", *FAST],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
     assert "lockstep: world 2," in result.stdout, result.stdout + result.stderr
     assert result.returncode == 0 and "Training complete" in result.stdout
 
 
 @pytest.mark.timeout(120)
 def test_resnet50_synthetic_one_process() -> None:
-    result = lockstep_train("--model", "resnet50", "--data", "synthetic", "--epochs", "1", "--image-size", "32",
-                            "--max-steps", "2", "--nproc", "1", "--progress", "off")
+    result = lockstep_train(
+        "--model",
+        "resnet50",
+        "--data",
+        "synthetic",
+        "--epochs",
+        "1",
+        "--image-size",
+        "32",
+        "--max-steps",
+        "2",
+        "--nproc",
+        "1",
+        "--progress",
+        "off",
+    )
     assert_trained(result, 1)
     assert "(256 samples)" in result.stdout
 
@@ -136,8 +183,12 @@ def test_progress_bar_shows_loss_and_speed() -> None:
     leader, follower = pty.openpty()
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 160, 0, 0))  # a new pty is 0 wide
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "lockstep", "train", "--nproc", "1", "--epochs", "1"],
-                            stdout=subprocess.PIPE, stderr=follower, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lockstep", "train", "--nproc", "1", "--epochs", "1"],
+        stdout=subprocess.PIPE,
+        stderr=follower,
+        env=env,
+    )
     os.close(follower)
     chunks = []
     while True:

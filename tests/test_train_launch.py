@@ -14,9 +14,16 @@ import pytest
 from lockstep.cli import train as train_cli
 from lockstep.errors import ConfigError
 
-SLURM_TWO_NODES = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_NUM_NODES": "2",
-                   "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "node[07-08]", "SLURM_NODEID": "1",
-                   "SLURM_JOB_ID": "4242", "MASTER_PORT": "29411"}
+SLURM_TWO_NODES = {
+    "SLURM_PROCID": "1",
+    "SLURM_NTASKS": "2",
+    "SLURM_STEP_NUM_NODES": "2",
+    "SLURM_STEP_NUM_TASKS": "2",
+    "SLURM_STEP_NODELIST": "node[07-08]",
+    "SLURM_NODEID": "1",
+    "SLURM_JOB_ID": "4242",
+    "MASTER_PORT": "29411",
+}
 
 
 def _args(*flags: str) -> argparse.Namespace:
@@ -38,8 +45,9 @@ def launched(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     return calls
 
 
-def test_one_launcher_per_slurm_node_makes_one_job(monkeypatch: pytest.MonkeyPatch,
-                                                   launched: list[dict[str, Any]]) -> None:
+def test_one_launcher_per_slurm_node_makes_one_job(
+    monkeypatch: pytest.MonkeyPatch, launched: list[dict[str, Any]]
+) -> None:
     for key, value in SLURM_TWO_NODES.items():
         monkeypatch.setenv(key, value)
     assert train_cli.main(_args("--nproc", "2", "--epochs", "1")) == 0
@@ -52,8 +60,13 @@ def test_one_launcher_per_slurm_node_makes_one_job(monkeypatch: pytest.MonkeyPat
 
 
 def test_the_engines_process_count_when_nproc_is_not_given(monkeypatch: pytest.MonkeyPatch) -> None:
-    for key, value in {"PET_NNODES": "2", "PET_NODE_RANK": "0", "PET_MASTER_ADDR": "head",
-                       "PET_MASTER_PORT": "23456", "PET_NPROC_PER_NODE": "3"}.items():
+    for key, value in {
+        "PET_NNODES": "2",
+        "PET_NODE_RANK": "0",
+        "PET_MASTER_ADDR": "head",
+        "PET_MASTER_PORT": "23456",
+        "PET_NPROC_PER_NODE": "3",
+    }.items():
         monkeypatch.setenv(key, value)
     config = train_cli.config_from_args(_args())
     assert (config.nproc, config.nodes, config.master) == (3, 2, "head:23456")
@@ -73,8 +86,9 @@ def test_timeout_flag(launched: list[dict[str, Any]]) -> None:
             train_cli.config_from_args(_args("--timeout", bad))
 
 
-def test_workers_get_the_launchers_values_verbatim(monkeypatch: pytest.MonkeyPatch, tmp_path: Any,
-                                                   launched: list[dict[str, Any]]) -> None:
+def test_workers_get_the_launchers_values_verbatim(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any, launched: list[dict[str, Any]]
+) -> None:
     monkeypatch.chdir(tmp_path)  # --out is relative: a folder named -run next to the job
     args = _args("--nproc", "2", "--epochs", "1", "--out=-run", "--data", "digits", "--seed", "-3")
     config = train_cli.config_from_args(args)

@@ -37,8 +37,14 @@ def _config(*argv: str) -> TrainConfig:
 def test_resume_alone_takes_the_runs_flags(tmp_path: Path) -> None:
     out = _run_folder(tmp_path, lr=0.1, batch_size=16, max_steps=4, epochs=3, seed=7, momentum=0.5)
     config = _config("--out", str(out), "--resume")
-    assert (config.lr, config.batch_size, config.max_steps, config.epochs, config.seed, config.momentum) == \
-        (0.1, 16, 4, 3, 7, 0.5)
+    assert (config.lr, config.batch_size, config.max_steps, config.epochs, config.seed, config.momentum) == (
+        0.1,
+        16,
+        4,
+        3,
+        7,
+        0.5,
+    )
     assert config.nproc == 3 and config.resume  # as many processes as the run had
     assert _config("--out", str(out), "--resume", "--nproc", "2").nproc == 2
     longer = _config("--out", str(out), "--resume", "--epochs", "5", "--keep", "4", "--progress", "off")
@@ -46,10 +52,15 @@ def test_resume_alone_takes_the_runs_flags(tmp_path: Path) -> None:
     assert _config("--out", str(out), "--resume", "--lr", "0.1").lr == 0.1  # the same value is no conflict
 
 
-@pytest.mark.parametrize("flags, words", [(["--model", "resnet18"], "--model resnet18 here, convnet in the run"),
-                                          (["--lr", "0.01"], "--lr 0.01 here, 0.1 in the run"),
-                                          (["--batch-size", "32"], "--batch-size 32 here, 16 in the run"),
-                                          (["--data", "synthetic"], "--data synthetic here, digits in the run")])
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--model", "resnet18"], "--model resnet18 here, convnet in the run"),
+        (["--lr", "0.01"], "--lr 0.01 here, 0.1 in the run"),
+        (["--batch-size", "32"], "--batch-size 32 here, 16 in the run"),
+        (["--data", "synthetic"], "--data synthetic here, digits in the run"),
+    ],
+)
 def test_resume_refuses_a_conflicting_flag(tmp_path: Path, flags: list[str], words: str) -> None:
     out = _run_folder(tmp_path, lr=0.1, batch_size=16)
     with pytest.raises(ConfigError, match="--resume continues the run") as info:
@@ -82,8 +93,21 @@ def test_the_refusal_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.Captu
 @pytest.mark.timeout(600)
 def test_readme_resume_continues_and_refuses_a_conflict(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    first = lockstep_train("--nproc", "2", "--epochs", "1", "--max-steps", "3", "--lr", "0.05", "--progress", "off",
-                           "--out", str(out), timeout=280)
+    first = lockstep_train(
+        "--nproc",
+        "2",
+        "--epochs",
+        "1",
+        "--max-steps",
+        "3",
+        "--lr",
+        "0.05",
+        "--progress",
+        "off",
+        "--out",
+        str(out),
+        timeout=280,
+    )
     assert_trained(first, 2)
     assert json.loads((out / "config.json").read_text())["resume"] is False  # a fresh run
     began = time.monotonic()

@@ -69,11 +69,14 @@ def _legitimate(accumulate: int) -> list[torch.Tensor]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("body, names", [
-    (_forgot_setup, "session.setup"),
-    (_ignored_setup_result, "session.setup returned"),
-    (_step_before_backward, "session.backward(loss) before session.step(optimizer)"),
-])
+@pytest.mark.parametrize(
+    "body, names",
+    [
+        (_forgot_setup, "session.setup"),
+        (_ignored_setup_result, "session.setup returned"),
+        (_step_before_backward, "session.backward(loss) before session.step(optimizer)"),
+    ],
+)
 def test_loop_mistake_is_refused_naming_the_fix(body: object, names: str) -> None:
     errors = run_expecting_errors(body, 2)  # type: ignore[arg-type]
     assert errors, "the mistake ran to the end (unsynchronised replicas, exit 0)"

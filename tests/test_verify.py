@@ -25,13 +25,15 @@ from lockstep.verify.record import ActivationRecorder, recorded_rows
 
 def mlp() -> nn.Module:
     """BatchNorm-free: Linear-Tanh-Dropout-Linear (dropout is disabled by default in verify)."""
-    return nn.Sequential(OrderedDict(hidden=nn.Linear(16, 32), act=nn.Tanh(), drop=nn.Dropout(0.2),
-                                     out=nn.Linear(32, 4)))
+    return nn.Sequential(
+        OrderedDict(hidden=nn.Linear(16, 32), act=nn.Tanh(), drop=nn.Dropout(0.2), out=nn.Linear(32, 4))
+    )
 
 
 def bn_mlp() -> nn.Module:
-    return nn.Sequential(OrderedDict(hidden=nn.Linear(16, 32), bn=nn.BatchNorm1d(32), act=nn.Tanh(),
-                                     out=nn.Linear(32, 4)))
+    return nn.Sequential(
+        OrderedDict(hidden=nn.Linear(16, 32), bn=nn.BatchNorm1d(32), act=nn.Tanh(), out=nn.Linear(32, 4))
+    )
 
 
 class RankScaledLinear(nn.Linear):
@@ -42,8 +44,15 @@ class RankScaledLinear(nn.Linear):
 
 
 def broken() -> nn.Module:
-    return nn.Sequential(OrderedDict(hidden=nn.Linear(16, 32), act=nn.Tanh(), middle=RankScaledLinear(32, 32),
-                                     act2=nn.Tanh(), out=nn.Linear(32, 4)))
+    return nn.Sequential(
+        OrderedDict(
+            hidden=nn.Linear(16, 32),
+            act=nn.Tanh(),
+            middle=RankScaledLinear(32, 32),
+            act2=nn.Tanh(),
+            out=nn.Linear(32, 4),
+        )
+    )
 
 
 def dataset() -> torch.utils.data.Dataset:
@@ -55,6 +64,7 @@ _FLAGS = ["--shape", "16", "--classes", "4", "--steps", "3", "--batch", "16"]
 
 
 # -- fast, single-process -------------------------------------------------------------------
+
 
 def test_batches_are_fixed_and_slices_contiguous() -> None:
     config = VerifyConfig(model="test_verify:mlp", shape=(16,), classes=4, steps=3, batch=8)
@@ -75,17 +85,23 @@ def test_dataset_batches_cover_every_sample_before_repeating() -> None:
     assert [y.tolist() for _, y in make_batches(config)] == [y.tolist() for _, y in batches]
 
 
-@pytest.mark.parametrize("changes, text", [
-    ({"batch": 10, "nproc": 3}, "cannot be split evenly over 3 processes"),
-    ({"nproc": 1}, "at least 2"),
-    ({"strategy": "dp"}, "choose one of ddp, fsdp"),
-    ({"dropout": "maybe"}, "choose one of disable, align"),
-    ({"precision": "fp8"}, "unknown precision"),
-    ({"shape": None}, "--shape"),
-    ({"model": "nomodule"}, "unknown model"),
-    pytest.param({"sync_bn": True}, r"sync_bn=True \(--sync-bn\) needs GPUs",
-                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for CPU-only machines")),
-])
+@pytest.mark.parametrize(
+    "changes, text",
+    [
+        ({"batch": 10, "nproc": 3}, "cannot be split evenly over 3 processes"),
+        ({"nproc": 1}, "at least 2"),
+        ({"strategy": "dp"}, "choose one of ddp, fsdp"),
+        ({"dropout": "maybe"}, "choose one of disable, align"),
+        ({"precision": "fp8"}, "unknown precision"),
+        ({"shape": None}, "--shape"),
+        ({"model": "nomodule"}, "unknown model"),
+        pytest.param(
+            {"sync_bn": True},
+            r"sync_bn=True \(--sync-bn\) needs GPUs",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for CPU-only machines"),
+        ),
+    ],
+)
 def test_bad_config_refused(changes: dict, text: str) -> None:
     values = {"model": "test_verify:mlp", "shape": (16,), **changes}
     with pytest.raises(ConfigError, match=text):
@@ -144,12 +160,15 @@ def _facts() -> ModelFacts:
     return ModelFacts({"": "Net", "l0": "Linear", "l1": "BatchNorm1d", "l2": "Linear"}, batchnorm=["l1"])
 
 
-@pytest.mark.parametrize("ratios, text", [
-    ([2.0, 2.02, 1.98], "gradients are summed over ranks instead of averaged"),
-    ([0.5, 0.5, 0.51], "loss is a sum over the batch instead of a mean"),
-    ([1.3, 1.3, 1.3], "scaled by a constant"),
-    ([1.0, None, 1.0], "first in l0 (Linear)"),
-])
+@pytest.mark.parametrize(
+    "ratios, text",
+    [
+        ([2.0, 2.02, 1.98], "gradients are summed over ranks instead of averaged"),
+        ([0.5, 0.5, 0.51], "loss is a sum over the batch instead of a mean"),
+        ([1.3, 1.3, 1.3], "scaled by a constant"),
+        ([1.0, None, 1.0], "first in l0 (Linear)"),
+    ],
+)
 def test_diagnosis_of_scaled_updates(ratios: list, text: str) -> None:
     config = VerifyConfig(model="test_verify:mlp", shape=(16,))
     diagnosis = diagnose(_comparison(ratios), _facts(), config)
@@ -183,6 +202,7 @@ def test_flags_after_the_model_are_verifys_own_and_never_guessed(capsys: pytest.
 
 
 # -- real processes ----------------------------------------------------------------------------
+
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
@@ -230,8 +250,9 @@ def test_diagnosis_of_randomness_suggests_dropout_modes() -> None:
 
 def test_equivalent_verdict_states_tolerance() -> None:
     config = VerifyConfig(model="test_verify:mlp", shape=(16,), precision="bf16-mixed")
-    comparison = Comparison(1e-2, [LossDiff(0, 1.0, 1.001, 1e-3)],
-                            [TensorDiff("l0.weight", "parameter", "l0", 4e-3, 1.0)], [])
+    comparison = Comparison(
+        1e-2, [LossDiff(0, 1.0, 1.001, 1e-3)], [TensorDiff("l0.weight", "parameter", "l0", 4e-3, 1.0)], []
+    )
     diagnosis = diagnose(comparison, _facts(), config)
     assert diagnosis.equivalent and diagnosis.causes == []
     assert diagnosis.verdict.startswith("verdict: EQUIVALENT within tolerance 1e-02")

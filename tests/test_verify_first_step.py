@@ -40,10 +40,24 @@ def test_the_ratio_comes_from_the_first_step() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_summed_loss_is_diagnosed_at_the_default_steps(capsys: pytest.CaptureFixture) -> None:
-    code = cli(["verify", "test_verify:mlp", "--shape", "16", "--classes", "4", "--batch", "16",
-                "--loss", "test_verify_first_step:summed_cross_entropy"])
+    code = cli(
+        [
+            "verify",
+            "test_verify:mlp",
+            "--shape",
+            "16",
+            "--classes",
+            "4",
+            "--batch",
+            "16",
+            "--loss",
+            "test_verify_first_step:summed_cross_entropy",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 1, out
     assert "update x0.5" in out
-    assert "likely cause: in the first step every layer moved 0.5x as far as in the single process (~1/2): " \
-           "the loss is a sum over the batch instead of a mean" in out
+    assert (
+        "likely cause: in the first step every layer moved 0.5x as far as in the single process (~1/2): "
+        "the loss is a sum over the batch instead of a mean" in out
+    )

@@ -43,9 +43,12 @@ def _body(directory: str, steps: int, save_at: int | None, shard: bool) -> dict[
         if session.global_step == save_at:
             session.save(directory, model=model, optimizer=opt)
     local = opt.optim.state if hasattr(opt, "optim") else opt.state  # the rank's own optimizer state
-    out = {"weights": {k: v.detach().clone() for k, v in session.strategy.unwrap(model).state_dict().items()},
-           "local_states": len(local), "params": sum(1 for _ in model.parameters()),
-           "sharded": type(opt).__name__ == "ZeroRedundancyOptimizer"}
+    out = {
+        "weights": {k: v.detach().clone() for k, v in session.strategy.unwrap(model).state_dict().items()},
+        "local_states": len(local),
+        "params": sum(1 for _ in model.parameters()),
+        "sharded": type(opt).__name__ == "ZeroRedundancyOptimizer",
+    }
     session.close()
     return out
 
@@ -74,11 +77,11 @@ def test_sharded_optimizer_trains_like_plain_ddp_with_a_part_of_the_state(tmp_pa
 def test_sharded_checkpoint_resumes_anywhere(tmp_path: Path) -> None:
     whole = run_distributed(_body, 2, str(tmp_path / "whole"), 8, None, True, timeout=200)[0]["weights"]
     folder = str(tmp_path / "ck")
-    run_distributed(_body, 2, folder, 4, 4, True, timeout=200)          # saved by a sharded run at step 4
+    run_distributed(_body, 2, folder, 4, 4, True, timeout=200)  # saved by a sharded run at step 4
     again = run_distributed(_body, 2, folder, 8, None, True, timeout=200)[0]["weights"]
-    assert _close(again, whole, rtol=0.0)                                 # same world: exact
+    assert _close(again, whole, rtol=0.0)  # same world: exact
     three = run_distributed(_body, 3, folder, 8, None, True, timeout=200)[0]["weights"]
-    plain_one = _body(folder, 8, None, False)["weights"]                   # plain ddp in this process
+    plain_one = _body(folder, 8, None, False)["weights"]  # plain ddp in this process
     assert _close(three, whole, rtol=1e-5) and _close(plain_one, whole, rtol=1e-5)
 
 
@@ -87,7 +90,7 @@ def test_shard_optimizer_is_ddps_option() -> None:
 
     assert SessionConfig("ddp", shard_optimizer=True).strategy_kwargs(1) == {"shard_optimizer": True}
     assert SessionConfig("auto", shard_optimizer=True).strategy_kwargs(2) == {"shard_optimizer": True}
-    assert SessionConfig("auto", shard_optimizer=True).strategy_kwargs(1) == {}   # one process: nothing to shard
+    assert SessionConfig("auto", shard_optimizer=True).strategy_kwargs(1) == {}  # one process: nothing to shard
     with pytest.raises(ConfigError, match="strategy 'fsdp' has no such option"):
         lockstep.Session(strategy="fsdp", shard_optimizer=True)
     with pytest.raises(ConfigError, match="must be True or False"):

@@ -15,9 +15,25 @@ from typing import Any
 from lockstep.errors import EXIT_PREEMPTED, ConfigError, LockstepError
 
 __version__ = "0.1.0"
-__all__ = ["Session", "SessionConfig", "ResumeState", "spawn", "launch", "metrics", "loggers", "init_comm", "detect_world", "World",
-           "Preempted", "CollectiveTimeoutError", "ConfigError", "LockstepError", "SessionUsageError", "EXIT_PREEMPTED",
-           "__version__"]
+__all__ = [
+    "Session",
+    "SessionConfig",
+    "ResumeState",
+    "spawn",
+    "launch",
+    "metrics",
+    "loggers",
+    "init_comm",
+    "detect_world",
+    "World",
+    "Preempted",
+    "CollectiveTimeoutError",
+    "ConfigError",
+    "LockstepError",
+    "SessionUsageError",
+    "EXIT_PREEMPTED",
+    "__version__",
+]
 
 _LAZY = {
     "Session": ("lockstep.session", "Session"),

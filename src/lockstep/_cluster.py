@@ -33,9 +33,21 @@ from typing import Any
 
 from lockstep.errors import WorldError
 
-__all__ = ["read_int", "expand_hostlist", "expand_tasks_per_node", "derived_port", "DEFAULT_PORT", "in_slurm_step",
-           "from_slurm", "from_openmpi", "from_pmi", "from_horovod", "launch_defaults", "horovod_variables",
-           "horovod_rank_variables"]
+__all__ = [
+    "read_int",
+    "expand_hostlist",
+    "expand_tasks_per_node",
+    "derived_port",
+    "DEFAULT_PORT",
+    "in_slurm_step",
+    "from_slurm",
+    "from_openmpi",
+    "from_pmi",
+    "from_horovod",
+    "launch_defaults",
+    "horovod_variables",
+    "horovod_rank_variables",
+]
 
 DEFAULT_PORT = 29500
 """The port of the rendezvous store when the engine gives none and no job id exists (torchrun's)."""
@@ -115,7 +127,7 @@ def expand_hostlist(hostlist: str) -> list[str]:
                 raise WorldError(f"cannot read the Slurm host list {hostlist!r}")
             hosts.append(part)
             continue
-        head, tail = part[:match.start()], part[match.end():]
+        head, tail = part[: match.start()], part[match.end() :]
         hosts += [h for value in _expand_range(match.group(1)) for h in expand_hostlist(head + value + tail)]
     if not hosts:
         raise WorldError("the Slurm node list is empty")
@@ -181,8 +193,10 @@ def _master_addr(env: Mapping[str, str], default: str | None, num_nodes: int, ho
     if default is not None:
         return default
     if num_nodes > 1:
-        raise WorldError(f"this job spans {num_nodes} nodes but MASTER_ADDR is not set, so no rank knows "
-                         f"where rank 0's store is: {how}")
+        raise WorldError(
+            f"this job spans {num_nodes} nodes but MASTER_ADDR is not set, so no rank knows "
+            f"where rank 0's store is: {how}"
+        )
     return "127.0.0.1"
 
 
@@ -197,7 +211,9 @@ def from_slurm(env: Mapping[str, str]) -> dict[str, Any]:
         from_slurm({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0", ...})["rank"]   # 1
     """
     world_size = read_int(env, "SLURM_STEP_NUM_TASKS", read_int(env, "SLURM_NTASKS"))
-    num_nodes = read_int(env, "SLURM_STEP_NUM_NODES", read_int(env, "SLURM_JOB_NUM_NODES", read_int(env, "SLURM_NNODES", 1)))
+    num_nodes = read_int(
+        env, "SLURM_STEP_NUM_NODES", read_int(env, "SLURM_JOB_NUM_NODES", read_int(env, "SLURM_NNODES", 1))
+    )
     node_rank = read_int(env, "SLURM_NODEID", 0)
     per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
     if per_node:
@@ -207,24 +223,44 @@ def from_slurm(env: Mapping[str, str]) -> dict[str, Any]:
         local_world = read_int(env, "SLURM_NTASKS_PER_NODE", -(-world_size // max(1, num_nodes)))
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
     first = expand_hostlist(nodelist)[0] if nodelist else None
-    return dict(rank=read_int(env, "SLURM_PROCID"), local_rank=read_int(env, "SLURM_LOCALID", 0), world_size=world_size,
-                local_world_size=min(local_world, world_size), node_rank=node_rank, num_nodes=num_nodes,
-                master_addr=_master_addr(env, first, num_nodes, "set SLURM_STEP_NODELIST or MASTER_ADDR"),
-                master_port=_port(env, env.get("SLURM_JOB_ID")), source="slurm")
+    return dict(
+        rank=read_int(env, "SLURM_PROCID"),
+        local_rank=read_int(env, "SLURM_LOCALID", 0),
+        world_size=world_size,
+        local_world_size=min(local_world, world_size),
+        node_rank=node_rank,
+        num_nodes=num_nodes,
+        master_addr=_master_addr(env, first, num_nodes, "set SLURM_STEP_NODELIST or MASTER_ADDR"),
+        master_port=_port(env, env.get("SLURM_JOB_ID")),
+        source="slurm",
+    )
 
 
-def _mpi(env: Mapping[str, str], names: tuple[str, str, str, str], source: str, job_id: str | None,
-         how: str, node_rank: int | None = None) -> dict[str, Any]:
+def _mpi(
+    env: Mapping[str, str],
+    names: tuple[str, str, str, str],
+    source: str,
+    job_id: str | None,
+    how: str,
+    node_rank: int | None = None,
+) -> dict[str, Any]:
     rank_key, size_key, local_rank_key, local_size_key = names
     world_size, rank = read_int(env, size_key), read_int(env, rank_key)
     local_world = read_int(env, local_size_key, world_size)
     num_nodes = max(1, -(-world_size // max(1, local_world)))
     # ranks are placed by slot (mpirun's default): node i holds ranks [i*local, (i+1)*local)
     node = rank // max(1, local_world) if node_rank is None else node_rank
-    return dict(rank=rank, local_rank=read_int(env, local_rank_key, 0), world_size=world_size,
-                local_world_size=local_world, node_rank=min(node, num_nodes - 1), num_nodes=num_nodes,
-                master_addr=_master_addr(env, None, num_nodes, how), master_port=_port(env, job_id),
-                source=source)
+    return dict(
+        rank=rank,
+        local_rank=read_int(env, local_rank_key, 0),
+        world_size=world_size,
+        local_world_size=local_world,
+        node_rank=min(node, num_nodes - 1),
+        num_nodes=num_nodes,
+        master_addr=_master_addr(env, None, num_nodes, how),
+        master_port=_port(env, job_id),
+        source=source,
+    )
 
 
 def from_openmpi(env: Mapping[str, str]) -> dict[str, Any]:
@@ -238,9 +274,13 @@ def from_openmpi(env: Mapping[str, str]) -> dict[str, Any]:
         from_openmpi({"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "8",
                       "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"})["node_rank"]  # 1
     """
-    return _mpi(env, ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-                      "OMPI_COMM_WORLD_LOCAL_SIZE"), "openmpi", env.get("OMPI_MCA_ess_base_jobid"),
-                "start it with `mpirun -x MASTER_ADDR=<rank 0's host> -x MASTER_PORT=<free port> ...`")
+    return _mpi(
+        env,
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+        "openmpi",
+        env.get("OMPI_MCA_ess_base_jobid"),
+        "start it with `mpirun -x MASTER_ADDR=<rank 0's host> -x MASTER_PORT=<free port> ...`",
+    )
 
 
 def from_pmi(env: Mapping[str, str]) -> dict[str, Any]:
@@ -253,8 +293,13 @@ def from_pmi(env: Mapping[str, str]) -> dict[str, Any]:
 
         from_pmi({"PMI_RANK": "1", "PMI_SIZE": "2"})["world_size"]   # 2
     """
-    return _mpi(env, ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"), "mpich", None,
-                "start it with `mpiexec -genv MASTER_ADDR <rank 0's host> -genv MASTER_PORT <free port> ...`")
+    return _mpi(
+        env,
+        ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+        "mpich",
+        None,
+        "start it with `mpiexec -genv MASTER_ADDR <rank 0's host> -genv MASTER_PORT <free port> ...`",
+    )
 
 
 def from_horovod(env: Mapping[str, str]) -> dict[str, Any]:
@@ -268,13 +313,26 @@ def from_horovod(env: Mapping[str, str]) -> dict[str, Any]:
         from_horovod({"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_RANK": "0",
                       "HOROVOD_LOCAL_SIZE": "2", "HOROVOD_CROSS_RANK": "0"})["source"]   # "horovodrun"
     """
-    return _mpi(env, ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE"), "horovodrun",
-                None, "export MASTER_ADDR=<rank 0's host> before horovodrun (it is passed on to every rank)",
-                node_rank=read_int(env, "HOROVOD_CROSS_RANK", -1) if env.get("HOROVOD_CROSS_RANK") else None)
+    return _mpi(
+        env,
+        ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE"),
+        "horovodrun",
+        None,
+        "export MASTER_ADDR=<rank 0's host> before horovodrun (it is passed on to every rank)",
+        node_rank=read_int(env, "HOROVOD_CROSS_RANK", -1) if env.get("HOROVOD_CROSS_RANK") else None,
+    )
 
 
-def horovod_variables(*, port: int, hostname: str, size: int, local_size: int, cross_size: int = 1,
-                      addr: str = "127.0.0.1", iface: str = "lo") -> dict[str, str]:
+def horovod_variables(
+    *,
+    port: int,
+    hostname: str,
+    size: int,
+    local_size: int,
+    cross_size: int = 1,
+    addr: str = "127.0.0.1",
+    iface: str = "lo",
+) -> dict[str, str]:
     """What ``horovodrun --gloo`` exports to every rank it starts (``horovod.runner.gloo_run``), but the rank's own.
 
     Args:
@@ -290,10 +348,17 @@ def horovod_variables(*, port: int, hostname: str, size: int, local_size: int, c
 
         horovod_variables(port=4321, hostname="node0", size=2, local_size=2)["HOROVOD_CONTROLLER"]   # "gloo"
     """
-    return {"HOROVOD_GLOO_RENDEZVOUS_ADDR": addr, "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port),
-            "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo", "HOROVOD_GLOO_IFACE": iface,
-            "HOROVOD_HOSTNAME": hostname, "HOROVOD_SIZE": str(size), "HOROVOD_LOCAL_SIZE": str(local_size),
-            "HOROVOD_CROSS_SIZE": str(cross_size)}
+    return {
+        "HOROVOD_GLOO_RENDEZVOUS_ADDR": addr,
+        "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port),
+        "HOROVOD_CONTROLLER": "gloo",
+        "HOROVOD_CPU_OPERATIONS": "gloo",
+        "HOROVOD_GLOO_IFACE": iface,
+        "HOROVOD_HOSTNAME": hostname,
+        "HOROVOD_SIZE": str(size),
+        "HOROVOD_LOCAL_SIZE": str(local_size),
+        "HOROVOD_CROSS_SIZE": str(cross_size),
+    }
 
 
 def horovod_rank_variables(env: Mapping[str, str]) -> dict[str, str]:
@@ -310,8 +375,11 @@ def horovod_rank_variables(env: Mapping[str, str]) -> dict[str, str]:
     """
     if "HOROVOD_GLOO_RENDEZVOUS_PORT" not in env or "RANK" not in env:
         return {}
-    return {"HOROVOD_RANK": env["RANK"], "HOROVOD_LOCAL_RANK": env.get("LOCAL_RANK", "0"),
-            "HOROVOD_CROSS_RANK": env.get("GROUP_RANK", "0")}
+    return {
+        "HOROVOD_RANK": env["RANK"],
+        "HOROVOD_LOCAL_RANK": env.get("LOCAL_RANK", "0"),
+        "HOROVOD_CROSS_RANK": env.get("GROUP_RANK", "0"),
+    }
 
 
 def launch_defaults(env: Mapping[str, str]) -> dict[str, Any]:
@@ -339,8 +407,11 @@ def launch_defaults(env: Mapping[str, str]) -> dict[str, Any]:
     if env.get("SKYPILOT_NODE_IPS"):
         ips = [line.strip() for line in env["SKYPILOT_NODE_IPS"].splitlines() if line.strip()]
         nodes = read_int(env, "SKYPILOT_NUM_NODES", len(ips))
-        found = {"nodes": nodes, "node_rank": read_int(env, "SKYPILOT_NODE_RANK", 0),
-                 "master": f"{ips[0]}:{_port(env, env.get('SKYPILOT_TASK_ID'))}"}
+        found = {
+            "nodes": nodes,
+            "node_rank": read_int(env, "SKYPILOT_NODE_RANK", 0),
+            "master": f"{ips[0]}:{_port(env, env.get('SKYPILOT_TASK_ID'))}",
+        }
         if env.get("SKYPILOT_NUM_GPUS_PER_NODE", "").isdigit() and int(env["SKYPILOT_NUM_GPUS_PER_NODE"]) > 0:
             found["nproc"] = int(env["SKYPILOT_NUM_GPUS_PER_NODE"])
         return found if nodes > 1 else {k: v for k, v in found.items() if k == "nproc"}
@@ -348,5 +419,8 @@ def launch_defaults(env: Mapping[str, str]) -> dict[str, Any]:
     if nodes < 2 or read_int(env, "SLURM_STEP_NUM_TASKS", 0) != nodes:
         return {}  # not one launcher per node (e.g. one task per GPU): the ranks read Slurm themselves
     host = expand_hostlist(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "")[0]
-    return {"nodes": nodes, "node_rank": read_int(env, "SLURM_NODEID"),
-            "master": f"{host}:{_port(env, env.get('SLURM_JOB_ID'))}"}
+    return {
+        "nodes": nodes,
+        "node_rank": read_int(env, "SLURM_NODEID"),
+        "master": f"{host}:{_port(env, env.get('SLURM_JOB_ID'))}",
+    }

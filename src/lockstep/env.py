@@ -24,8 +24,17 @@ from typing import Any, Protocol
 from lockstep import _cluster
 from lockstep.errors import WorldError
 
-__all__ = ["World", "WorldView", "WorldError", "Settings", "detect_world", "read_settings", "environment", "export_environment",
-           "first_slurm_host"]
+__all__ = [
+    "World",
+    "WorldView",
+    "WorldError",
+    "Settings",
+    "detect_world",
+    "read_settings",
+    "environment",
+    "export_environment",
+    "first_slurm_host",
+]
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 
@@ -74,8 +83,7 @@ class World:
             )
         if self.local_world_size < 1 or self.local_world_size > self.world_size:
             raise WorldError(
-                f"local_world_size {self.local_world_size} must be between 1 and "
-                f"world_size {self.world_size}{where}"
+                f"local_world_size {self.local_world_size} must be between 1 and world_size {self.world_size}{where}"
             )
         if not 0 <= self.local_rank < self.local_world_size:
             raise WorldError(
@@ -83,9 +91,7 @@ class World:
                 f"{self.local_world_size}{where}. Check LOCAL_RANK / LOCAL_WORLD_SIZE."
             )
         if self.num_nodes < 1 or not 0 <= self.node_rank < self.num_nodes:
-            raise WorldError(
-                f"node_rank {self.node_rank} is out of range for num_nodes {self.num_nodes}{where}"
-            )
+            raise WorldError(f"node_rank {self.node_rank} is out of range for num_nodes {self.num_nodes}{where}")
         if self.master_port is not None and not 0 <= self.master_port < 65536:
             raise WorldError(f"master port {self.master_port} is not a valid port{where}")
 
@@ -152,7 +158,6 @@ class _HasWorld(Protocol):
 
     @property
     def world(self) -> World: ...
-
 
 
 def first_slurm_host(nodelist: str) -> str:
@@ -285,7 +290,8 @@ def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
         launched="RANK" in env,
         launcher_pid=int(launcher) if launcher.isdigit() else None,
         # a launcher served Horovod's rendezvous for this very job (not inherited from an outer one)
-        horovod_rendezvous="HOROVOD_GLOO_RENDEZVOUS_PORT" in env and "RANK" in env
+        horovod_rendezvous="HOROVOD_GLOO_RENDEZVOUS_PORT" in env
+        and "RANK" in env
         and (env.get("HOROVOD_RANK"), env.get("HOROVOD_SIZE")) == (env.get("RANK"), env.get("WORLD_SIZE")),
         postmortem_dir=env.get("LOCKSTEP_POSTMORTEM_DIR", ""),
         elastic_nodes=env.get("LOCKSTEP_NODES", "").strip(),
@@ -352,10 +358,15 @@ def detect_world(environ: Mapping[str, str] | None = None) -> World:
         warnings.warn(
             f"lockstep: running inside a Slurm allocation of {env['SLURM_NTASKS']} tasks but not started by "
             "srun: this is one process. Start the ranks with `srun python script.py` or "
-            "`srun --ntasks-per-node=1 lockstep run --nproc N script.py`.", stacklevel=2)
+            "`srun --ntasks-per-node=1 lockstep run --nproc N script.py`.",
+            stacklevel=2,
+        )
         return World()
-    for marker, reader in (("OMPI_COMM_WORLD_RANK", _cluster.from_openmpi), ("PMI_RANK", _cluster.from_pmi),
-                           ("HOROVOD_RANK", _cluster.from_horovod)):
+    for marker, reader in (
+        ("OMPI_COMM_WORLD_RANK", _cluster.from_openmpi),
+        ("PMI_RANK", _cluster.from_pmi),
+        ("HOROVOD_RANK", _cluster.from_horovod),
+    ):
         if marker in env:
             return World(**reader(env))
     return World()

@@ -13,8 +13,17 @@ from __future__ import annotations
 import signal
 from collections.abc import Iterable
 
-__all__ = ["LockstepError", "ConfigError", "WorldError", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_PREEMPTED", "DEFAULT_GRACE",
-           "format_ranks", "signal_name"]
+__all__ = [
+    "LockstepError",
+    "ConfigError",
+    "WorldError",
+    "EXIT_FAILURE",
+    "EXIT_USAGE",
+    "EXIT_PREEMPTED",
+    "DEFAULT_GRACE",
+    "format_ranks",
+    "signal_name",
+]
 
 EXIT_FAILURE = 1
 """A worker failed (exception, signal, hang)."""

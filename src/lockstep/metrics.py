@@ -149,7 +149,7 @@ def _with_reduction(loss_fn: Callable[..., torch.Tensor], reduction: str) -> Cal
     """Return ``loss_fn`` with the given ``reduction`` (an nn loss module is copied, not changed)."""
     if isinstance(loss_fn, torch.nn.Module) and hasattr(loss_fn, "reduction"):
         reduced = copy.copy(loss_fn)  # leave the caller's module as it is
-        setattr(reduced, "reduction", reduction)
+        reduced.reduction = reduction
         return reduced
     try:
         params = list(inspect.signature(loss_fn).parameters.values())
@@ -220,8 +220,14 @@ def _batches(loader: Any) -> int | None:
         return None
 
 
-def _totals(model: torch.nn.Module, loader: Iterable[Any], job: Job, loss_fn: Callable[..., torch.Tensor] | None,
-            device: torch.device | None, forward: Forward | None) -> tuple[float, float, int]:
+def _totals(
+    model: torch.nn.Module,
+    loader: Iterable[Any],
+    job: Job,
+    loss_fn: Callable[..., torch.Tensor] | None,
+    device: torch.device | None,
+    forward: Forward | None,
+) -> tuple[float, float, int]:
     """Run the evaluation; return (loss sum, correct, count) summed over all ranks."""
     device = device or _model_device(model)
     comm, strategy = _job(job)
@@ -256,8 +262,14 @@ def _totals(model: torch.nn.Module, loader: Iterable[Any], job: Job, loss_fn: Ca
     return loss_sum, correct, int(round(total))
 
 
-def accuracy(model: torch.nn.Module, loader: Iterable[Any], comm: Job, *,
-             device: torch.device | None = None, forward: Forward | None = None) -> float:
+def accuracy(
+    model: torch.nn.Module,
+    loader: Iterable[Any],
+    comm: Job,
+    *,
+    device: torch.device | None = None,
+    forward: Forward | None = None,
+) -> float:
     """Return the top-1 accuracy over the whole (distributed) evaluation set, the same on every rank.
 
     Runs under ``torch.no_grad()`` with the model in eval mode and restores each module's mode.
@@ -282,9 +294,15 @@ def accuracy(model: torch.nn.Module, loader: Iterable[Any], comm: Job, *,
     return correct / count if count else math.nan
 
 
-def evaluate(model: torch.nn.Module, loader: Iterable[Any], comm: Job,
-             loss_fn: Callable[..., torch.Tensor] = F.cross_entropy, *,
-             device: torch.device | None = None, forward: Forward | None = None) -> dict[str, float]:
+def evaluate(
+    model: torch.nn.Module,
+    loader: Iterable[Any],
+    comm: Job,
+    loss_fn: Callable[..., torch.Tensor] = F.cross_entropy,
+    *,
+    device: torch.device | None = None,
+    forward: Forward | None = None,
+) -> dict[str, float]:
     """Return ``{"loss", "accuracy", "count"}`` over the whole (distributed) evaluation set.
 
     ``loss`` is the mean per sample: the per-sample losses (``reduction="none"``) summed in

@@ -75,15 +75,22 @@ def mutations(names: list[str] | None = None) -> list[Mutation]:
 
 def applies(mutation: Mutation, tree: Path = ROOT) -> str:
     """'' when the patch applies cleanly to ``tree``; else git's complaint."""
-    proc = subprocess.run(["git", "apply", "--check", str(mutation.path)], cwd=tree, capture_output=True,
-                          text=True)
+    proc = subprocess.run(["git", "apply", "--check", str(mutation.path)], cwd=tree, capture_output=True, text=True)
     return "" if proc.returncode == 0 else (proc.stderr.strip() or f"git apply exited {proc.returncode}")
 
 
 def copy_tree(dest: Path) -> None:
     """The repository's tracked and untracked (not ignored) files, as they are now, into ``dest``."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                            capture_output=True, check=True).stdout.decode().split("\0")
+    listed = (
+        subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            capture_output=True,
+            check=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     for name in filter(None, listed):
         source = ROOT / name
         if source.is_file():
@@ -147,8 +154,10 @@ def main(argv: list[str] | None = None) -> int:
         outcome, why = try_one(mutation, args.baseline)
         counts[outcome] += 1
         print(f"{outcome.upper():7} {mutation.name:28} {time.monotonic() - began:5.0f} s  {why}", flush=True)
-    print(f"{len(chosen)} mutations: {counts['caught']} caught, {counts['missed']} missed, "
-          f"{counts['error']} errors ({time.monotonic() - start:.0f} s)")
+    print(
+        f"{len(chosen)} mutations: {counts['caught']} caught, {counts['missed']} missed, "
+        f"{counts['error']} errors ({time.monotonic() - start:.0f} s)"
+    )
     return 0 if counts["caught"] == len(chosen) else 1
 
 

@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 from torchvision import models
 
-parser = argparse.ArgumentParser(description="PyTorch Synthetic Benchmark",
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+parser = argparse.ArgumentParser(
+    description="PyTorch Synthetic Benchmark", formatter_class=argparse.ArgumentDefaultsHelpFormatter
+)
 parser.add_argument("--fp16-allreduce", action="store_true", help="use fp16 compression during allreduce")
 parser.add_argument("--model", default="resnet50", help="torchvision model to benchmark")
 parser.add_argument("--batch-size", type=int, default=32, help="input batch size")
@@ -42,8 +43,12 @@ if args.cuda:
         lr_scaler = hvd.local_size()
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * lr_scaler)
 compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
-optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), compression=compression,
-                                     op=hvd.Adasum if args.use_adasum else hvd.Average)
+optimizer = hvd.DistributedOptimizer(
+    optimizer,
+    named_parameters=model.named_parameters(),
+    compression=compression,
+    op=hvd.Adasum if args.use_adasum else hvd.Average,
+)
 hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 
@@ -73,8 +78,9 @@ timeit.timeit(benchmark_step, number=args.num_warmup_batches)
 log("Running benchmark...")
 img_secs = []
 for i in range(args.num_iters):
-    img_sec = args.batch_size * args.num_batches_per_iter / timeit.timeit(benchmark_step,
-                                                                          number=args.num_batches_per_iter)
+    img_sec = (
+        args.batch_size * args.num_batches_per_iter / timeit.timeit(benchmark_step, number=args.num_batches_per_iter)
+    )
     log(f"Iter #{i}: {img_sec:.1f} img/sec per {device}")
     img_secs.append(img_sec)
 mean, conf = np.mean(img_secs), 1.96 * np.std(img_secs)

@@ -29,5 +29,17 @@ from lockstep.bench.measure import CellTask, measure_cell
 from lockstep.bench.report import format_table, plot_results, write_outputs
 from lockstep.bench.run import SCHEMA_VERSION, add_efficiency, run_bench
 
-__all__ = ["BenchConfig", "Cell", "plan_cells", "skip_reason", "CellTask", "measure_cell", "run_bench",
-           "add_efficiency", "format_table", "plot_results", "write_outputs", "SCHEMA_VERSION"]
+__all__ = [
+    "BenchConfig",
+    "Cell",
+    "plan_cells",
+    "skip_reason",
+    "CellTask",
+    "measure_cell",
+    "run_bench",
+    "add_efficiency",
+    "format_table",
+    "plot_results",
+    "write_outputs",
+    "SCHEMA_VERSION",
+]

@@ -37,8 +37,19 @@ from lockstep.errors import ConfigError
 if TYPE_CHECKING:  # the session's modules load when a config is built, not when the CLI starts
     from lockstep.session.config import SessionConfig
 
-__all__ = ["BenchConfig", "Cell", "cell_config", "plan_cells", "skip_reason", "parse_list", "split_strategy",
-           "ONE_PROCESS", "DEFAULT_STEPS", "DEFAULT_WARMUP", "DEFAULT_REPEATS"]
+__all__ = [
+    "BenchConfig",
+    "Cell",
+    "cell_config",
+    "plan_cells",
+    "skip_reason",
+    "parse_list",
+    "split_strategy",
+    "ONE_PROCESS",
+    "DEFAULT_STEPS",
+    "DEFAULT_WARMUP",
+    "DEFAULT_REPEATS",
+]
 
 ONE_PROCESS = ("single", "dp")
 DEFAULT_STEPS = 80
@@ -61,13 +72,21 @@ def _strategy_label(name: str) -> str:
         return "ddp+zero"
     compression = extra.strip().lower()
     if compression == "none":
-        raise ConfigError(f"bench cell {name}: name a compression after '+' (bf16, fp16, powersgd) or "
-                          "write the strategy alone")
+        raise ConfigError(
+            f"bench cell {name}: name a compression after '+' (bf16, fp16, powersgd) or write the strategy alone"
+        )
     return f"{key}+{compression}"  # the compression itself is the cell config's to check
 
 
-def cell_config(strategy: str, precision: str, compile: str = "none", *, nonfinite: str = "skip", seed: int = 0,
-                timeout: float | None = None) -> SessionConfig:
+def cell_config(
+    strategy: str,
+    precision: str,
+    compile: str = "none",
+    *,
+    nonfinite: str = "skip",
+    seed: int = 0,
+    timeout: float | None = None,
+) -> SessionConfig:
     """The Session options of one cell: ``ddp+fp16`` is ddp with that compression, ``ddp+zero`` ddp with
     ``shard_optimizer``; PowerSGD starts as early as it allows (step 2), so that the warm-up, not the
     timed window, holds its plain all-reduce steps.
@@ -91,9 +110,17 @@ def cell_config(strategy: str, precision: str, compile: str = "none", *, nonfini
 
     base, extra = split_strategy(strategy)
     zero = extra == "zero"
-    return session_config(strategy=base, precision=precision, grad_compression=None if zero else extra,
-                          powersgd_start_iter=2, compile=compile, nonfinite=nonfinite, seed=seed, timeout=timeout,
-                          shard_optimizer=zero)
+    return session_config(
+        strategy=base,
+        precision=precision,
+        grad_compression=None if zero else extra,
+        powersgd_start_iter=2,
+        compile=compile,
+        nonfinite=nonfinite,
+        seed=seed,
+        timeout=timeout,
+        shard_optimizer=zero,
+    )
 
 
 def split_strategy(name: str) -> tuple[str, str | None]:
@@ -198,13 +225,20 @@ class BenchConfig:
         object.__setattr__(self, "strategies", tuple(dict.fromkeys(strategies)))
         object.__setattr__(self, "precisions", tuple(dict.fromkeys(precisions)))
         compiles = [compile_from_flag(name) for name in parse_list(self.compile, "--compile")]
-        object.__setattr__(self, "compile", ",".join(dict.fromkeys("none" if c is None else c["backend"]
-                                                                    for c in compiles)))
-        limits = (("--nproc", min(self.nprocs, default=0), 1), ("--max-steps", self.steps, 1),
-                  ("--repeats", self.repeats, 1),
-                  ("--warmup", self.warmup, 0), ("--num-classes", self.num_classes, 1),
-                  ("--batch-size", self.batch_size, 1), ("--image-size", self.image_size, 4),
-                  ("--channels", self.channels, 1), ("--threads", self.threads, 1))
+        object.__setattr__(
+            self, "compile", ",".join(dict.fromkeys("none" if c is None else c["backend"] for c in compiles))
+        )
+        limits = (
+            ("--nproc", min(self.nprocs, default=0), 1),
+            ("--max-steps", self.steps, 1),
+            ("--repeats", self.repeats, 1),
+            ("--warmup", self.warmup, 0),
+            ("--num-classes", self.num_classes, 1),
+            ("--batch-size", self.batch_size, 1),
+            ("--image-size", self.image_size, 4),
+            ("--channels", self.channels, 1),
+            ("--threads", self.threads, 1),
+        )
         for label, value, low in limits:
             if value is not None and value < low:  # None: the default is filled in later
                 raise ConfigError(f"{label} must be >= {low}, got {value}")
@@ -237,7 +271,8 @@ class BenchConfig:
                     continue
                 for compile in self.compiles:
                     configs[(strategy, precision, compile)] = cell_config(
-                        strategy, precision, compile, nonfinite=self.nonfinite, seed=self.seed)
+                        strategy, precision, compile, nonfinite=self.nonfinite, seed=self.seed
+                    )
         return configs
 
     @property
@@ -341,7 +376,9 @@ def skip_reason(strategy: str, precision: str, nproc: int, gpus: int, bf16_suppo
     if gpus > 0 and nproc > gpus:
         return f"{nproc} processes need {nproc} GPUs (one each); {gpus} visible"
     if strategy == "fsdp" and precision == "fp16-o2":
-        return "fp16-o2 keeps fp32 master weights that fsdp's sharded parameters cannot have; use bf16-mixed or fp16-mixed"
+        return (
+            "fp16-o2 keeps fp32 master weights that fsdp's sharded parameters cannot have; use bf16-mixed or fp16-mixed"
+        )
     if gpus > 0 and precision.startswith("bf16") and not bf16_supported:
         return f"{precision} needs a GPU with bf16 support (Ampere or newer)"
     return None

@@ -41,8 +41,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lockstep.errors import ConfigError
 from lockstep.bench.matrix import cell_config
+from lockstep.errors import ConfigError
 from lockstep.zoo.models import ModelSpec
 
 __all__ = ["CellTask", "measure_cell", "time_window", "resident_mb"]
@@ -120,8 +120,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_window(step: Callable[[], None], steps: int, device: torch.device,
-                barrier: Callable[[], None] = lambda: None) -> tuple[float, list[float]]:
+def time_window(
+    step: Callable[[], None], steps: int, device: torch.device, barrier: Callable[[], None] = lambda: None
+) -> tuple[float, list[float]]:
     """Time ``steps`` calls of ``step`` between device synchronisations.
 
     Args:
@@ -211,8 +212,9 @@ def measure_cell(task: CellTask) -> dict[str, Any]:
         torch.set_num_threads(task.threads)
     base = resident_mb(peak=False)
     try:
-        config = cell_config(task.strategy, task.precision, task.compile, nonfinite=task.nonfinite,
-                             seed=task.seed, timeout=task.timeout)
+        config = cell_config(
+            task.strategy, task.precision, task.compile, nonfinite=task.nonfinite, seed=task.seed, timeout=task.timeout
+        )
         session = lockstep.Session(config=config)
         device = session.device
         if device.type == "cuda":
@@ -245,10 +247,19 @@ def measure_cell(task: CellTask) -> dict[str, Any]:
         step_ms += times
     compiled = _graphs_compiled(task) - compiled
     peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else resident_mb(peak=True)
-    result = {"rank": session.rank, "elapsed_s": sum(windows), "windows_s": windows, "step_ms": step_ms,
-              "peak_mem_mb": peak,
-              "base_mem_mb": 0.0 if device.type == "cuda" else base, "batch_size": batch_size,
-              "devices": devices, "threads": torch.get_num_threads(), "device": str(device),
-              "skipped_steps": session.skipped_steps, "compiles_in_window": compiled}
+    result = {
+        "rank": session.rank,
+        "elapsed_s": sum(windows),
+        "windows_s": windows,
+        "step_ms": step_ms,
+        "peak_mem_mb": peak,
+        "base_mem_mb": 0.0 if device.type == "cuda" else base,
+        "batch_size": batch_size,
+        "devices": devices,
+        "threads": torch.get_num_threads(),
+        "device": str(device),
+        "skipped_steps": session.skipped_steps,
+        "compiles_in_window": compiled,
+    }
     session.close()
     return result

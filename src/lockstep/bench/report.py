@@ -70,8 +70,15 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["format_table", "write_outputs", "plot_results", "cell_label", "compile_text", "threads_line",
-           "verdict_lines"]
+__all__ = [
+    "format_table",
+    "write_outputs",
+    "plot_results",
+    "cell_label",
+    "compile_text",
+    "threads_line",
+    "verdict_lines",
+]
 
 
 def _compiled(cell: dict[str, Any]) -> str:
@@ -123,11 +130,13 @@ def _header(doc: dict[str, Any]) -> str:
     load_text = f", load {load[0]:.2f}" if load else ""
     repeats = cfg.get("repeats", 1)
     windows = f" x {repeats} windows" if repeats > 1 else ""
-    head = (f"lockstep bench: {cfg['model']}, {cfg['data']} data {cfg['image_size']}px, batch {cfg['batch_size']} "
-            f"per device, {cfg['steps']} timed steps{windows} after {cfg['warmup']} warm-up"
-            + compile_text(cfg.get("compile", "none"))
-            + f"; {where}{load_text}; "
-            f"torch {doc['torch']}")
+    head = (
+        f"lockstep bench: {cfg['model']}, {cfg['data']} data {cfg['image_size']}px, batch {cfg['batch_size']} "
+        f"per device, {cfg['steps']} timed steps{windows} after {cfg['warmup']} warm-up"
+        + compile_text(cfg.get("compile", "none"))
+        + f"; {where}{load_text}; "
+        f"torch {doc['torch']}"
+    )
     threads = threads_line(doc)
     return f"{head}\n{threads}" if threads else head
 
@@ -154,7 +163,8 @@ def threads_line(doc: dict[str, Any]) -> str | None:
     over = [r for r in rows if r["total"] > cores]
     if over:
         text += "; oversubscribed: " + ", ".join(
-            f"nproc {r['nproc']} runs {r['total']} threads on {cores} cores" for r in over)
+            f"nproc {r['nproc']} runs {r['total']} threads on {cores} cores" for r in over
+        )
     return text
 
 
@@ -172,28 +182,55 @@ def format_table(doc: dict[str, Any]) -> str:
     """
     # a compile column when some cell is compiled: eager and compiled rows side by side
     with_compile = any(_compiled(cell) for cell in doc["cells"])
-    head = ("", "strategy", "precision", "nproc", *(("compile",) if with_compile else ()), "status", "samples/s",
-            "min-max", "per rank", "efficiency", "step ms median (p10-p90)", "peak MB")
+    head = (
+        "",
+        "strategy",
+        "precision",
+        "nproc",
+        *(("compile",) if with_compile else ()),
+        "status",
+        "samples/s",
+        "min-max",
+        "per rank",
+        "efficiency",
+        "step ms median (p10-p90)",
+        "peak MB",
+    )
     rows = [head]
     notes: list[str] = []
     for cell in doc["cells"]:
         ran = cell["status"] == "ran"
-        spread = (f"{_num(cell['step_ms_median'])} ({_num(cell['step_ms_p10'])}-{_num(cell['step_ms_p90'])})"
-                  if ran else "-")
+        spread = (
+            f"{_num(cell['step_ms_median'])} ({_num(cell['step_ms_p10'])}-{_num(cell['step_ms_p90'])})" if ran else "-"
+        )
         status = cell["status"]
         if not ran:
             status += f" [{len(notes) + 1}]"
             notes.append(f"[{len(notes) + 1}] {cell['id']}: {cell['reason']}")
         elif cell.get("compiles_in_window"):
             status += f" [{len(notes) + 1}]"
-            notes.append(f"[{len(notes) + 1}] {cell['id']}: torch.compile compiled {cell['compiles_in_window']} "
-                         "graph(s) inside the timed window (a recompilation, or --warmup 0), so its figures include "
-                         "compile time")
+            notes.append(
+                f"[{len(notes) + 1}] {cell['id']}: torch.compile compiled {cell['compiles_in_window']} "
+                "graph(s) inside the timed window (a recompilation, or --warmup 0), so its figures include "
+                "compile time"
+            )
         compiled = ((_compiled(cell).strip() or "eager"),) if with_compile else ()
-        rows.append(("*" if cell["winner"] or cell.get("fastest") else "", cell["strategy"], cell["precision"],
-                     str(cell["nproc"]), *compiled, status, _num(cell["samples_per_s"]), _spread(cell),
-                     _num(cell["samples_per_s_per_rank"]),
-                     _num(cell["efficiency"], 2), spread, _num(cell["peak_mem_mb"], 0)))
+        rows.append(
+            (
+                "*" if cell["winner"] or cell.get("fastest") else "",
+                cell["strategy"],
+                cell["precision"],
+                str(cell["nproc"]),
+                *compiled,
+                status,
+                _num(cell["samples_per_s"]),
+                _spread(cell),
+                _num(cell["samples_per_s_per_rank"]),
+                _num(cell["efficiency"], 2),
+                spread,
+                _num(cell["peak_mem_mb"], 0),
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     shift = 1 if with_compile else 0
     right = {3, *(i + shift for i in (5, 6, 7, 8, 10))}
@@ -228,26 +265,34 @@ def verdict_lines(doc: dict[str, Any]) -> list[str]:
     text = f"* fastest: {cell_label(fastest)}, {_num(fastest['samples_per_s'])} samples/s"
     if fastest.get("samples_per_s_min") is None:  # a document without the spread
         return [text]
-    text += (f" (median of {fastest.get('repeats', 1)} windows, min {_num(fastest['samples_per_s_min'])}, "
-             f"max {_num(fastest['samples_per_s_max'])})")
+    text += (
+        f" (median of {fastest.get('repeats', 1)} windows, min {_num(fastest['samples_per_s_min'])}, "
+        f"max {_num(fastest['samples_per_s_max'])})"
+    )
     ran = [c for c in doc["cells"] if c["status"] == "ran" and c["id"] != fastest["id"]]
     if winner is not None:
         if ran:
             nearest = max(ran, key=lambda c: c["samples_per_s_max"])
-            text += (f": the winner, its slowest window beats the next cell's fastest ({cell_label(nearest)}, "
-                     f"max {_num(nearest['samples_per_s_max'])})")
+            text += (
+                f": the winner, its slowest window beats the next cell's fastest ({cell_label(nearest)}, "
+                f"max {_num(nearest['samples_per_s_max'])})"
+            )
         return [text]
     close = [cells[i] for i in doc.get("within_noise", []) if i in cells]
     reason = doc.get("no_winner_reason") or "their ranges overlap"
-    return [text, f"no winner: within noise of it: {', '.join(cell_label(c) for c in close)} ({reason}); "
-                  "for a clearer verdict use more --repeats or --max-steps, or a quieter machine"]
+    return [
+        text,
+        f"no winner: within noise of it: {', '.join(cell_label(c) for c in close)} ({reason}); "
+        "for a clearer verdict use more --repeats or --max-steps, or a quieter machine",
+    ]
 
 
 def _annotate_bars(ax: Any, bars: Any, values: list[float]) -> None:
     top = max(values, default=0.0)
     for bar, value in zip(bars, values):
-        ax.text(bar.get_width() + top * 0.01, bar.get_y() + bar.get_height() / 2, f"{value:,.0f}",
-                va="center", fontsize=8)
+        ax.text(
+            bar.get_width() + top * 0.01, bar.get_y() + bar.get_height() / 2, f"{value:,.0f}", va="center", fontsize=8
+        )
 
 
 def plot_results(doc: dict[str, Any], path: Path) -> Path | None:
@@ -272,8 +317,9 @@ def plot_results(doc: dict[str, Any], path: Path) -> Path | None:
     except ImportError:
         return None
     ran = [c for c in doc["cells"] if c["status"] == "ran"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 2.2 + 0.4 * max(len(ran), 4)), layout="constrained",
-                                      gridspec_kw={"width_ratios": [3, 2]})
+    fig, (left, right) = plt.subplots(
+        1, 2, figsize=(12, 2.2 + 0.4 * max(len(ran), 4)), layout="constrained", gridspec_kw={"width_ratios": [3, 2]}
+    )
     labels = [cell_label(c) for c in ran]
     values = [c["samples_per_s"] for c in ran]
     colors = ["tab:orange" if c["winner"] or c.get("fastest") else "tab:blue" for c in ran]
@@ -319,7 +365,9 @@ def _plot_efficiency(ax: Any, ran: list[dict[str, Any]], per_core: bool) -> None
     ax.set_ylabel("scaling efficiency")
     ax.set_ylim(0, max([1.1] + [c["efficiency"] * 1.1 for g in groups.values() for c in g]))
     # on CPU the cells share the cores: 1.0 is the 1-process cell's pace per core, not linear speed-up
-    ax.set_title("per busy core vs. 1 process (1.0 = as fast)" if per_core else "efficiency vs. 1 process (1.0 = linear)")
+    ax.set_title(
+        "per busy core vs. 1 process (1.0 = as fast)" if per_core else "efficiency vs. 1 process (1.0 = linear)"
+    )
     if groups:
         ax.legend(fontsize=7, loc="lower left")
     else:

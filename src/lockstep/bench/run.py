@@ -27,8 +27,17 @@ from lockstep.bench.matrix import BenchConfig, Cell, plan_cells
 from lockstep.bench.measure import CellTask, measure_cell
 from lockstep.bench.verdict import pick_winner
 
-__all__ = ["run_bench", "run_cell", "check_inputs", "aggregate", "add_efficiency", "host_info", "percentile",
-           "threads_per_rank", "SCHEMA_VERSION"]
+__all__ = [
+    "run_bench",
+    "run_cell",
+    "check_inputs",
+    "aggregate",
+    "add_efficiency",
+    "host_info",
+    "percentile",
+    "threads_per_rank",
+    "SCHEMA_VERSION",
+]
 
 # 4: repeated windows (samples_per_s is their median, with min, max), fastest vs a winner called
 # only beyond the spread; 3: cells carry compile (--compile none,inductor: both rows); 2: CPU
@@ -87,9 +96,16 @@ def host_info() -> dict[str, Any]:
     names = sorted({torch.cuda.get_device_name(i) for i in range(gpus)})
     load = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     return {
-        "host": {"hostname": platform.node(), "platform": platform.platform(), "python": platform.python_version(),
-                 "cpu_cores": _cores(), "load_average": load},
-        "torch": torch.__version__, "lockstep": lockstep.__version__, "cuda": torch.version.cuda,
+        "host": {
+            "hostname": platform.node(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "cpu_cores": _cores(),
+            "load_average": load,
+        },
+        "torch": torch.__version__,
+        "lockstep": lockstep.__version__,
+        "cuda": torch.version.cuda,
         "device": {"type": "cuda" if gpus else "cpu", "count": gpus, "name": ", ".join(names) or _cpu_name()},
     }
 
@@ -129,12 +145,24 @@ def _cpu_threads(config: BenchConfig, gpus: int) -> list[dict[str, int]] | None:
 
 def _task(config: BenchConfig, cell: Cell, gpus: int) -> CellTask:
     threads = threads_per_rank(config, cell.nproc, gpus)
-    return CellTask(model=config.model, data=config.data, strategy=cell.strategy, precision=cell.precision,
-                    batch_size=config.per_device_batch, steps=config.steps, warmup=config.warmup,
-                    repeats=config.repeats,
-                    image_size=config.input_size, channels=config.input_channels,
-                    num_classes=config.num_classes, nonfinite=config.nonfinite, seed=config.seed,
-                    threads=threads, timeout=min(config.cell_timeout, 300.0), compile=cell.compile)
+    return CellTask(
+        model=config.model,
+        data=config.data,
+        strategy=cell.strategy,
+        precision=cell.precision,
+        batch_size=config.per_device_batch,
+        steps=config.steps,
+        warmup=config.warmup,
+        repeats=config.repeats,
+        image_size=config.input_size,
+        channels=config.input_channels,
+        num_classes=config.num_classes,
+        nonfinite=config.nonfinite,
+        seed=config.seed,
+        threads=threads,
+        timeout=min(config.cell_timeout, 300.0),
+        compile=cell.compile,
+    )
 
 
 def aggregate(cell: Cell, ranks: list[dict[str, Any]], steps: int, cores: int | None = None) -> None:
@@ -171,15 +199,22 @@ def aggregate(cell: Cell, ranks: list[dict[str, Any]], steps: int, cores: int | 
     on_cpu = all(str(r.get("device", "cpu")).startswith("cpu") for r in ranks)
     cell.status = "ran"
     cell.result = {
-        "samples_per_s": total, "samples_per_s_per_rank": total / len(ranks),
-        "samples_per_s_min": min(rates), "samples_per_s_max": max(rates), "repeats": len(rates),
-        "step_ms_median": percentile(step_ms, 50), "step_ms_p10": percentile(step_ms, 10),
+        "samples_per_s": total,
+        "samples_per_s_per_rank": total / len(ranks),
+        "samples_per_s_min": min(rates),
+        "samples_per_s_max": max(rates),
+        "repeats": len(rates),
+        "step_ms_median": percentile(step_ms, 50),
+        "step_ms_p10": percentile(step_ms, 10),
         "step_ms_p90": percentile(step_ms, 90),
         # what the window would give without its stalls (another process taking a core, say)
         "samples_per_s_at_median_step": samples / steps / percentile(step_ms, 50) * 1000.0,
-        "peak_mem_mb": max(r["peak_mem_mb"] for r in ranks), "base_mem_mb": max(r["base_mem_mb"] for r in ranks),
-        "devices": sum(r["devices"] for r in ranks), "threads_per_rank": ranks[0]["threads"],
-        "global_batch": sum(r["batch_size"] for r in ranks), "skipped_steps": ranks[0]["skipped_steps"],
+        "peak_mem_mb": max(r["peak_mem_mb"] for r in ranks),
+        "base_mem_mb": max(r["base_mem_mb"] for r in ranks),
+        "devices": sum(r["devices"] for r in ranks),
+        "threads_per_rank": ranks[0]["threads"],
+        "global_batch": sum(r["batch_size"] for r in ranks),
+        "skipped_steps": ranks[0]["skipped_steps"],
         # more threads than cores (oversubscribed) still busy only the cores
         "cpu_threads": threads if on_cpu else None,
         "cores_used": min(threads, cores or _cores()) if on_cpu else None,
@@ -219,7 +254,8 @@ def check_inputs(config: BenchConfig) -> None:
         raise ConfigError(
             f"--batch-size {config.per_device_batch} (per device) is larger than each process's share of "
             f"{config.data} at --nproc {nproc} ({size} samples / {nproc} processes = {shard}); "
-            f"use --batch-size {max(shard, 1)} or less, or fewer processes")
+            f"use --batch-size {max(shard, 1)} or less, or fewer processes"
+        )
 
 
 def run_cell(config: BenchConfig, cell: Cell, gpus: int) -> None:
@@ -286,13 +322,32 @@ def add_efficiency(cells: list[Cell]) -> None:
 
 
 def _cell_doc(cell: Cell, config: BenchConfig, winner: str | None, fastest: str | None) -> dict[str, Any]:
-    doc: dict[str, Any] = {"id": cell.id, "strategy": cell.strategy, "precision": cell.precision,
-                           "nproc": cell.nproc, "compile": cell.compile, "status": cell.status, "reason": cell.reason,
-                           "winner": cell.id == winner, "fastest": cell.id == fastest,
-                           "batch_size": config.per_device_batch, "steps": config.steps, "warmup": config.warmup,
-                           "repeats": config.repeats}
-    for key in ("samples_per_s", "samples_per_s_min", "samples_per_s_max", "samples_per_s_per_rank", "efficiency",
-                "step_ms_median", "step_ms_p10", "step_ms_p90", "peak_mem_mb"):
+    doc: dict[str, Any] = {
+        "id": cell.id,
+        "strategy": cell.strategy,
+        "precision": cell.precision,
+        "nproc": cell.nproc,
+        "compile": cell.compile,
+        "status": cell.status,
+        "reason": cell.reason,
+        "winner": cell.id == winner,
+        "fastest": cell.id == fastest,
+        "batch_size": config.per_device_batch,
+        "steps": config.steps,
+        "warmup": config.warmup,
+        "repeats": config.repeats,
+    }
+    for key in (
+        "samples_per_s",
+        "samples_per_s_min",
+        "samples_per_s_max",
+        "samples_per_s_per_rank",
+        "efficiency",
+        "step_ms_median",
+        "step_ms_p10",
+        "step_ms_p90",
+        "peak_mem_mb",
+    ):
         doc[key] = cell.result.get(key)
     doc.update({k: v for k, v in cell.result.items() if k not in doc})
     return doc
@@ -326,17 +381,29 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict[str, Any]:
     add_efficiency(cells)
     verdict = pick_winner(cells)
     return {
-        "schema": "lockstep-bench", "version": SCHEMA_VERSION,
+        "schema": "lockstep-bench",
+        "version": SCHEMA_VERSION,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         **info,
-        "config": {"model": config.model, "data": config.data, "batch_size": config.per_device_batch,
-                   "steps": config.steps, "warmup": config.warmup, "repeats": config.repeats,
-                   "image_size": config.input_size,
-                   "channels": config.input_channels, "num_classes": config.num_classes,
-                   "nonfinite": config.nonfinite, "seed": config.seed, "threads": config.threads,
-                   "compile": config.compile},
+        "config": {
+            "model": config.model,
+            "data": config.data,
+            "batch_size": config.per_device_batch,
+            "steps": config.steps,
+            "warmup": config.warmup,
+            "repeats": config.repeats,
+            "image_size": config.input_size,
+            "channels": config.input_channels,
+            "num_classes": config.num_classes,
+            "nonfinite": config.nonfinite,
+            "seed": config.seed,
+            "threads": config.threads,
+            "compile": config.compile,
+        },
         "cpu_threads": _cpu_threads(config, gpus),
-        "winner": verdict.winner, "fastest": verdict.fastest, "within_noise": list(verdict.within_noise),
+        "winner": verdict.winner,
+        "fastest": verdict.fastest,
+        "within_noise": list(verdict.within_noise),
         "no_winner_reason": verdict.reason,
         "cells": [_cell_doc(c, config, verdict.winner, verdict.fastest) for c in cells],
     }

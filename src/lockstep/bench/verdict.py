@@ -70,8 +70,12 @@ def pick_winner(cells: list[Cell]) -> Verdict:
         return Verdict(best.id, best.id, (), None)
     low, _, repeats = _range(best)
     if repeats < 2 or any(_range(c)[2] < 2 for c in others):
-        return Verdict(best.id, None, tuple(c.id for c in others),
-                       "one timed window per cell: the spread is unknown (use --repeats 3 or more)")
+        return Verdict(
+            best.id,
+            None,
+            tuple(c.id for c in others),
+            "one timed window per cell: the spread is unknown (use --repeats 3 or more)",
+        )
     close = tuple(c.id for c in others if _range(c)[1] >= low)
     if close:
         return Verdict(best.id, None, close, "their min-max ranges overlap the fastest cell's")

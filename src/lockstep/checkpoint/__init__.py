@@ -37,7 +37,24 @@ from lockstep.checkpoint.manifest import read_manifest, verify_checkpoint
 from lockstep.checkpoint.safety import UnsupportedStateError
 from lockstep.checkpoint.storage import FsspecStorage, LocalStorage, ObjectStoreError, Storage, is_url, open_storage
 
-__all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError", "CorruptCheckpointError",
-           "UnsafeCheckpointError", "UnsupportedStateError", "latest_checkpoint", "list_checkpoints",
-           "read_manifest", "verify_checkpoint", "lock_folder", "FolderLock", "FolderInUseError", "Storage",
-           "LocalStorage", "FsspecStorage", "ObjectStoreError", "open_storage", "is_url"]
+__all__ = [
+    "save_checkpoint",
+    "load_checkpoint",
+    "CheckpointError",
+    "CorruptCheckpointError",
+    "UnsafeCheckpointError",
+    "UnsupportedStateError",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "read_manifest",
+    "verify_checkpoint",
+    "lock_folder",
+    "FolderLock",
+    "FolderInUseError",
+    "Storage",
+    "LocalStorage",
+    "FsspecStorage",
+    "ObjectStoreError",
+    "open_storage",
+    "is_url",
+]

@@ -59,8 +59,14 @@ class PendingSave:
         pending.path       # ckpt/step-000100, once pending.wait() returned
     """
 
-    def __init__(self, path: Path | str, comm: Comm, work: Work | None, group: Any = None,
-                 done_with_group: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        path: Path | str,
+        comm: Comm,
+        work: Work | None,
+        group: Any = None,
+        done_with_group: Callable[[], None] | None = None,
+    ) -> None:
         self.path = path
         self.comm = comm
         self._done_with_group = done_with_group
@@ -69,8 +75,9 @@ class PendingSave:
         self._thread: threading.Thread | None = None
         if work is not None:
             # not a daemon: a process that ends without waiting still finishes the write
-            self._thread = threading.Thread(target=self._write, args=(work, group),
-                                            name="lockstep-checkpoint", daemon=False)
+            self._thread = threading.Thread(
+                target=self._write, args=(work, group), name="lockstep-checkpoint", daemon=False
+            )
             self._thread.start()
 
     def _write(self, work: Work, group: Any) -> None:
@@ -80,7 +87,6 @@ class PendingSave:
             self._error = exc
         except Exception as exc:  # noqa: BLE001 - reported at wait(), on every rank
             self._error = CheckpointError(f"saving {self.path} failed: {type(exc).__name__}: {exc}")
-
 
     def done(self) -> bool:
         """True once this rank has nothing left to write (no collective).
@@ -115,6 +121,7 @@ class PendingSave:
 
 def _disk_work(root: Path, tmp: Path, parts: Parts, step: int, keep: int | None, comm: Comm) -> Work:
     """The write of a folder checkpoint: every rank's files, then rank 0's commit by rename."""
+
     def work(group: Any) -> tuple[Path | str | None, CheckpointError | None]:
         final: Path | None = None
         try:
@@ -128,6 +135,7 @@ def _disk_work(root: Path, tmp: Path, parts: Parts, step: int, keep: int | None,
         if error is not None and comm.is_main:
             discard(tmp)
         return final, error
+
     return work
 
 
@@ -140,6 +148,7 @@ def _gather(group: Any) -> Any:
         out: list[Any] = [None] * torch.distributed.get_world_size(group)
         torch.distributed.all_gather_object(out, obj, group=group)
         return out
+
     return gather
 
 
@@ -203,10 +212,18 @@ def _staged(sharded: dict[str, Any] | None) -> dict[str, Any] | None:
     return BlockingAsyncStager().stage(sharded)
 
 
-def save_checkpoint_async(directory: str | Path, state: dict[str, Any], comm: Comm, *, step: int,
-                          keep: int | None = None, sharded: dict[str, Any] | None = None,
-                          replicated: dict[str, Any] | None = None,
-                          writers: WriterGroup | None = None, position: Any = None) -> PendingSave:
+def save_checkpoint_async(
+    directory: str | Path,
+    state: dict[str, Any],
+    comm: Comm,
+    *,
+    step: int,
+    keep: int | None = None,
+    sharded: dict[str, Any] | None = None,
+    replicated: dict[str, Any] | None = None,
+    writers: WriterGroup | None = None,
+    position: Any = None,
+) -> PendingSave:
     """Start writing checkpoint ``step-NNNNNN`` and return at once (every rank calls it).
 
     The same contract as :func:`~lockstep.checkpoint.core.save_checkpoint`: the RNG states are
@@ -234,10 +251,20 @@ def save_checkpoint_async(directory: str | Path, state: dict[str, Any], comm: Co
         pending = save_checkpoint_async("ckpt", {"step": 10}, comm, step=10, replicated={"model": msd})
     """
     if is_url(directory):
-        return _objects_async(str(directory), state, comm, step=step, keep=keep, replicated=replicated,
-                              sharded=_staged(sharded), position=position, writers=writers)
-    root, parts, tmp = begin(local_path(directory), state, comm, step=step, keep=keep, replicated=replicated,
-                             sharded=_staged(sharded))
+        return _objects_async(
+            str(directory),
+            state,
+            comm,
+            step=step,
+            keep=keep,
+            replicated=replicated,
+            sharded=_staged(sharded),
+            position=position,
+            writers=writers,
+        )
+    root, parts, tmp = begin(
+        local_path(directory), state, comm, step=step, keep=keep, replicated=replicated, sharded=_staged(sharded)
+    )
     path = root / step_name(step)
     work = _disk_work(root, tmp, parts, step, keep, comm) if comm.is_main or parts.tensors is not None else None
     if comm.world_size == 1 or parts.tensors is None:
@@ -253,9 +280,18 @@ def _with_group(path: Path | str, comm: Comm, work: Work | None, writers: Writer
     return PendingSave(path, comm, work, own.get(), done_with_group=own.release)
 
 
-def _objects_async(url: str, state: dict[str, Any], comm: Comm, *, step: int, keep: int | None,
-                   replicated: dict[str, Any] | None, sharded: dict[str, Any] | None, position: Any,
-                   writers: WriterGroup | None) -> PendingSave:
+def _objects_async(
+    url: str,
+    state: dict[str, Any],
+    comm: Comm,
+    *,
+    step: int,
+    keep: int | None,
+    replicated: dict[str, Any] | None,
+    sharded: dict[str, Any] | None,
+    position: Any,
+    writers: WriterGroup | None,
+) -> PendingSave:
     """An object-store save in the background: every rank uploads its part, rank 0 commits."""
     from lockstep.checkpoint.objects import begin_objects, write_objects
     from lockstep.checkpoint.storage import open_storage
@@ -266,6 +302,7 @@ def _objects_async(url: str, state: dict[str, Any], comm: Comm, *, step: int, ke
 
     def work(group: Any) -> tuple[Path | str | None, CheckpointError | None]:
         return write_objects(storage, parts, step, keep, rank, world_size, _gather(group), group, position)
+
     path = storage.where(step_name(step))
     if world_size == 1 or parts.tensors is None:
         return PendingSave(path, comm, work if comm.is_main else None)

@@ -43,7 +43,11 @@ from typing import Any
 import torch
 
 from lockstep.checkpoint.files import (
-    SHARDED_DIR, CheckpointError, CorruptCheckpointError, UnsafeCheckpointError, discard,
+    SHARDED_DIR,
+    CheckpointError,
+    CorruptCheckpointError,
+    UnsafeCheckpointError,
+    discard,
 )
 from lockstep.checkpoint.layout import latest_checkpoint, list_checkpoints
 from lockstep.checkpoint.manifest import read_manifest, verify_checkpoint
@@ -54,17 +58,34 @@ from lockstep.checkpoint.write import agree, begin, finish, write_parts
 from lockstep.comm.group import Comm
 
 __all__ = [
-    "CheckpointError", "CorruptCheckpointError", "UnsafeCheckpointError", "UnsupportedStateError",
-    "save_checkpoint", "load_checkpoint", "list_checkpoints", "latest_checkpoint", "read_manifest",
-    "verify_checkpoint", "agree", "SHARDED_DIR",
+    "CheckpointError",
+    "CorruptCheckpointError",
+    "UnsafeCheckpointError",
+    "UnsupportedStateError",
+    "save_checkpoint",
+    "load_checkpoint",
+    "list_checkpoints",
+    "latest_checkpoint",
+    "read_manifest",
+    "verify_checkpoint",
+    "agree",
+    "SHARDED_DIR",
 ]
 
 logger = logging.getLogger("lockstep.checkpoint.core")
 
 
-def save_checkpoint(directory: str | Path, state: dict[str, Any], comm: Comm, *, step: int,
-                    keep: int | None = None, sharded: dict[str, Any] | None = None,
-                    replicated: dict[str, Any] | None = None, position: Any = None) -> Path | str:
+def save_checkpoint(
+    directory: str | Path,
+    state: dict[str, Any],
+    comm: Comm,
+    *,
+    step: int,
+    keep: int | None = None,
+    sharded: dict[str, Any] | None = None,
+    replicated: dict[str, Any] | None = None,
+    position: Any = None,
+) -> Path | str:
     """Write ``state`` as checkpoint ``step-NNNNNN`` in ``directory``; every rank must call it.
 
     Args:
@@ -108,8 +129,9 @@ def save_checkpoint(directory: str | Path, state: dict[str, Any], comm: Comm, *,
     if is_url(directory):
         from lockstep.checkpoint.objects import save_objects
 
-        return save_objects(str(directory), state, comm, step=step, keep=keep, sharded=sharded,
-                            replicated=replicated, position=position)
+        return save_objects(
+            str(directory), state, comm, step=step, keep=keep, sharded=sharded, replicated=replicated, position=position
+        )
     directory = local_path(directory)
     root, parts, tmp = begin(directory, state, comm, step=step, keep=keep, replicated=replicated, sharded=sharded)
     records, error = write_parts(tmp, parts, comm.rank, comm.world_size, comm.all_gather_object)
@@ -121,8 +143,14 @@ def save_checkpoint(directory: str | Path, state: dict[str, Any], comm: Comm, *,
     return Path(agree(comm, error, str(final or ""))[0])
 
 
-def load_checkpoint(directory: str | Path, comm: Comm, *, map_location: torch.device | str | None = None,
-                    sharded: dict[str, Any] | None = None, fallback: bool = True) -> dict[str, Any] | None:
+def load_checkpoint(
+    directory: str | Path,
+    comm: Comm,
+    *,
+    map_location: torch.device | str | None = None,
+    sharded: dict[str, Any] | None = None,
+    fallback: bool = True,
+) -> dict[str, Any] | None:
     """Load the newest good checkpoint in ``directory``; every rank must call it.
 
     Rank 0 picks the newest committed checkpoint whose files all match its manifest and tells
@@ -196,6 +224,7 @@ def _choose(root: Path, fallback: bool) -> tuple[str, dict[str, Any]] | None:
             logger.warning("checkpoint %s is unusable, falling back to the previous one. %s", path, exc)
             bad.append(str(exc))
     if bad:
-        raise CorruptCheckpointError(f"no usable checkpoint in {root}; every one failed verification:\n  "
-                                     + "\n  ".join(bad))
+        raise CorruptCheckpointError(
+            f"no usable checkpoint in {root}; every one failed verification:\n  " + "\n  ".join(bad)
+        )
     return None

@@ -29,9 +29,21 @@ import torch
 from lockstep.errors import LockstepError
 
 __all__ = [
-    "CheckpointError", "CorruptCheckpointError", "UnsafeCheckpointError", "DiskFullError", "FolderInUseError", "STATE_FILE", "SHARDED_DIR",
+    "CheckpointError",
+    "CorruptCheckpointError",
+    "UnsafeCheckpointError",
+    "DiskFullError",
+    "FolderInUseError",
+    "STATE_FILE",
+    "SHARDED_DIR",
     "write_state_file",
-    "write_bytes", "hash_file", "hash_stream", "fsync_dir", "publish", "discard", "io_error",
+    "write_bytes",
+    "hash_file",
+    "hash_stream",
+    "fsync_dir",
+    "publish",
+    "discard",
+    "io_error",
 ]
 
 STATE_FILE = "state.pt"
@@ -73,8 +85,10 @@ def io_error(exc: OSError, path: Path, action: str = "write") -> CheckpointError
         raise io_error(OSError(errno.ENOSPC, "full"), Path("ckpt/step-000001"))
     """
     if exc.errno in _NO_SPACE:  # what is left of earlier saves, save_checkpoint says (it knows the folder)
-        return DiskFullError(f"cannot {action} checkpoint {path}: no space left on device. Free disk space or "
-                             "keep fewer checkpoints (keep=)")
+        return DiskFullError(
+            f"cannot {action} checkpoint {path}: no space left on device. Free disk space or "
+            "keep fewer checkpoints (keep=)"
+        )
     return CheckpointError(f"cannot {action} checkpoint {path}: {exc.strerror or exc}")
 
 

@@ -24,8 +24,7 @@ from pathlib import Path
 
 from lockstep.checkpoint.files import discard
 
-__all__ = ["step_name", "temp_name", "step_of", "list_checkpoints", "latest_checkpoint", "remove_stale",
-           "prune"]
+__all__ = ["step_name", "temp_name", "step_of", "list_checkpoints", "latest_checkpoint", "remove_stale", "prune"]
 
 logger = logging.getLogger("lockstep.checkpoint.core")
 
@@ -97,9 +96,13 @@ def list_checkpoints(directory: str | Path) -> list[Path]:
             if step is None:
                 continue
             if entry.is_symlink():
-                logger.warning("ignoring %s: a symbolic link, not a checkpoint written into %s; lockstep "
-                               "follows no link out of its checkpoint folder. Remove it, or copy the "
-                               "checkpoint in if it is meant to be resumed from.", entry.path, root)
+                logger.warning(
+                    "ignoring %s: a symbolic link, not a checkpoint written into %s; lockstep "
+                    "follows no link out of its checkpoint folder. Remove it, or copy the "
+                    "checkpoint in if it is meant to be resumed from.",
+                    entry.path,
+                    root,
+                )
             elif entry.is_dir(follow_symlinks=False):
                 found.append((step, root / entry.name))
     return [path for _, path in sorted(found)]

@@ -34,9 +34,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from lockstep.checkpoint.write import agree
 from lockstep.checkpoint.files import CheckpointError, FolderInUseError, io_error
 from lockstep.checkpoint.storage import is_url, local_path
+from lockstep.checkpoint.write import agree
 from lockstep.comm.group import Comm
 
 if TYPE_CHECKING:
@@ -93,17 +93,16 @@ class FolderLock:
             return
         try:
             if self.path is not None and _same_file(self.path, fd):
-                self.path.unlink(missing_ok=True)   # still locked: nobody can take the file meanwhile
+                self.path.unlink(missing_ok=True)  # still locked: nobody can take the file meanwhile
         except OSError as exc:
             logger.warning("could not remove the lock file %s: %s", self.path, exc)
         finally:
-            os.close(fd)                            # drops the flock
+            os.close(fd)  # drops the flock
 
     def __enter__(self) -> FolderLock:
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.release()
 
 
@@ -175,16 +174,22 @@ def _acquire(root: Path) -> FolderLock:
             except BlockingIOError:
                 holder = _read_holder(fd)
                 os.close(fd)
-                raise FolderInUseError(f"checkpoint folder {root} is in use by another job ({holder}); "
-                                       "wait for it to end, or give this job another folder") from None
+                raise FolderInUseError(
+                    f"checkpoint folder {root} is in use by another job ({holder}); "
+                    "wait for it to end, or give this job another folder"
+                ) from None
             except OSError as exc:
                 os.close(fd)
                 if exc.errno not in _UNSUPPORTED:
                     raise
-                logger.warning("cannot lock checkpoint folder %s (the file system does not support locks: "
-                               "%s); make sure no other job uses it", root, exc.strerror)
+                logger.warning(
+                    "cannot lock checkpoint folder %s (the file system does not support locks: "
+                    "%s); make sure no other job uses it",
+                    root,
+                    exc.strerror,
+                )
                 return FolderLock()
-            if _same_file(path, fd):    # not a file its last holder removed before we locked it
+            if _same_file(path, fd):  # not a file its last holder removed before we locked it
                 try:
                     _stamp(fd, path)
                 except BaseException:
@@ -206,8 +211,9 @@ def _read_holder(fd: int) -> str:
     if not isinstance(body, dict) or "pid" not in body:
         return "holder not yet recorded"
     same = body.get("host") == socket.gethostname() and body.get("pid") == os.getpid()
-    return (f"host {body.get('host')}, pid {body.get('pid')}, since {body.get('since')}"
-            + (": this process, which already holds it" if same else ""))
+    return f"host {body.get('host')}, pid {body.get('pid')}, since {body.get('since')}" + (
+        ": this process, which already holds it" if same else ""
+    )
 
 
 def _stamp(fd: int, path: Path) -> None:

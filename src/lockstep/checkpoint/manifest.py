@@ -29,13 +29,27 @@ import torch
 
 from lockstep.checkpoint.confine import open_file
 from lockstep.checkpoint.files import (
-    STATE_FILE, CheckpointError, CorruptCheckpointError, UnsafeCheckpointError, hash_stream, io_error,
+    STATE_FILE,
+    CheckpointError,
+    CorruptCheckpointError,
+    UnsafeCheckpointError,
+    hash_stream,
+    io_error,
     write_bytes,
 )
 from lockstep.checkpoint.layout import step_name, step_of
 
-__all__ = ["MANIFEST_FILE", "FORMAT", "manifest_bytes", "check_manifest", "write_manifest", "read_manifest", "check_record", "verify_checkpoint",
-           "read_verified"]
+__all__ = [
+    "MANIFEST_FILE",
+    "FORMAT",
+    "manifest_bytes",
+    "check_manifest",
+    "write_manifest",
+    "read_manifest",
+    "check_record",
+    "verify_checkpoint",
+    "read_verified",
+]
 
 MANIFEST_FILE = "manifest.json"
 FORMAT = "lockstep-checkpoint/1"
@@ -47,8 +61,7 @@ def _manifest_digest(body: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(canonical, sort_keys=True).encode()).hexdigest()
 
 
-def manifest_bytes(files: dict[str, dict[str, Any]], *, step: int, world_size: int,
-                   position: Any = None) -> bytes:
+def manifest_bytes(files: dict[str, dict[str, Any]], *, step: int, world_size: int, position: Any = None) -> bytes:
     """The content of a manifest: every file's record, the step, the world size, its own sha256.
 
     Args:
@@ -98,8 +111,13 @@ def check_manifest(raw: bytes, where: str, named: int | None) -> dict[str, Any]:
     if not isinstance(body, dict) or body.get("manifest_sha256") != _manifest_digest(body):
         raise CorruptCheckpointError(f"{where}: checksum mismatch in {MANIFEST_FILE}")
     files, step = body.get("files"), body.get("step")
-    if (body.get("format") != FORMAT or not isinstance(files, dict) or STATE_FILE not in files
-            or not all(_is_record(r) for r in files.values()) or type(step) is not int):
+    if (
+        body.get("format") != FORMAT
+        or not isinstance(files, dict)
+        or STATE_FILE not in files
+        or not all(_is_record(r) for r in files.values())
+        or type(step) is not int
+    ):
         raise CorruptCheckpointError(f"{where}: {MANIFEST_FILE} is not a {FORMAT} manifest")
     if named is not None and named != step:
         raise CheckpointError(
@@ -129,8 +147,7 @@ def write_manifest(folder: Path, files: dict[str, dict[str, Any]], *, step: int,
 
 
 def _is_record(record: Any) -> bool:
-    return (isinstance(record, dict) and isinstance(record.get("size"), int)
-            and isinstance(record.get("sha256"), str))
+    return isinstance(record, dict) and isinstance(record.get("size"), int) and isinstance(record.get("sha256"), str)
 
 
 def read_manifest(checkpoint: str | Path) -> dict[str, Any]:
@@ -242,11 +259,13 @@ def read_verified(checkpoint: Path, name: str, files: dict[str, dict[str, Any]])
     """
     record = files.get(name)
     if record is None:
-        raise UnsafeCheckpointError(f"refusing to read {name!r} of checkpoint {checkpoint}: {MANIFEST_FILE} "
-                                    "does not list it, so nothing vouches for its content")
+        raise UnsafeCheckpointError(
+            f"refusing to read {name!r} of checkpoint {checkpoint}: {MANIFEST_FILE} "
+            "does not list it, so nothing vouches for its content"
+        )
     with _open_listed(checkpoint, name) as f:
         try:
-            data = f.read(record["size"] + 1)   # one byte more shows a longer file without reading it all
+            data = f.read(record["size"] + 1)  # one byte more shows a longer file without reading it all
         except OSError as exc:
             raise io_error(exc, checkpoint / name, "read") from exc
     check_record(checkpoint / name, record, {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()})

@@ -57,8 +57,16 @@ from lockstep.checkpoint.storage import Storage, open_storage
 from lockstep.checkpoint.write import Parts, agree, check_args, first_failure, prepare, write_own
 from lockstep.comm.group import Comm
 
-__all__ = ["LATEST", "committed_steps", "begin_objects", "write_objects", "save_objects", "load_objects",
-           "prune_objects", "object_reader"]
+__all__ = [
+    "LATEST",
+    "committed_steps",
+    "begin_objects",
+    "write_objects",
+    "save_objects",
+    "load_objects",
+    "prune_objects",
+    "object_reader",
+]
 
 logger = logging.getLogger("lockstep.checkpoint.objects")
 
@@ -94,8 +102,16 @@ def _remove_step(storage: Storage, step: int) -> None:
     storage.delete([name for name in storage.list(prefix) if name != manifest])
 
 
-def begin_objects(storage: Storage, state: dict[str, Any], comm: Comm, *, step: int, keep: int | None,
-                  replicated: dict[str, Any] | None, sharded: dict[str, Any] | None) -> Parts:
+def begin_objects(
+    storage: Storage,
+    state: dict[str, Any],
+    comm: Comm,
+    *,
+    step: int,
+    keep: int | None,
+    replicated: dict[str, Any] | None,
+    sharded: dict[str, Any] | None,
+) -> Parts:
     """Every rank: check, :func:`~lockstep.checkpoint.write.prepare`; rank 0 clears the step's prefix; agreed.
 
     What a killed save left under this step is deleted; so is a checkpoint of this step that a
@@ -111,8 +127,9 @@ def begin_objects(storage: Storage, state: dict[str, Any], comm: Comm, *, step: 
         parts = prepare(state, comm, replicated=replicated, sharded=sharded)
         if comm.is_main:
             if storage.exists(f"{step_name(step)}/{MANIFEST_FILE}"):
-                logger.warning("replacing checkpoint %s, committed by a run that went further",
-                               storage.where(step_name(step)))
+                logger.warning(
+                    "replacing checkpoint %s, committed by a run that went further", storage.where(step_name(step))
+                )
             _remove_step(storage, step)
     except CheckpointError as exc:
         error = exc
@@ -121,8 +138,9 @@ def begin_objects(storage: Storage, state: dict[str, Any], comm: Comm, *, step: 
     return parts
 
 
-def _upload_own(storage: Storage, parts: Parts, step: int, rank: int, world_size: int,
-                group: Any) -> tuple[dict[str, Any], CheckpointError | None]:
+def _upload_own(
+    storage: Storage, parts: Parts, step: int, rank: int, world_size: int, group: Any
+) -> tuple[dict[str, Any], CheckpointError | None]:
     """This rank's part written to a private local folder, uploaded file by file, then removed."""
     tmp = Path(tempfile.mkdtemp(prefix=f"lockstep-{step_name(step)}-r{rank}-"))
     records: dict[str, Any] = {}
@@ -140,8 +158,17 @@ def _upload_own(storage: Storage, parts: Parts, step: int, rank: int, world_size
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def write_objects(storage: Storage, parts: Parts, step: int, keep: int | None, rank: int, world_size: int,
-                  gather: Gather, group: Any = None, position: Any = None) -> tuple[str | None, CheckpointError | None]:
+def write_objects(
+    storage: Storage,
+    parts: Parts,
+    step: int,
+    keep: int | None,
+    rank: int,
+    world_size: int,
+    gather: Gather,
+    group: Any = None,
+    position: Any = None,
+) -> tuple[str | None, CheckpointError | None]:
     """Upload this rank's part, exchange the records, rank 0 commits and prunes (nothing raised).
 
     Args:
@@ -188,14 +215,17 @@ def _discard(storage: Storage, step: int) -> None:
         logger.warning("could not delete the partial upload %s: %s", storage.where(step_name(step)), exc)
 
 
-def _commit(storage: Storage, step: int, world_size: int, files: dict[str, Any], keep: int | None,
-            position: Any) -> str:
+def _commit(
+    storage: Storage, step: int, world_size: int, files: dict[str, Any], keep: int | None, position: Any
+) -> str:
     """Rank 0: the manifest by a conditional put, then ``latest``, then pruning."""
     name = f"{step_name(step)}/{MANIFEST_FILE}"
     body = manifest_bytes(files, step=step, world_size=world_size, position=position)
     if not storage.put_new(name, body):
-        raise CheckpointError(f"cannot commit {storage.where(name)}: another writer committed step {step} first. "
-                              f"Is a second job writing into {storage.url}? Give each job its own prefix.")
+        raise CheckpointError(
+            f"cannot commit {storage.where(name)}: another writer committed step {step} first. "
+            f"Is a second job writing into {storage.url}? Give each job its own prefix."
+        )
     try:
         storage.put(LATEST, step_name(step).encode())
     except CheckpointError as exc:  # a hint only: a load lists the manifests anyway
@@ -231,9 +261,18 @@ def prune_objects(storage: Storage, keep: int | None, step: int) -> None:
         logger.warning("could not prune old checkpoints in %s: %s", storage.url, exc)
 
 
-def save_objects(url: str, state: dict[str, Any], comm: Comm, *, step: int, keep: int | None = None,
-                 sharded: dict[str, Any] | None = None, replicated: dict[str, Any] | None = None,
-                 position: Any = None, storage: Storage | None = None) -> str:
+def save_objects(
+    url: str,
+    state: dict[str, Any],
+    comm: Comm,
+    *,
+    step: int,
+    keep: int | None = None,
+    sharded: dict[str, Any] | None = None,
+    replicated: dict[str, Any] | None = None,
+    position: Any = None,
+    storage: Storage | None = None,
+) -> str:
     """:func:`~lockstep.checkpoint.core.save_checkpoint` for a URL: every rank calls it.
 
     Args:
@@ -256,8 +295,9 @@ def save_objects(url: str, state: dict[str, Any], comm: Comm, *, step: int, keep
     """
     storage = storage or open_storage(url)
     parts = begin_objects(storage, state, comm, step=step, keep=keep, replicated=replicated, sharded=sharded)
-    final, error = write_objects(storage, parts, step, keep, comm.rank, comm.world_size, comm.all_gather_object,
-                                 position=position)
+    final, error = write_objects(
+        storage, parts, step, keep, comm.rank, comm.world_size, comm.all_gather_object, position=position
+    )
     return str(agree(comm, error, final)[0])
 
 
@@ -278,17 +318,22 @@ def object_reader(storage: Storage, step: int, files: dict[str, dict[str, Any]])
     def read(name: str) -> bytes:
         record = files.get(name)
         if record is None:
-            raise UnsafeCheckpointError(f"refusing to read {name!r} of checkpoint {storage.where(prefix)}: "
-                                        f"{MANIFEST_FILE} does not list it, so nothing vouches for its content")
+            raise UnsafeCheckpointError(
+                f"refusing to read {name!r} of checkpoint {storage.where(prefix)}: "
+                f"{MANIFEST_FILE} does not list it, so nothing vouches for its content"
+            )
         check_name(Path(prefix), name)
         try:
             data = storage.get(f"{prefix}/{name}")
         except FileNotFoundError:
-            raise CorruptCheckpointError(f"checkpoint {storage.where(prefix)} is corrupt: object "
-                                         f"{storage.where(prefix + '/' + name)} is missing") from None
-        check_record(storage.where(f"{prefix}/{name}"), record,
-                     {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+            raise CorruptCheckpointError(
+                f"checkpoint {storage.where(prefix)} is corrupt: object {storage.where(prefix + '/' + name)} is missing"
+            ) from None
+        check_record(
+            storage.where(f"{prefix}/{name}"), record, {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        )
         return data
+
     return read
 
 
@@ -308,8 +353,10 @@ def _plausible(storage: Storage, step: int) -> dict[str, Any]:
         if size is None:
             raise CorruptCheckpointError(f"{where}: object {storage.where(prefix + '/' + name)} is missing")
         if size != record["size"]:
-            raise CorruptCheckpointError(f"{where}: object {storage.where(prefix + '/' + name)} holds {size} bytes, "
-                                         f"its manifest says {record['size']}")
+            raise CorruptCheckpointError(
+                f"{where}: object {storage.where(prefix + '/' + name)} holds {size} bytes, "
+                f"its manifest says {record['size']}"
+            )
     return manifest
 
 
@@ -324,15 +371,22 @@ def _next_choice(storage: Storage, steps: list[int], bad: list[str], fallback: b
         except CheckpointError as exc:
             if not fallback:
                 raise
-            logger.warning("checkpoint %s is unusable, falling back to the previous one. %s",
-                           storage.where(step_name(step)), exc)
+            logger.warning(
+                "checkpoint %s is unusable, falling back to the previous one. %s", storage.where(step_name(step)), exc
+            )
             bad.append(str(exc))
     return None
 
 
-def load_objects(url: str, comm: Comm, *, map_location: torch.device | str | None = None,
-                 sharded: dict[str, Any] | None = None, fallback: bool = True,
-                 storage: Storage | None = None) -> dict[str, Any] | None:
+def load_objects(
+    url: str,
+    comm: Comm,
+    *,
+    map_location: torch.device | str | None = None,
+    sharded: dict[str, Any] | None = None,
+    fallback: bool = True,
+    storage: Storage | None = None,
+) -> dict[str, Any] | None:
     """:func:`~lockstep.checkpoint.core.load_checkpoint` for a URL: every rank calls it.
 
     Args:
@@ -377,18 +431,27 @@ def load_objects(url: str, comm: Comm, *, map_location: torch.device | str | Non
         step, manifest = choice
         prefix = step_name(step)
         try:
-            return read_chosen(Path(prefix), manifest["files"], comm, map_location, sharded,
-                               object_reader(storage, step, manifest["files"]), storage.where(prefix))
+            return read_chosen(
+                Path(prefix),
+                manifest["files"],
+                comm,
+                map_location,
+                sharded,
+                object_reader(storage, step, manifest["files"]),
+                storage.where(prefix),
+            )
         except UnsafeCheckpointError:
             raise
         except CheckpointError as exc:  # every rank raised the same: every rank walks back alike
             if not fallback:
                 raise
             if comm.is_main:
-                logger.warning("checkpoint %s is unusable, falling back to the previous one. %s",
-                               storage.where(prefix), exc)
+                logger.warning(
+                    "checkpoint %s is unusable, falling back to the previous one. %s", storage.where(prefix), exc
+                )
             bad.append(str(exc))
     if bad:
-        raise CorruptCheckpointError(f"no usable checkpoint in {storage.url}; every one failed verification:\n  "
-                                     + "\n  ".join(bad))
+        raise CorruptCheckpointError(
+            f"no usable checkpoint in {storage.url}; every one failed verification:\n  " + "\n  ".join(bad)
+        )
     return None

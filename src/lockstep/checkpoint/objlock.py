@@ -48,7 +48,7 @@ __all__ = ["ObjectLock", "lock_objects", "DEFAULT_TTL", "LOCK_FILE"]
 logger = logging.getLogger("lockstep.checkpoint.core")
 
 DEFAULT_TTL = 120.0
-LOCK_FILE = ".lockstep.lock"   # the folder of the lock's generations (a local folder's lock file has this name)
+LOCK_FILE = ".lockstep.lock"  # the folder of the lock's generations (a local folder's lock file has this name)
 
 
 def _now() -> str:
@@ -70,8 +70,13 @@ class ObjectLock:
             save_checkpoint("s3://bucket/run", state, comm, step=10)
     """
 
-    def __init__(self, storage: Storage | None = None, body: dict[str, Any] | None = None,
-                 ttl: float = DEFAULT_TTL, name: str = "") -> None:
+    def __init__(
+        self,
+        storage: Storage | None = None,
+        body: dict[str, Any] | None = None,
+        ttl: float = DEFAULT_TTL,
+        name: str = "",
+    ) -> None:
         self.storage, self.body, self.ttl, self.name = storage, body, ttl, name
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -162,20 +167,28 @@ def _describe(body: dict[str, Any]) -> str:
     if "pid" not in body:
         return "holder not recorded"
     same = body.get("host") == socket.gethostname() and body.get("pid") == os.getpid()
-    return (f"host {body.get('host')}, pid {body.get('pid')}, since {body.get('since')}"
-            + (": this process, which already holds it" if same else ""))
+    return f"host {body.get('host')}, pid {body.get('pid')}, since {body.get('since')}" + (
+        ": this process, which already holds it" if same else ""
+    )
 
 
 def _acquire(storage: Storage, ttl: float) -> ObjectLock:
     """Rank 0: create the next lock generation, unless the holder of the newest one is alive."""
-    body = {"host": socket.gethostname(), "pid": os.getpid(), "since": _now(), "renewed": time.time(),
-            "token": secrets.token_hex(8)}
+    body = {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "since": _now(),
+        "renewed": time.time(),
+        "token": secrets.token_hex(8),
+    }
     data = json.dumps(body).encode()
     for _ in range(5):
         name, number, holder = _newest(storage)
         if name and not _gone(holder, ttl):
-            raise FolderInUseError(f"checkpoint prefix {storage.url} is in use by another job ({_describe(holder)}); "
-                                   "wait for it to end, or give this job another prefix")
+            raise FolderInUseError(
+                f"checkpoint prefix {storage.url} is in use by another job ({_describe(holder)}); "
+                "wait for it to end, or give this job another prefix"
+            )
         if name and not holder.get("released"):
             logger.info("taking over %s: its holder (%s) is gone", storage.where(LOCK_FILE), _describe(holder))
         mine = _generation(number + 1)

@@ -30,7 +30,7 @@ from lockstep.checkpoint.files import CheckpointError
 
 __all__ = ["PREFIX", "split_tensors", "own_share", "join_tensors", "marked", "templates"]
 
-PREFIX = "full/"       # the DCP names of replicated tensors; a sharded (FSDP) state never uses it
+PREFIX = "full/"  # the DCP names of replicated tensors; a sharded (FSDP) state never uses it
 _MARK = "__lockstep_dcp__"
 
 
@@ -136,11 +136,13 @@ def join_tensors(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
 
         join_tensors(*split_tensors({"w": torch.ones(2)}))   # {"w": tensor([1., 1.])}
     """
+
     def put(value: Any) -> Any:
         if _is_mark(value):
             if value[_MARK] not in tensors:
-                raise CheckpointError(f"the checkpoint's state names tensor {value[_MARK]!r}, which its "
-                                      "sharded part does not hold")
+                raise CheckpointError(
+                    f"the checkpoint's state names tensor {value[_MARK]!r}, which its sharded part does not hold"
+                )
             return tensors[value[_MARK]]
         if isinstance(value, dict):
             return type(value)((k, put(v)) for k, v in value.items())

@@ -24,8 +24,15 @@ from lockstep.comm.group import Comm
 __all__ = ["read_chosen"]
 
 
-def read_chosen(path: Path, files: dict[str, Any], comm: Comm, map_location: torch.device | str | None,
-                sharded: dict[str, Any] | None, read: Reader | None = None, name: str | None = None) -> dict[str, Any]:
+def read_chosen(
+    path: Path,
+    files: dict[str, Any],
+    comm: Comm,
+    map_location: torch.device | str | None,
+    sharded: dict[str, Any] | None,
+    read: Reader | None = None,
+    name: str | None = None,
+) -> dict[str, Any]:
     """Every rank: read the checkpoint the ranks agreed on, its DCP part too; each phase agreed.
 
     Args:
@@ -67,8 +74,9 @@ def read_chosen(path: Path, files: dict[str, Any], comm: Comm, map_location: tor
     return state
 
 
-def _read_state(path: Path, files: dict[str, Any], map_location: Any, sharded: dict[str, Any] | None,
-                read: Reader | None) -> tuple[dict[str, Any], Any]:
+def _read_state(
+    path: Path, files: dict[str, Any], map_location: Any, sharded: dict[str, Any] | None, read: Reader | None
+) -> tuple[dict[str, Any], Any]:
     """This rank's ``state.pt`` and, when ``sharded`` is given, the verified DCP metadata."""
     state = load_state_file(path, files, map_location, read)
     if not isinstance(state, dict):
@@ -76,11 +84,18 @@ def _read_state(path: Path, files: dict[str, Any], map_location: Any, sharded: d
     if sharded is None and not marked(state):
         return state, None  # state.pt alone (written before ddp's tensors went through DCP)
     if not any(name.startswith(SHARDED_DIR + "/") for name in files):
-        raise CheckpointError(f"checkpoint {path} has no sharded state, but "
-                              + ("sharded= templates were given: it was saved without sharded= (another strategy?)"
-                                 if sharded is not None else "its state.pt names tensors stored there"))
+        raise CheckpointError(
+            f"checkpoint {path} has no sharded state, but "
+            + (
+                "sharded= templates were given: it was saved without sharded= (another strategy?)"
+                if sharded is not None
+                else "its state.pt names tensors stored there"
+            )
+        )
     metadata = read_dcp_metadata(path, files, read)
     if sharded is not None and all(name.startswith(PREFIX) for name in metadata.state_dict_metadata):
-        raise CheckpointError(f"checkpoint {path} holds full state dicts, not sharded ones, but sharded= "
-                              "templates were given: it was saved without sharded= (another strategy?)")
+        raise CheckpointError(
+            f"checkpoint {path} holds full state dicts, not sharded ones, but sharded= "
+            "templates were given: it was saved without sharded= (another strategy?)"
+        )
     return state, metadata

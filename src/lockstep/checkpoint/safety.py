@@ -35,15 +35,34 @@ from lockstep.checkpoint.manifest import read_verified
 from lockstep.checkpoint.torch_dcp import set_nested
 from lockstep.errors import ConfigError
 
-__all__ = ["UnsafeCheckpointError", "UnsupportedStateError", "check_loadable", "load_state_file",
-           "read_dcp_metadata", "safe_load_planner", "DCP_METADATA"]
+__all__ = [
+    "UnsafeCheckpointError",
+    "UnsupportedStateError",
+    "check_loadable",
+    "load_state_file",
+    "read_dcp_metadata",
+    "safe_load_planner",
+    "DCP_METADATA",
+]
 
 DCP_METADATA = f"{SHARDED_DIR}/.metadata"
 Reader = Callable[[str], bytes]
 """Reads file ``name`` of a checkpoint and returns its bytes, checked against the manifest."""
 
-_LEAVES = (str, bytes, bytearray, int, float, bool, complex, type(None),
-           torch.dtype, torch.device, torch.layout, torch.Size)
+_LEAVES = (
+    str,
+    bytes,
+    bytearray,
+    int,
+    float,
+    bool,
+    complex,
+    type(None),
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.Size,
+)
 _MAPPINGS = (dict, OrderedDict, Counter)
 _SEQUENCES = (list, tuple, set)
 _TORCH_ADVICE = ("weights_only", "Weights only load failed", "trust", "Check the documentation", "Please use")
@@ -83,8 +102,9 @@ def check_loadable(obj: Any, where: str = "state", *, allow_dtensor: bool = Fals
         if _tensor_ok(obj, allow_dtensor):
             return
         hint = " Pass DTensor state dicts through sharded=." if kind.__name__ == "DTensor" else ""
-        raise UnsupportedStateError(f"{where} is a tensor subclass {kind.__qualname__}, which "
-                                    f"torch.load(weights_only=True) refuses.{hint}")
+        raise UnsupportedStateError(
+            f"{where} is a tensor subclass {kind.__qualname__}, which torch.load(weights_only=True) refuses.{hint}"
+        )
     if kind in _MAPPINGS:
         for key, value in obj.items():
             check_loadable(key, f"a key of {where}", allow_dtensor=allow_dtensor)
@@ -123,14 +143,17 @@ def _refusal_detail(exc: Exception) -> str:
 
 
 def _unsafe_message(path: Path, exc: Exception) -> str:
-    return (f"refusing to load {path}: it holds content that torch.load(weights_only=True) does not "
-            f"allow ({_refusal_detail(exc)}). This may be a malicious (unsafe) pickle, and lockstep loads "
-            "checkpoints only with weights_only=True: use a checkpoint written by lockstep from plain "
-            "values, or remove this one if nobody here wrote it.")
+    return (
+        f"refusing to load {path}: it holds content that torch.load(weights_only=True) does not "
+        f"allow ({_refusal_detail(exc)}). This may be a malicious (unsafe) pickle, and lockstep loads "
+        "checkpoints only with weights_only=True: use a checkpoint written by lockstep from plain "
+        "values, or remove this one if nobody here wrote it."
+    )
 
 
-def load_state_file(checkpoint: Path, files: dict[str, dict[str, Any]], map_location: Any,
-                    read: Reader | None = None) -> Any:
+def load_state_file(
+    checkpoint: Path, files: dict[str, dict[str, Any]], map_location: Any, read: Reader | None = None
+) -> Any:
     """Read ``state.pt`` of ``checkpoint`` once, verify it and unpickle it with ``weights_only=True``.
 
     The bytes that were checked against the manifest are the bytes that are unpickled, even
@@ -160,11 +183,21 @@ def load_state_file(checkpoint: Path, files: dict[str, dict[str, Any]], map_loca
         raise CheckpointError(f"cannot load {path}: {type(exc).__name__}: {exc}") from exc
 
 
-_DCP_CLASSES = {"torch.distributed.checkpoint.metadata": None,
-                "torch.distributed.checkpoint.filesystem": {"_StorageInfo"}}
-_OTHER_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-                  ("builtins", "set"), ("builtins", "frozenset"), ("pathlib", "PosixPath"),
-                  ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath")}
+_DCP_CLASSES = {
+    "torch.distributed.checkpoint.metadata": None,
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+}
+_OTHER_GLOBALS = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+}
 
 
 def _metadata_global_ok(module: str, name: str) -> bool:
@@ -216,8 +249,10 @@ def read_dcp_metadata(checkpoint: Path, files: dict[str, dict[str, Any]], read: 
     except Exception as exc:
         raise CheckpointError(f"cannot read {path}: {type(exc).__name__}: {exc}") from exc
     if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
-        raise CheckpointError(f"cannot read {path}: it holds a {type(metadata).__name__}, not the metadata "
-                              "of torch.distributed.checkpoint")
+        raise CheckpointError(
+            f"cannot read {path}: it holds a {type(metadata).__name__}, not the metadata "
+            "of torch.distributed.checkpoint"
+        )
     return metadata
 
 

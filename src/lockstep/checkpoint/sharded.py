@@ -92,11 +92,12 @@ class VerifiedReader(FileSystemReader):
         dcp.load(template, storage_reader=reader, planner=safe_load_planner())
     """
 
-    def __init__(self, checkpoint: Path, files: dict[str, dict[str, Any]], metadata: Any,
-                 read: Reader | None = None) -> None:
+    def __init__(
+        self, checkpoint: Path, files: dict[str, dict[str, Any]], metadata: Any, read: Reader | None = None
+    ) -> None:
         super().__init__(checkpoint / SHARDED_DIR)
         self.fs = _ManifestFileSystem(checkpoint, files, read)
-        self.path = SHARDED_DIR        # names are relative to the checkpoint folder
+        self.path = SHARDED_DIR  # names are relative to the checkpoint folder
         self.verified_metadata = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
@@ -148,8 +149,14 @@ def save_sharded(target: Path, tensors: dict[str, Any], world_size: int, group: 
     return None
 
 
-def load_sharded(checkpoint: Path, files: dict[str, dict[str, Any]], metadata: Any, sharded: dict[str, Any],
-                 comm: Comm, read: Reader | None = None) -> CheckpointError | None:
+def load_sharded(
+    checkpoint: Path,
+    files: dict[str, dict[str, Any]],
+    metadata: Any,
+    sharded: dict[str, Any],
+    comm: Comm,
+    read: Reader | None = None,
+) -> CheckpointError | None:
     """``dcp.load`` into the templates ``sharded`` (every rank); return this rank's error, if any.
 
     Args:

@@ -38,8 +38,16 @@ from typing import Any, Protocol, TypeVar
 from lockstep.checkpoint.confine import check_name
 from lockstep.checkpoint.files import CheckpointError
 
-__all__ = ["Storage", "LocalStorage", "FsspecStorage", "ObjectStoreError", "open_storage", "is_url", "local_path",
-           "location"]
+__all__ = [
+    "Storage",
+    "LocalStorage",
+    "FsspecStorage",
+    "ObjectStoreError",
+    "open_storage",
+    "is_url",
+    "local_path",
+    "location",
+]
 
 logger = logging.getLogger("lockstep.checkpoint.storage")
 
@@ -78,7 +86,7 @@ def local_path(location: str | os.PathLike[str]) -> Path:
         local_path("file:///tmp/ckpt")   # PosixPath('/tmp/ckpt')
     """
     text = os.fspath(location)
-    return Path(text[len("file://"):]) if isinstance(text, str) and text.startswith("file://") else Path(text)
+    return Path(text[len("file://") :]) if isinstance(text, str) and text.startswith("file://") else Path(text)
 
 
 def location(where: str | os.PathLike[str]) -> Path | str:
@@ -189,8 +197,11 @@ class LocalStorage:
         base = self._path(prefix.rstrip("/")) if prefix.rstrip("/") else self.root
         if not base.is_dir():
             return {}
-        return {p.relative_to(self.root).as_posix(): p.stat().st_size for p in sorted(base.rglob("*"))
-                if p.is_file() and not p.name.startswith(".put-")}
+        return {
+            p.relative_to(self.root).as_posix(): p.stat().st_size
+            for p in sorted(base.rglob("*"))
+            if p.is_file() and not p.name.startswith(".put-")
+        }
 
     def delete(self, names: Iterable[str]) -> None:
         """Remove the files."""
@@ -204,8 +215,10 @@ def _precondition_failed(exc: BaseException) -> bool:
         response = getattr(exc, "response", None)
         if isinstance(response, dict):
             error = response.get("Error", {})
-            if error.get("Code") in ("PreconditionFailed", "ConditionalRequestConflict") or \
-                    response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412:
+            if (
+                error.get("Code") in ("PreconditionFailed", "ConditionalRequestConflict")
+                or response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412
+            ):
                 return True
         if "pre-condition" in str(exc) or "PreconditionFailed" in str(exc):
             return True
@@ -235,8 +248,7 @@ class FsspecStorage:
         storage.get("latest")
     """
 
-    def __init__(self, url: str, fs: Any = None, *, retries: int = 5, backoff: float = 0.2,
-                 **options: Any) -> None:
+    def __init__(self, url: str, fs: Any = None, *, retries: int = 5, backoff: float = 0.2, **options: Any) -> None:
         self.url = url.rstrip("/")
         if fs is None:
             fs, _ = _filesystem(self.url, options)
@@ -259,11 +271,20 @@ class FsspecStorage:
                 if _precondition_failed(exc):
                     raise FileExistsError(self.where(name)) from exc
                 if attempt == self.retries:
-                    raise ObjectStoreError(f"cannot {action} {self.where(name)} after {self.retries + 1} tries: "
-                                           f"{type(exc).__name__}: {exc}") from exc
-                wait = self.backoff * 2 ** attempt * (0.5 + random.random())
-                logger.warning("%s %s failed (%s), try %d of %d in %.1f s", action, self.where(name), exc,
-                               attempt + 2, self.retries + 1, wait)
+                    raise ObjectStoreError(
+                        f"cannot {action} {self.where(name)} after {self.retries + 1} tries: "
+                        f"{type(exc).__name__}: {exc}"
+                    ) from exc
+                wait = self.backoff * 2**attempt * (0.5 + random.random())
+                logger.warning(
+                    "%s %s failed (%s), try %d of %d in %.1f s",
+                    action,
+                    self.where(name),
+                    exc,
+                    attempt + 2,
+                    self.retries + 1,
+                    wait,
+                )
                 time.sleep(wait)
         raise AssertionError("unreachable")
 
@@ -276,12 +297,14 @@ class FsspecStorage:
 
     def put_new(self, name: str, data: bytes) -> bool:
         """Upload only if absent: ``If-None-Match: *`` on S3, exclusive create elsewhere."""
+
         def create() -> None:
             try:
                 self.fs.pipe_file(self._full(name), data, mode="create")
             except TypeError:  # a file system without mode=: its exclusive open
                 with self.fs.open(self._full(name), "xb") as f:
                     f.write(data)
+
         try:
             self._call("upload", name, create)
             return True
@@ -304,8 +327,12 @@ class FsspecStorage:
             self.fs.invalidate_cache(base)
             found = self.fs.find(base, detail=True)
             start = len(self.root) + 1
-            return {key[start:]: int(info.get("size") or 0) for key, info in found.items()
-                    if info.get("type", "file") == "file" and key.startswith(self.root + "/")}
+            return {
+                key[start:]: int(info.get("size") or 0)
+                for key, info in found.items()
+                if info.get("type", "file") == "file" and key.startswith(self.root + "/")
+            }
+
         return self._call("list", prefix or "", find)
 
     def delete(self, names: Iterable[str]) -> None:
@@ -322,8 +349,10 @@ def _filesystem(url: str, options: dict[str, Any]) -> tuple[Any, str]:
     try:
         import fsspec
     except ImportError:
-        raise CheckpointError(f"checkpoints at {url} need fsspec and its client for the URL: pip install "
-                              "'lockstep[s3]' (s3fs) for s3:// URLs") from None
+        raise CheckpointError(
+            f"checkpoints at {url} need fsspec and its client for the URL: pip install "
+            "'lockstep[s3]' (s3fs) for s3:// URLs"
+        ) from None
     protocol = url.split("://", 1)[0]
     opts = dict(options)
     if protocol in ("s3", "s3a"):
@@ -331,8 +360,10 @@ def _filesystem(url: str, options: dict[str, Any]) -> tuple[Any, str]:
     try:
         return fsspec.core.url_to_fs(url, **opts)  # type: ignore[no-any-return]
     except ImportError as exc:
-        raise CheckpointError(f"checkpoints at {url} need the fsspec client for {protocol}:// ({exc}); for "
-                              "s3:// URLs: pip install 'lockstep[s3]'") from None
+        raise CheckpointError(
+            f"checkpoints at {url} need the fsspec client for {protocol}:// ({exc}); for "
+            "s3:// URLs: pip install 'lockstep[s3]'"
+        ) from None
 
 
 def open_storage(url: str, **options: Any) -> FsspecStorage:

@@ -30,7 +30,15 @@ from pathlib import Path
 from typing import Any
 
 from lockstep.checkpoint.files import (
-    SHARDED_DIR, STATE_FILE, CheckpointError, DiskFullError, discard, fsync_dir, hash_file, io_error, publish,
+    SHARDED_DIR,
+    STATE_FILE,
+    CheckpointError,
+    DiskFullError,
+    discard,
+    fsync_dir,
+    hash_file,
+    io_error,
+    publish,
     write_state_file,
 )
 from lockstep.checkpoint.layout import latest_checkpoint, prune, remove_stale, step_name, temp_name
@@ -40,11 +48,24 @@ from lockstep.checkpoint.safety import check_loadable
 from lockstep.comm.group import Comm
 from lockstep.errors import ConfigError
 
-__all__ = ["Parts", "agree", "begin", "check_args", "prepare", "open_folder", "write_parts", "write_own", "commit", "finish",
-           "prune_after", "what_is_left", "first_failure"]
+__all__ = [
+    "Parts",
+    "agree",
+    "begin",
+    "check_args",
+    "prepare",
+    "open_folder",
+    "write_parts",
+    "write_own",
+    "commit",
+    "finish",
+    "prune_after",
+    "what_is_left",
+    "first_failure",
+]
 
 logger = logging.getLogger("lockstep.checkpoint.write")
-_OWN_FILE = re.compile(r"^__(\d+)_")   # DCP names rank r's data files "__r_N.distcp"
+_OWN_FILE = re.compile(r"^__(\d+)_")  # DCP names rank r's data files "__r_N.distcp"
 
 Gather = Callable[[Any], list[Any]]
 
@@ -67,8 +88,9 @@ class Parts:
     tensors: dict[str, Any] | None
 
 
-def agree(comm: Comm, error: CheckpointError | None, payload: Any = None,
-          on_error: Callable[[], None] | None = None) -> list[Any]:
+def agree(
+    comm: Comm, error: CheckpointError | None, payload: Any = None, on_error: Callable[[], None] | None = None
+) -> list[Any]:
     """Exchange (payload, error) between all ranks; if any rank failed, raise on every rank.
 
     This is also the barrier of each phase: no rank goes on before every rank got here. The
@@ -113,8 +135,13 @@ def check_args(step: int, keep: int | None) -> None:
         raise ConfigError(f"keep must be None (keep all) or an integer >= 1, got {keep!r}")
 
 
-def prepare(state: dict[str, Any], comm: Comm, *, replicated: dict[str, Any] | None = None,
-            sharded: dict[str, Any] | None = None) -> Parts:
+def prepare(
+    state: dict[str, Any],
+    comm: Comm,
+    *,
+    replicated: dict[str, Any] | None = None,
+    sharded: dict[str, Any] | None = None,
+) -> Parts:
     """Gather every rank's RNG (a collective), cut ``replicated`` and check what will be written.
 
     Args:
@@ -168,8 +195,16 @@ def open_folder(root: Path, step: int) -> Path:
         raise io_error(exc, root) from exc
 
 
-def begin(directory: str | Path, state: dict[str, Any], comm: Comm, *, step: int, keep: int | None,
-          replicated: dict[str, Any] | None, sharded: dict[str, Any] | None) -> tuple[Path, Parts, Path]:
+def begin(
+    directory: str | Path,
+    state: dict[str, Any],
+    comm: Comm,
+    *,
+    step: int,
+    keep: int | None,
+    replicated: dict[str, Any] | None,
+    sharded: dict[str, Any] | None,
+) -> tuple[Path, Parts, Path]:
     """Every rank: check the arguments, :func:`prepare` the parts, rank 0 opens the folder; agreed.
 
     Returns:
@@ -196,8 +231,9 @@ def begin(directory: str | Path, state: dict[str, Any], comm: Comm, *, step: int
     return root, parts, tmp
 
 
-def write_parts(tmp: Path, parts: Parts, rank: int, world_size: int, gather: Gather,
-                group: Any = None) -> tuple[dict[str, Any], CheckpointError | None]:
+def write_parts(
+    tmp: Path, parts: Parts, rank: int, world_size: int, gather: Gather, group: Any = None
+) -> tuple[dict[str, Any], CheckpointError | None]:
     """Write this rank's share of ``parts`` into ``tmp`` (every rank that holds a share calls it).
 
     Rank 0 writes ``state.pt``; every rank passes its share of the tensors (``parts.tensors``)
@@ -229,8 +265,9 @@ def write_parts(tmp: Path, parts: Parts, rank: int, world_size: int, gather: Gat
     return merged, first_failure([e for _, e in gathered], rank)
 
 
-def write_own(tmp: Path, parts: Parts, rank: int, world_size: int,
-              group: Any = None) -> tuple[dict[str, Any], CheckpointError | None]:
+def write_own(
+    tmp: Path, parts: Parts, rank: int, world_size: int, group: Any = None
+) -> tuple[dict[str, Any], CheckpointError | None]:
     """This rank's files of ``parts`` in ``tmp`` and their records, or this rank's error (no exchange).
 
     Rank 0 writes ``state.pt`` (and DCP's metadata); every rank writes its share of the tensors
@@ -333,8 +370,9 @@ def commit(root: Path, tmp: Path, step: int, world_size: int, files: dict[str, A
         raise
 
 
-def finish(root: Path, tmp: Path, step: int, world_size: int, records: dict[str, Any],
-           keep: int | None) -> tuple[Path | None, CheckpointError | None]:
+def finish(
+    root: Path, tmp: Path, step: int, world_size: int, records: dict[str, Any], keep: int | None
+) -> tuple[Path | None, CheckpointError | None]:
     """Rank 0: :func:`commit`, then :func:`prune_after`; the committed folder, or the error (nothing raised).
 
     Example::

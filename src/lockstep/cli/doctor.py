@@ -21,8 +21,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from lockstep.cli.flags import (NPROC_PER_GPU, PLACEMENT_FLAGS, add_launch_flags, describe_command,
-                                 launch_options)
+from lockstep.cli.flags import NPROC_PER_GPU, PLACEMENT_FLAGS, add_launch_flags, describe_command, launch_options
 from lockstep.errors import LockstepError
 
 __all__ = ["add_arguments", "main", "LAUNCH"]
@@ -45,18 +44,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     describe_command(parser, __doc__)
     add_launch_flags(parser, LAUNCH, nproc_default=None, nproc_default_text=NPROC_PER_GPU)
-    parser.add_argument("--sizes", default=DEFAULT_SIZES, metavar="LOW..HIGH",
-                        help=f"allreduce message sizes: powers of 4 from LOW to HIGH, or a list like 1M,64M "
-                             f"(default {DEFAULT_SIZES})")
-    parser.add_argument("--iters", type=int, default=20, metavar="K",
-                        help="timed allreduces per size at most, after 3 warm-up ones (default 20)")
-    parser.add_argument("--backend", default="auto", choices=("auto", "nccl", "gloo"),
-                        help="process-group backend (default: nccl with GPUs, else gloo)")
-    parser.add_argument("--comm", action="store_true",
-                        help="also measure latency and bandwidth between every pair of nodes (point to point) "
-                             "and name a node or link far slower than the others")
-    parser.add_argument("--strict", action="store_true",
-                        help="with --comm: a slow node or link is a problem (exit 1), not a warning")
+    parser.add_argument(
+        "--sizes",
+        default=DEFAULT_SIZES,
+        metavar="LOW..HIGH",
+        help=f"allreduce message sizes: powers of 4 from LOW to HIGH, or a list like 1M,64M (default {DEFAULT_SIZES})",
+    )
+    parser.add_argument(
+        "--iters",
+        type=int,
+        default=20,
+        metavar="K",
+        help="timed allreduces per size at most, after 3 warm-up ones (default 20)",
+    )
+    parser.add_argument(
+        "--backend",
+        default="auto",
+        choices=("auto", "nccl", "gloo"),
+        help="process-group backend (default: nccl with GPUs, else gloo)",
+    )
+    parser.add_argument(
+        "--comm",
+        action="store_true",
+        help="also measure latency and bandwidth between every pair of nodes (point to point) "
+        "and name a node or link far slower than the others",
+    )
+    parser.add_argument(
+        "--strict", action="store_true", help="with --comm: a slow node or link is a problem (exit 1), not a warning"
+    )
     parser.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
 
 
@@ -65,8 +80,14 @@ def _worker(args: argparse.Namespace) -> int:
     from lockstep.doctor.checks import run_doctor
     from lockstep.env import detect_world
 
-    code = run_doctor(parse_sizes(args.sizes), iters=args.iters, backend=args.backend, timeout=args.timeout,
-                      links=args.comm, strict=args.strict)
+    code = run_doctor(
+        parse_sizes(args.sizes),
+        iters=args.iters,
+        backend=args.backend,
+        timeout=args.timeout,
+        links=args.comm,
+        strict=args.strict,
+    )
     if not args.result_file:
         return code
     if detect_world().is_main:
@@ -77,8 +98,18 @@ def _worker(args: argparse.Namespace) -> int:
 def _forwarded(args: argparse.Namespace, result_file: str) -> list[str]:
     # --timeout reaches the workers as $LOCKSTEP_TIMEOUT, set by the launcher
     flags = [f for f, on in (("--comm", args.comm), ("--strict", args.strict)) if on]
-    return ["doctor", "--sizes", args.sizes, "--iters", str(args.iters), "--backend", args.backend, *flags,
-            "--result-file", result_file]
+    return [
+        "doctor",
+        "--sizes",
+        args.sizes,
+        "--iters",
+        str(args.iters),
+        "--backend",
+        args.backend,
+        *flags,
+        "--result-file",
+        result_file,
+    ]
 
 
 def main(args: argparse.Namespace) -> int:

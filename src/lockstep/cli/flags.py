@@ -22,51 +22,122 @@ import argparse
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-__all__ = ["describe_command",
-           "add_launch_flags", "launch_options", "value_flags", "flag_strings", "split_at_target", "add_deprecated",
-           "deprecation_notes", "DeprecatedFlag", "LAUNCH_FLAGS", "PLACEMENT_FLAGS", "NPROC_PER_GPU"]
+__all__ = [
+    "describe_command",
+    "add_launch_flags",
+    "launch_options",
+    "value_flags",
+    "flag_strings",
+    "split_at_target",
+    "add_deprecated",
+    "deprecation_notes",
+    "DeprecatedFlag",
+    "LAUNCH_FLAGS",
+    "PLACEMENT_FLAGS",
+    "NPROC_PER_GPU",
+]
 
-LAUNCH_FLAGS = ("nproc", "nodes", "node_rank", "master", "max_restarts", "join_timeout", "timeout", "grace",
-                "secret_file", "rank0_only", "local_rank_arg", "log_dir", "verbose")
+LAUNCH_FLAGS = (
+    "nproc",
+    "nodes",
+    "node_rank",
+    "master",
+    "max_restarts",
+    "join_timeout",
+    "timeout",
+    "grace",
+    "secret_file",
+    "rank0_only",
+    "local_rank_arg",
+    "log_dir",
+    "verbose",
+)
 """Every launch flag of ``lockstep run``, by its destination name."""
 PLACEMENT_FLAGS = ("nproc", "nodes", "node_rank", "master")
 """Where the processes run: the flags of a command that starts a job over several nodes."""
 NPROC_PER_GPU = "one per GPU, or 2 without GPUs"
 """The ``--nproc`` default of every command (:func:`lockstep.launch.relaunch.default_nproc`)."""
 
-_NPROC = "processes on this node: a number, one per GPU (gpu), one per CPU (cpu), or gpu if there are GPUs else cpu (auto)"
+_NPROC = (
+    "processes on this node: a number, one per GPU (gpu), one per CPU (cpu), or gpu if there are GPUs else cpu (auto)"
+)
 _NPROC_LIST = "comma-separated process counts, each a number or auto, gpu, cpu (see lockstep run --nproc)"
 
 _DECLARATIONS: dict[str, tuple[str, dict[str, Any]]] = {
-    "nodes": ("--nodes", dict(default=None, metavar="N|MIN:MAX",
-                              help="number of nodes (default 1{slurm}); MIN:MAX lets nodes leave and join "
-                                   "while the job runs (needs --master and --secret-file)")),
-    "node_rank": ("--node-rank", dict(type=int, default=None, metavar="I",
-                                      help="index of this node, 0 hosts the store")),
-    "master": ("--master", dict(default=None, metavar="HOST:PORT",
-                                help="node 0's address and a free port, the same on every node (needed for "
-                                     "--nodes > 1; on one node a free port is picked when omitted)")),
-    "max_restarts": ("--max-restarts", dict(type=int, default=0, metavar="K",
-                                            help="restart the whole group up to K times after a failure (default 0)")),
-    "join_timeout": ("--join-timeout", dict(type=float, default=None, metavar="SECONDS",
-                                            help="how long to wait for every node to join (default 900)")),
-    "timeout": ("--timeout", dict(type=float, default=None, metavar="SECONDS",
-                                  help="how long a collective may wait for a missing rank before the job fails "
-                                       "naming it (sets LOCKSTEP_TIMEOUT; default 600)")),
-    "grace": ("--grace", dict(type=float, default=None, metavar="SECONDS",
-                              help="after SIGTERM/SIGUSR1, how long the workers may take to save and exit "
-                                   "before they are killed (default 30)")),
-    "secret_file": ("--secret-file", dict(default=None, metavar="FILE",
-                                          help="a file holding the job's secret, the same content on every node: "
-                                               "it signs lockstep's values in the rendezvous store so that other "
-                                               "hosts cannot forge them (default: a random secret per job on one "
-                                               "node; unsigned across nodes)")),
+    "nodes": (
+        "--nodes",
+        dict(
+            default=None,
+            metavar="N|MIN:MAX",
+            help="number of nodes (default 1{slurm}); MIN:MAX lets nodes leave and join "
+            "while the job runs (needs --master and --secret-file)",
+        ),
+    ),
+    "node_rank": (
+        "--node-rank",
+        dict(type=int, default=None, metavar="I", help="index of this node, 0 hosts the store"),
+    ),
+    "master": (
+        "--master",
+        dict(
+            default=None,
+            metavar="HOST:PORT",
+            help="node 0's address and a free port, the same on every node (needed for "
+            "--nodes > 1; on one node a free port is picked when omitted)",
+        ),
+    ),
+    "max_restarts": (
+        "--max-restarts",
+        dict(
+            type=int, default=0, metavar="K", help="restart the whole group up to K times after a failure (default 0)"
+        ),
+    ),
+    "join_timeout": (
+        "--join-timeout",
+        dict(type=float, default=None, metavar="SECONDS", help="how long to wait for every node to join (default 900)"),
+    ),
+    "timeout": (
+        "--timeout",
+        dict(
+            type=float,
+            default=None,
+            metavar="SECONDS",
+            help="how long a collective may wait for a missing rank before the job fails "
+            "naming it (sets LOCKSTEP_TIMEOUT; default 600)",
+        ),
+    ),
+    "grace": (
+        "--grace",
+        dict(
+            type=float,
+            default=None,
+            metavar="SECONDS",
+            help="after SIGTERM/SIGUSR1, how long the workers may take to save and exit "
+            "before they are killed (default 30)",
+        ),
+    ),
+    "secret_file": (
+        "--secret-file",
+        dict(
+            default=None,
+            metavar="FILE",
+            help="a file holding the job's secret, the same content on every node: "
+            "it signs lockstep's values in the rendezvous store so that other "
+            "hosts cannot forge them (default: a random secret per job on one "
+            "node; unsigned across nodes)",
+        ),
+    ),
     "rank0_only": ("--rank0-only", dict(action="store_true", help="show only rank 0's output")),
-    "local_rank_arg": ("--local-rank-arg", dict(action="store_true",
-                                                help="pass --local_rank=N to the script (scripts written for "
-                                                     "torch.distributed.launch)")),
-    "log_dir": ("--log-dir", dict(default=None, metavar="DIR",
-                                  help="keep every rank's stdout/stderr under this folder")),
+    "local_rank_arg": (
+        "--local-rank-arg",
+        dict(
+            action="store_true", help="pass --local_rank=N to the script (scripts written for torch.distributed.launch)"
+        ),
+    ),
+    "log_dir": (
+        "--log-dir",
+        dict(default=None, metavar="DIR", help="keep every rank's stdout/stderr under this folder"),
+    ),
     "verbose": ("--verbose", dict(action="store_true", help="show torch's own agent logging")),
 }
 
@@ -87,9 +158,15 @@ def describe_command(parser: argparse.ArgumentParser, doc: str | None) -> None:
     parser.epilog = body.replace("::", ":").replace("``", "") if body else None
 
 
-def add_launch_flags(parser: argparse.ArgumentParser, names: Sequence[str] = LAUNCH_FLAGS, *,
-                     nproc_default: str | None = "1", nproc_default_text: str | None = None,
-                     nproc_list: bool = False, slurm: bool = False) -> None:
+def add_launch_flags(
+    parser: argparse.ArgumentParser,
+    names: Sequence[str] = LAUNCH_FLAGS,
+    *,
+    nproc_default: str | None = "1",
+    nproc_default_text: str | None = None,
+    nproc_list: bool = False,
+    slurm: bool = False,
+) -> None:
     """Declare the launch flags ``names`` (destination names, in :data:`LAUNCH_FLAGS`) on ``parser``.
 
     Args:
@@ -114,8 +191,9 @@ def add_launch_flags(parser: argparse.ArgumentParser, names: Sequence[str] = LAU
             continue
         if name == "nproc":
             text = f"{_NPROC_LIST if nproc_list else _NPROC}; default {nproc_default_text or nproc_default}"
-            parser.add_argument("--nproc", default=nproc_default, metavar="LIST" if nproc_list else "N|auto|gpu|cpu",
-                                help=text)
+            parser.add_argument(
+                "--nproc", default=nproc_default, metavar="LIST" if nproc_list else "N|auto|gpu|cpu", help=text
+            )
             continue
         flag, options = _DECLARATIONS[name]
         if name == "nodes":
@@ -174,15 +252,16 @@ def split_at_target(argv: Sequence[str], takes_value: Collection[str]) -> tuple[
     while index < len(argv):
         arg = argv[index]
         if arg == "--":  # the end of the command's options: the next argument is the target
-            return list(argv[:index + 2]), list(argv[index + 2:])
+            return list(argv[: index + 2]), list(argv[index + 2 :])
         if arg == "-" or not arg.startswith("-"):
-            return list(argv[:index + 1]), list(argv[index + 1:])
+            return list(argv[: index + 1]), list(argv[index + 1 :])
         index += 2 if arg in takes_value else 1
     return list(argv), []
 
 
-def launch_options(args: argparse.Namespace, slurm: Mapping[str, Any] | None = None,
-                   elastic: bool = False) -> dict[str, Any]:
+def launch_options(
+    args: argparse.Namespace, slurm: Mapping[str, Any] | None = None, elastic: bool = False
+) -> dict[str, Any]:
     """The :class:`~lockstep.launch.spec.LaunchSpec` fields of the launch flags ``args`` holds.
 
     Flags left unset take ``lockstep run``'s defaults; ``--nproc`` is resolved to a number
@@ -217,8 +296,10 @@ def launch_options(args: argparse.Namespace, slurm: Mapping[str, Any] | None = N
     if isinstance(values.get("nodes"), str):
         values["nodes"], max_nodes = parse_nodes(values["nodes"])
         if max_nodes is not None and not elastic:
-            raise ConfigError(f"--nodes {args.nodes}: a range of nodes is for `lockstep run` with a script (a Session "
-                              "loop, or one driving lockstep.comm.elastic.ElasticGroup); give a number here")
+            raise ConfigError(
+                f"--nodes {args.nodes}: a range of nodes is for `lockstep run` with a script (a Session "
+                "loop, or one driving lockstep.comm.elastic.ElasticGroup); give a number here"
+            )
         if max_nodes is not None:
             values["max_nodes"] = max_nodes
     return values
@@ -243,16 +324,29 @@ class DeprecatedFlag(argparse.Action):
         parser.add_argument("--strategies", action=DeprecatedFlag, dest="strategy", canonical="--strategy")
     """
 
-    def __init__(self, option_strings: Sequence[str], dest: str, canonical: str, const: Any = None,
-                 **options: Any) -> None:
+    def __init__(
+        self, option_strings: Sequence[str], dest: str, canonical: str, const: Any = None, **options: Any
+    ) -> None:
         self.canonical = canonical
         options.pop("default", None)
         options.pop("help", None)
-        super().__init__(option_strings, dest, nargs=0 if const is not None else None, const=const,
-                         default=argparse.SUPPRESS, help=argparse.SUPPRESS, **options)
+        super().__init__(
+            option_strings,
+            dest,
+            nargs=0 if const is not None else None,
+            const=const,
+            default=argparse.SUPPRESS,
+            help=argparse.SUPPRESS,
+            **options,
+        )
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: str | None = None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
         setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
         shown = f"{self.canonical} {self.const}" if self.nargs == 0 else self.canonical
         note = f"{option_string} is deprecated; write {shown} (same meaning)"
@@ -263,8 +357,9 @@ class DeprecatedFlag(argparse.Action):
 _NOTES = "deprecated_flags"  # the namespace attribute holding the notes (lockstep.cli.main leaves it out of `given`)
 
 
-def add_deprecated(parser: argparse.ArgumentParser, old: str, canonical: str, *, dest: str, const: Any = None,
-                   **options: Any) -> None:
+def add_deprecated(
+    parser: argparse.ArgumentParser, old: str, canonical: str, *, dest: str, const: Any = None, **options: Any
+) -> None:
     """Keep ``old`` working as a hidden alias of ``canonical``, with one deprecation note when used.
 
     Args:

@@ -20,8 +20,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from lockstep.errors import ConfigError
 from lockstep.cli.flags import describe_command
+from lockstep.errors import ConfigError
 
 __all__ = ["add_arguments", "main"]
 
@@ -37,9 +37,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         add_arguments(argparse.ArgumentParser())
     """
     describe_command(parser, __doc__)
-    parser.add_argument("folders", nargs="+", metavar="DIR",
-                        help="the post-mortem folder(s) (rank<N>.ring, rank<N>.json), or a run's log folder "
-                             "holding postmortem/; several folders (one per node) are read as one job")
+    parser.add_argument(
+        "folders",
+        nargs="+",
+        metavar="DIR",
+        help="the post-mortem folder(s) (rank<N>.ring, rank<N>.json), or a run's log folder "
+        "holding postmortem/; several folders (one per node) are read as one job",
+    )
 
 
 def main(args: argparse.Namespace) -> int:

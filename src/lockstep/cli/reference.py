@@ -126,8 +126,11 @@ def flag_page() -> str:
     from lockstep.cli.main import COMMANDS
 
     commands = list(COMMANDS)
-    lines = [_INTRO, "| flag | " + " | ".join(f"`{c}`" for c in commands) + " | old spellings | meaning |",
-             "|---|" + "---|" * len(commands) + "---|---|"]
+    lines = [
+        _INTRO,
+        "| flag | " + " | ".join(f"`{c}`" for c in commands) + " | old spellings | meaning |",
+        "|---|" + "---|" * len(commands) + "---|---|",
+    ]
     for flag in sorted(collect_flags(commands), key=lambda f: f.name):
         cells = [flag.defaults.get(c, "") for c in commands]
         old = ", ".join(f"`{o}`" for o in flag.old)

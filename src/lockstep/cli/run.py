@@ -21,8 +21,16 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from lockstep.cli.flags import (LAUNCH_FLAGS, NPROC_PER_GPU, add_launch_flags, describe_command, flag_strings,
-                                launch_options, split_at_target, value_flags)
+from lockstep.cli.flags import (
+    LAUNCH_FLAGS,
+    NPROC_PER_GPU,
+    add_launch_flags,
+    describe_command,
+    flag_strings,
+    launch_options,
+    split_at_target,
+    value_flags,
+)
 from lockstep.errors import ConfigError, LockstepError
 
 __all__ = ["add_arguments", "split_argv", "misplaced_flags", "main"]
@@ -40,10 +48,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """
     describe_command(parser, __doc__)
     parser.allow_abbrev = False  # never guess: `--n` is refused here, and a script's `--n` is its own
-    add_launch_flags(parser, LAUNCH_FLAGS, nproc_default=None, nproc_default_text=f"{NPROC_PER_GPU}, or the engine's (Kubeflow, SkyPilot)",
-                     slurm=True)
-    parser.add_argument("-m", dest="module", action="store_true",
-                        help="the target is a module name, run like `python -m`")
+    add_launch_flags(
+        parser,
+        LAUNCH_FLAGS,
+        nproc_default=None,
+        nproc_default_text=f"{NPROC_PER_GPU}, or the engine's (Kubeflow, SkyPilot)",
+        slurm=True,
+    )
+    parser.add_argument(
+        "-m", dest="module", action="store_true", help="the target is a module name, run like `python -m`"
+    )
     parser.add_argument("target", metavar="script.py", help="the script (or module with -m) to run")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
 
@@ -87,7 +101,7 @@ def misplaced_flags(script_args: Sequence[str]) -> list[str]:
             break
         if name in flags:
             takes = flags[name] and "=" not in arg and index + 1 < len(script_args)
-            found += script_args[index:index + 2] if takes else [arg]
+            found += script_args[index : index + 2] if takes else [arg]
             index += 2 if takes else 1
             continue
         index += 1
@@ -100,10 +114,13 @@ def _warn_misplaced(args: argparse.Namespace) -> None:
         return
     names = [a for a in misplaced if a.startswith("--")]
     target = ("-m " if args.module else "") + args.target
-    print(f"lockstep run: warning: {' '.join(n.split('=')[0] for n in names)} after the script "
-          f"{'goes' if len(names) == 1 else 'go'} to the script, not to lockstep run; for the launcher put "
-          f"{'it' if len(names) == 1 else 'them'} before the script: lockstep run {' '.join(misplaced)} {target} ...",
-          file=sys.stderr, flush=True)
+    print(
+        f"lockstep run: warning: {' '.join(n.split('=')[0] for n in names)} after the script "
+        f"{'goes' if len(names) == 1 else 'go'} to the script, not to lockstep run; for the launcher put "
+        f"{'it' if len(names) == 1 else 'them'} before the script: lockstep run {' '.join(misplaced)} {target} ...",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -118,7 +135,6 @@ def main(args: argparse.Namespace) -> int:
     """
     from lockstep.env import environment
     from lockstep.launch.elastic import LaunchSpec, import_torch_quietly, launch, slurm_defaults
-
     from lockstep.launch.relaunch import default_nproc
 
     _warn_misplaced(args)

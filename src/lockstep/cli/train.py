@@ -44,19 +44,21 @@ _HELP = {
     "powersgd_rank": "rank of PowerSGD's gradient approximation",
     "powersgd_start_iter": "plain all-reduce steps before PowerSGD starts",
     "compile": "torch.compile the model after the strategy wraps it: --compile alone uses inductor, "
-               "--compile aot_eager another backend; if torch cannot compile, one warning and eager",
-    "epochs": "epochs to train in total", "batch_size": "samples per batch per device",
+    "--compile aot_eager another backend; if torch cannot compile, one warning and eager",
+    "epochs": "epochs to train in total",
+    "batch_size": "samples per batch per device",
     "lr": "learning rate (SGD with momentum)",
     "scale_lr": "scale --lr by global batch / --base-batch (linear scaling rule)",
     "base_batch": "the global batch --lr is meant for, with --scale-lr",
-    "momentum": "SGD momentum", "weight_decay": "SGD weight decay",
+    "momentum": "SGD momentum",
+    "weight_decay": "SGD weight decay",
     "workers": "data-loader workers per process (default: lockstep's choice)",
     "sync_bn": "synchronise BatchNorm statistics across processes (GPU only)",
     "accumulate": "micro-batches per optimizer step (gradient accumulation)",
     "seed": "seed of weights, data order and augmentation",
     "out": "folder for checkpoints, metrics.csv, config.json, TensorBoard events (nothing is written without it)",
     "resume": "continue the run in --out from its newest checkpoint, with the run's own flags (config.json); "
-              "only --epochs, --keep and how and where it runs may change",
+    "only --epochs, --keep and how and where it runs may change",
     "keep": "checkpoints to keep in --out",
     "image_size": "side of the input images (default 28 for convnet, 224 for torchvision models)",
     "max_steps": "stop each epoch after this many optimizer steps (quick tests, speed runs)",
@@ -65,14 +67,29 @@ _HELP = {
     "val_fraction": "held-out share of an image folder without train/ and val/",
     "progress": "progress bar: auto (when the terminal shows one), on or off",
     "order": "training data order: lockstep (every sample once per epoch, never padded) or torch "
-             "(DistributedSampler's order and padding)",
+    "(DistributedSampler's order and padding)",
 }
 
 
-_METAVARS = {"grad_compression": "none|bf16|fp16|powersgd", "powersgd_rank": "R", "powersgd_start_iter": "STEPS",
-             "data": "SPEC", "epochs": "E", "batch_size": "B", "base_batch": "B", "workers": "N", "accumulate": "K",
-             "out": "DIR", "keep": "K", "image_size": "PIXELS", "max_steps": "S", "weights": "FILE",
-             "val_fraction": "F", "progress": "auto|on|off", "order": "lockstep|torch"}
+_METAVARS = {
+    "grad_compression": "none|bf16|fp16|powersgd",
+    "powersgd_rank": "R",
+    "powersgd_start_iter": "STEPS",
+    "data": "SPEC",
+    "epochs": "E",
+    "batch_size": "B",
+    "base_batch": "B",
+    "workers": "N",
+    "accumulate": "K",
+    "out": "DIR",
+    "keep": "K",
+    "image_size": "PIXELS",
+    "max_steps": "S",
+    "weights": "FILE",
+    "val_fraction": "F",
+    "progress": "auto|on|off",
+    "order": "lockstep|torch",
+}
 LAUNCH = ("nproc", "nodes", "node_rank", "master", "max_restarts", "timeout")
 """The launch flags ``lockstep train`` honours (declared by :func:`~lockstep.cli.flags.add_launch_flags`);
 after a failure the restarted workers resume from ``--out``. Under Slurm (one task per node), Kubeflow
@@ -96,10 +113,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         add_arguments(argparse.ArgumentParser(prog="lockstep train"))
     """
     describe_command(parser, __doc__)
-    types = {"powersgd_rank": int, "powersgd_start_iter": int,
-             "epochs": int, "batch_size": int, "lr": float, "base_batch": int, "momentum": float,
-             "weight_decay": float, "workers": int, "accumulate": int, "seed": int, "keep": int, "image_size": int,
-             "max_steps": int, "val_fraction": float}
+    types = {
+        "powersgd_rank": int,
+        "powersgd_start_iter": int,
+        "epochs": int,
+        "batch_size": int,
+        "lr": float,
+        "base_batch": int,
+        "momentum": float,
+        "weight_decay": float,
+        "workers": int,
+        "accumulate": int,
+        "seed": int,
+        "keep": int,
+        "image_size": int,
+        "max_steps": int,
+        "val_fraction": float,
+    }
     for name, field in _fields().items():
         if name == LAUNCH[0]:
             add_launch_flags(parser, LAUNCH, nproc_default=None, nproc_default_text=NPROC_PER_GPU, slurm=True)
@@ -113,8 +143,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         elif name == "compile":  # a bare --compile means torch's default backend
             parser.add_argument(flag, nargs="?", const="inductor", default=default, help=text, metavar="BACKEND")
         else:
-            parser.add_argument(flag, type=types.get(name, str), default=default, help=text,
-                                metavar=_METAVARS.get(name, name.upper()))
+            parser.add_argument(
+                flag, type=types.get(name, str), default=default, help=text, metavar=_METAVARS.get(name, name.upper())
+            )
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
@@ -207,9 +238,15 @@ def main(args: argparse.Namespace) -> int:
     try:
         if config.world_size == 1:
             return train(config, data)
-        return relaunch(["train", *worker_argv(config)], nproc=config.processes, nodes=config.nodes,
-                        node_rank=config.node_rank, master=config.master, max_restarts=config.max_restarts,
-                        timeout=config.timeout)
+        return relaunch(
+            ["train", *worker_argv(config)],
+            nproc=config.processes,
+            nodes=config.nodes,
+            node_rank=config.node_rank,
+            master=config.master,
+            max_restarts=config.max_restarts,
+            timeout=config.timeout,
+        )
     except LockstepError as exc:
         if isinstance(exc, ConfigError):
             raise  # the CLI prints configuration errors itself

@@ -20,8 +20,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from lockstep.cli.flags import (NPROC_PER_GPU, add_deprecated, add_launch_flags, describe_command,
-                                 launch_options)
+from lockstep.cli.flags import NPROC_PER_GPU, add_deprecated, add_launch_flags, describe_command, launch_options
 from lockstep.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -52,40 +51,91 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_arg", nargs="?", default=None, metavar="MODEL", help="the same as --model")
     parser.add_argument("--model", default=None, help=_MODEL_HELP)
     add_launch_flags(parser, LAUNCH, nproc_default=None, nproc_default_text=NPROC_PER_GPU)
-    parser.add_argument("--max-steps", dest="steps", type=int, default=d["steps"].default, metavar="S",
-                        help=f"optimizer steps of each run (default {d['steps'].default})")
-    parser.add_argument("--global-batch", dest="batch", type=int, default=d["batch"].default, metavar="B",
-                        help="samples per optimizer step in both runs: the 1-process run takes them all, each of "
-                             f"the N processes 1/N of them (default {d['batch'].default})")
-    parser.add_argument("--strategy", default="ddp",
-                        help=f"strategy of the parallel run: {' or '.join(STRATEGIES)} (default ddp)")
+    parser.add_argument(
+        "--max-steps",
+        dest="steps",
+        type=int,
+        default=d["steps"].default,
+        metavar="S",
+        help=f"optimizer steps of each run (default {d['steps'].default})",
+    )
+    parser.add_argument(
+        "--global-batch",
+        dest="batch",
+        type=int,
+        default=d["batch"].default,
+        metavar="B",
+        help="samples per optimizer step in both runs: the 1-process run takes them all, each of "
+        f"the N processes 1/N of them (default {d['batch'].default})",
+    )
+    parser.add_argument(
+        "--strategy", default="ddp", help=f"strategy of the parallel run: {' or '.join(STRATEGIES)} (default ddp)"
+    )
     parser.add_argument("--precision", default="fp32", help="precision of both runs (default fp32)")
     parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per step in the parallel run")
-    parser.add_argument("--shape", default=None, metavar="C,H,W",
-                        help="one synthetic sample's shape (default: the named model's input)")
-    parser.add_argument("--num-classes", dest="classes", type=int, default=d["classes"].default, metavar="K",
-                        help="classes of synthetic labels, or outputs for mse (default 10)")
-    parser.add_argument("--data", default=None, metavar="pkg.module:factory",
-                        help="a function returning a dataset of (input, target) pairs (default: synthetic)")
-    parser.add_argument("--loss", default="cross_entropy", metavar="cross_entropy|mse|pkg.module:fn",
-                        help="loss(output, target), a mean over the batch (default cross_entropy)")
-    parser.add_argument("--dropout", default="disable", choices=DROPOUT_MODES,
-                        help="disable: dropout p=0 in both runs (default); align: same RNG seed on every rank")
+    parser.add_argument(
+        "--shape", default=None, metavar="C,H,W", help="one synthetic sample's shape (default: the named model's input)"
+    )
+    parser.add_argument(
+        "--num-classes",
+        dest="classes",
+        type=int,
+        default=d["classes"].default,
+        metavar="K",
+        help="classes of synthetic labels, or outputs for mse (default 10)",
+    )
+    parser.add_argument(
+        "--data",
+        default=None,
+        metavar="pkg.module:factory",
+        help="a function returning a dataset of (input, target) pairs (default: synthetic)",
+    )
+    parser.add_argument(
+        "--loss",
+        default="cross_entropy",
+        metavar="cross_entropy|mse|pkg.module:fn",
+        help="loss(output, target), a mean over the batch (default cross_entropy)",
+    )
+    parser.add_argument(
+        "--dropout",
+        default="disable",
+        choices=DROPOUT_MODES,
+        help="disable: dropout p=0 in both runs (default); align: same RNG seed on every rank",
+    )
     parser.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm in the parallel run (GPU only)")
-    parser.add_argument("--grad-compression", default="none", metavar="none|bf16|fp16|powersgd",
-                        help="ddp's gradient compression in the parallel run; lossy by design, so the verdict "
-                             "is NOT EQUIVALENT with the measured difference (default none)")
-    parser.add_argument("--powersgd-rank", type=int, default=d["powersgd_rank"].default,
-                        help="rank of PowerSGD's approximation (default 1)")
-    parser.add_argument("--powersgd-start-iter", type=int, default=d["powersgd_start_iter"].default,
-                        help="plain all-reduce steps before PowerSGD starts (default 2)")
-    parser.add_argument("--compile", nargs="?", const="inductor", default="none", metavar="BACKEND",
-                        help="torch.compile the parallel run's model (--compile alone: inductor; or e.g. "
-                             "--compile aot_eager); the 1-process reference stays eager (default none)")
+    parser.add_argument(
+        "--grad-compression",
+        default="none",
+        metavar="none|bf16|fp16|powersgd",
+        help="ddp's gradient compression in the parallel run; lossy by design, so the verdict "
+        "is NOT EQUIVALENT with the measured difference (default none)",
+    )
+    parser.add_argument(
+        "--powersgd-rank",
+        type=int,
+        default=d["powersgd_rank"].default,
+        help="rank of PowerSGD's approximation (default 1)",
+    )
+    parser.add_argument(
+        "--powersgd-start-iter",
+        type=int,
+        default=d["powersgd_start_iter"].default,
+        help="plain all-reduce steps before PowerSGD starts (default 2)",
+    )
+    parser.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        default="none",
+        metavar="BACKEND",
+        help="torch.compile the parallel run's model (--compile alone: inductor; or e.g. "
+        "--compile aot_eager); the 1-process reference stays eager (default none)",
+    )
     parser.add_argument("--lr", type=float, default=d["lr"].default, help="SGD learning rate (default 0.01)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the data")
-    parser.add_argument("--tolerance", type=float, default=None,
-                        help="relative tolerance (default 1e-5 for fp32, 1e-2 otherwise)")
+    parser.add_argument(
+        "--tolerance", type=float, default=None, help="relative tolerance (default 1e-5 for fp32, 1e-2 otherwise)"
+    )
     add_deprecated(parser, "--steps", "--max-steps", dest="steps", type=int)
     add_deprecated(parser, "--batch", "--global-batch", dest="batch", type=int)
     add_deprecated(parser, "--classes", "--num-classes", dest="classes", type=int)
@@ -112,12 +162,27 @@ def config_from_args(args: argparse.Namespace) -> VerifyConfig:
 
     launch = launch_options(args)
     return VerifyConfig(
-        model=model, nproc=default_nproc() if launch["nproc"] is None else launch["nproc"], steps=args.steps, batch=args.batch, strategy=args.strategy,
-        precision=args.precision, accumulate=args.accumulate,
-        shape=parse_shape(args.shape) if args.shape else None, classes=args.classes, data=args.data,
-        loss=args.loss, dropout=args.dropout, sync_bn=args.sync_bn, lr=args.lr, seed=args.seed,
-        tolerance=args.tolerance, timeout=launch["timeout"], grad_compression=args.grad_compression,
-        powersgd_rank=args.powersgd_rank, powersgd_start_iter=args.powersgd_start_iter, compile=args.compile,
+        model=model,
+        nproc=default_nproc() if launch["nproc"] is None else launch["nproc"],
+        steps=args.steps,
+        batch=args.batch,
+        strategy=args.strategy,
+        precision=args.precision,
+        accumulate=args.accumulate,
+        shape=parse_shape(args.shape) if args.shape else None,
+        classes=args.classes,
+        data=args.data,
+        loss=args.loss,
+        dropout=args.dropout,
+        sync_bn=args.sync_bn,
+        lr=args.lr,
+        seed=args.seed,
+        tolerance=args.tolerance,
+        timeout=launch["timeout"],
+        grad_compression=args.grad_compression,
+        powersgd_rank=args.powersgd_rank,
+        powersgd_start_iter=args.powersgd_start_iter,
+        compile=args.compile,
     )
 
 

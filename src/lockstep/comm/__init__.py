@@ -30,8 +30,16 @@ if TYPE_CHECKING:
     from lockstep.comm.group import DEFAULT_TIMEOUT, Comm, CommError, GroupComm, Peer, init_comm, resolve_timeout
     from lockstep.comm.hang_report import CollectiveTimeoutError
 
-__all__ = ["Comm", "GroupComm", "CommError", "Peer", "init_comm", "resolve_timeout", "DEFAULT_TIMEOUT",
-           "CollectiveTimeoutError"]
+__all__ = [
+    "Comm",
+    "GroupComm",
+    "CommError",
+    "Peer",
+    "init_comm",
+    "resolve_timeout",
+    "DEFAULT_TIMEOUT",
+    "CollectiveTimeoutError",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -39,8 +47,9 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'lockstep.comm' has no attribute {name!r}")
     import importlib
 
-    module = importlib.import_module("lockstep.comm.hang_report" if name == "CollectiveTimeoutError"
-                                     else "lockstep.comm.group")
+    module = importlib.import_module(
+        "lockstep.comm.hang_report" if name == "CollectiveTimeoutError" else "lockstep.comm.group"
+    )
     value = getattr(module, name)
     globals()[name] = value
     return value

@@ -98,8 +98,15 @@ class GroupComm(Comm):
     :class:`~lockstep.comm.watchdog.CollectiveTimeoutError` naming the ranks that never came.
     """
 
-    def __init__(self, world: World, backend: str, peers: list[Peer], watchdog: NullWatchdog | None = None,
-                 owned: bool = True, record: CollectiveRecord | None = None) -> None:
+    def __init__(
+        self,
+        world: World,
+        backend: str,
+        peers: list[Peer],
+        watchdog: NullWatchdog | None = None,
+        owned: bool = True,
+        record: CollectiveRecord | None = None,
+    ) -> None:
         super().__init__(world)
         self.backend, self.owned = backend, owned
         self.peers = peers
@@ -125,8 +132,9 @@ class GroupComm(Comm):
 
     def _all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         dist = torch.distributed
-        red = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
-               "min": dist.ReduceOp.MIN}[op]
+        red = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[
+            op
+        ]
         self._call("all_reduce", dist.all_reduce, tensor, op=red)
         if op == "mean":
             if tensor.is_floating_point() or tensor.is_complex():

@@ -92,8 +92,10 @@ def describe_change(view: RoundView, step: int, plan: str, costs: dict[str, floa
     total = sum(costs.values())
     detail = ", ".join(f"{k} {v:.2f} s" for k, v in costs.items())
     plan_text = f"; {plan}" if plan else ""
-    return (f"lockstep run: membership: {who}; world size {view.world_size} on {view.nodes} node"
-            f"{'s' if view.nodes != 1 else ''}{plan_text}; resumed at step {step}; cost {total:.2f} s ({detail})")
+    return (
+        f"lockstep run: membership: {who}; world size {view.world_size} on {view.nodes} node"
+        f"{'s' if view.nodes != 1 else ''}{plan_text}; resumed at step {step}; cost {total:.2f} s ({detail})"
+    )
 
 
 class ElasticGroup:
@@ -117,9 +119,16 @@ class ElasticGroup:
         group = ElasticGroup(membership, {"model": model}, timeout=10)
     """
 
-    def __init__(self, membership: Membership, stateful: dict[str, Any], backend: str = "gloo",
-                 timeout: float = 60.0, plan: Callable[[int], str] | None = None, out: TextIO | None = None,
-                 restore: Callable[[], int] | None = None) -> None:
+    def __init__(
+        self,
+        membership: Membership,
+        stateful: dict[str, Any],
+        backend: str = "gloo",
+        timeout: float = 60.0,
+        plan: Callable[[int], str] | None = None,
+        out: TextIO | None = None,
+        restore: Callable[[], int] | None = None,
+    ) -> None:
         self.membership, self.stateful, self.backend = membership, dict(stateful), backend
         self.timeout, self.plan, self.out, self.restore = timeout, plan, out, restore
         self.view: RoundView | None = None
@@ -146,8 +155,9 @@ class ElasticGroup:
         low, _, high = settings.elastic_nodes.partition(":")
         given = options.pop("timeout", None)
         timeout = float(given if given is not None else settings.timeout or 60.0)
-        store = torch.distributed.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                                           timeout=timedelta(seconds=max(timeout, 30.0)))
+        store = torch.distributed.TCPStore(
+            host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=max(timeout, 30.0))
+        )
         prefixed = torch.distributed.PrefixStore("lockstep-elastic/", store)
         me = Member.here(settings.node_id, world.local_rank, world.local_world_size)
         membership = Membership(prefixed, settings.secret.encode(), me, (int(low), int(high)))
@@ -284,8 +294,13 @@ class ElasticGroup:
 
     def _form(self, view: RoundView, lost: float, began: float) -> RoundView:
         dist = torch.distributed
-        dist.init_process_group(self.backend, store=dist.PrefixStore(f"pg/{view.round}/", self.membership.store.store),
-                                rank=view.rank, world_size=view.world_size, timeout=timedelta(seconds=self.timeout))
+        dist.init_process_group(
+            self.backend,
+            store=dist.PrefixStore(f"pg/{view.round}/", self.membership.store.store),
+            rank=view.rank,
+            world_size=view.world_size,
+            timeout=timedelta(seconds=self.timeout),
+        )
         self.view, formed = view, time.monotonic()
         steps = torch.tensor([m.step for m in view.members])
         src = int(torch.argmax(steps).item())  # the first member with the most committed steps
@@ -294,9 +309,16 @@ class ElasticGroup:
         sent = broadcast_state(self.stateful, src)
         costs = {"step lost": lost, "rendezvous": formed - began, "state": time.monotonic() - formed}
         plan = self.plan(view.world_size) if self.plan else ""
-        event = {"round": view.round, "world_size": view.world_size, "step": self.step, "src": src,
-                 "bytes": sent, "left": [m.host for m in view.left], "joined": [m.host for m in view.joined],
-                 **costs}
+        event = {
+            "round": view.round,
+            "world_size": view.world_size,
+            "step": self.step,
+            "src": src,
+            "bytes": sent,
+            "left": [m.host for m in view.left],
+            "joined": [m.host for m in view.joined],
+            **costs,
+        }
         self.events.append(event)
         if self.rank == 0 and (view.left or view.joined):
             print(describe_change(view, self.step, plan, costs), file=self.out or sys.stdout, flush=True)

@@ -26,8 +26,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from lockstep.comm.elastic import ElasticGroup
 from lockstep.comm.collectives import GroupComm
+from lockstep.comm.elastic import ElasticGroup
 from lockstep.env import World
 
 __all__ = ["ElasticComm"]
@@ -72,9 +72,15 @@ class ElasticComm(GroupComm):
             return World(source="lockstep run --nodes")
         nodes = list(dict.fromkeys(m.node for m in view.members))
         me = view.members[view.rank]
-        return World(rank=view.rank, local_rank=me.local_rank, world_size=view.world_size,
-                     local_world_size=me.nproc, node_rank=nodes.index(me.node), num_nodes=len(nodes),
-                     source="lockstep run --nodes")
+        return World(
+            rank=view.rank,
+            local_rank=me.local_rank,
+            world_size=view.world_size,
+            local_world_size=me.nproc,
+            node_rank=nodes.index(me.node),
+            num_nodes=len(nodes),
+            source="lockstep run --nodes",
+        )
 
     @world.setter
     def world(self, value: World) -> None:

@@ -38,14 +38,29 @@ from lockstep.comm.collectives import Comm, GroupComm
 from lockstep.comm.record import CollectiveRecord
 from lockstep.comm.signed import SignedStore
 from lockstep.comm.store import (
-    DEFAULT_TIMEOUT, CommError, Peer, describe_self, handshake, open_store, resolve_timeout,
+    DEFAULT_TIMEOUT,
+    CommError,
+    Peer,
+    describe_self,
+    handshake,
+    open_store,
+    resolve_timeout,
 )
 from lockstep.comm.watchdog import NullWatchdog, Watchdog
 from lockstep.env import Settings, World, detect_world, read_settings
 from lockstep.errors import ConfigError
 
-__all__ = ["Comm", "GroupComm", "CommError", "init_comm", "form_comm", "resolve_timeout", "DEFAULT_TIMEOUT", "Peer",
-           "check_reachable_host"]
+__all__ = [
+    "Comm",
+    "GroupComm",
+    "CommError",
+    "init_comm",
+    "form_comm",
+    "resolve_timeout",
+    "DEFAULT_TIMEOUT",
+    "Peer",
+    "check_reachable_host",
+]
 
 
 def pick_backend(requested: str = "auto") -> str:
@@ -134,16 +149,27 @@ def form_comm(world: World, backend: str, init_method: str | None, timeout: time
     if device_id is not None:
         torch.cuda.set_device(device_id)
     record = CollectiveRecord(world.rank, world.world_size, settings.postmortem_dir)
-    watchdog = Watchdog(dist.PrefixStore("wd/", base), world.rank, world.world_size, timeout.total_seconds(),
-                        error_file=settings.error_file, secret=secret,
-                        hosts={p["rank"]: p["host"] for p in peers}, record=record)
+    watchdog = Watchdog(
+        dist.PrefixStore("wd/", base),
+        world.rank,
+        world.world_size,
+        timeout.total_seconds(),
+        error_file=settings.error_file,
+        secret=secret,
+        hosts={p["rank"]: p["host"] for p in peers},
+        record=record,
+    )
     group_timeout = timeout
     if chosen == "nccl":
         # nccl ends the process at its timeout; give the watchdog's report (at its backstop) time first
         group_timeout = timedelta(seconds=watchdog.backstop + 30)
     dist.init_process_group(
-        chosen, store=dist.PrefixStore("pg/", base), rank=world.rank,
-        world_size=world.world_size, timeout=group_timeout, device_id=device_id,
+        chosen,
+        store=dist.PrefixStore("pg/", base),
+        rank=world.rank,
+        world_size=world.world_size,
+        timeout=group_timeout,
+        device_id=device_id,
     )
     watchdog.start()
     record.install()
@@ -159,11 +185,20 @@ def _adopt(world: World) -> Comm:
     dist = torch.distributed
     rank, size = dist.get_rank(), dist.get_world_size()
     if world.world_size > 1 and (world.rank, world.world_size) != (rank, size):
-        raise CommError(f"the existing process group says rank {rank} of {size}, but the environment says "
-                        f"rank {world.rank} of {world.world_size} ({world.source}); start the job one way only")
+        raise CommError(
+            f"the existing process group says rank {rank} of {size}, but the environment says "
+            f"rank {world.rank} of {world.world_size} ({world.source}); start the job one way only"
+        )
     if world.world_size == 1 and size > 1:  # nothing in the environment: the group tells
-        world = World(rank=rank, world_size=size, local_rank=0, local_world_size=1, node_rank=rank,
-                      num_nodes=size, source="existing group")
+        world = World(
+            rank=rank,
+            world_size=size,
+            local_rank=0,
+            local_world_size=1,
+            node_rank=rank,
+            num_nodes=size,
+            source="existing group",
+        )
     return GroupComm(world, str(dist.get_backend()), [], NullWatchdog(), owned=False)
 
 

@@ -20,8 +20,22 @@ import torch
 
 __all__ = ["broadcast_state", "encode_state", "decode_state"]
 
-_DTYPES = {str(d): d for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8,
-                                torch.int8, torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64)}
+_DTYPES = {
+    str(d): d
+    for d in (
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.bool,
+        torch.complex64,
+    )
+}
 
 
 def encode_state(obj: Any, tensors: list[torch.Tensor]) -> Any:
@@ -44,8 +58,10 @@ def encode_state(obj: Any, tensors: list[torch.Tensor]) -> Any:
         return {"tuple" if isinstance(obj, tuple) else "list": [encode_state(v, tensors) for v in obj]}
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return {"v": obj}
-    raise TypeError(f"cannot hand over a {type(obj).__name__} in the training state (tensors, numbers, "
-                    "strings, lists and dicts only)")
+    raise TypeError(
+        f"cannot hand over a {type(obj).__name__} in the training state (tensors, numbers, "
+        "strings, lists and dicts only)"
+    )
 
 
 def decode_state(desc: Any, tensors: list[torch.Tensor]) -> Any:

@@ -86,8 +86,14 @@ class Post:
         return (self.seq, self.waiting)
 
 
-def diagnose(posts: dict[int, Post | None], world_size: int, timeout: float, me: int,
-             hosts: dict[int, str] | None = None, now: float | None = None) -> CollectiveTimeoutError:
+def diagnose(
+    posts: dict[int, Post | None],
+    world_size: int,
+    timeout: float,
+    me: int,
+    hosts: dict[int, str] | None = None,
+    now: float | None = None,
+) -> CollectiveTimeoutError:
     """Name the ranks behind from every rank's post (``None``: the rank never posted).
 
     Args:
@@ -107,19 +113,24 @@ def diagnose(posts: dict[int, Post | None], world_size: int, timeout: float, me:
     known = {r: p for r, p in posts.items() if p is not None}
     top = max(p.key for p in known.values())
     waiters = sorted(r for r, p in known.items() if p.key == top and p.waiting)
-    behind = sorted([r for r in range(world_size) if r not in known] +
-                    [r for r, p in known.items() if p.key < top])
+    behind = sorted([r for r in range(world_size) if r not in known] + [r for r, p in known.items() if p.key < top])
     place = known[waiters[0] if waiters else me]
     what = place.what if place.inside else f"a torch.distributed collective at {place.where}"
     if not behind:
         labels = sorted({p.what for p in known.values()})
         if len(labels) > 1:
-            text = ("ranks wait in different collectives: " + "; ".join(
-                f"{format_ranks(sorted(r for r, p in known.items() if p.what == w))} in {w}" for w in labels)
-                + ". Every rank must call the same collectives in the same order.")
+            text = (
+                "ranks wait in different collectives: "
+                + "; ".join(
+                    f"{format_ranks(sorted(r for r, p in known.items() if p.what == w))} in {w}" for w in labels
+                )
+                + ". Every rank must call the same collectives in the same order."
+            )
         else:
-            text = (f"every rank waited in {what} for {timeout:g} s and none is behind: a rank's "
-                    "process or its network connection failed")
+            text = (
+                f"every rank waited in {what} for {timeout:g} s and none is behind: a rank's "
+                "process or its network connection failed"
+            )
         return CollectiveTimeoutError(text, (), tuple(waiters))
     first = known.get(behind[0])
     who = format_ranks(behind)
@@ -132,17 +143,31 @@ def diagnose(posts: dict[int, Post | None], world_size: int, timeout: float, me:
         p = known.get(r)
         if p is None:
             on = f" on host {hosts[r]}" if hosts and r in hosts else ""
-            lines.append(f"rank {r}{on} never reported its position: it is stuck without releasing the "
-                         "Python interpreter lock, or its host is unreachable")
+            lines.append(
+                f"rank {r}{on} never reported its position: it is stuck without releasing the "
+                "Python interpreter lock, or its host is unreachable"
+            )
         elif now is not None and p.at and now - p.at > timeout:
-            state = (f"was in {p.what}" if p.inside else f"had finished {p.what}" if p.seq
-                     else "had not entered a collective through lockstep yet")
-            lines.append(f"rank {r} has not reported for {now - p.at:.0f} s (its host is unreachable, or it is "
-                         f"stuck without releasing the Python interpreter lock); then it {state}"
-                         + (f" at {p.where}" if p.where else ""))
+            state = (
+                f"was in {p.what}"
+                if p.inside
+                else f"had finished {p.what}"
+                if p.seq
+                else "had not entered a collective through lockstep yet"
+            )
+            lines.append(
+                f"rank {r} has not reported for {now - p.at:.0f} s (its host is unreachable, or it is "
+                f"stuck without releasing the Python interpreter lock); then it {state}"
+                + (f" at {p.where}" if p.where else "")
+            )
         else:
-            state = (f"is in {p.what}" if p.inside else f"last finished {p.what}" if p.seq
-                     else "had not entered a collective through lockstep yet")
+            state = (
+                f"is in {p.what}"
+                if p.inside
+                else f"last finished {p.what}"
+                if p.seq
+                else "had not entered a collective through lockstep yet"
+            )
             lines.append(f"rank {r} {state}" + (f" and was at {p.where}" if p.where else ""))
     return CollectiveTimeoutError("\n".join(lines), tuple(behind), tuple(waiters))
 
@@ -152,8 +177,13 @@ def _folders() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """Where collectives live (a frame there is waiting in one), and code that is not the user's."""
     torch_dir = os.path.dirname(sys.modules["torch"].__file__ or "") if "torch" in sys.modules else "/torch"
     collective = (os.path.join(torch_dir, "distributed", ""), os.path.join(torch_dir, "nn", "parallel", ""))
-    own = (os.path.join(torch_dir, ""), os.path.join(os.path.dirname(os.path.dirname(__file__)), ""), threading.__file__,
-           runpy.__file__, "<frozen ")  # the interpreter's frozen modules: runpy, importlib
+    own = (
+        os.path.join(torch_dir, ""),
+        os.path.join(os.path.dirname(os.path.dirname(__file__)), ""),
+        threading.__file__,
+        runpy.__file__,
+        "<frozen ",
+    )  # the interpreter's frozen modules: runpy, importlib
     return collective, own
 
 

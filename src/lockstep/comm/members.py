@@ -155,8 +155,15 @@ class Membership:
         Membership(store, b"s", Member.here("a", 0, 1), nodes=(1, 3)).join()
     """
 
-    def __init__(self, store: Any, secret: bytes, me: Member, nodes: tuple[int, int],
-                 last_call: float = DEFAULT_LAST_CALL, timeout: float = 900.0) -> None:
+    def __init__(
+        self,
+        store: Any,
+        secret: bytes,
+        me: Member,
+        nodes: tuple[int, int],
+        last_call: float = DEFAULT_LAST_CALL,
+        timeout: float = 900.0,
+    ) -> None:
         self.store, self.me, self.nodes = SignedStore(store, secret), me, nodes
         self.last_call, self.timeout = last_call, timeout
 
@@ -200,8 +207,14 @@ class Membership:
         uids = [m.uid for m in ranks["members"]]
         if me.uid not in uids:
             return None
-        return RoundView(round=k, rank=uids.index(me.uid), members=tuple(ranks["members"]),
-                         left=tuple(ranks["left"]), joined=tuple(ranks["joined"]), opened=opened)
+        return RoundView(
+            round=k,
+            rank=uids.index(me.uid),
+            members=tuple(ranks["members"]),
+            left=tuple(ranks["left"]),
+            joined=tuple(ranks["joined"]),
+            opened=opened,
+        )
 
     def _arrivals(self, k: int, seen: list[Member]) -> list[Member]:
         """Read the posts of round ``k`` not read yet (an unsigned or malformed post is skipped)."""
@@ -240,8 +253,9 @@ class Membership:
                 return  # the members' own deadline reports it
             time.sleep(_POLL_S)
 
-    def _ready(self, prev: set[str], nodes: dict[str, list[Member]], whole: dict[str, list[Member]],
-               quiet: float) -> bool:
+    def _ready(
+        self, prev: set[str], nodes: dict[str, list[Member]], whole: dict[str, list[Member]], quiet: float
+    ) -> bool:
         """The closing rule of the module docstring; a node partly arrived holds the round a while longer
         (its other workers are usually just slower), then is left out."""
         low, high = self.nodes
@@ -256,15 +270,23 @@ class Membership:
 
     def _publish(self, k: int, whole: dict[str, list[Member]], prev: list[Member]) -> None:
         old_rank = {m.uid: m.rank for m in prev}
-        order = sorted(whole.values(), key=lambda ms: min(
-            (old_rank.get(m.uid, 1 << 30) for m in ms), default=1 << 30))[: self.nodes[1]]
+        order = sorted(whole.values(), key=lambda ms: min((old_rank.get(m.uid, 1 << 30) for m in ms), default=1 << 30))[
+            : self.nodes[1]
+        ]
         members = [m for ms in order for m in sorted(ms, key=lambda m: m.local_rank)]
         uids = {m.uid for m in members}
         joined = [m for m in members if m.uid not in old_rank]
         left = [replace(m, rank=i) for i, m in enumerate(prev) if m.uid not in uids]  # ranks they had
-        self.store.set(f"r{k}/ranks", json.dumps({
-            "members": [asdict(m) for m in members], "left": [asdict(m) for m in left],
-            "joined": [asdict(m) for m in joined]}))
+        self.store.set(
+            f"r{k}/ranks",
+            json.dumps(
+                {
+                    "members": [asdict(m) for m in members],
+                    "left": [asdict(m) for m in left],
+                    "joined": [asdict(m) for m in joined],
+                }
+            ),
+        )
         self.store.set("closed", str(k))
 
     def _wait_ranks(self, k: int, opened: float) -> dict[str, list[Member]]:
@@ -276,7 +298,8 @@ class Membership:
                 raise MembershipError(
                     f"no group of at least {self.nodes[0]} node(s) formed within {self.timeout:g} s "
                     f"(round {k}): start more nodes with the same --master and --secret-file, or lower MIN "
-                    "in --nodes MIN:MAX")
+                    "in --nodes MIN:MAX"
+                )
             time.sleep(_POLL_S)
 
 

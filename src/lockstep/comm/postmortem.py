@@ -92,8 +92,11 @@ def describe_entry(entry: dict[str, Any]) -> str:
     Args:
         entry: one entry of a ring.
     """
-    parts = [f"{entry.get('dtype') or ''} {' '.join(str(s) for s in entry.get('shapes') or [])}".strip(),
-             entry.get("detail") or "", "" if entry.get("group") in (None, "world") else str(entry["group"])]
+    parts = [
+        f"{entry.get('dtype') or ''} {' '.join(str(s) for s in entry.get('shapes') or [])}".strip(),
+        entry.get("detail") or "",
+        "" if entry.get("group") in (None, "world") else str(entry["group"]),
+    ]
     inner = ", ".join(p for p in parts if p)
     where = f" at {entry['where']}" if entry.get("where") else ""
     return f"{entry['op']} #{entry['seq']}" + (f" ({inner})" if inner else "") + where
@@ -149,8 +152,10 @@ class PostMortem:
         out = [self.headline, *("  " + d for d in self.details), "where each rank was:"]
         out += ["  " + w for w in self.where_lines()]
         if self.victims:
-            out.append(f"{format_ranks(self.victims)} only waited for, or lost contact with, "
-                       f"{format_ranks(self.cause)}: not the cause")
+            out.append(
+                f"{format_ranks(self.victims)} only waited for, or lost contact with, "
+                f"{format_ranks(self.cause)}: not the cause"
+            )
         return out
 
 
@@ -224,11 +229,15 @@ def _desync(report: PostMortem, seq: int, groups: dict[tuple[str, ...], list[int
     report.cause = tuple(sorted(r for g in groups.values() if g is not majority for r in g)) if majority else ()
     entries = {tuple(g): report.ranks[g[0]].at(seq) for g in groups.values()}
     if report.cause:
-        report.headline = (f"{format_ranks(report.cause)} issued a different collective than the others: the "
-                           f"ranks first disagree at collective #{seq}")
+        report.headline = (
+            f"{format_ranks(report.cause)} issued a different collective than the others: the "
+            f"ranks first disagree at collective #{seq}"
+        )
     else:
-        report.headline = (f"the ranks first disagree at collective #{seq}, and no group of ranks is larger "
-                           "than the others: look at both")
+        report.headline = (
+            f"the ranks first disagree at collective #{seq}, and no group of ranks is larger "
+            "than the others: look at both"
+        )
     for ranks, entry in sorted(entries.items(), key=lambda item: (-len(item[0]), item[0])):
         assert entry is not None
         report.details.append(f"{format_ranks(ranks)} called {describe_entry(entry)}")
@@ -245,16 +254,19 @@ def _behind(report: PostMortem) -> None:
         if waiting and all(ranks[r].at(top)["state"] in ("running", "failed") for r in waiting):  # type: ignore[index]
             entry = ranks[waiting[0]].at(top)
             assert entry is not None
-            report.headline = (f"every rank was in {describe_entry(entry)}: none is behind; a rank's process "
-                               "or its network link failed while the others waited")
+            report.headline = (
+                f"every rank was in {describe_entry(entry)}: none is behind; a rank's process "
+                "or its network link failed while the others waited"
+            )
         else:
             report.headline = "the records show no rank behind and no collective the ranks disagree on"
         return
     report.cause = tuple(behind)
     entry = ranks[waiting[0]].at(top)
     assert entry is not None
-    report.headline = (f"{format_ranks(behind)} never arrived at {describe_entry(entry)}; "
-                       f"{format_ranks(waiting)} waited there")
+    report.headline = (
+        f"{format_ranks(behind)} never arrived at {describe_entry(entry)}; {format_ranks(waiting)} waited there"
+    )
 
 
 def analyze(folder: str | dict[int, RankRecord], world_size: int | None = None) -> PostMortem:
@@ -269,8 +281,10 @@ def analyze(folder: str | dict[int, RankRecord], world_size: int | None = None) 
         analyze("/logs/postmortem").cause   # (1,)
     """
     ranks = load(folder) if isinstance(folder, str) else folder
-    size = world_size or max([int(r.header.get("world_size") or r.report.get("world_size") or 0)
-                              for r in ranks.values()] + [max(ranks, default=-1) + 1])
+    size = world_size or max(
+        [int(r.header.get("world_size") or r.report.get("world_size") or 0) for r in ranks.values()]
+        + [max(ranks, default=-1) + 1]
+    )
     report = PostMortem(ranks, size)
     if not ranks:
         report.headline = "no collective records here"
@@ -281,4 +295,3 @@ def analyze(folder: str | dict[int, RankRecord], world_size: int | None = None) 
     else:
         _behind(report)
     return report
-

@@ -42,15 +42,45 @@ from typing import Any
 from lockstep.comm.hang_report import is_own
 from lockstep.comm.py_frames import thread_frame
 
-__all__ = ["CollectiveRecord", "RUNNING", "DONE", "FAILED", "ISSUED", "SLOTS", "SLOT_BYTES", "WRAPPED", "read_ring",
-           "stacks", "user_site"]
+__all__ = [
+    "CollectiveRecord",
+    "RUNNING",
+    "DONE",
+    "FAILED",
+    "ISSUED",
+    "SLOTS",
+    "SLOT_BYTES",
+    "WRAPPED",
+    "read_ring",
+    "stacks",
+    "user_site",
+]
 
 SLOTS = 256
 SLOT_BYTES = 320
-WRAPPED = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-           "reduce_scatter_tensor", "reduce", "gather", "scatter", "all_to_all", "all_to_all_single", "barrier",
-           "monitored_barrier", "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
-           "send", "recv", "isend", "irecv")
+WRAPPED = (
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce",
+    "gather",
+    "scatter",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "monitored_barrier",
+    "all_gather_object",
+    "broadcast_object_list",
+    "gather_object",
+    "scatter_object_list",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+)
 """The ``torch.distributed`` functions the record wraps."""
 RUNNING, DONE, FAILED, ISSUED = b"R", b"D", b"F", b"I"  # an entry's state byte (ISSUED: async_op=True)
 _DETAIL_KEYS = ("src", "dst", "op")
@@ -185,14 +215,20 @@ class CollectiveRecord:
         return os.path.join(self.folder or "lockstep-postmortem", f"rank{self.rank}.{kind}")
 
     def _header(self, closed: bool) -> None:
-        head = {"rank": self.rank, "world_size": self.world_size, "host": socket.gethostname(),
-                "pid": os.getpid(), "slots": SLOTS, "closed": closed}
+        head = {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "slots": SLOTS,
+            "closed": closed,
+        }
         self._put(0, DONE, json.dumps(head))
 
     def _put(self, slot: int, state: bytes, text: str) -> None:
-        data = state + text.encode()[:SLOT_BYTES - 2] + b"\n"  # a reader stops at the newline
+        data = state + text.encode()[: SLOT_BYTES - 2] + b"\n"  # a reader stops at the newline
         at = slot * SLOT_BYTES
-        self._ring[at:at + len(data)] = data
+        self._ring[at : at + len(data)] = data
 
     # -- the wrapped calls' side ----------------------------------------------------------------
     def begin(self, op: str, shapes: list[list[int]], dtype: str, group: str, detail: str, where: str) -> int:
@@ -209,8 +245,10 @@ class CollectiveRecord:
         self.seq += 1
         # formatted by hand, not json.dumps of a dict: this runs at every backward (see benchmarks/overhead.py)
         head = f'{{"seq":{self.seq},"op":{_str(op)},"shapes":'
-        tail = (f',"dtype":{_str(dtype)},"group":{_str(group)},"detail":{_str(detail)},"where":{_str(where)},'
-                f'"t":{time.time():.3f}}}')
+        tail = (
+            f',"dtype":{_str(dtype)},"group":{_str(group)},"detail":{_str(detail)},"where":{_str(where)},'
+            f'"t":{time.time():.3f}}}'
+        )
         kept = len(shapes)
         while len(text := head + _shapes(shapes, kept) + tail) > SLOT_BYTES - 2 and kept:
             kept -= 1  # many tensors: keep the first ones
@@ -225,7 +263,7 @@ class CollectiveRecord:
             state: the entry's new state byte.
         """
         at = (1 + (seq - 1) % SLOTS) * SLOT_BYTES
-        self._ring[at:at + 1] = state
+        self._ring[at : at + 1] = state
 
     def entries(self) -> list[dict[str, Any]]:
         """The entries still in the ring, oldest first, each with its ``state``."""
@@ -238,6 +276,7 @@ class CollectiveRecord:
             name: the function's name.
             fn: the function.
         """
+
         @functools.wraps(fn)
         def recorded(*args: Any, **kwargs: Any) -> Any:
             if getattr(_tls, "depth", 0):
@@ -255,6 +294,7 @@ class CollectiveRecord:
                 _tls.depth = 0
             self.end(seq, ISSUED if kwargs.get("async_op") else DONE)
             return out
+
         return recorded
 
     def install(self) -> None:
@@ -287,9 +327,17 @@ class CollectiveRecord:
             reason: what happened (``stalled``, the backend's error).
             where: where the main thread is (``file:line in func``), when known better than its stack.
         """
-        data = {"rank": self.rank, "world_size": self.world_size, "host": socket.gethostname(),
-                "pid": os.getpid(), "time": time.time(), "reason": reason, "seq": self.seq, "where": where,
-                "stacks": stacks()}
+        data = {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "time": time.time(),
+            "reason": reason,
+            "seq": self.seq,
+            "where": where,
+            "stacks": stacks(),
+        }
         if self._file is None:
             data["entries"] = self.entries()
         path = self.path("json")
@@ -301,8 +349,11 @@ class CollectiveRecord:
         except OSError:
             return ""
         if not self.folder and not self._dumped:
-            print(f"lockstep: post-mortem of rank {self.rank} written to {os.path.abspath(path)}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"lockstep: post-mortem of rank {self.rank} written to {os.path.abspath(path)}",
+                file=sys.stderr,
+                flush=True,
+            )
         self._dumped = True
         return path
 
@@ -317,7 +368,7 @@ def read_ring(data: bytes) -> tuple[dict[str, Any], list[dict[str, Any]]]:
 
         header, entries = read_ring(Path("rank0.ring").read_bytes())
     """
-    slots = [data[i:i + SLOT_BYTES] for i in range(0, len(data) - SLOT_BYTES + 1, SLOT_BYTES)]
+    slots = [data[i : i + SLOT_BYTES] for i in range(0, len(data) - SLOT_BYTES + 1, SLOT_BYTES)]
     header: dict[str, Any] = {}
     entries = []
     for i, slot in enumerate(slots):

@@ -13,8 +13,8 @@ Example::
 from __future__ import annotations
 
 import ipaddress
-import math
 import json
+import math
 import os
 import random
 import socket
@@ -86,8 +86,13 @@ def open_store(world: World, init_method: str, timeout: timedelta, settings: Set
             _await_listener(host, port, world.rank, timeout)
         listen_fd = _loopback_listener(host, port) if hosting else None
         return dist.TCPStore(
-            host, port, is_master=hosting, wait_for_workers=False, timeout=timeout,
-            multi_tenant=not agent, master_listen_fd=listen_fd,
+            host,
+            port,
+            is_master=hosting,
+            wait_for_workers=False,
+            timeout=timeout,
+            multi_tenant=not agent,
+            master_listen_fd=listen_fd,
         )
     except (RuntimeError, OSError) as exc:
         text = str(exc)
@@ -112,8 +117,10 @@ def _await_listener(host: str, port: int, rank: int, timeout: timedelta) -> None
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except socket.gaierror as exc:
-        raise CommError(f"rank {rank} cannot resolve the master address {host!r} ({exc}); "
-                        "set MASTER_ADDR to a name or address every node can resolve") from None
+        raise CommError(
+            f"rank {rank} cannot resolve the master address {host!r} ({exc}); "
+            "set MASTER_ADDR to a name or address every node can resolve"
+        ) from None
     delay = 0.01
     while True:
         probe = socket.socket(family, kind, proto)
@@ -123,9 +130,11 @@ def _await_listener(host: str, port: int, rank: int, timeout: timedelta) -> None
             return
         except OSError as exc:
             if time.monotonic() >= deadline:
-                raise CommError(f"rank {rank} could not reach the rendezvous store at {host}:{port} within "
-                                f"{total:.0f} s ({exc}): is rank 0 (or the launcher hosting the store) "
-                                "running, and is the master address reachable from this host?") from None
+                raise CommError(
+                    f"rank {rank} could not reach the rendezvous store at {host}:{port} within "
+                    f"{total:.0f} s ({exc}): is rank 0 (or the launcher hosting the store) "
+                    "running, and is the master address reachable from this host?"
+                ) from None
         finally:
             probe.close()
         time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
@@ -179,8 +188,11 @@ def resolve_timeout(timeout: timedelta | float | None = None) -> timedelta:
         except ValueError:
             raise ConfigError(f"LOCKSTEP_TIMEOUT={text!r} is not a number of seconds") from None
     seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not (
-            math.isfinite(seconds) and seconds > 0):
+    if (
+        isinstance(seconds, bool)
+        or not isinstance(seconds, (int, float))
+        or not (math.isfinite(seconds) and seconds > 0)
+    ):
         raise ConfigError(f"{source} must be a positive number of seconds")
     return timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(seconds))
 
@@ -231,7 +243,7 @@ def _hello(store: SignedStore, number: int, me: Peer) -> Peer:
             f"{_who(me)}: the rendezvous store's hello/{number} was not written by a rank of this job: "
             "either the ranks were started with different secrets (--secret-file must hold the same "
             "content on every node) or another process wrote to the job's port. See \"Keeping the "
-            "store private\" in the README."
+            'store private" in the README.'
         )
     return peer  # type: ignore[return-value]
 

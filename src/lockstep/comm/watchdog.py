@@ -111,9 +111,18 @@ class Watchdog(NullWatchdog):
         watch.start()
     """
 
-    def __init__(self, store: Any, rank: int, world_size: int, timeout: float,
-                 backstop: float | None = None, error_file: str | None = None, secret: bytes = b"",
-                 hosts: dict[int, str] | None = None, record: CollectiveRecord | None = None) -> None:
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        world_size: int,
+        timeout: float,
+        backstop: float | None = None,
+        error_file: str | None = None,
+        secret: bytes = b"",
+        hosts: dict[int, str] | None = None,
+        record: CollectiveRecord | None = None,
+    ) -> None:
         self.record = record
         self._entry = 0
         self.store: SignedStore | None = SignedStore(store, secret)
@@ -206,9 +215,17 @@ class Watchdog(NullWatchdog):
             where: the location to report instead of the main thread's frame.
         """
         sampled, in_torch = where_of(thread_frame(self._main or 0))
-        return Post(rank=self.rank, seq=self.seq, inside=self.inside, what=self._what.format(self._number),
-                    host=self._host, pid=os.getpid(), where=sampled if where is None else where,
-                    in_torch=in_torch or waiting, at=time.time())
+        return Post(
+            rank=self.rank,
+            seq=self.seq,
+            inside=self.inside,
+            what=self._what.format(self._number),
+            host=self._host,
+            pid=os.getpid(),
+            where=sampled if where is None else where,
+            in_torch=in_torch or waiting,
+            at=time.time(),
+        )
 
     def start(self) -> None:
         """Start the thread and explain timeouts that escape the user's code (:mod:`lockstep.comm.failure`)."""
@@ -261,6 +278,7 @@ class Watchdog(NullWatchdog):
             if store.get_if_set(_VERDICT) is not None:
                 self._ack()
             return posts
+
         return self._try(read)
 
     def _run(self) -> None:

@@ -23,6 +23,24 @@ from lockstep.data.samplers import ORDERS, EvalSampler, TrainSampler, epoch_orde
 from lockstep.data.seeding import SampleKey, SeededDataset, init_worker, sample_seed, seed_worker
 from lockstep.data.steps import BatchPlan, MicroStep, StepSampler, micro_steps, plan_batches, rank_batches
 
-__all__ = ["make_loader", "move_to_device", "seed_worker", "init_worker", "default_num_workers", "TrainSampler",
-           "EvalSampler", "epoch_order", "shard_bounds", "ORDERS", "SampleKey", "SeededDataset", "sample_seed",
-           "StepSampler", "BatchPlan", "MicroStep", "plan_batches", "micro_steps", "rank_batches"]
+__all__ = [
+    "make_loader",
+    "move_to_device",
+    "seed_worker",
+    "init_worker",
+    "default_num_workers",
+    "TrainSampler",
+    "EvalSampler",
+    "epoch_order",
+    "shard_bounds",
+    "ORDERS",
+    "SampleKey",
+    "SeededDataset",
+    "sample_seed",
+    "StepSampler",
+    "BatchPlan",
+    "MicroStep",
+    "plan_batches",
+    "micro_steps",
+    "rank_batches",
+]

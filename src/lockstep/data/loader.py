@@ -28,8 +28,19 @@ from lockstep.data.seeding import SeededDataset, derive_seed, init_worker, seed_
 from lockstep.data.steps import StepSampler, plan_batches
 from lockstep.errors import ConfigError
 
-__all__ = ["TrainSampler", "EvalSampler", "StepBatches", "epoch_order", "shard_bounds", "make_loader",
-           "default_num_workers", "move_to_device", "seed_worker", "init_worker", "SeededDataset"]
+__all__ = [
+    "TrainSampler",
+    "EvalSampler",
+    "StepBatches",
+    "epoch_order",
+    "shard_bounds",
+    "make_loader",
+    "default_num_workers",
+    "move_to_device",
+    "seed_worker",
+    "init_worker",
+    "SeededDataset",
+]
 
 
 def _cpu_count() -> int:
@@ -129,10 +140,15 @@ def _check_global(n: int, batch_size: int, world_size: int, global_batch: int | 
     if wanted <= n:
         return
     how = "" if global_batch is not None else f" ({batch_size} per device x {world_size} processes)"
-    fix = (f"a global batch of {n} or less" if global_batch is not None
-           else f"a batch size of {max(n // world_size, 1)} per device or less, or fewer processes")
-    raise ConfigError(f"a global batch of {wanted} samples{how} is more than the {n} samples of the training "
-                      f"set, so each process's share is smaller than one batch; use {fix}")
+    fix = (
+        f"a global batch of {n} or less"
+        if global_batch is not None
+        else f"a batch size of {max(n // world_size, 1)} per device or less, or fewer processes"
+    )
+    raise ConfigError(
+        f"a global batch of {wanted} samples{how} is more than the {n} samples of the training "
+        f"set, so each process's share is smaller than one batch; use {fix}"
+    )
 
 
 def _validate(n: int, batch_size: int, world_size: int, eval: bool, drop_last: bool) -> None:
@@ -140,8 +156,10 @@ def _validate(n: int, batch_size: int, world_size: int, eval: bool, drop_last: b
         raise ConfigError(f"batch size must be >= 1 (it is per device), got {batch_size}")
     if eval:
         if drop_last:
-            raise ConfigError("drop_last=True would leave samples out of an evaluation; "
-                              "evaluation loaders always read every sample exactly once")
+            raise ConfigError(
+                "drop_last=True would leave samples out of an evaluation; "
+                "evaluation loaders always read every sample exactly once"
+            )
         return
     if n == 0:
         raise ConfigError("the training dataset is empty: there is nothing to train on")
@@ -154,13 +172,26 @@ def _validate(n: int, batch_size: int, world_size: int, eval: bool, drop_last: b
         )
 
 
-def make_loader(dataset: Dataset[Any], batch_size: int, *, world_size: int, rank: int,
-                shuffle: bool = True, eval: bool = False, num_workers: int | None = None,
-                seed: int = 0, drop_last: bool = False, pin_memory: bool | None = None,
-                collate_fn: Callable[[list[Any]], Any] | None = None,
-                persistent_workers: bool | None = None, device: torch.device | None = None,
-                local_world_size: int | None = None, order: str = "lockstep",
-                seed_samples: bool | None = None, global_batch: int | None = None) -> DataLoader:
+def make_loader(
+    dataset: Dataset[Any],
+    batch_size: int,
+    *,
+    world_size: int,
+    rank: int,
+    shuffle: bool = True,
+    eval: bool = False,
+    num_workers: int | None = None,
+    seed: int = 0,
+    drop_last: bool = False,
+    pin_memory: bool | None = None,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    persistent_workers: bool | None = None,
+    device: torch.device | None = None,
+    local_world_size: int | None = None,
+    order: str = "lockstep",
+    seed_samples: bool | None = None,
+    global_batch: int | None = None,
+) -> DataLoader:
     """Build this rank's DataLoader: the right sampler, seeded samples, pinned memory on CUDA.
 
     A training loader reads every sample with torch's CPU generator, ``random`` and NumPy
@@ -224,11 +255,20 @@ def make_loader(dataset: Dataset[Any], batch_size: int, *, world_size: int, rank
         sampler = EvalSampler(n, world_size, rank)
     elif steps:
         plan = plan_batches(global_batch or batch_size * world_size, world_size, batch_size)
-        sampler = StepSampler(n, plan, rank, shuffle=shuffle, seed=seed, drop_last=drop_last,
-                              sample_seeds=seed_samples, micro_cap=batch_size)
+        sampler = StepSampler(
+            n,
+            plan,
+            rank,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+            sample_seeds=seed_samples,
+            micro_cap=batch_size,
+        )
     else:
-        sampler = TrainSampler(n, world_size, rank, shuffle=shuffle, seed=seed, drop_last=drop_last,
-                               order=order, sample_seeds=seed_samples)
+        sampler = TrainSampler(
+            n, world_size, rank, shuffle=shuffle, seed=seed, drop_last=drop_last, order=order, sample_seeds=seed_samples
+        )
     if device is None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if num_workers is None:
@@ -252,11 +292,18 @@ def make_loader(dataset: Dataset[Any], batch_size: int, *, world_size: int, rank
     if steps:  # batches of varying size: the sampler yields each one's indices
         data, collate_fn = StepBatches(data, collate_fn or default_collate), _as_is
     return _Loader(
-        data, batch_size=None if steps else batch_size, sampler=sampler, num_workers=num_workers,
-        collate_fn=collate_fn, pin_memory=pin_memory, drop_last=drop_last and not (eval or steps),
-        worker_init_fn=init_worker if num_workers > 0 else None, generator=generator,
+        data,
+        batch_size=None if steps else batch_size,
+        sampler=sampler,
+        num_workers=num_workers,
+        collate_fn=collate_fn,
+        pin_memory=pin_memory,
+        drop_last=drop_last and not (eval or steps),
+        worker_init_fn=init_worker if num_workers > 0 else None,
+        generator=generator,
         persistent_workers=persistent_workers and num_workers > 0,
-        lockstep_seed=seed, lockstep_rank=rank,
+        lockstep_seed=seed,
+        lockstep_rank=rank,
     )
 
 

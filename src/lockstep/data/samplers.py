@@ -66,8 +66,10 @@ def check_order(order: str, nodes: str = "") -> str:
     if order not in ORDERS:
         raise ConfigError(f"unknown data order {order!r}; choose one of {', '.join(ORDERS)}")
     if nodes and order != "lockstep":
-        raise ConfigError(f"order={order!r} cannot be used under lockstep run --nodes {nodes}: only the order "
-                          "'lockstep' keeps every sample exactly once when the world size changes")
+        raise ConfigError(
+            f"order={order!r} cannot be used under lockstep run --nodes {nodes}: only the order "
+            "'lockstep' keeps every sample exactly once when the world size changes"
+        )
     return order
 
 
@@ -145,9 +147,18 @@ class TrainSampler(Sampler[int]):
         len(sampler)                 # 3
     """
 
-    def __init__(self, dataset_len: int, world_size: int, rank: int, *, shuffle: bool = True,
-                 seed: int = 0, drop_last: bool = False, order: str = "lockstep",
-                 sample_seeds: bool = False) -> None:
+    def __init__(
+        self,
+        dataset_len: int,
+        world_size: int,
+        rank: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        order: str = "lockstep",
+        sample_seeds: bool = False,
+    ) -> None:
         _check_len(dataset_len)
         _check_world(world_size, rank)
         _check_order(order)
@@ -210,8 +221,14 @@ class TrainSampler(Sampler[int]):
 
             state = sampler.state_dict()   # {"epoch": 2, "seen": 400, "seed": 0, ...}
         """
-        return {"epoch": self.epoch, "seen": self.seen, "seed": self.seed,
-                "shuffle": self.shuffle, "order": self.order, "dataset_len": self.dataset_len}
+        return {
+            "epoch": self.epoch,
+            "seen": self.seen,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "order": self.order,
+            "dataset_len": self.dataset_len,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a saved position; the next iteration reads from ``state["seen"]`` on.
@@ -236,8 +253,10 @@ class TrainSampler(Sampler[int]):
                 f"dataset has {self.dataset_len}; resume with the same dataset or start afresh"
             )
         if "cursor" in state:  # a position of the global-cursor order (lockstep.data.steps)
-            raise ConfigError("this data position was saved with the data order 'lockstep' (one global cursor, "
-                              "no padding); resume it with that data order, or start afresh")
+            raise ConfigError(
+                "this data position was saved with the data order 'lockstep' (one global cursor, "
+                "no padding); resume it with that data order, or start afresh"
+            )
         epoch, seen = int(state["epoch"]), int(state["seen"])
         if epoch < 0 or seen < 0:
             raise ConfigError(f"bad sampler state: epoch {epoch}, seen {seen} (both must be >= 0)")
@@ -272,14 +291,14 @@ class TrainSampler(Sampler[int]):
         # The iterator is being consumed: a later set_epoch() of the same epoch starts it over.
         self._resume_epoch = None
         order = epoch_order(self.dataset_len, self.seed, self.epoch, self.shuffle, self.order)
-        rest = order[self.seen:]
+        rest = order[self.seen :]
         total = len(self) * self.world_size
         if total > len(rest):
             # Wrap around to the start of the epoch's order (repeatedly when n < world_size),
             # exactly as the uninterrupted run pads its tail.
             pad = total - len(rest)
             rest += (order * (-(-pad // len(order))))[:pad]
-        mine = rest[self.rank:total:self.world_size]
+        mine = rest[self.rank : total : self.world_size]
         if not self.sample_seeds:
             return iter(mine)
         seed, epoch = self.seed, self.epoch

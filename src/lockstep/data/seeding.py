@@ -45,11 +45,19 @@ try:
 except ImportError:  # numpy is optional for torch
     np = None  # type: ignore[assignment]
 
-__all__ = ["derive_seed", "sample_seed", "SampleKey", "SeededDataset", "seed_worker", "init_worker",
-           "WORKER_IGNORED_SIGNALS"]
+__all__ = [
+    "derive_seed",
+    "sample_seed",
+    "SampleKey",
+    "SeededDataset",
+    "seed_worker",
+    "init_worker",
+    "WORKER_IGNORED_SIGNALS",
+]
 
-WORKER_IGNORED_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1", "SIGINT")
-                               if hasattr(signal, name))
+WORKER_IGNORED_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGTERM", "SIGUSR1", "SIGINT") if hasattr(signal, name)
+)
 """The signals a loader worker ignores: its rank handles them."""
 
 
@@ -231,8 +239,9 @@ def init_worker(worker_id: int) -> None:
             signal.signal(signum, signal.SIG_DFL)  # not an inherited handler of the rank's
         # blocked in every thread, the signals wait for the watcher thread, which sees the sender
         signal.pthread_sigmask(signal.SIG_BLOCK, WORKER_IGNORED_SIGNALS)
-        threading.Thread(target=_watch_signals, args=(os.getppid(),), name="lockstep-worker-signals",
-                         daemon=True).start()
+        threading.Thread(
+            target=_watch_signals, args=(os.getppid(),), name="lockstep-worker-signals", daemon=True
+        ).start()
     else:
         for signum in WORKER_IGNORED_SIGNALS:
             signal.signal(signum, signal.SIG_IGN)

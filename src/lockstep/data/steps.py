@@ -99,8 +99,10 @@ def plan_batches(global_batch: int, world_size: int, micro_cap: int) -> BatchPla
         plan_batches(24, 4, 4)   # micro 3, accumulate 2
     """
     if min(global_batch, world_size, micro_cap) < 1:
-        raise ConfigError(f"a step plan needs a global batch, world size and batch size >= 1, got "
-                          f"{global_batch}, {world_size} and {micro_cap}")
+        raise ConfigError(
+            f"a step plan needs a global batch, world size and batch size >= 1, got "
+            f"{global_batch}, {world_size} and {micro_cap}"
+        )
     accumulate = -(-global_batch // (world_size * micro_cap))
     micro = -(-global_batch // (world_size * accumulate))
     return BatchPlan(global_batch, world_size, micro, accumulate)
@@ -178,8 +180,14 @@ def micro_steps(dataset_len: int, cursor: int, plan: BatchPlan, drop_last: bool 
     return out
 
 
-def rank_batches(position: dict[str, Any], dataset_len: int, plan: BatchPlan, rank: int,
-                 shuffle: bool = True, drop_last: bool = False) -> list[list[int]]:
+def rank_batches(
+    position: dict[str, Any],
+    dataset_len: int,
+    plan: BatchPlan,
+    rank: int,
+    shuffle: bool = True,
+    drop_last: bool = False,
+) -> list[list[int]]:
     """``rank``'s micro-batches (dataset indices) from a data position to the epoch's end.
 
     This is the whole rule: the same ``position`` gives every world size its share of the rest of
@@ -211,8 +219,10 @@ def _check_step_order(state: dict[str, Any]) -> None:
     """A position saved in the torch order (padded, interleaved) cannot continue in this one."""
     saved = str(state.get("order", "lockstep"))
     if saved != "lockstep":
-        raise ConfigError(f"this data position was saved with the data order {saved!r} (DistributedSampler's "
-                          "order and padding); resume it with that data order, or start afresh")
+        raise ConfigError(
+            f"this data position was saved with the data order {saved!r} (DistributedSampler's "
+            "order and padding); resume it with that data order, or start afresh"
+        )
 
 
 class StepSampler(Sampler[list[Any]]):
@@ -243,8 +253,18 @@ class StepSampler(Sampler[list[Any]]):
 
     order = "lockstep"
 
-    def __init__(self, dataset_len: int, plan: BatchPlan, rank: int, *, shuffle: bool = True, seed: int = 0,
-                 drop_last: bool = False, sample_seeds: bool = False, micro_cap: int | None = None) -> None:
+    def __init__(
+        self,
+        dataset_len: int,
+        plan: BatchPlan,
+        rank: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        sample_seeds: bool = False,
+        micro_cap: int | None = None,
+    ) -> None:
         if not 0 <= rank < plan.world_size:
             raise ConfigError(f"rank {rank} is out of range for world_size {plan.world_size}")
         self.dataset_len, self.plan, self.rank = dataset_len, plan, rank
@@ -324,9 +344,16 @@ class StepSampler(Sampler[list[Any]]):
 
             sampler.state_dict()   # {"seed": 0, "epoch": 1, "cursor": 48, "order": "lockstep", ...}
         """
-        return {"seed": self.seed, "epoch": self.epoch, "cursor": self.cursor, "order": self.order,
-                "shuffle": self.shuffle, "dataset_len": self.dataset_len, "seen": self.cursor,
-                "global_batch": self.plan.global_batch}
+        return {
+            "seed": self.seed,
+            "epoch": self.epoch,
+            "cursor": self.cursor,
+            "order": self.order,
+            "shuffle": self.shuffle,
+            "dataset_len": self.dataset_len,
+            "seen": self.cursor,
+            "global_batch": self.plan.global_batch,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a saved position (of this sampler, or a ``TrainSampler`` one in the same order).
@@ -343,8 +370,10 @@ class StepSampler(Sampler[list[Any]]):
         """
         saved_len = int(state.get("dataset_len", self.dataset_len))
         if saved_len != self.dataset_len:
-            raise ConfigError(f"the sampler state was saved for a dataset of {saved_len} samples but this dataset "
-                              f"has {self.dataset_len}; resume with the same dataset or start afresh")
+            raise ConfigError(
+                f"the sampler state was saved for a dataset of {saved_len} samples but this dataset "
+                f"has {self.dataset_len}; resume with the same dataset or start afresh"
+            )
         _check_step_order(state)
         epoch, cursor = int(state["epoch"]), int(state.get("cursor", state.get("seen", 0)))
         if epoch < 0 or cursor < 0:
@@ -382,4 +411,3 @@ class StepSampler(Sampler[list[Any]]):
                 yield [SampleKey(i, sample_seed(self.seed, self.epoch, i)) for i in mine]
             else:
                 yield mine
-

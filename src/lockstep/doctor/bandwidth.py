@@ -30,8 +30,16 @@ import torch
 from lockstep.comm.group import Comm
 from lockstep.errors import ConfigError
 
-__all__ = ["BandwidthRow", "parse_size", "parse_sizes", "format_size", "measure_allreduce",
-           "format_table", "bus_factor", "DEFAULT_SIZES"]
+__all__ = [
+    "BandwidthRow",
+    "parse_size",
+    "parse_sizes",
+    "format_size",
+    "measure_allreduce",
+    "format_table",
+    "bus_factor",
+    "DEFAULT_SIZES",
+]
 
 DEFAULT_SIZES = "4K..64M"
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "G": 1 << 30, "GB": 1 << 30}
@@ -176,8 +184,9 @@ def _measure_one(comm: Comm, size: int, iters: int, warmup: int, device: torch.d
     return BandwidthRow(size, seconds, count, algbw, algbw * bus_factor(n), correct=wrong == 0.0)
 
 
-def measure_allreduce(comm: Comm, sizes: list[int], iters: int = 20, warmup: int = 3,
-                      device: torch.device | None = None) -> list[BandwidthRow]:
+def measure_allreduce(
+    comm: Comm, sizes: list[int], iters: int = 20, warmup: int = 3, device: torch.device | None = None
+) -> list[BandwidthRow]:
     """Measure allreduce time and bandwidth for each message size (every rank must call it).
 
     Args:
@@ -216,9 +225,13 @@ def format_table(rows: list[BandwidthRow], world_size: int, backend: str = "") -
         print(format_table(rows, 2, "gloo"))
     """
     via = f" over {backend}" if backend else ""
-    lines = [f"allreduce{via}, {world_size} ranks, float32, median time per op (slowest rank):",
-             f"  {'size':>8}  {'time/op':>11}  {'algbw':>13}  {'busbw':>13}  {'iters':>5}  check"]
+    lines = [
+        f"allreduce{via}, {world_size} ranks, float32, median time per op (slowest rank):",
+        f"  {'size':>8}  {'time/op':>11}  {'algbw':>13}  {'busbw':>13}  {'iters':>5}  check",
+    ]
     for r in rows:
-        lines.append(f"  {format_size(r.size):>8}  {r.seconds * 1e3:>8.3f} ms  {_rate(r.algbw):>13}  "
-                     f"{_rate(r.busbw):>13}  {r.iters:>5}  {'ok' if r.correct else 'WRONG SUM'}")
+        lines.append(
+            f"  {format_size(r.size):>8}  {r.seconds * 1e3:>8.3f} ms  {_rate(r.algbw):>13}  "
+            f"{_rate(r.busbw):>13}  {r.iters:>5}  {'ok' if r.correct else 'WRONG SUM'}"
+        )
     return "\n".join(lines)

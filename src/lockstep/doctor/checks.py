@@ -38,8 +38,17 @@ from lockstep.doctor.network import NetworkProbe, network_lines, network_warning
 from lockstep.env import World, detect_world, read_settings
 from lockstep.errors import LockstepError, format_ranks
 
-__all__ = ["Report", "describe_rank", "clock_offsets", "diagnose", "format_report", "run_doctor",
-           "verdict_line", "VERSION_KEYS", "SKEW_WARNING_S"]
+__all__ = [
+    "Report",
+    "describe_rank",
+    "clock_offsets",
+    "diagnose",
+    "format_report",
+    "run_doctor",
+    "verdict_line",
+    "VERSION_KEYS",
+    "SKEW_WARNING_S",
+]
 
 VERSION_KEYS = ("python", "torch", "cuda", "nccl")
 SKEW_WARNING_S = 0.5
@@ -66,12 +75,19 @@ def describe_rank(world: World) -> dict[str, Any]:
     cuda = torch.cuda.is_available()
     count = torch.cuda.device_count() if cuda else 0
     return {
-        "rank": world.rank, "local_rank": world.local_rank, "node_rank": world.node_rank,
-        "host": socket.gethostname(), "python": platform.python_version(),
-        "torch": torch.__version__.split("+")[0], "cuda": torch.version.cuda or "none",
-        "nccl": _nccl_version(), "cuda_available": cuda, "gpus": count,
+        "rank": world.rank,
+        "local_rank": world.local_rank,
+        "node_rank": world.node_rank,
+        "host": socket.gethostname(),
+        "python": platform.python_version(),
+        "torch": torch.__version__.split("+")[0],
+        "cuda": torch.version.cuda or "none",
+        "nccl": _nccl_version(),
+        "cuda_available": cuda,
+        "gpus": count,
         "gpu_names": sorted({torch.cuda.get_device_name(i) for i in range(count)}),
-        "device": str(world.device), "local_world_size": world.local_world_size,
+        "device": str(world.device),
+        "local_world_size": world.local_world_size,
     }
 
 
@@ -162,13 +178,17 @@ def _device_problems(ranks: list[dict[str, Any]], backend: str) -> tuple[list[st
         without = [i["rank"] for i in ranks if not i["cuda_available"]]
         see = "see" if len(with_gpu) > 1 else "sees"
         do = "do" if len(without) > 1 else "does"
-        problems.append(f"{format_ranks(with_gpu)} {see} a GPU but {format_ranks(without)} {do} not: check "
-                        "CUDA_VISIBLE_DEVICES and drivers on every node")
+        problems.append(
+            f"{format_ranks(with_gpu)} {see} a GPU but {format_ranks(without)} {do} not: check "
+            "CUDA_VISIBLE_DEVICES and drivers on every node"
+        )
     for info in ranks:
         if info["cuda_available"] and info["local_world_size"] > info["gpus"]:
             gpus = info["gpus"]
-            text = (f"{info['host']} runs {info['local_world_size']} ranks on {gpus} GPU(s): ranks share "
-                    f"GPUs; start one process per GPU (--nproc {gpus})")
+            text = (
+                f"{info['host']} runs {info['local_world_size']} ranks on {gpus} GPU(s): ranks share "
+                f"GPUs; start one process per GPU (--nproc {gpus})"
+            )
             (problems if backend == "nccl" else warnings).append(text)
             break
     return problems, warnings
@@ -198,24 +218,31 @@ def diagnose(report: Report) -> Report:
         report.warnings.extend(notes)
     wrong = [format_size(r.size) for r in report.rows if not r.correct]
     if wrong:
-        report.problems.append(f"allreduce returned a wrong sum at {', '.join(wrong)}: the interconnect or "
-                               "the backend corrupts data")
+        report.problems.append(
+            f"allreduce returned a wrong sum at {', '.join(wrong)}: the interconnect or the backend corrupts data"
+        )
     skew = max((abs(o) for o in report.offsets), default=0.0)
     if skew > SKEW_WARNING_S:
         worst = max(range(len(report.offsets)), key=lambda r: abs(report.offsets[r]))
-        report.warnings.append(f"clock of rank {worst} ({report.ranks[worst]['host']}) is {skew:.2f} s off rank 0: "
-                               "timestamps in logs of different nodes disagree; run NTP (chrony) on every node")
+        report.warnings.append(
+            f"clock of rank {worst} ({report.ranks[worst]['host']}) is {skew:.2f} s off rank 0: "
+            "timestamps in logs of different nodes disagree; run NTP (chrony) on every node"
+        )
     if len(report.ranks) == 1:
         report.warnings.append("only 1 rank: nothing to measure between ranks; use --nproc 2 or more")
     return report
 
 
 def _rank_lines(ranks: list[dict[str, Any]], offsets: list[float]) -> list[str]:
-    lines = [f"  {'rank':>4}  {'host':<16} {'device':<8} {'python':<8} {'torch':<8} {'cuda':<6} {'nccl':<8} "
-             f"{'GPUs':>4}  clock offset"]
+    lines = [
+        f"  {'rank':>4}  {'host':<16} {'device':<8} {'python':<8} {'torch':<8} {'cuda':<6} {'nccl':<8} "
+        f"{'GPUs':>4}  clock offset"
+    ]
     for info, off in zip(ranks, offsets):
-        lines.append(f"  {info['rank']:>4}  {info['host'][:16]:<16} {info['device']:<8} {info['python']:<8} "
-                     f"{info['torch']:<8} {info['cuda']:<6} {info['nccl']:<8} {info['gpus']:>4}  {off * 1e3:+.3f} ms")
+        lines.append(
+            f"  {info['rank']:>4}  {info['host'][:16]:<16} {info['device']:<8} {info['python']:<8} "
+            f"{info['torch']:<8} {info['cuda']:<6} {info['nccl']:<8} {info['gpus']:>4}  {off * 1e3:+.3f} ms"
+        )
     names = sorted({n for info in ranks for n in info["gpu_names"]})
     if names:
         lines.append(f"  GPUs: {', '.join(names)}")
@@ -260,8 +287,10 @@ def format_report(report: Report) -> str:
     """
     lines = [f"lockstep doctor: {len(report.ranks)} rank(s), backend {report.backend}", "ranks:"]
     lines += _rank_lines(report.ranks, report.offsets)
-    lines.append(f"clock: max offset {max(abs(o) for o in report.offsets) * 1e3:.2f} ms "
-                 f"(resolution {report.resolution * 1e3:.2f} ms)")
+    lines.append(
+        f"clock: max offset {max(abs(o) for o in report.offsets) * 1e3:.2f} ms "
+        f"(resolution {report.resolution * 1e3:.2f} ms)"
+    )
     if report.network:
         lines += network_lines(report.network, report.missed)
     if report.links is not None:
@@ -286,9 +315,17 @@ def _probe_network(comm: Comm, world: World) -> tuple[list[dict[str, Any]], list
     return infos, missed
 
 
-def run_doctor(sizes: list[int], iters: int = 20, warmup: int = 3, backend: str = "auto",
-               timeout: float | None = None, world: World | None = None, links: bool = False,
-               strict: bool = False, transport: Transport | None = None) -> int:
+def run_doctor(
+    sizes: list[int],
+    iters: int = 20,
+    warmup: int = 3,
+    backend: str = "auto",
+    timeout: float | None = None,
+    world: World | None = None,
+    links: bool = False,
+    strict: bool = False,
+    transport: Transport | None = None,
+) -> int:
     """Run every check on this rank (all ranks of the job call it); rank 0 prints the report.
 
     Args:

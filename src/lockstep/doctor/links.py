@@ -34,8 +34,19 @@ import torch
 
 from lockstep.comm.group import Comm
 
-__all__ = ["LinkReport", "Transport", "node_leaders", "measure_links", "slow_parts", "format_links",
-           "SLOW_FACTOR", "JITTER_S", "ROUNDS", "BUDGET_S", "DEFAULT_LINK_SIZE"]
+__all__ = [
+    "LinkReport",
+    "Transport",
+    "node_leaders",
+    "measure_links",
+    "slow_parts",
+    "format_links",
+    "SLOW_FACTOR",
+    "JITTER_S",
+    "ROUNDS",
+    "BUDGET_S",
+    "DEFAULT_LINK_SIZE",
+]
 
 SLOW_FACTOR = 4.0
 JITTER_S = 2e-3  # a busy host delays a message by this much without any fault of its link
@@ -101,8 +112,9 @@ def node_leaders(ranks: list[dict[str, Any]]) -> tuple[list[int], list[str]]:
     return [i["rank"] for i in ranks], [f"rank {i['rank']}" for i in ranks]
 
 
-def _round_trips(peer: int, first: bool, tensor: torch.Tensor, iters: int, transport: Transport,
-                 warmup: bool = True) -> float:
+def _round_trips(
+    peer: int, first: bool, tensor: torch.Tensor, iters: int, transport: Transport, warmup: bool = True
+) -> float:
     """The fastest round trip of ``tensor`` between this rank and ``peer`` (the first one sends first): a
     busy CPU only ever adds time, a slow link adds it to every trip."""
     times = []
@@ -131,8 +143,14 @@ def _big_trips(peer: int, first: bool, tensor: torch.Tensor, iters: int, transpo
     return min(best, _round_trips(peer, first, tensor, more, transport, warmup=False)) if more > 0 else best
 
 
-def measure_links(comm: Comm, units: list[int], names: list[str], size: int = DEFAULT_LINK_SIZE,
-                  iters: int = 5, transport: Transport | None = None) -> LinkReport:
+def measure_links(
+    comm: Comm,
+    units: list[int],
+    names: list[str],
+    size: int = DEFAULT_LINK_SIZE,
+    iters: int = 5,
+    transport: Transport | None = None,
+) -> LinkReport:
     """Measure every pair of ``units`` (all ranks call this; the result is the same on every rank).
 
     Args:
@@ -178,9 +196,12 @@ def _slow(report: LinkReport) -> set[tuple[int, int]]:
     def transfer(pair: tuple[int, int]) -> float:  # extra seconds per message over the best link
         return report.size / report.bandwidth[pair] - report.size / best_bw
 
-    return {pair for pair in report.latency
-            if (report.latency[pair] > SLOW_FACTOR * best_lat and report.latency[pair] > best_lat + JITTER_S)
-            or (report.bandwidth[pair] < best_bw / SLOW_FACTOR and transfer(pair) > JITTER_S)}
+    return {
+        pair
+        for pair in report.latency
+        if (report.latency[pair] > SLOW_FACTOR * best_lat and report.latency[pair] > best_lat + JITTER_S)
+        or (report.bandwidth[pair] < best_bw / SLOW_FACTOR and transfer(pair) > JITTER_S)
+    }
 
 
 def slow_parts(report: LinkReport) -> tuple[list[str], list[str], list[str]]:
@@ -209,10 +230,15 @@ def slow_parts(report: LinkReport) -> tuple[list[str], list[str], list[str]]:
         pairs = [(min(u, v), max(u, v)) for v in range(n) if v != u]
         lat = statistics.median(report.latency[p] for p in pairs)
         bw = statistics.median(report.bandwidth[p] for p in pairs)
-        node_lines.append(f"{report.names[u]} is far slower than the others on every link: {_ms(lat)} one way and "
-                          f"{_rate(bw)} {best}; check its network interface, cable or switch port, and its load")
-    links = [f"the link {report.names[a]} - {report.names[b]} is far slower than the others: "
-             f"{_ms(report.latency[(a, b)])} one way and {_rate(report.bandwidth[(a, b)])} {best}" for a, b in rest]
+        node_lines.append(
+            f"{report.names[u]} is far slower than the others on every link: {_ms(lat)} one way and "
+            f"{_rate(bw)} {best}; check its network interface, cable or switch port, and its load"
+        )
+    links = [
+        f"the link {report.names[a]} - {report.names[b]} is far slower than the others: "
+        f"{_ms(report.latency[(a, b)])} one way and {_rate(report.bandwidth[(a, b)])} {best}"
+        for a, b in rest
+    ]
     return node_lines, links, []
 
 
@@ -238,8 +264,11 @@ def format_links(report: LinkReport) -> list[str]:
     width = max([len(name) for name in report.names] + [12])
     head = " " * (width + 2) + "".join(f"{name[:width]:>{width + 2}}" for name in report.names)
     between = "ranks" if report.names[0].startswith("rank") else "nodes"
-    lines = [f"links between {between} (point to point; latency one way, bandwidth of {report.size >> 10} KiB "
-             "round trips):", "  latency", head]
+    lines = [
+        f"links between {between} (point to point; latency one way, bandwidth of {report.size >> 10} KiB round trips):",
+        "  latency",
+        head,
+    ]
     for title, table, fmt in (("latency", report.latency, _ms), ("bandwidth", report.bandwidth, _rate)):
         if title == "bandwidth":
             lines += ["  bandwidth", head]

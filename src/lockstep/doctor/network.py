@@ -101,9 +101,14 @@ class NetworkProbe:
         listener.listen(16)
         listener.settimeout(0.1)
         self._listener = listener
-        self.info = {"rank": self.world.rank, "host": socket.gethostname(), "interface": name,
-                     "address": address, "port": listener.getsockname()[1],
-                     "nccl": _nccl_choice(self.settings, names)}
+        self.info = {
+            "rank": self.world.rank,
+            "host": socket.gethostname(),
+            "interface": name,
+            "address": address,
+            "port": listener.getsockname()[1],
+            "nccl": _nccl_choice(self.settings, names),
+        }
         return self
 
     def reach(self, infos: list[dict[str, Any]], timeout: float = 3.0) -> list[int]:
@@ -146,10 +151,15 @@ def network_lines(infos: list[dict[str, Any]], missed: list[list[int]]) -> list[
     hosts = len({i["host"] for i in infos})
     lines = ["network:"]
     for info, bad in zip(infos, missed):
-        reach = "one host" if hosts == 1 else (
-            f"reached all {hosts - 1} other host(s)" if not bad else f"could NOT reach {format_ranks(bad)}")
-        lines.append(f"  rank {info['rank']:>3}  {info['host'][:16]:<16} {info['interface']} {info['address']}; "
-                     f"{reach}; nccl would use {info['nccl']}")
+        reach = (
+            "one host"
+            if hosts == 1
+            else (f"reached all {hosts - 1} other host(s)" if not bad else f"could NOT reach {format_ranks(bad)}")
+        )
+        lines.append(
+            f"  rank {info['rank']:>3}  {info['host'][:16]:<16} {info['interface']} {info['address']}; "
+            f"{reach}; nccl would use {info['nccl']}"
+        )
     return lines
 
 
@@ -165,16 +175,21 @@ def network_warnings(infos: list[dict[str, Any]], missed: list[list[int]]) -> tu
 
         problems, warnings = network_warnings(infos, missed)
     """
-    problems = [f"rank {info['rank']} ({info['host']}) cannot reach {format_ranks(bad)} over "
-                f"{info['interface']}: check routes and firewalls between the nodes"
-                for info, bad in zip(infos, missed) if bad]
+    problems = [
+        f"rank {info['rank']} ({info['host']}) cannot reach {format_ranks(bad)} over "
+        f"{info['interface']}: check routes and firewalls between the nodes"
+        for info, bad in zip(infos, missed)
+        if bad
+    ]
     warnings: list[str] = []
     if len({i["host"] for i in infos}) > 1:
         for info in infos:
             for what, name in (("the master address", info["interface"]), ("nccl", info["nccl"])):
                 if name.startswith(_VIRTUAL):
-                    warnings.append(f"rank {info['rank']} ({info['host']}) uses {name} for {what} in a job of "
-                                    "several hosts: set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to the "
-                                    "interface of the cluster network")
+                    warnings.append(
+                        f"rank {info['rank']} ({info['host']}) uses {name} for {what} in a job of "
+                        "several hosts: set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to the "
+                        "interface of the cluster network"
+                    )
                     break
     return problems, warnings

@@ -75,15 +75,18 @@ def _train_context() -> Any:
     try:
         import ray.train
     except ImportError:
-        raise ConfigError("lockstep.integrations.ray needs Ray Train: pip install 'lockstep[ray]' "
-                          "(or 'ray[train]')") from None
+        raise ConfigError(
+            "lockstep.integrations.ray needs Ray Train: pip install 'lockstep[ray]' (or 'ray[train]')"
+        ) from None
     try:
         context = ray.train.get_context()
         context.get_world_rank()
     except Exception as exc:  # noqa: BLE001 - Ray raises several types outside a worker
-        raise ConfigError("ray_session() must be called inside a Ray Train worker (the "
-                          "train_loop_per_worker of a TorchTrainer), where Ray has formed the process "
-                          f"group: {type(exc).__name__}: {exc}") from None
+        raise ConfigError(
+            "ray_session() must be called inside a Ray Train worker (the "
+            "train_loop_per_worker of a TorchTrainer), where Ray has formed the process "
+            f"group: {type(exc).__name__}: {exc}"
+        ) from None
     return context
 
 
@@ -117,19 +120,25 @@ def ray_session(**options: Any) -> Session:
 
     rank, size = context.get_world_rank(), context.get_world_size()
     if size > 1 and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        raise ConfigError(f"Ray Train worker {rank} of {size} has no torch.distributed process group: start "
-                          "the training function with ray.train.torch.TorchTrainer, which forms it")
+        raise ConfigError(
+            f"Ray Train worker {rank} of {size} has no torch.distributed process group: start "
+            "the training function with ray.train.torch.TorchTrainer, which forms it"
+        )
     device = ray.train.torch.get_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
     session = Session(**options)
     if (session.rank, session.world_size) != (rank, size):
-        raise ConfigError(f"the session is rank {session.rank} of {session.world_size}, but Ray Train says "
-                          f"rank {rank} of {size}; start the job one way only")
+        raise ConfigError(
+            f"the session is rank {session.rank} of {session.world_size}, but Ray Train says "
+            f"rank {rank} of {size}; start the job one way only"
+        )
     if session.device != device:
-        raise ConfigError(f"Ray Train gave rank {rank} the device {device}, but the session would use "
-                          f"{session.device} (local rank {session.local_rank}); give each worker its own GPU "
-                          "(ScalingConfig(use_gpu=True) with one GPU per worker)")
+        raise ConfigError(
+            f"Ray Train gave rank {rank} the device {device}, but the session would use "
+            f"{session.device} (local rank {session.local_rank}); give each worker its own GPU "
+            "(ScalingConfig(use_gpu=True) with one GPU per worker)"
+        )
     return session
 
 
@@ -142,8 +151,16 @@ def _link_or_copy(source: str, target: str) -> object:
     return target
 
 
-def report(session: Session, metrics: Mapping[str, Any], *, folder: str | Path, model: nn.Module,
-           optimizer: torch.optim.Optimizer | None = None, keep: int | None = None, **extras: Any) -> Path | str:
+def report(
+    session: Session,
+    metrics: Mapping[str, Any],
+    *,
+    folder: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    keep: int | None = None,
+    **extras: Any,
+) -> Path | str:
     """Save a lockstep checkpoint into ``folder`` and report it to Ray Train with ``metrics``.
 
     Every rank must call it (``Session.save`` and ``ray.train.report`` are both collective). Rank
@@ -200,8 +217,9 @@ def _restore_into(source: Path, folder: Path) -> None:
                 raise
 
 
-def resume(session: Session, folder: str | Path, *, model: nn.Module,
-           optimizer: torch.optim.Optimizer | None = None) -> ResumeState:
+def resume(
+    session: Session, folder: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> ResumeState:
     """Continue from Ray Train's latest checkpoint, or from ``folder``'s own if that is newer.
 
     Every rank must call it. When Ray has a checkpoint for this run (``ray.train.get_checkpoint()``:

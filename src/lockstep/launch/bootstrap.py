@@ -142,8 +142,10 @@ def main(argv: list[str]) -> int:
         return 2
     settings = read_settings()
     if not die_with_launcher(settings.launcher_pid):
-        print(f"lockstep.launch.bootstrap: the launcher (pid {settings.launcher_pid}) is gone; not starting",
-              file=sys.stderr)
+        print(
+            f"lockstep.launch.bootstrap: the launcher (pid {settings.launcher_pid}) is gone; not starting",
+            file=sys.stderr,
+        )
         return EXIT_ORPHANED
     faulthandler.enable(all_threads=True)  # a crash in native code still leaves a Python stack
     export_environment(horovod_rank_variables(environment()))  # this rank's place in the launcher's Horovod job

@@ -53,20 +53,37 @@ from typing import Any
 
 from lockstep.errors import EXIT_USAGE, LockstepError
 from lockstep.launch.horovod import check_horovod_hosts, horovod_rendezvous
-from lockstep.launch.report import say
-from lockstep.launch.reporter import JobReporter
+from lockstep.launch.membership import membership_environment, membership_store, new_node_id
 from lockstep.launch.rendezvous import BACKEND as LOCAL_BACKEND
 from lockstep.launch.rendezvous import register as register_local_rendezvous
-from lockstep.launch.membership import membership_environment, membership_store, new_node_id
-from lockstep.launch.torch_agent import quiet_torch, reporting_agent
+from lockstep.launch.report import say
+from lockstep.launch.reporter import JobReporter
 from lockstep.launch.spec import (
-    DEFAULT_GRACE, DEFAULT_JOIN_TIMEOUT, LaunchSpec, exposure_warning, import_torch_quietly, oversubscription_warning,
-    parse_master, resolve_nproc, slurm_defaults,
+    DEFAULT_GRACE,
+    DEFAULT_JOIN_TIMEOUT,
+    LaunchSpec,
+    exposure_warning,
+    import_torch_quietly,
+    oversubscription_warning,
+    parse_master,
+    resolve_nproc,
+    slurm_defaults,
 )
+from lockstep.launch.torch_agent import quiet_torch, reporting_agent
 
-__all__ = ["LaunchSpec", "LaunchError", "PortInUseError", "launch", "resolve_nproc", "parse_master",
-           "exposure_warning", "slurm_defaults", "import_torch_quietly", "DEFAULT_JOIN_TIMEOUT",
-           "DEFAULT_GRACE"]
+__all__ = [
+    "LaunchSpec",
+    "LaunchError",
+    "PortInUseError",
+    "launch",
+    "resolve_nproc",
+    "parse_master",
+    "exposure_warning",
+    "slurm_defaults",
+    "import_torch_quietly",
+    "DEFAULT_JOIN_TIMEOUT",
+    "DEFAULT_GRACE",
+]
 
 # Forwarded to every worker; SIGUSR1 is what Slurm sends ahead of the end (`--signal=USR1@90`).
 _SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")
@@ -95,11 +112,18 @@ def _worker_args(spec: LaunchSpec) -> list[str]:
 
 def _say_log_folder(log_dir: str, run_id: str) -> None:
     """Name the folder torch's agent made under ``--log-dir`` for this job (``RUNID_xxxx``, a random suffix)."""
-    made = sorted((os.path.join(log_dir, d) for d in os.listdir(log_dir) if d.startswith(run_id + "_")),
-                  key=os.path.getmtime) if os.path.isdir(log_dir) else []
+    made = (
+        sorted(
+            (os.path.join(log_dir, d) for d in os.listdir(log_dir) if d.startswith(run_id + "_")), key=os.path.getmtime
+        )
+        if os.path.isdir(log_dir)
+        else []
+    )
     if made:
-        say(f"lockstep run: every rank's output is under {os.path.abspath(made[-1])} "
-            "(attempt_N/LOCAL_RANK/stdout.log and stderr.log)")
+        say(
+            f"lockstep run: every rank's output is under {os.path.abspath(made[-1])} "
+            "(attempt_N/LOCAL_RANK/stdout.log and stderr.log)"
+        )
 
 
 def _launch_config(spec: LaunchSpec, log_dir: str) -> Any:
@@ -109,15 +133,19 @@ def _launch_config(spec: LaunchSpec, log_dir: str) -> Any:
     timeout = max(1, round(spec.join_timeout))
     if not spec.relayed:
         # rank 0 inherits this terminal; the other ranks write only to their log files
-        logs = DefaultLogsSpecs(log_dir=log_dir, redirects={
-            r: Std.ALL for r in range(spec.nproc) if spec.node_rank != 0 or r != 0})
+        logs = DefaultLogsSpecs(
+            log_dir=log_dir, redirects={r: Std.ALL for r in range(spec.nproc) if spec.node_rank != 0 or r != 0}
+        )
     else:
         # every rank writes to its log files; the agent's relay shows them (see launch_output)
         logs = DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL)
     common: dict[str, Any] = dict(
-        min_nodes=1 if spec.elastic else spec.nodes, max_nodes=1 if spec.elastic else spec.nodes,
+        min_nodes=1 if spec.elastic else spec.nodes,
+        max_nodes=1 if spec.elastic else spec.nodes,
         nproc_per_node=spec.nproc,
-        max_restarts=spec.max_restarts, logs_specs=logs, monitor_interval=MONITOR_INTERVAL_S,
+        max_restarts=spec.max_restarts,
+        logs_specs=logs,
+        monitor_interval=MONITOR_INTERVAL_S,
         # a stop signal is forwarded to the workers, which get `grace` seconds to save before SIGKILL
         signals_to_handle=",".join(n for n in _SIGNALS if hasattr(signal, n)),
         shutdown_timeout=max(0, round(spec.grace)),
@@ -126,18 +154,26 @@ def _launch_config(spec: LaunchSpec, log_dir: str) -> Any:
         # --nodes MIN:MAX: each node starts its own workers; they meet in the membership store
         register_local_rendezvous()  # in memory: nothing listens, nothing is unpickled
         return LaunchConfig(
-            run_id=uuid.uuid4().hex, rdzv_backend=LOCAL_BACKEND, rdzv_endpoint="127.0.0.1:0",
-            rdzv_configs={"timeout": timeout, "join_timeout": timeout}, local_addr="127.0.0.1", **common,
+            run_id=uuid.uuid4().hex,
+            rdzv_backend=LOCAL_BACKEND,
+            rdzv_endpoint="127.0.0.1:0",
+            rdzv_configs={"timeout": timeout, "join_timeout": timeout},
+            local_addr="127.0.0.1",
+            **common,
         )
     return LaunchConfig(
-        run_id="lockstep", rdzv_backend="static", rdzv_endpoint=spec.master,
-        rdzv_configs={"rank": spec.node_rank, "timeout": timeout}, **common,
+        run_id="lockstep",
+        rdzv_backend="static",
+        rdzv_endpoint=spec.master,
+        rdzv_configs={"rank": spec.node_rank, "timeout": timeout},
+        **common,
     )
 
 
 @contextmanager
-def _launch_environment(spec: LaunchSpec, postmortem_dir: str = "",
-                        extra: dict[str, str] | None = None) -> Iterator[None]:
+def _launch_environment(
+    spec: LaunchSpec, postmortem_dir: str = "", extra: dict[str, str] | None = None
+) -> Iterator[None]:
     """The workers' environment (see `_environment`), with the membership store under ``--nodes MIN:MAX``."""
     with ExitStack() as stack:
         extra = dict(extra or {})
@@ -187,24 +223,35 @@ def _start_error(exc: Exception, spec: LaunchSpec) -> LaunchError:
     text = f"{type(exc).__name__}: {exc}"
     host, port = parse_master(spec.master) if spec.master else ("127.0.0.1", 0)
     if "EADDRINUSE" in text or "address already in use" in text.lower():
-        return PortInUseError(f"cannot host the rendezvous store on {host}:{port}: port {port} is already in "
-                              "use. Choose another --master port (or leave out --master on one node).")
+        return PortInUseError(
+            f"cannot host the rendezvous store on {host}:{port}: port {port} is already in "
+            "use. Choose another --master port (or leave out --master on one node)."
+        )
     if isinstance(exc, OSError) and exc.errno in (errno.EAGAIN, errno.ENOMEM):
         # fork refused part-way: the workers already started die with this process (bootstrap)
-        return LaunchError(f"could not start {spec.nproc} processes: the system refused a new process ({text}); "
-                           "a process limit (ulimit -u) or memory ran out. Start fewer with --nproc.")
+        return LaunchError(
+            f"could not start {spec.nproc} processes: the system refused a new process ({text}); "
+            "a process limit (ulimit -u) or memory ran out. Start fewer with --nproc."
+        )
     joined = re.search(r"(\d+)/(\d+) clients joined", text)
-    reach = (f"node 0's address on port {port} (--master names the wildcard {host}, which the other nodes "
-             "cannot connect to: give node 0's real address)" if host in ("0.0.0.0", "::", "*")
-             else f"{host}:{port}")
+    reach = (
+        f"node 0's address on port {port} (--master names the wildcard {host}, which the other nodes "
+        "cannot connect to: give node 0's real address)"
+        if host in ("0.0.0.0", "::", "*")
+        else f"{host}:{port}"
+    )
     if joined:
-        return LaunchError(f"expected {spec.nodes} nodes, {joined.group(1)} joined within "
-                           f"{spec.join_timeout:g} s. Start `lockstep run --nodes {spec.nodes} --node-rank I "
-                           f"--master {spec.master}` on every node, and check that they reach {reach}.")
+        return LaunchError(
+            f"expected {spec.nodes} nodes, {joined.group(1)} joined within "
+            f"{spec.join_timeout:g} s. Start `lockstep run --nodes {spec.nodes} --node-rank I "
+            f"--master {spec.master}` on every node, and check that they reach {reach}."
+        )
     if spec.node_rank > 0 and ("connect" in text.lower() or "timed out" in text.lower()):
-        return LaunchError(f"node {spec.node_rank} could not reach node 0's store at {host}:{port} within "
-                           f"{spec.join_timeout:g} s: is node 0 started, and is the address reachable from here? "
-                           f"({text})")
+        return LaunchError(
+            f"node {spec.node_rank} could not reach node 0's store at {host}:{port} within "
+            f"{spec.join_timeout:g} s: is node 0 started, and is the address reachable from here? "
+            f"({text})"
+        )
     return LaunchError(f"the job could not start: {text}")
 
 
@@ -243,8 +290,12 @@ def launch(spec: LaunchSpec) -> int:
     report = JobReporter(spec, postmortem_dir=os.path.join(log_dir, "postmortem"))
     config: Any = None
     try:
-        with (horovod_rendezvous(spec) as horovod, _launch_environment(spec, report.postmortem_dir, horovod),
-              quiet_torch(spec.verbose), reporting_agent(report)):
+        with (
+            horovod_rendezvous(spec) as horovod,
+            _launch_environment(spec, report.postmortem_dir, horovod),
+            quiet_torch(spec.verbose),
+            reporting_agent(report),
+        ):
             config = _launch_config(spec, log_dir)
             elastic_launch(config, sys.executable)(*_worker_args(spec))
         return 0

@@ -71,7 +71,8 @@ def check_horovod_hosts(spec: LaunchSpec) -> None:
         raise ConfigError(
             f"{spec.target} imports Horovod, whose gloo needs the network interface that joins the "
             f"{spec.nodes} hosts, which horovodrun discovers: start it with `horovodrun -np "
-            f"{spec.nodes * spec.nproc} -H host1:{spec.nproc},... --gloo python {spec.target}`")
+            f"{spec.nodes * spec.nproc} -H host1:{spec.nproc},... --gloo python {spec.target}`"
+        )
 
 
 @contextmanager

@@ -76,8 +76,14 @@ def membership_store(spec: LaunchSpec) -> Iterator[Any]:
         return
     import torch.distributed as dist
 
-    store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=spec.join_timeout), master_listen_fd=fd)
+    store = dist.TCPStore(
+        host,
+        port,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=spec.join_timeout),
+        master_listen_fd=fd,
+    )
     try:
         yield store
     finally:
@@ -95,5 +101,8 @@ def membership_environment(spec: LaunchSpec, node_id: str) -> dict[str, str]:
 
         membership_environment(spec, new_node_id())["LOCKSTEP_NODES"]   # "1:3"
     """
-    return {"LOCKSTEP_NODES": f"{spec.nodes}:{spec.max_nodes}", "LOCKSTEP_ELASTIC_STORE": str(spec.master),
-            "LOCKSTEP_NODE_ID": node_id}
+    return {
+        "LOCKSTEP_NODES": f"{spec.nodes}:{spec.max_nodes}",
+        "LOCKSTEP_ELASTIC_STORE": str(spec.master),
+        "LOCKSTEP_NODE_ID": node_id,
+    }

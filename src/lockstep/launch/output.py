@@ -73,7 +73,7 @@ class Source:
             self._partial_since = now
         data = self._partial + new
         lines = _LINE.findall(data)
-        rest = data[sum(len(x) for x in lines):]
+        rest = data[sum(len(x) for x in lines) :]
         at_end = final and len(new) < _CHUNK  # the worker is gone and the file is read to its end
         if lines and not rest and lines[-1].endswith(b"\r") and not at_end:
             rest = lines.pop()  # perhaps the first half of "\r\n": wait for the next read
@@ -180,8 +180,7 @@ class OutputRelay:
                 source.close()
 
 
-def relay_for(pcontext: Any, workers: list[Any], stdout: TextIO, stderr: TextIO,
-              shown: set[int] | None) -> OutputRelay:
+def relay_for(pcontext: Any, workers: list[Any], stdout: TextIO, stderr: TextIO, shown: set[int] | None) -> OutputRelay:
     """An :class:`OutputRelay` for the log files of torch's process context ``pcontext``.
 
     Args:

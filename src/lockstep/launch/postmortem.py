@@ -56,8 +56,10 @@ def postmortem_text(folder: str, failures: list[Failure], summary: Summary, pref
     victims = [f for f in sorted(failures, key=lambda f: f.rank) if f.rank not in report.cause]
     if victims:
         how = "; ".join(f"rank {f.rank} {_as_victim(f)}" for f in victims)
-        lines.append(f"{prefix}{format_ranks(f.rank for f in victims)} only waited for, or lost contact with, "
-                     f"{format_ranks(report.cause)}; they are not the cause ({how})")
+        lines.append(
+            f"{prefix}{format_ranks(f.rank for f in victims)} only waited for, or lost contact with, "
+            f"{format_ranks(report.cause)}; they are not the cause ({how})"
+        )
     return "\n".join(lines)
 
 

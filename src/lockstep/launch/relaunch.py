@@ -62,8 +62,9 @@ def launched_as_worker(*, asked_to_launch: bool = False) -> bool:
     return detect_world().world_size > 1
 
 
-def relaunch(args: Sequence[str], *, module: str = "lockstep", rank0_only: bool = True, prefix: bool = False,
-             **options: Any) -> int:
+def relaunch(
+    args: Sequence[str], *, module: str = "lockstep", rank0_only: bool = True, prefix: bool = False, **options: Any
+) -> int:
     """Run ``python -m module *args`` on the processes of a job and return the launcher's exit code.
 
     Args:
@@ -84,6 +85,5 @@ def relaunch(args: Sequence[str], *, module: str = "lockstep", rank0_only: bool 
 
         sys.exit(relaunch(["train", "--epochs", "1"], nproc=2))
     """
-    spec = LaunchSpec(target=module, args=tuple(args), module=True, rank0_only=rank0_only, prefix=prefix,
-                      **options)
+    spec = LaunchSpec(target=module, args=tuple(args), module=True, rank0_only=rank0_only, prefix=prefix, **options)
     return launch(spec)

@@ -38,14 +38,23 @@ _PEER_TEXT = re.compile(
 )
 # The signals the agent (or a scheduler) uses to stop a rank: a rank that died of them was stopped.
 _STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP} | (
-    {signal.SIGUSR1} if hasattr(signal, "SIGUSR1") else set())
+    {signal.SIGUSR1} if hasattr(signal, "SIGUSR1") else set()
+)
 
 # An error a rank raised because another rank reported it (lockstep.checkpoint.core.agree): not its own.
 _RELAYED = re.compile(r"\(reported by rank (\d+)\)$")
 
 # Order in which kinds are suspected of being the root cause.
-_SUSPICION = {"exception": 0, "signal": 0, "exit": 0, "waited": 1, "peer": 1, "relayed": 1, "preempted": 2,
-              "stopped": 3}
+_SUSPICION = {
+    "exception": 0,
+    "signal": 0,
+    "exit": 0,
+    "waited": 1,
+    "peer": 1,
+    "relayed": 1,
+    "preempted": 2,
+    "stopped": 3,
+}
 
 
 @dataclass(frozen=True)
@@ -98,19 +107,31 @@ class Failure:
         message = data.get("message") if isinstance(data, dict) else None
         if isinstance(ours, dict):
             return cls(
-                rank=rank, local_rank=failure.local_rank, host=ours.get("host", host), pid=failure.pid,
-                exitcode=failure.exitcode, time=float(ours.get("time", failure.timestamp)),
+                rank=rank,
+                local_rank=failure.local_rank,
+                host=ours.get("host", host),
+                pid=failure.pid,
+                exitcode=failure.exitcode,
+                time=float(ours.get("time", failure.timestamp)),
                 error=f"{ours.get('type', 'Error')}: {ours.get('text', '')}".rstrip(": "),
                 error_type=str(ours.get("type", "")),
-                traceback=str(message.get("extraInfo", {}).get("py_callstack", "")) if isinstance(message, dict) else "",
+                traceback=str(message.get("extraInfo", {}).get("py_callstack", ""))
+                if isinstance(message, dict)
+                else "",
                 blame=tuple(int(r) for r in ours.get("blame") or ()),
-                exit_status=int(ours["exit_code"]) if ours.get("type") == "SystemExit"
-                and isinstance(ours.get("exit_code"), int) else None,
+                exit_status=int(ours["exit_code"])
+                if ours.get("type") == "SystemExit" and isinstance(ours.get("exit_code"), int)
+                else None,
             )
         text = message.get("message", "") if isinstance(message, dict) else ""
         return cls(
-            rank=rank, local_rank=failure.local_rank, host=host, pid=failure.pid, exitcode=failure.exitcode,
-            time=float(failure.timestamp), error=str(text),
+            rank=rank,
+            local_rank=failure.local_rank,
+            host=host,
+            pid=failure.pid,
+            exitcode=failure.exitcode,
+            time=float(failure.timestamp),
+            error=str(text),
             error_type=str(text).split(":", 1)[0] if text else "",
             traceback=str(message.get("extraInfo", {}).get("py_callstack", "")) if isinstance(message, dict) else "",
         )
@@ -207,21 +228,29 @@ class Summary:
             return self._hang_text(prefix)
         if self.preempted:
             ranks = format_ranks(f.rank for f in (self.root, *self.others) if f.kind == "preempted")
-            return (f"{prefix}the job was preempted: {ranks} stopped with exit code "
-                    f"{EXIT_PREEMPTED}. Resume it by running the same command again.")
+            return (
+                f"{prefix}the job was preempted: {ranks} stopped with exit code "
+                f"{EXIT_PREEMPTED}. Resume it by running the same command again."
+            )
         lines = [f"{prefix}{self.headline()}"]
         if self.root.traceback and self.root.error_type != "SystemExit":  # an exit is no error to trace
             lines += ["  " + line for line in self.root.traceback.rstrip().splitlines()]
         named = self.headline().startswith("ranks ") and self.root.kind == "exit"
         stopped = [f for f in self.others if f.kind in ("stopped", "preempted")]
-        lost = [f for f in self.others if f.kind not in ("stopped", "preempted")
-                and not (named and f.kind == "exit" and f.code == self.root.code)]
+        lost = [
+            f
+            for f in self.others
+            if f.kind not in ("stopped", "preempted") and not (named and f.kind == "exit" and f.code == self.root.code)
+        ]
         if self.root.kind == "peer" and stopped:
-            lines.append(f"{prefix}{_ranks(stopped)} had not failed when it gave up: if one of "
-                         "them was stuck (a hang, or slow work outside the collectives), it is the cause.")
+            lines.append(
+                f"{prefix}{_ranks(stopped)} had not failed when it gave up: if one of "
+                "them was stuck (a hang, or slow work outside the collectives), it is the cause."
+            )
         elif self.root.kind == "peer":
-            lines.append(f"{prefix}no rank on this node failed first; look for the failing rank in "
-                         "the other nodes' output.")
+            lines.append(
+                f"{prefix}no rank on this node failed first; look for the failing rank in the other nodes' output."
+            )
         elif stopped:
             lines.append(f"{prefix}stopped because of it: {_ranks(stopped)}")
         for f in lost:
@@ -232,9 +261,12 @@ class Summary:
         assert self.hang is not None
         first, *details = _hang_lines(self.hang)
         waited = [f for f in (self.root, *self.others) if f.kind == "waited"]
-        lines = [f"{prefix}{first}", *("  " + line for line in details),
-                 f"{prefix}{_ranks(waited)} gave up waiting after the timeout (lockstep run "
-                 "--timeout SECONDS, or Session(timeout=...)); they are not the cause."]
+        lines = [
+            f"{prefix}{first}",
+            *("  " + line for line in details),
+            f"{prefix}{_ranks(waited)} gave up waiting after the timeout (lockstep run "
+            "--timeout SECONDS, or Session(timeout=...)); they are not the cause.",
+        ]
         if self.root is not self.hang:
             lines.append(f"{prefix}rank {self.root.rank} was then stopped ({self.root.describe()})")
         return "\n".join(lines)
@@ -280,8 +312,7 @@ def summarize(failures: list[Failure]) -> Summary:
         # nothing failed before the first rank gave up waiting: blame the rank it named
         named = [f for f in failures if f.rank in reports[0].blame]
         root = named[0] if named else reports[0]
-        return Summary(root=root, others=tuple(f for f in ordered if f is not root), preempted=False,
-                       hang=reports[0])
+        return Summary(root=root, others=tuple(f for f in ordered if f is not root), preempted=False, hang=reports[0])
     root = ordered[0]
     blamed = [f for f in failures if f.kind != "stopped"]
     preempted = bool(blamed) and all(f.kind == "preempted" for f in blamed)

@@ -56,8 +56,10 @@ class JobReporter:
     def restarting(self, raw: Mapping[int, Any], attempt: int) -> None:
         summary = summarize(self.failures(raw))
         total = self.spec.max_restarts + 1
-        lines = [f"{PREFIX}restarting the job (attempt {attempt} of {total}) after "
-                 f"rank {summary.root.rank} {summary.root.describe()}"]
+        lines = [
+            f"{PREFIX}restarting the job (attempt {attempt} of {total}) after "
+            f"rank {summary.root.rank} {summary.root.describe()}"
+        ]
         # the same crash again: once is enough; an exit (sys.exit) is no error to trace
         if summary.root.traceback != self._shown_traceback and summary.root.error_type != "SystemExit":
             lines += ["  " + line for line in summary.root.traceback.rstrip().splitlines()]
@@ -82,8 +84,10 @@ class JobReporter:
     def signalled(self, signum: int) -> int:
         codes = [c for c in self.exit_codes.values() if c is not None]
         if codes and all(c == EXIT_PREEMPTED for c in codes):
-            say(f"{PREFIX}received {signal_name(signum)}: the job was preempted; every rank stopped with "
-                 f"exit code {EXIT_PREEMPTED}. Resume it by running the same command again.")
+            say(
+                f"{PREFIX}received {signal_name(signum)}: the job was preempted; every rank stopped with "
+                f"exit code {EXIT_PREEMPTED}. Resume it by running the same command again."
+            )
             return EXIT_PREEMPTED
         say(f"{PREFIX}received {signal_name(signum)}: stopped every rank")
         return 128 + signum

@@ -106,11 +106,18 @@ def _environments(nprocs: int, nodes: int, node_rank: int, host: str, port: int)
     world = nodes * nprocs
     envs = []
     for local_rank in range(nprocs):
-        envs.append({
-            "RANK": str(node_rank * nprocs + local_rank), "WORLD_SIZE": str(world),
-            "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(nprocs), "GROUP_RANK": str(node_rank),
-            "MASTER_ADDR": host, "MASTER_PORT": str(port), "LOCKSTEP_SOURCE": "spawn",
-        })
+        envs.append(
+            {
+                "RANK": str(node_rank * nprocs + local_rank),
+                "WORLD_SIZE": str(world),
+                "LOCAL_RANK": str(local_rank),
+                "LOCAL_WORLD_SIZE": str(nprocs),
+                "GROUP_RANK": str(node_rank),
+                "MASTER_ADDR": host,
+                "MASTER_PORT": str(port),
+                "LOCKSTEP_SOURCE": "spawn",
+            }
+        )
         if nprocs > 1 and "OMP_NUM_THREADS" not in os.environ:
             envs[-1]["OMP_NUM_THREADS"] = "1"  # as torchrun: N processes must not oversubscribe the CPU
     return envs
@@ -118,11 +125,15 @@ def _environments(nprocs: int, nodes: int, node_rank: int, host: str, port: int)
 
 def _check(fn: Callable[..., Any], nprocs: int, nodes: int, node_rank: int, master: str | None) -> tuple[str, int]:
     if nprocs < 1 or nodes < 1 or not 0 <= node_rank < nodes:
-        raise ConfigError(f"spawn needs nprocs >= 1, nodes >= 1 and 0 <= node_rank < nodes; got "
-                          f"nprocs={nprocs}, nodes={nodes}, node_rank={node_rank}")
+        raise ConfigError(
+            f"spawn needs nprocs >= 1, nodes >= 1 and 0 <= node_rank < nodes; got "
+            f"nprocs={nprocs}, nodes={nodes}, node_rank={node_rank}"
+        )
     if getattr(fn, "__module__", None) == "__main__" and not hasattr(sys.modules["__main__"], "__file__"):
-        raise ConfigError(f"spawn cannot send {getattr(fn, '__name__', fn)!r} to new processes: it is defined "
-                          "in a notebook cell. Put it in a .py file and import it from there.")
+        raise ConfigError(
+            f"spawn cannot send {getattr(fn, '__name__', fn)!r} to new processes: it is defined "
+            "in a notebook cell. Put it in a .py file and import it from there."
+        )
     host, _, port_text = (master or "127.0.0.1:0").rpartition(":")
     host = host.strip("[]") or "127.0.0.1"
     try:

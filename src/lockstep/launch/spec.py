@@ -23,9 +23,22 @@ from typing import Any
 
 from lockstep.errors import DEFAULT_GRACE, ConfigError
 
-__all__ = ["LaunchSpec", "parse_master", "parse_nodes", "exposure_warning", "oversubscription_warning", "resolve_nproc",
-           "slurm_defaults", "check_seconds", "import_torch_quietly", "read_secret", "DEFAULT_JOIN_TIMEOUT",
-           "DEFAULT_GRACE", "PREFIX", "OVERSUBSCRIBE_PER_CORE"]
+__all__ = [
+    "LaunchSpec",
+    "parse_master",
+    "parse_nodes",
+    "exposure_warning",
+    "oversubscription_warning",
+    "resolve_nproc",
+    "slurm_defaults",
+    "check_seconds",
+    "import_torch_quietly",
+    "read_secret",
+    "DEFAULT_JOIN_TIMEOUT",
+    "DEFAULT_GRACE",
+    "PREFIX",
+    "OVERSUBSCRIBE_PER_CORE",
+]
 
 DEFAULT_JOIN_TIMEOUT = 900.0
 PREFIX = "lockstep run: "
@@ -94,8 +107,9 @@ class LaunchSpec:
         if self.max_nodes is not None:
             self._check_elastic()
         elif not 0 <= self.node_rank < self.nodes:
-            raise ConfigError(f"--node-rank {self.node_rank} is out of range for --nodes {self.nodes} "
-                              f"(use 0 to {self.nodes - 1})")
+            raise ConfigError(
+                f"--node-rank {self.node_rank} is out of range for --nodes {self.nodes} (use 0 to {self.nodes - 1})"
+            )
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts must be 0 or more, got {self.max_restarts}")
         check_seconds("--join-timeout", self.join_timeout)
@@ -103,11 +117,15 @@ class LaunchSpec:
             check_seconds("--timeout", self.timeout)
         check_seconds("--grace", self.grace, zero_ok=True)
         if (self.nodes > 1 or self.max_nodes is not None) and self.master is None:
-            raise ConfigError(f"--nodes {self.nodes} needs --master HOST:PORT (node 0's address and a "
-                              "free port, the same on every node)")
+            raise ConfigError(
+                f"--nodes {self.nodes} needs --master HOST:PORT (node 0's address and a "
+                "free port, the same on every node)"
+            )
         if self.master is not None and parse_master(self.master)[1] == 0:
-            raise ConfigError("--master needs a real port, the same on every node; on one node, leave "
-                              "out --master and a free port is picked")
+            raise ConfigError(
+                "--master needs a real port, the same on every node; on one node, leave "
+                "out --master and a free port is picked"
+            )
         if not self.module and not os.path.isfile(self.target):
             raise ConfigError(f"script {self.target!r} does not exist (use -m to run a module)")
 
@@ -115,8 +133,10 @@ class LaunchSpec:
         if not 1 <= self.nodes <= int(self.max_nodes or 0):
             raise ConfigError(f"--nodes {self.nodes}:{self.max_nodes}: MIN must be at least 1 and at most MAX")
         if not self.secret:
-            raise ConfigError(f"--nodes {self.nodes}:{self.max_nodes} needs --secret-file (the same content on "
-                              "every node): the nodes meet in a store on the network, whose values the secret signs")
+            raise ConfigError(
+                f"--nodes {self.nodes}:{self.max_nodes} needs --secret-file (the same content on "
+                "every node): the nodes meet in a store on the network, whose values the secret signs"
+            )
 
     @property
     def elastic(self) -> bool:
@@ -238,9 +258,11 @@ def exposure_warning(host: str) -> str | None:
         if not addr.is_global:  # private, loopback, link-local, carrier-grade NAT (100.64/10)...
             return None
         what = f"the public address {host}"
-    return (f"{PREFIX}warning: --master names {what}; the rendezvous store listens there and anyone who "
-            "reaches it can disturb the job (lockstep's own values are signed with the job's secret, "
-            "torch's are not). Use a private interface.")
+    return (
+        f"{PREFIX}warning: --master names {what}; the rendezvous store listens there and anyone who "
+        "reaches it can disturb the job (lockstep's own values are signed with the job's secret, "
+        "torch's are not). Use a private interface."
+    )
 
 
 def oversubscription_warning(nproc: int, cpus: int | None = None, gpus: int | None = None) -> str | None:
@@ -265,11 +287,15 @@ def oversubscription_warning(nproc: int, cpus: int | None = None, gpus: int | No
 
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus > 0 and nproc > gpus:
-        return (f"{PREFIX}warning: {nproc} processes on this node but {gpus} GPU{'s' if gpus > 1 else ''}: "
-                "ranks will share GPUs (nccl refuses two ranks on one GPU); use --nproc gpu for one per GPU")
+        return (
+            f"{PREFIX}warning: {nproc} processes on this node but {gpus} GPU{'s' if gpus > 1 else ''}: "
+            "ranks will share GPUs (nccl refuses two ranks on one GPU); use --nproc gpu for one per GPU"
+        )
     if gpus == 0 and nproc > OVERSUBSCRIBE_PER_CORE * cpus:
-        return (f"{PREFIX}warning: {nproc} processes on {cpus} CPU core{'s' if cpus > 1 else ''}: they will mostly "
-                "wait for each other (and each needs its own memory); use --nproc cpu for one per core")
+        return (
+            f"{PREFIX}warning: {nproc} processes on {cpus} CPU core{'s' if cpus > 1 else ''}: they will mostly "
+            "wait for each other (and each needs its own memory); use --nproc cpu for one per core"
+        )
     return None
 
 

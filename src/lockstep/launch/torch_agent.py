@@ -97,8 +97,9 @@ def reporting_agent(report: JobReporter) -> Iterator[None]:
             pids = super()._start_workers(worker_group)
             if report.spec.relayed:
                 relay.stop()
-                relay = relay_for(self._pcontext, worker_group.workers, sys.stdout, sys.stderr,
-                                  report.shown_local_ranks()).start()
+                relay = relay_for(
+                    self._pcontext, worker_group.workers, sys.stdout, sys.stderr, report.shown_local_ranks()
+                ).start()
             return pids
 
         def _monitor_workers(self, worker_group: Any) -> Any:

@@ -15,5 +15,14 @@ from lockstep.loggers.base import Logger, LoggerSet, require, scalars
 from lockstep.loggers.files import CSVLogger, TensorBoardLogger
 from lockstep.loggers.tracking import MLflowLogger, WandbLogger, tracking_uri
 
-__all__ = ["Logger", "LoggerSet", "CSVLogger", "TensorBoardLogger", "MLflowLogger", "WandbLogger", "require",
-           "scalars", "tracking_uri"]
+__all__ = [
+    "Logger",
+    "LoggerSet",
+    "CSVLogger",
+    "TensorBoardLogger",
+    "MLflowLogger",
+    "WandbLogger",
+    "require",
+    "scalars",
+    "tracking_uri",
+]

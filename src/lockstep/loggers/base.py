@@ -41,8 +41,10 @@ def require(module: str, extra: str, who: str) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError as exc:
-        raise ConfigError(f"{who} needs the {module} package, which is not installed ({exc}); install it with "
-                          f"pip install 'lockstep[{extra}]'") from None
+        raise ConfigError(
+            f"{who} needs the {module} package, which is not installed ({exc}); install it with "
+            f"pip install 'lockstep[{extra}]'"
+        ) from None
 
 
 def scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
@@ -173,5 +175,3 @@ class LoggerSet:
         """Close every logger (on every rank: a logger never opened closes nothing)."""
         for logger in self.loggers:
             logger.close()
-
-

@@ -36,8 +36,13 @@ class CSVLogger(Logger):
         CSVLogger("runs/a", columns=("epoch", "step", "loss"))
     """
 
-    def __init__(self, directory: str | Path, filename: str = "metrics.csv", columns: Sequence[str] | None = None,
-                 step_column: str = "step") -> None:
+    def __init__(
+        self,
+        directory: str | Path,
+        filename: str = "metrics.csv",
+        columns: Sequence[str] | None = None,
+        step_column: str = "step",
+    ) -> None:
         super().__init__(directory)
         self.path = Path(directory) / filename
         self.step_column = step_column
@@ -81,7 +86,8 @@ class CSVLogger(Logger):
         row[self.step_column] = step
         with open(self.path, "a", newline="") as f:
             csv.DictWriter(f, fieldnames=self.columns, extrasaction="ignore").writerow(
-                {k: _cell(row.get(k, "")) for k in self.columns})
+                {k: _cell(row.get(k, "")) for k in self.columns}
+            )
 
 
 def _number(text: str | None) -> float:
@@ -94,7 +100,7 @@ def _number(text: str | None) -> float:
 
 def _cell(value: Any) -> Any:
     """Integers stay integers in the file (``3``, not ``3.0``)."""
-    return int(value) if isinstance(value, float) and value.is_integer() and abs(value) < 2 ** 53 else value
+    return int(value) if isinstance(value, float) and value.is_integer() and abs(value) < 2**53 else value
 
 
 class TensorBoardLogger(Logger):

@@ -40,7 +40,7 @@ def tracking_uri(where: str | Path) -> str:
 def _artifacts(uri: str) -> str | None:
     """Where a new experiment keeps artifacts: beside a sqlite database (not in the working directory)."""
     if uri.startswith("sqlite:///"):
-        return (Path(uri[len("sqlite:///"):]).parent / "artifacts").resolve().as_uri()
+        return (Path(uri[len("sqlite:///") :]).parent / "artifacts").resolve().as_uri()
     return None
 
 
@@ -64,8 +64,13 @@ class MLflowLogger(Logger):
 
     extra = "mlflow"
 
-    def __init__(self, where: str | Path, experiment: str = "lockstep", run_name: str | None = None,
-                 params: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        where: str | Path,
+        experiment: str = "lockstep",
+        run_name: str | None = None,
+        params: Mapping[str, Any] | None = None,
+    ) -> None:
         super().__init__(tracking_uri(where))
         require("mlflow", self.extra, type(self).__name__)
         self.experiment, self.run_name, self.params = experiment, run_name, dict(params or {})
@@ -81,11 +86,14 @@ class MLflowLogger(Logger):
         from mlflow.tracking import MlflowClient
 
         if self.directory.startswith("sqlite:///"):
-            Path(self.directory[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+            Path(self.directory[len("sqlite:///") :]).parent.mkdir(parents=True, exist_ok=True)
         self._client = client = MlflowClient(tracking_uri=self.directory)
         found = client.get_experiment_by_name(self.experiment)
-        experiment_id = found.experiment_id if found is not None else client.create_experiment(
-            self.experiment, artifact_location=_artifacts(self.directory))
+        experiment_id = (
+            found.experiment_id
+            if found is not None
+            else client.create_experiment(self.experiment, artifact_location=_artifacts(self.directory))
+        )
         self.run_id = client.create_run(experiment_id, run_name=self.run_name).info.run_id
         for key, value in self.params.items():
             client.log_param(self.run_id, key, str(value))
@@ -123,12 +131,20 @@ class WandbLogger(Logger):
 
     extra = "wandb"
 
-    def __init__(self, directory: str | Path, project: str = "lockstep", name: str | None = None,
-                 config: Mapping[str, Any] | None = None, mode: str = "offline") -> None:
+    def __init__(
+        self,
+        directory: str | Path,
+        project: str = "lockstep",
+        name: str | None = None,
+        config: Mapping[str, Any] | None = None,
+        mode: str = "offline",
+    ) -> None:
         super().__init__(directory)
         require("wandb", self.extra, type(self).__name__)
         if mode not in ("offline", "online"):
-            raise ConfigError(f"WandbLogger(mode={mode!r}): choose 'offline' (no network; wandb sync later) or 'online'")
+            raise ConfigError(
+                f"WandbLogger(mode={mode!r}): choose 'offline' (no network; wandb sync later) or 'online'"
+            )
         self.project, self.name, self.config, self.mode = project, name, dict(config or {}), mode
         self._run: Any = None
 
@@ -141,8 +157,12 @@ class WandbLogger(Logger):
 
         Path(self.directory).mkdir(parents=True, exist_ok=True)
         settings = wandb.Settings(silent=True, console="off")  # the job's output stays the job's
-        self._run = wandb.init(mode=self.mode, dir=self.directory,  # type: ignore[arg-type]  # checked when built project=self.project, name=self.name,
-                               config=self.config, settings=settings)
+        self._run = wandb.init(
+            mode=self.mode,
+            dir=self.directory,  # type: ignore[arg-type]  # checked when built project=self.project, name=self.name,
+            config=self.config,
+            settings=settings,
+        )
 
     def _write(self, metrics: Mapping[str, float], step: int) -> None:
         self._run.log(dict(metrics), step=step)

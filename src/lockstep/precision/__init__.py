@@ -38,8 +38,16 @@ from lockstep.precision.base import LossScaler, Precision
 from lockstep.precision.half import HalfPrecision, MasterWeightPrecision
 
 __all__ = [
-    "Precision", "MixedPrecision", "HalfPrecision", "MasterWeightPrecision", "LossScaler",
-    "get_precision", "build_precision", "available_precisions", "canonical_precision", "check_precision",
+    "Precision",
+    "MixedPrecision",
+    "HalfPrecision",
+    "MasterWeightPrecision",
+    "LossScaler",
+    "get_precision",
+    "build_precision",
+    "available_precisions",
+    "canonical_precision",
+    "check_precision",
 ]
 
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "fp16-o2", "bf16", "fp16")
@@ -73,8 +81,7 @@ def canonical_precision(name: str) -> str:
     key = ALIASES.get(key, key)
     if key not in PRECISIONS:
         raise ConfigError(
-            f"unknown precision {name!r}; choose one of: {', '.join(PRECISIONS)} "
-            "(or the apex levels O0, O1, O2, O3)"
+            f"unknown precision {name!r}; choose one of: {', '.join(PRECISIONS)} (or the apex levels O0, O1, O2, O3)"
         )
     return key
 
@@ -98,8 +105,7 @@ def check_precision(name: str, device: torch.device | None = None) -> str:
     cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
     if key in ("bf16", "bf16-mixed") and cuda and not torch.cuda.is_bf16_supported():
         raise ConfigError(
-            f"precision {key} needs a GPU with bf16 support (Ampere or newer); "
-            "use fp16-mixed on this GPU"
+            f"precision {key} needs a GPU with bf16 support (Ampere or newer); use fp16-mixed on this GPU"
         )
     return key
 

@@ -32,12 +32,25 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["AgreedGradScaler", "check_and_unscale_", "steps_on_found_inf", "hand_found_inf", "take_found_inf",
-           "has_grad_scale", "version_of", "BATCHNORM_TYPES"]
+__all__ = [
+    "AgreedGradScaler",
+    "check_and_unscale_",
+    "steps_on_found_inf",
+    "hand_found_inf",
+    "take_found_inf",
+    "has_grad_scale",
+    "version_of",
+    "BATCHNORM_TYPES",
+]
 
 BATCHNORM_TYPES: tuple[type[nn.Module], ...] = (
-    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm,
-    nn.LazyBatchNorm1d, nn.LazyBatchNorm2d, nn.LazyBatchNorm3d,
+    nn.BatchNorm1d,
+    nn.BatchNorm2d,
+    nn.BatchNorm3d,
+    nn.SyncBatchNorm,
+    nn.LazyBatchNorm1d,
+    nn.LazyBatchNorm2d,
+    nn.LazyBatchNorm3d,
 )
 """Every BatchNorm class of torch (the subclasses of its private ``_BatchNorm``), SyncBatchNorm included."""
 

@@ -18,16 +18,33 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["TrainConfig", "check_data", "DataSpec", "ImageData", "open_data", "parse_data", "ConvNet",
-           "build_model", "model_names", "train"]
+__all__ = [
+    "TrainConfig",
+    "check_data",
+    "DataSpec",
+    "ImageData",
+    "open_data",
+    "parse_data",
+    "ConvNet",
+    "build_model",
+    "model_names",
+    "train",
+]
 
 # Each name is imported when first used: `lockstep train --resume` reads the run's flags through
 # lockstep.recipes.config and refuses a conflicting one before torch is imported.
-_HOMES = {"TrainConfig": "lockstep.recipes.config", "check_data": "lockstep.recipes.checks",
-          "DataSpec": "lockstep.zoo.datasets", "ImageData": "lockstep.zoo.datasets",
-          "open_data": "lockstep.zoo.datasets", "parse_data": "lockstep.zoo.datasets",
-          "ConvNet": "lockstep.zoo.models", "build_model": "lockstep.zoo.models",
-          "model_names": "lockstep.zoo.models", "train": "lockstep.recipes.train"}
+_HOMES = {
+    "TrainConfig": "lockstep.recipes.config",
+    "check_data": "lockstep.recipes.checks",
+    "DataSpec": "lockstep.zoo.datasets",
+    "ImageData": "lockstep.zoo.datasets",
+    "open_data": "lockstep.zoo.datasets",
+    "parse_data": "lockstep.zoo.datasets",
+    "ConvNet": "lockstep.zoo.models",
+    "build_model": "lockstep.zoo.models",
+    "model_names": "lockstep.zoo.models",
+    "train": "lockstep.recipes.train",
+}
 
 
 def __getattr__(name: str) -> Any:

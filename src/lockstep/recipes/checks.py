@@ -54,8 +54,9 @@ def check_out(config: TrainConfig) -> None:
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:
-        raise ConfigError(f"--out {out}: cannot write there ({exc.strerror or exc}); "
-                          "choose a writable folder") from None
+        raise ConfigError(
+            f"--out {out}: cannot write there ({exc.strerror or exc}); choose a writable folder"
+        ) from None
     if config.node_rank != 0:
         return  # the folder is node 0's to lock (rank 0 holds it); on a shared file system the
         # other nodes' launchers would find each other's probes and refuse their own job

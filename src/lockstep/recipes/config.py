@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from lockstep.errors import ConfigError
@@ -28,10 +28,33 @@ __all__ = ["TrainConfig", "resume_values", "CHECKPOINTS", "RUN_FLAGS", "RESUME_M
 
 CHECKPOINTS = "checkpoints"
 _PROGRESS = ("auto", "on", "off")
-RUN_FLAGS = ("model", "data", "strategy", "precision", "grad_compression", "powersgd_rank", "powersgd_start_iter",
-             "epochs", "batch_size", "lr", "scale_lr", "base_batch",
-             "momentum", "weight_decay", "sync_bn", "accumulate", "seed", "out", "keep", "image_size", "max_steps",
-             "weights", "pretrained", "val_fraction", "order")
+RUN_FLAGS = (
+    "model",
+    "data",
+    "strategy",
+    "precision",
+    "grad_compression",
+    "powersgd_rank",
+    "powersgd_start_iter",
+    "epochs",
+    "batch_size",
+    "lr",
+    "scale_lr",
+    "base_batch",
+    "momentum",
+    "weight_decay",
+    "sync_bn",
+    "accumulate",
+    "seed",
+    "out",
+    "keep",
+    "image_size",
+    "max_steps",
+    "weights",
+    "pretrained",
+    "val_fraction",
+    "order",
+)
 """The fields that say what a run computes: a preempted run continues only with the same ones
 (where, how many processes and how it is shown may change)."""
 RESUME_MAY_CHANGE = ("epochs", "keep")
@@ -163,7 +186,9 @@ class TrainConfig:
         if not 0 <= self.node_rank < self.nodes:
             raise ConfigError(f"--node-rank {self.node_rank} is out of range for --nodes {self.nodes}")
         if self.nodes > 1 and self.master is None:
-            raise ConfigError(f"--nodes {self.nodes} needs --master HOST:PORT (node 0's address, the same on every node)")
+            raise ConfigError(
+                f"--nodes {self.nodes} needs --master HOST:PORT (node 0's address, the same on every node)"
+            )
 
     def _check_strategy(self) -> None:
         session = self.session_config()  # the Session's own checks, before any worker starts
@@ -180,16 +205,26 @@ class TrainConfig:
         """
         from lockstep.zoo.options import session_config
 
-        return session_config(strategy=self.strategy, precision=self.precision, sync_bn=self.sync_bn,
-                              accumulate=self.accumulate, seed=self.seed, timeout=self.timeout,
-                              grad_compression=self.grad_compression, powersgd_rank=self.powersgd_rank,
-                              powersgd_start_iter=self.powersgd_start_iter, compile=self.compile,
-                              order=self.order)
+        return session_config(
+            strategy=self.strategy,
+            precision=self.precision,
+            sync_bn=self.sync_bn,
+            accumulate=self.accumulate,
+            seed=self.seed,
+            timeout=self.timeout,
+            grad_compression=self.grad_compression,
+            powersgd_rank=self.powersgd_rank,
+            powersgd_start_iter=self.powersgd_start_iter,
+            compile=self.compile,
+            order=self.order,
+        )
 
     def _check_files(self) -> None:
         if self.pretrained and self.weights is None:
-            raise ConfigError(f"lockstep train downloads nothing: give pretrained weights for {self.model} "
-                              "as a local file with --weights FILE (a torchvision .pth state dict)")
+            raise ConfigError(
+                f"lockstep train downloads nothing: give pretrained weights for {self.model} "
+                "as a local file with --weights FILE (a torchvision .pth state dict)"
+            )
         if self.weights is not None and not Path(self.weights).is_file():
             raise ConfigError(f"weights file {self.weights} does not exist")
         if self.resume and self.out is None:
@@ -207,16 +242,23 @@ class TrainConfig:
 
         marker = read_preempted(out)
         if marker is None:
-            raise ConfigError(f"--out {out} holds checkpoints of an earlier run; pass --resume to "
-                              "continue it, or choose another --out")
+            raise ConfigError(
+                f"--out {out} holds checkpoints of an earlier run; pass --resume to "
+                "continue it, or choose another --out"
+            )
         theirs, mine = marker.get("config", {}), self.to_dict()
         defaults = {f.name: f.default for f in dataclasses.fields(self)}  # a marker written before a flag existed
-        differ = [f"{_flag(k)} {theirs.get(k, defaults[k])} there, {mine[k]} here" for k in RUN_FLAGS
-                  if theirs.get(k, defaults[k]) != mine[k]]
+        differ = [
+            f"{_flag(k)} {theirs.get(k, defaults[k])} there, {mine[k]} here"
+            for k in RUN_FLAGS
+            if theirs.get(k, defaults[k]) != mine[k]
+        ]
         if differ:
-            raise ConfigError(f"--out {out} holds a preempted run with other flags ({'; '.join(differ[:3])}); "
-                              "run its own command again to continue it (or --resume without those flags: "
-                              "it takes the run's own from its config.json), or choose another --out")
+            raise ConfigError(
+                f"--out {out} holds a preempted run with other flags ({'; '.join(differ[:3])}); "
+                "run its own command again to continue it (or --resume without those flags: "
+                "it takes the run's own from its config.json), or choose another --out"
+            )
 
     @property
     def processes(self) -> int:
@@ -305,10 +347,12 @@ def resume_values(values: dict[str, Any], given: Collection[str]) -> dict[str, A
         elif name not in RESUME_MAY_CHANGE and recorded[name] != values[name]:
             differ.append(f"{_flag(name)} {values[name]} here, {recorded[name]} in the run")
     if differ:
-        raise ConfigError(f"--resume continues the run in {out} with its own settings ({out / CONFIG_FILE}), but "
-                          f"{'; '.join(differ)}; drop the flag to continue the run, or train in another --out "
-                          f"(only {', '.join(_flag(n) for n in RESUME_MAY_CHANGE)}, the process layout and how the "
-                          "run is shown may change on --resume)")
+        raise ConfigError(
+            f"--resume continues the run in {out} with its own settings ({out / CONFIG_FILE}), but "
+            f"{'; '.join(differ)}; drop the flag to continue the run, or train in another --out "
+            f"(only {', '.join(_flag(n) for n in RESUME_MAY_CHANGE)}, the process layout and how the "
+            "run is shown may change on --resume)"
+        )
     if not {"nproc", "nodes"} & set(given) and values.get("nproc") is None and recorded.get("nodes", 1) == 1:
         merged["nproc"] = recorded.get("world_size", recorded.get("nproc"))
     return merged

@@ -26,15 +26,32 @@ from typing import Any
 from lockstep.errors import ConfigError
 from lockstep.loggers import CSVLogger, Logger, TensorBoardLogger
 
-__all__ = ["RunLog", "read_preempted", "tensorboard_logger", "METRICS_FILE", "CONFIG_FILE", "PREEMPTED_FILE",
-           "TENSORBOARD_DIR", "COLUMNS"]
+__all__ = [
+    "RunLog",
+    "read_preempted",
+    "tensorboard_logger",
+    "METRICS_FILE",
+    "CONFIG_FILE",
+    "PREEMPTED_FILE",
+    "TENSORBOARD_DIR",
+    "COLUMNS",
+]
 
 METRICS_FILE = "metrics.csv"
 CONFIG_FILE = "config.json"
 PREEMPTED_FILE = "preempted.json"
 TENSORBOARD_DIR = "tensorboard"
-COLUMNS = ("epoch", "step", "train_loss", "test_loss", "test_accuracy", "test_count", "samples_per_s",
-           "epoch_time_s", "lr")
+COLUMNS = (
+    "epoch",
+    "step",
+    "train_loss",
+    "test_loss",
+    "test_accuracy",
+    "test_count",
+    "samples_per_s",
+    "epoch_time_s",
+    "lr",
+)
 
 
 def tensorboard_logger(directory: Path, say: Callable[[str], None] | None) -> TensorBoardLogger | None:
@@ -70,8 +87,9 @@ class RunLog:
         log = RunLog(None, is_main=True, start_epoch=0)   # writes nothing
     """
 
-    def __init__(self, out: Path | None, is_main: bool, start_epoch: int,
-                 say: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self, out: Path | None, is_main: bool, start_epoch: int, say: Callable[[str], None] | None = None
+    ) -> None:
         self.out = out if is_main else None
         self._loggers: list[Logger] = []
         if self.out is None:
@@ -84,8 +102,10 @@ class RunLog:
             logger.resume_at(start_epoch + 1)  # epochs count from 1 in the files
         self._csv.log({}, start_epoch)  # opens the file now: the rows a resumed run trains again are gone
         if say is not None:
-            say(f"lockstep train: writing {METRICS_FILE}, config.json, checkpoints"
-                f"{' and TensorBoard events' if self._tb is not None else ''} to {self.out.resolve()}")
+            say(
+                f"lockstep train: writing {METRICS_FILE}, config.json, checkpoints"
+                f"{' and TensorBoard events' if self._tb is not None else ''} to {self.out.resolve()}"
+            )
 
     def write_config(self, config: dict[str, Any]) -> None:
         """Write ``config.json`` (the run's flags, resolved defaults and world).

@@ -75,8 +75,9 @@ def _prepare(session: lockstep.Session, config: TrainConfig, data: Any) -> tuple
     if config.weights is not None:
         skipped = load_weights(model, config.weights)
         session.print(f"lockstep train: started from {config.weights}; left at random: {', '.join(skipped) or 'none'}")
-    model, optimizer = session.setup(model, lambda params: torch.optim.SGD(
-        params, lr=lr, momentum=config.momentum, weight_decay=config.weight_decay))
+    model, optimizer = session.setup(
+        model, lambda params: torch.optim.SGD(params, lr=lr, momentum=config.momentum, weight_decay=config.weight_decay)
+    )
     options = {} if config.workers is None else {"num_workers": config.workers}
     train_loader = session.loader(materialized(data.train), config.batch_size, shuffle=True, **options)
     test_loader = session.loader(materialized(data.test), EVAL_BATCH, eval=True, **options)
@@ -101,23 +102,31 @@ def _run(session: lockstep.Session, config: TrainConfig, data: Any) -> None:
         logger.resume_at(session.global_step + 1)  # steps after the checkpoint are trained (and logged) again
     log = RunLog(out, session.is_main, start, say=session.print)
     # "resume": whether this run continued from a checkpoint (every worker is given --resume)
-    log.write_config({**config.to_dict(), "resume": state.resumed, "world_size": session.world_size,
-                      "image_size": data.image_size,
-                      "lr_effective": lr, "global_batch": train_loader.batch_size * session.world_size
-                      * session.accumulate, "lockstep": lockstep.__version__,
-                      "torch": torch.__version__})
+    log.write_config(
+        {
+            **config.to_dict(),
+            "resume": state.resumed,
+            "world_size": session.world_size,
+            "image_size": data.image_size,
+            "lr_effective": lr,
+            "global_batch": train_loader.batch_size * session.world_size * session.accumulate,
+            "lockstep": lockstep.__version__,
+            "torch": torch.__version__,
+        }
+    )
     began = time.perf_counter()
     try:
         for epoch in session.epochs(config.epochs, start=start):
             row = _epoch(session, config, model, optimizer, train_loader, test_loader)
             row.update(epoch=epoch + 1, step=session.global_step, lr=lr)
-            session.print(f"Epoch [{epoch + 1}/{config.epochs}] train loss {row['train_loss']:.4f}, "
-                          f"test loss {row['test_loss']:.4f}, test accuracy {row['test_accuracy']:.4f} "
-                          f"({row['test_count']} samples), {row['samples_per_s']:.0f} samples/s, "
-                          f"{row['epoch_time_s']:.1f} s")
+            session.print(
+                f"Epoch [{epoch + 1}/{config.epochs}] train loss {row['train_loss']:.4f}, "
+                f"test loss {row['test_loss']:.4f}, test accuracy {row['test_accuracy']:.4f} "
+                f"({row['test_count']} samples), {row['samples_per_s']:.0f} samples/s, "
+                f"{row['epoch_time_s']:.1f} s"
+            )
             if checkpoints is not None:
-                session.save(checkpoints, model=model, optimizer=optimizer, keep=config.keep,
-                             epochs_done=epoch + 1)
+                session.save(checkpoints, model=model, optimizer=optimizer, keep=config.keep, epochs_done=epoch + 1)
             log.epoch(row)
     except lockstep.Preempted as stop:
         log.preempted(config.to_dict(), stop.step, stop.path)  # the same command continues it
@@ -126,13 +135,21 @@ def _run(session: lockstep.Session, config: TrainConfig, data: Any) -> None:
         log.close()
     log.finished()
     if start >= config.epochs:
-        session.print(f"lockstep train: nothing to train: the checkpoint already covers {start} of "
-                      f"{config.epochs} epochs (raise --epochs to train more)")
+        session.print(
+            f"lockstep train: nothing to train: the checkpoint already covers {start} of "
+            f"{config.epochs} epochs (raise --epochs to train more)"
+        )
     session.print(f"Training complete in {time.perf_counter() - began:.1f} s")
 
 
-def _epoch(session: lockstep.Session, config: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer,
-           train_loader: Any, test_loader: Any) -> dict[str, Any]:
+def _epoch(
+    session: lockstep.Session,
+    config: TrainConfig,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    train_loader: Any,
+    test_loader: Any,
+) -> dict[str, Any]:
     """Train one epoch and evaluate; return the row of ``metrics.csv`` (without epoch and step)."""
     criterion = nn.CrossEntropyLoss()
     limit = config.max_steps * config.accumulate if config.max_steps is not None else None
@@ -159,15 +176,22 @@ def _epoch(session: lockstep.Session, config: TrainConfig, model: nn.Module, opt
             bar.close()
     elapsed = time.perf_counter() - began
     if took == 0 and session.skipped_steps > skipped:  # the same decision on every rank
-        raise DivergedError(f"every step of epoch {session.epoch + 1} was skipped: the loss was not finite "
-                            f"({session.skipped_steps - skipped} steps); lower --lr, or check the data and "
-                            "--weights")
+        raise DivergedError(
+            f"every step of epoch {session.epoch + 1} was skipped: the loss was not finite "
+            f"({session.skipped_steps - skipped} steps); lower --lr, or check the data and "
+            "--weights"
+        )
     session.all_reduce(totals)
     loss_sum, samples = totals.tolist()
     result = lockstep.metrics.evaluate(model, test_loader, session)
-    return {"train_loss": loss_sum / samples if samples else math.nan, "test_loss": result["loss"],
-            "test_accuracy": result["accuracy"], "test_count": int(result["count"]),
-            "samples_per_s": samples / max(elapsed, 1e-9), "epoch_time_s": elapsed}
+    return {
+        "train_loss": loss_sum / samples if samples else math.nan,
+        "test_loss": result["loss"],
+        "test_accuracy": result["accuracy"],
+        "test_count": int(result["count"]),
+        "samples_per_s": samples / max(elapsed, 1e-9),
+        "epoch_time_s": elapsed,
+    }
 
 
 def _progress(session: lockstep.Session, config: TrainConfig, loader: Any) -> Iterable[Any]:

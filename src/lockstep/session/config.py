@@ -67,8 +67,18 @@ OWNERS: dict[str, str] = {
 }
 """The one module whose messages refuse each option (a layout test holds the code to it)."""
 
-_FLAGS = ("strategy", "precision", "sync_bn", "accumulate", "seed", "timeout", "grad_compression", "compile",
-          "nonfinite", "order")
+_FLAGS = (
+    "strategy",
+    "precision",
+    "sync_bn",
+    "accumulate",
+    "seed",
+    "timeout",
+    "grad_compression",
+    "compile",
+    "nonfinite",
+    "order",
+)
 """The options the apps (``lockstep train``, ``bench``, ``verify``) take as flags too."""
 
 
@@ -181,8 +191,10 @@ class SessionConfig:
         defaults = {f.name: f.default for f in fields(cls)}
         mixed = sorted(k for k, v in keywords.items() if v != defaults[k])
         if mixed:
-            raise ConfigError(f"Session(config=...) takes every option from the config, and {', '.join(mixed)} "
-                              "were given too; put them in SessionConfig(...)")
+            raise ConfigError(
+                f"Session(config=...) takes every option from the config, and {', '.join(mixed)} "
+                "were given too; put them in SessionConfig(...)"
+            )
         return config
 
     def __post_init__(self) -> None:
@@ -207,30 +219,37 @@ class SessionConfig:
         self._set("strategy", check_strategy(self.strategy))
         _check_bool("sync_bn", self.sync_bn)
         if self.sync_bn and self.strategy == "dp":
-            raise ConfigError(f"{_given('sync_bn', True)} needs strategy 'ddp' or 'fsdp': SyncBatchNorm does not "
-                              "work inside nn.DataParallel replicas; drop it or use ddp")
+            raise ConfigError(
+                f"{_given('sync_bn', True)} needs strategy 'ddp' or 'fsdp': SyncBatchNorm does not "
+                "work inside nn.DataParallel replicas; drop it or use ddp"
+            )
         if self.sync_bn and not torch.cuda.is_available():  # every rank's device is a GPU when one is visible
-            raise ConfigError(f"{_given('sync_bn', True)} needs GPUs: SyncBatchNorm only works on CUDA devices, and "
-                              "none is visible. Drop it (each rank then normalises over its own batch).")
+            raise ConfigError(
+                f"{_given('sync_bn', True)} needs GPUs: SyncBatchNorm only works on CUDA devices, and "
+                "none is visible. Drop it (each rank then normalises over its own batch)."
+            )
         if self.strategy == "horovod":
             import_horovod()  # refuses a missing or broken Horovod with the fix, as the strategy would
 
     def _check_numbers(self) -> None:
         """Numbers of the loop: NaN and infinity fail every comparison, so they are refused too."""
         if isinstance(self.accumulate, bool) or not isinstance(self.accumulate, int) or self.accumulate < 1:
-            raise ConfigError(f"{_given('accumulate', self.accumulate)} must be an integer >= 1 (micro-steps "
-                              "per optimizer step; 1 accumulates nothing)")
+            raise ConfigError(
+                f"{_given('accumulate', self.accumulate)} must be an integer >= 1 (micro-steps "
+                "per optimizer step; 1 accumulates nothing)"
+            )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ConfigError(f"{_given('seed', self.seed)} must be an integer")
         clip = self.clip_grad_norm
-        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float))
-                                 or not (math.isfinite(clip) and clip > 0)):
-            raise ConfigError(f"{_given('clip_grad_norm', clip)} must be a positive, finite number, or None "
-                              "for no clipping")
+        if clip is not None and (
+            isinstance(clip, bool) or not isinstance(clip, (int, float)) or not (math.isfinite(clip) and clip > 0)
+        ):
+            raise ConfigError(
+                f"{_given('clip_grad_norm', clip)} must be a positive, finite number, or None for no clipping"
+            )
         wait = self.preempt_check_seconds
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not (math.isfinite(wait) and wait > 0):
-            raise ConfigError(f"{_given('preempt_check_seconds', wait)} must be a positive, finite number of "
-                              "seconds")
+            raise ConfigError(f"{_given('preempt_check_seconds', wait)} must be a positive, finite number of seconds")
 
     def _check_choices(self) -> None:
         """Options with a fixed set of values, listed in the message."""
@@ -240,8 +259,10 @@ class SessionConfig:
             raise ConfigError(f"{_given('preemption', self.preemption)}; choose one of {', '.join(PREEMPTION_MODES)}")
         _check_bool("quiet", self.quiet)
         if self.init_method is not None and not (isinstance(self.init_method, str) and "://" in self.init_method):
-            raise ConfigError(f"{_given('init_method', self.init_method)} must be a URL such as env://, "
-                              "tcp://HOST:PORT or file:///PATH, or None for the launcher's")
+            raise ConfigError(
+                f"{_given('init_method', self.init_method)} must be a URL such as env://, "
+                "tcp://HOST:PORT or file:///PATH, or None for the launcher's"
+            )
 
     def _check_strategy_options(self) -> None:
         """The strategy's own options are its to check; here only their shape and ddp's ZeRO switch."""
@@ -251,9 +272,11 @@ class SessionConfig:
         self._set("strategy_options", dict(options or {}))
         _check_bool("shard_optimizer", self.shard_optimizer)
         if self.shard_optimizer and self.strategy not in ("ddp", "auto"):
-            raise ConfigError(f"{_given('shard_optimizer', True)} shards ddp's optimizer state (ZeRO-1); strategy "
-                              f"{self.strategy!r} has no such option (fsdp shards it already); use strategy "
-                              "'ddp' or drop it")
+            raise ConfigError(
+                f"{_given('shard_optimizer', True)} shards ddp's optimizer state (ZeRO-1); strategy "
+                f"{self.strategy!r} has no such option (fsdp shards it already); use strategy "
+                "'ddp' or drop it"
+            )
 
     def _check_lower_layers(self) -> None:
         """The rules owned by the layers below, each called once; what they return is the canonical value."""
@@ -269,9 +292,16 @@ class SessionConfig:
         options = self.strategy_options or {}
         compression = self.grad_compression if self.grad_compression is not None else options.get("grad_compression")
         knobs = {k: options.get(k, v) for k, v in POWERSGD_DEFAULTS.items()}
-        self._set("grad_compression", check_grad_compression(
-            compression, strategy=self.strategy, backend=self.backend, bucket_cap_mb=options.get("bucket_cap_mb"),
-            **knobs))
+        self._set(
+            "grad_compression",
+            check_grad_compression(
+                compression,
+                strategy=self.strategy,
+                backend=self.backend,
+                bucket_cap_mb=options.get("bucket_cap_mb"),
+                **knobs,
+            ),
+        )
         self._set("compile", check_compile(self.compile))
 
     def _check_data(self) -> None:
@@ -283,34 +313,47 @@ class SessionConfig:
         if batch is None:
             return
         if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-            raise ConfigError(f"{_given('global_batch', batch)} must be an integer >= 1 (samples per optimizer "
-                              "step over all processes), or None")
+            raise ConfigError(
+                f"{_given('global_batch', batch)} must be an integer >= 1 (samples per optimizer "
+                "step over all processes), or None"
+            )
         if self.accumulate != 1:
-            raise ConfigError(f"{_given('global_batch', batch)} plans the accumulation for the world size itself; "
-                              f"drop accumulate={self.accumulate}")
+            raise ConfigError(
+                f"{_given('global_batch', batch)} plans the accumulation for the world size itself; "
+                f"drop accumulate={self.accumulate}"
+            )
         if self.order != "lockstep":
-            raise ConfigError(f"{_given('global_batch', batch)} needs the data order 'lockstep' (one global "
-                              "cursor); the torch order pads each rank's share")
+            raise ConfigError(
+                f"{_given('global_batch', batch)} needs the data order 'lockstep' (one global "
+                "cursor); the torch order pads each rank's share"
+            )
         if self.strategy == "horovod":
-            raise ConfigError(f"{_given('global_batch', batch)} re-plans the accumulation per world size, which "
-                              "Horovod's optimizer fixes when it is built; use strategy 'ddp' or drop it")
+            raise ConfigError(
+                f"{_given('global_batch', batch)} re-plans the accumulation per world size, which "
+                "Horovod's optimizer fixes when it is built; use strategy 'ddp' or drop it"
+            )
 
     def _check_observing(self) -> None:
         """Loggers are lockstep's logger objects; timings are a choice and a window length."""
         from lockstep.loggers import Logger
 
         loggers = self.loggers
-        if loggers is not None and (not isinstance(loggers, (list, tuple))
-                                    or not all(isinstance(x, Logger) for x in loggers)):
-            raise ConfigError(f"{_given('loggers', loggers)} must be a list of lockstep.loggers objects, e.g. "
-                              "[lockstep.loggers.CSVLogger('runs/a'), lockstep.loggers.TensorBoardLogger('runs/a/tb')]")
+        if loggers is not None and (
+            not isinstance(loggers, (list, tuple)) or not all(isinstance(x, Logger) for x in loggers)
+        ):
+            raise ConfigError(
+                f"{_given('loggers', loggers)} must be a list of lockstep.loggers objects, e.g. "
+                "[lockstep.loggers.CSVLogger('runs/a'), lockstep.loggers.TensorBoardLogger('runs/a/tb')]"
+            )
         self._set("loggers", tuple(loggers or ()))
         if self.log_timings not in LOG_TIMINGS:
             raise ConfigError(f"{_given('log_timings', self.log_timings)}; choose one of {', '.join(LOG_TIMINGS)}")
         every = self.timings_every
         if isinstance(every, bool) or not isinstance(every, int) or every < 0:
-            raise ConfigError(f"{_given('timings_every', every)} must be an integer >= 0 (steps per timing "
-                              "window at least; 0 turns timings off)")
+            raise ConfigError(
+                f"{_given('timings_every', every)} must be an integer >= 0 (steps per timing "
+                "window at least; 0 turns timings off)"
+            )
 
     @property
     def compile_backend(self) -> str:
@@ -360,13 +403,17 @@ class SessionConfig:
         check_nodes(self.strategy, nodes)
         check_order(self.order, nodes=nodes)
         check_grad_compression(self.grad_compression, nodes=nodes)
-        where = f"under lockstep run --nodes {nodes}: it binds state to a group that is rebuilt when nodes leave or join"
+        where = (
+            f"under lockstep run --nodes {nodes}: it binds state to a group that is rebuilt when nodes leave or join"
+        )
         for name in ("sync_bn", "shard_optimizer"):
             if getattr(self, name):
                 raise ConfigError(f"{_given(name, True)} cannot be used {where}")
         if self.global_batch is None:
-            raise ConfigError(f"{_given('global_batch', None)} under lockstep run --nodes {nodes}: give Session("
-                              "global_batch=G), so that the samples per step do not change with the membership")
+            raise ConfigError(
+                f"{_given('global_batch', None)} under lockstep run --nodes {nodes}: give Session("
+                "global_batch=G), so that the samples per step do not change with the membership"
+            )
 
     def strategy_kwargs(self, world_size: int) -> dict[str, Any]:
         """The keyword arguments :func:`lockstep.strategies.get_strategy` builds the strategy with.

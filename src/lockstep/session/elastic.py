@@ -54,7 +54,7 @@ from lockstep.env import World, read_settings
 from lockstep.errors import ConfigError
 from lockstep.session.config import SessionConfig
 from lockstep.session.locks import FolderLocks
-from lockstep.session.state import ResumeState, TrainState, load_state
+from lockstep.session.state import ResumeState, TrainState
 
 __all__ = ["ElasticTraining", "CommittedPosition", "options_under_nodes"]
 
@@ -214,8 +214,10 @@ class ElasticTraining:
             ConfigError: no model or no training loader yet (what a peer hands over must exist first).
         """
         if not self._models or not self.state.loaders.live:
-            raise ConfigError("under lockstep run --nodes, call session.load after session.setup and "
-                              "session.loader: the job's live state is handed over to those objects")
+            raise ConfigError(
+                "under lockstep run --nodes, call session.load after session.setup and "
+                "session.loader: the job's live state is handed over to those objects"
+            )
         loaded: list[ResumeState] = []
 
         def from_disk() -> int:
@@ -228,8 +230,13 @@ class ElasticTraining:
             self._join()
         state = self.state
         mine = loaded[0] if loaded else ResumeState()
-        return ResumeState(epoch=state.epoch, step=state.global_step, path=mine.path, extras=mine.extras,
-                           mid_epoch=bool(state.loaders.live) and not state.loaders.epoch_done)
+        return ResumeState(
+            epoch=state.epoch,
+            step=state.global_step,
+            path=mine.path,
+            extras=mine.extras,
+            mid_epoch=bool(state.loaders.live) and not state.loaders.epoch_done,
+        )
 
     def _join(self) -> None:
         self.position.commit()

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from lockstep.data.seeding import SeededDataset
 from lockstep.data.loader import StepBatches
+from lockstep.data.seeding import SeededDataset
 from lockstep.data.steps import StepSampler
 
 __all__ = ["DeviceLoader", "TrainLoaders", "progress_bar"]
@@ -51,8 +51,14 @@ class DeviceLoader:
         len(train), train.remaining   # (n, n) before the epoch, (n, 0) after it
     """
 
-    def __init__(self, loader: torch.utils.data.DataLoader, device: torch.device, train: bool,
-                 on_batch: Callable[..., None] | None = None, timer: Any = None) -> None:
+    def __init__(
+        self,
+        loader: torch.utils.data.DataLoader,
+        device: torch.device,
+        train: bool,
+        on_batch: Callable[..., None] | None = None,
+        timer: Any = None,
+    ) -> None:
         from lockstep.data.loader import move_to_device
 
         self.loader = loader
@@ -117,8 +123,13 @@ class DeviceLoader:
 
     def __iter__(self) -> Iterator[Any]:
         steps = self.steps  # one pass of the default order, unless under --nodes a change can start another
-        batches = (self._iter_padded() if steps is None else
-                   self._iter_passes(steps) if self.boundary is not None and self.train else self._pass(steps))
+        batches = (
+            self._iter_padded()
+            if steps is None
+            else self._iter_passes(steps)
+            if self.boundary is not None and self.train
+            else self._pass(steps)
+        )
         return batches if self.timer is None else self.timer.data(batches, self, _batch_len)
 
     def _iter_passes(self, steps: StepSampler) -> Iterator[Any]:
@@ -288,8 +299,16 @@ class TrainLoaders:
                 out["global_batch"] = per_step * config.accumulate
         return out
 
-    def wrap(self, loader: torch.utils.data.DataLoader, device: torch.device, *, train: bool,
-             on_batch: Callable[..., None] | None = None, accum: Any = None, timer: Any = None) -> DeviceLoader:
+    def wrap(
+        self,
+        loader: torch.utils.data.DataLoader,
+        device: torch.device,
+        *,
+        train: bool,
+        on_batch: Callable[..., None] | None = None,
+        accum: Any = None,
+        timer: Any = None,
+    ) -> DeviceLoader:
         """Return ``loader`` as a :class:`DeviceLoader` on ``device``; a training one is tracked (:meth:`add`).
 
         Args:
@@ -339,8 +358,7 @@ class TrainLoaders:
         """Every loader's sampler position, in creation order."""
         return [loader.sampler.state_dict() for loader in self.live]
 
-    def restore(self, states: list[dict[str, Any]], epoch: int, epoch_done: bool | None,
-                legacy: bool = False) -> bool:
+    def restore(self, states: list[dict[str, Any]], epoch: int, epoch_done: bool | None, legacy: bool = False) -> bool:
         """Load saved sampler ``states``, paired with the loaders in creation order.
 
         Returns True when the checkpoint was taken in the middle of ``epoch`` (each loader then
@@ -370,7 +388,7 @@ class TrainLoaders:
             loader.sampler.load_state_dict(state)
             if not mid:
                 loader.sampler.set_epoch(epoch + 1)
-        self._pending = list(states[len(live):]) if mid else []
+        self._pending = list(states[len(live) :]) if mid else []
         return mid
 
 

@@ -160,9 +160,18 @@ class TrainStep:
                           clip=1.0, say=print)
     """
 
-    def __init__(self, state: TrainState, accum: Accumulator, finite: NonFinitePolicy, precision: Precision,
-                 strategy: Strategy, comm: Comm, clip: float | None, say: Callable[[str], None],
-                 timer: StepTimer | None = None) -> None:
+    def __init__(
+        self,
+        state: TrainState,
+        accum: Accumulator,
+        finite: NonFinitePolicy,
+        precision: Precision,
+        strategy: Strategy,
+        comm: Comm,
+        clip: float | None,
+        say: Callable[[str], None],
+        timer: StepTimer | None = None,
+    ) -> None:
         self.state, self.accum, self.finite = state, accum, finite
         self.precision, self.strategy, self.comm = precision, strategy, comm
         self.clip, self.say, self.timer = clip, say, timer

@@ -36,11 +36,25 @@ import torch
 
 from lockstep.comm.group import Comm
 from lockstep.errors import ConfigError, LockstepError, format_ranks
-from lockstep.precision.torch_amp import (check_and_unscale_, hand_found_inf, has_grad_scale, steps_on_found_inf,
-                                          take_found_inf)
+from lockstep.precision.torch_amp import (
+    check_and_unscale_,
+    hand_found_inf,
+    has_grad_scale,
+    steps_on_found_inf,
+    take_found_inf,
+)
 
-__all__ = ["FiniteCheck", "NonFinitePolicy", "NonFiniteLossError", "StepDecision", "LateSkips", "GO_AHEAD",
-           "NONFINITE_POLICIES", "READ_EVERY", "name_nonfinite_ranks"]
+__all__ = [
+    "FiniteCheck",
+    "NonFinitePolicy",
+    "NonFiniteLossError",
+    "StepDecision",
+    "LateSkips",
+    "GO_AHEAD",
+    "NONFINITE_POLICIES",
+    "READ_EVERY",
+    "name_nonfinite_ranks",
+]
 
 NONFINITE_POLICIES = ("skip", "stop", "ignore")
 READ_EVERY = 50
@@ -113,8 +127,9 @@ class NonFinitePolicy:
         policy = NonFinitePolicy("stop", comm)
     """
 
-    def __init__(self, policy: str, comm: Comm | None = None, *, defer: bool | None = None,
-                 read_every: int = READ_EVERY) -> None:
+    def __init__(
+        self, policy: str, comm: Comm | None = None, *, defer: bool | None = None, read_every: int = READ_EVERY
+    ) -> None:
         if read_every < 1:
             raise ConfigError(f"read_every must be at least 1, got {read_every!r}")
         self.policy = policy
@@ -212,8 +227,10 @@ class NonFinitePolicy:
             ranks = [self.comm.rank if self.comm is not None else 0]
         where = format_ranks(ranks) if ranks else "a rank"
         last = first + window - 1
-        return LateSkips(skipped, f"lockstep: warning: non-finite loss on {where}: {skipped} of steps "
-                                  f"{first}-{last} skipped on every rank")
+        return LateSkips(
+            skipped,
+            f"lockstep: warning: non-finite loss on {where}: {skipped} of steps {first}-{last} skipped on every rank",
+        )
 
 
 class FiniteCheck:

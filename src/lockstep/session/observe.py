@@ -25,9 +25,8 @@ import torch
 from lockstep.comm.group import Comm
 from lockstep.loggers import LoggerSet
 from lockstep.session.config import SessionConfig
-from lockstep.session.position import Position
 from lockstep.session.loaders import progress_bar
-from lockstep.session.state import TrainState
+from lockstep.session.position import Position
 from lockstep.session.slow_rank import PHASES, SlowRank, SlowRankDetector
 from lockstep.session.timings import StepTimer, TimingWindow
 
@@ -49,16 +48,25 @@ class TimingReport:
         report = TimingReport(comm, torch.device("cpu"), SessionConfig(), say=print, step=lambda: 0)
     """
 
-    def __init__(self, comm: Comm, device: torch.device, config: SessionConfig, say: Callable[[str], None],
-                 step: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        comm: Comm,
+        device: torch.device,
+        config: SessionConfig,
+        say: Callable[[str], None],
+        step: Callable[[], int],
+    ) -> None:
         self.comm, self.say, self._step = comm, say, step
         self.loggers = LoggerSet(config.loggers or (), active=comm.is_main, say=say)
         self.log_timings = config.log_timings
         self._device = device if comm.backend == "nccl" else torch.device("cpu")
         hosts = {int(p.get("rank", i)): str(p.get("host", "?")) for i, p in enumerate(comm.peers)}
         self.detector = SlowRankDetector([hosts.get(r, "?") for r in range(comm.world_size)])
-        self.timer = StepTimer(device, config.timings_every, self._exchange, self._on_window) \
-            if config.timings_every > 0 else None
+        self.timer = (
+            StepTimer(device, config.timings_every, self._exchange, self._on_window)
+            if config.timings_every > 0
+            else None
+        )
         self.latest: TimingWindow | None = None
         self.slow: list[SlowRank] = []
 
@@ -78,12 +86,19 @@ class TimingReport:
         """Judge the window (the same verdict on every rank), print a new verdict and log."""
         self.latest = window
         step = self._step()
-        verdict = self.detector.update([row[:len(PHASES)] for row in window.table], step)
+        verdict = self.detector.update([row[: len(PHASES)] for row in window.table], step)
         if verdict is not None:
             self.slow.append(verdict)
             self.say(verdict.message())
-            self.log({"slow_rank/rank": verdict.rank, f"slow_rank/{verdict.phase}_s": verdict.seconds,
-                              "slow_rank/others_s": verdict.others, "slow_rank/waited_s": verdict.waited}, step)
+            self.log(
+                {
+                    "slow_rank/rank": verdict.rank,
+                    f"slow_rank/{verdict.phase}_s": verdict.seconds,
+                    "slow_rank/others_s": verdict.others,
+                    "slow_rank/waited_s": verdict.waited,
+                },
+                step,
+            )
         if self.log_timings != "off":
             self.log(window.scalars(self.log_timings), step)
 

@@ -16,8 +16,16 @@ from typing import Any
 __all__ = ["summary_line"]
 
 
-def summary_line(*, world_size: int, strategy: Any, precision: str, backend: str, timeout: timedelta,
-                 loaders: list[str], compiled: bool = False) -> str:
+def summary_line(
+    *,
+    world_size: int,
+    strategy: Any,
+    precision: str,
+    backend: str,
+    timeout: timedelta,
+    loaders: list[str],
+    compiled: bool = False,
+) -> str:
     """The one line a session prints at start: world, strategy (and its compression), precision, batches.
 
     Args:

@@ -129,10 +129,15 @@ def stop_message(signals: list[int | None], step: int, path: Path | str | None) 
         if signum is not None:
             by_signal.setdefault(signum, []).append(rank)
     got = "; ".join(f"{signal_name(s)} on {format_ranks(r)}" for s, r in sorted(by_signal.items()))
-    saved = (f"saved {path}" if path is not None else
-             "no checkpoint was saved (call session.save or session.load with a folder first)")
-    return (f"lockstep: {got or 'a stop signal'}: every rank stopped after step {step}; {saved}; "
-            f"exiting with code {EXIT_PREEMPTED} (run the same command again to resume)")
+    saved = (
+        f"saved {path}"
+        if path is not None
+        else "no checkpoint was saved (call session.save or session.load with a folder first)"
+    )
+    return (
+        f"lockstep: {got or 'a stop signal'}: every rank stopped after step {step}; {saved}; "
+        f"exiting with code {EXIT_PREEMPTED} (run the same command again to resume)"
+    )
 
 
 class StopGuard:
@@ -158,8 +163,14 @@ class StopGuard:
         if guard.poll(): ...   # every rank agreed to stop at this step
     """
 
-    def __init__(self, comm: Comm, device: torch.device, mode: str = "save", check_seconds: float = 1.0,
-                 grace: float | None = None) -> None:
+    def __init__(
+        self,
+        comm: Comm,
+        device: torch.device,
+        mode: str = "save",
+        check_seconds: float = 1.0,
+        grace: float | None = None,
+    ) -> None:
         self.mode, self.check_seconds = mode, check_seconds
         self.grace = parse_grace(read_settings().grace) if grace is None else grace
         self.comm, self.device = comm, device
@@ -251,4 +262,3 @@ class StopGuard:
         self._interval = max(1, min(wanted, 4 * self._interval, _MAX_INTERVAL))
         self.next_check = self.steps + self._interval
         return False
-

@@ -45,8 +45,13 @@ def capture_rng() -> dict[str, Any]:
     np_state: tuple[Any, ...] = tuple(np.random.get_state())
     state: dict[str, Any] = {
         "python": _python_state_to_list(random.getstate()),
-        "numpy": [str(np_state[0]), np.asarray(np_state[1]).tolist(),
-                  int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "numpy": [
+            str(np_state[0]),
+            np.asarray(np_state[1]).tolist(),
+            int(np_state[2]),
+            int(np_state[3]),
+            float(np_state[4]),
+        ],
         "torch": torch.get_rng_state().tolist(),
     }
     if torch.cuda.is_available():
@@ -83,4 +88,3 @@ def _bytes(values: Any) -> torch.Tensor:
 def _python_state_to_list(state: tuple) -> list[Any]:
     version, inner, gauss = state
     return [version, list(inner), gauss]
-

@@ -21,9 +21,9 @@ The session is thin: it delegates to the layers below (env, comm, strategies, pr
 from __future__ import annotations
 
 import gc
-from functools import partial
 from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -114,13 +114,30 @@ class Session(Observing):
     """
 
     def __init__(
-        self, strategy: str = "auto", precision: str = "fp32", *, config: SessionConfig | None = None,
-        sync_bn: bool = False, accumulate: int = 1, clip_grad_norm: float | None = None, seed: int = 0,
-        nonfinite: str = "skip", timeout: float | timedelta | None = None, backend: str = "auto",
-        init_method: str | None = None, grad_compression: str | None = None, shard_optimizer: bool = False,
-        strategy_options: dict[str, Any] | None = None, compile: bool | dict[str, Any] = False, quiet: bool = False,
-        preemption: str = "save", preempt_check_seconds: float = 1.0, order: str = "lockstep",
-        global_batch: int | None = None, loggers: list[Any] | None = None, log_timings: str = "main",
+        self,
+        strategy: str = "auto",
+        precision: str = "fp32",
+        *,
+        config: SessionConfig | None = None,
+        sync_bn: bool = False,
+        accumulate: int = 1,
+        clip_grad_norm: float | None = None,
+        seed: int = 0,
+        nonfinite: str = "skip",
+        timeout: float | timedelta | None = None,
+        backend: str = "auto",
+        init_method: str | None = None,
+        grad_compression: str | None = None,
+        shard_optimizer: bool = False,
+        strategy_options: dict[str, Any] | None = None,
+        compile: bool | dict[str, Any] = False,
+        quiet: bool = False,
+        preemption: str = "save",
+        preempt_check_seconds: float = 1.0,
+        order: str = "lockstep",
+        global_batch: int | None = None,
+        loggers: list[Any] | None = None,
+        log_timings: str = "main",
         timings_every: int = 5,
     ) -> None:
         keywords = {name: value for name, value in locals().items() if name in OPTION_NAMES}
@@ -141,8 +158,17 @@ class Session(Observing):
         self.strategy = get_strategy(config.strategy, self.comm, self.device, **config.strategy_kwargs(self.world_size))
         seed_everything(config.seed)
         self.state = TrainState(self.rank, self.world_size, say=None if config.quiet else self.print)
-        self._steps = TrainStep(self.state, self._accum, self._finite, self.precision, self.strategy, self.comm,
-                                config.clip_grad_norm, say=self.print, timer=self._observe(config))
+        self._steps = TrainStep(
+            self.state,
+            self._accum,
+            self._finite,
+            self.precision,
+            self.strategy,
+            self.comm,
+            config.clip_grad_norm,
+            say=self.print,
+            timer=self._observe(config),
+        )
         self._checks = LoopChecks(self.comm)  # setup before backward before step; equal replicas
         self._elastic = ElasticTraining.of(self.comm, self.state, self._accum, self._checks)  # only under --nodes
         self._models: list[ModelWrappers] = []  # each setup's layers, the last one the model in training
@@ -210,8 +236,9 @@ class Session(Observing):
         self._models.append(layers)
         return layers.trained if opt is None else (layers.trained, opt)
 
-    def loader(self, dataset: Any, batch_size: int, shuffle: bool = True, *, eval: bool = False,
-               **options: Any) -> DeviceLoader:
+    def loader(
+        self, dataset: Any, batch_size: int, shuffle: bool = True, *, eval: bool = False, **options: Any
+    ) -> DeviceLoader:
         """A distributed loader whose batches arrive on this rank's device.
 
         Every training loader in use follows :meth:`epochs` and has its position saved and
@@ -231,10 +258,17 @@ class Session(Observing):
             train = session.loader(train_set, batch_size=64)
         """
         options = self.state.loaders.options(options, self.config, batch_size * self.world_size, eval)
-        loader = make_loader(dataset, batch_size, world_size=self.world_size, rank=self.rank,
-                             shuffle=shuffle and not eval, eval=eval, seed=self.seed, **options)
-        return self.state.loaders.wrap(loader, self.device, train=not eval, accum=self._accum,
-                                       timer=self._report.timer)
+        loader = make_loader(
+            dataset,
+            batch_size,
+            world_size=self.world_size,
+            rank=self.rank,
+            shuffle=shuffle and not eval,
+            eval=eval,
+            seed=self.seed,
+            **options,
+        )
+        return self.state.loaders.wrap(loader, self.device, train=not eval, accum=self._accum, timer=self._report.timer)
 
     # -- the loop ---------------------------------------------------------------------------
     def epochs(self, n: int, start: int = 0) -> Iterator[int]:
@@ -286,8 +320,13 @@ class Session(Observing):
         signals = self._guard.signals()
         path = None
         if self._ckpt is not None and self._models:
-            path = self.save(self._ckpt.directory, model=self._models[-1].trained, optimizer=optimizer, keep=self._ckpt.keep,
-                             **self._ckpt.extras)
+            path = self.save(
+                self._ckpt.directory,
+                model=self._models[-1].trained,
+                optimizer=optimizer,
+                keep=self._ckpt.keep,
+                **self._ckpt.extras,
+            )
         message = stop_message(signals, self.global_step, path)
         self.print(message)
         self.close()
@@ -295,9 +334,15 @@ class Session(Observing):
 
     def summary(self, max_steps: int | None = None) -> str:
         """The line printed at start: world, strategy, precision, batches (steps per epoch at most ``max_steps``)."""
-        return summary_line(world_size=self.world_size, strategy=self.strategy, precision=self.precision.name,
-                            backend=self.comm.backend, timeout=self.timeout, compiled=self.compiled,
-                            loaders=self.state.loaders.describe(self.world_size, self.accumulate, max_steps))
+        return summary_line(
+            world_size=self.world_size,
+            strategy=self.strategy,
+            precision=self.precision.name,
+            backend=self.comm.backend,
+            timeout=self.timeout,
+            compiled=self.compiled,
+            loaders=self.state.loaders.describe(self.world_size, self.accumulate, max_steps),
+        )
 
     def _announce(self) -> None:
         if not self._announced:
@@ -306,8 +351,16 @@ class Session(Observing):
                 self.print(self.summary())
 
     # -- checkpoints -------------------------------------------------------------------------
-    def save(self, directory: str | Path, *, model: nn.Module, optimizer: Optimizer | None = None,
-             keep: int | None = None, blocking: bool = True, **extras: Any) -> Path | str:
+    def save(
+        self,
+        directory: str | Path,
+        *,
+        model: nn.Module,
+        optimizer: Optimizer | None = None,
+        keep: int | None = None,
+        blocking: bool = True,
+        **extras: Any,
+    ) -> Path | str:
         """Write a complete, crash-safe checkpoint (every rank must call it).
 
         Args:
@@ -329,11 +382,21 @@ class Session(Observing):
         self._steps.count_late_skips()
         self._saves.wait()  # a save still being written ends (or fails) before the next one
         self._ckpt = SaveTarget(directory := self._folders.hold(directory), keep, extras)
-        return self._saves.track(save_state(directory, self.state, comm=self.comm, strategy=self.strategy,
-                                            precision=self.precision, optimizer=optimizer, keep=keep,
-                                            model=model_wrappers(model, self._models, self.strategy),
-                                            extras=extras, blocking=blocking,
-                                            writers=self._saves.writers))
+        return self._saves.track(
+            save_state(
+                directory,
+                self.state,
+                comm=self.comm,
+                strategy=self.strategy,
+                precision=self.precision,
+                optimizer=optimizer,
+                keep=keep,
+                model=model_wrappers(model, self._models, self.strategy),
+                extras=extras,
+                blocking=blocking,
+                writers=self._saves.writers,
+            )
+        )
 
     def wait_for_save(self) -> Path | str | None:
         """Wait until a non-blocking save is committed (every rank must call it).
@@ -367,8 +430,16 @@ class Session(Observing):
         self._saves.wait()  # a save still being written ends (or fails) before the load
         if (directory := self._folders.hold(directory)) != (self._ckpt.directory if self._ckpt else None):
             self._ckpt = SaveTarget(directory)
-        restore = partial(load_state, directory, self.state, device=self.device, strategy=self.strategy, optimizer=optimizer,
-                          precision=self.precision, model=model_wrappers(model, self._models, self.strategy))
+        restore = partial(
+            load_state,
+            directory,
+            self.state,
+            device=self.device,
+            strategy=self.strategy,
+            optimizer=optimizer,
+            precision=self.precision,
+            model=model_wrappers(model, self._models, self.strategy),
+        )
         resume = self._elastic.load(restore) if self._elastic else restore(comm=self.comm)  # under --nodes: joins
         if resume.resumed and not self.quiet:
             self.print(resumed_line(resume))
@@ -394,4 +465,3 @@ class Session(Observing):
     def __exit__(self, *exc: object) -> None:
         if exc[0] is None:
             self.close()
-

@@ -66,10 +66,12 @@ class SlowRank:
 
     def message(self) -> str:
         """The one line printed on rank 0 (the numbers, and a hint)."""
-        return (f"lockstep: rank {self.rank} (host {self.host}) is the slow rank: {self.phase} takes "
-                f"{self.seconds * 1e3:.0f} ms per step there against {self.others * 1e3:.0f} ms on the other "
-                f"ranks, which wait {self.waited * 1e3:.0f} ms per step for it in communication "
-                f"({self.windows} windows in a row, up to step {self.step}). Hint: {HINTS[self.phase]}")
+        return (
+            f"lockstep: rank {self.rank} (host {self.host}) is the slow rank: {self.phase} takes "
+            f"{self.seconds * 1e3:.0f} ms per step there against {self.others * 1e3:.0f} ms on the other "
+            f"ranks, which wait {self.waited * 1e3:.0f} ms per step for it in communication "
+            f"({self.windows} windows in a row, up to step {self.step}). Hint: {HINTS[self.phase]}"
+        )
 
 
 class SlowRankDetector:
@@ -120,9 +122,16 @@ class SlowRankDetector:
             return None
         self._named = rank
         col = PHASES.index(phase)
-        return SlowRank(rank=rank, host=self.hosts[rank] if rank < len(self.hosts) else "?", phase=phase,
-                        seconds=table[rank][col], others=_others(table, rank, col),
-                        waited=_others(table, rank, PHASES.index("comm")), windows=self._streak, step=step)
+        return SlowRank(
+            rank=rank,
+            host=self.hosts[rank] if rank < len(self.hosts) else "?",
+            phase=phase,
+            seconds=table[rank][col],
+            others=_others(table, rank, col),
+            waited=_others(table, rank, PHASES.index("comm")),
+            windows=self._streak,
+            step=step,
+        )
 
     def _suspect_of(self, table: Sequence[Sequence[float]]) -> tuple[int, str] | None:
         """The rank whose own work exceeds the others' by both margins (the largest excess), and its phase."""

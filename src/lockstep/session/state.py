@@ -35,8 +35,16 @@ if TYPE_CHECKING:  # the session builds them; importing them here would only cos
     from lockstep.session.wrappers import ModelWrappers
     from lockstep.strategies.base import Strategy
 
-__all__ = ["ResumeState", "TrainState", "save_state", "load_state", "resumed_line", "capture_rng",
-           "restore_rng", "seed_everything"]  # the last three live in lockstep.session.rng
+__all__ = [
+    "ResumeState",
+    "TrainState",
+    "save_state",
+    "load_state",
+    "resumed_line",
+    "capture_rng",
+    "restore_rng",
+    "seed_everything",
+]  # the last three live in lockstep.session.rng
 
 FORMAT = 1
 """The layout of a session checkpoint's state (``state["format"]``); a load refuses a newer one."""
@@ -149,8 +157,13 @@ class TrainState:
 
             state.position()["samplers"][0]["cursor"]
         """
-        return {"epoch": self.epoch, "step": self.global_step, "skipped": self.skipped_steps,
-                "samplers": self.loaders.state_dicts(), "epoch_done": self.loaders.epoch_done}
+        return {
+            "epoch": self.epoch,
+            "step": self.global_step,
+            "skipped": self.skipped_steps,
+            "samplers": self.loaders.state_dicts(),
+            "epoch_done": self.loaders.epoch_done,
+        }
 
     def load_position(self, position: dict[str, Any], rank: int, world_size: int) -> None:
         """Go back to (or take a peer's) :meth:`position`, as ``rank`` of ``world_size`` from now on.
@@ -228,7 +241,6 @@ class TrainState:
         if line is not None and self.say is not None:
             self.say(line)
 
-
     def replan_line(self) -> str | None:
         """Once, after a resume at another world size: how the first loader's steps are planned now.
 
@@ -251,10 +263,20 @@ class TrainState:
         return f"lockstep: world size {world} -> {self.world_size}: global batch {plan.global_batch} {kept}, {plan.describe()}"
 
 
-def save_state(directory: Path | str, train: TrainState, *, comm: Comm, strategy: Strategy, precision: Precision,
-               model: ModelWrappers, optimizer: torch.optim.Optimizer | None, keep: int | None,
-               extras: dict[str, Any], blocking: bool = True, writers: WriterGroup | None = None
-               ) -> Path | str | PendingSave:
+def save_state(
+    directory: Path | str,
+    train: TrainState,
+    *,
+    comm: Comm,
+    strategy: Strategy,
+    precision: Precision,
+    model: ModelWrappers,
+    optimizer: torch.optim.Optimizer | None,
+    keep: int | None,
+    extras: dict[str, Any],
+    blocking: bool = True,
+    writers: WriterGroup | None = None,
+) -> Path | str | PendingSave:
     """Write ``train`` with the model, optimizer, precision state and ``extras`` as one checkpoint.
 
     The model's and optimizer's tensors are written through ``torch.distributed.checkpoint``,
@@ -288,14 +310,35 @@ def save_state(directory: Path | str, train: TrainState, *, comm: Comm, strategy
     full, sharded = strategy.checkpoint_state(model.wrapped, optimizer, copy=False)
     if not blocking:
         extras = copy.deepcopy(extras)  # the user's tensors may change while the state is written
-    state: dict[str, Any] = {"format": FORMAT, **train.state_dict(), "precision": precision.state_dict(),
-                             "extras": extras}
+    state: dict[str, Any] = {
+        "format": FORMAT,
+        **train.state_dict(),
+        "precision": precision.state_dict(),
+        "extras": extras,
+    }
     position = _json_or_none(state.get("samplers"))  # recorded in an object store's manifest
     if blocking:
-        return save_checkpoint(directory, state, comm, step=train.global_step, keep=keep, sharded=sharded,
-                               replicated=full, position=position)
-    return save_checkpoint_async(directory, state, comm, step=train.global_step, keep=keep, sharded=sharded,
-                                 replicated=full, writers=writers, position=position)
+        return save_checkpoint(
+            directory,
+            state,
+            comm,
+            step=train.global_step,
+            keep=keep,
+            sharded=sharded,
+            replicated=full,
+            position=position,
+        )
+    return save_checkpoint_async(
+        directory,
+        state,
+        comm,
+        step=train.global_step,
+        keep=keep,
+        sharded=sharded,
+        replicated=full,
+        writers=writers,
+        position=position,
+    )
 
 
 def _json_or_none(value: Any) -> Any:
@@ -308,9 +351,17 @@ def _json_or_none(value: Any) -> Any:
         return None
 
 
-def load_state(directory: Path | str, train: TrainState, *, comm: Comm, device: torch.device, strategy: Strategy,
-               precision: Precision, model: ModelWrappers, optimizer: torch.optim.Optimizer | None
-               ) -> ResumeState:
+def load_state(
+    directory: Path | str,
+    train: TrainState,
+    *,
+    comm: Comm,
+    device: torch.device,
+    strategy: Strategy,
+    precision: Precision,
+    model: ModelWrappers,
+    optimizer: torch.optim.Optimizer | None,
+) -> ResumeState:
     """Load the newest good checkpoint in ``directory`` into ``train``, the model and the optimizer.
 
     Args:
@@ -346,13 +397,20 @@ def load_state(directory: Path | str, train: TrainState, *, comm: Comm, device: 
         return ResumeState()
     written = int(state.get("format") or 1)  # the first checkpoints had no format field
     if written > FORMAT:  # every rank read the same state: every rank raises alike
-        raise CheckpointError(f"{state.get('path', directory)} was written by a newer lockstep (checkpoint format "
-                              f"{written}; this version reads up to {FORMAT}): upgrade lockstep to resume from it")
+        raise CheckpointError(
+            f"{state.get('path', directory)} was written by a newer lockstep (checkpoint format "
+            f"{written}; this version reads up to {FORMAT}): upgrade lockstep to resume from it"
+        )
     strategy.load_checkpoint_state(inner, optimizer, state, sharded)
     precision.load_state_dict(state.get("precision") or {})
     mid = train.load_state_dict(state)
-    return ResumeState(epoch=train.epoch, step=train.global_step, path=location(state.get("path", directory)),
-                       extras=dict(state.get("extras") or {}), mid_epoch=mid)
+    return ResumeState(
+        epoch=train.epoch,
+        step=train.global_step,
+        path=location(state.get("path", directory)),
+        extras=dict(state.get("extras") or {}),
+        mid_epoch=mid,
+    )
 
 
 def resumed_line(state: ResumeState) -> str:

@@ -58,8 +58,16 @@ pay one small collective per half second of training."""
 MAX_WINDOW_STEPS = 1000
 """A window never lasts more steps than this."""
 
-_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10G": 70e12,
-              "V100": 125e12, "T4": 65e12}
+_PEAK_BF16 = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "A10G": 70e12,
+    "V100": 125e12,
+    "T4": 65e12,
+}
 """Dense bf16/fp16 tensor-core peak per GPU model (vendor data sheets, SXM parts)."""
 
 
@@ -105,7 +113,9 @@ class TimingWindow:
 
             window.scalars("all")["timings/rank1/data_s"]
         """
-        out: dict[str, float] = {"timings/job_samples_per_s": sum(row[ROW.index("samples_per_s")] for row in self.table)}
+        out: dict[str, float] = {
+            "timings/job_samples_per_s": sum(row[ROW.index("samples_per_s")] for row in self.table)
+        }
         chosen = range(len(self.table)) if ranks == "all" else [0]
         for rank in chosen:
             prefix = "timings/" if ranks != "all" else f"timings/rank{rank}/"
@@ -134,8 +144,13 @@ class StepTimer:
         timer = StepTimer(torch.device("cpu"), 5, exchange=lambda row: [row], on_window=print)
     """
 
-    def __init__(self, device: torch.device, every: int, exchange: Callable[[list[float]], list[list[float]]],
-                 on_window: Callable[[TimingWindow], None]) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        every: int,
+        exchange: Callable[[list[float]], list[list[float]]],
+        on_window: Callable[[TimingWindow], None],
+    ) -> None:
         self.device, self.every = device, every
         self.enabled = every > 0
         self._exchange, self._on_window = exchange, on_window
@@ -197,9 +212,11 @@ class StepTimer:
 
     def _grad_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         """One parameter's hook: records when its gradient is ready (a time, or an event on a GPU)."""
+
         def hook(_: torch.Tensor) -> None:
             self._grad_last = index
             self._grad = self._mark()
+
         return hook
 
     def _keep_last_hook(self) -> None:
@@ -294,7 +311,7 @@ class StepTimer:
         table = self._exchange(row)
         # sized on the steps' own work, not the wall clock: time spent between steps (evaluation, another loop)
         # must not shrink the windows. The same table on every rank: the same decision.
-        busiest = max(sum(r[:len(PHASES)]) for r in table)
+        busiest = max(sum(r[: len(PHASES)]) for r in table)
         self._due = int(min(MAX_WINDOW_STEPS, max(self.every, math.ceil(MIN_WINDOW_SECONDS / max(busiest, 1e-9)))))
         self._on_window(TimingWindow(step=self.step, steps=steps, table=table))
         self._reset_window()

@@ -28,12 +28,18 @@ from lockstep.errors import LockstepError, format_ranks
 __all__ = ["SessionUsageError", "LoopChecks", "fingerprint"]
 
 _SETUP = "model, optimizer = session.setup(model, optimizer)"
-_NO_SETUP = (f"session.backward was called before session.setup: the model is not wrapped, so the ranks would "
-             f"train unsynchronised copies; call `{_SETUP}` before the loop and train the returned objects")
-_NO_BACKWARD = ("session.step was called with no session.backward since the last step: call "
-                "session.backward(loss) before session.step(optimizer) in every iteration (not loss.backward())")
-_DIVERGED = (f"the replicas differ after the first step ({{ranks}} not rank 0's weights): the loop does not train "
-             f"the model and optimizer that session.setup returned; use `{_SETUP}` and train those")
+_NO_SETUP = (
+    f"session.backward was called before session.setup: the model is not wrapped, so the ranks would "
+    f"train unsynchronised copies; call `{_SETUP}` before the loop and train the returned objects"
+)
+_NO_BACKWARD = (
+    "session.step was called with no session.backward since the last step: call "
+    "session.backward(loss) before session.step(optimizer) in every iteration (not loss.backward())"
+)
+_DIVERGED = (
+    f"the replicas differ after the first step ({{ranks}} not rank 0's weights): the loop does not train "
+    f"the model and optimizer that session.setup returned; use `{_SETUP}` and train those"
+)
 # float64 sums of equal tensors agree to rounding; replicas one step apart differ far above it
 _RTOL = 1e-10
 _CHUNK = 1 << 22
@@ -131,5 +137,6 @@ def fingerprint(optimizer: torch.optim.Optimizer) -> list[float]:
 
 def _close(a: list[float], b: list[float]) -> bool:
     """Equal lengths and each pair equal to float64 rounding (NaN on both sides is equal: ``nonfinite="ignore"``)."""
-    return len(a) == len(b) and all(x == y or abs(x - y) <= _RTOL * max(x, y) or (math.isnan(x) and math.isnan(y))
-                                    for x, y in zip(a, b))
+    return len(a) == len(b) and all(
+        x == y or abs(x - y) <= _RTOL * max(x, y) or (math.isnan(x) and math.isnan(y)) for x, y in zip(a, b)
+    )

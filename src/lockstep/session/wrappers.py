@@ -105,8 +105,9 @@ class ModelWrappers:
         return any(model is layer for layer in (self.trained, self.compiled, self.wrapped, self.bare))
 
 
-def wrap_model(model: nn.Module, strategy: Strategy, precision: Precision,
-               compile_options: dict[str, Any] | None) -> ModelWrappers:
+def wrap_model(
+    model: nn.Module, strategy: Strategy, precision: Precision, compile_options: dict[str, Any] | None
+) -> ModelWrappers:
     """Convert, wrap, compile and autocast ``model`` in that order; every layer recorded.
 
     Args:

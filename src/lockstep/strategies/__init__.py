@@ -38,12 +38,32 @@ from lockstep.strategies.single import SingleStrategy
 from lockstep.strategies.state import StateDicts
 
 __all__ = [
-    "Strategy", "SingleStrategy", "DataParallelStrategy", "DDPStrategy", "ElasticDDPStrategy", "FSDPStrategy", "HorovodStrategy",
-    "HorovodUnavailableError", "horovod_unavailable",
-    "UnusedParametersError", "register_strategy", "get_strategy", "available_strategies", "check_strategy",
-    "check_processes", "check_nodes",
-    "resolve_auto", "strategy_for_model", "StateDicts", "apply_ddp", "apply_fsdp", "apply_dp", "apply_sync_bn",
-    "broadcast_module_state", "unwrap_module", "explain_ddp_error",
+    "Strategy",
+    "SingleStrategy",
+    "DataParallelStrategy",
+    "DDPStrategy",
+    "ElasticDDPStrategy",
+    "FSDPStrategy",
+    "HorovodStrategy",
+    "HorovodUnavailableError",
+    "horovod_unavailable",
+    "UnusedParametersError",
+    "register_strategy",
+    "get_strategy",
+    "available_strategies",
+    "check_strategy",
+    "check_processes",
+    "check_nodes",
+    "resolve_auto",
+    "strategy_for_model",
+    "StateDicts",
+    "apply_ddp",
+    "apply_fsdp",
+    "apply_dp",
+    "apply_sync_bn",
+    "broadcast_module_state",
+    "unwrap_module",
+    "explain_ddp_error",
 ]
 
 _REGISTRY: dict[str, type[Strategy]] = {}
@@ -105,8 +125,12 @@ def check_strategy(name: str, choices: Sequence[str] | None = None) -> str:
     text = str(name)
     parts = {p.strip().lower() for p in text.replace(",", "+").split("+") if p.strip()}
     if len(parts) > 1:
-        why = ("fsdp shards the model over processes and dp copies it to every GPU of one process, "
-               "so they cannot be combined" if {"fsdp", "dp"} <= parts else "strategies do not combine")
+        why = (
+            "fsdp shards the model over processes and dp copies it to every GPU of one process, "
+            "so they cannot be combined"
+            if {"fsdp", "dp"} <= parts
+            else "strategies do not combine"
+        )
         raise ConfigError(f"--strategy {name!r}: {why}; choose one of {listed}")
     key = text.strip().lower()
     if key not in registered:
@@ -131,8 +155,10 @@ def check_processes(strategy: str, world_size: int) -> None:
         check_processes("dp", 2)     # ConfigError
     """
     if strategy == "dp" and world_size > 1:
-        raise ConfigError(f"strategy='dp' (--strategy) drives every GPU from one process, and this job has "
-                          f"{world_size} processes; use ddp (one process per GPU) or run one process")
+        raise ConfigError(
+            f"strategy='dp' (--strategy) drives every GPU from one process, and this job has "
+            f"{world_size} processes; use ddp (one process per GPU) or run one process"
+        )
 
 
 def check_nodes(strategy: str, nodes: str) -> None:
@@ -150,8 +176,10 @@ def check_nodes(strategy: str, nodes: str) -> None:
         check_nodes("fsdp", "1:3")     # ConfigError
     """
     if strategy not in ("ddp", "auto"):
-        raise ConfigError(f"strategy={strategy!r} (--strategy) cannot run under lockstep run --nodes {nodes}: its state "
-                          "is bound to a fixed group; use strategy 'ddp', whose group is rebuilt in place")
+        raise ConfigError(
+            f"strategy={strategy!r} (--strategy) cannot run under lockstep run --nodes {nodes}: its state "
+            "is bound to a fixed group; use strategy 'ddp', whose group is rebuilt in place"
+        )
 
 
 def resolve_auto(comm: Comm, device: torch.device) -> str:
@@ -223,8 +251,7 @@ def get_strategy(name: str, comm: Comm, device: torch.device, **options: Any) ->
         unknown = sorted(set(options) - known)
         if unknown:
             raise ConfigError(
-                f"no strategy has the option {', '.join(map(repr, unknown))}; "
-                f"options are: {', '.join(sorted(known))}"
+                f"no strategy has the option {', '.join(map(repr, unknown))}; options are: {', '.join(sorted(known))}"
             )
         options = {k: v for k, v in options.items() if k in _REGISTRY[key].defaults}
     return _REGISTRY[key](comm, device, **options)

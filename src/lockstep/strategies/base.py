@@ -121,8 +121,9 @@ class Strategy(StateDicts):
         """Wrap the prepared module (override); the base returns it unchanged."""
         return model
 
-    def setup_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module,
-                        accumulate: int = 1) -> torch.optim.Optimizer:
+    def setup_optimizer(
+        self, optimizer: torch.optim.Optimizer, model: nn.Module, accumulate: int = 1
+    ) -> torch.optim.Optimizer:
         """Prepare the optimizer of the module :meth:`setup_module` returned; the base returns it.
 
         A strategy that averages gradients in the optimizer (``horovod``) wraps it here.

@@ -32,8 +32,15 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from lockstep.errors import ConfigError
 from lockstep.strategies.torch_internals import powersgd_compresses
 
-__all__ = ["GRAD_COMPRESSIONS", "LOSSY", "CommHook", "check_grad_compression", "apply_comm_hook",
-           "POWERSGD_DEFAULTS", "ONE_BUCKET_MB"]
+__all__ = [
+    "GRAD_COMPRESSIONS",
+    "LOSSY",
+    "CommHook",
+    "check_grad_compression",
+    "apply_comm_hook",
+    "POWERSGD_DEFAULTS",
+    "ONE_BUCKET_MB",
+]
 
 GRAD_COMPRESSIONS = ("none", "bf16", "fp16", "powersgd")
 """The values of ``grad_compression``; ``"none"`` (or ``None``) all-reduces full-precision gradients."""
@@ -47,9 +54,16 @@ _BACKENDS = {"bf16": ("gloo", "nccl"), "fp16": ("gloo", "nccl"), "powersgd": ("g
 # "none" is the backend of a one-process job: no DDP wrapper, so no hook and nothing to check
 
 
-def check_grad_compression(compression: str | None, *, strategy: str = "ddp", backend: str = "gloo",
-                           powersgd_rank: int = 1, powersgd_start_iter: int = 10,
-                           bucket_cap_mb: float | None = None, nodes: str = "") -> str:
+def check_grad_compression(
+    compression: str | None,
+    *,
+    strategy: str = "ddp",
+    backend: str = "gloo",
+    powersgd_rank: int = 1,
+    powersgd_start_iter: int = 10,
+    bucket_cap_mb: float | None = None,
+    nodes: str = "",
+) -> str:
     """Return ``compression`` in canonical form (``"none"``, ``"bf16"``, ``"fp16"``, ``"powersgd"``) or refuse it.
 
     Args:
@@ -82,22 +96,32 @@ def check_grad_compression(compression: str | None, *, strategy: str = "ddp", ba
     if name == "none":
         return name
     if nodes:
-        raise ConfigError(f"grad_compression={name!r} cannot be used under lockstep run --nodes {nodes}: it is a "
-                          "hook of a DDP wrapper, and there the gradients are averaged without one; drop it")
+        raise ConfigError(
+            f"grad_compression={name!r} cannot be used under lockstep run --nodes {nodes}: it is a "
+            "hook of a DDP wrapper, and there the gradients are averaged without one; drop it"
+        )
     key = str(strategy).strip().lower()
     if key not in ("ddp", "auto"):
-        raise ConfigError(f"grad_compression={name!r} needs strategy 'ddp' (it is a DistributedDataParallel "
-                          f"communication hook) and strategy {strategy!r} has none; use strategy 'ddp' "
-                          "or drop grad_compression")
+        raise ConfigError(
+            f"grad_compression={name!r} needs strategy 'ddp' (it is a DistributedDataParallel "
+            f"communication hook) and strategy {strategy!r} has none; use strategy 'ddp' "
+            "or drop grad_compression"
+        )
     if backend != "none" and backend not in _BACKENDS[name]:
-        raise ConfigError(f"grad_compression={name!r} cannot run on the {backend!r} backend; use backend "
-                          f"{' or '.join(_BACKENDS[name])}, or drop grad_compression")
+        raise ConfigError(
+            f"grad_compression={name!r} cannot run on the {backend!r} backend; use backend "
+            f"{' or '.join(_BACKENDS[name])}, or drop grad_compression"
+        )
     if name == "powersgd" and backend == "gloo" and bucket_cap_mb is not None:
-        raise ConfigError("grad_compression='powersgd' on the 'gloo' backend needs all gradients in one bucket "
-                          "(with several it hangs); drop bucket_cap_mb (lockstep then uses one bucket) or use nccl")
+        raise ConfigError(
+            "grad_compression='powersgd' on the 'gloo' backend needs all gradients in one bucket "
+            "(with several it hangs); drop bucket_cap_mb (lockstep then uses one bucket) or use nccl"
+        )
     if name == "bf16" and backend == "nccl" and not torch.cuda.is_bf16_supported():
-        raise ConfigError("grad_compression='bf16' on nccl needs GPUs with bfloat16 support, and these have "
-                          "none; use grad_compression='fp16'")
+        raise ConfigError(
+            "grad_compression='bf16' on nccl needs GPUs with bfloat16 support, and these have "
+            "none; use grad_compression='fp16'"
+        )
     return name
 
 
@@ -143,10 +167,14 @@ class CommHook:
         s = self.state
         _, keys, pos, has_gauss, gauss = s.rng.get_state()
         pieces = self._split_tables()
-        return {"iter": int(s.iter), "rng": torch.from_numpy(keys.astype(np.int64)), "rng_pos": int(pos),
-                "rng_has_gauss": int(has_gauss), "rng_gauss": float(gauss),
-                **{t: {i: v.detach().cpu().clone() for i, v in {**self._pieces[t], **pieces[t]}.items()}
-                   for t in _TABLES}}
+        return {
+            "iter": int(s.iter),
+            "rng": torch.from_numpy(keys.astype(np.int64)),
+            "rng_pos": int(pos),
+            "rng_has_gauss": int(has_gauss),
+            "rng_gauss": float(gauss),
+            **{t: {i: v.detach().cpu().clone() for i, v in {**self._pieces[t], **pieces[t]}.items()} for t in _TABLES},
+        }
 
     def load_state_dict(self, saved: dict[str, Any], device: torch.device | None = None) -> None:
         """Put back what :meth:`state_dict` returned (this rank's part of a checkpoint).
@@ -163,8 +191,15 @@ class CommHook:
             return
         s = self.state
         s.iter = int(saved["iter"])
-        s.rng.set_state(("MT19937", saved["rng"].numpy().astype(np.uint32), int(saved["rng_pos"]),
-                         int(saved["rng_has_gauss"]), float(saved["rng_gauss"])))
+        s.rng.set_state(
+            (
+                "MT19937",
+                saved["rng"].numpy().astype(np.uint32),
+                int(saved["rng_pos"]),
+                int(saved["rng_has_gauss"]),
+                float(saved["rng_gauss"]),
+            )
+        )
         self.forget_iteration_memory()
         for t in _TABLES:
             self._pieces[t] = {int(i): v.to(device) if device is not None else v for i, v in saved[t].items()}
@@ -245,8 +280,9 @@ class CommHook:
             getattr(self.state, f"{t}_dict")[index] = torch.cat(parts) if parts else like.new_empty(0)
 
 
-def apply_comm_hook(ddp: nn.parallel.DistributedDataParallel, compression: str, *, powersgd_rank: int = 1,
-                    powersgd_start_iter: int = 10) -> CommHook | None:
+def apply_comm_hook(
+    ddp: nn.parallel.DistributedDataParallel, compression: str, *, powersgd_rank: int = 1, powersgd_start_iter: int = 10
+) -> CommHook | None:
     """Register the communication hook ``compression`` names on ``ddp`` (before its first forward).
 
     Args:
@@ -270,8 +306,9 @@ def apply_comm_hook(ddp: nn.parallel.DistributedDataParallel, compression: str, 
         return CommHook(compression)
     with warnings.catch_warnings():  # PowerSGD warns about its defaults at construction
         warnings.simplefilter("ignore")
-        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=powersgd_rank,
-                                            start_powerSGD_iter=powersgd_start_iter)
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=powersgd_rank, start_powerSGD_iter=powersgd_start_iter
+        )
     hook = CommHook(compression, state, list(ddp.module.parameters()))
     ddp.register_comm_hook(state, hook.powersgd)
     return hook

@@ -58,8 +58,9 @@ def check_compile(compile: bool | dict[str, Any] | None) -> dict[str, Any] | Non
     valid = _compile_keys()
     unknown = sorted(set(compile) - set(valid))
     if unknown:
-        raise ConfigError(f"compile has no option {', '.join(map(repr, unknown))}; "
-                          f"torch.compile takes: {', '.join(valid)}")
+        raise ConfigError(
+            f"compile has no option {', '.join(map(repr, unknown))}; torch.compile takes: {', '.join(valid)}"
+        )
     return dict(compile)
 
 
@@ -99,8 +100,11 @@ def apply_compile(model: nn.Module, options: dict[str, Any] | None) -> nn.Module
         return torch.compile(model, **options)  # type: ignore[return-value]  # an OptimizedModule
     except Exception as exc:  # noqa: BLE001 -- any compile-time failure means: run eager
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        warnings.warn(f"lockstep: torch.compile failed, running eager: {type(exc).__name__}: {first}",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"lockstep: torch.compile failed, running eager: {type(exc).__name__}: {first}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         return model
 
 

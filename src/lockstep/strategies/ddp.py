@@ -26,17 +26,17 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lockstep.errors import ConfigError, LockstepError
 from lockstep.comm.group import Comm
+from lockstep.errors import ConfigError, LockstepError
 from lockstep.strategies.base import Strategy, broadcast_module_state, unwrap_module
-from lockstep.strategies.torch_internals import release_ddp
-from lockstep.strategies.zero import apply_zero, is_zero, zero_state_dict
 from lockstep.strategies.comm_hooks import (
     ONE_BUCKET_MB,
     POWERSGD_DEFAULTS,
     CommHook,
     apply_comm_hook,
 )
+from lockstep.strategies.torch_internals import release_ddp
+from lockstep.strategies.zero import apply_zero, is_zero, zero_state_dict
 
 __all__ = ["DDPStrategy", "UnusedParametersError", "apply_ddp", "explain_ddp_error"]
 
@@ -134,8 +134,9 @@ def apply_ddp(
         gradient_as_bucket_view=gradient_as_bucket_view,
         **buffers,
     )
-    ddp.comm_hook = apply_comm_hook(ddp, grad_compression, powersgd_rank=powersgd_rank,
-                                    powersgd_start_iter=powersgd_start_iter)
+    ddp.comm_hook = apply_comm_hook(
+        ddp, grad_compression, powersgd_rank=powersgd_rank, powersgd_start_iter=powersgd_start_iter
+    )
     return ddp
 
 
@@ -244,8 +245,9 @@ class DDPStrategy(Strategy):
             opts["bucket_cap_mb"] = ONE_BUCKET_MB  # with several buckets PowerSGD hangs on gloo
         return apply_ddp(model, self.device, **opts)
 
-    def setup_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module,
-                        accumulate: int = 1) -> torch.optim.Optimizer:
+    def setup_optimizer(
+        self, optimizer: torch.optim.Optimizer, model: nn.Module, accumulate: int = 1
+    ) -> torch.optim.Optimizer:
         if self.options["shard_optimizer"] and self.comm.world_size > 1:
             return apply_zero(optimizer)  # each rank keeps the state of its own parameters only
         return optimizer
@@ -255,8 +257,9 @@ class DDPStrategy(Strategy):
             return zero_state_dict(optimizer, self.comm)  # type: ignore[arg-type]
         return super()._optimizer_state(optimizer)
 
-    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, copy: bool = True
-                         ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    def checkpoint_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, copy: bool = True
+    ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
         full, sharded = super().checkpoint_state(model, optimizer, copy=copy)
         hook = _comm_hook(model)
         if full is not None and hook is not None and hook.state is not None:
@@ -264,8 +267,13 @@ class DDPStrategy(Strategy):
             full["ddp_comm_hook"] = {"name": hook.name, "ranks": self.comm.all_gather_object(hook.state_dict())}
         return full, sharded
 
-    def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                              state: dict[str, Any], sharded: dict[str, Any] | None) -> None:
+    def load_checkpoint_state(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        state: dict[str, Any],
+        sharded: dict[str, Any] | None,
+    ) -> None:
         super().load_checkpoint_state(model, optimizer, state, sharded)
         hook, saved = _comm_hook(model), state.get("ddp_comm_hook")
         if hook is None or not saved or saved.get("name") != hook.name:
@@ -323,4 +331,3 @@ def _quiet_ddp(model: nn.Module, comm: Comm) -> Iterator[None]:
     finally:
         for ddp, sync in saved:
             ddp.require_forward_param_sync = sync
-

@@ -66,7 +66,7 @@ def average_gradients(model: nn.Module, all_reduce: Any, world_size: int) -> Non
         flat.div_(world_size)
         offset = 0
         for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
 
 

@@ -183,15 +183,24 @@ class FSDPStrategy(Strategy):
         model_sd, optim_sd = get_state_dict(model, [optimizer] if optimizer is not None else [])
         return {"model": model_sd, "optimizer": optim_sd}
 
-    def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                              state: dict[str, Any], sharded: dict[str, Any] | None) -> None:
+    def load_checkpoint_state(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        state: dict[str, Any],
+        sharded: dict[str, Any] | None,
+    ) -> None:
         if sharded is None:  # a checkpoint of full state dicts
             super().load_checkpoint_state(model, optimizer, state, sharded)
             return
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        set_state_dict(model, [optimizer] if optimizer is not None else [],
-                       model_state_dict=sharded["model"], optim_state_dict=sharded["optimizer"])
+        set_state_dict(
+            model,
+            [optimizer] if optimizer is not None else [],
+            model_state_dict=sharded["model"],
+            optim_state_dict=sharded["optimizer"],
+        )
 
     def _full_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
         full = getattr(tensor, "full_tensor", None)  # only DTensors have it

@@ -34,15 +34,23 @@ from typing import Any, ClassVar, ContextManager
 import torch
 from torch import nn
 
-from lockstep.comm.group import Comm
 from lockstep._cluster import horovod_variables
+from lockstep.comm.group import Comm
 from lockstep.env import export_environment, read_settings
 from lockstep.errors import ConfigError
 from lockstep.strategies.base import Strategy, broadcast_module_state, unwrap_module
 from lockstep.strategies.torch_internals import queue_backward_callback
 
-__all__ = ["HorovodStrategy", "loopback_rendezvous", "HorovodGradients", "HorovodUnavailableError", "horovod_unavailable", "import_horovod",
-           "init_horovod", "apply_horovod_optimizer"]
+__all__ = [
+    "HorovodStrategy",
+    "loopback_rendezvous",
+    "HorovodGradients",
+    "HorovodUnavailableError",
+    "horovod_unavailable",
+    "import_horovod",
+    "init_horovod",
+    "apply_horovod_optimizer",
+]
 
 NOT_INSTALLED = "horovod not installed: make horovod"
 
@@ -148,12 +156,20 @@ def _init_with_own_rendezvous(hvd: Any, comm: Comm) -> None:
         port = comm.broadcast_object(port, 0)
         slot = plan[world.rank]
         # what horovodrun exports to each rank it starts (horovod.runner.gloo_run), for one host
-        export_environment({
-            **horovod_variables(port=port, hostname=slot.hostname, size=slot.size, local_size=slot.local_size,
-                                cross_size=slot.cross_size),
-            "HOROVOD_RANK": str(slot.rank), "HOROVOD_LOCAL_RANK": str(slot.local_rank),
-            "HOROVOD_CROSS_RANK": str(slot.cross_rank),
-        })
+        export_environment(
+            {
+                **horovod_variables(
+                    port=port,
+                    hostname=slot.hostname,
+                    size=slot.size,
+                    local_size=slot.local_size,
+                    cross_size=slot.cross_size,
+                ),
+                "HOROVOD_RANK": str(slot.rank),
+                "HOROVOD_LOCAL_RANK": str(slot.local_rank),
+                "HOROVOD_CROSS_RANK": str(slot.cross_rank),
+            }
+        )
         hvd.init()
         comm.barrier()  # the server is only needed until every rank has joined
 
@@ -268,13 +284,16 @@ class HorovodGradients:
 
     def _zero_grad(self, set_to_none: bool = True) -> None:
         if self.pending:
-            raise ConfigError("optimizer.zero_grad() was called between backward and step under strategy horovod, "
-                              "while gradients were only accumulated locally; call it after optimizer.step()")
+            raise ConfigError(
+                "optimizer.zero_grad() was called between backward and step under strategy horovod, "
+                "while gradients were only accumulated locally; call it after optimizer.step()"
+            )
         self._class.__mro__[1].zero_grad(self.optimizer, set_to_none=set_to_none)  # the user's class's
 
 
-def apply_horovod_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
-                            accumulate: int = 1) -> HorovodGradients:
+def apply_horovod_optimizer(
+    optimizer: torch.optim.Optimizer, model: nn.Module, accumulate: int = 1
+) -> HorovodGradients:
     """Turn ``optimizer`` into a ``hvd.DistributedOptimizer`` over ``model``'s named parameters.
 
     A state the optimizer already holds (a loaded one) is broadcast from rank 0; a fresh one is
@@ -299,8 +318,9 @@ def apply_horovod_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
     """
     hvd = import_horovod()
     had_state = any(len(s) > 0 for s in optimizer.state.values())
-    wrapped = hvd.DistributedOptimizer(optimizer, named_parameters=unwrap_module(model).named_parameters(),
-                                       backward_passes_per_step=accumulate)
+    wrapped = hvd.DistributedOptimizer(
+        optimizer, named_parameters=unwrap_module(model).named_parameters(), backward_passes_per_step=accumulate
+    )
     if had_state:
         wrapped.load_state_dict(optimizer.state_dict())
         hvd.broadcast_optimizer_state(wrapped, root_rank=0)
@@ -335,8 +355,9 @@ class HorovodStrategy(Strategy):
         self.hvd = init_horovod(comm)
         self._gradients: list[HorovodGradients] = []
 
-    def setup_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module,
-                        accumulate: int = 1) -> torch.optim.Optimizer:
+    def setup_optimizer(
+        self, optimizer: torch.optim.Optimizer, model: nn.Module, accumulate: int = 1
+    ) -> torch.optim.Optimizer:
         if self.comm.world_size == 1:
             return optimizer  # nothing to average with one process
         gradients = apply_horovod_optimizer(optimizer, model, accumulate)

@@ -77,7 +77,7 @@ def broadcast_module_state(comm: Comm, model: nn.Module, src: int = 0, parameter
         offset = 0
         with torch.no_grad():
             for t in bucket:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
 
 

@@ -64,8 +64,9 @@ class StateDicts:
         """
         return None
 
-    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, copy: bool = True
-                         ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    def checkpoint_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, copy: bool = True
+    ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
         """The model's and optimizer's state for a checkpoint: ``(full, sharded)``, one of them ``None``.
 
         ``full`` (single, dp, ddp) holds ``"model"`` and, with an optimizer, ``"optimizer"`` in
@@ -89,8 +90,13 @@ class StateDicts:
             full["optimizer"] = self.optimizer_state_dict(model, optimizer, copy=copy)
         return full, None
 
-    def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                              state: dict[str, Any], sharded: dict[str, Any] | None) -> None:
+    def load_checkpoint_state(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        state: dict[str, Any],
+        sharded: dict[str, Any] | None,
+    ) -> None:
         """Put back what :meth:`checkpoint_state` saved.
 
         Args:
@@ -146,8 +152,9 @@ class StateDicts:
         converted = {key: self._shard_like(value, current[key]) for key, value in state.items()}
         bare.load_state_dict(converted)
 
-    def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
-                             copy: bool = True) -> dict[str, Any]:
+    def optimizer_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, *, copy: bool = True
+    ) -> dict[str, Any]:
         """Return the optimizer's full state (``torch.optim`` format, CPU tensors, every rank).
 
         Args:
@@ -161,8 +168,10 @@ class StateDicts:
         """
         raw = self._optimizer_state(optimizer)
         state = {
-            index: {key: _export(self._full_tensor(v), copy) if isinstance(v, torch.Tensor) else v
-                    for key, v in entry.items()}
+            index: {
+                key: _export(self._full_tensor(v), copy) if isinstance(v, torch.Tensor) else v
+                for key, v in entry.items()
+            }
             for index, entry in sorted(raw["state"].items())
         }
         groups = [dict(group, params=list(group["params"])) for group in raw["param_groups"]]

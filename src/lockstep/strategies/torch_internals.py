@@ -26,8 +26,14 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-__all__ = ["release_ddp", "powersgd_compresses", "compiled_original", "graphs_compiled",
-           "queue_backward_callback", "DDP_PROCESS_GROUP_HOLDERS"]
+__all__ = [
+    "release_ddp",
+    "powersgd_compresses",
+    "compiled_original",
+    "graphs_compiled",
+    "queue_backward_callback",
+    "DDP_PROCESS_GROUP_HOLDERS",
+]
 
 DDP_PROCESS_GROUP_HOLDERS = ("reducer", "logger", "process_group")
 """The attributes of a DistributedDataParallel wrapper that hold its process group."""

@@ -46,8 +46,10 @@ def apply_zero(optimizer: torch.optim.Optimizer) -> ZeroRedundancyOptimizer:
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         return optimizer
     if optimizer.state:
-        raise ConfigError(f"shard_optimizer=True needs a fresh {type(optimizer).__name__} (it already holds state): "
-                          "set up the session before the first step and load checkpoints through session.load")
+        raise ConfigError(
+            f"shard_optimizer=True needs a fresh {type(optimizer).__name__} (it already holds state): "
+            "set up the session before the first step and load checkpoints through session.load"
+        )
     groups = [dict(group) for group in optimizer.param_groups]
     return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), **optimizer.defaults)
 

@@ -34,8 +34,16 @@ from torch import nn
 from lockstep.verify.config import VerifyConfig
 from lockstep.verify.run import RunResult
 
-__all__ = ["TensorDiff", "ForwardDiff", "LossDiff", "Comparison", "relative_difference", "update_ratio",
-           "compare_runs", "compare_forward"]
+__all__ = [
+    "TensorDiff",
+    "ForwardDiff",
+    "LossDiff",
+    "Comparison",
+    "relative_difference",
+    "update_ratio",
+    "compare_runs",
+    "compare_forward",
+]
 
 _FIT = 0.1  # an update counts as a scaled copy of the reference's when the rest is under 10 %
 
@@ -222,7 +230,7 @@ def compare_forward(reference: RunResult, parallel: RunResult, config: VerifyCon
             out = acts.get(name)
             if out is None or out.shape != (k, *ref.shape[1:]):
                 continue
-            rel = relative_difference(out, ref[rank * k:(rank + 1) * k])
+            rel = relative_difference(out, ref[rank * k : (rank + 1) * k])
             if worst is None or rel > worst.rel:
                 worst = ForwardDiff(name, rank, rel)
         if worst is not None:
@@ -230,8 +238,9 @@ def compare_forward(reference: RunResult, parallel: RunResult, config: VerifyCon
     return found
 
 
-def compare_runs(reference: RunResult, parallel: RunResult, init: dict[str, torch.Tensor], model: nn.Module,
-                 config: VerifyConfig) -> Comparison:
+def compare_runs(
+    reference: RunResult, parallel: RunResult, init: dict[str, torch.Tensor], model: nn.Module, config: VerifyConfig
+) -> Comparison:
     """Compare losses, parameters, buffers and first-pass outputs of the two runs.
 
     Args:
@@ -256,6 +265,8 @@ def compare_runs(reference: RunResult, parallel: RunResult, init: dict[str, torc
         ratio = None if moved is None else update_ratio(moved, ref_first[key], init[key])
         module = key.rsplit(".", 1)[0] if "." in key else ""
         tensors.append(TensorDiff(key, "parameter" if key in params else "buffer", module, rel, ratio))
-    losses = [LossDiff(step, r, p, abs(p - r) / max(abs(r), 1e-12) if p == p else float("inf"))
-              for step, (r, p) in enumerate(zip(reference.losses, parallel.losses))]
+    losses = [
+        LossDiff(step, r, p, abs(p - r) / max(abs(r), 1e-12) if p == p else float("inf"))
+        for step, (r, p) in enumerate(zip(reference.losses, parallel.losses))
+    ]
     return Comparison(config.effective_tolerance, losses, tensors, compare_forward(reference, parallel, config))

@@ -133,7 +133,8 @@ class VerifyConfig:
             raise ConfigError(
                 f"--global-batch {self.batch} cannot be split evenly over {self.nproc} processes x "
                 f"{self.accumulate} micro-batches; use a multiple of {split} "
-                f"(e.g. --global-batch {split * max(1, self.batch // split)})")
+                f"(e.g. --global-batch {split * max(1, self.batch // split)})"
+            )
         if self.lr <= 0 or (self.tolerance is not None and self.tolerance <= 0):
             raise ConfigError("--lr and --tolerance must be positive")
         if parse_model(self.model).is_factory and self.data is None and self.shape is None:
@@ -148,10 +149,18 @@ class VerifyConfig:
         """
         from lockstep.zoo.options import session_config
 
-        return session_config(strategy=self.strategy, precision=self.precision, sync_bn=self.sync_bn,
-                              accumulate=self.accumulate, seed=self.seed, timeout=self.timeout,
-                              grad_compression=self.grad_compression, powersgd_rank=self.powersgd_rank,
-                              powersgd_start_iter=self.powersgd_start_iter, compile=self.compile)
+        return session_config(
+            strategy=self.strategy,
+            precision=self.precision,
+            sync_bn=self.sync_bn,
+            accumulate=self.accumulate,
+            seed=self.seed,
+            timeout=self.timeout,
+            grad_compression=self.grad_compression,
+            powersgd_rank=self.powersgd_rank,
+            powersgd_start_iter=self.powersgd_start_iter,
+            compile=self.compile,
+        )
 
     @property
     def per_device_batch(self) -> int:

@@ -36,7 +36,12 @@ from torch import nn
 from lockstep.verify.compare import Comparison, ForwardDiff
 from lockstep.verify.config import VerifyConfig
 from lockstep.verify.inputs import (
-    Batch, apply_dropout_mode, batchnorm_layers, build_model, dropout_layers, first_tensor,
+    Batch,
+    apply_dropout_mode,
+    batchnorm_layers,
+    build_model,
+    dropout_layers,
+    first_tensor,
 )
 
 __all__ = ["ModelFacts", "Diagnosis", "model_facts", "diagnose", "random_modules"]
@@ -109,6 +114,7 @@ def random_modules(model: nn.Module, inputs: torch.Tensor) -> list[str]:
         def record(module: nn.Module, args: Any, output: Any) -> None:
             if name not in seen:
                 seen[name] = (_copy(first_tensor(args)), _copy(first_tensor(output)))
+
         return record
 
     model.train()
@@ -121,8 +127,11 @@ def random_modules(model: nn.Module, inputs: torch.Tensor) -> list[str]:
                 for handle in handles:
                     handle.remove()
     first, second = passes
-    found = [name for name, (x, y) in first.items()
-             if name in second and _same(x, second[name][0]) and not _same(y, second[name][1])]
+    found = [
+        name
+        for name, (x, y) in first.items()
+        if name in second and _same(x, second[name][0]) and not _same(y, second[name][1])
+    ]
     # a container of a random module is random too; name only the innermost ones
     return [n for n in found if not any(o != n and (n == "" or o.startswith(n + ".")) for o in found)]
 
@@ -154,26 +163,32 @@ def model_facts(config: VerifyConfig, init: dict[str, torch.Tensor], batch: Batc
     types = {name: type(m).__name__ for name, m in model.named_modules()}
     dropout = dropout_layers(model)
     disabled = apply_dropout_mode(model, config.dropout)
-    random = random_modules(model, batch[0][:config.micro_batch])
+    random = random_modules(model, batch[0][: config.micro_batch])
     return ModelFacts(types, batchnorm_layers(model), dropout, disabled, random)
 
 
 def _forward_cause(first: ForwardDiff, facts: ModelFacts, config: VerifyConfig) -> str:
     where = facts.label(first.module)
     if first.module in facts.batchnorm and not config.sync_bn:
-        return (f"BatchNorm statistics are computed per rank: {where} normalises each rank's "
-                f"{config.micro_batch} samples with their own mean and variance, the single process all "
-                f"{config.batch} together. Use --sync-bn (GPU) or a BatchNorm-free model (GroupNorm, "
-                "LayerNorm), or accept the difference: it is what data-parallel BatchNorm does.")
+        return (
+            f"BatchNorm statistics are computed per rank: {where} normalises each rank's "
+            f"{config.micro_batch} samples with their own mean and variance, the single process all "
+            f"{config.batch} together. Use --sync-bn (GPU) or a BatchNorm-free model (GroupNorm, "
+            "LayerNorm), or accept the difference: it is what data-parallel BatchNorm does."
+        )
     if first.module in facts.random or first.module in facts.dropout:
-        return (f"{where} draws random numbers (dropout or other randomness): the masks of "
-                f"{config.nproc} processes cannot equal those of one process over the same samples. Use "
-                "--dropout disable (the default) to compare without it; --dropout align seeds every rank "
-                "identically, which still cannot make per-sample masks equal across different batch splits.")
-    return (f"{where} computes a different output on rank {first.rank} than the single process for the "
-            f"same inputs and weights (relative difference {first.rel:.1e}): its forward depends on the "
-            "rank or on how the batch is split (it reads RANK/LOCAL_RANK, uses per-batch statistics, or "
-            "keeps state between calls). The layers before it agree.")
+        return (
+            f"{where} draws random numbers (dropout or other randomness): the masks of "
+            f"{config.nproc} processes cannot equal those of one process over the same samples. Use "
+            "--dropout disable (the default) to compare without it; --dropout align seeds every rank "
+            "identically, which still cannot make per-sample masks equal across different batch splits."
+        )
+    return (
+        f"{where} computes a different output on rank {first.rank} than the single process for the "
+        f"same inputs and weights (relative difference {first.rel:.1e}): its forward depends on the "
+        "rank or on how the batch is split (it reads RANK/LOCAL_RANK, uses per-batch statistics, or "
+        "keeps state between calls). The layers before it agree."
+    )
 
 
 def _near(value: float, target: float) -> bool:
@@ -191,11 +206,15 @@ def _scale_cause(comparison: Comparison, config: VerifyConfig) -> str | None:
     n, a = config.nproc, config.accumulate
     text = f"in the first step every layer moved {c:.3g}x as far as in the single process"
     if _near(c, n):
-        return f"{text} (~{n} = the world size): gradients are summed over ranks instead of averaged, " \
-               "or the loss is multiplied by the world size"
+        return (
+            f"{text} (~{n} = the world size): gradients are summed over ranks instead of averaged, "
+            "or the loss is multiplied by the world size"
+        )
     if _near(c, 1 / n):
-        return f"{text} (~1/{n}): the loss is a sum over the batch instead of a mean (each rank sums its " \
-               "own samples and the gradients are averaged), or the gradients are divided by the world size twice"
+        return (
+            f"{text} (~1/{n}): the loss is a sum over the batch instead of a mean (each rank sums its "
+            "own samples and the gradients are averaged), or the gradients are divided by the world size twice"
+        )
     if a > 1 and _near(c, a):
         return f"{text} (~{a} = --accumulate): the loss is not divided by the number of micro-batches"
     if a > 1 and _near(c, 1 / a):
@@ -208,35 +227,51 @@ def _weight_cause(comparison: Comparison, facts: ModelFacts, config: VerifyConfi
     modules = list(dict.fromkeys(t.module for t in differing))
     worst = max((t.rel for t in differing), default=0.0)
     if config.precision != "fp32" and worst < 10 * comparison.tolerance:
-        return (f"small differences (at most {worst:.1e}) in {config.precision}: rounding of a reduced "
-                "precision over different batch shapes; pass a larger --tolerance if they are acceptable")
+        return (
+            f"small differences (at most {worst:.1e}) in {config.precision}: rounding of a reduced "
+            "precision over different batch shapes; pass a larger --tolerance if they are acceptable"
+        )
     if not differing:
         steps = ", ".join(str(d.step) for d in comparison.differing_losses[:5])
-        return (f"the weights agree but the loss differs at step(s) {steps}: the loss is not a mean over "
-                "the samples (it depends on how the batch is split)")
+        return (
+            f"the weights agree but the loss differs at step(s) {steps}: the loss is not a mean over "
+            "the samples (it depends on how the batch is split)"
+        )
     if all(t.kind == "buffer" for t in differing):
-        return (f"only buffers differ ({', '.join(t.name for t in differing[:3])}): they are updated in "
-                "forward from each rank's own data (DDP copies rank 0's buffers to the others)")
+        return (
+            f"only buffers differ ({', '.join(t.name for t in differing[:3])}): they are updated in "
+            "forward from each rank's own data (DDP copies rank 0's buffers to the others)"
+        )
     if len(modules) == 1:
-        return (f"only {facts.label(modules[0])} differs: its gradient is not synchronised between ranks "
-                "(a parameter created after wrapping, excluded from DDP/FSDP, or updated outside the optimizer)")
-    return (f"the forward pass agrees but the updates differ, first in {facts.label(modules[0])}: the gradients "
-            "are not synchronised the same way (hooks on gradients, a custom backward, or unsynchronised "
-            "parameters)")
+        return (
+            f"only {facts.label(modules[0])} differs: its gradient is not synchronised between ranks "
+            "(a parameter created after wrapping, excluded from DDP/FSDP, or updated outside the optimizer)"
+        )
+    return (
+        f"the forward pass agrees but the updates differ, first in {facts.label(modules[0])}: the gradients "
+        "are not synchronised the same way (hooks on gradients, a custom backward, or unsynchronised "
+        "parameters)"
+    )
 
 
-_LOSSY_HOW = {"bf16": "rounds every gradient to bfloat16 (8 significant bits) for the all-reduce",
-              "fp16": "rounds every gradient to float16 (11 significant bits) for the all-reduce",
-              "powersgd": "all-reduces a low-rank approximation of each gradient matrix (the rest is fed back "
-                          "a step later)"}
+_LOSSY_HOW = {
+    "bf16": "rounds every gradient to bfloat16 (8 significant bits) for the all-reduce",
+    "fp16": "rounds every gradient to float16 (11 significant bits) for the all-reduce",
+    "powersgd": "all-reduces a low-rank approximation of each gradient matrix (the rest is fed back a step later)",
+}
 
 
 def _lossy_verdict(compression: str, worst: float, tol: float) -> Diagnosis:
     """A lossy communication hook is never equivalent: report what it cost, not a cause to fix."""
-    return Diagnosis(False, f"verdict: NOT EQUIVALENT, as expected: grad compression {compression} is lossy by "
-                            f"design (largest relative difference {worst:.1e}; tolerance {tol:.0e})",
-                     [f"grad compression {compression} {_LOSSY_HOW[compression]}; run without "
-                      "--grad-compression to check the rest of the setup"])
+    return Diagnosis(
+        False,
+        f"verdict: NOT EQUIVALENT, as expected: grad compression {compression} is lossy by "
+        f"design (largest relative difference {worst:.1e}; tolerance {tol:.0e})",
+        [
+            f"grad compression {compression} {_LOSSY_HOW[compression]}; run without "
+            "--grad-compression to check the rest of the setup"
+        ],
+    )
 
 
 def diagnose(comparison: Comparison, facts: ModelFacts, config: VerifyConfig) -> Diagnosis:
@@ -256,9 +291,13 @@ def diagnose(comparison: Comparison, facts: ModelFacts, config: VerifyConfig) ->
     if config.grad_compression != "none" and comparison.first_forward_difference is None:
         return _lossy_verdict(config.grad_compression, worst, tol)  # else the forward's cause comes first
     if comparison.equivalent:
-        return Diagnosis(True, f"verdict: EQUIVALENT within tolerance {tol:.0e} (largest relative difference "
-                               f"{worst:.1e} over {len(comparison.losses)} losses and "
-                               f"{len(comparison.tensors)} parameters and buffers)", [])
+        return Diagnosis(
+            True,
+            f"verdict: EQUIVALENT within tolerance {tol:.0e} (largest relative difference "
+            f"{worst:.1e} over {len(comparison.losses)} losses and "
+            f"{len(comparison.tensors)} parameters and buffers)",
+            [],
+        )
     modules = list(dict.fromkeys(t.module for t in comparison.differing))
     named = ", ".join(facts.label(m) for m in modules[:3]) + (" ..." if len(modules) > 3 else "")
     where = f"first differing layers in module order: {named}" if modules else "only the loss differs"
@@ -270,7 +309,12 @@ def diagnose(comparison: Comparison, facts: ModelFacts, config: VerifyConfig) ->
     else:
         causes.append(_scale_cause(comparison, config) or _weight_cause(comparison, facts, config))
     if config.compile not in ("none", "eager", "aot_eager"):  # generated kernels may sum in another order
-        causes.append(f"the parallel run is compiled ({config.compile}) and the reference is eager: compiled "
-                      "kernels may round differently; run without --compile to check the rest of the setup")
-    return Diagnosis(False, f"verdict: NOT EQUIVALENT (tolerance {tol:.0e}; largest relative difference "
-                            f"{worst:.1e}): {where}", causes)
+        causes.append(
+            f"the parallel run is compiled ({config.compile}) and the reference is eager: compiled "
+            "kernels may round differently; run without --compile to check the rest of the setup"
+        )
+    return Diagnosis(
+        False,
+        f"verdict: NOT EQUIVALENT (tolerance {tol:.0e}; largest relative difference {worst:.1e}): {where}",
+        causes,
+    )

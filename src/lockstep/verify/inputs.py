@@ -28,8 +28,17 @@ from lockstep.precision.torch_amp import BATCHNORM_TYPES
 from lockstep.verify.config import VerifyConfig
 from lockstep.zoo.models import ModelSpec
 
-__all__ = ["build_model", "make_loss", "make_batches", "shard", "apply_dropout_mode", "batchnorm_layers",
-           "dropout_layers", "first_tensor", "Batch"]
+__all__ = [
+    "build_model",
+    "make_loss",
+    "make_batches",
+    "shard",
+    "apply_dropout_mode",
+    "batchnorm_layers",
+    "dropout_layers",
+    "first_tensor",
+    "Batch",
+]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -95,7 +104,7 @@ def make_batches(config: VerifyConfig) -> list[Batch]:
             targets = torch.randint(0, config.classes, (count,), generator=gen)
         else:
             targets = torch.randn((count, config.classes), generator=gen)
-        return [(inputs[i:i + config.batch], targets[i:i + config.batch]) for i in range(0, count, config.batch)]
+        return [(inputs[i : i + config.batch], targets[i : i + config.batch]) for i in range(0, count, config.batch)]
     return _dataset_batches(config, gen)
 
 
@@ -106,13 +115,15 @@ def _dataset_batches(config: VerifyConfig, gen: torch.Generator) -> list[Batch]:
     dataset = load_object(config.data, "dataset factory")()
     size = len(dataset)
     if size < config.batch:
-        raise ConfigError(f"the dataset of {config.data!r} has {size} samples, fewer than --global-batch {config.batch}")
+        raise ConfigError(
+            f"the dataset of {config.data!r} has {size} samples, fewer than --global-batch {config.batch}"
+        )
     order: list[int] = []
     while len(order) < config.steps * config.batch:  # a new seeded permutation per epoch
         order += torch.randperm(size, generator=gen).tolist()
     batches = []
     for step in range(config.steps):
-        rows = [dataset[i] for i in order[step * config.batch:(step + 1) * config.batch]]
+        rows = [dataset[i] for i in order[step * config.batch : (step + 1) * config.batch]]
         if not isinstance(rows[0], (tuple, list)) or len(rows[0]) != 2:
             raise ConfigError(f"the dataset of {config.data!r} must yield (input, target) pairs")
         x, y = default_collate(rows)
@@ -138,7 +149,7 @@ def shard(batch: Batch, rank: int, nproc: int, accumulate: int) -> list[Batch]:
     per_rank = x.shape[0] // nproc
     micro = per_rank // accumulate
     start = rank * per_rank
-    return [(x[s:s + micro], y[s:s + micro]) for s in range(start, start + per_rank, micro)]
+    return [(x[s : s + micro], y[s : s + micro]) for s in range(start, start + per_rank, micro)]
 
 
 def dropout_layers(model: nn.Module) -> list[str]:
@@ -151,9 +162,11 @@ def dropout_layers(model: nn.Module) -> list[str]:
 
         dropout_layers(nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.5)))   # ["1"]
     """
-    return [name for name, m in model.named_modules()
-            if isinstance(m, _DROPOUTS) or
-            (isinstance(m, nn.MultiheadAttention) and m.dropout > 0)]
+    return [
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, _DROPOUTS) or (isinstance(m, nn.MultiheadAttention) and m.dropout > 0)
+    ]
 
 
 def batchnorm_layers(model: nn.Module) -> list[str]:

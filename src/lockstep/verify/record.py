@@ -93,6 +93,7 @@ class ActivationRecorder:
             self._left -= kept.numel()
             self.outputs[name] = kept
             self.order.append(name)
+
         return hook
 
     def close(self) -> None:

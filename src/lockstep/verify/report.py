@@ -23,12 +23,14 @@ def _heading(config: VerifyConfig, facts: ModelFacts) -> list[str]:
     if a > 1:
         split += f" ({a} micro-batches of {config.micro_batch})"
     data = config.data or f"synthetic {tuple(config.sample_shape)}"
-    lines = [f"lockstep verify: {config.model}, {config.steps} steps of SGD (lr {config.lr:g}, no momentum), "
-             f"global batch {config.batch}, precision {config.precision}, data {data}, loss {config.loss}",
-             f"  single process: 1 x {config.batch} samples;  parallel: {split}, strategy {config.strategy}"
-             + (", sync_bn" if config.sync_bn else "")
-             + (f", grad compression {config.grad_compression}" if config.grad_compression != "none" else "")
-             + (f", compiled ({config.compile}; the reference runs eager)" if config.compile != "none" else "")]
+    lines = [
+        f"lockstep verify: {config.model}, {config.steps} steps of SGD (lr {config.lr:g}, no momentum), "
+        f"global batch {config.batch}, precision {config.precision}, data {data}, loss {config.loss}",
+        f"  single process: 1 x {config.batch} samples;  parallel: {split}, strategy {config.strategy}"
+        + (", sync_bn" if config.sync_bn else "")
+        + (f", grad compression {config.grad_compression}" if config.grad_compression != "none" else "")
+        + (f", compiled ({config.compile}; the reference runs eager)" if config.compile != "none" else ""),
+    ]
     if facts.disabled:
         lines.append(f"  dropout disabled for the comparison in: {', '.join(facts.disabled)}")
     elif facts.dropout:
@@ -37,8 +39,10 @@ def _heading(config: VerifyConfig, facts: ModelFacts) -> list[str]:
 
 
 def _losses(comparison: Comparison, config: VerifyConfig) -> list[str]:
-    lines = ["loss per step (mean over the global batch):",
-             f"  {'step':>4}  {'1 process':>13}  {f'{config.nproc} processes':>13}  {'rel. diff':>9}"]
+    lines = [
+        "loss per step (mean over the global batch):",
+        f"  {'step':>4}  {'1 process':>13}  {f'{config.nproc} processes':>13}  {'rel. diff':>9}",
+    ]
     for d in comparison.losses:
         mark = "" if d.rel <= comparison.tolerance else "  differs"
         lines.append(f"  {d.step:>4}  {d.reference:>13.7g}  {d.parallel:>13.7g}  {d.rel:>9.1e}{mark}")
@@ -49,10 +53,12 @@ def _tensors(comparison: Comparison) -> list[str]:
     tol = comparison.tolerance
     rows = comparison.tensors
     if len(rows) > MAX_ROWS:
-        shown = comparison.differing[:MAX_ROWS // 2]
+        shown = comparison.differing[: MAX_ROWS // 2]
         rest = len(rows) - len(shown)
-        note = [f"  ... {rest} more, largest difference among them "
-                f"{max((t.rel for t in rows if t not in shown), default=0.0):.1e}"]
+        note = [
+            f"  ... {rest} more, largest difference among them "
+            f"{max((t.rel for t in rows if t not in shown), default=0.0):.1e}"
+        ]
     else:
         shown, note = rows, []
     width = max((len(t.name) for t in shown), default=4)
@@ -62,8 +68,9 @@ def _tensors(comparison: Comparison) -> list[str]:
         mark = "  differs" if not t.rel <= tol else ""
         lines.append(f"  {t.name:<{width}}  {t.kind:<9}  {t.rel:>8.1e}{mark}{ratio}")
     scaled = "; update xC: its first step moved C times as far" if any("update x" in line for line in lines) else ""
-    head = (f"parameters and buffers after training (relative difference max|a-b| / max|b|, "
-            f"tolerance {tol:.0e}{scaled}):")
+    head = (
+        f"parameters and buffers after training (relative difference max|a-b| / max|b|, tolerance {tol:.0e}{scaled}):"
+    )
     return [head] + lines + note
 
 
@@ -74,7 +81,7 @@ def _forward(comparison: Comparison, facts: ModelFacts) -> list[str]:
     rows = comparison.forward
     stop = rows.index(first)
     lines = ["first forward pass, module by module (the first samples of each rank's micro-batch):"]
-    for f in rows[max(0, stop - 3):stop + 1]:
+    for f in rows[max(0, stop - 3) : stop + 1]:
         mark = f"  differs on rank {f.rank}  <- first difference" if f is first else ""
         lines.append(f"  {facts.label(f.module):<40}  {f.rel:>8.1e}{mark}")
     return lines

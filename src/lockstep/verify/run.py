@@ -33,8 +33,7 @@ from lockstep.verify.config import VerifyConfig
 from lockstep.verify.inputs import Batch, apply_dropout_mode, build_model, make_loss, shard
 from lockstep.verify.record import ActivationRecorder, recorded_rows
 
-__all__ = ["RunResult", "train", "run_reference", "run_parallel", "worker_main",
-           "VerifyRunError", "initial_state"]
+__all__ = ["RunResult", "train", "run_reference", "run_parallel", "worker_main", "VerifyRunError", "initial_state"]
 
 
 class VerifyRunError(LockstepError):
@@ -70,8 +69,9 @@ class RunResult:
     first_state: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def train(session: Any, config: VerifyConfig, init: dict[str, torch.Tensor], steps: list[list[Batch]],
-          reference: bool = False) -> RunResult:
+def train(
+    session: Any, config: VerifyConfig, init: dict[str, torch.Tensor], steps: list[list[Batch]], reference: bool = False
+) -> RunResult:
     """Train the config's model under ``session`` on ``steps`` (micro-batches of each step).
 
     Every rank of the session calls it; each passes its own micro-batches.
@@ -173,13 +173,17 @@ def run_parallel(config: VerifyConfig, init: dict[str, torch.Tensor], batches: l
     with tempfile.TemporaryDirectory(prefix="lockstep-verify-") as tmp:
         job, out = Path(tmp) / "job.pt", Path(tmp) / "result.pt"
         paths = [p for p in sys.path if p and os.path.isdir(p)]  # where the user's factories import from
-        torch.save({"config": config.to_dict(), "init": init, "batches": batches, "out": str(out),
-                    "sys_path": paths}, job)
-        code = relaunch([str(job)], module="lockstep.verify.run", prefix=True, nproc=config.nproc,
-                        timeout=config.timeout)
+        torch.save(
+            {"config": config.to_dict(), "init": init, "batches": batches, "out": str(out), "sys_path": paths}, job
+        )
+        code = relaunch(
+            [str(job)], module="lockstep.verify.run", prefix=True, nproc=config.nproc, timeout=config.timeout
+        )
         if code != 0 or not out.exists():
-            raise VerifyRunError(f"the {config.nproc}-process training failed (exit code {code}); "
-                                 "the launcher's message above names the rank and the error")
+            raise VerifyRunError(
+                f"the {config.nproc}-process training failed (exit code {code}); "
+                "the launcher's message above names the rank and the error"
+            )
         values = torch.load(out, weights_only=True)
     return RunResult(**values)
 

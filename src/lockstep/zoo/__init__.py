@@ -23,5 +23,16 @@ from lockstep.zoo.datasets import DataSpec, ImageData, materialized, open_data, 
 from lockstep.zoo.models import ConvNet, ModelSpec, build_model, model_names, parse_model
 from lockstep.zoo.options import session_config
 
-__all__ = ["DataSpec", "ImageData", "materialized", "open_data", "parse_data", "ConvNet", "ModelSpec",
-           "build_model", "model_names", "parse_model", "session_config"]
+__all__ = [
+    "DataSpec",
+    "ImageData",
+    "materialized",
+    "open_data",
+    "parse_data",
+    "ConvNet",
+    "ModelSpec",
+    "build_model",
+    "model_names",
+    "parse_model",
+    "session_config",
+]

@@ -28,8 +28,20 @@ from torch.utils.data import Dataset, TensorDataset
 
 from lockstep.errors import ConfigError
 
-__all__ = ["DataSpec", "ImageData", "ImageTensors", "SyntheticImages", "parse_data", "open_data",
-           "native_channels", "materialized", "DIGITS_TEST", "SPLIT_SEED", "SYNTHETIC_SIZES", "DATA_KINDS"]
+__all__ = [
+    "DataSpec",
+    "ImageData",
+    "ImageTensors",
+    "SyntheticImages",
+    "parse_data",
+    "open_data",
+    "native_channels",
+    "materialized",
+    "DIGITS_TEST",
+    "SPLIT_SEED",
+    "SYNTHETIC_SIZES",
+    "DATA_KINDS",
+]
 
 DATA_KINDS = ("digits", "mnist", "imagefolder", "synthetic")
 SPLIT_SEED = 0
@@ -146,8 +158,9 @@ class ImageTensors(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         ds[0][0].shape      # (1, 28, 28)
     """
 
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, image_size: int, channels: int,
-                 scale: float) -> None:
+    def __init__(
+        self, images: torch.Tensor, labels: torch.Tensor, image_size: int, channels: int, scale: float
+    ) -> None:
         self.images, self.labels = images, labels
         self.image_size, self.channels, self.scale = image_size, channels, scale
 
@@ -163,7 +176,7 @@ class ImageTensors(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return x.contiguous()
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._convert(self.images[index:index + 1])[0], self.labels[index]
+        return self._convert(self.images[index : index + 1])[0], self.labels[index]
 
     def materialized(self) -> Dataset[Any]:
         """Convert all images at once into a TensorDataset when that fits in a modest memory.
@@ -175,7 +188,7 @@ class ImageTensors(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
             train = data.train.materialized()
         """
-        size = len(self) * self.channels * self.image_size ** 2 * 4
+        size = len(self) * self.channels * self.image_size**2 * 4
         if size > _MATERIALIZE_BYTES:
             return self
         return TensorDataset(self._convert(self.images), self.labels)
@@ -221,19 +234,24 @@ def _digits(image_size: int, channels: int) -> tuple[Dataset[Any], Dataset[Any],
     x = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1)  # values 0..16
     y = torch.tensor(bunch.target, dtype=torch.long)
     train, test = _split(len(y), DIGITS_TEST)
-    return (ImageTensors(x[train], y[train], image_size, channels, 16.0),
-            ImageTensors(x[test], y[test], image_size, channels, 16.0), 10)
+    return (
+        ImageTensors(x[train], y[train], image_size, channels, 16.0),
+        ImageTensors(x[test], y[test], image_size, channels, 16.0),
+        10,
+    )
 
 
-def _mnist(folder: Path, image_size: int, channels: int,
-           notes: list[str]) -> tuple[Dataset[Any], Dataset[Any], int]:
+def _mnist(folder: Path, image_size: int, channels: int, notes: list[str]) -> tuple[Dataset[Any], Dataset[Any], int]:
     from lockstep.zoo.idx import check_labels, read_mnist
 
     parts = []
     for split in ("train", "test"):
         images, labels = read_mnist(folder, split)
-        parts.append(ImageTensors(torch.from_numpy(np.array(images)).unsqueeze(1),
-                                  torch.from_numpy(labels), image_size, channels, 255.0))
+        parts.append(
+            ImageTensors(
+                torch.from_numpy(np.array(images)).unsqueeze(1), torch.from_numpy(labels), image_size, channels, 255.0
+            )
+        )
     num_classes, note = check_labels(folder, parts[0].labels.numpy(), parts[1].labels.numpy())
     notes += [note] if note else []
     return parts[0], parts[1], num_classes

@@ -68,8 +68,10 @@ def _folder(root: Path, image_size: int, train: bool) -> Any:
     except FileNotFoundError as exc:  # a class folder without images
         raise ConfigError(f"{root}: {exc}") from None
     if train and len(folder.classes) < 2:  # e.g. DIR/images/*.jpg: every image in one "class"
-        raise ConfigError(f"{root} holds one class folder ({folder.classes[0]}): a classifier needs at least two; "
-                          "put each class's images in a sub-folder of its own")
+        raise ConfigError(
+            f"{root} holds one class folder ({folder.classes[0]}): a classifier needs at least two; "
+            "put each class's images in a sub-folder of its own"
+        )
     return folder
 
 
@@ -95,8 +97,9 @@ def check_images(dataset: Any, per_class: int = CHECK_PER_CLASS) -> int:
     return sum(seen.values())
 
 
-def image_folders(root: Path, image_size: int, seed: int,
-                  val_fraction: float) -> tuple[Dataset[Any], Dataset[Any], int]:
+def image_folders(
+    root: Path, image_size: int, seed: int, val_fraction: float
+) -> tuple[Dataset[Any], Dataset[Any], int]:
     """Return ``(train, val, num_classes)`` for an image folder tree, after checking its images.
 
     Args:
@@ -118,8 +121,7 @@ def image_folders(root: Path, image_size: int, seed: int,
     if (root / "train").is_dir() and (root / "val").is_dir():
         train, val = _folder(root / "train", image_size, True), _folder(root / "val", image_size, False)
         if train.classes != val.classes:
-            raise ConfigError(f"{root}/train and {root}/val hold different classes: "
-                              f"{train.classes} and {val.classes}")
+            raise ConfigError(f"{root}/train and {root}/val hold different classes: {train.classes} and {val.classes}")
         check_images(train)
         check_images(val)
         return train, val, len(train.classes)

@@ -107,8 +107,10 @@ def find_mnist_file(folder: Path, split: str, what: str) -> Path:
                 path = base / (candidate + suffix)
                 if path.is_file():
                     return path
-    raise ConfigError(f"MNIST file {name} (or {name}.gz) is missing in {folder}; "
-                      "it needs the four IDX files train-images, train-labels, t10k-images, t10k-labels")
+    raise ConfigError(
+        f"MNIST file {name} (or {name}.gz) is missing in {folder}; "
+        "it needs the four IDX files train-images, train-labels, t10k-images, t10k-labels"
+    )
 
 
 def read_mnist(folder: str | Path, split: str) -> tuple[np.ndarray, np.ndarray]:
@@ -136,8 +138,10 @@ def read_mnist(folder: str | Path, split: str) -> tuple[np.ndarray, np.ndarray]:
     if len(images) == 0:
         raise ConfigError(f"{images_path} holds no images")
     if labels.dtype.kind not in "iu" or int(labels.min()) < 0:
-        raise ConfigError(f"{labels_path} must hold class numbers 0, 1, 2...; it holds "
-                          f"{labels.dtype} values from {labels.min()} to {labels.max()}")
+        raise ConfigError(
+            f"{labels_path} must hold class numbers 0, 1, 2...; it holds "
+            f"{labels.dtype} values from {labels.min()} to {labels.max()}"
+        )
     return images, labels.astype(np.int64)
 
 
@@ -158,10 +162,14 @@ def check_labels(folder: Path, train: np.ndarray, test: np.ndarray) -> tuple[int
     """
     classes = int(train.max()) + 1
     if int(test.max()) >= classes:
-        raise ConfigError(f"{folder}: the test labels run to {int(test.max())} but the training labels only to "
-                          f"{classes - 1}; the two label files do not belong together")
+        raise ConfigError(
+            f"{folder}: the test labels run to {int(test.max())} but the training labels only to "
+            f"{classes - 1}; the two label files do not belong together"
+        )
     if classes == MNIST_CLASSES:
         return classes, None
     missing = classes - len(np.unique(train))
-    return classes, (f"{folder}: the labels run from 0 to {classes - 1}, so the model gets {classes} classes "
-                     f"(MNIST has {MNIST_CLASSES}){f', {missing} of them without a training image' if missing else ''}")
+    return classes, (
+        f"{folder}: the labels run from 0 to {classes - 1}, so the model gets {classes} classes "
+        f"(MNIST has {MNIST_CLASSES}){f', {missing} of them without a training image' if missing else ''}"
+    )

@@ -24,8 +24,17 @@ from torch import nn
 from lockstep._imports import load_object
 from lockstep.errors import ConfigError
 
-__all__ = ["ConvNet", "ModelSpec", "parse_model", "build_model", "model_names", "check_model", "input_channels",
-           "default_image_size", "load_weights"]
+__all__ = [
+    "ConvNet",
+    "ModelSpec",
+    "parse_model",
+    "build_model",
+    "model_names",
+    "check_model",
+    "input_channels",
+    "default_image_size",
+    "load_weights",
+]
 
 
 class ConvNet(nn.Module):
@@ -46,11 +55,17 @@ class ConvNet(nn.Module):
         if image_size < 4:
             raise ConfigError(f"convnet needs images of at least 4x4 pixels (two 2x2 poolings), got {image_size}")
         self.layer1 = nn.Sequential(
-            nn.Conv2d(channels, 16, kernel_size=5, stride=1, padding=2), nn.BatchNorm2d(16), nn.ReLU(),
-            nn.MaxPool2d(kernel_size=2, stride=2))
+            nn.Conv2d(channels, 16, kernel_size=5, stride=1, padding=2),
+            nn.BatchNorm2d(16),
+            nn.ReLU(),
+            nn.MaxPool2d(kernel_size=2, stride=2),
+        )
         self.layer2 = nn.Sequential(
-            nn.Conv2d(16, 32, kernel_size=5, stride=1, padding=2), nn.BatchNorm2d(32), nn.ReLU(),
-            nn.MaxPool2d(kernel_size=2, stride=2))
+            nn.Conv2d(16, 32, kernel_size=5, stride=1, padding=2),
+            nn.BatchNorm2d(32),
+            nn.ReLU(),
+            nn.MaxPool2d(kernel_size=2, stride=2),
+        )
         side = image_size // 4  # two floor-halving poolings
         self.fc = nn.Linear(side * side * 32, num_classes)
 
@@ -135,8 +150,7 @@ class ModelSpec:
             return build_model(self.text, channels, num_classes, side)
         built = load_object(self.text, "model factory")()
         if not isinstance(built, nn.Module):
-            raise ConfigError(f"the model factory {self.text!r} returned {type(built).__name__}, "
-                              "not a torch.nn.Module")
+            raise ConfigError(f"the model factory {self.text!r} returned {type(built).__name__}, not a torch.nn.Module")
         return built
 
 
@@ -191,8 +205,9 @@ def default_image_size(name: str) -> int:
     return 28 if name == "convnet" else 224
 
 
-def build_model(name: str, channels: int, num_classes: int, image_size: int,
-                weights: str | Path | None = None) -> nn.Module:
+def build_model(
+    name: str, channels: int, num_classes: int, image_size: int, weights: str | Path | None = None
+) -> nn.Module:
     """Build ``name`` with random weights for ``num_classes``, optionally loading a local file.
 
     Args:
@@ -259,8 +274,10 @@ def load_weights(model: nn.Module, path: str | Path) -> list[str]:
     usable = {k: v for k, v in state.items() if k in own and tuple(v.shape) == tuple(own[k].shape)}
     if 2 * len(usable) < len(own):
         # a head of another size is expected; most of the body left random is another architecture
-        raise ConfigError(f"weights file {path} fits only {len(usable)} of the model's {len(own)} "
-                          "tensors; is it for another architecture?")
+        raise ConfigError(
+            f"weights file {path} fits only {len(usable)} of the model's {len(own)} "
+            "tensors; is it for another architecture?"
+        )
     model.load_state_dict(usable, strict=False)
     return sorted(set(own) - set(usable))
 

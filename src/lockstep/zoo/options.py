@@ -22,9 +22,16 @@ if TYPE_CHECKING:  # the session's modules load when a config is built, not when
 __all__ = ["session_config"]
 
 
-def session_config(*, grad_compression: str | None = "none", powersgd_rank: int = 1, powersgd_start_iter: int = 10,
-                   compile: str | None = "none", timeout: float | None = None, quiet: bool = True,
-                   **options: Any) -> SessionConfig:
+def session_config(
+    *,
+    grad_compression: str | None = "none",
+    powersgd_rank: int = 1,
+    powersgd_start_iter: int = 10,
+    compile: str | None = "none",
+    timeout: float | None = None,
+    quiet: bool = True,
+    **options: Any,
+) -> SessionConfig:
     """The :class:`SessionConfig` of an app's flags (``--compile BACKEND``, ``--powersgd-rank K``...).
 
     Args:
@@ -49,5 +56,11 @@ def session_config(*, grad_compression: str | None = "none", powersgd_rank: int 
 
     knobs = {"powersgd_rank": powersgd_rank, "powersgd_start_iter": powersgd_start_iter}
     powersgd = str(grad_compression).strip().lower() == "powersgd"
-    return SessionConfig(grad_compression=grad_compression, strategy_options=knobs if powersgd else None,
-                         compile=compile_from_flag(compile) or False, timeout=timeout, quiet=quiet, **options)
+    return SessionConfig(
+        grad_compression=grad_compression,
+        strategy_options=knobs if powersgd else None,
+        compile=compile_from_flag(compile) or False,
+        timeout=timeout,
+        quiet=quiet,
+        **options,
+    )

@@ -89,9 +89,11 @@ def main() -> int:
     events_path = os.path.join(args.folder, "events.json")
     if os.path.exists(events_path):
         for e in json.load(open(events_path)):
-            print(f"event round {e['round']}: world {e['world_size']}, resumed at step {e['step']}, left "
-                  f"{e['left']}, joined {e['joined']}: step lost {e['step lost']:.2f} s, rendezvous "
-                  f"{e['rendezvous']:.2f} s, state {e['state']:.2f} s")
+            print(
+                f"event round {e['round']}: world {e['world_size']}, resumed at step {e['step']}, left "
+                f"{e['left']}, joined {e['joined']}: step lost {e['step lost']:.2f} s, rendezvous "
+                f"{e['rendezvous']:.2f} s, state {e['state']:.2f} s"
+            )
     problems = check(args.folder, args.samples, args.global_batch, args.epochs)
     for p in problems:
         print(f"ledger: {p}")

@@ -54,8 +54,13 @@ def main() -> None:
     parser.add_argument("--step-time", type=float, default=0.0, help="seconds of sleep per batch")
     parser.add_argument("--reference", action="store_true")
     parser.add_argument("--resume", action="store_true", help="continue from LEDGER/ckpt when no node holds the state")
-    parser.add_argument("--hold", action="append", default=[], metavar="STEP:WORLD",
-                        help="from STEP on, batches take 0.5 s until the group has WORLD ranks (a node expected to join)")
+    parser.add_argument(
+        "--hold",
+        action="append",
+        default=[],
+        metavar="STEP:WORLD",
+        help="from STEP on, batches take 0.5 s until the group has WORLD ranks (a node expected to join)",
+    )
     args = parser.parse_args()
     os.makedirs(args.ledger, exist_ok=True)
     holds = sorted(tuple(int(v) for v in h.split(":")) for h in args.hold)
@@ -69,9 +74,14 @@ def main() -> None:
     for _epoch in session.epochs(args.epochs, start=start):
         for x, y, index in train:
             if ledger is not None:
-                record = {"round": getattr(session.comm, "round", 0), "step": session.global_step,
-                          "rank": session.rank, "world": session.world_size, "host": os.uname().nodename,
-                          "indices": index.tolist()}
+                record = {
+                    "round": getattr(session.comm, "round", 0),
+                    "step": session.global_step,
+                    "rank": session.rank,
+                    "world": session.world_size,
+                    "host": os.uname().nodename,
+                    "indices": index.tolist(),
+                }
                 ledger.write(json.dumps(record) + "\n")
                 ledger.flush()
             wanted = max([w for s, w in holds if session.global_step >= s], default=0)

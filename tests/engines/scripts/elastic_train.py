@@ -55,8 +55,15 @@ def model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
 
-def step_fn(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
-            idx: torch.Tensor, in_step: int, reduce: bool) -> None:
+def step_fn(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    idx: torch.Tensor,
+    in_step: int,
+    reduce: bool,
+) -> None:
     """One step: loss summed over this share and divided by the step's size, gradients summed over ranks."""
     opt.zero_grad(set_to_none=False)
     loss = torch.nn.functional.mse_loss(model(x[idx]), y[idx], reduction="sum") / in_step
@@ -66,7 +73,7 @@ def step_fn(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
         dist.all_reduce(flat)
         offset = 0
         for p in model.parameters():
-            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
     opt.step()  # after the last collective: a rank that gets here committed the step
 
@@ -79,8 +86,13 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--step-time", type=float, default=0.0)
     parser.add_argument("--reference", action="store_true")
-    parser.add_argument("--hold", action="append", default=[], metavar="STEP:WORLD",
-                        help="before STEP, wait until the group has WORLD ranks (a node expected to join)")
+    parser.add_argument(
+        "--hold",
+        action="append",
+        default=[],
+        metavar="STEP:WORLD",
+        help="before STEP, wait until the group has WORLD ranks (a node expected to join)",
+    )
     args = parser.parse_args()
     os.makedirs(args.ledger, exist_ok=True)
     x, y = data(args.samples)
@@ -98,8 +110,9 @@ def main() -> None:
 
     from lockstep.comm.elastic import ElasticGroup
 
-    group = ElasticGroup.from_env({"model": model, "optimizer": opt},
-                                  plan=lambda world: describe(args.global_batch, world))
+    group = ElasticGroup.from_env(
+        {"model": model, "optimizer": opt}, plan=lambda world: describe(args.global_batch, world)
+    )
     group.start()
     me = f"{os.environ.get('LOCKSTEP_NODE_ID', 'node')}-{os.environ.get('LOCAL_RANK', '0')}"
     with open(os.path.join(args.ledger, f"ledger-{me}.jsonl"), "a") as ledger:
@@ -115,9 +128,19 @@ def main() -> None:
 
             def one() -> None:
                 idx = share(step // per_epoch, cursor, args.samples, args.global_batch, group.world_size, group.rank)
-                ledger.write(json.dumps({"round": group.view.round, "step": step, "rank": group.rank,
-                                         "world": group.world_size, "host": os.uname().nodename,
-                                         "indices": idx.tolist()}) + "\n")
+                ledger.write(
+                    json.dumps(
+                        {
+                            "round": group.view.round,
+                            "step": step,
+                            "rank": group.rank,
+                            "world": group.world_size,
+                            "host": os.uname().nodename,
+                            "indices": idx.tolist(),
+                        }
+                    )
+                    + "\n"
+                )
                 ledger.flush()
                 time.sleep(args.step_time)
                 step_fn(model, opt, x, y, idx, in_step, reduce=True)

@@ -30,8 +30,9 @@ import yaml
 DEFAULT_PORT = 23456  # the operator's default pytorchjob-port
 
 
-def pods(job: dict[str, Any], master_addr: str, nproc_per_node: str | None = None,
-         command: list[str] | None = None) -> list[tuple[str, list[str], dict[str, str]]]:
+def pods(
+    job: dict[str, Any], master_addr: str, nproc_per_node: str | None = None, command: list[str] | None = None
+) -> list[tuple[str, list[str], dict[str, str]]]:
     """Every pod of ``job`` as (name, command, environment additions), Master first; ``nproc_per_node``
     and ``command`` stand in for the job's ``nprocPerNode`` and every container's command."""
     name = job["metadata"]["name"]
@@ -39,8 +40,9 @@ def pods(job: dict[str, Any], master_addr: str, nproc_per_node: str | None = Non
     nproc = nproc_per_node or str(job["spec"].get("nprocPerNode", "1"))
     total = sum(int(spec.get("replicas", 1)) for spec in specs.values())
     master = specs["Master"]["template"]["spec"]["containers"][0]
-    port = next((p["containerPort"] for p in master.get("ports", []) if p.get("name") == "pytorchjob-port"),
-                DEFAULT_PORT)
+    port = next(
+        (p["containerPort"] for p in master.get("ports", []) if p.get("name") == "pytorchjob-port"), DEFAULT_PORT
+    )
     world = total * (int(nproc) if nproc.isdigit() else 1)
     out = []
     for kind in ("Master", "Worker"):
@@ -49,9 +51,18 @@ def pods(job: dict[str, Any], master_addr: str, nproc_per_node: str | None = Non
             container = spec["template"]["spec"]["containers"][0]
             rank = index + (1 if kind == "Worker" else 0)
             env = {item["name"]: str(item["value"]) for item in container.get("env", []) if "value" in item}
-            env.update(PYTHONUNBUFFERED="0", MASTER_ADDR=master_addr, MASTER_PORT=str(port),
-                       PET_MASTER_ADDR=master_addr, PET_MASTER_PORT=str(port), WORLD_SIZE=str(world),
-                       RANK=str(rank), PET_NPROC_PER_NODE=nproc, PET_NODE_RANK=str(rank), PET_NNODES=str(total))
+            env.update(
+                PYTHONUNBUFFERED="0",
+                MASTER_ADDR=master_addr,
+                MASTER_PORT=str(port),
+                PET_MASTER_ADDR=master_addr,
+                PET_MASTER_PORT=str(port),
+                WORLD_SIZE=str(world),
+                RANK=str(rank),
+                PET_NPROC_PER_NODE=nproc,
+                PET_NODE_RANK=str(rank),
+                PET_NNODES=str(total),
+            )
             argv = command or list(container.get("command", [])) + list(container.get("args", []))
             out.append((f"{name}-{kind.lower()}-{index}", argv, env))
     return out
@@ -82,11 +93,20 @@ def main() -> int:
     started = []
     override = shlex.split(args.command) if args.command else None
     for name, command, env in pods(job, master_addr, args.nproc_per_node, override):
-        print(f"pods: WORLD_SIZE={env['WORLD_SIZE']} {name}: PET_NNODES={env['PET_NNODES']} "
-              f"PET_NODE_RANK={env['PET_NODE_RANK']} PET_NPROC_PER_NODE={env['PET_NPROC_PER_NODE']} "
-              f"PET_MASTER={env['PET_MASTER_ADDR']}:{env['PET_MASTER_PORT']} $ {' '.join(command)}", flush=True)
-        proc = subprocess.Popen(command, cwd=args.workdir, env={**os.environ, **env}, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+        print(
+            f"pods: WORLD_SIZE={env['WORLD_SIZE']} {name}: PET_NNODES={env['PET_NNODES']} "
+            f"PET_NODE_RANK={env['PET_NODE_RANK']} PET_NPROC_PER_NODE={env['PET_NPROC_PER_NODE']} "
+            f"PET_MASTER={env['PET_MASTER_ADDR']}:{env['PET_MASTER_PORT']} $ {' '.join(command)}",
+            flush=True,
+        )
+        proc = subprocess.Popen(
+            command,
+            cwd=args.workdir,
+            env={**os.environ, **env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         thread = threading.Thread(target=relay, args=(name, proc.stdout), daemon=True)
         thread.start()
         started.append((name, proc, thread))

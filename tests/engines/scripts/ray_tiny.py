@@ -43,10 +43,13 @@ def main() -> None:
 
     ray.init(num_cpus=max(2, args.workers), include_dashboard=False)
     try:
-        TorchTrainer(loop, train_loop_config={"scripts": HERE, "argv": argv},
-                     torch_config=TorchConfig(backend="gloo", timeout_s=300),
-                     scaling_config=ScalingConfig(num_workers=args.workers),
-                     run_config=RunConfig(name="lockstep-tiny", storage_path=os.path.abspath(args.storage))).fit()
+        TorchTrainer(
+            loop,
+            train_loop_config={"scripts": HERE, "argv": argv},
+            torch_config=TorchConfig(backend="gloo", timeout_s=300),
+            scaling_config=ScalingConfig(num_workers=args.workers),
+            run_config=RunConfig(name="lockstep-tiny", storage_path=os.path.abspath(args.storage)),
+        ).fit()
     finally:
         ray.shutdown()
 

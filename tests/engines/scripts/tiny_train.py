@@ -48,8 +48,7 @@ def train(session: lockstep.Session, args: argparse.Namespace) -> None:
     x = torch.randn(256, 8, generator=gen)
     y = x @ torch.linspace(-1, 1, 8).unsqueeze(1) + 0.1 * torch.randn(256, 1, generator=gen)
     data = torch.utils.data.TensorDataset(x, y)
-    model, optimizer = session.setup(torch.nn.Linear(8, 1),
-                                     lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9))
+    model, optimizer = session.setup(torch.nn.Linear(8, 1), lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9))
     train = session.loader(data, batch_size=8, shuffle=True, num_workers=args.workers)
     state = lockstep.ResumeState()
     if args.checkpoints:
@@ -70,8 +69,9 @@ def train(session: lockstep.Session, args: argparse.Namespace) -> None:
     weights = [v.hex() for p in model.parameters() for v in p.detach().flatten().tolist()]
     session.print(f"final step {session.global_step} world {session.world_size} weights {weights[:2]}...")
     if session.is_main and args.result:
-        Path(args.result).write_text(json.dumps({"step": session.global_step, "world_size": session.world_size,
-                                                 "weights": weights}))
+        Path(args.result).write_text(
+            json.dumps({"step": session.global_step, "world_size": session.world_size, "weights": weights})
+        )
     session.close()
 
 

@@ -6,7 +6,8 @@ MLP. The parallel tests compile with ``aot_eager``: it traces forward and backwa
 AOTAutograd but runs torch's own eager kernels, so the only differences left are those of any
 world-2 run (two half-batch gradients summed by the all-reduce instead of one full-batch
 gradient, a different order of float additions). Measured: 1.3e-7 for ddp and for fsdp at world
-2 (aot_eager); inductor in one process 5.2e-7 (bounded by 1e-4 below). Inductor generates its own fused kernels, whose reductions may
+2 (aot_eager); inductor in one process 5.2e-7 (bounded by 1e-4 below). Inductor generates its own fused kernels,
+whose reductions may
 round differently; its one test is slow (about 30 s per compiled graph here) and bounded by 1e-4.
 """
 

@@ -118,7 +118,7 @@ def test_each_bad_value_is_refused_once_with_one_message(option: str, monkeypatc
     assert count.refusal(lambda: _session(**keywords)) == message
     for build, argv in ((_train, train), (_bench, bench), (_verify, verify)):
         if argv is not None:
-            assert count.refusal(lambda: build(*argv)) == message, (build.__name__, argv)
+            assert count.refusal(lambda: build(*argv)) == message, (build.__name__, argv)  # noqa: B023 (called at once)
 
 
 def test_every_entry_point_builds_the_same_config(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -326,7 +326,8 @@ def test_uneven_dataset_trains_with_equal_step_counts(world_size: int, n: int) -
     backward). The sampler pads, so every rank runs the same number of steps and finishes."""
     batch = 2
     results = run_distributed(_train_uneven, world_size, n, batch, timeout=90)
-    expected = -(-(-(-n // world_size)) // batch)
+    per_rank = -(-n // world_size)  # the sampler pads to a multiple of the world size
+    expected = -(-per_rank // batch)
     for res in results:
         assert res["steps"] == [expected, expected]
         assert res["left"] == 0  # the position reached the end of the epoch on every rank

@@ -160,7 +160,7 @@ def test_cli_world_two_reports_bandwidth_table() -> None:
     lines = proc.stdout.splitlines()
     rows = [m.groups() for m in map(_TABLE_ROW.match, lines) if m]
     assert [r[0] for r in rows] == ["4 KB", "16 KB", "64 KB"]
-    for size, ms, algbw, busbw, iters, check in rows:
+    for _size, ms, algbw, busbw, iters, check in rows:
         assert check == "ok" and 3 <= int(iters) <= 5 and float(ms) > 0
         assert float(busbw) == pytest.approx(float(algbw), abs=2e-3)  # 2 (n-1) / n = 1 at n = 2
     assert any("rank" in line and "clock offset" in line for line in lines)

@@ -106,7 +106,10 @@ def _failure(rank: int, exitcode: int, t: float, error: str = "", blame: tuple[i
 
 
 def test_summary_blames_the_named_rank_not_the_waiters() -> None:
-    report = "CollectiveTimeoutError: rank 1 (host h, pid 101) did not reach all_reduce #5 within 5 s; ranks 0, 2 waited there.\nrank 1 last finished all_reduce #4"
+    report = (
+        "CollectiveTimeoutError: rank 1 (host h, pid 101) did not reach all_reduce #5 within 5 s; ranks 0, 2 "
+        "waited there.\nrank 1 last finished all_reduce #4"
+    )
     failures = [_failure(0, 1, 10.0, report, (1,)), _failure(2, 1, 10.1, report, (1,)), _failure(1, -15, 10.3)]
     summary = summarize(failures)
     assert summary.root.rank == 1 and summary.hang is not None

@@ -242,7 +242,8 @@ def test_module_and_rank0_only(tmp_path: Path) -> None:
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "__init__.py").write_text("")
     (tmp_path / "pkg" / "job.py").write_text(
-        "import os, sys\nif __name__ == '__main__':\n    print('module', os.environ['RANK'], sys.argv[1:], flush=True)\n"
+        "import os, sys\nif __name__ == '__main__':\n"
+        "    print('module', os.environ['RANK'], sys.argv[1:], flush=True)\n"
     )
     proc = _run(["--nproc", "2", "--rank0-only", "-m", "pkg.job", "a"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr

@@ -4,6 +4,7 @@ the environment. Read from the source with ``ast`` (no import of lockstep needed
 from __future__ import annotations
 
 import ast
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -32,7 +33,15 @@ LAYERS: list[tuple[str, ...]] = [
 LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
 # same-layer imports that are allowed (precision and strategies do not know each other)
 MAX_TOP_LEVEL_MODULES = 8
-MAX_LINES = 400
+MAX_CODE_LINES = 400  # code lines only (STYLE.md): past this, look for a second responsibility
+
+
+def _code_lines(path: Path) -> int:
+    spec = importlib.util.spec_from_file_location("source_stats", SRC.parents[1] / "tools" / "source_stats.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return int(module.count(path.read_text()).code)
 
 
 def _modules() -> dict[str, Path]:
@@ -126,10 +135,8 @@ def test_no_import_cycle(graph: dict[str, set[str]]) -> None:
 def test_few_top_level_modules_and_none_large() -> None:
     top = sorted(p.name for p in SRC.glob("*.py"))
     assert len(top) <= MAX_TOP_LEVEL_MODULES, top
-    large = {
-        str(p.relative_to(SRC)): n for p in SRC.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES
-    }
-    assert not large, f"modules over {MAX_LINES} lines: {large}"
+    large = {str(p.relative_to(SRC)): n for p in SRC.rglob("*.py") if (n := _code_lines(p)) > MAX_CODE_LINES}
+    assert not large, f"modules over {MAX_CODE_LINES} code lines: {large}"
 
 
 def test_every_package_says_its_job() -> None:

@@ -226,7 +226,7 @@ def test_no_host_sync_per_step_on_cuda() -> None:
     model, opt = session.setup(torch.nn.Linear(8, 8), lambda p: torch.optim.AdamW(p, lr=1e-3, fused=True))
     x = torch.randn(4, 8, device=session.device)
     nan, one = torch.tensor(math.nan, device=x.device), torch.tensor(1.0, device=x.device)
-    for step in range(1, 5):  # warm-up: the plan and the optimizer's state are made here
+    for _ in range(1, 5):  # warm-up: the plan and the optimizer's state are made here
         session.backward(model(x).pow(2).mean())
         session.step(opt)
     torch.cuda.synchronize()

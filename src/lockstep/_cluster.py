@@ -2,7 +2,8 @@
 
 Pure functions (they never read the process environment, and import no torch):
 :mod:`lockstep.env` hands them the environment and builds its :class:`~lockstep.env.World` from
-what they return; ``lockstep run`` takes its node layout from :func:`launch_defaults`. Conventions, as the engines document them:
+what they return; ``lockstep run`` takes its node layout from :func:`launch_defaults`. Conventions, as the engines
+document them:
 
 * **Slurm** (``srun``): ``SLURM_PROCID``/``SLURM_NTASKS`` (global), ``SLURM_LOCALID`` and
   ``SLURM_NODEID`` (on and of the node), the *step's* layout ``SLURM_STEP_NUM_NODES``,

@@ -296,7 +296,8 @@ def add_efficiency(cells: list[Cell]) -> None:
     units are GPUs on CUDA and the cores busy on CPU (``cores_used``: threads of all ranks, at
     most the cores). The baseline is the 1-device cell of the same strategy, precision and
     compile setting, else the ``single`` cell of the same precision and compile setting (always
-    for ``dp``, whose one process drives every GPU). On GPUs 1.0 is a linear speed-up. On CPU every cell gets the same cores by default
+    for ``dp``, whose one process drives every GPU). On GPUs 1.0 is a linear speed-up. On CPU every cell gets the
+    same cores by default
     (:func:`threads_per_rank`), so the efficiency is the cell's samples/s over the 1-process
     cell's on the same cores: 0.91 means N processes move 91 % of what one process with all the
     threads moves. ``None`` when no baseline ran.

@@ -1,7 +1,8 @@
 """One live job per checkpoint URL, without a shared disk: lock objects put only if absent.
 
 The lock is a series of objects ``<url>/.lockstep.lock/<generation>`` (``00000001``, ...), each created by
-a conditional put (``If-None-Match: *``); the highest generation is the holder. Its body names the holder (host, pid, since) and a random token. While the
+a conditional put (``If-None-Match: *``); the highest generation is the holder. Its body names the holder (host, pid,
+since) and a random token. While the
 job lives, a thread renews it (rewrites ``renewed``) every ``ttl / 4`` seconds; at the end the job
 marks it released. A second job reads the highest generation and is refused with one line naming
 the holder, unless the holder is gone:

@@ -11,7 +11,8 @@ without the flag. Examples::
 
 Both runs train with plain SGD on the same fixed global batches (--global-batch samples per
 step; each of N processes gets global batch / N of them, its r-th contiguous slice). Without
---nproc the parallel run has one process per GPU, or 2 without GPUs. The exit code is 0 when the runs are equivalent within
+--nproc the parallel run has one process per GPU, or 2 without GPUs. The exit code is 0 when the runs are equivalent
+within
 the tolerance, 1 when they are not.
 """
 

@@ -123,7 +123,10 @@ class GroupComm(Comm):
         try:
             return fn(*args, **kwargs)
         except RuntimeError as exc:
-            raise watch.explain(exc) or exc
+            explained = watch.explain(exc)
+            if explained is None:
+                raise
+            raise explained from exc
         finally:
             watch.leave()
 

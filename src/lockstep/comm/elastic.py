@@ -14,9 +14,10 @@ A step must end with its last collective before the optimizer changes the weight
 gradients, then ``optimizer.step()``), so a rank that committed a step holds the state of every
 rank that finished it.
 
-Each change prints one line on the new rank 0, e.g.::
+Each change prints one line on the new rank 0, e.g. (wrapped here)::
 
-    lockstep run: membership: left host nodeb (node 1a2b, ranks 2-3); world size 4 on 2 nodes; micro-batch 6 × accumulation 1; resumed at step 7; cost 3.10 s (step lost 1.02 s, rendezvous 2.05 s, state 0.03 s)
+    lockstep run: membership: left host nodeb (node 1a2b, ranks 2-3); world size 4 on 2 nodes;
+      micro-batch 6 × accumulation 1; resumed at step 7; cost 3.10 s (step lost 1.02 s, rendezvous 2.05 s, state 0.03 s)
 
 Example (the script started by ``lockstep run --nodes 1:3 --master HOST:PORT --secret-file F``)::
 

@@ -16,7 +16,8 @@ create no process group. With several it returns :class:`GroupComm`, which
 Under ``lockstep run --nodes MIN:MAX`` it returns an :class:`~lockstep.comm.elastic_comm.ElasticComm`
 instead: the group of the current membership round, rebuilt in place when a node leaves or joins.
 
-The collectives themselves are :mod:`lockstep.comm.collectives`. The timeout is the ``timeout`` argument, else ``$LOCKSTEP_TIMEOUT`` (seconds; ``lockstep run
+The collectives themselves are :mod:`lockstep.comm.collectives`. The timeout is the ``timeout`` argument, else
+``$LOCKSTEP_TIMEOUT`` (seconds; ``lockstep run
 --timeout``), else 10 minutes. On one host the store listens on the loopback interface only.
 
 Example (two processes)::

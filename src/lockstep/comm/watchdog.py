@@ -294,7 +294,7 @@ class Watchdog(NullWatchdog):
                 # this rank still answers (diagnose shows an old one as the rank's last report)
                 if replace(mine, at=0.0) != posted or now - posted_at >= self.timeout / 4:
                     posted, posted_at = replace(mine, at=0.0), now
-                    self._try(lambda: self._store().set(str(self.rank), json.dumps(asdict(mine))))
+                    self._try(lambda: self._store().set(str(self.rank), json.dumps(asdict(mine))))  # noqa: B023 (called at once)
                     if self.record is not None:  # what it issued and where it is, before anyone is killed
                         self.record.dump(f"stalled in {mine.what}" if mine.inside else "stalled", where=mine.where)
                 self._view = self._read() or self._view

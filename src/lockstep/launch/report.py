@@ -294,7 +294,8 @@ def summarize(failures: list[Failure]) -> Summary:
     A rank that raised, exited non-zero or was killed by a signal other than the agent's stop
     signals comes first (the earliest of them); then ranks that lost their peer; then ranks that
     were stopped. When ranks gave up waiting in a collective before anything else failed, the
-    rank they named as never arriving is the root cause. The job counts as preempted when every rank that was not merely stopped exited
+    rank they named as never arriving is the root cause. The job counts as preempted when every rank that was not
+    merely stopped exited
     with :data:`~lockstep.errors.EXIT_PREEMPTED`.
 
     Args:

@@ -15,7 +15,8 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, ContextManager
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 
@@ -45,5 +46,5 @@ class MixedPrecision(Precision):
         if dtype == torch.float16:
             self.scaler = LossScaler(self.device, comm)
 
-    def forward_context(self) -> ContextManager[Any]:
+    def forward_context(self) -> AbstractContextManager[Any]:
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)

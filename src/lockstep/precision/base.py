@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any, ClassVar, ContextManager
+from contextlib import AbstractContextManager
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -126,7 +127,7 @@ class Precision:
         """
         return optimizer
 
-    def forward_context(self) -> ContextManager[Any]:
+    def forward_context(self) -> AbstractContextManager[Any]:
         """Context to run the forward pass (and the loss) in, e.g. autocast.
 
         Example::

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any, ContextManager
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 from torch import nn
@@ -54,7 +55,7 @@ class HalfPrecision(Precision):
     def convert_module(self, model: nn.Module) -> nn.Module:
         return model.to(dtype=self.half_dtype)
 
-    def forward_context(self) -> ContextManager[Any]:
+    def forward_context(self) -> AbstractContextManager[Any]:
         # Tensors created inside forward (torch.zeros(...)) must match the half weights.
         return _default_dtype(self.half_dtype)
 

@@ -199,7 +199,10 @@ class TrainStep:
         try:
             self.precision.backward(loss)
         except RuntimeError as exc:
-            raise watch.explain(exc) or exc  # a timeout names the rank that did not arrive
+            explained = watch.explain(exc)  # a timeout names the rank that did not arrive
+            if explained is None:
+                raise
+            raise explained from exc
         finally:
             watch.leave()
         if self.timer is not None:

@@ -110,7 +110,8 @@ class TimingReport:
 
 
 class Observing(Position):
-    """The session's logging and timings (``Session`` inherits these, and :meth:`print` and :meth:`progress`; the report is its ``_report``).
+    """The session's logging and timings (``Session`` inherits these, and :meth:`print` and :meth:`progress`; the
+    report is its ``_report``).
 
     Example::
 

@@ -208,7 +208,8 @@ class StopGuard:
             os.kill(os.getpid(), signum)
             return
         if self.requested is not None:
-            return  # the same request again: the scheduler's own signal, the launcher's forward, a cancel after a warning
+            # the same request again: the scheduler's own signal, the launcher's forward, a cancel after a warning
+            return
         self.requested = signum
         overdue = threading.Timer(self.grace, self._resend)
         overdue.daemon = True

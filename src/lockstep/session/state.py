@@ -260,7 +260,10 @@ class TrainState:
             return None
         plan = steps.plan
         kept = "kept" if batch in (None, plan.global_batch) else f"(was {batch})"
-        return f"lockstep: world size {world} -> {self.world_size}: global batch {plan.global_batch} {kept}, {plan.describe()}"
+        return (
+            f"lockstep: world size {world} -> {self.world_size}: global batch {plan.global_batch} {kept}, "
+            f"{plan.describe()}"
+        )
 
 
 def save_state(

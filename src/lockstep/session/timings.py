@@ -48,7 +48,8 @@ __all__ = ["StepTimer", "TimingWindow", "ROW", "MIN_WINDOW_SECONDS", "MAX_WINDOW
 
 ROW = PHASES + ("step", "samples_per_s", "host_mem_gb", "device_mem_gb", "mfu")
 """The values each rank shares per window: the phases' means (s/step; a mean, not a median: with loader
-workers a rank's data waits come in bursts, long then none, and a median would miss them), wall time per step, samples/s,
+workers a rank's data waits come in bursts, long then none, and a median would miss them), wall time per step,
+samples/s,
 resident host memory, peak device memory and MFU (NaN where not known)."""
 
 MIN_WINDOW_SECONDS = 0.5
@@ -233,7 +234,7 @@ class StepTimer:
             handle.remove()
         self._hooks = []
 
-    # -- the step's phases ----------------------------------------------------------------------------------------------
+    # -- the step's phases --------------------------------------------------------------------------------------
     def data(self, batches: Iterator[Any], source: Any, size: Callable[[Any], int]) -> Iterator[Any]:
         """Yield ``batches``, timing each wait for the next one (``data``) and counting samples.
 

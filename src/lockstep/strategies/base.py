@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, ClassVar, ContextManager
+from contextlib import AbstractContextManager
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -163,7 +164,7 @@ class Strategy(StateDicts):
 
     # -- training ------------------------------------------------------------------------
 
-    def no_backward_sync(self, model: nn.Module) -> ContextManager[Any]:
+    def no_backward_sync(self, model: nn.Module) -> AbstractContextManager[Any]:
         """Context in which ``backward`` accumulates gradients locally without communicating.
 
         Use it for every micro-batch but the last of a gradient-accumulation step.
@@ -243,7 +244,7 @@ class Strategy(StateDicts):
 
     # -- evaluation ----------------------------------------------------------------------
 
-    def eval_context(self, model: nn.Module) -> ContextManager[Any]:
+    def eval_context(self, model: nn.Module) -> AbstractContextManager[Any]:
         """Context of an evaluation in which ranks may run different numbers of forwards.
 
         The base does nothing; DDP first gives every rank rank 0's buffers, then turns off its

@@ -20,7 +20,8 @@ import contextlib
 import inspect
 import re
 from collections.abc import Iterator
-from typing import Any, ClassVar, ContextManager
+from contextlib import AbstractContextManager
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -292,12 +293,12 @@ class DDPStrategy(Strategy):
                 # interpreter exit aborted 2 runs in 8 on gloo, none once released here
                 release_ddp(module)
 
-    def no_backward_sync(self, model: nn.Module) -> ContextManager[Any]:
+    def no_backward_sync(self, model: nn.Module) -> AbstractContextManager[Any]:
         if isinstance(model, DistributedDataParallel):
             return model.no_sync()
         return super().no_backward_sync(model)
 
-    def eval_context(self, model: nn.Module) -> ContextManager[Any]:
+    def eval_context(self, model: nn.Module) -> AbstractContextManager[Any]:
         return _quiet_ddp(model, self.comm)
 
 

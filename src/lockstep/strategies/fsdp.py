@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, ClassVar, ContextManager
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -149,7 +150,7 @@ class FSDPStrategy(Strategy):
             block_types=self.options["block_types"],
         )
 
-    def no_backward_sync(self, model: nn.Module) -> ContextManager[Any]:
+    def no_backward_sync(self, model: nn.Module) -> AbstractContextManager[Any]:
         from torch.distributed.fsdp import FSDPModule
 
         if isinstance(model, FSDPModule):

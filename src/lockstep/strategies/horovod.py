@@ -29,7 +29,8 @@ import contextlib
 import functools
 import socket
 from collections.abc import Iterator
-from typing import Any, ClassVar, ContextManager
+from contextlib import AbstractContextManager
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -364,13 +365,13 @@ class HorovodStrategy(Strategy):
         self._gradients.append(gradients)
         return gradients.optimizer
 
-    def eval_context(self, model: nn.Module) -> ContextManager[Any]:
+    def eval_context(self, model: nn.Module) -> AbstractContextManager[Any]:
         # Horovod averages gradients only, so BatchNorm statistics drift apart between ranks:
         # every rank evaluates with rank 0's (the ones a checkpoint keeps), as under ddp
         broadcast_module_state(self.comm, model, parameters=False)
         return contextlib.nullcontext()
 
-    def no_backward_sync(self, model: nn.Module) -> ContextManager[Any]:
+    def no_backward_sync(self, model: nn.Module) -> AbstractContextManager[Any]:
         stack = contextlib.ExitStack()
         for gradients in self._gradients:
             if gradients.model is model:

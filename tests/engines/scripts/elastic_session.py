@@ -31,6 +31,7 @@ class Indexed(torch.utils.data.Dataset):  # type: ignore[type-arg]
         gen = torch.Generator().manual_seed(0)
         self.x = torch.randn(samples, 8, generator=gen)
         self.y = self.x @ torch.linspace(-1, 1, 8).unsqueeze(1) + 0.1 * torch.randn(samples, 1, generator=gen)
+        self.x, self.y = self.x.double(), self.y.double()  # fp64: see check_ledger.TOLERANCE
 
     def __len__(self) -> int:
         return len(self.x)
@@ -41,7 +42,7 @@ class Indexed(torch.utils.data.Dataset):  # type: ignore[type-arg]
 
 def net() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).double()
 
 
 def main() -> None:

@@ -46,12 +46,12 @@ def data(samples: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(samples, 8, generator=gen)
     y = x @ torch.linspace(-1, 1, 8).unsqueeze(1) + 0.1 * torch.randn(samples, 1, generator=gen)
-    return x, y
+    return x.double(), y.double()  # fp64: see check_ledger.TOLERANCE
 
 
 def model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).double()
     return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
 
@@ -126,7 +126,7 @@ def main() -> None:
             cursor = (step % per_epoch) * args.global_batch
             in_step = min(args.global_batch, args.samples - cursor)
 
-            def one() -> None:
+            def one(step: int = step, cursor: int = cursor, in_step: int = in_step) -> None:
                 idx = share(step // per_epoch, cursor, args.samples, args.global_batch, group.world_size, group.rank)
                 ledger.write(
                     json.dumps(

@@ -11,7 +11,8 @@ service; ``--master-addr`` stands in for it here), ``MASTER_PORT``/``PET_MASTER_
 ``pytorchjob-port``), ``WORLD_SIZE`` (replicas x nprocPerNode), ``RANK`` and ``PET_NODE_RANK``
 (Master 0, Worker i + 1), ``PET_NPROC_PER_NODE``, ``PET_NNODES``. The container's
 ``workingDir`` is replaced by ``--workdir``; ``--nproc-per-node`` and ``--command`` run the same
-pods with another process count and command (the engine tests run their reference job so). Output lines are prefixed with the pod's name.
+pods with another process count and command (the engine tests run their reference job so). Output lines are prefixed
+with the pod's name.
 Exits with the first non-zero exit code of a pod (0 when all succeeded).
 """
 

@@ -4,9 +4,11 @@ the environment. Read from the source with ``ast`` (no import of lockstep needed
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.util
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -37,13 +39,18 @@ MAX_TOP_LEVEL_MODULES = 8
 MAX_CODE_LINES = 400  # code lines only (STYLE.md): past this, look for a second responsibility
 
 
-def _code_lines(path: Path) -> int:
+@functools.cache
+def _source_stats() -> ModuleType:
     spec = importlib.util.spec_from_file_location("source_stats", SRC.parents[1] / "tools" / "source_stats.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclass looks its module up
     spec.loader.exec_module(module)
-    return int(module.count(path.read_text()).code)
+    return module
+
+
+def _code_lines(path: Path) -> int:
+    return int(_source_stats().count(path.read_text()).code)
 
 
 def _modules() -> dict[str, Path]:

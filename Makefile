@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install demo test test-fast typecheck docs clean
+.PHONY: install demo test test-fast typecheck lint docs clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -23,6 +23,11 @@ demo: install
 typecheck: install
 	$(BIN)/mypy
 
+# ruff's lint and format checks (settings in pyproject.toml); `ruff format .` applies the format.
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
 # Test tiers: `test-fast` runs the single-process tests (pytest -m "not slow", under a minute);
 # `test` runs every test but the end-to-end runs (the multi-process ones marked `slow` included,
 # the docs' build and examples too), then the type checker; `test-e2e` runs whole commands end to
@@ -31,8 +36,9 @@ typecheck: install
 # pytest-xdist workers (2 by default: the multi-process tests wait on sockets, timeouts and child
 # processes as much as they compute); TEST_WORKERS=0 runs them one after another.
 TEST_WORKERS ?= 2
-test: install
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not e2e" tests
+# --durations=20 prints the 20 slowest tests of every run (CI's too).
+test: lint
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not e2e" --durations=20 tests
 	$(BIN)/mypy
 
 # Planted bugs (tests/mutations/*.patch: each breaks one guarantee the README makes): each is
@@ -45,7 +51,17 @@ test-mutations: install
 
 .PHONY: test-e2e
 test-e2e: install
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m e2e tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m e2e --durations=20 tests
+
+# The multi-process tests STRESS_RUNS times in a row (5 by default) while a CPU hog keeps both cores
+# busy (stress-ng --cpu 2 where installed, else two busy Python processes); fails on the first
+# failure. STRESS_TESTS picks the tests (pytest arguments; default: every multi-process test of
+# make test). Prints one line per run. Hours on 2 cores for the default set; name a subset to go faster.
+STRESS_RUNS ?= 5
+STRESS_TESTS ?= -m "slow and not e2e" tests
+.PHONY: test-stress
+test-stress: install
+	tools/stress.sh $(BIN)/python $(STRESS_RUNS) $(STRESS_TESTS)
 
 # The documentation site (MkDocs, Material theme, API reference by mkdocstrings) into build/docs;
 # --strict: a broken link, a missing page or an unresolved reference fails it. tests/test_docs.py

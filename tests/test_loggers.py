@@ -37,14 +37,12 @@ def _job(loggers: list[Any]) -> dict[str, list[tuple[int, float]]]:
     return logged
 
 
-def _read_wandb(folder: Path) -> dict[str, list[tuple[int, float]]]:
-    """The history records of an offline run's ``.wandb`` file, decoded with wandb's own protobuf messages.
+def _wandb_records(folder: Path) -> list[Any]:
+    """The records of an offline run's ``.wandb`` file, decoded with wandb's own protobuf messages.
 
     The file is a LevelDB-style log: a 7-byte header, then 32 KiB blocks of records (crc, length,
     type: full, first, middle, last), each record one ``wandb_internal_pb2.Record``.
     """
-    import json
-
     from wandb.proto import wandb_internal_pb2
 
     [path] = glob.glob(str(folder / "wandb" / "offline-run-*" / "run-*.wandb"))
@@ -61,10 +59,20 @@ def _read_wandb(folder: Path) -> dict[str, list[tuple[int, float]]]:
             parts = b""
         elif kind in (2, 3):
             parts += chunk
-    out: dict[str, list[tuple[int, float]]] = {}
+    decoded = []
     for raw in records:
         record = wandb_internal_pb2.Record()
         record.ParseFromString(raw)
+        decoded.append(record)
+    return decoded
+
+
+def _read_wandb(folder: Path) -> dict[str, list[tuple[int, float]]]:
+    """The metric series of an offline run: its history records."""
+    import json
+
+    out: dict[str, list[tuple[int, float]]] = {}
+    for record in _wandb_records(folder):
         if record.WhichOneof("record_type") == "history":
             items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
             if "_step" not in items:
@@ -108,6 +116,8 @@ def test_every_store_reads_back_the_same_series(tmp_path: Path, monkeypatch: pyt
         assert client.get_run(logger.run_id).info.status == "FINISHED"
     assert (tmp_path / "mlflow" / "mlflow.db").is_file()
     stores["wandb"] = {key: series for key, series in _read_wandb(tmp_path / "wb").items() if key in logged}
+    runs = [r.run for r in _wandb_records(tmp_path / "wb") if r.WhichOneof("record_type") == "run"]
+    assert runs and {r.project for r in runs} == {"p"}  # the project given reaches wandb
     for name, series in stores.items():
         assert set(series) == set(logged), name
         for key, values in series.items():

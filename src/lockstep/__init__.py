@@ -4,17 +4,25 @@ Import is cheap: heavy modules (torch, the session) load on first use.
 
 Example::
 
-    import lockstep
-    session = lockstep.Session(strategy="ddp")
+    >>> import lockstep
+    >>> session = lockstep.Session(strategy="single", quiet=True)
+    >>> session.world_size, str(session.device)
+    (1, 'cpu')
+    >>> session.close()
 """
 
 from __future__ import annotations
 
+from importlib import metadata as _metadata
 from typing import Any
 
 from lockstep.errors import EXIT_PREEMPTED, ConfigError, LockstepError
 
-__version__ = "0.1.0"
+try:  # the version lives in pyproject.toml only
+    __version__ = _metadata.version("lockstep")
+except _metadata.PackageNotFoundError:  # a source tree on sys.path without an install
+    __version__ = "0+unknown"
+
 __all__ = [
     "Session",
     "SessionConfig",

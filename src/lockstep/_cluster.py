@@ -1,28 +1,19 @@
 """How each scheduler and MPI names a job's layout, read from a mapping of environment variables.
 
-Pure functions (they never read the process environment, and import no torch):
-:mod:`lockstep.env` hands them the environment and builds its :class:`~lockstep.env.World` from
-what they return; ``lockstep run`` takes its node layout from :func:`launch_defaults`. Conventions, as the engines
-document them:
+Pure functions (no process environment, no torch): :mod:`lockstep.env` builds its
+:class:`~lockstep.env.World` from what they return; ``lockstep run`` takes its node layout from
+:func:`launch_defaults`. The engines' variables, as they document them:
 
-* **Slurm** (``srun``): ``SLURM_PROCID``/``SLURM_NTASKS`` (global), ``SLURM_LOCALID`` and
-  ``SLURM_NODEID`` (on and of the node), the *step's* layout ``SLURM_STEP_NUM_NODES``,
-  ``SLURM_STEP_TASKS_PER_NODE`` (``2(x3),1``: three nodes of 2 tasks, then one of 1) and
-  ``SLURM_STEP_NODELIST`` (``node[1-3]-ib,rack[0-1]_blade[0-1]``); a batch script outside ``srun``
-  has no ``SLURM_STEP_ID`` (or the batch step's id).
-* **OpenMPI** (``mpirun``): ``OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE``;
-  ``OMPI_COMM_WORLD_NODE_RANK`` is the rank *on its node*, not the node's index.
-* **MPICH / Intel MPI** (hydra): ``PMI_RANK``, ``PMI_SIZE``, ``MPI_LOCALRANKID``, ``MPI_LOCALNRANKS``.
-* **horovodrun**: ``HOROVOD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE``, ``HOROVOD_CROSS_RANK`` (node index).
-* **Kubeflow** Trainer v2 / elastic PyTorchJob: ``PET_NNODES``, ``PET_NPROC_PER_NODE``,
-  ``PET_NODE_RANK``, ``PET_MASTER_ADDR``, ``PET_MASTER_PORT`` (what torchrun reads).
-* **SkyPilot**: ``SKYPILOT_NODE_RANK``, ``SKYPILOT_NODE_IPS`` (one per line, head first),
-  ``SKYPILOT_NUM_NODES``, ``SKYPILOT_NUM_GPUS_PER_NODE``.
-
-Example::
-
-    expand_hostlist("node[1-3]-ib")          # ["node1-ib", "node2-ib", "node3-ib"]
-    expand_tasks_per_node("2(x3),1")         # [2, 2, 2, 1]
+* Slurm (``srun``): ``SLURM_PROCID``/``SLURM_NTASKS``, ``SLURM_LOCALID``, ``SLURM_NODEID``; the step's
+  ``SLURM_STEP_NUM_NODES``, ``SLURM_STEP_TASKS_PER_NODE`` (``2(x3),1``), ``SLURM_STEP_NODELIST``
+  (``node[1-3]-ib``); a batch script outside ``srun`` has no ``SLURM_STEP_ID`` (or the batch step's).
+* OpenMPI: ``OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE``; ``OMPI_COMM_WORLD_NODE_RANK`` is the rank
+  on its node, not the node's index.
+* MPICH / Intel MPI (hydra): ``PMI_RANK``, ``PMI_SIZE``, ``MPI_LOCALRANKID``, ``MPI_LOCALNRANKS``.
+* horovodrun: ``HOROVOD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE``, ``HOROVOD_CROSS_RANK`` (the node's index).
+* Kubeflow: ``PET_NNODES``, ``PET_NPROC_PER_NODE``, ``PET_NODE_RANK``, ``PET_MASTER_ADDR/PORT``.
+* SkyPilot: ``SKYPILOT_NODE_RANK``, ``SKYPILOT_NODE_IPS`` (head first), ``SKYPILOT_NUM_NODES``,
+  ``SKYPILOT_NUM_GPUS_PER_NODE``.
 """
 
 from __future__ import annotations
@@ -56,20 +47,7 @@ _BATCH_STEP_IDS = {"4294967294", "batch"}  # SLURM_BATCH_SCRIPT: the batch scrip
 
 
 def read_int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
-    """The integer in ``env[name]``; ``default`` when unset (required when ``default`` is None).
-
-    Args:
-        env: the environment.
-        name: the variable.
-        default: the value when unset.
-
-    Raises:
-        WorldError: unset without a default, or not an integer.
-
-    Example::
-
-        read_int({"RANK": "3"}, "RANK")   # 3
-    """
+    """The integer in ``env[name]``; ``default`` when unset (``None``: required); else :class:`WorldError`."""
     raw = env.get(name)
     if raw is None or raw.strip() == "":
         if default is None:
@@ -108,18 +86,7 @@ def _expand_range(spec: str) -> list[str]:
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
-    """Every host of a Slurm host list, in order: ranges, zero padding, suffixes, several brackets.
-
-    Args:
-        hostlist: e.g. ``gpu[003-005,010],cpu01`` or ``rack[0-1]_blade[0-1]``.
-
-    Raises:
-        WorldError: empty, or brackets that do not close.
-
-    Example::
-
-        expand_hostlist("rack[0-1]_blade[0-1]")   # ["rack0_blade0", "rack0_blade1", "rack1_blade0", ...]
-    """
+    """Every host of a Slurm host list (``gpu[003-005,010],cpu01``, ``rack[0-1]_blade[0-1]``), in order."""
     hosts: list[str] = []
     for part in _split_top(hostlist):
         match = re.search(r"\[([^\]]*)\]", part)
@@ -136,15 +103,7 @@ def expand_hostlist(hostlist: str) -> list[str]:
 
 
 def expand_tasks_per_node(text: str) -> list[int]:
-    """Tasks on each node from Slurm's compressed form.
-
-    Args:
-        text: e.g. ``2(x3),1`` (``SLURM_STEP_TASKS_PER_NODE``).
-
-    Example::
-
-        expand_tasks_per_node("4(x2)")   # [4, 4]
-    """
+    """Tasks on each node from Slurm's compressed form: ``2(x3),1`` is ``[2, 2, 2, 1]``."""
     counts: list[int] = []
     for item in text.split(","):
         match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", item)
@@ -155,29 +114,13 @@ def expand_tasks_per_node(text: str) -> list[int]:
 
 
 def derived_port(job_id: str) -> int:
-    """A port in 20000-39999 that every rank and node of the job derives alike from its job id.
-
-    Args:
-        job_id: the scheduler's job id (``SLURM_JOB_ID``, OpenMPI's job id).
-
-    Example::
-
-        derived_port("123")   # 20123
-    """
+    """A port in 20000-39999 that every rank and node of the job derives alike from its job id."""
     value = int(job_id) if job_id.isdigit() else zlib.crc32(job_id.encode())
     return 20000 + value % 20000
 
 
 def in_slurm_step(env: Mapping[str, str]) -> bool:
-    """True inside a task that ``srun`` started (not the batch script of ``sbatch``, not ``salloc``'s shell).
-
-    Args:
-        env: the environment.
-
-    Example::
-
-        in_slurm_step({"SLURM_PROCID": "0", "SLURM_STEP_ID": "0"})   # True
-    """
+    """True inside a task that ``srun`` started (not the batch script of ``sbatch``, not ``salloc``'s shell)."""
     step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID", ""))
     return "SLURM_PROCID" in env and step != "" and step not in _BATCH_STEP_IDS
 
@@ -202,15 +145,7 @@ def _master_addr(env: Mapping[str, str], default: str | None, num_nodes: int, ho
 
 
 def from_slurm(env: Mapping[str, str]) -> dict[str, Any]:
-    """The World fields of a task started by ``srun`` (step-level layout first).
-
-    Args:
-        env: the environment.
-
-    Example::
-
-        from_slurm({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0", ...})["rank"]   # 1
-    """
+    """The World fields of a task started by ``srun`` (step-level layout first)."""
     world_size = read_int(env, "SLURM_STEP_NUM_TASKS", read_int(env, "SLURM_NTASKS"))
     num_nodes = read_int(
         env, "SLURM_STEP_NUM_NODES", read_int(env, "SLURM_JOB_NUM_NODES", read_int(env, "SLURM_NNODES", 1))
@@ -265,16 +200,7 @@ def _mpi(
 
 
 def from_openmpi(env: Mapping[str, str]) -> dict[str, Any]:
-    """The World fields of a rank that OpenMPI's ``mpirun`` started.
-
-    Args:
-        env: the environment.
-
-    Example::
-
-        from_openmpi({"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "8",
-                      "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"})["node_rank"]  # 1
-    """
+    """The World fields of a rank that OpenMPI's ``mpirun`` started."""
     return _mpi(
         env,
         ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
@@ -285,15 +211,7 @@ def from_openmpi(env: Mapping[str, str]) -> dict[str, Any]:
 
 
 def from_pmi(env: Mapping[str, str]) -> dict[str, Any]:
-    """The World fields of a rank that MPICH's or Intel MPI's ``mpiexec`` (hydra) started.
-
-    Args:
-        env: the environment.
-
-    Example::
-
-        from_pmi({"PMI_RANK": "1", "PMI_SIZE": "2"})["world_size"]   # 2
-    """
+    """The World fields of a rank that MPICH's or Intel MPI's ``mpiexec`` (hydra) started."""
     return _mpi(
         env,
         ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
@@ -304,16 +222,7 @@ def from_pmi(env: Mapping[str, str]) -> dict[str, Any]:
 
 
 def from_horovod(env: Mapping[str, str]) -> dict[str, Any]:
-    """The World fields of a rank that ``horovodrun`` started.
-
-    Args:
-        env: the environment.
-
-    Example::
-
-        from_horovod({"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_RANK": "0",
-                      "HOROVOD_LOCAL_SIZE": "2", "HOROVOD_CROSS_RANK": "0"})["source"]   # "horovodrun"
-    """
+    """The World fields of a rank that ``horovodrun`` started."""
     return _mpi(
         env,
         ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE"),
@@ -334,21 +243,7 @@ def horovod_variables(
     addr: str = "127.0.0.1",
     iface: str = "lo",
 ) -> dict[str, str]:
-    """What ``horovodrun --gloo`` exports to every rank it starts (``horovod.runner.gloo_run``), but the rank's own.
-
-    Args:
-        port: the port of Horovod's rendezvous server (``RendezvousServer.start()``).
-        hostname: this host's name in the rendezvous plan.
-        size: ranks in the job.
-        local_size: ranks on this host.
-        cross_size: hosts.
-        addr: the rendezvous server's address.
-        iface: the network interface Horovod's gloo connects over.
-
-    Example::
-
-        horovod_variables(port=4321, hostname="node0", size=2, local_size=2)["HOROVOD_CONTROLLER"]   # "gloo"
-    """
+    """What ``horovodrun --gloo`` exports to every rank it starts (``horovod.runner.gloo_run``), but the rank's own."""
     return {
         "HOROVOD_GLOO_RENDEZVOUS_ADDR": addr,
         "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port),
@@ -363,17 +258,7 @@ def horovod_variables(
 
 
 def horovod_rank_variables(env: Mapping[str, str]) -> dict[str, str]:
-    """A worker's own ``HOROVOD_RANK/LOCAL_RANK/CROSS_RANK``, from torchrun's variables, when its
-    launcher served a Horovod rendezvous (:func:`horovod_variables` in the environment); else empty.
-
-    Args:
-        env: the worker's environment.
-
-    Example::
-
-        horovod_rank_variables({"HOROVOD_GLOO_RENDEZVOUS_PORT": "4321", "RANK": "1", "LOCAL_RANK": "1",
-                                "GROUP_RANK": "0"})["HOROVOD_RANK"]   # "1"
-    """
+    """A worker's ``HOROVOD_RANK/LOCAL_RANK/CROSS_RANK`` (from torchrun's) when its launcher serves Horovod."""
     if "HOROVOD_GLOO_RENDEZVOUS_PORT" not in env or "RANK" not in env:
         return {}
     return {
@@ -384,19 +269,9 @@ def horovod_rank_variables(env: Mapping[str, str]) -> dict[str, str]:
 
 
 def launch_defaults(env: Mapping[str, str]) -> dict[str, Any]:
-    """``lockstep run``'s node layout from the engine that started it, one launcher per node.
+    """``lockstep run``'s node layout (one launcher per node) from Kubeflow, SkyPilot or Slurm, else ``{}``.
 
-    Slurm (``srun --ntasks-per-node=1 lockstep run ...``; port ``$MASTER_PORT`` or derived from the
-    job id), Kubeflow (``PET_*``) and SkyPilot (``SKYPILOT_*``). Keys: ``nodes``, ``node_rank``,
-    ``master`` (``HOST:PORT``) and, where the engine says it, ``nproc``. Empty when none applies.
-
-    Args:
-        env: the environment.
-
-    Example::
-
-        launch_defaults({"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_MASTER_ADDR": "head",
-                         "PET_MASTER_PORT": "23456"})   # {"nodes": 2, "node_rank": 1, "master": "head:23456"}
+    Keys: ``nodes``, ``node_rank``, ``master`` (``HOST:PORT``) and, where the engine says it, ``nproc``.
     """
     if env.get("PET_NNODES"):
         found: dict[str, Any] = {"nodes": read_int(env, "PET_NNODES"), "node_rank": read_int(env, "PET_NODE_RANK", 0)}

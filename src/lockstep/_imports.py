@@ -1,9 +1,4 @@
-"""Load the user's own objects named ``pkg.module:name`` (model factories, datasets, losses).
-
-Example::
-
-    make_model = load_object("mypackage.models:make_net", "model factory")
-"""
+"""Load the user's own objects named ``pkg.module:name`` (model factories, datasets, losses)."""
 
 from __future__ import annotations
 
@@ -18,25 +13,11 @@ __all__ = ["load_object"]
 
 
 def load_object(spec: str, what: str) -> Any:
-    """Import ``pkg.module:name`` and return the callable ``name``.
-
-    The working directory is put on ``sys.path`` first, as ``python -m`` does, so a module next
-    to the user's script is found; started processes inherit the path.
-
-    Args:
-        spec: ``module.path:attribute`` (the attribute may be dotted).
-        what: what the object is, for the error message (``"model factory"``).
-
-    Raises:
-        ConfigError: the module cannot be imported, or has no such callable.
-
-    Example::
-
-        load_object("torch.nn:Linear", "model factory")   # the class torch.nn.Linear
-    """
+    """Import ``spec`` (``pkg.module:name``, the name may be dotted) and return that callable (``what``: for errors)."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise ConfigError(f"{what} {spec!r} must look like package.module:function")
+    # the working directory first, as `python -m` does: a module next to the user's script is found
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:

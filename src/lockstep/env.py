@@ -1,16 +1,7 @@
 """Where this process is: the launch environment read into one frozen :class:`World`.
 
-lockstep runs the same script under ``lockstep run``, plain ``torchrun`` (or the old
-``torch.distributed.launch``), Slurm's ``srun``, OpenMPI / ``horovodrun`` and as a plain
-``python script.py``. Each launcher names rank, local rank and sizes differently; this module
-reads them once, validates them and returns a :class:`World`. It makes no
-``torch.distributed`` calls: a bad environment is refused before any process group exists.
-
-Example::
-
-    from lockstep.env import detect_world
-    world = detect_world()          # World(rank=0, world_size=1, ...) under plain python
-    print(world.rank, world.world_size, world.device)
+It reads the variables of ``lockstep run``, ``torchrun``, ``srun``, MPI and ``horovodrun`` (each names
+rank and sizes its own way) and refuses a bad environment before any process group exists.
 """
 
 from __future__ import annotations
@@ -52,12 +43,8 @@ class World:
         num_nodes: number of nodes in the job.
         master_addr: host of the rendezvous store (rank 0's node).
         master_port: port of the rendezvous store, or ``None`` when not set.
-        source: which launcher described the job: ``torchrun``, ``slurm``, ``openmpi``,
-            ``spawn`` or ``single``.
-
-    Example::
-
-        World(rank=1, local_rank=1, world_size=2, local_world_size=2).is_main  # False
+        source: which launcher described the job (``torchrun``, ``slurm``, ``openmpi``, ``single``, ...).
+        extra: free-form extra values (not compared, not shown).
     """
 
     rank: int = 0
@@ -107,10 +94,7 @@ class World:
 
     @property
     def device(self) -> Any:
-        """The device this rank should use: ``cuda:local_rank`` when CUDA is usable, else cpu.
-
-        When fewer GPUs are visible than local ranks, ranks share them round-robin.
-        """
+        """The device this rank should use: ``cuda:local_rank`` (round-robin over fewer GPUs), else cpu."""
         import torch  # imported here: reading the environment must stay cheap
 
         if torch.cuda.is_available() and torch.cuda.device_count() > 0:
@@ -121,15 +105,7 @@ class World:
 class WorldView:
     """``rank``, ``local_rank``, ``world_size`` and ``is_main`` of an object's ``world``, defined once.
 
-    The job's :class:`~lockstep.comm.group.Comm` and the :class:`~lockstep.Session` both answer
-    these questions; they inherit the answers from here instead of each keeping a copy.
-
-    Example::
-
-        class Job(WorldView):
-            world = World()
-
-        Job().world_size   # 1
+    The job's :class:`~lockstep.comm.Comm` and :class:`~lockstep.session.Session` inherit them.
     """
 
     @property
@@ -166,9 +142,8 @@ def first_slurm_host(nodelist: str) -> str:
     Args:
         nodelist: the value of ``SLURM_STEP_NODELIST`` or ``SLURM_JOB_NODELIST``.
 
-    Example::
-
-        first_slurm_host("node[07-09,12]-ib")  # "node07-ib"
+    Raises:
+        WorldError: an empty or unreadable list.
     """
     if not nodelist.strip():
         raise WorldError("SLURM_JOB_NODELIST is empty")
@@ -198,44 +173,31 @@ def _from_torchrun(env: Mapping[str, str]) -> World:
 
 @dataclass(frozen=True)
 class Settings:
-    """What the launcher and the user told this process besides its place in the job.
+    """What the launcher and the user told this process besides its place in the job (:func:`read_settings`).
 
-    Read once by :func:`read_settings`; the layers above take these values instead of reading
-    the environment themselves.
+    The layers above take these values instead of reading the environment. Each is ``""`` when unset.
 
     Args:
-        timeout: ``$LOCKSTEP_TIMEOUT`` as written (seconds; ``lockstep run --timeout``), or ``""``.
-        grace: ``$LOCKSTEP_GRACE`` as written (seconds a stop signal may wait for agreement), or ``""``.
-        init_method: ``$LOCKSTEP_INIT_METHOD``: the rendezvous URL ``lockstep run`` chose, or ``""``.
-        restart_count: ``$TORCHELASTIC_RESTART_COUNT``: how often the agent restarted the job
-            (``None`` outside the elastic agent).
-        run_id: ``$TORCHELASTIC_RUN_ID``: the elastic run's id, or ``""``.
-        error_file: ``$TORCHELASTIC_ERROR_FILE``: where a failing worker records its exception, or ``""``.
-        agent_store: the elastic agent shares its store with the workers
-            (``$TORCHELASTIC_USE_AGENT_STORE``), at ``$MASTER_ADDR:$MASTER_PORT``.
-        master_addr: ``$MASTER_ADDR`` as written, or ``""``.
-        master_port: ``$MASTER_PORT`` as written, or ``""``.
-        secret: ``$LOCKSTEP_SECRET``: the job's secret that signs lockstep's values in the
-            rendezvous store (``lockstep run`` sets a random one per job, or the content of
-            ``--secret-file``), or ``""``.
-        gloo_ifname: ``$GLOO_SOCKET_IFNAME``: the interface gloo uses, or ``""``.
-        nccl_ifname: ``$NCCL_SOCKET_IFNAME``: the interface nccl uses, or ``""``.
-        loglevel: ``$LOGLEVEL`` (torchrun's: show the elastic agent's own logging), or ``""``.
-        launched: a launcher described the job with ``$RANK`` (``lockstep run``, ``torchrun``,
-            ``spawn``): this process is a worker, not a command that should start workers.
-        launcher_pid: ``$LOCKSTEP_LAUNCHER_PID``: the process id of the ``lockstep run`` launcher
-            that started this worker (its parent), or ``None``.
-        horovod_rendezvous: the launcher serves Horovod's rendezvous for this job
-            (``$HOROVOD_GLOO_RENDEZVOUS_PORT``, with ``$HOROVOD_RANK/SIZE`` equal to ``$RANK/WORLD_SIZE``).
-        postmortem_dir: ``$LOCKSTEP_POSTMORTEM_DIR``: where each rank keeps its collective record for
-            a post-mortem (``lockstep run`` sets one under its log folder), or ``""``.
-        elastic_nodes: ``$LOCKSTEP_NODES``: ``MIN:MAX`` of ``lockstep run --nodes MIN:MAX``, or ``""``.
-        elastic_store: ``$LOCKSTEP_ELASTIC_STORE``: ``HOST:PORT`` of the membership store, or ``""``.
-        node_id: ``$LOCKSTEP_NODE_ID``: the id of this worker's node (its launcher's), or ``""``.
-
-    Example::
-
-        read_settings({"LOCKSTEP_GRACE": "5"}).grace   # "5"
+        timeout: ``$LOCKSTEP_TIMEOUT`` as written (seconds; ``lockstep run --timeout``).
+        grace: ``$LOCKSTEP_GRACE`` as written (seconds a stop signal may wait for agreement).
+        init_method: ``$LOCKSTEP_INIT_METHOD``: the rendezvous URL ``lockstep run`` chose.
+        restart_count: ``$TORCHELASTIC_RESTART_COUNT`` (``None`` outside the elastic agent).
+        run_id: ``$TORCHELASTIC_RUN_ID``: the elastic run's id.
+        error_file: ``$TORCHELASTIC_ERROR_FILE``: where a failing worker records its exception.
+        agent_store: the elastic agent shares its store (``$MASTER_ADDR:$MASTER_PORT``) with the workers.
+        master_addr: ``$MASTER_ADDR`` as written.
+        master_port: ``$MASTER_PORT`` as written.
+        secret: ``$LOCKSTEP_SECRET``: the job's secret that signs lockstep's values in the store.
+        gloo_ifname: ``$GLOO_SOCKET_IFNAME``: the interface gloo uses.
+        nccl_ifname: ``$NCCL_SOCKET_IFNAME``: the interface nccl uses.
+        loglevel: ``$LOGLEVEL`` (torchrun's: show the elastic agent's own logging).
+        launched: ``$RANK`` is set: this process is a worker, not a command that should start workers.
+        launcher_pid: ``$LOCKSTEP_LAUNCHER_PID``: the ``lockstep run`` launcher's pid, or ``None``.
+        horovod_rendezvous: the launcher serves Horovod's rendezvous for this very job.
+        postmortem_dir: ``$LOCKSTEP_POSTMORTEM_DIR``: where each rank keeps its collective record.
+        elastic_nodes: ``$LOCKSTEP_NODES``: ``MIN:MAX`` of ``lockstep run --nodes``.
+        elastic_store: ``$LOCKSTEP_ELASTIC_STORE``: ``HOST:PORT`` of the membership store.
+        node_id: ``$LOCKSTEP_NODE_ID``: the id of this worker's node (its launcher's).
     """
 
     timeout: str = ""
@@ -261,14 +223,10 @@ class Settings:
 
 
 def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
-    """Read :class:`Settings` from ``environ`` (``os.environ`` when omitted).
+    """Read :class:`Settings` from ``environ``.
 
     Args:
-        environ: the variables to read.
-
-    Example::
-
-        if read_settings().launched: ...   # running as a worker of a launcher
+        environ: the variables to read; ``os.environ`` when omitted.
     """
     env = os.environ if environ is None else environ
     count = env.get("TORCHELASTIC_RESTART_COUNT", "").strip()
@@ -301,30 +259,17 @@ def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
 
 
 def environment() -> Mapping[str, str]:
-    """A read-only view of this process's environment, for readers that take a mapping
-    (``lockstep.launch.spec.slurm_defaults``); the only place outside this module that needs one.
-
-    Example::
-
-        slurm_defaults(environment())
-    """
+    """A read-only view of this process's environment, for readers that take a mapping."""
     from types import MappingProxyType
 
     return MappingProxyType(os.environ)
 
 
 def export_environment(values: Mapping[str, str]) -> None:
-    """Set variables in this process's environment, for a library that reads them itself.
-
-    Horovod's core reads its rendezvous from the environment in ``hvd.init()``; the ``horovod``
-    strategy sets there what ``horovodrun`` would have exported.
+    """Set variables in this process's environment, for a library that reads them itself (Horovod's ``hvd.init()``).
 
     Args:
         values: variable names and their values.
-
-    Example::
-
-        export_environment({"HOROVOD_RANK": "0", "HOROVOD_SIZE": "1"})
     """
     os.environ.update(values)
 
@@ -332,12 +277,9 @@ def export_environment(values: Mapping[str, str]) -> None:
 def detect_world(environ: Mapping[str, str] | None = None) -> World:
     """Read the launch environment into a validated :class:`World`.
 
-    Precedence: torchrun / ``lockstep run`` / ``spawn`` / Kubeflow variables (``RANK``), then a
-    task of ``srun`` (``SLURM_PROCID`` with ``SLURM_NTASKS`` > 1; a batch script or ``salloc``
-    shell outside ``srun`` is one process, with a warning), then OpenMPI (``OMPI_COMM_WORLD_RANK``),
-    MPICH / Intel MPI (``PMI_RANK``), horovodrun (``HOROVOD_RANK``), then one process. Conventions
-    of each engine: :mod:`lockstep._cluster`. When the engine gives no port, every rank derives the
-    same one from the job id (or uses 29500).
+    Precedence: ``RANK`` (torchrun, ``lockstep run``, ``spawn``, Kubeflow), a task of ``srun`` (a
+    Slurm allocation outside ``srun`` is one process, with a warning), OpenMPI, MPICH / Intel MPI,
+    horovodrun, then one process. Without a port from the engine, the ranks derive one from the job id.
 
     Args:
         environ: the variables to read; ``os.environ`` when omitted.
@@ -347,7 +289,9 @@ def detect_world(environ: Mapping[str, str] | None = None) -> World:
 
     Example::
 
-        detect_world({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}).rank  # 1
+        >>> world = detect_world({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"})
+        >>> world.rank, world.world_size, world.local_world_size, world.source
+        (1, 2, 2, 'torchrun')
     """
     env = os.environ if environ is None else environ
     if "RANK" in env:

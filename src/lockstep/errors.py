@@ -1,12 +1,4 @@
-"""The exceptions lockstep raises, with the exit codes its commands use for them.
-
-Example::
-
-    try:
-        ...
-    except lockstep.ConfigError as exc:   # bad input, found before any process group starts
-        print(exc); raise SystemExit(exc.exit_code)
-"""
+"""The exceptions lockstep raises, with the exit codes its commands use for them."""
 
 from __future__ import annotations
 
@@ -52,14 +44,10 @@ class WorldError(ConfigError):
 
 
 def format_ranks(ranks: Iterable[int]) -> str:
-    """``"rank 1"`` or ``"ranks 0, 2"``: how every message of lockstep names ranks (sorted).
+    """How every message of lockstep names ranks: ``"rank 1"``, or sorted ``"ranks 0, 2"``.
 
     Args:
         ranks: the rank numbers (at least one).
-
-    Example::
-
-        format_ranks([2, 0])   # "ranks 0, 2"
     """
     ordered = sorted(ranks)
     return f"rank{'s' if len(ordered) > 1 else ''} {', '.join(map(str, ordered))}"
@@ -70,10 +58,6 @@ def signal_name(signum: int) -> str:
 
     Args:
         signum: the signal number (positive).
-
-    Example::
-
-        signal_name(9)  # "SIGKILL"
     """
     try:
         return signal.Signals(signum).name

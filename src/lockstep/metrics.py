@@ -1,18 +1,8 @@
 """Exact metrics over a distributed evaluation: reduce sums and counts, never averages of averages.
 
-Averaging per-rank means is wrong whenever ranks hold different numbers of samples (and a padded
-sampler counts some samples twice). Here every rank sums its per-sample values and counts its
-samples, one ``all_reduce`` adds those up, and the mean is taken once. With an evaluation loader
-from :func:`lockstep.data.loader.make_loader` (``eval=True``) the result is the single-process figure.
-
-Every function takes the job as a :class:`~lockstep.comm.group.Comm` or a ``Session`` (whose
-strategy then says how the model was wrapped); anything else is refused.
-
-Example (run under ``lockstep run --nproc 2 script.py``)::
-
-    test = make_loader(test_set, 500, world_size=comm.world_size, rank=comm.rank, eval=True)
-    acc = accuracy(model, test, comm)             # same value on every rank
-    report = evaluate(model, test, session)       # {"loss": ..., "accuracy": ..., "count": 10000}
+Every function takes the job as a :class:`~lockstep.comm.Comm` or a ``Session`` (whose
+strategy then says how the model was wrapped). With an evaluation loader (``make_loader(...,
+eval=True)``) the result is the single-process figure.
 """
 
 from __future__ import annotations
@@ -76,14 +66,17 @@ class SumCount:
     """Running sum and count of a per-sample value, reduced exactly over all ranks.
 
     Args:
-        device: where the reduction tensor lives; default: the device of the first tensor
-            added, else CUDA under NCCL, else CPU.
+        device: where the reduction happens; default: the first added tensor's, else CUDA under NCCL, else CPU.
 
     Example::
 
-        meter = SumCount()
-        meter.add(loss_sum, count=len(labels))      # a float or a tensor (kept on device)
-        mean = meter.compute(comm)                  # sum over ranks / count over ranks
+        >>> from lockstep.comm import Comm
+        >>> from lockstep.env import World
+        >>> meter = SumCount()
+        >>> meter.add(3.0, count=2)
+        >>> meter.add(1.0, count=2)
+        >>> meter.compute(Comm(World()))   # sums and counts over ranks, then one division
+        1.0
     """
 
     def __init__(self, device: torch.device | None = None) -> None:
@@ -95,13 +88,8 @@ class SumCount:
         """Add the sum of ``count`` per-sample values.
 
         Args:
-            value_sum: the sum (not the mean) of the values; a tensor stays on its device, so
-                adding it does not synchronise with the GPU.
+            value_sum: the sum (not the mean) of the values; a tensor stays on its device (no GPU sync).
             count: how many samples that sum covers.
-
-        Example::
-
-            meter.add(F.cross_entropy(out, y, reduction="sum"), len(y))
         """
         if count < 0:
             raise ValueError(f"count must be >= 0, got {count}")
@@ -116,11 +104,7 @@ class SumCount:
         """Return ``(sum, count)`` over all ranks (one ``all_reduce``).
 
         Args:
-            comm: the job's :class:`~lockstep.comm.group.Comm` or Session.
-
-        Example::
-
-            total, n = meter.totals(comm)
+            comm: the job's :class:`~lockstep.comm.Comm` or Session.
         """
         comm, _ = _job(comm)
         device = _reduce_device(comm, self.device)
@@ -135,11 +119,7 @@ class SumCount:
         """Return the mean over all ranks: global sum / global count (NaN when no samples).
 
         Args:
-            comm: the job's :class:`~lockstep.comm.group.Comm` or Session.
-
-        Example::
-
-            mean_loss = meter.compute(comm)
+            comm: the job's :class:`~lockstep.comm.Comm` or Session.
         """
         total, count = self.totals(comm)
         return total / count if count else math.nan
@@ -149,7 +129,7 @@ def _with_reduction(loss_fn: Callable[..., torch.Tensor], reduction: str) -> Cal
     """Return ``loss_fn`` with the given ``reduction`` (an nn loss module is copied, not changed)."""
     if isinstance(loss_fn, torch.nn.Module) and hasattr(loss_fn, "reduction"):
         reduced = copy.copy(loss_fn)  # leave the caller's module as it is
-        reduced.reduction = reduction
+        reduced.reduction = reduction  # type: ignore[assignment]  # nn loss modules keep it as a str
         return reduced
     try:
         params = list(inspect.signature(loss_fn).parameters.values())
@@ -165,15 +145,10 @@ def _with_reduction(loss_fn: Callable[..., torch.Tensor], reduction: str) -> Cal
 
 
 class _LossSum:
-    """Sum a loss over a batch in float64 from its per-sample values (``reduction="none"``).
-
-    A float32 ``reduction="sum"`` rounds each batch's sum, so the figure would depend on the
-    batch size and the number of ranks. A loss that knows only ``"mean"`` and ``"sum"`` (it
-    refuses ``"none"`` with a ValueError, or answers it with one number for a whole batch) is
-    asked for ``"sum"`` from then on.
-    """
+    """Sum a loss over a batch in float64 from its per-sample values, or ``"sum"`` for a loss without ``"none"``."""
 
     def __init__(self, loss_fn: Callable[..., torch.Tensor]) -> None:
+        # not a float32 reduction="sum": it rounds each batch's sum, so the figure would depend on batch size and ranks
         self._none = _with_reduction(loss_fn, "none")
         self._sum = _with_reduction(loss_fn, "sum")
         self._per_sample = True
@@ -272,23 +247,15 @@ def accuracy(
 ) -> float:
     """Return the top-1 accuracy over the whole (distributed) evaluation set, the same on every rank.
 
-    Runs under ``torch.no_grad()`` with the model in eval mode and restores each module's mode.
-    A DDP model (also inside other wrappers) first gets rank 0's buffers on every rank, as its
-    next forward would, and then runs without per-forward buffer broadcasts, so shards with
-    different batch counts cannot leave a rank waiting; an FSDP model runs extra, discarded
-    forwards on the shorter shards for the same reason.
+    Runs under ``torch.no_grad()`` in eval mode and restores each module's mode. DDP and FSDP models
+    are run so that shards with different batch counts cannot leave a rank waiting.
 
     Args:
         model: a classifier returning ``[batch, classes]`` scores (plain, DDP- or FSDP-wrapped).
         loader: yields ``(inputs, targets)``; use ``make_loader(..., eval=True)`` for exactness.
-        comm: the job's :class:`~lockstep.comm.group.Comm` or Session (a Session's strategy
-            is asked how the model was wrapped).
+        comm: the job's :class:`~lockstep.comm.Comm` or Session (whose strategy knows the wrapping).
         device: where to run; default: the device of the model's parameters.
         forward: ``forward(model, inputs) -> outputs``, for autocast or unusual signatures.
-
-    Example::
-
-        acc = accuracy(model, test_loader, comm)   # e.g. 0.9733, identical on all ranks
     """
     _, correct, count = _totals(model, loader, comm, None, device, forward)
     return correct / count if count else math.nan
@@ -305,24 +272,17 @@ def evaluate(
 ) -> dict[str, float]:
     """Return ``{"loss", "accuracy", "count"}`` over the whole (distributed) evaluation set.
 
-    ``loss`` is the mean per sample: the per-sample losses (``reduction="none"``) summed in
-    float64 over all ranks, divided by the number of samples, so it does not depend on the batch
-    size or the number of ranks: it is the single-process figure. Wrapped models are handled as
-    in :func:`accuracy`.
+    ``loss`` is the mean of the per-sample losses, summed in float64 over all ranks: it does not
+    depend on the batch size or the number of ranks. Wrapped models are run as in :func:`accuracy`.
 
     Args:
         model: a classifier returning ``[batch, classes]`` scores (plain, DDP- or FSDP-wrapped).
         loader: yields ``(inputs, targets)``; use ``make_loader(..., eval=True)`` for exactness.
-        comm: the job's :class:`~lockstep.comm.group.Comm` or Session, as for :func:`accuracy`.
+        comm: the job's :class:`~lockstep.comm.Comm` or Session, as for :func:`accuracy`.
         loss_fn: a loss accepting ``reduction="none"`` (functional or an nn loss module); one
             that only knows ``"mean"`` and ``"sum"`` is summed per batch in its own precision.
         device: where to run; default: the device of the model's parameters.
         forward: ``forward(model, inputs) -> outputs``, for autocast or unusual signatures.
-
-    Example::
-
-        report = evaluate(model, test_loader, comm)
-        print(f"loss {report['loss']:.4f} acc {report['accuracy']:.4f} on {report['count']} samples")
     """
     loss_sum, correct, count = _totals(model, loader, comm, loss_fn, device, forward)
     if not count:

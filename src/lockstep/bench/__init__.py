@@ -1,10 +1,8 @@
 """``lockstep bench``: which strategy x precision x process count is fastest on this machine.
 
-Every cell of the matrix trains the model with ``lockstep.Session(strategy, precision)`` in new
-processes (``lockstep.launch.spawn``): warm-up steps, then a timed window between device
-synchronisations. The figures (samples/s per rank and in total, scaling efficiency, step-time
-median and spread, peak memory) come back to the parent, which prints a table, writes
-``results.json`` and draws ``bench.png``. Cells that cannot run here are listed with the reason.
+Each cell of the matrix trains in fresh processes; the parent prints a table, writes
+``results.json`` and draws ``bench.png``. Run it as
+``lockstep bench --model convnet --nproc 1,2 --strategy single,ddp,fsdp --precision fp32,bf16-mixed``.
 
 * :mod:`~lockstep.bench.matrix`: the configuration, the cells and their skip reasons;
 * :mod:`~lockstep.bench.measure`: one cell on one rank (warm-up, timed window);
@@ -12,14 +10,6 @@ median and spread, peak memory) come back to the parent, which prints a table, w
 * :mod:`~lockstep.bench.report`: the table, ``results.json`` (its schema) and the PNG.
 
 An app: may import the library and ``lockstep.zoo`` (models, data, the flags' SessionConfig), never another app.
-
-Example::
-
-    lockstep bench --model convnet --nproc 1,2 --strategies single,ddp,fsdp --precision fp32,bf16-mixed
-
-    from lockstep.bench import BenchConfig, run_bench, format_table
-    doc = run_bench(BenchConfig(model="resnet18", nprocs=(1, 2), steps=10))
-    print(format_table(doc))
 """
 
 from __future__ import annotations

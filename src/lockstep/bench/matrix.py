@@ -1,29 +1,8 @@
 """What ``lockstep bench`` measures: its configuration, the matrix of cells, and why a cell is skipped.
 
-A cell is one ``strategy x precision x nproc x compile`` combination (``compile`` is ``none``,
-eager, unless ``--compile`` names backends: ``--compile none,inductor`` puts each eager cell and
-its compiled twin side by side, measured one after the other). A strategy may carry ddp's gradient
-compression after a ``+`` (``ddp+bf16``, ``ddp+fp16``, ``ddp+powersgd``: the communication hooks
-of ``Session(grad_compression=...)``) or ``+zero`` (``ddp+zero``: ``shard_optimizer=True``, each
-rank holding a part of the optimizer state), so that these and plain ddp are rows of one table.
-Every cell's Session options are one :class:`~lockstep.SessionConfig` (:func:`cell_config`),
-built and checked for the whole matrix when the configuration is, so that a bad value is refused
-with the Session's own message before any cell runs. Cells that cannot run on this machine are
-planned as skipped, with the reason, before any process starts:
-
-* ``single`` and ``dp`` run in one process, so they take only ``nproc 1``;
-* ``dp`` needs at least two CUDA GPUs (with one it is ``single`` plus a wrapper);
-* with GPUs, each process needs its own GPU (``nproc`` <= visible GPUs);
-* ``fsdp`` with ``fp16-o2``: O2's fp32 master weights do not work with sharded parameters;
-* a compressed ddp at ``nproc 1`` (one process sends no gradients);
-* ``horovod`` where Horovod does not import (``horovod not installed: make horovod``);
-* bf16 precisions on a GPU without bf16 support.
-
-Example::
-
-    config = BenchConfig(model="convnet", strategies=("single", "ddp"), nprocs=(1, 2))
-    for cell in plan_cells(config, gpus=0):
-        print(cell.id, cell.reason)          # single/fp32/2 single runs in one process ...
+A cell is one ``strategy x precision x nproc x compile`` combination. Every cell's Session options
+are checked when the configuration is built, and cells this machine cannot run are planned as
+skipped, with the reason, before any process starts.
 """
 
 from __future__ import annotations
@@ -87,25 +66,7 @@ def cell_config(
     seed: int = 0,
     timeout: float | None = None,
 ) -> SessionConfig:
-    """The Session options of one cell: ``ddp+fp16`` is ddp with that compression, ``ddp+zero`` ddp with
-    ``shard_optimizer``; PowerSGD starts as early as it allows (step 2), so that the warm-up, not the
-    timed window, holds its plain all-reduce steps.
-
-    Args:
-        strategy: the cell's strategy label (``ddp``, ``ddp+powersgd``, ``ddp+zero``...).
-        precision: the precision name.
-        compile: ``none`` or the ``torch.compile`` backend.
-        nonfinite: the non-finite loss policy.
-        seed: seed of weights and data.
-        timeout: seconds a collective may wait (``None``: the default).
-
-    Raises:
-        ConfigError: the Session's refusal of the cell's options.
-
-    Example::
-
-        cell_config("ddp+bf16", "fp32").grad_compression     # 'bf16'
-    """
+    """The Session options of one cell (``ddp+fp16``: that compression; ``ddp+zero``: ``shard_optimizer``)."""
     from lockstep.zoo.options import session_config
 
     base, extra = split_strategy(strategy)
@@ -114,7 +75,7 @@ def cell_config(
         strategy=base,
         precision=precision,
         grad_compression=None if zero else extra,
-        powersgd_start_iter=2,
+        powersgd_start_iter=2,  # the earliest: the warm-up, not the timed window, holds the plain steps
         compile=compile,
         nonfinite=nonfinite,
         seed=seed,
@@ -124,32 +85,13 @@ def cell_config(
 
 
 def split_strategy(name: str) -> tuple[str, str | None]:
-    """A bench strategy name split into the strategy and ddp's gradient compression, if any.
-
-    Args:
-        name: ``ddp``, ``ddp+fp16``, ``fsdp``...
-
-    Example::
-
-        split_strategy("ddp+powersgd")   # ('ddp', 'powersgd')
-        split_strategy("fsdp")           # ('fsdp', None)
-    """
+    """A bench strategy split at ``+``: ``ddp+powersgd`` -> ``('ddp', 'powersgd')``, ``fsdp`` -> ``('fsdp', None)``."""
     base, plus, compression = name.partition("+")
     return base, (compression if plus else None)
 
 
 def parse_list(text: str | Sequence[Any], what: str, kind: Callable[[str], Any] = str) -> tuple[Any, ...]:
-    """Split a comma-separated option (``"1,2,4"``) into a tuple, refusing an empty one.
-
-    Args:
-        text: the option's text, or an already split sequence.
-        what: the option's name, for the error message.
-        kind: converts each item (``int`` for process counts).
-
-    Example::
-
-        parse_list("1, 2", "--nproc", int)   # (1, 2)
-    """
+    """Split a comma-separated option (``"1,2,4"``) into a tuple without repeats, refusing an empty one."""
     items = [str(t).strip() for t in (text.split(",") if isinstance(text, str) else text)]
     items = [t for t in items if t]
     if not items:
@@ -167,32 +109,29 @@ class BenchConfig:
 
     Args:
         model: a ``lockstep train`` model name (``convnet``, ``resnet18``...) or ``pkg.module:factory``.
-        data: ``synthetic`` (one random batch kept on the device: the training step alone) or a
-            ``lockstep train`` data set (``digits``, ``mnist:DIR``, ``imagefolder:DIR``) read
-            through ``session.loader``, so that loading is timed too.
-        strategies: strategy names to try; ``ddp+bf16``, ``ddp+fp16``, ``ddp+powersgd`` are ddp
-            with that gradient compression, ``ddp+zero`` ddp with its optimizer state sharded.
+        data: ``synthetic`` (one random batch kept on the device) or a ``lockstep train`` data set
+            (``digits``, ``mnist:DIR``, ``imagefolder:DIR``), read through ``session.loader`` and timed too.
+        strategies: strategy names to try; ``ddp+bf16``, ``ddp+fp16``, ``ddp+powersgd`` are ddp with
+            that gradient compression, ``ddp+zero`` ddp with its optimizer state sharded.
         precisions: precision names to try (apex aliases are resolved).
         nprocs: process counts to try.
         batch_size: samples per batch per device; ``None``: 100 for convnet, 32 otherwise.
-        steps: timed steps of each repeat (``--max-steps``).
+        steps: timed steps of each window (``--max-steps``).
+        warmup: untimed steps before the first window.
         repeats: timed windows per cell, for the median and the spread of its throughput.
-        warmup: untimed steps before the window.
-        image_size: side of the input; ``None``: the model's default (28 convnet, 224 others).
-        channels: input channels; ``None``: the data's (1 for convnet), or 3 for other models.
+        image_size: side of the input; ``None``: the model's default.
+        channels: input channels; ``None``: the data's for convnet, 3 for other models.
         num_classes: classes of synthetic labels.
         out: folder for ``results.json`` and ``bench.png``.
-        nonfinite: the Session's non-finite loss policy (its default ``skip`` syncs once a step).
+        nonfinite: the Session's non-finite loss policy.
         cell_timeout: seconds a cell may take before it is stopped and marked failed.
         seed: seed of weights and data.
-        threads: CPU threads per rank; ``None``: the cores shared evenly (cores // nproc).
-        compile: ``none``, or the ``torch.compile`` backend every cell's model is compiled with
-            (``inductor``, ``aot_eager``...), or a comma-separated list of them (``none,inductor``:
-            every cell eager and compiled); the warm-up steps hold the compilation.
+        threads: CPU threads per rank; ``None``: ``cores // nproc``.
+        compile: ``none``, a ``torch.compile`` backend, or a comma-separated list of them
+            (``none,inductor``: every cell eager and compiled).
 
-    Example::
-
-        BenchConfig(model="resnet18", precisions=("bf16-mixed",), nprocs=(1, 2, 4), steps=30)
+    Raises:
+        ConfigError: a bad value, with the Session's own message for the cells' options.
     """
 
     model: str = "convnet"
@@ -250,12 +189,7 @@ class BenchConfig:
     def cell_configs(self) -> dict[tuple[str, str, str], SessionConfig]:
         """The :class:`~lockstep.SessionConfig` of every (strategy, precision, compile) of the matrix.
 
-        Cells this machine skips for its hardware (Horovod missing, bf16 on a GPU without it)
-        have none: :func:`skip_reason` names why.
-
-        Example::
-
-            BenchConfig(strategies=("ddp+fp16",)).cell_configs()[("ddp+fp16", "fp32", "none")].grad_compression
+        Cells skipped for this machine's hardware have none (see :func:`skip_reason`).
         """
         import torch
 
@@ -323,8 +257,10 @@ class Cell:
 
     Example::
 
-        Cell("ddp", "fp32", 2).id                         # 'ddp/fp32/2'
-        Cell("ddp", "fp32", 2, compile="inductor").id    # 'ddp/fp32/2/inductor'
+        >>> Cell("ddp", "fp32", 2).id
+        'ddp/fp32/2'
+        >>> Cell("ddp", "fp32", 2, compile="inductor").id
+        'ddp/fp32/2/inductor'
     """
 
     strategy: str
@@ -351,10 +287,6 @@ def skip_reason(strategy: str, precision: str, nproc: int, gpus: int, bf16_suppo
         nproc: processes of the job.
         gpus: CUDA GPUs visible (0 on a CPU-only machine).
         bf16_supported: whether those GPUs compute in bf16.
-
-    Example::
-
-        skip_reason("dp", "fp32", 1, gpus=0)   # 'dp needs CUDA GPUs ...'
     """
     strategy, compression = split_strategy(strategy)
     if compression == "zero" and nproc == 1:
@@ -385,7 +317,7 @@ def skip_reason(strategy: str, precision: str, nproc: int, gpus: int, bf16_suppo
 
 
 def plan_cells(config: BenchConfig, gpus: int, bf16_supported: bool = True) -> list[Cell]:
-    """Every cell of the matrix in run order (strategy, precision, nproc, then compile), skips decided.
+    """Every cell of the matrix in run order, skips decided.
 
     The compile settings vary fastest, so that an eager cell and its compiled twin run one after
     the other, under the same conditions of the machine.
@@ -394,10 +326,6 @@ def plan_cells(config: BenchConfig, gpus: int, bf16_supported: bool = True) -> l
         config: the bench configuration.
         gpus: CUDA GPUs visible.
         bf16_supported: whether those GPUs compute in bf16.
-
-    Example::
-
-        [c.id for c in plan_cells(BenchConfig(strategies=("ddp",), precisions=("fp32",)), 0)]
     """
     cells = []
     for strategy in config.strategies:

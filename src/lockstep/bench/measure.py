@@ -1,31 +1,8 @@
-"""One cell of ``lockstep bench`` as every rank runs it: build, warm up, then time a window.
+"""One cell of ``lockstep bench`` as every rank runs it: build, warm up, then time ``repeats`` windows.
 
-Each rank builds the model, wraps it with ``lockstep.Session(strategy, precision)``, runs
-``warmup`` untimed steps, waits for its device and for the other ranks, then times ``steps``
-training steps and waits for its device once more; the window is timed ``repeats`` times, one
-after the other, so that the cell's spread is known. Nothing inside the window synchronises
-with the host except what the Session itself does (its default ``nonfinite="skip"`` check reads
-one flag per step; ``--nonfinite ignore`` removes it).
-
-Per-step times:
-
-* on CPU, operations run to completion before the call returns, so a ``perf_counter`` stamp
-  after each step is the step's time, with no extra synchronisation;
-* on CUDA, one ``torch.cuda.Event`` is recorded after each step (recording does not wait) and
-  the intervals are read after the window's final ``synchronize``: they are the times between
-  step ends as the GPU saw them.
-
-With ``compile``, the first warm-up step compiles (forward and backward); the rank counts the
-graphs ``torch.compile`` compiles during the timed window (``compiles_in_window``), so that a
-recompilation there (a new shape, a changed guard) shows instead of passing as a slow step.
-
-Peak memory: on CUDA the largest ``torch.cuda.max_memory_allocated``; on CPU the process's peak
-resident set (``VmHWM`` from ``/proc/self/status``, else ``ru_maxrss``), which includes the
-interpreter and torch itself (``base_mem_mb`` is the resident set before the model was built).
-
-Example (one rank of a two-process cell)::
-
-    results = lockstep.spawn(measure_cell, 2, args=(CellTask(model="convnet", strategy="ddp"),))
+Step times are ``perf_counter`` stamps on CPU (operations finish before the call returns) and
+``torch.cuda.Event`` intervals on CUDA, read after the window's final ``synchronize``. Peak memory
+is CUDA's max allocated, or on CPU the process's peak resident set (interpreter and torch included).
 """
 
 from __future__ import annotations
@@ -69,10 +46,6 @@ class CellTask:
         threads: CPU threads per rank (0 leaves torch's choice).
         timeout: seconds a collective may wait for a missing rank.
         compile: ``none`` or the ``torch.compile`` backend of the model.
-
-    Example::
-
-        CellTask(model="convnet", strategy="ddp", precision="bf16-mixed", steps=10)
     """
 
     model: str = "convnet"
@@ -94,15 +67,7 @@ class CellTask:
 
 
 def resident_mb(peak: bool) -> float:
-    """This process's resident memory in MiB: the peak (``peak=True``) or the current one.
-
-    Args:
-        peak: the peak since the process started instead of the current resident set.
-
-    Example::
-
-        resident_mb(peak=True)    # e.g. 412.5
-    """
+    """This process's resident memory in MiB: the peak since it started (``peak=True``) or the current one."""
     key = "VmHWM:" if peak else "VmRSS:"
     try:
         with open("/proc/self/status") as status:
@@ -123,21 +88,7 @@ def _sync(device: torch.device) -> None:
 def time_window(
     step: Callable[[], None], steps: int, device: torch.device, barrier: Callable[[], None] = lambda: None
 ) -> tuple[float, list[float]]:
-    """Time ``steps`` calls of ``step`` between device synchronisations.
-
-    Args:
-        step: one training step.
-        steps: how many to time.
-        device: the device to wait for at both ends of the window.
-        barrier: called after the first wait, so that every rank starts together.
-
-    Returns:
-        The window's wall time in seconds and each step's time in milliseconds.
-
-    Example::
-
-        elapsed, step_ms = time_window(lambda: None, 5, torch.device("cpu"))
-    """
+    """Time ``steps`` calls of ``step`` between device synchronisations: (wall s, each step's ms)."""
     _sync(device)
     barrier()
     cuda = device.type == "cuda"
@@ -168,10 +119,7 @@ def _graphs_compiled(task: CellTask) -> int:
 
 
 def _batches(session: Any, task: CellTask, batch_size: int) -> tuple[Iterator[Any], int]:
-    """The cell's input: one resident random batch, or a real loader cycled over epochs.
-
-    Returns the batch iterator and the number of classes.
-    """
+    """The cell's input (one resident random batch, or a real loader cycled over epochs) and its classes."""
     if task.data == "synthetic":
         gen = torch.Generator().manual_seed(task.seed + session.rank)
         images = torch.randn(batch_size, task.channels, task.image_size, task.image_size, generator=gen)
@@ -196,15 +144,11 @@ def measure_cell(task: CellTask) -> dict[str, Any]:
         task: what to measure.
 
     Returns:
-        This rank's figures: ``elapsed_s`` (all windows), ``windows_s`` (each window's wall
-        time), ``step_ms`` (list, every window's steps), ``peak_mem_mb``,
-        ``base_mem_mb``, ``batch_size`` (samples per step of this process), ``devices``,
-        ``threads``, ``device``, ``skipped_steps``, ``compiles_in_window``; or ``{"skipped": reason}`` when lockstep
-        refuses the configuration here (a :class:`ConfigError`).
-
-    Example::
-
-        lockstep.spawn(measure_cell, 2, args=(CellTask(strategy="ddp", steps=5),))
+        This rank's figures: ``elapsed_s`` (all windows), ``windows_s``, ``step_ms`` (every window's
+        steps), ``peak_mem_mb``, ``base_mem_mb`` (resident set before the model was built),
+        ``batch_size`` (per step of this process), ``devices``, ``threads``, ``device``,
+        ``skipped_steps``, ``compiles_in_window``; or ``{"skipped": reason}`` when lockstep refuses
+        the configuration here (a :class:`~lockstep.errors.ConfigError`).
     """
     import lockstep
 

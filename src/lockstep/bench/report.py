@@ -10,11 +10,9 @@
     config                model, data, batch_size (per device), steps, warmup, repeats, image_size,
                           channels, num_classes, nonfinite, seed, threads (null: cores // nproc),
                           compile ("none", a backend, or a list: "none,inductor")
-    cpu_threads           on CPU, one entry per process count: nproc, per_rank (threads of each
-                          rank), total (nproc x per_rank), cores; null with GPUs
+    cpu_threads           on CPU, per process count: nproc, per_rank, total, cores; null with GPUs
     fastest               id of the cell with the highest (median) samples_per_s, or null
-    winner                fastest, when its slowest window beats every other cell's fastest
-                          one (the gap exceeds the spread); else null
+    winner                fastest, when its slowest window beats every other cell's fastest; else null
     within_noise          ids of the cells whose min-max range reaches the fastest's
     no_winner_reason      why no winner was called (null when one was)
     cells                 list, in run order, of:
@@ -23,45 +21,22 @@
       compile             "none" (eager) or the torch.compile backend
       status              "ran" | "skipped" | "failed"
       reason              why skipped / how it failed (null when it ran)
-      winner              true for the winner (when one is called)
-      fastest             true for the cell with the highest median
+      winner, fastest     true for the winner (when one is called), for the highest median
       batch_size, steps, warmup, repeats   (steps: of each timed window; repeats: windows)
-      samples_per_s       all ranks together: global samples / slowest rank's window, the
-                          median over the windows
+      samples_per_s       global samples / slowest rank's window, the median over the windows
       samples_per_s_min, samples_per_s_max   the slowest and the fastest window
       samples_per_s_per_rank
-      efficiency          samples/s per unit over the baseline's samples/s per unit; a unit is
-                          a GPU on CUDA and a busy core on CPU (cores_used); baseline: the
-                          1-device cell of the same strategy, precision and compile,
-                          else single (always single for dp, whose one process drives every GPU)
+      efficiency          samples/s per unit (a GPU; on CPU a busy core) over the baseline's
       step_ms_median, step_ms_p10, step_ms_p90   the slowest rank's time at each step
-      samples_per_s_at_median_step   global batch / median step time: the throughput
-                          without the window's stalls (compare with samples_per_s)
+      samples_per_s_at_median_step   global batch / median step time (without the window's stalls)
       peak_mem_mb         CUDA max allocated, or the process's peak resident set on CPU
       base_mem_mb         resident set before the model was built (CPU; 0 on CUDA)
       devices, threads_per_rank, global_batch, skipped_steps, wall_s (with process start-up)
-      cpu_threads, cores_used   on CPU: the ranks' threads together, and the cores they keep
-                          busy (at most the machine's); null on CUDA
-      compiles_in_window  graphs torch.compile compiled during the timed window (the most of
-                          any rank): 0 when the warm-up held every compilation; else the table
-                          says so, since the window then holds compile time
+      cpu_threads, cores_used   on CPU: the ranks' threads together, and the cores they keep busy
+      compiles_in_window  graphs torch.compile compiled during the timed window (the most of any rank)
 
 Figures are null for cells that did not run; the fields after ``peak_mem_mb`` appear only for
 cells that ran (a failed cell has ``traceback`` instead).
-
-Efficiency. On GPUs it is the classic scaling efficiency: 1.0 when N GPUs move N times what one
-moves. On CPU the processes share the machine's cores, so it is counted per busy core: by default
-every cell gets the same cores (``cores // nproc`` threads per rank: 2 at nproc 1, 1 at nproc 2
-on 2 cores), and the efficiency is the cell's samples/s over the 1-process cell's, both on all
-the cores (0.91: two processes with one thread each move 91 % of what one process with two
-threads moves). With ``--threads T`` the cores busy are ``min(nproc x T, cores)``; more threads
-than cores (oversubscribed) is said in the table's header. The header's second line gives the
-threads per rank at each process count.
-
-Example::
-
-    print(format_table(doc))
-    write_outputs(doc, Path("bench-results"))
 """
 
 from __future__ import annotations
@@ -88,30 +63,12 @@ def _compiled(cell: dict[str, Any]) -> str:
 
 
 def cell_label(cell: dict[str, Any]) -> str:
-    """A short name of a cell for tables and plots, e.g. ``ddp bf16-mixed x2`` or ``ddp fp32 x1 inductor``.
-
-    Args:
-        cell: a cell of the results document.
-
-    Example::
-
-        cell_label({"strategy": "ddp", "precision": "fp32", "nproc": 2})   # 'ddp fp32 x2'
-    """
+    """A cell's short name for tables and plots, e.g. ``ddp bf16-mixed x2`` or ``ddp fp32 x1 inductor``."""
     return f"{cell['strategy']} {cell['precision']} x{cell['nproc']}{_compiled(cell)}"
 
 
 def compile_text(setting: str) -> str:
-    """The header's words for the ``compile`` setting of a run: empty when every cell ran eager.
-
-    Args:
-        setting: ``config["compile"]`` of the results document (``none``, ``inductor``,
-            ``none,inductor``...).
-
-    Example::
-
-        compile_text("inductor")         # ', compiled (inductor)'
-        compile_text("none,inductor")    # ', each cell eager and compiled (inductor)'
-    """
+    """The header's words for a run's ``compile`` setting: empty when every cell ran eager."""
     backends = [b for b in setting.split(",") if b != "none"]
     if not backends:
         return ""
@@ -142,16 +99,7 @@ def _header(doc: dict[str, Any]) -> str:
 
 
 def threads_line(doc: dict[str, Any]) -> str | None:
-    """The header's CPU line: threads per rank at each process count, what efficiency counts,
-    and which process counts run more threads than there are cores.
-
-    Args:
-        doc: the results document (``None`` without ``cpu_threads``: a GPU run).
-
-    Example::
-
-        threads_line(doc)   # 'cpu threads per rank: 2 at nproc 1, 1 at nproc 2 (cores // nproc: ...'
-    """
+    """The header's CPU line (threads per rank at each process count, oversubscription), or ``None`` on GPUs."""
     rows = doc.get("cpu_threads")
     if not rows:
         return None
@@ -169,16 +117,10 @@ def threads_line(doc: dict[str, Any]) -> str | None:
 
 
 def format_table(doc: dict[str, Any]) -> str:
-    """The results as a table; the fastest cell is marked with ``*``, the verdict and reasons below.
-
-    ``samples/s`` is the median of a cell's timed windows, ``min-max`` their range.
+    """The results as a table: the fastest cell marked with ``*``, the verdict and the notes below.
 
     Args:
         doc: the results document of :func:`lockstep.bench.run_bench`.
-
-    Example::
-
-        print(format_table(doc))
     """
     # a compile column when some cell is compiled: eager and compiled rows side by side
     with_compile = any(_compiled(cell) for cell in doc["cells"])
@@ -248,15 +190,7 @@ def _spread(cell: dict[str, Any]) -> str:
 
 
 def verdict_lines(doc: dict[str, Any]) -> list[str]:
-    """The table's verdict: the winner with its lead over the spread, or the cells within noise.
-
-    Args:
-        doc: the results document (one before version 4 has a winner and no spread).
-
-    Example::
-
-        verdict_lines(doc)   # ['* fastest: ddp fp32 x2, 1,902.0 samples/s (median of 3 windows, ...)']
-    """
+    """The table's verdict: the winner with its lead over the spread, or the cells within noise."""
     cells = {c["id"]: c for c in doc["cells"]}
     winner = next((c for c in doc["cells"] if c["winner"]), None)
     fastest = cells.get(doc.get("fastest") or "") or winner
@@ -304,10 +238,6 @@ def plot_results(doc: dict[str, Any], path: Path) -> Path | None:
 
     Returns:
         ``path``, or ``None`` when matplotlib is not installed (``pip install lockstep[plot]``).
-
-    Example::
-
-        plot_results(doc, Path("bench-results/bench.png"))
     """
     try:
         import matplotlib
@@ -383,10 +313,6 @@ def write_outputs(doc: dict[str, Any], out: Path) -> dict[str, Path | None]:
 
     Returns:
         ``{"json": path, "png": path or None}`` (no PNG without matplotlib).
-
-    Example::
-
-        write_outputs(doc, Path("bench-results"))["json"]
     """
     out.mkdir(parents=True, exist_ok=True)
     json_path = out / "results.json"

@@ -1,15 +1,8 @@
 """Run the bench matrix: each cell in fresh processes (``lockstep.launch.spawn``), figures back to the parent.
 
-Every cell, one process included, runs in newly started processes, so that one cell's memory
-peak, threads or failure never leaks into the next. The parent checks the inputs, plans, spawns
-and aggregates: throughput is the global sample count over the slowest rank's window, the median
-of the cell's repeated windows with their min and max; step time is the slowest rank's at each
-step, memory the largest rank's. The winner is called by :func:`lockstep.bench.verdict.pick_winner`.
-
-Example::
-
-    doc = run_bench(BenchConfig(model="convnet", strategies=("single", "ddp"), nprocs=(1, 2)))
-    print(doc["winner"])
+Fresh processes per cell, one process included, so that one cell's memory peak, threads or failure
+never leaks into the next. Throughput is the global sample count over the slowest rank's window
+(the median of the cell's windows); step time is the slowest rank's at each step, memory the largest rank's.
 """
 
 from __future__ import annotations
@@ -46,16 +39,7 @@ SCHEMA_VERSION = 4
 
 
 def percentile(values: list[float], q: float) -> float:
-    """The ``q``-th percentile (0-100) of ``values``, interpolating linearly between ranks.
-
-    Args:
-        values: the sample (not empty).
-        q: the percentile, 0 to 100.
-
-    Example::
-
-        percentile([1.0, 2.0, 3.0, 4.0], 50)   # 2.5
-    """
+    """The ``q``-th percentile (0-100) of ``values``, interpolating linearly between ranks."""
     ordered = sorted(values)
     if not ordered:
         raise ValueError("percentile of an empty list")
@@ -84,12 +68,7 @@ def _cpu_name() -> str:
 
 
 def host_info() -> dict[str, Any]:
-    """The machine the figures come from: host, CPU, load, versions and devices.
-
-    Example::
-
-        host_info()["device"]["type"]     # 'cpu' or 'cuda'
-    """
+    """The machine the figures come from: host, CPU, load, versions and devices."""
     import lockstep
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -111,22 +90,7 @@ def host_info() -> dict[str, Any]:
 
 
 def threads_per_rank(config: BenchConfig, nproc: int, gpus: int, cores: int | None = None) -> int:
-    """CPU threads each rank of an ``nproc``-process cell gets: ``--threads``, else the cores shared.
-
-    Without ``--threads``, on CPU every rank gets ``cores // nproc`` threads (at least one), so that
-    every cell runs on the same cores: 2 threads at nproc 1 and 1 each at nproc 2 on 2 cores. With
-    GPUs it is 0 (torch's own choice): the GPUs do the work.
-
-    Args:
-        config: the bench configuration (``threads`` is ``--threads``).
-        nproc: processes of the cell.
-        gpus: CUDA GPUs visible.
-        cores: CPU cores this process may use (default: counted here).
-
-    Example::
-
-        threads_per_rank(BenchConfig(), nproc=2, gpus=0, cores=8)   # 4
-    """
+    """CPU threads each rank of an ``nproc`` cell gets: ``--threads``, else ``cores // nproc`` (0 with GPUs)."""
     if config.threads:
         return config.threads
     if gpus:
@@ -166,24 +130,7 @@ def _task(config: BenchConfig, cell: Cell, gpus: int) -> CellTask:
 
 
 def aggregate(cell: Cell, ranks: list[dict[str, Any]], steps: int, cores: int | None = None) -> None:
-    """Fill ``cell`` from its ranks' figures (see :func:`lockstep.bench.measure.measure_cell`).
-
-    On CPU the cell also records ``cpu_threads`` (its ranks' threads together) and ``cores_used``
-    (those threads, at most ``cores``): what :func:`add_efficiency` divides by.
-
-    A rank that timed several windows (``windows_s``) gives one throughput per window: the
-    cell's ``samples_per_s`` is their median, ``samples_per_s_min`` and ``_max`` the spread.
-
-    Args:
-        cell: the cell, updated in place.
-        ranks: one dict per rank, in rank order.
-        steps: timed steps per rank in each window.
-        cores: CPU cores of this machine (default: counted here).
-
-    Example::
-
-        aggregate(cell, [{"elapsed_s": 1.0, "step_ms": [10.0], "batch_size": 4, ...}], steps=1)
-    """
+    """Fill ``cell`` from its ranks' figures (:func:`lockstep.bench.measure.measure_cell`)."""
     refused = [r["skipped"] for r in ranks if "skipped" in r]
     if refused:
         cell.status, cell.reason = "skipped", refused[0]
@@ -224,21 +171,7 @@ def aggregate(cell: Cell, ranks: list[dict[str, Any]], steps: int, cores: int | 
 
 
 def check_inputs(config: BenchConfig) -> None:
-    """Check, before any cell starts, what ``lockstep train`` checks before it starts: the data
-    (folders, images, at least two classes) and the batch against each process's share of it.
-
-    Args:
-        config: the bench configuration.
-
-    Raises:
-        ConfigError: a data set that cannot be read or classified, or a per-device batch larger
-            than a process's share of it at the largest process count (a cell would wait forever
-            for its first full batch).
-
-    Example::
-
-        check_inputs(BenchConfig(data="imagefolder:photos"))
-    """
+    """Check the data and the per-device batch against a process's share, as ``lockstep train`` does."""
     if config.data == "synthetic":
         return
     from collections.abc import Sized
@@ -259,17 +192,7 @@ def check_inputs(config: BenchConfig) -> None:
 
 
 def run_cell(config: BenchConfig, cell: Cell, gpus: int) -> None:
-    """Run one planned cell in ``cell.nproc`` new processes and record its outcome in ``cell``.
-
-    Args:
-        config: the bench configuration.
-        cell: a planned (not skipped) cell, updated in place.
-        gpus: CUDA GPUs visible.
-
-    Example::
-
-        run_cell(config, Cell("ddp", "fp32", 2), gpus=0)
-    """
+    """Run one planned cell in ``cell.nproc`` new processes and record its outcome in ``cell``."""
     from lockstep.launch.spawn import SpawnError, spawn
 
     began = time.perf_counter()
@@ -292,22 +215,12 @@ def _units(result: dict[str, Any]) -> float:
 def add_efficiency(cells: list[Cell]) -> None:
     """Set each ran cell's scaling efficiency: its samples/s per unit of compute over a baseline's.
 
-    ``efficiency = (samples_per_s / units) / (baseline samples_per_s / baseline units)``, where the
-    units are GPUs on CUDA and the cores busy on CPU (``cores_used``: threads of all ranks, at
-    most the cores). The baseline is the 1-device cell of the same strategy, precision and
-    compile setting, else the ``single`` cell of the same precision and compile setting (always
-    for ``dp``, whose one process drives every GPU). On GPUs 1.0 is a linear speed-up. On CPU every cell gets the
-    same cores by default
-    (:func:`threads_per_rank`), so the efficiency is the cell's samples/s over the 1-process
-    cell's on the same cores: 0.91 means N processes move 91 % of what one process with all the
-    threads moves. ``None`` when no baseline ran.
+    A unit is a GPU on CUDA and a busy core on CPU (``cores_used``). The baseline is the 1-device cell
+    of the same strategy, precision and compile setting, else the ``single`` one (always for ``dp``,
+    whose one process drives every GPU). ``None`` when no baseline ran.
 
     Args:
         cells: the matrix, updated in place.
-
-    Example::
-
-        add_efficiency(cells); cells[1].result["efficiency"]    # e.g. 0.93
     """
     ran = {(c.strategy, c.precision, c.nproc, c.compile): c for c in cells if c.status == "ran"}
     for cell in ran.values():
@@ -355,16 +268,17 @@ def _cell_doc(cell: Cell, config: BenchConfig, winner: str | None, fastest: str 
 
 
 def run_bench(config: BenchConfig, progress: bool = True) -> dict[str, Any]:
-    """Check the inputs, plan and run the whole matrix; return the results document (the
-    ``results.json`` content).
+    """Check the inputs, plan and run the whole matrix.
 
     Args:
         config: the bench configuration.
         progress: show a tqdm bar over the cells on stderr.
 
-    Example::
+    Returns:
+        The results document: ``results.json``'s content (see :mod:`lockstep.bench.report`).
 
-        doc = run_bench(BenchConfig(strategies=("ddp",), nprocs=(1, 2), steps=5, warmup=1))
+    Raises:
+        ConfigError: data that cannot be read, or a per-device batch larger than a process's share.
     """
     from tqdm.auto import tqdm
 

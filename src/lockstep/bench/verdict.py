@@ -1,15 +1,8 @@
 """Which cell of ``lockstep bench`` is fastest, and whether that is more than noise.
 
-Every cell is timed ``repeats`` times (``--repeats``); its throughput is the median of those
-windows, and its spread their min-max range. A winner is called only when the gap exceeds the
-spread: the fastest cell's slowest window beats every other cell's fastest window. Otherwise the
-cells whose ranges reach the fastest one's are *within noise* of it, and no winner is named. With
-one window per cell the spread is unknown, so no winner is called between two or more cells.
-
-Example::
-
-    verdict = pick_winner(cells)
-    verdict.winner, verdict.fastest, verdict.within_noise   # (None, 'ddp/fp32/2', ('single/fp32/1',))
+A cell's throughput is the median of its ``--repeats`` timed windows, its spread their min-max
+range. The fastest cell is the winner only when its slowest window beats every other cell's
+fastest one; with one window per cell the spread is unknown and no winner is called.
 """
 
 from __future__ import annotations
@@ -30,13 +23,8 @@ class Verdict:
     Args:
         fastest: the id of the cell with the highest median samples/s (``None``: no cell ran).
         winner: ``fastest`` when its lead exceeds the spread, else ``None``.
-        within_noise: the ids of the cells whose fastest window reaches the fastest cell's
-            slowest one (empty when a winner is called).
+        within_noise: the ids of the cells whose fastest window reaches the fastest cell's slowest one.
         reason: why no winner was called (``None`` when one was, or when no cell ran).
-
-    Example::
-
-        Verdict(fastest="ddp/fp32/2", winner="ddp/fp32/2", within_noise=(), reason=None)
     """
 
     fastest: str | None
@@ -53,15 +41,7 @@ def _range(cell: Cell) -> tuple[float, float, int]:
 
 
 def pick_winner(cells: list[Cell]) -> Verdict:
-    """Name the fastest ran cell, and call it the winner only when its lead exceeds the spread.
-
-    Args:
-        cells: the matrix after its run (cells that did not run are ignored).
-
-    Example::
-
-        pick_winner(cells).winner    # 'ddp/fp32/2', or None when the cells are within noise
-    """
+    """Name the fastest ran cell, and call it the winner only when its lead exceeds the spread."""
     ran = sorted((c for c in cells if c.status == "ran"), key=lambda c: c.result["samples_per_s"], reverse=True)
     if not ran:
         return Verdict(None, None, (), None)

@@ -1,14 +1,4 @@
-"""The job's collectives: :class:`Comm` (one process: a null object) and :class:`GroupComm` (a process group).
-
-:func:`~lockstep.comm.group.init_comm` forms the group and returns one of these; the comm of a job
-whose nodes leave and join (:class:`~lockstep.comm.elastic_comm.ElasticComm`) builds on
-:class:`GroupComm` too.
-
-Example::
-
-    comm = Comm(World())
-    comm.all_reduce(torch.ones(2))   # tensor([1., 1.])
-"""
+"""The job's collectives: :class:`Comm` (one process: a null object) and :class:`GroupComm` (a process group)."""
 
 from __future__ import annotations
 
@@ -31,16 +21,18 @@ _OPS = {"sum", "mean", "max", "min"}
 class Comm(WorldView):
     """Collectives for a job of one process: each call returns its input unchanged.
 
-    Subclasses implement the same calls across a process group; code written against
-    :class:`Comm` never needs ``if distributed:`` branches.
+    Subclasses implement the same calls across a process group, so code written against
+    :class:`Comm` needs no ``if distributed:`` branches.
 
     Args:
         world: where this process is (see :func:`lockstep.env.detect_world`).
 
     Example::
 
-        comm = Comm(World())
-        comm.all_reduce(torch.ones(2))   # tensor([1., 1.])
+        >>> import torch
+        >>> from lockstep.env import World
+        >>> Comm(World()).all_reduce(torch.ones(2))
+        tensor([1., 1.])
     """
 
     backend = "none"
@@ -64,16 +56,30 @@ class Comm(WorldView):
         return self._all_reduce(tensor, op)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        """Copy ``tensor`` from rank ``src`` into every rank's ``tensor`` and return it."""
+        """Copy rank ``src``'s ``tensor`` into every rank's ``tensor`` and return it.
+
+        Args:
+            tensor: the value on ``src``; on return it holds that value on every rank.
+            src: the rank that sends.
+        """
         self._check_src(src)
         return self._broadcast(tensor, src)
 
     def all_gather_object(self, obj: T) -> list[T]:
-        """Return the list of every rank's ``obj`` (small, picklable values only)."""
+        """Return the list of every rank's ``obj``, by rank.
+
+        Args:
+            obj: a small, picklable value.
+        """
         return [obj]
 
     def broadcast_object(self, obj: T, src: int = 0) -> T:
-        """Return rank ``src``'s ``obj`` on every rank (small, picklable values only)."""
+        """Return rank ``src``'s ``obj`` on every rank.
+
+        Args:
+            obj: a small, picklable value (read on ``src`` only).
+            src: the rank that sends.
+        """
         self._check_src(src)
         return obj
 
@@ -92,10 +98,18 @@ class Comm(WorldView):
 
 
 class GroupComm(Comm):
-    """Collectives over a ``torch.distributed`` process group (see :func:`init_comm`).
+    """Collectives over a ``torch.distributed`` process group, as :func:`~lockstep.comm.init_comm` forms it.
 
     Each collective is a sync point of the :attr:`watchdog`: a timeout raises
-    :class:`~lockstep.comm.watchdog.CollectiveTimeoutError` naming the ranks that never came.
+    :class:`~lockstep.comm.CollectiveTimeoutError` naming the ranks that never came.
+
+    Args:
+        world: where this process is.
+        backend: the group's backend (``"nccl"``, ``"gloo"``).
+        peers: every rank's handshake post (:func:`~lockstep.comm.store.describe_self`), by rank.
+        watchdog: the hang watchdog; none when omitted.
+        owned: :meth:`shutdown` destroys the group (False: a group adopted from whoever formed it).
+        record: this rank's collective record, closed at :meth:`shutdown`.
     """
 
     def __init__(

@@ -1,31 +1,10 @@
-"""A process group whose members change while the job runs, rebuilt in place.
+"""A process group whose members change while the job runs (``lockstep run --nodes MIN:MAX``), rebuilt in place.
 
-Under ``lockstep run --nodes MIN:MAX`` each node's workers start once and stay up. An
-:class:`ElasticGroup` joins the job's rendezvous (:mod:`lockstep.comm.members`), forms a process
-group for the round over the store prefix ``pg/{round}/``, and runs the training one step at a
-time (:meth:`ElasticGroup.run_step`). When a node dies (its processes killed: the next collective
-fails at once; its link cut: it fails at the group's timeout) the survivors drop the step in
-progress, enter the next round, form a new group, and take the state from the member with the
-most committed steps (:func:`~lockstep.comm.handover.broadcast_state`: from memory, no disk). A node
-that starts later posts itself in the next round; the group sees it at the next step boundary and
-lets it in the same way. The disk checkpoint is only needed when no member survives.
-
-A step must end with its last collective before the optimizer changes the weights (all_reduce of
-gradients, then ``optimizer.step()``), so a rank that committed a step holds the state of every
-rank that finished it.
-
-Each change prints one line on the new rank 0, e.g. (wrapped here)::
-
-    lockstep run: membership: left host nodeb (node 1a2b, ranks 2-3); world size 4 on 2 nodes;
-      micro-batch 6 × accumulation 1; resumed at step 7; cost 3.10 s (step lost 1.02 s, rendezvous 2.05 s, state 0.03 s)
-
-Example (the script started by ``lockstep run --nodes 1:3 --master HOST:PORT --secret-file F``)::
-
-    group = ElasticGroup.from_env({"model": model, "optimizer": optimizer, "position": position})
-    group.start()
-    while position.step < total:
-        group.run_step(lambda: train_step(group.rank, group.world_size))
-    group.close()
+An :class:`ElasticGroup` joins the job's rendezvous (:mod:`lockstep.comm.members`), forms each
+round's group and runs the training one step at a time; when a node leaves or joins, the members
+form the next round's group and take the state from the member with the most committed steps
+(:func:`~lockstep.comm.handover.broadcast_state`). A step must end with its last collective
+before the optimizer changes the weights, so that a committed step is held by every rank of it.
 """
 
 from __future__ import annotations
@@ -52,10 +31,6 @@ def is_membership_failure(exc: BaseException) -> bool:
 
     Args:
         exc: the exception a step raised.
-
-    Example::
-
-        is_membership_failure(RuntimeError("[gloo/transport/tcp/pair.cc:545] Read error"))   # True
     """
     dist_error = getattr(torch.distributed, "DistError", ())
     if dist_error and isinstance(exc, dist_error):
@@ -69,17 +44,13 @@ def _ranks(members: tuple[Member, ...], ranks: list[int]) -> str:
 
 
 def describe_change(view: RoundView, step: int, plan: str, costs: dict[str, float]) -> str:
-    """The one line a membership change prints (see the module docstring).
+    """The line a membership change prints on the new rank 0 (``lockstep run: membership: left host ...``).
 
     Args:
         view: the new round.
         step: the step the job resumes at.
         plan: the re-planned batch (``"micro-batch 6 × accumulation 1"``), or ``""``.
         costs: seconds by phase (``"step lost"``, ``"rendezvous"``, ``"state"``).
-
-    Example::
-
-        describe_change(view, 7, "micro-batch 6 × accumulation 1", {"rendezvous": 2.0})
     """
     parts = []
     for verb, group in (("left", view.left), ("joined", view.joined)):
@@ -108,16 +79,10 @@ class ElasticGroup:
             position): what a joiner or a survivor takes from the live peer.
         backend: ``"gloo"`` or ``"nccl"``.
         timeout: seconds a collective waits for a peer (how long a cut link takes to detect).
-        plan: the batch plan at a world size, for the membership line (``"micro-batch 6 ×
-            accumulation 1"``); the session's global-batch planner fits here.
-        out: where the membership line goes (rank 0 only).
-        restore: called on one member when no member holds a committed step (the job's first
-            start, or every node was lost): loads the state from the disk checkpoint into the
-            ``stateful`` objects and returns the steps it had committed (0 when there is none).
-
-    Example::
-
-        group = ElasticGroup(membership, {"model": model}, timeout=10)
+        plan: the batch plan's text at a world size, for the membership line.
+        out: where the membership line goes (rank 0 only); stdout when omitted.
+        restore: called on one member when no member holds a committed step (first start, or
+            every node lost): loads the disk checkpoint into ``stateful``, returns its step count.
     """
 
     def __init__(
@@ -146,10 +111,6 @@ class ElasticGroup:
         Args:
             stateful: see :class:`ElasticGroup`.
             **options: ``backend``, ``timeout``, ``plan``, ``out``, ``restore``.
-
-        Example::
-
-            group = ElasticGroup.from_env({"model": model})
         """
         settings, world = read_settings(), detect_world()
         host, _, port = settings.elastic_store.rpartition(":")
@@ -194,41 +155,26 @@ class ElasticGroup:
         return self._regroup(committed=-1, lost=0.0, first=True)
 
     def commit(self) -> None:
-        """Count one committed step (after its last collective and the optimizer's step).
-
-        For a caller that runs its steps itself instead of through :meth:`run_step`.
-
-        Example::
-
-            train_step(); group.commit()
-        """
+        """Count one committed step, for a caller that runs its steps without :meth:`run_step`."""
         self.step += 1
 
     def recover(self, lost: float) -> RoundView:
-        """After a peer's death was seen: form the next round's group and take the state from a peer.
+        """After a peer's death (:func:`is_membership_failure`): form the next round's group, take the state.
 
         Args:
             lost: seconds of the step in progress that were lost (for the membership line).
-
-        Example::
-
-            try:
-                train_step()
-            except RuntimeError as exc:
-                if not is_membership_failure(exc):
-                    raise
-                group.recover(time.monotonic() - began)
         """
         return self._regroup(committed=self.step, lost=lost)
 
     def run_step(self, fn: Callable[[], Any]) -> bool:
         """Run one training step, unless the membership changes first; count it when it ends.
 
-        Returns True when the step was committed; False when a node left or joined, the group
-        was rebuilt and the state taken from a peer (the caller runs the step at :attr:`step` again).
-
         Args:
             fn: the step: forward, backward, all_reduce of gradients, then ``optimizer.step()``.
+
+        Returns:
+            True when committed; False when a node left or joined: the group was rebuilt and the
+            state taken from a peer (run the step at :attr:`step` again).
         """
         began = time.monotonic()
         try:
@@ -253,16 +199,12 @@ class ElasticGroup:
                 dist.destroy_process_group()
 
     def admit(self) -> bool:
-        """Let in the nodes waiting to join, if any, at this step boundary (every rank calls it).
+        """Let in the nodes waiting to join at this step boundary (every rank calls it).
 
-        Returns True when the group was rebuilt (the state then comes from a peer). Whether someone
-        waits is what rank 0 saw, so every rank makes the same decision.
-
-        Example::
-
-            while group.world_size < 4:      # hold until a second node of 2 workers is in
-                group.admit() or time.sleep(0.2)
+        Returns:
+            True when the group was rebuilt (the state then came from a peer).
         """
+        # whether someone waits is what rank 0 saw, so every rank makes the same decision
         assert self.view is not None
         began = time.monotonic()
         try:

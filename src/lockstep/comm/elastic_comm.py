@@ -1,23 +1,9 @@
-"""The job's :class:`~lockstep.comm.group.Comm` under ``lockstep run --nodes MIN:MAX``.
+"""The job's :class:`~lockstep.comm.Comm` under ``lockstep run --nodes MIN:MAX``: :class:`ElasticComm`.
 
-:func:`~lockstep.comm.group.init_comm` returns an :class:`ElasticComm` there: the same collectives,
-over the process group of the current membership round of an
-:class:`~lockstep.comm.elastic.ElasticGroup`. Its rank and world size are the round's and change
-when a node leaves or joins; code that asks ``comm.rank`` / ``comm.world_size`` at each use (not once)
-follows them. The worker joins the job lazily, at its first collective or when its owner calls
-:meth:`ElasticComm.join`, so that the objects handed over on a change (model, optimizer, data position)
-can be registered first (:attr:`ElasticComm.group`'s ``stateful``). Before it joins, the worker is
-rank 0 of a world of 1.
-
-A collective that fails because a peer died raises as usual; the owner of the training step (the
-session) catches it, calls :meth:`~lockstep.comm.elastic.ElasticGroup.recover` and goes on.
-
-Example (a worker of ``lockstep run --nodes 1:3 ...``)::
-
-    comm = init_comm()                       # an ElasticComm; nothing joined yet
-    comm.group.stateful["model"] = model
-    comm.join()                              # the first round; the model comes from a live peer
-    comm.all_reduce(torch.ones(1))           # over the current round's group
+Its collectives run over the current round's group of an :class:`~lockstep.comm.elastic.ElasticGroup`;
+its rank and world size change when a node leaves or joins, so read ``comm.rank`` and
+``comm.world_size`` at each use. A collective that fails because a peer died raises as usual; its
+caller (the session) calls :meth:`~lockstep.comm.elastic.ElasticGroup.recover`.
 """
 
 from __future__ import annotations
@@ -34,15 +20,14 @@ __all__ = ["ElasticComm"]
 
 
 class ElasticComm(GroupComm):
-    """Collectives over the current membership round (see the module docstring).
+    """Collectives over the current membership round; rank 0 of a world of 1 until it joins.
+
+    It joins at its first collective or at :meth:`join`, so that the objects handed over on a
+    change can be registered in :attr:`group`'s ``stateful`` first.
 
     Args:
         here: this worker as its node's launcher described it (its local rank and node size).
         group: the job's elastic group, not joined yet.
-
-    Example::
-
-        comm = ElasticComm.from_env(detect_world(), timedelta(seconds=60))
     """
 
     def __init__(self, here: World, group: ElasticGroup) -> None:
@@ -57,14 +42,10 @@ class ElasticComm(GroupComm):
         Args:
             here: this worker as its launcher described it.
             timeout: how long a collective waits for a peer (how long a cut link takes to detect).
-
-        Example::
-
-            comm = ElasticComm.from_env(detect_world(), timedelta(seconds=30))
         """
         return cls(here, ElasticGroup.from_env({}, timeout=timeout.total_seconds()))
 
-    @property  # type: ignore[override]  # the base class keeps a fixed world; this one follows the rounds
+    @property  # the base class keeps a fixed world; this one follows the rounds
     def world(self) -> World:
         """The current round's world (rank 0 of 1 before :meth:`join`)."""
         view = self.group.view
@@ -94,7 +75,8 @@ class ElasticComm(GroupComm):
     def join(self) -> bool:
         """Enter the job, once: the first round's group forms and the state comes from a live peer.
 
-        Returns True when this call joined (False: already in).
+        Returns:
+            True when this call joined (False: already in).
         """
         if self.group.joined:
             return False

@@ -1,23 +1,9 @@
-"""What a failing worker leaves for its launcher, and who can explain a failure.
+"""What a failing worker leaves for its launcher (the elastic error file), and who can explain a failure.
 
-The elastic agent gives every worker an error file (``$TORCHELASTIC_ERROR_FILE``). A worker that
-fails writes its exception there in the format of torch's
-``torch.distributed.elastic.multiprocessing.errors.ErrorHandler``, with a ``lockstep`` section
-that adds a sub-second timestamp (to tell the first failure from the ranks that merely lost their
-peer), the host and the ranks a collective timeout named. The launcher's failure summary
-(:mod:`lockstep.launch.report`) reads it back.
-
-A layer that understands a failure better than the bare exception registers an explainer here,
-at the bottom of the communication layer, and the worker's bootstrap
-(:mod:`lockstep.launch.bootstrap`) asks on the way out: the watchdog explains a backend timeout
-that escaped the user's code by naming the rank that never came. This module imports nothing
-heavy: the bootstrap of every worker imports it.
-
-Example::
-
-    remove = add_explainer(watch.explain_escaped)
-    ...
-    record_failure(exc, 1, settings.error_file)
+The error file has torch's ``ErrorHandler`` format plus a ``lockstep`` section (sub-second time,
+host, the ranks a timeout blamed) that :mod:`lockstep.launch.report` reads back. Layers that
+understand a failure better register an explainer here, which the worker's bootstrap asks on the
+way out. This module imports nothing heavy: every worker's bootstrap imports it.
 """
 
 from __future__ import annotations
@@ -39,16 +25,7 @@ _explainers: list[Explainer] = []
 
 
 def add_explainer(explain: Explainer) -> Callable[[], None]:
-    """Register how to explain an exception that ends the process; returns the remover.
-
-    Args:
-        explain: turns an exception into a better one, or returns ``None``.
-
-    Example::
-
-        remove = add_explainer(watchdog.explain_escaped)
-        remove()      # when the watchdog stops
-    """
+    """Register ``explain`` (an exception to a better one, or ``None``); returns its remover."""
     _explainers.append(explain)
 
     def remove() -> None:
@@ -59,15 +36,7 @@ def add_explainer(explain: Explainer) -> Callable[[], None]:
 
 
 def explain(exc: BaseException) -> BaseException:
-    """``exc`` as the newest registered explainer sees it (``exc`` itself when none can).
-
-    Args:
-        exc: the exception that ends the process.
-
-    Example::
-
-        raise explain(exc)
-    """
+    """``exc`` as the newest registered explainer sees it (``exc`` itself when none can)."""
     for explainer in reversed(_explainers):
         better = explainer(exc)
         if better is not None:
@@ -77,16 +46,7 @@ def explain(exc: BaseException) -> BaseException:
 
 
 def user_traceback(exc: BaseException, skip: Collection[str] = ()) -> str:
-    """The traceback of ``exc`` without its leading frames from the files in ``skip``.
-
-    Args:
-        exc: the exception.
-        skip: absolute paths (or ``<frozen ...>`` names) of files whose leading frames are not the user's.
-
-    Example::
-
-        user_traceback(exc, skip={os.path.abspath(runpy.__file__)})
-    """
+    """The traceback of ``exc`` without its leading frames from the files (paths, ``<frozen ...>``) in ``skip``."""
     tb: TracebackType | None = exc.__traceback__
     while tb is not None:
         name = tb.tb_frame.f_code.co_filename
@@ -97,18 +57,7 @@ def user_traceback(exc: BaseException, skip: Collection[str] = ()) -> str:
 
 
 def record_failure(exc: BaseException, exit_code: int, path: str, callstack: str | None = None) -> None:
-    """Write ``exc`` to the elastic error file ``path`` (what the launcher reads back).
-
-    Args:
-        exc: the exception that ends the worker.
-        exit_code: the exit code this worker is about to use.
-        path: the error file (``Settings.error_file``).
-        callstack: the traceback to report; the full traceback of ``exc`` when omitted.
-
-    Example::
-
-        record_failure(ValueError("bad"), 1, read_settings().error_file)
-    """
+    """Write ``exc`` to the elastic error file ``path`` (``callstack``: the traceback to report instead)."""
     now = time.time()
     kind = type(exc)
     stack = callstack if callstack is not None else user_traceback(exc)

@@ -1,30 +1,8 @@
-"""How ranks talk: process-group lifetime and the few collectives lockstep needs.
+"""Process-group lifetime: :func:`init_comm` turns a :class:`~lockstep.env.World` into a :class:`Comm`.
 
-:func:`init_comm` turns a :class:`~lockstep.env.World` into a :class:`Comm`. With one process
-it returns the base :class:`Comm`, a null object whose collectives return their input and
-create no process group. With several it returns :class:`GroupComm`, which
-
-1. opens the rendezvous store itself (``env://``, ``tcp://HOST:PORT`` or ``file://PATH``),
-2. runs a consistency handshake on it, so that two ranks claiming the same rank or ranks that
-   disagree on the world size are refused with a message naming both (instead of a store
-   timeout, or worse, a job that starts with a wrong world),
-3. then initialises ``torch.distributed`` on that store (nccl with CUDA, gloo otherwise) with an
-   explicit timeout, and tears it down with barrier + destroy,
-4. and starts a :class:`~lockstep.comm.watchdog.Watchdog`, so that a collective that times out names
-   the rank that never came (:class:`~lockstep.comm.watchdog.CollectiveTimeoutError`).
-
-Under ``lockstep run --nodes MIN:MAX`` it returns an :class:`~lockstep.comm.elastic_comm.ElasticComm`
-instead: the group of the current membership round, rebuilt in place when a node leaves or joins.
-
-The collectives themselves are :mod:`lockstep.comm.collectives`. The timeout is the ``timeout`` argument, else
-``$LOCKSTEP_TIMEOUT`` (seconds; ``lockstep run
---timeout``), else 10 minutes. On one host the store listens on the loopback interface only.
-
-Example (two processes)::
-
-    comm = init_comm(detect_world(), init_method="file:///tmp/rdzv")
-    total = comm.all_reduce(torch.tensor([comm.rank]))   # tensor([1]) on both ranks
-    comm.shutdown()
+One process gets the null :class:`Comm`. Several get a :class:`GroupComm`: lockstep opens the store,
+refuses ranks that disagree on the job (a handshake), forms the group and starts the hang watchdog.
+``lockstep run --nodes MIN:MAX`` gets an :class:`~lockstep.comm.elastic_comm.ElasticComm`.
 """
 
 from __future__ import annotations
@@ -65,11 +43,7 @@ __all__ = [
 
 
 def pick_backend(requested: str = "auto") -> str:
-    """Return the process-group backend: ``nccl`` when CUDA is usable, else ``gloo``.
-
-    Args:
-        requested: ``"auto"``, ``"nccl"`` or ``"gloo"``.
-    """
+    """The backend for ``requested`` (``"auto"``: nccl when CUDA is usable, else gloo)."""
     if requested == "auto":
         return "nccl" if torch.cuda.is_available() and torch.distributed.is_nccl_available() else "gloo"
     if requested not in ("nccl", "gloo", "mpi"):
@@ -98,10 +72,6 @@ def init_comm(
     Raises:
         CommError: ranks that disagree on the job, a busy port, or ranks that never join.
         ConfigError: a timeout that is not a positive number of seconds.
-
-    Example::
-
-        comm = init_comm(init_method="file:///tmp/job1")
     """
     world = detect_world() if world is None else world
     chosen = backend if world.world_size == 1 else pick_backend(backend)  # one process forms no group
@@ -109,24 +79,7 @@ def init_comm(
 
 
 def form_comm(world: World, backend: str, init_method: str | None, timeout: timedelta) -> Comm:
-    """Form the job's process group from values already checked (a ``SessionConfig``'s).
-
-    :func:`init_comm` checks its arguments and calls this; the Session, whose configuration
-    checked them once already, calls it directly.
-
-    Args:
-        world: where this process is.
-        backend: the chosen backend (``"nccl"``, ``"gloo"``), as :func:`pick_backend` returns it.
-        init_method: the rendezvous URL, or ``None`` for ``$LOCKSTEP_INIT_METHOD`` or ``env://``.
-        timeout: how long collectives (and the join) may wait.
-
-    Raises:
-        CommError: ranks that disagree on the job, a busy port, or ranks that never join.
-
-    Example::
-
-        comm = form_comm(detect_world(), "gloo", "file:///tmp/job1", timedelta(minutes=10))
-    """
+    """:func:`init_comm` with its arguments already checked (the Session calls it directly)."""
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
         return _adopt(world)  # formed by the framework that started us (Ray Train, a user's own code)
@@ -178,11 +131,7 @@ def form_comm(world: World, backend: str, init_method: str | None, timeout: time
 
 
 def _adopt(world: World) -> Comm:
-    """Use the process group that already exists (Ray Train forms it before the user's function runs).
-
-    The group's rank and size are the truth; the environment's world, when it names one, must agree.
-    lockstep does not destroy a group it did not form, and has no store to watch it with.
-    """
+    """Adopt the process group that exists (Ray Train's); the environment's world must agree with it."""
     dist = torch.distributed
     rank, size = dist.get_rank(), dist.get_world_size()
     if world.world_size > 1 and (world.rank, world.world_size) != (rank, size):
@@ -204,26 +153,10 @@ def _adopt(world: World) -> Comm:
 
 
 def check_reachable_host(backend: str, settings: Settings, master_addr: str = "") -> None:
-    """Refuse a multi-node job whose host name resolves to a loopback address.
-
-    gloo and nccl tell the other nodes to connect to the address the host name resolves to; with
-    Debian's ``127.0.1.1 <hostname>`` line in /etc/hosts that is a loopback address, and every node
-    waits for the others until the timeout, each blaming the other. Setting the interface
-    (``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``) avoids the name lookup.
-
-    Args:
-        backend: ``"gloo"`` or ``"nccl"``.
-        settings: the environment's settings (the interface variables).
-        master_addr: rank 0's address; when it is a loopback address too, every "node" is this host
-            (a test of a multi-node job on one machine) and loopback is right.
-
-    Raises:
-        CommError: the host resolves to loopback and no interface is set.
-
-    Example::
-
-        check_reachable_host("gloo", read_settings())
-    """
+    """Refuse a multi-node job whose host name resolves to loopback (unless the interface is set)."""
+    # gloo and nccl tell the other nodes the address the host name resolves to: with Debian's
+    # "127.0.1.1 <hostname>" every node would wait for the others until the timeout. A loopback
+    # master_addr means every "node" is this host (a test), where loopback is right.
     variable = "NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME"
     if (settings.nccl_ifname if backend == "nccl" else settings.gloo_ifname) or _is_loopback(master_addr):
         return

@@ -1,14 +1,8 @@
 """Hand the training state from a live peer to the others, without pickle.
 
-After a membership change the new group takes its state from one member's memory: the model,
-the optimizer and the data position (anything with ``state_dict``/``load_state_dict``). What
-travels is a JSON description of the nested state (dict keys keep their type, tuples stay
-tuples) and the tensors themselves, by ``broadcast``; ``broadcast_object_list`` would unpickle
-what the source sends, so it is not used.
-
-Example (every member of the group calls it; ``src`` holds the state)::
-
-    broadcast_state({"model": model, "optimizer": optimizer, "position": position}, src=0)
+What travels is a JSON description of the nested state (dict keys keep their type, tuples stay
+tuples) and the tensors, by ``broadcast``; ``broadcast_object_list`` would unpickle what the
+source sends.
 """
 
 from __future__ import annotations
@@ -45,9 +39,17 @@ def encode_state(obj: Any, tensors: list[torch.Tensor]) -> Any:
         obj: a nested state (dicts, lists, tuples, tensors, numbers, strings, ``None``).
         tensors: collects the tensors, in the order the description names them.
 
+    Raises:
+        TypeError: any other value.
+
     Example::
 
-        tensors = []; json.dumps(encode_state(model.state_dict(), tensors))
+        >>> tensors = []
+        >>> desc = encode_state({"w": torch.zeros(2), "at": (3, "x")}, tensors)
+        >>> desc
+        {'d': [['w', {'t': 0, 'dtype': 'torch.float32', 'shape': [2]}], ['at', {'tuple': [{'v': 3}, {'v': 'x'}]}]]}
+        >>> decode_state(desc, tensors)
+        {'w': tensor([0., 0.]), 'at': (3, 'x')}
     """
     if isinstance(obj, torch.Tensor):
         tensors.append(obj.detach())
@@ -70,10 +72,6 @@ def decode_state(desc: Any, tensors: list[torch.Tensor]) -> Any:
     Args:
         desc: the description.
         tensors: the tensors it names.
-
-    Example::
-
-        decode_state(encode_state({"a": 1}, []), [])   # {"a": 1}
     """
     if "t" in desc:
         return tensors[desc["t"]]
@@ -98,17 +96,15 @@ def _empty(desc: Any, out: list[tuple[str, list[int]]]) -> None:
 def broadcast_state(stateful: dict[str, Any], src: int, device: torch.device | None = None) -> int:
     """Copy every object's state from rank ``src`` to every rank of the default process group.
 
+    Every rank of the group calls it.
+
     Args:
         stateful: name to object with ``state_dict()`` and ``load_state_dict()``.
         src: the rank that holds the state.
-        device: where the tensors travel (CPU for gloo, the rank's GPU for nccl).
+        device: where the tensors travel (CPU for gloo, the rank's GPU for nccl); CPU when omitted.
 
     Returns:
         The bytes of tensor data sent.
-
-    Example::
-
-        broadcast_state({"model": model, "optimizer": optimizer}, src=0)
     """
     import torch.distributed as dist
 

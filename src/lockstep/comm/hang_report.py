@@ -1,12 +1,7 @@
 """What a rank that waited in a collective past the timeout says: who never came, and where it was.
 
-:func:`diagnose` compares the positions the ranks posted (:class:`Post`) and names the ranks
-behind; :mod:`lockstep.comm.watchdog` collects the posts and raises the result.
-
-Example::
-
-    err = diagnose({0: waiting, 1: idle}, world_size=2, timeout=5.0, me=0)
-    err.blame   # (1,)
+:func:`diagnose` compares the positions the ranks posted (:class:`Post`); :mod:`lockstep.comm.watchdog`
+collects the posts and raises the result.
 """
 
 from __future__ import annotations
@@ -29,12 +24,8 @@ class CollectiveTimeoutError(LockstepError):
 
     Args:
         message: the full explanation.
-        blame: the ranks that did not reach the collective.
-        waiting: the ranks that waited in it.
-
-    Example::
-
-        raise CollectiveTimeoutError("rank 1 did not reach all_reduce #3 within 5 s", (1,), (0,))
+        blame: the ranks that did not reach the collective (kept as ``blame``).
+        waiting: the ranks that waited in it (kept as ``waiting``).
     """
 
     def __init__(self, message: str, blame: tuple[int, ...] = (), waiting: tuple[int, ...] = ()) -> None:
@@ -51,18 +42,12 @@ class Post:
         rank: global rank.
         seq: sync points entered so far (equal on every rank that kept up).
         inside: True while the rank is inside that sync point.
-        what: the sync point, e.g. ``"backward of step 57"`` or ``"all_reduce #12"``.
+        what: the sync point, e.g. ``"backward of step 57"``.
         host: host name.
         pid: process id.
-        where: the innermost frame of the main thread outside torch and lockstep (``file:line in f``).
-        in_torch: the main thread was found inside ``torch.distributed`` code (a collective the
-            counter does not see, such as DDP's buffer broadcast in forward).
-        at: when it was posted (``time.time()`` of the posting host); a stalled rank posts again
-            every quarter timeout, so an old post means the rank stopped answering since.
-
-    Example::
-
-        Post(rank=1, seq=56, inside=False, what="backward of step 56", host="n1", pid=42)
+        where: the main thread's innermost frame outside torch and lockstep (``file:line in f``).
+        in_torch: the main thread is inside ``torch.distributed`` (a collective the counter misses).
+        at: ``time.time()`` of the post; a stalled rank posts again every quarter timeout.
     """
 
     rank: int
@@ -94,21 +79,10 @@ def diagnose(
     hosts: dict[int, str] | None = None,
     now: float | None = None,
 ) -> CollectiveTimeoutError:
-    """Name the ranks behind from every rank's post (``None``: the rank never posted).
+    """Name the ranks behind from every rank's post (``None``: never posted; ``me``'s own must be there).
 
-    Args:
-        posts: the posts by rank; this rank's own one must be present.
-        world_size: number of ranks in the job.
-        timeout: the timeout that expired, in seconds.
-        me: the rank asking (a waiting one).
-        hosts: every rank's host as the ranks told each other at the start; names the host of a rank
-            that never posted (a node that was cut off).
-        now: the time (``time.time()``) of the diagnosis; a post older than the timeout is shown as
-            the rank's last report, not as where it is now. ``None``: every post is taken as fresh.
-
-    Example::
-
-        diagnose({0: waiting_post, 1: idle_post}, 2, 5.0, me=0).blame   # (1,)
+    ``hosts`` names the host of a rank that never posted; with ``now``, a post older than the
+    timeout is shown as the rank's last report.
     """
     known = {r: p for r, p in posts.items() if p is not None}
     top = max(p.key for p in known.values())
@@ -188,28 +162,12 @@ def _folders() -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 
 def is_own(filename: str) -> bool:
-    """True for files of torch, lockstep and the interpreter's own machinery (not the user's code).
-
-    Args:
-        filename: a code object's ``co_filename``.
-
-    Example::
-
-        is_own(torch.__file__)   # True
-    """
+    """True for files of torch, lockstep and the interpreter's own machinery (not the user's code)."""
     return filename.startswith(_folders()[1])
 
 
 def where_of(frame: Any) -> tuple[str, bool]:
-    """The innermost user frame (``file:line in func``) and whether the thread is in torch.distributed.
-
-    Args:
-        frame: a thread's current frame (``sys._current_frames()[ident]``), or ``None``.
-
-    Example::
-
-        where_of(sys._getframe())   # ("train.py:12 in main", False)
-    """
+    """A thread's innermost user frame (``file:line in func``), and whether it is in torch.distributed."""
     in_torch = frame is not None and frame.f_code.co_filename.startswith(_folders()[0])
     while frame is not None and is_own(frame.f_code.co_filename):
         frame = frame.f_back

@@ -1,31 +1,8 @@
 """Who is in the job now: a rendezvous in rounds for membership that changes while the job runs.
 
-``lockstep run --nodes MIN:MAX`` starts the workers of each node on their own; they find each other
-here. The rendezvous lives in one TCPStore (hosted by the launcher that owns the ``--master``
-address) and reads no pickle: every value is JSON signed with the job's secret
-(:class:`~lockstep.comm.signed.SignedStore`), so a value an outsider wrote is treated as absent, and a
-counter it bumped is only a hint. torch's c10d and etcd-v2 dynamic rendezvous unpickle the state they
-read from their store at every keep-alive; this one does not.
-
-A round ``k`` works like this:
-
-1. every worker that wants in posts who it is (node, host, local rank, its rank and committed step
-   in the last round) under ``r{k}/p/{n}``, where ``n`` counts arrivals;
-2. the first to arrive leads: it closes the round when every member of round ``k - 1`` is back
-   (a join: nobody left), or when at least one is back and nobody new came for ``last_call``
-   seconds (a node died: its workers never come), or, in the first round, when ``MAX`` nodes are
-   there or ``MIN`` and ``last_call`` passed. Only whole nodes count (all ``nproc`` workers); a
-   node partly arrived holds the round up to ``3 × last_call`` after the last arrival;
-3. the leader writes the ranks (``r{k}/ranks``): survivors in their old order, then newcomers,
-   each node's workers together. A worker left out (it came too late) tries round ``k + 1``.
-
-A live group notices newcomers by :meth:`Membership.waiting`: someone posted in the next round.
-
-Example::
-
-    members = Membership(store, b"secret", me=Member.here("node-a", local_rank=0, nproc=2), nodes=(1, 3))
-    view = members.join()          # RoundView(round=0, rank=0, world_size=4, ...)
-    if members.waiting(view): view = members.join(view)     # at a step boundary: let them in
+The workers of ``lockstep run --nodes MIN:MAX`` find each other here, in one TCPStore. Every value
+is JSON signed with the job's secret (:class:`~lockstep.comm.signed.SignedStore`), never a pickle:
+a value an outsider wrote counts as absent, and a counter it bumped is only a hint.
 """
 
 from __future__ import annotations
@@ -61,10 +38,6 @@ class Member:
         nproc: workers on its node.
         rank: its rank in the last round it was in, ``-1`` for a newcomer.
         step: the last step it committed, ``-1`` for a newcomer.
-
-    Example::
-
-        Member.here("9f3c", local_rank=0, nproc=2)
     """
 
     node: str
@@ -96,16 +69,12 @@ class RoundView:
     """A closed round as one member sees it.
 
     Args:
-        round: the round's number (the process group of this round uses the store prefix ``pg/{round}/``).
+        round: the round's number (its process group uses the store prefix ``pg/{round}/``).
         rank: this member's rank.
         members: every member in rank order.
         left: members of the last round that are not in this one.
         joined: members that were in no earlier round.
         opened: ``time.monotonic()`` when this member entered the round.
-
-    Example::
-
-        view.world_size, view.hosts_of(view.left)
     """
 
     round: int
@@ -140,7 +109,12 @@ def _whole(nodes: dict[str, list[Member]]) -> dict[str, list[Member]]:
 
 
 class Membership:
-    """The rendezvous of one worker, over the job's store (see the module docstring).
+    """The rendezvous of one worker, in rounds over the job's store.
+
+    The first arrival of a round leads: it closes the round when every member of the last round
+    is back, when one is back and nobody new came for ``last_call`` seconds, or (first round) at
+    ``MAX`` nodes, or ``MIN`` after ``last_call``. Only whole nodes count; survivors keep their
+    order, newcomers follow. A worker left out tries the next round.
 
     Args:
         store: the job's store (a ``torch.distributed`` store; a ``PrefixStore`` keeps it apart).
@@ -149,10 +123,6 @@ class Membership:
         nodes: ``(MIN, MAX)`` nodes.
         last_call: seconds a round waits after its last arrival when someone is missing.
         timeout: seconds to wait for a round of at least ``MIN`` nodes.
-
-    Example::
-
-        Membership(store, b"s", Member.here("a", 0, 1), nodes=(1, 3)).join()
     """
 
     def __init__(
@@ -234,7 +204,7 @@ class Membership:
         return _decode_ranks(text)["members"] if text else []
 
     def _lead(self, k: int, opened: float) -> None:
-        """Close round ``k`` once the rule of the module docstring says so, and publish the ranks."""
+        """Close round ``k`` once :meth:`_ready` says so, and publish the ranks."""
         prev = self._previous(k)
         prev_uids = {m.uid for m in prev}
         seen: list[Member] = []
@@ -256,8 +226,8 @@ class Membership:
     def _ready(
         self, prev: set[str], nodes: dict[str, list[Member]], whole: dict[str, list[Member]], quiet: float
     ) -> bool:
-        """The closing rule of the module docstring; a node partly arrived holds the round a while longer
-        (its other workers are usually just slower), then is left out."""
+        """The closing rule (see :class:`Membership`); a node partly arrived holds the round 3 x ``last_call``."""
+        # its other workers are usually just slower; after that it is left out
         low, high = self.nodes
         if len(whole) < low:
             return False

@@ -1,23 +1,8 @@
 """Read the ranks' collective records back and name the cause of a hang or a desync.
 
-Every rank of a job leaves ``rank<N>.ring`` (the ring of its last collectives, see
-:mod:`lockstep.comm.record`) and, when it stalled or saw the failure, ``rank<N>.json`` (why, and
-the stacks of its threads). :func:`analyze` compares the ranks' entries sequence number by
-sequence number:
-
-* the first number where ranks issued different collectives (op, shapes, dtype, group, arguments
-  or call site) is the desync; the ranks outside the largest agreeing group caused it;
-* otherwise, ranks whose record stops before the others' last collective never arrived there:
-  they are the cause, the ranks waiting there are the victims;
-* otherwise every rank waited in the same collective: the records cannot tell (a process or a
-  link failed; the watchdog's report names the rank that stopped answering).
-
-It imports nothing from torch: the launcher and ``lockstep postmortem DIR`` use it after the job.
-
-Example::
-
-    report = analyze("/logs/postmortem")
-    print("\\n".join(report.lines()))
+:func:`analyze` compares the ranks' rings (:mod:`lockstep.comm.record`) sequence number by
+sequence number; the rules are in docs/postmortem.md. It imports nothing from torch: the launcher
+and ``lockstep postmortem DIR`` use it after the job.
 """
 
 from __future__ import annotations
@@ -40,11 +25,11 @@ _SIGNATURE = ("op", "shapes", "dtype", "group", "detail", "where")
 
 @dataclass
 class RankRecord:
-    """What one rank left: the ring's header and entries, and its report when it wrote one.
+    """What one rank left.
 
     Args:
         rank: the rank.
-        header: host, pid, world size, and ``closed`` (the rank ended its group cleanly).
+        header: the ring's header: host, pid, world size, ``closed`` (it ended its group cleanly).
         entries: its last collectives, oldest first.
         report: the content of ``rank<N>.json``, or ``{}``.
     """
@@ -87,11 +72,7 @@ class RankRecord:
 
 
 def describe_entry(entry: dict[str, Any]) -> str:
-    """``all_reduce #7 (float32 [4], op=SUM) at train.py:15 in main``.
-
-    Args:
-        entry: one entry of a ring.
-    """
+    """A ring entry as ``all_reduce #7 (float32 [4], op=SUM) at train.py:15 in main``."""
     parts = [
         f"{entry.get('dtype') or ''} {' '.join(str(s) for s in entry.get('shapes') or [])}".strip(),
         entry.get("detail") or "",
@@ -112,6 +93,7 @@ class PostMortem:
         cause: the ranks that caused the failure (empty: the records cannot tell).
         headline: one sentence naming the cause.
         details: the lines that support it (who issued what, where).
+        desync: the ranks issued different collectives.
     """
 
     ranks: dict[int, RankRecord]
@@ -169,15 +151,7 @@ def _read_json(path: str) -> dict[str, Any]:
 
 
 def load(folder: str) -> dict[int, RankRecord]:
-    """Every rank's record in ``folder`` (``rank<N>.ring`` and ``rank<N>.json``).
-
-    Args:
-        folder: the post-mortem folder.
-
-    Example::
-
-        load("/logs/postmortem")[1].last   # rank 1's newest collective
-    """
+    """Every rank's record in ``folder`` (``rank<N>.ring`` and ``rank<N>.json``), by rank."""
     found: dict[int, RankRecord] = {}
     try:
         names = os.listdir(folder)
@@ -270,16 +244,7 @@ def _behind(report: PostMortem) -> None:
 
 
 def analyze(folder: str | dict[int, RankRecord], world_size: int | None = None) -> PostMortem:
-    """Name the cause from the records of a job's ranks.
-
-    Args:
-        folder: the post-mortem folder, or records already loaded by :func:`load`.
-        world_size: ranks in the job; read from the records when omitted.
-
-    Example::
-
-        analyze("/logs/postmortem").cause   # (1,)
-    """
+    """Name the cause from a post-mortem folder (or records from :func:`load`); ``world_size``: read when omitted."""
     ranks = load(folder) if isinstance(folder, str) else folder
     size = world_size or max(
         [int(r.header.get("world_size") or r.report.get("world_size") or 0) for r in ranks.values()]

@@ -1,28 +1,10 @@
-"""A small record of the collectives each rank issued, kept where a post-mortem can read it.
+"""A ring of the last :data:`SLOTS` collectives each rank issued, kept where a post-mortem can read it.
 
-While a job's process group is up, every ``torch.distributed`` collective called through the
-module (``dist.all_reduce(...)``, lockstep's own, and the user's) passes through a thin wrapper
-that writes one entry into a ring of the last :data:`SLOTS` collectives: a sequence number, the
-op, the tensors' shapes and dtype, the group, a detail (``src=0``) and the user's ``file:line``.
-The Session's ``backward`` (DDP's gradient all_reduce, issued by torch's C++ reducer) is an entry
-too. An entry is marked running, done or failed as the call goes.
-
-The ring lives in a memory-mapped file ``rank<N>.ring`` of the post-mortem folder
-(``$LOCKSTEP_POSTMORTEM_DIR``; ``lockstep run`` sets one under its log folder): the kernel keeps
-what was written even when the process is killed or aborted inside the backend, so the ranks that
-die first still tell what they issued. Without a folder the ring is in memory and is written out
-only when this process sees the failure itself (:meth:`CollectiveRecord.dump`). A rank that
-stalls or fails also writes ``rank<N>.json``: why, and the Python stacks of all its threads.
-:mod:`lockstep.comm.postmortem` reads the folder back and names the cause.
-
-Cost per collective: one frame walk to the user's line and one small JSON encode into the map.
-
-Example::
-
-    record = CollectiveRecord(rank=0, world_size=2, folder="/logs/postmortem")
-    record.install()          # torch.distributed.all_reduce etc. now leave an entry
-    ...
-    record.close()            # marks the ring closed cleanly, restores the functions
+While the process group is up, every ``torch.distributed`` collective (lockstep's and the user's)
+and ``Session.backward`` write an entry (seq, op, shapes, dtype, group, detail, the user's
+``file:line``), marked running, done or failed. The ring is a memory-mapped ``rank<N>.ring`` in
+``$LOCKSTEP_POSTMORTEM_DIR`` so that it survives a kill; without a folder it is in memory and
+written out only at a failure this process sees. :mod:`lockstep.comm.postmortem` reads it back.
 """
 
 from __future__ import annotations
@@ -96,15 +78,7 @@ def _shapes(shapes: list[list[int]], kept: int) -> str:
 
 
 def user_site(depth: int = 2) -> str:
-    """The innermost frame of the caller's stack outside torch and lockstep, as ``file:line in func``.
-
-    Args:
-        depth: frames to skip (this function and its caller).
-
-    Example::
-
-        user_site()   # "train.py:33 in main"
-    """
+    """The caller's innermost frame outside torch and lockstep (``depth`` frames up), as ``file:line in func``."""
     frame: Any = inspect.currentframe()
     for _ in range(depth):
         frame = frame.f_back if frame is not None else None
@@ -116,12 +90,7 @@ def user_site(depth: int = 2) -> str:
 
 
 def stacks() -> dict[str, list[str]]:
-    """Every thread's Python stack, innermost frame last, as ``file:line in func`` lines.
-
-    Example::
-
-        stacks()["MainThread"][-1]   # "record.py:... in stacks"
-    """
+    """Every thread's Python stack, by thread name, innermost frame last, as ``file:line in func`` lines."""
     out: dict[str, list[str]] = {}
     for thread in threading.enumerate():
         frame: Any = thread_frame(thread.ident)
@@ -170,20 +139,7 @@ def _group(kwargs: dict[str, Any]) -> str:
 
 
 class CollectiveRecord:
-    """The ring of this rank's last collectives (see the module docstring).
-
-    Args:
-        rank: this rank.
-        world_size: ranks in the job.
-        folder: the post-mortem folder; ``""``: keep the ring in memory and write it out only at a
-            failure, to ``./lockstep-postmortem``.
-
-    Example::
-
-        record = CollectiveRecord(0, 2, "")
-        seq = record.begin("all_reduce", [[4]], "float32", "world", "", "train.py:3 in <module>")
-        record.end(seq)
-    """
+    """The ring of this rank's last collectives (``folder=""``: in memory, dumped to ``./lockstep-postmortem``)."""
 
     def __init__(self, rank: int, world_size: int, folder: str = "") -> None:
         self.rank, self.world_size, self.folder = rank, world_size, folder
@@ -207,11 +163,7 @@ class CollectiveRecord:
         self._header(closed=False)
 
     def path(self, kind: str) -> str:
-        """The file of this rank of ``kind`` (``ring`` or ``json``) in the folder.
-
-        Args:
-            kind: the file's extension.
-        """
+        """This rank's file of ``kind`` (``ring`` or ``json``) in the folder."""
         return os.path.join(self.folder or "lockstep-postmortem", f"rank{self.rank}.{kind}")
 
     def _header(self, closed: bool) -> None:
@@ -232,16 +184,7 @@ class CollectiveRecord:
 
     # -- the wrapped calls' side ----------------------------------------------------------------
     def begin(self, op: str, shapes: list[list[int]], dtype: str, group: str, detail: str, where: str) -> int:
-        """Write a running entry; returns its sequence number.
-
-        Args:
-            op: the collective's name (``all_reduce``, ``backward``).
-            shapes: the shapes of its tensors.
-            dtype: their dtype (``float32``), or ``""``.
-            group: ``world`` or the group's ranks.
-            detail: other arguments that must agree (``src=0``).
-            where: the user's ``file:line in func``.
-        """
+        """Write a running entry; returns its sequence number (``detail``: arguments that must agree, ``src=0``)."""
         self.seq += 1
         # formatted by hand, not json.dumps of a dict: this runs at every backward (see benchmarks/overhead.py)
         head = f'{{"seq":{self.seq},"op":{_str(op)},"shapes":'
@@ -256,12 +199,7 @@ class CollectiveRecord:
         return self.seq
 
     def end(self, seq: int, state: bytes = DONE) -> None:
-        """Mark entry ``seq`` done (or :data:`FAILED`, :data:`ISSUED`).
-
-        Args:
-            seq: what :meth:`begin` returned.
-            state: the entry's new state byte.
-        """
+        """Mark entry ``seq`` (from :meth:`begin`) done, or ``state`` (:data:`FAILED`, :data:`ISSUED`)."""
         at = (1 + (seq - 1) % SLOTS) * SLOT_BYTES
         self._ring[at : at + 1] = state
 
@@ -270,12 +208,7 @@ class CollectiveRecord:
         return read_ring(bytes(self._ring))[1]
 
     def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """``fn`` (a ``torch.distributed`` function) recording each call that is not nested in another.
-
-        Args:
-            name: the function's name.
-            fn: the function.
-        """
+        """``fn`` (a ``torch.distributed`` function) recording each call that is not nested in another."""
 
         @functools.wraps(fn)
         def recorded(*args: Any, **kwargs: Any) -> Any:
@@ -319,14 +252,7 @@ class CollectiveRecord:
             self._ring.flush()
 
     def dump(self, reason: str, where: str = "") -> str:
-        """Write ``rank<N>.json``: why, this rank's stacks, and (without a mapped ring) the entries.
-
-        Returns the file written, or ``""`` when it could not be written. Safe from any thread.
-
-        Args:
-            reason: what happened (``stalled``, the backend's error).
-            where: where the main thread is (``file:line in func``), when known better than its stack.
-        """
+        """Write ``rank<N>.json`` (why, stacks, entries if unmapped); returns its path or ``""``. Any thread."""
         data = {
             "rank": self.rank,
             "world_size": self.world_size,
@@ -359,15 +285,7 @@ class CollectiveRecord:
 
 
 def read_ring(data: bytes) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The header and the entries (oldest first, each with its ``state``) of a ring file's bytes.
-
-    Args:
-        data: the content of a ``rank<N>.ring`` file.
-
-    Example::
-
-        header, entries = read_ring(Path("rank0.ring").read_bytes())
-    """
+    """The header and the entries (oldest first, each with its ``state``) of a ring file's bytes."""
     slots = [data[i : i + SLOT_BYTES] for i in range(0, len(data) - SLOT_BYTES + 1, SLOT_BYTES)]
     header: dict[str, Any] = {}
     entries = []

@@ -1,21 +1,8 @@
-"""Values in the rendezvous store that an outsider cannot forge.
+"""Values in the rendezvous store that an outsider cannot forge: HMAC-SHA256 over key and value.
 
-A TCPStore has no authentication (PyTorch's SECURITY.md): anyone who reaches its port can list,
-read and overwrite its keys. lockstep never unpickles what it reads from a store, and what its
-own keys hold (who joined, the watchdog's positions and verdict) is signed with a per-job secret:
-an HMAC-SHA256 over the key and the value. A value whose signature does not check is treated as
-absent, so a forged watchdog verdict or position changes nothing.
-
-The secret comes from ``lockstep run`` (a random one per job, handed to the workers in their
-environment, which only the job's user and root can read) or from ``--secret-file`` (the same file on
-every node of a multi-node job). Without one (plain ``torchrun`` or ``srun``) the values are
-checked for form only; the README's "Keeping the store private" section says what that means.
-
-Example::
-
-    signed = SignedStore(store, secret=b"job secret")
-    signed.set("verdict", "rank 1 hung")
-    signed.get("verdict")          # "rank 1 hung"; None if someone else wrote it
+A TCPStore has no authentication; a value whose signature does not check with the job's secret
+is treated as absent. Without a secret the values are checked for form only (see "Keeping the
+store private" in docs/clusters.md).
 """
 
 from __future__ import annotations
@@ -35,10 +22,6 @@ class SignedStore:
     Args:
         store: the store (usually a ``PrefixStore``).
         secret: the job's secret; ``b""`` signs with an empty key (form only, no authentication).
-
-    Example::
-
-        SignedStore(store, b"s3cret").get_or_none("0")
     """
 
     def __init__(self, store: Any, secret: bytes) -> None:
@@ -48,29 +31,16 @@ class SignedStore:
         return hmac.new(self._secret, key.encode() + _SEP + value, hashlib.sha256).hexdigest().encode()
 
     def set(self, key: str, value: str) -> None:
-        """Write ``value`` under ``key`` with its signature.
-
-        Args:
-            key: the store key.
-            value: text to store.
-        """
+        """Write ``value`` under ``key`` with its signature."""
         data = value.encode()
         self.store.set(key, self._mac(key, data) + _SEP + data)
 
     def get(self, key: str) -> str | None:
-        """The value under ``key`` (waits for it like ``Store.get``); ``None`` when its signature fails.
-
-        Args:
-            key: the store key.
-        """
+        """The value under ``key`` (waits for it like ``Store.get``); ``None`` when its signature fails."""
         return self._open(key, self.store.get(key))
 
     def get_if_set(self, key: str) -> str | None:
-        """The value under ``key`` without waiting; ``None`` when absent or not signed by the job.
-
-        Args:
-            key: the store key.
-        """
+        """The value under ``key`` without waiting; ``None`` when absent or not signed by the job."""
         if not self.store.check([key]):
             return None
         return self.get(key)
@@ -85,10 +55,5 @@ class SignedStore:
             return None
 
     def add(self, key: str, amount: int) -> int:
-        """``Store.add`` (a counter cannot be signed; callers treat it as a hint only).
-
-        Args:
-            key: the counter's key.
-            amount: what to add.
-        """
+        """``Store.add`` (a counter cannot be signed; callers treat it as a hint only)."""
         return int(self.store.add(key, amount))

@@ -1,13 +1,7 @@
 """The rendezvous store of a job: open it, check who joined, and the collectives' timeout.
 
-:func:`lockstep.comm.group.init_comm` calls these before the process group exists: every rank posts who
-it is, so duplicate ranks or ranks that disagree on the world size are refused with a message
-naming both, instead of a store timeout.
-
-Example::
-
-    store = open_store(world, "file:///tmp/rdzv", timedelta(seconds=30))
-    peers = handshake(store, describe_self(world), timedelta(seconds=30))
+Every rank posts who it is before the process group exists, so duplicate ranks or ranks that
+disagree on the world size are refused with a message naming both, instead of a store timeout.
 """
 
 from __future__ import annotations
@@ -51,18 +45,7 @@ def describe_self(world: World) -> Peer:
 
 
 def open_store(world: World, init_method: str, timeout: timedelta, settings: Settings | None = None) -> Any:
-    """Open the rendezvous store of ``init_method`` (rank 0 hosts a TCP one unless the agent does).
-
-    Args:
-        world: where this process is.
-        init_method: ``env://``, ``tcp://HOST:PORT`` or ``file://PATH``.
-        timeout: how long to wait for the store.
-        settings: the launcher's settings (whether the agent hosts the store); read when omitted.
-
-    Example::
-
-        store = open_store(world, "file:///tmp/rdzv", timedelta(seconds=30))
-    """
+    """Open the rendezvous store of ``init_method`` (rank 0 hosts a TCP one unless the agent does)."""
     settings = read_settings() if settings is None else settings
     dist = torch.distributed
     url = urlparse(init_method)
@@ -105,13 +88,9 @@ def open_store(world: World, init_method: str, timeout: timedelta, settings: Set
 
 
 def _await_listener(host: str, port: int, rank: int, timeout: timedelta) -> None:
-    """Wait until the store at ``host:port`` accepts connections.
-
-    A rank that starts before rank 0 listens would otherwise meet torch's client backoff, which
-    connects up to 0.6 s after the store is up. The address is resolved once; probes start 10 ms
-    apart and back off (with jitter) to 200 ms, so a large job waiting for a slow rank 0 does
-    not flood it. Each probe connection is closed at once.
-    """
+    """Wait until the store at ``host:port`` accepts connections."""
+    # so that a rank started before rank 0 listens does not meet torch's slower client backoff;
+    # the probes back off (with jitter) so that a large job waiting for rank 0 does not flood it
     total = timeout.total_seconds()
     deadline = time.monotonic() + total
     try:
@@ -142,11 +121,8 @@ def _await_listener(host: str, port: int, rank: int, timeout: timedelta) -> None
 
 
 def _loopback_listener(host: str, port: int) -> int | None:
-    """A socket bound to ``host:port`` when ``host`` is a loopback address, else ``None``.
-
-    A TCPStore listens on every interface (and has no authentication); when every rank is on
-    this host, binding the loopback address keeps the store unreachable from other machines.
-    """
+    """A socket bound to ``host:port`` when ``host`` is a loopback address, else ``None``."""
+    # a TCPStore listens on every interface, unauthenticated: on one host, keep it off the network
     try:
         addr = ipaddress.ip_address(host)
     except ValueError:
@@ -165,17 +141,13 @@ def _loopback_listener(host: str, port: int) -> int | None:
 
 
 def resolve_timeout(timeout: timedelta | float | None = None) -> timedelta:
-    """The collectives' timeout: ``timeout``, else ``$LOCKSTEP_TIMEOUT`` seconds, else 10 minutes.
+    """The collectives' timeout: ``timeout``, else ``$LOCKSTEP_TIMEOUT`` seconds, else :data:`DEFAULT_TIMEOUT`.
 
     Args:
         timeout: a timedelta, seconds, or ``None`` for the environment's or the default.
 
     Raises:
         ConfigError: the value is not a positive number of seconds.
-
-    Example::
-
-        resolve_timeout(30)   # timedelta(seconds=30)
     """
     source = f"timeout={timeout!r} (--timeout)"
     if timeout is None:
@@ -198,20 +170,7 @@ def resolve_timeout(timeout: timedelta | float | None = None) -> timedelta:
 
 
 def handshake(store: SignedStore, me: Peer, timeout: timedelta) -> list[Peer]:
-    """Every rank posts who it is; refuse duplicate ranks and disagreeing world sizes.
-
-    Args:
-        store: the job's store, signing with the job's secret.
-        me: this rank's description (:func:`describe_self`).
-        timeout: how long to wait for every rank.
-
-    Raises:
-        CommError: ranks that disagree, never come, or a post the job did not sign.
-
-    Example::
-
-        peers = handshake(SignedStore(PrefixStore("hs/", store), secret), describe_self(world), timeout)
-    """
+    """Every rank posts who it is (``me``); refuse duplicate ranks and disagreeing world sizes. Posts by rank."""
     store.set(f"hello/{store.add('count', 1)}", json.dumps(me))
     deadline = time.monotonic() + timeout.total_seconds()
     seen: list[Peer] = []
@@ -245,7 +204,7 @@ def _hello(store: SignedStore, number: int, me: Peer) -> Peer:
             "content on every node) or another process wrote to the job's port. See \"Keeping the "
             'store private" in the README.'
         )
-    return peer  # type: ignore[return-value]
+    return peer
 
 
 def _who(p: Peer) -> str:

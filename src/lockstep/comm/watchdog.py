@@ -1,23 +1,10 @@
 """Name the rank that stopped meeting the others in collectives, instead of blaming its victims.
 
-When one rank hangs, the others wait in a collective until the process group's timeout and then
-fail with "Timed out waiting 5000ms for recv": the ranks that report the error are the victims.
-Here every rank counts its sync points (the collectives of :class:`lockstep.comm.group.Comm` and
-``Session.backward``, which holds DDP's gradient all_reduce). A :class:`Watchdog` thread per rank
-watches the counter; when it stands still for half the timeout, the thread posts this rank's
-position (counter, what it is in, where its main thread is) to the rendezvous store and reads the
-others'. When the collective then times out, :meth:`Watchdog.explain` compares the posts::
-
-    rank 1 (host n1, pid 42) did not reach backward of step 57 within 5 s; ranks 0, 2 waited there.
-    rank 1 last finished backward of step 56 and was at train.py:33 in main
-
-Cost on the training step: three attribute writes and one clock read per sync point. The thread
-wakes a few times per timeout and talks to the store only while its rank is stalled.
-
-Example (inside a job formed by :func:`lockstep.comm.group.init_comm`)::
-
-    comm = init_comm(timeout=30)
-    comm.all_reduce(torch.ones(1))   # a hang raises CollectiveTimeoutError naming the missing rank
+Every rank counts its sync points (the collectives of :class:`~lockstep.comm.Comm` and
+``Session.backward``). A :class:`Watchdog` thread per rank watches the counter; when it stands
+still for half the timeout, it posts this rank's position to the rendezvous store and reads the
+others'. When the collective then times out, :meth:`Watchdog.explain` compares the posts
+(:func:`~lockstep.comm.hang_report.diagnose`).
 """
 
 from __future__ import annotations
@@ -50,31 +37,15 @@ _SEEN = "seen"
 
 
 class NullWatchdog:
-    """The watchdog of a job of one process: nothing to wait for, so every call does nothing.
-
-    Example::
-
-        NullWatchdog().enter("all_reduce #{}", 1)
-    """
+    """The watchdog of a job of one process: nothing to wait for, so every call does nothing."""
 
     job_failed = False
 
     def on_job_failed(self, callback: Callable[[], None]) -> None:
-        """Call ``callback`` once, from the watchdog's thread, when the job is found failed.
-
-        Args:
-            callback: what to do then (a preemption handler re-raises its signal, for example).
-        """
+        """Call ``callback`` once, from the watchdog's thread, when the job is found failed."""
 
     def enter(self, what: str, number: int, record: bool = True) -> None:
-        """Mark the start of a sync point (``what`` formatted with ``number``).
-
-        Args:
-            what: the sync point, with ``{}`` for its number (``"backward of step {}"``).
-            number: its number.
-            record: add it to the collective record (a sync point whose collective is recorded by
-                its ``torch.distributed`` call passes False).
-        """
+        """Mark the start of sync point ``what.format(number)``; ``record``: add it to the collective record."""
 
     def leave(self) -> None:
         """Mark its end."""
@@ -90,25 +61,8 @@ class NullWatchdog:
 class Watchdog(NullWatchdog):
     """Track this rank's sync points and, while stalled, exchange positions through the store.
 
-    Args:
-        store: a store every rank can reach (a prefix of the rendezvous store).
-        rank: this rank.
-        world_size: ranks in the job.
-        timeout: the collectives' timeout in seconds.
-        backstop: seconds inside one sync point after which the process reports and exits even if
-            the backend never raised (default: ``timeout`` plus 10%, at least 5 s).
-        error_file: where the backstop records its report for the launcher; the launcher's
-            (``Settings.error_file``) when omitted; ``""``: print it only.
-        secret: the job's secret: positions and the verdict are signed with it, and a value
-            that does not check (an outsider's write) is ignored.
-        hosts: every rank's host (from the handshake), to name the host of a rank that never posts.
-        record: this rank's collective record (:mod:`lockstep.comm.record`): sync points are added
-            to it, and a stall or a timeout writes this rank's report next to it.
-
-    Example::
-
-        watch = Watchdog(PrefixStore("wd/", store), rank=0, world_size=2, timeout=30.0)
-        watch.start()
+    ``backstop``: seconds in one sync point after which the process reports and exits even if the
+    backend never raised. ``error_file``: where it records that report (``""``: print only).
     """
 
     def __init__(
@@ -163,15 +117,8 @@ class Watchdog(NullWatchdog):
             self._entry = 0
 
     def explain(self, exc: BaseException, where: str | None = None) -> CollectiveTimeoutError | None:
-        """Turn a collective's timeout into a :class:`CollectiveTimeoutError` naming the ranks behind.
-
-        Returns ``None`` when ``exc`` is not a timeout and this rank had not waited long (a peer
-        that died at once is the launcher's to report).
-
-        Args:
-            exc: what the collective raised.
-            where: where the collective was called, when the main thread has left it already.
-        """
+        """Turn a collective's timeout into a :class:`CollectiveTimeoutError` naming the ranks behind, else ``None``."""
+        # not a timeout and not a long wait: a peer that died at once is the launcher's to report
         waited = time.monotonic() - self.entered
         if not (_TIMEOUT.search(str(exc)) or (self.inside and waited >= 0.8 * self.timeout)):
             return None
@@ -197,8 +144,8 @@ class Watchdog(NullWatchdog):
         self.job_failed = True
 
     def _await_acks(self) -> None:
-        """Wait (a poll or two) until every rank saw the verdict: rank 0 hosts the store, and a rank
-        that exits at once would leave the others reading from a store that is gone."""
+        """Wait (a poll or two) until every rank saw the verdict."""
+        # rank 0 hosts the store: exiting at once would leave the others reading from a store that is gone
         deadline = time.monotonic() + 2 * self.poll + 0.5
         while time.monotonic() < deadline:
             seen = self._hint(lambda: self._store().add(_SEEN, 0))
@@ -208,12 +155,7 @@ class Watchdog(NullWatchdog):
 
     # -- the thread's side -----------------------------------------------------------------------
     def post(self, waiting: bool = False, where: str | None = None) -> Post:
-        """This rank's position now (the main thread's frame is sampled for ``where``).
-
-        Args:
-            waiting: count this rank as waiting in a collective whatever its frame shows.
-            where: the location to report instead of the main thread's frame.
-        """
+        """This rank's position now (``where``: instead of the main thread's sampled frame)."""
         sampled, in_torch = where_of(thread_frame(self._main or 0))
         return Post(
             rank=self.rank,
@@ -255,8 +197,7 @@ class Watchdog(NullWatchdog):
 
     @staticmethod
     def _hint(action: Any) -> Any:
-        """A counter only shortens a wait: an error (a store gone, or a counter overwritten by an
-        outsider) is not a sign that the job failed."""
+        """Run a counter action; an error (store gone, counter overwritten) is not a sign that the job failed."""
         try:
             return action()
         except Exception:  # noqa: BLE001
@@ -279,7 +220,8 @@ class Watchdog(NullWatchdog):
                 self._ack()
             return posts
 
-        return self._try(read)
+        posts: dict[int, Post | None] | None = self._try(read)
+        return posts
 
     def _run(self) -> None:
         last, changed, posted, posted_at = (-1, False), time.monotonic(), None, 0.0
@@ -304,22 +246,14 @@ class Watchdog(NullWatchdog):
                     callback()
 
     def _backstop_run(self) -> None:
-        """The backstop has its own thread and never touches the store: a store on a node that was cut
-        off blocks its callers for as long as TCP retries (minutes), and the report must not wait."""
+        """The backstop's thread; it never touches the store."""
+        # a store on a node that was cut off blocks its callers while TCP retries: the report must not wait
         while not self._halt.wait(self.poll):
             if self.inside and time.monotonic() - self.entered >= self.backstop:
                 self._give_up()
 
     def explain_escaped(self, exc: BaseException) -> CollectiveTimeoutError | None:
-        """Explain a backend timeout that escaped the user's code (a direct ``torch.distributed`` call).
-
-        Args:
-            exc: the exception that ends the process.
-
-        Example::
-
-            err = watch.explain_escaped(exc) or exc
-        """
+        """Explain a backend timeout that escaped the user's code (a direct ``torch.distributed`` call)."""
         if not isinstance(exc, RuntimeError) or not _TIMEOUT.search(str(exc)):
             return None
         tb, where = exc.__traceback__, ""

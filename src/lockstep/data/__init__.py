@@ -1,19 +1,8 @@
-"""data: samplers and loaders. Batch size is per device.
+"""data: samplers and loaders; batch size is per device. May import ``lockstep.errors``, ``lockstep.env``.
 
-* :mod:`~lockstep.data.steps`: the default training order: one global order and cursor per
-  epoch, no padding, each rank's share of a step a function of (cursor, world size, rank);
-* :mod:`~lockstep.data.samplers`: :class:`TrainSampler` (``DistributedSampler``'s order) and
-  :class:`EvalSampler` (every sample exactly once over all ranks, never padded);
-* :mod:`~lockstep.data.seeding`: each sample's randomness a function of ``(seed, epoch, index)``
-  (:class:`SeededDataset`), loader workers that ignore the job's stop signals;
-* :mod:`~lockstep.data.loader`: :func:`make_loader`, device transfer.
-
-May import: ``lockstep.errors``, ``lockstep.env``.
-
-Example::
-
-    from lockstep.data import make_loader
-    train = make_loader(dataset, 32, world_size=2, rank=0, shuffle=True)
+:mod:`~lockstep.data.steps`: the default order (one global order and cursor, no padding);
+:mod:`~lockstep.data.samplers`: ``DistributedSampler``'s order, exact evaluation shards;
+:mod:`~lockstep.data.seeding`: per-sample seeds; :mod:`~lockstep.data.loader`: :func:`make_loader`.
 """
 
 from __future__ import annotations

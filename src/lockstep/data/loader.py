@@ -1,18 +1,4 @@
-"""Distributed data loading: the right sampler, seeded samples, pinned memory, batches on device.
-
-``batch_size`` is always per device; the global batch is ``batch_size * world_size``.
-Training loaders use :class:`~lockstep.data.samplers.TrainSampler` (equal batch counts on every rank,
-resumable mid-epoch) and seed each sample's randomness from ``(seed, epoch, index)``
-(:mod:`lockstep.data.seeding`); evaluation loaders use :class:`~lockstep.data.samplers.EvalSampler`
-(no padding, no duplicates, so metrics are exact).
-
-Example::
-
-    train = make_loader(train_set, 100, world_size=2, rank=0, seed=1)
-    train.sampler.set_epoch(epoch)
-    for inputs, labels in train:
-        inputs, labels = move_to_device((inputs, labels), torch.device("cuda", 0))
-"""
+"""Distributed data loading: :func:`make_loader` builds a rank's DataLoader; :func:`move_to_device`."""
 
 from __future__ import annotations
 
@@ -55,19 +41,12 @@ def _cpu_count() -> int:
 def default_num_workers(device: torch.device, world_size_on_node: int) -> int:
     """Return a sensible number of loader worker processes per rank.
 
-    On an accelerator the rank's main process only feeds the device, so up to 4 workers (one
-    core kept for the main process) overlap decoding with compute; more rarely helps and costs
-    memory. On CPU the rank's own compute wants the cores, so workers only pay off with many
-    cores per rank: a quarter of them, at most 2.
-
     Args:
         device: the device this rank trains on.
         world_size_on_node: ranks sharing this machine's CPUs (the local world size).
-
-    Example::
-
-        default_num_workers(torch.device("cuda", 0), world_size_on_node=8)
     """
+    # on CPU the rank's own compute wants the cores; on an accelerator the main process only feeds
+    # the device, and workers (one core kept for it) overlap decoding with compute
     per_rank = _cpu_count() // max(world_size_on_node, 1)
     if device.type == "cpu":
         return min(2, per_rank // 4)
@@ -78,7 +57,7 @@ def _worker_base_seed(seed: int, rank: int, epoch: int) -> int:
     return derive_seed("lockstep-workers", seed, rank, epoch)
 
 
-class _Loader(DataLoader):
+class _Loader(DataLoader):  # type: ignore[type-arg]  # any item type
     """A DataLoader whose worker seeds are a function of (seed, rank, epoch) only."""
 
     def __init__(self, *args: Any, lockstep_seed: int, lockstep_rank: int, **kwargs: Any) -> None:
@@ -103,20 +82,7 @@ def _dataset_len(dataset: Dataset[Any]) -> int:
 
 
 class StepBatches(Dataset[Any]):
-    """A dataset read one micro-batch at a time: its index is a :class:`StepSampler` list.
-
-    The DataLoader of the default order has no batch size of its own (batches vary in size), so
-    each item of this dataset is a whole collated batch.
-
-    Args:
-        dataset: the map-style dataset (or its :class:`~lockstep.data.seeding.SeededDataset`).
-        collate: builds the batch from the list of samples.
-
-    Example::
-
-        batches = StepBatches(dataset, default_collate)
-        batches[[3, 1, 4]]     # the collated batch of samples 3, 1 and 4
-    """
+    """A dataset whose item at a :class:`~lockstep.data.steps.StepSampler` list is that collated micro-batch."""
 
     def __init__(self, dataset: Any, collate: Callable[[list[Any]], Any]) -> None:
         self.dataset, self.collate = dataset, collate
@@ -130,12 +96,11 @@ class StepBatches(Dataset[Any]):
 
 
 def _as_is(batch: Any) -> Any:
-    """The batch is collated already (:class:`StepBatches`)."""
-    return batch
+    return batch  # StepBatches collated it already
 
 
 def _check_global(n: int, batch_size: int, world_size: int, global_batch: int | None) -> None:
-    """A step larger than the dataset would make the start line describe a batch that never happens."""
+    # a step larger than the dataset would make the start line describe a batch that never happens
     wanted = global_batch if global_batch is not None else batch_size * world_size
     if wanted <= n:
         return
@@ -191,55 +156,32 @@ def make_loader(
     order: str = "lockstep",
     seed_samples: bool | None = None,
     global_batch: int | None = None,
-) -> DataLoader:
+) -> DataLoader[Any]:
     """Build this rank's DataLoader: the right sampler, seeded samples, pinned memory on CUDA.
-
-    A training loader reads every sample with torch's CPU generator, ``random`` and NumPy
-    seeded from ``(seed, epoch, index)`` (see :mod:`lockstep.data.seeding`): a random
-    augmentation in ``__getitem__`` is the same whatever the worker count, the worker that
-    reads the sample, the world size, and after a resume, mid-epoch included. Workers ignore
-    SIGTERM, SIGUSR1 and SIGINT (their rank handles them).
 
     Args:
         dataset: a map-style dataset (``__len__`` and ``__getitem__``).
-        batch_size: samples per batch **per device**.
+        batch_size: samples per batch **per device** (with ``global_batch``: the largest micro-batch).
         world_size: number of ranks reading the dataset.
         rank: this rank.
-        shuffle: permute every epoch (training only; evaluation reads in order).
-        eval: use :class:`EvalSampler` (exact, never pads) instead of :class:`TrainSampler`.
-        num_workers: worker processes; default 0 for an in-memory ``TensorDataset`` (indexing a
-            tensor is cheaper than shipping the batch from a worker), else
-            :func:`default_num_workers`.
+        shuffle: permute every epoch (training only).
+        eval: use :class:`EvalSampler` (exact, never pads) instead of a training sampler.
+        num_workers: worker processes; default 0 for a ``TensorDataset``, else :func:`default_num_workers`.
         seed: data seed; the epoch order and the samples' and workers' seeds derive from it.
-        drop_last: training only: drop the tail that does not divide by ``world_size`` and the
-            last incomplete batch.
-        pin_memory: page-locked host batches for fast copies; default True only with CUDA.
+        drop_last: training only: drop the epoch's incomplete tail.
+        pin_memory: page-locked host batches; default True only with CUDA.
         collate_fn: as for ``DataLoader``.
         persistent_workers: keep workers alive between epochs; default True when there are any.
         device: the rank's device, for the defaults; CUDA when available, else CPU.
-        local_world_size: ranks on this machine, for the default worker count; read from the
-            launch environment when omitted.
-        order: training order: ``"lockstep"`` (default: one global order and cursor, no
-            padding, uneven shares in an epoch's last step; :class:`~lockstep.data.steps.StepSampler`)
-            or ``"torch"``, which reads exactly what ``DistributedSampler(shuffle=shuffle,
-            seed=seed)`` with ``set_epoch`` reads at this world size, padding included (see
-            :class:`TrainSampler`).
-        seed_samples: seed each training sample's randomness (the ``dataset`` is read through
-            :class:`SeededDataset`, ``loader.dataset``); default: True except for a plain
-            ``TensorDataset``, whose items draw no random numbers.
-        global_batch: ``"lockstep"`` order only: samples per optimizer step over all ranks
-            (default ``batch_size * world_size``); ``batch_size`` is then the largest per-rank
-            micro-batch and the step is planned by :func:`~lockstep.data.steps.plan_batches`.
+        local_world_size: ranks on this machine, for the default worker count; from the environment when omitted.
+        order: ``"lockstep"`` (no padding: :class:`~lockstep.data.steps.StepSampler`) or ``"torch"``
+            (``DistributedSampler``'s: :class:`TrainSampler`); see docs/data-order.md.
+        seed_samples: per-sample seeds (:class:`SeededDataset`); default True except for a ``TensorDataset``.
+        global_batch: ``"lockstep"`` order only: samples per optimizer step (default ``batch_size * world_size``).
 
     Raises:
-        ConfigError: batch size < 1, an empty or iterable training dataset, drop_last on an
-            evaluation loader, a training shard smaller than one batch (a global batch larger
-            than the training set), or an unknown order.
-
-    Example::
-
-        loader = make_loader(dataset, 32, world_size=2, rank=1)
-        loader.sampler.load_state_dict(saved)   # resumes mid-epoch
+        ConfigError: batch size < 1, an empty or iterable training set or one smaller than a step,
+            drop_last on an evaluation loader, an unknown order.
     """
     n = _dataset_len(dataset)
     _validate(n, batch_size, world_size, eval, drop_last)
@@ -308,19 +250,12 @@ def make_loader(
 
 
 def move_to_device(batch: Any, device: torch.device, non_blocking: bool = True) -> Any:
-    """Move every tensor in ``batch`` (tensors, tuples, named tuples, lists, dicts) to ``device``.
-
-    Other values pass through unchanged. ``non_blocking`` is used only for CUDA, where it lets
-    copies from pinned memory overlap with compute.
+    """Move every tensor in ``batch`` to ``device``; other values pass through.
 
     Args:
-        batch: a tensor or a nested structure of them.
+        batch: a tensor, or tuples, named tuples, lists and dicts of them.
         device: the target device.
-        non_blocking: asynchronous host-to-device copies on CUDA.
-
-    Example::
-
-        images, labels = move_to_device(batch, torch.device("cuda", local_rank))
+        non_blocking: asynchronous copies from pinned memory (CUDA only).
     """
     non_blocking = non_blocking and device.type == "cuda"
     if isinstance(batch, torch.Tensor):

@@ -1,32 +1,4 @@
-"""The default training order: one global order per epoch, one global cursor, no padding.
-
-Every epoch has one permutation of the dataset, a function of ``(seed, epoch)`` only
-(:func:`~lockstep.data.samplers.epoch_order`), and one cursor: the number of samples of that
-order the whole job has consumed. An optimizer step takes the next ``global_batch`` samples
-(fewer at the epoch's end); the step is cut into ``accumulate`` micro-steps and each micro-step's
-samples are shared among the ranks in contiguous pieces whose sizes differ by at most one. A
-rank's share of any step is therefore a function of ``(seed, epoch, cursor, world size, rank)``
-and of the :class:`BatchPlan`: nothing is padded or repeated, every sample is read exactly once
-per epoch, and the position resumes at any world size.
-
-The data position is a small dict, :meth:`StepSampler.state_dict`::
-
-    {"seed": 0, "epoch": 3, "cursor": 480, "order": "lockstep", ...}
-
-and :func:`rank_batches` gives a rank's micro-batches from such a position for any world size.
-
-Loss normalisation: with uneven shares the plain mean of per-rank means is not the mean over
-the step's samples. A rank holding ``n`` of the ``N`` samples of a step at world size ``W``
-scales its micro-batch loss by ``W * n / N`` (see :class:`MicroStep.weight`); DDP's average of
-the gradients then equals the gradient of the mean loss over the ``N`` samples, the update of
-one process over the same samples. A rank with no sample in a micro-step (``N < W`` at an
-epoch's end) still gets one sample, weighted zero, so that it joins the gradient all-reduce.
-
-Example::
-
-    plan = plan_batches(global_batch=24, world_size=3, micro_cap=4)   # 4 per rank x 3 x 2
-    rank_batches({"seed": 0, "epoch": 0, "cursor": 96}, 100, plan, rank=1)
-"""
+"""The default training order: one global order and cursor per epoch, no padding (docs/data-order.md)."""
 
 from __future__ import annotations
 
@@ -53,10 +25,6 @@ class BatchPlan:
         world_size: ranks.
         micro: the largest per-rank micro-batch.
         accumulate: micro-steps per optimizer step.
-
-    Example::
-
-        plan_batches(24, 3, 4)   # BatchPlan(global_batch=24, world_size=3, micro=4, accumulate=2)
     """
 
     global_batch: int
@@ -70,33 +38,23 @@ class BatchPlan:
         return self.global_batch == self.micro * self.world_size * self.accumulate
 
     def describe(self) -> str:
-        """``"micro-batch 4 x world 3 x accumulate 2"`` (``up to`` when shares are uneven).
-
-        Example::
-
-            plan_batches(24, 3, 4).describe()
-        """
+        """``"micro-batch 4 x world 3 x accumulate 2"`` (``up to`` when shares are uneven)."""
         up_to = "" if self.even else "up to "
         return f"{up_to}micro-batch {self.micro} x world {self.world_size} x accumulate {self.accumulate}"
 
 
 def plan_batches(global_batch: int, world_size: int, micro_cap: int) -> BatchPlan:
-    """Plan a step of ``global_batch`` samples on ``world_size`` ranks, at most ``micro_cap`` per rank at once.
-
-    The fewest micro-steps that fit are taken: ``accumulate = ceil(global_batch / (world_size *
-    micro_cap))``; the per-rank micro-batch is then as even as possible.
+    """Plan a step of ``global_batch`` samples on ``world_size`` ranks in the fewest micro-steps that fit.
 
     Args:
         global_batch: samples per optimizer step.
         world_size: ranks.
         micro_cap: the largest per-rank batch the user allows (the loader's ``batch_size``).
 
-    Raises:
-        ConfigError: a number below 1.
-
     Example::
 
-        plan_batches(24, 4, 4)   # micro 3, accumulate 2
+        >>> plan_batches(24, world_size=4, micro_cap=4)
+        BatchPlan(global_batch=24, world_size=4, micro=3, accumulate=2)
     """
     if min(global_batch, world_size, micro_cap) < 1:
         raise ConfigError(
@@ -122,10 +80,6 @@ class MicroStep:
         step_samples: samples of the optimizer step this micro-step belongs to.
         index: this micro-step's place in its step (0-based).
         count: micro-steps of its step.
-
-    Example::
-
-        MicroStep(0, 10, 10, 0, 1).share(3, 2)   # (7, 10)
     """
 
     start: int
@@ -140,7 +94,7 @@ class MicroStep:
         return self.start + lo, self.start + hi
 
     def weight(self, world_size: int, rank: int) -> Fraction:
-        """The factor on ``rank``'s mean loss: ``world_size * n / step_samples`` (see the module)."""
+        """The factor on ``rank``'s mean loss, ``world_size * n / step_samples``, that makes DDP's average exact."""
         lo, hi = self.share(world_size, rank)
         return self.weight_of(hi - lo, world_size)
 
@@ -151,11 +105,7 @@ class MicroStep:
 
 
 def micro_steps(dataset_len: int, cursor: int, plan: BatchPlan, drop_last: bool = False) -> list[MicroStep]:
-    """The job's micro-steps from ``cursor`` to the end of the epoch.
-
-    A step takes ``plan.global_batch`` samples, the epoch's last one the rest (none with
-    ``drop_last``); each step is cut into the fewest micro-steps of at most ``micro x world``
-    samples, of sizes differing by at most one.
+    """The job's micro-steps from ``cursor`` to the end of the epoch (its last step takes the rest).
 
     Args:
         dataset_len: samples in an epoch.
@@ -163,9 +113,6 @@ def micro_steps(dataset_len: int, cursor: int, plan: BatchPlan, drop_last: bool 
         plan: the batch plan.
         drop_last: leave out the epoch's last step when it is short.
 
-    Example::
-
-        [(m.start, m.stop) for m in micro_steps(10, 0, plan_batches(4, 2, 2))]   # [(0,4), (4,8), (8,10)]
     """
     out: list[MicroStep] = []
     end = dataset_len - dataset_len % plan.global_batch if drop_last else dataset_len
@@ -188,11 +135,7 @@ def rank_batches(
     shuffle: bool = True,
     drop_last: bool = False,
 ) -> list[list[int]]:
-    """``rank``'s micro-batches (dataset indices) from a data position to the epoch's end.
-
-    This is the whole rule: the same ``position`` gives every world size its share of the rest of
-    the epoch, and the shares of all ranks together are that rest, each index once. A rank with
-    no sample in a micro-step gets ``[]`` here (:class:`StepSampler` reads one, weighted zero).
+    """``rank``'s micro-batches (dataset indices, ``[]`` for no sample) from a data position to the epoch's end.
 
     Args:
         position: ``{"seed", "epoch", "cursor"}`` (a :meth:`StepSampler.state_dict` will do).
@@ -201,10 +144,6 @@ def rank_batches(
         rank: the rank, ``0 <= rank < plan.world_size``.
         shuffle: permute each epoch (False: dataset order).
         drop_last: leave out the epoch's last step when it is short.
-
-    Example::
-
-        rank_batches({"seed": 0, "epoch": 1, "cursor": 48}, 100, plan_batches(24, 2, 12), rank=0)
     """
     _check_step_order(position)
     order = epoch_order(dataset_len, int(position["seed"]), int(position["epoch"]), shuffle)
@@ -216,7 +155,7 @@ def rank_batches(
 
 
 def _check_step_order(state: dict[str, Any]) -> None:
-    """A position saved in the torch order (padded, interleaved) cannot continue in this one."""
+    # a position saved in the torch order (padded, interleaved) cannot continue in this one
     saved = str(state.get("order", "lockstep"))
     if saved != "lockstep":
         raise ConfigError(
@@ -226,13 +165,7 @@ def _check_step_order(state: dict[str, Any]) -> None:
 
 
 class StepSampler(Sampler[list[Any]]):
-    """A rank's micro-batches of the global order (the default training order; see the module).
-
-    It is the DataLoader's sampler and yields one list of indices per micro-step (a batch of
-    varying size). Like :class:`~lockstep.data.samplers.TrainSampler` it keeps a position in
-    global samples (:attr:`cursor`) that the loader moves as batches are handed out
-    (:meth:`advance`), and saves and restores it (:meth:`state_dict`, :meth:`load_state_dict`),
-    at any world size.
+    """The DataLoader's sampler of the default order: a rank's indices per micro-step, resumable at any world size.
 
     Args:
         dataset_len: samples in the dataset.
@@ -243,12 +176,6 @@ class StepSampler(Sampler[list[Any]]):
         drop_last: leave out each epoch's last step when it is short.
         sample_seeds: yield :class:`~lockstep.data.seeding.SampleKey` indices (per-sample seeds).
         micro_cap: the largest per-rank micro-batch :meth:`resize` may plan (default ``plan.micro``).
-
-    Example::
-
-        sampler = StepSampler(100, plan_batches(24, 3, 4), rank=0)
-        sampler.set_epoch(0)
-        first = next(iter(sampler))    # rank 0's 4 indices of the first micro-step
     """
 
     order = "lockstep"
@@ -285,18 +212,11 @@ class StepSampler(Sampler[list[Any]]):
         return self.cursor
 
     def resize(self, world_size: int, rank: int) -> BatchPlan:
-        """Re-plan the same global batch for another world size; the position is kept.
-
-        For a job whose membership changed in place: call it at a step boundary, before the
-        loader is iterated again. Returns the new plan (its ``accumulate`` is the session's).
+        """Re-plan the same global batch for another world size, at a step boundary; returns the new plan.
 
         Args:
             world_size: the new number of ranks.
             rank: this process's new rank.
-
-        Example::
-
-            sampler.resize(4, 1).describe()   # 'micro-batch 3 x world 4 x accumulate 2'
         """
         plan = plan_batches(self.plan.global_batch, world_size, self.micro_cap)
         if not 0 <= rank < world_size:
@@ -305,15 +225,7 @@ class StepSampler(Sampler[list[Any]]):
         return plan
 
     def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch`` from its beginning (or keep a position just loaded for that epoch).
-
-        Args:
-            epoch: the epoch number.
-
-        Example::
-
-            sampler.set_epoch(2)
-        """
+        """Start epoch ``epoch`` from its beginning, or keep a position just loaded for that epoch."""
         if epoch < 0:
             raise ConfigError(f"epoch must be >= 0, got {epoch}")
         keep = self._resume_epoch is not None and epoch == self._resume_epoch
@@ -322,28 +234,13 @@ class StepSampler(Sampler[list[Any]]):
             self.epoch, self.cursor = epoch, 0
 
     def advance(self, global_samples: int) -> None:
-        """Record that the job consumed ``global_samples`` more samples (clamped at the epoch's end).
-
-        Args:
-            global_samples: samples of all ranks together.
-
-        Example::
-
-            sampler.advance(micro.stop - micro.start)
-        """
+        """Record that all ranks together consumed ``global_samples`` more samples (clamped at the epoch's end)."""
         if global_samples < 0:
             raise ValueError(f"cannot advance by a negative number of samples ({global_samples})")
         self.cursor = min(self.cursor + global_samples, self.dataset_len)
 
     def state_dict(self) -> dict[str, Any]:
-        """The data position: ``seed``, ``epoch``, ``cursor``, ``order``, plus ``shuffle``, ``dataset_len``.
-
-        ``seen`` repeats ``cursor`` for readers of older positions. It holds nothing of the world size.
-
-        Example::
-
-            sampler.state_dict()   # {"seed": 0, "epoch": 1, "cursor": 48, "order": "lockstep", ...}
-        """
+        """The data position (no world size): ``seed``, ``epoch``, ``cursor``, ``order``, ... (``seen``: ``cursor``)."""
         return {
             "seed": self.seed,
             "epoch": self.epoch,
@@ -363,10 +260,6 @@ class StepSampler(Sampler[list[Any]]):
 
         Raises:
             ConfigError: another dataset length, the torch order, or a malformed position.
-
-        Example::
-
-            sampler.load_state_dict(checkpoint["samplers"][0])
         """
         saved_len = int(state.get("dataset_len", self.dataset_len))
         if saved_len != self.dataset_len:

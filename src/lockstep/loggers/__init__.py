@@ -1,14 +1,6 @@
-"""Where ``session.log`` and the session's timings go: TensorBoard, CSV, MLflow, Weights & Biases.
+"""Where ``session.log`` and the session's timings go: TensorBoard, CSV, MLflow, W&B; only rank 0 writes.
 
-Each logger writes through its own library, installed by the lockstep extra of its name
-(``pip install 'lockstep[tensorboard]'``, ``[mlflow]``, ``[wandb]``; CSV needs nothing). Only
-rank 0 writes, unless the session is asked for every rank's timings (rank 0 then logs them all).
-
-Example::
-
-    from lockstep.loggers import CSVLogger, TensorBoardLogger
-    session = lockstep.Session(loggers=[CSVLogger("runs/a"), TensorBoardLogger("runs/a/tb")])
-    session.log({"loss": loss}, step=session.global_step)
+Each logger's library comes with the lockstep extra of its name (``pip install 'lockstep[mlflow]'``).
 """
 
 from lockstep.loggers.base import Logger, LoggerSet, require, scalars

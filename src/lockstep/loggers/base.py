@@ -1,16 +1,4 @@
-"""What every logger is: a sink of named scalar series, opened on the ranks that write.
-
-A logger is built in the user's script on every rank, but only the ranks that log (rank 0 by
-default) open its store, at the first :meth:`Logger.log`. Its library is imported when it is
-built, so a missing package is one error at construction naming the extra to install, not a
-traceback in the middle of the run.
-
-Example::
-
-    class PrintLogger(Logger):
-        def _write(self, metrics, step):
-            print(step, metrics)
-"""
+"""What every logger is: a sink of named scalar series, built on every rank, opened on the ranks that write."""
 
 from __future__ import annotations
 
@@ -24,19 +12,12 @@ __all__ = ["Logger", "LoggerSet", "require", "scalars"]
 
 
 def require(module: str, extra: str, who: str) -> Any:
-    """Import ``module`` for logger ``who``; a missing one raises the error naming the extra.
+    """Import ``module`` for logger ``who``; a missing one raises a ``ConfigError`` naming the extra.
 
     Args:
         module: the library's import name (``"mlflow"``).
         extra: the lockstep extra that installs it (``"mlflow"``).
         who: the logger's class name, for the message.
-
-    Raises:
-        ConfigError: the library is not installed.
-
-    Example::
-
-        tb = require("tensorboard", "tensorboard", "TensorBoardLogger")
     """
     try:
         return importlib.import_module(module)
@@ -48,11 +29,10 @@ def require(module: str, extra: str, who: str) -> Any:
 
 
 def scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
-    """The values of ``metrics`` that are numbers (a tensor of one element included), as floats.
+    """The values of ``metrics`` that are numbers (a one-element tensor included, booleans not), as floats.
 
-    Example::
-
-        scalars({"loss": torch.tensor(0.5), "name": "a"})    # {"loss": 0.5}
+    Args:
+        metrics: names and values.
     """
     out: dict[str, float] = {}
     for key, value in metrics.items():
@@ -64,15 +44,10 @@ def scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
 
 
 class Logger:
-    """A store of scalar series; subclasses open it (:meth:`_open`), write (:meth:`_write`) and close it.
+    """A store of scalar series; a subclass writes (``_write``) and may open (``_open``) and close (``_close``) it.
 
     Args:
         directory: where the store lives (each logger says what it puts there).
-
-    Example::
-
-        session = lockstep.Session(loggers=[lockstep.loggers.CSVLogger("runs/a")])
-        session.log({"loss": 0.3}, step=10)
     """
 
     extra = ""
@@ -86,28 +61,17 @@ class Logger:
     def resume_at(self, step: int) -> None:
         """The run continues from ``step``: records at or after it are dropped where the store allows.
 
-        CSV and TensorBoard drop them (a resumed run logs them again); MLflow and W&B keep every
-        record (the resumed run is a new run there). Call it before the first :meth:`log`.
-
         Args:
-            step: the first step the resumed run logs.
-
-        Example::
-
-            csv_logger.resume_at(3)
+            step: the first step the resumed run logs; call this before the first :meth:`log`.
         """
         self._resume_at = step
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
-        """Write ``metrics`` (floats) at ``step``, opening the store the first time.
+        """Write ``metrics`` at ``step``, opening the store the first time.
 
         Args:
-            metrics: names and values.
+            metrics: names and float values.
             step: the x-axis value (the global step, or an epoch).
-
-        Example::
-
-            logger.log({"loss": 0.3}, step=10)
         """
         if not self._opened:
             self._opened = True
@@ -137,17 +101,12 @@ class Logger:
 
 
 class LoggerSet:
-    """The session's loggers: only ranks that log write; values are checked to be numbers once here.
+    """The session's loggers: only the ranks that log write.
 
     Args:
         loggers: the loggers given to the session.
         active: True on the ranks that write (rank 0).
-        say: prints where each logger writes, when it opens its store.
-
-    Example::
-
-        hub = LoggerSet([CSVLogger("runs/a")], active=True)
-        hub.log({"loss": 0.3}, step=1)
+        say: prints where the loggers write, after the first write.
     """
 
     def __init__(self, loggers: Iterable[Logger], active: bool, say: Callable[[str], None] | None = None) -> None:
@@ -157,7 +116,7 @@ class LoggerSet:
         self._announced = False
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
-        """Write the numeric values of ``metrics`` to every logger (non-finite ones included as they are)."""
+        """Write the numeric values of ``metrics`` (non-finite ones included) to every logger."""
         if not self.active:
             return
         values = scalars(metrics)

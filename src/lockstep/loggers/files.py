@@ -1,9 +1,4 @@
-"""Loggers that write files in a folder: CSV (the standard library) and TensorBoard event files.
-
-Example::
-
-    session = lockstep.Session(loggers=[CSVLogger("runs/a"), TensorBoardLogger("runs/a/tensorboard")])
-"""
+"""Loggers that write files in a folder: CSV (the standard library) and TensorBoard event files."""
 
 from __future__ import annotations
 
@@ -18,22 +13,15 @@ __all__ = ["CSVLogger", "TensorBoardLogger"]
 
 
 class CSVLogger(Logger):
-    """One CSV file, a row per :meth:`log` call, a column per name (and the step's column first).
+    """One CSV file, a row per :meth:`log` call, a column per name (the step's column first).
 
-    Without ``columns`` the header is the names seen so far: a new name widens it (the file is
-    rewritten then, so keep such rows rare). With ``columns`` the header is fixed; other names
-    are left out, and a call with none of the columns writes no row. A fresh run starts the file
-    anew; a resumed one (:meth:`~lockstep.loggers.Logger.resume_at`) keeps the rows before its step.
+    Without ``columns`` a new name widens the header (rewriting the file); a resumed run keeps the rows before its step.
 
     Args:
         directory: the folder (made when the first row is written).
         filename: the file's name in it.
-        columns: a fixed header (the step's column included), or ``None``.
+        columns: a fixed header (the step's column included; other names are left out), or ``None``.
         step_column: the column that holds ``step``.
-
-    Example::
-
-        CSVLogger("runs/a", columns=("epoch", "step", "loss"))
     """
 
     def __init__(
@@ -109,13 +97,6 @@ class TensorBoardLogger(Logger):
     Args:
         directory: the event files' folder (``tensorboard --logdir`` it).
         flush_secs: how often pending events reach the file (and at close).
-
-    Raises:
-        ConfigError: tensorboard is not installed (``pip install 'lockstep[tensorboard]'``).
-
-    Example::
-
-        TensorBoardLogger("runs/a/tensorboard")
     """
 
     extra = "tensorboard"
@@ -136,12 +117,7 @@ class TensorBoardLogger(Logger):
             self._writer.add_scalar(key, value, step)
 
     def flush(self) -> None:
-        """Write pending events to the file now.
-
-        Example::
-
-            tb.flush()
-        """
+        """Write pending events to the file now."""
         if self._writer is not None:
             self._writer.flush()
 

@@ -1,10 +1,4 @@
-"""Loggers that write to an experiment tracker's own store: MLflow (a local folder or a sqlite
-database) and Weights & Biases in offline mode (``wandb sync`` uploads the run later).
-
-Example::
-
-    session = lockstep.Session(loggers=[MLflowLogger("sqlite:///runs/mlflow.db"), WandbLogger("runs/wandb")])
-"""
+"""Loggers that write to an experiment tracker's store: MLflow, and W&B offline (``wandb sync`` uploads it later)."""
 
 from __future__ import annotations
 
@@ -26,12 +20,8 @@ DATABASE = "mlflow.db"
 def tracking_uri(where: str | Path) -> str:
     """An MLflow tracking URI: a folder becomes the sqlite database ``mlflow.db`` in it; a URI stays as it is.
 
-    MLflow 3 keeps its file store (``file:///...``) for old runs only (it asks for
-    ``MLFLOW_ALLOW_FILE_STORE=true``), so a local folder gets a sqlite database.
-
-    Example::
-
-        tracking_uri("runs/mlflow")      # 'sqlite:////home/me/runs/mlflow/mlflow.db'
+    Args:
+        where: a folder or a tracking URI.
     """
     text = str(where)
     return text if "://" in text or text.startswith("sqlite:") else f"sqlite:///{Path(text).resolve() / DATABASE}"
@@ -48,18 +38,10 @@ class MLflowLogger(Logger):
     """An MLflow run, written through ``MlflowClient`` (no global active run is touched).
 
     Args:
-        where: a folder (a sqlite database ``mlflow.db`` in it) or a tracking URI such as
-            ``sqlite:///runs/mlflow.db`` or ``file:///runs/mlruns`` (MLflow's file store).
+        where: a folder (a sqlite database ``mlflow.db`` in it) or a tracking URI (``sqlite:///runs/mlflow.db``).
         experiment: the experiment's name (made if missing).
         run_name: the run's name (MLflow picks one when ``None``).
         params: parameters recorded with the run (values become strings).
-
-    Raises:
-        ConfigError: mlflow is not installed (``pip install 'lockstep[mlflow]'``).
-
-    Example::
-
-        MLflowLogger("sqlite:///runs/mlflow.db", experiment="digits", params={"lr": 0.1})
     """
 
     extra = "mlflow"
@@ -110,23 +92,14 @@ class MLflowLogger(Logger):
 
 
 class WandbLogger(Logger):
-    """A Weights & Biases run in offline mode: everything stays in ``directory/wandb`` until ``wandb sync``.
-
-    W&B needs steps that never decrease: log against the global step (as the session's timings do).
+    """A Weights & Biases run, offline by default: it stays in ``directory/wandb`` until ``wandb sync``.
 
     Args:
         directory: the folder W&B writes its ``wandb/offline-run-*`` folder into.
         project: the W&B project.
         name: the run's name.
         config: the run's configuration (hyperparameters).
-        mode: ``"offline"`` (the default; no network) or ``"online"``.
-
-    Raises:
-        ConfigError: wandb is not installed (``pip install 'lockstep[wandb]'``).
-
-    Example::
-
-        WandbLogger("runs/a", project="digits", config={"lr": 0.1})
+        mode: ``"offline"`` (no network) or ``"online"``.
     """
 
     extra = "wandb"
@@ -158,8 +131,10 @@ class WandbLogger(Logger):
         Path(self.directory).mkdir(parents=True, exist_ok=True)
         settings = wandb.Settings(silent=True, console="off")  # the job's output stays the job's
         self._run = wandb.init(
-            mode=self.mode,
-            dir=self.directory,  # type: ignore[arg-type]  # checked when built project=self.project, name=self.name,
+            mode=self.mode,  # type: ignore[arg-type]  # checked when built
+            dir=self.directory,
+            project=self.project,
+            name=self.name,
             config=self.config,
             settings=settings,
         )

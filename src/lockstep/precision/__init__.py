@@ -1,30 +1,6 @@
 """Numeric precision plugins: ``fp32``, ``bf16-mixed``, ``fp16-mixed``, ``fp16-o2``, ``bf16``, ``fp16``.
 
-apex opt levels are accepted as aliases (any case): ``O0`` = fp32, ``O1`` = fp16-mixed,
-``O2`` = fp16-o2, ``O3`` = fp16.
-
-=============  =================  ==================  ============
-name           weights            forward             loss scaling
-=============  =================  ==================  ============
-fp32           fp32               fp32                no
-bf16-mixed     fp32               autocast bf16       no
-fp16-mixed     fp32               autocast fp16       yes
-fp16-o2        fp16 + fp32 master fp16 (BatchNorm fp32) yes
-bf16           bf16               bf16                no
-fp16           fp16               fp16                yes
-=============  =================  ==================  ============
-
-What precision needs of torch beyond its public API (the loss scaler's hook, the fused
-optimizers' overflow flag) is in :mod:`~lockstep.precision.torch_amp`.
-
-Example::
-
-    precision = get_precision("bf16-mixed", torch.device("cpu"))
-    model = precision.convert_module(model)
-    with precision.forward_context():
-        loss = loss_fn(model(precision.convert_input(x)), y)
-    precision.backward(loss)
-    precision.step(optimizer)
+apex opt levels are aliases (any case): ``O0`` fp32, ``O1`` fp16-mixed, ``O2`` fp16-o2, ``O3`` fp16.
 """
 
 from __future__ import annotations
@@ -55,12 +31,7 @@ ALIASES = {"o0": "fp32", "o1": "fp16-mixed", "o2": "fp16-o2", "o3": "fp16", "32"
 
 
 def available_precisions() -> list[str]:
-    """The precision names :func:`get_precision` accepts (aliases aside).
-
-    Example::
-
-        available_precisions()   # ['fp32', 'bf16-mixed', 'fp16-mixed', 'fp16-o2', 'bf16', 'fp16']
-    """
+    """The precision names :func:`get_precision` accepts (aliases aside)."""
     return list(PRECISIONS)
 
 
@@ -71,11 +42,7 @@ def canonical_precision(name: str) -> str:
         name: e.g. ``"BF16-mixed"`` or ``"O1"``.
 
     Raises:
-        ConfigError: for an unknown name, listing the choices.
-
-    Example::
-
-        canonical_precision("O2")   # 'fp16-o2'
+        ConfigError: an unknown name (the message lists the choices).
     """
     key = str(name).strip().lower()
     key = ALIASES.get(key, key)
@@ -91,15 +58,10 @@ def check_precision(name: str, device: torch.device | None = None) -> str:
 
     Args:
         name: a name from :func:`available_precisions` or an apex alias ``O0``-``O3``.
-        device: the rank's device; ``None``: the GPU when one is visible (every rank's device
-            then), else the CPU.
+        device: the rank's device; ``None``: the GPU when one is visible (every rank's then), else the CPU.
 
     Raises:
-        ConfigError: for an unknown name, or bf16 on a GPU without bf16 support.
-
-    Example::
-
-        check_precision("O1")   # 'fp16-mixed'
+        ConfigError: an unknown name, or bf16 on a GPU without bf16 support.
     """
     key = canonical_precision(name)
     cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
@@ -116,30 +78,22 @@ def get_precision(name: str, device: torch.device, comm: Comm | None = None) -> 
     Args:
         name: a name from :func:`available_precisions` or an apex alias ``O0``-``O3``.
         device: this rank's device (``cpu`` or ``cuda:N``).
-        comm: the job's collectives, so that every rank skips the same overflowing fp16
-            steps; the default process group is used when omitted.
+        comm: the job's collectives, so that every rank skips the same overflowing fp16 steps (default:
+            the default process group).
 
     Raises:
-        ConfigError: for an unknown name, or bf16 on a GPU without bf16 support.
-
-    Example::
-
-        precision = get_precision("O1", torch.device("cuda", 0))   # fp16-mixed
+        ConfigError: an unknown name, or bf16 on a GPU without bf16 support.
     """
     return build_precision(check_precision(name, device), device, comm)
 
 
 def build_precision(key: str, device: torch.device, comm: Comm | None = None) -> Precision:
-    """Build the plugin of a precision :func:`check_precision` already accepted (``SessionConfig`` did).
+    """Build the plugin of a precision :func:`check_precision` already accepted (as ``SessionConfig`` does).
 
     Args:
         key: a canonical name from :func:`available_precisions`.
         device: this rank's device.
         comm: the job's collectives (see :func:`get_precision`).
-
-    Example::
-
-        precision = build_precision(SessionConfig(precision="O1").precision, device, comm)
     """
     device = torch.device(device)
     if key == "fp32":

@@ -1,17 +1,4 @@
-"""Automatic mixed precision: fp32 weights, the forward pass under ``torch.autocast``.
-
-``bf16-mixed`` needs no loss scaling (bf16 has fp32's range); ``fp16-mixed`` scales the loss
-with a :class:`~lockstep.precision.base.LossScaler` and skips steps whose gradients overflow.
-Both work on CPUs too (autocast on CPU supports bf16 and fp16).
-
-Example::
-
-    precision = MixedPrecision(torch.device("cuda", 0), torch.float16)
-    with precision.forward_context():
-        loss = loss_fn(model(x), y)
-    precision.backward(loss)
-    precision.step(optimizer)
-"""
+"""Automatic mixed precision: fp32 weights, the forward pass under ``torch.autocast`` (on GPUs and CPUs)."""
 
 from __future__ import annotations
 
@@ -31,12 +18,8 @@ class MixedPrecision(Precision):
 
     Args:
         device: this rank's device.
-        dtype: ``torch.bfloat16`` or ``torch.float16`` (the latter with loss scaling).
+        dtype: ``torch.bfloat16``, or ``torch.float16``, which scales the loss and skips steps that overflow.
         comm: the job's collectives (to agree on skipped fp16 steps).
-
-    Example::
-
-        precision = MixedPrecision(torch.device("cpu"), torch.bfloat16)
     """
 
     def __init__(self, device: torch.device, dtype: torch.dtype, comm: Comm | None = None) -> None:

@@ -1,18 +1,4 @@
-"""The :class:`Precision` plugin interface (plain fp32, which does nothing) and loss scaling.
-
-A precision plugin owns the few places where numeric format touches training: converting the
-model and its inputs, the forward context (autocast), backward (loss scaling), and the optimizer
-step (unscale, clip, skip on overflow). The base class is fp32 and every hook is a no-op;
-subclasses override only what their format needs.
-
-Example::
-
-    precision = Precision(torch.device("cpu"))
-    with precision.forward_context():
-        loss = loss_fn(model(precision.convert_input(x)), y)
-    precision.backward(loss)
-    precision.step(optimizer)          # True: the step was taken
-"""
+"""The :class:`Precision` plugin interface (plain fp32: every hook does nothing) and the agreed loss scaler."""
 
 from __future__ import annotations
 
@@ -31,23 +17,12 @@ __all__ = ["Precision", "LossScaler"]
 
 
 class LossScaler(AgreedGradScaler):
-    """A dynamic loss scaler whose skip decision is the same on every rank.
-
-    With sharded gradients (fsdp) each rank checks only its own shards for inf/NaN; this
-    scaler takes the maximum over all ranks, so that every rank skips the same steps. It can
-    also unscale fp16 gradients (for pure fp16 models), which ``GradScaler`` refuses.
+    """A dynamic loss scaler that skips the same steps on every rank, also when each holds only gradient shards (fsdp).
 
     Args:
         device: the device the loss lives on.
-        comm: the job's collectives; when ``None``, the default process group is used if one
-            exists.
-        allow_fp16_grads: unscale fp16 gradients in place instead of refusing them.
-
-    Example::
-
-        scaler = LossScaler(torch.device("cpu"))
-        scaler.scale(loss).backward(); scaler.unscale_(opt); scaler.step(opt); scaler.update()
-        scaler.found_inf   # True when this step was skipped
+        comm: the job's collectives; ``None``: the default process group, if one exists.
+        allow_fp16_grads: unscale fp16 gradients in place (pure fp16 models), which ``GradScaler`` refuses.
     """
 
     def __init__(self, device: torch.device, comm: Comm | None = None, allow_fp16_grads: bool = False) -> None:
@@ -69,16 +44,11 @@ def _max_over_ranks(tensor: torch.Tensor, comm: Comm | None) -> torch.Tensor:
 
 
 class Precision:
-    """Full fp32 training; the base of all precision plugins (every hook does nothing).
+    """Full fp32 training; the base of all precision plugins, whose hooks all do nothing.
 
     Args:
         device: this rank's device (autocast and the loss scaler use its type).
         comm: the job's collectives, used to agree on skipped steps when loss scaling.
-
-    Example::
-
-        precision = get_precision("fp32", torch.device("cpu"))
-        model = precision.convert_module(model)
     """
 
     name: str = "fp32"
@@ -103,74 +73,27 @@ class Precision:
         return None if self.scaler is None else self.scaler.get_scale()
 
     def convert_module(self, model: nn.Module) -> nn.Module:
-        """Convert the model's parameters to this precision's storage format (before wrapping).
-
-        Args:
-            model: the bare module.
-
-        Example::
-
-            model = precision.convert_module(model)
-        """
+        """Convert ``model``'s parameters to this precision's storage format (before wrapping)."""
         return model
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:
-        """Prepare an optimizer built over ``model``'s parameters.
-
-        Args:
-            optimizer: the optimizer.
-            model: the (converted, possibly wrapped) module it optimises.
-
-        Example::
-
-            optimizer = precision.setup_optimizer(torch.optim.SGD(model.parameters(), 0.1), model)
-        """
+        """Prepare an optimizer over the converted, possibly wrapped ``model``; returns the one to step."""
         return optimizer
 
     def forward_context(self) -> AbstractContextManager[Any]:
-        """Context to run the forward pass (and the loss) in, e.g. autocast.
-
-        Example::
-
-            with precision.forward_context():
-                loss = loss_fn(model(x), y)
-        """
+        """Context to run the forward pass (and the loss) in, e.g. autocast."""
         return contextlib.nullcontext()
 
     def convert_input(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Cast a model input to the format the converted model expects.
-
-        Args:
-            tensor: an input batch; non-floating tensors (labels, indices) pass unchanged.
-
-        Example::
-
-            out = model(precision.convert_input(images))
-        """
+        """Cast a model input to the format the model expects; non-floating tensors pass unchanged."""
         return tensor
 
     def convert_output(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Cast a model output back for the loss (fp32 for half models).
-
-        Args:
-            tensor: a model output.
-
-        Example::
-
-            loss = loss_fn(precision.convert_output(model(x)), y)
-        """
+        """Cast a model output back for the loss (fp32 for half models)."""
         return tensor
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backpropagate ``loss`` (scaled first when this precision uses loss scaling).
-
-        Args:
-            loss: the scalar loss.
-
-        Example::
-
-            precision.backward(loss)
-        """
+        """Backpropagate ``loss`` (scaled first when this precision uses loss scaling)."""
         if self.scaler is None:
             loss.backward()
         else:
@@ -181,17 +104,10 @@ class Precision:
 
         Args:
             optimizer: the optimizer returned by :meth:`setup_optimizer`.
-            clip: called once the gradients are unscaled, e.g.
-                ``lambda: strategy.clip_grad_norm(model, 1.0)``.
+            clip: called once the gradients are unscaled, e.g. ``lambda: strategy.clip_grad_norm(model, 1.0)``.
 
         Returns:
-            ``False`` when the step was skipped because of inf/NaN gradients (the same on
-            every rank), else ``True``.
-
-        Example::
-
-            if not precision.step(optimizer):
-                skipped += 1
+            ``False`` when the step was skipped because of inf/NaN gradients (the same on every rank), else ``True``.
         """
         if self.scaler is None:
             if clip is not None:
@@ -206,24 +122,11 @@ class Precision:
         return not self.scaler.found_inf
 
     def state_dict(self) -> dict[str, Any]:
-        """The loss scaler's state (empty when there is none).
-
-        Example::
-
-            checkpoint["precision"] = precision.state_dict()
-        """
+        """The loss scaler's state (empty when there is none)."""
         return {} if self.scaler is None else self.scaler.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the loss scaler's state; an empty or scaler-less state is ignored.
-
-        Args:
-            state: what :meth:`state_dict` returned (possibly under another precision).
-
-        Example::
-
-            precision.load_state_dict(checkpoint["precision"])
-        """
+        """Restore what :meth:`state_dict` returned, maybe under another precision (a no-op when empty or unscaled)."""
         if self.scaler is not None and state:
             self.scaler.load_state_dict(state)
 

@@ -1,17 +1,4 @@
-"""Half-precision models: pure ``bf16``/``fp16``, and apex-style ``fp16-o2`` with master weights.
-
-Pure half keeps everything (weights, gradients, optimizer state) in ``bf16``/``fp16``: half the
-memory, but small updates can vanish. ``fp16-o2`` (apex opt level O2) runs an fp16 model with
-BatchNorm kept in fp32, and lets the optimizer step fp32 *master* copies of the weights that are
-copied back into the model after each step; the loss is scaled, and unscaled into the fp32
-master gradients so that small gradients survive.
-
-Example::
-
-    precision = MasterWeightPrecision(torch.device("cuda", 0))
-    model = precision.convert_module(model)
-    optimizer = precision.setup_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
-"""
+"""Half-precision models: pure ``bf16``/``fp16``, and apex-style ``fp16-o2`` with fp32 master weights."""
 
 from __future__ import annotations
 
@@ -32,17 +19,12 @@ __all__ = ["HalfPrecision", "MasterWeightPrecision"]
 
 
 class HalfPrecision(Precision):
-    """The whole model in ``dtype`` (pure bf16 or fp16; apex O3 is pure fp16).
+    """The whole model, its gradients and optimizer state in ``dtype`` (apex O3 is pure fp16); small updates can vanish.
 
     Args:
         device: this rank's device.
         dtype: ``torch.bfloat16`` or ``torch.float16``; fp16 also scales the loss.
         comm: the job's collectives (to agree on skipped fp16 steps).
-
-    Example::
-
-        precision = HalfPrecision(torch.device("cpu"), torch.bfloat16)
-        model = precision.convert_module(model)        # all parameters bf16
     """
 
     def __init__(self, device: torch.device, dtype: torch.dtype, comm: Comm | None = None) -> None:
@@ -82,20 +64,12 @@ _Pair = tuple[nn.Parameter, torch.Tensor]
 class MasterWeightPrecision(Precision):
     """apex O2: fp16 model (BatchNorm fp32), fp32 master weights in the optimizer, loss scaling.
 
-    The optimizer returned by :meth:`setup_optimizer` is the user's optimizer with its fp16
-    parameters replaced by fp32 masters. :meth:`step` moves the fp16 gradients into the
-    masters, unscales them in fp32, clips, steps, and copies the masters back into the model.
-    If the model's weights are changed from outside (a checkpoint load), the masters follow.
+    :meth:`setup_optimizer` puts fp32 masters in place of the optimizer's fp16 parameters; :meth:`step` steps them
+    on the unscaled fp32 gradients and copies them back into the model (they follow weights loaded from outside).
 
     Args:
         device: this rank's device.
         comm: the job's collectives (to agree on skipped steps).
-
-    Example::
-
-        precision = get_precision("O2", device)
-        model = precision.convert_module(model)
-        optimizer = precision.setup_optimizer(make_optimizer(model.parameters()), model)
     """
 
     name = "fp16-o2"
@@ -167,11 +141,7 @@ class MasterWeightPrecision(Precision):
 
 
 def _with_masters(pairs: list[_Pair], clip: Callable[[], object]) -> object:
-    """Call ``clip`` while the model's fp16 parameters show the masters' fp32 data and grads.
-
-    ``clip`` acts on the model's parameters (e.g. ``strategy.clip_grad_norm(model, 1.0)``), but
-    under O2 the gradients to clip are the unscaled fp32 ones held by the masters.
-    """
+    """Call ``clip`` while the fp16 parameters show the masters' data and grads: under O2 those are the ones to clip."""
     saved = [param.data for param, _ in pairs]
     for param, master in pairs:
         param.data = master.data

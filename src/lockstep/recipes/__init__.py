@@ -6,11 +6,6 @@
 * :mod:`~lockstep.recipes.outputs`: ``metrics.csv``, ``config.json`` and TensorBoard events.
 
 An app: may import the library and ``lockstep.zoo``, never another app.
-
-Example::
-
-    from lockstep.recipes import TrainConfig, train
-    train(TrainConfig(epochs=1, nproc=1))       # as ``lockstep train --epochs 1 --nproc 1``
 """
 
 from __future__ import annotations

@@ -1,12 +1,5 @@
-"""The checks of a ``lockstep train`` run that touch the world outside its flags: the ``--out``
-folder (or URL) can be written and is not another live job's, and the data opens and suits the
-run. They run in the launching process, before any worker starts (one line, exit code 2).
-
-Example::
-
-    config = TrainConfig(out="runs/a")
-    check_out(config)
-    data = check_data(config, world_size=2)
+"""The checks of a ``lockstep train`` run outside its flags: ``--out`` is writable and no other live
+job's, and the data opens and suits the run. They run in the launching process, before any worker.
 """
 
 from __future__ import annotations
@@ -24,23 +17,7 @@ __all__ = ["check_out", "check_data"]
 
 
 def check_out(config: TrainConfig) -> None:
-    """Check, in the launching process, that ``--out`` can be written and is no other job's.
-
-    Creates the folder (as the run would), writes and removes a probe file, and, on node 0 only,
-    tries the lock of its checkpoint folder (:func:`lockstep.checkpoint.lock_folder`) without
-    keeping it.
-
-    Args:
-        config: the run's configuration (nothing is checked without ``out``).
-
-    Raises:
-        ConfigError: the folder cannot be created or written (a read-only file system, a file
-            in its path), or a live job holds its checkpoints (naming its host and pid).
-
-    Example::
-
-        check_out(TrainConfig(out="runs/a"))
-    """
+    """Check that ``--out`` can be written (a probe file) and, on node 0, that no live job holds its checkpoints."""
     if config.out is None:
         return
     if is_url(config.out):
@@ -76,7 +53,7 @@ def _try_lock(checkpoints: str | Path, out: str | Path) -> None:
 
 
 def check_data(config: TrainConfig, world_size: int) -> Any:
-    """Open the data (checking folders and images) and check the batch against the shard.
+    """Open the data (checking folders and images) and check the batch against each process's share.
 
     Args:
         config: the run's configuration.
@@ -85,9 +62,8 @@ def check_data(config: TrainConfig, world_size: int) -> Any:
     Returns:
         The :class:`~lockstep.zoo.datasets.ImageData`.
 
-    Example::
-
-        data = check_data(TrainConfig(batch_size=64), world_size=2)
+    Raises:
+        ConfigError: unreadable data, or a per-device batch larger than a process's share.
     """
     from lockstep.zoo.datasets import native_channels, open_data, parse_data
     from lockstep.zoo.models import input_channels

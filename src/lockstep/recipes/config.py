@@ -1,13 +1,5 @@
-"""The configuration of one ``lockstep train`` run, validated when it is built.
-
-Every check that needs no process group happens here (or in :func:`lockstep.recipes.checks.check_data`), in the
-launching process, so a bad flag or a bad folder is one line and exit code 2 before any worker
-starts.
-
-Example::
-
-    config = TrainConfig(model="convnet", data="digits", nproc=2)
-    config.world_size       # 2
+"""The configuration of one ``lockstep train`` run, validated when it is built, in the launching
+process: a bad flag or folder is one line and exit code 2 before any worker starts.
 """
 
 from __future__ import annotations
@@ -87,8 +79,7 @@ class TrainConfig:
         grad_compression: ddp's gradient compression: ``none``, ``bf16``, ``fp16`` or ``powersgd``.
         powersgd_rank: rank of PowerSGD's gradient approximation.
         powersgd_start_iter: plain all-reduce steps before PowerSGD starts.
-        compile: ``none`` (eager) or the ``torch.compile`` backend of the model (``inductor``,
-            ``aot_eager``...); a checkpoint resumes with or without it.
+        compile: ``none`` (eager) or the ``torch.compile`` backend of the model.
         nproc: processes per node (``None``: one per GPU, or 2 on a machine without GPUs).
         nodes, node_rank, master: the multi-node job (see ``lockstep run``).
         epochs: epochs to train (in total, also when resuming).
@@ -101,26 +92,23 @@ class TrainConfig:
         sync_bn: SyncBatchNorm across processes (GPU only).
         accumulate: micro-batches per optimizer step.
         seed: seed of weights, data order and augmentation.
-        out: folder for checkpoints, ``metrics.csv``, ``config.json`` and TensorBoard events; or
-            an fsspec URL (``s3://bucket/run``): checkpoints only, in ``<url>/checkpoints``,
-            resumed from whenever there are any (no local files are written).
+        out: folder for checkpoints, ``metrics.csv``, ``config.json`` and TensorBoard events; or an
+            fsspec URL (``s3://bucket/run``) for checkpoints only.
         resume: continue from the newest checkpoint in ``out``.
         keep: checkpoints kept in ``out``.
-        image_size: input side (``None``: 28 for convnet, 224 otherwise).
+        image_size: input side (``None``: the model's default).
         max_restarts: restarts of the whole job after a failure.
-        timeout: seconds a collective may wait for a missing rank (``None``: ``$LOCKSTEP_TIMEOUT``
-            or 600; see ``lockstep run --timeout``).
-        max_steps: optimizer steps per epoch at most (short test and speed runs).
+        timeout: seconds a collective may wait for a missing rank (``None``: as ``lockstep run --timeout``).
+        max_steps: optimizer steps per epoch at most.
         weights: a local state-dict file to start from.
         pretrained: ask for pretrained weights (needs ``weights``; nothing is downloaded).
         val_fraction: held-out share of an image folder without ``train/`` and ``val/``.
         progress: ``auto`` (a bar when the terminal shows one), ``on`` or ``off``.
-        order: the training data order: ``lockstep`` (every sample once per epoch, never padded)
-            or ``torch`` (``DistributedSampler``'s order and padding).
+        order: the training data order: ``lockstep`` (every sample once per epoch, never padded) or
+            ``torch`` (``DistributedSampler``'s order and padding).
 
-    Example::
-
-        TrainConfig(strategy="fsdp", precision="bf16-mixed", nproc=2, epochs=1)
+    Raises:
+        ConfigError: a bad or conflicting value, or an ``--out`` holding another run's checkpoints.
     """
 
     model: str = "convnet"
@@ -197,12 +185,7 @@ class TrainConfig:
         object.__setattr__(self, "compile", session.compile_backend)
 
     def session_config(self) -> SessionConfig:
-        """The :class:`~lockstep.SessionConfig` every worker's Session is built from.
-
-        Example::
-
-            lockstep.Session(config=TrainConfig(strategy="ddp").session_config())
-        """
+        """The :class:`~lockstep.SessionConfig` every worker's Session is built from."""
         from lockstep.zoo.options import session_config
 
         return session_config(
@@ -262,12 +245,7 @@ class TrainConfig:
 
     @property
     def processes(self) -> int:
-        """Processes per node, with the default resolved (GPUs, else 2).
-
-        Example::
-
-            TrainConfig().processes    # 2 on a machine without GPUs
-        """
+        """Processes per node, with the default resolved (one per GPU, else 2)."""
         if self.nproc is not None:
             return self.nproc
         from lockstep.launch.relaunch import default_nproc
@@ -276,56 +254,23 @@ class TrainConfig:
 
     @property
     def world_size(self) -> int:
-        """Processes in the whole job: ``processes * nodes``.
-
-        Example::
-
-            TrainConfig(nproc=4, nodes=2, master="n0:29400").world_size    # 8
-        """
+        """Processes in the whole job: ``processes * nodes``."""
         return self.processes * self.nodes
 
     @property
     def input_size(self) -> int:
-        """The image side, with the model's default resolved.
-
-        Example::
-
-            TrainConfig(model="resnet18").input_size    # 224
-        """
+        """The image side, with the model's default resolved."""
         from lockstep.zoo.models import default_image_size
 
         return self.image_size or default_image_size(self.model)
 
     def to_dict(self) -> dict[str, Any]:
-        """The configuration as a JSON-able dict (written to ``config.json``).
-
-        Example::
-
-            TrainConfig().to_dict()["model"]    # "convnet"
-        """
+        """The configuration as a JSON-able dict (written to ``config.json``)."""
         return dataclasses.asdict(self)
 
 
 def resume_values(values: dict[str, Any], given: Collection[str]) -> dict[str, Any]:
-    """The flags of ``--out DIR --resume``: the run's own settings where none was given.
-
-    The run's settings are its ``config.json`` (written by rank 0 when it started); they count
-    once ``DIR`` holds its checkpoints. Each field of :data:`RUN_FLAGS` not given takes the run's
-    value; one given with another value is refused unless it may change
-    (:data:`RESUME_MAY_CHANGE`). Without ``--nproc`` and ``--nodes``, a one-node run continues
-    on as many processes as it had.
-
-    Args:
-        values: the :class:`TrainConfig` fields as the flags (and their defaults) say.
-        given: the fields typed on the command line.
-
-    Raises:
-        ConfigError: a given flag differs from the run's, naming both values (exit code 2).
-
-    Example::
-
-        resume_values({"out": "runs/a", "resume": True, "lr": 0.01, ...}, given={"out", "resume"})
-    """
+    """The flags of ``--out DIR --resume``: the run's own (its ``config.json``) where none was given."""
     import json
 
     from lockstep.recipes.outputs import CONFIG_FILE
@@ -364,12 +309,7 @@ def _has_checkpoints(out: Path) -> bool:
 
 
 def is_url(out: str) -> bool:
-    """``--out`` is an fsspec URL (the checkpoint layer decides; imported only when asked).
-
-    Example::
-
-        is_url("s3://bucket/run")   # True
-    """
+    """``--out`` is an fsspec URL (the checkpoint layer decides; imported only when asked)."""
     from lockstep.checkpoint.storage import is_url as _url
 
     return _url(out)

@@ -1,19 +1,7 @@
 """What a ``lockstep train`` run leaves in ``--out``: ``config.json``, ``metrics.csv``, TensorBoard events.
 
-Only rank 0 writes, through :mod:`lockstep.loggers`. ``metrics.csv`` has one row per finished epoch;
-a resumed run keeps the rows of the epochs its checkpoint covers and drops any later ones (an
-epoch logged but not saved is trained again, so it would otherwise appear twice). TensorBoard
-events (the same numbers against the epoch) go to ``tensorboard/`` when the ``tensorboard``
-package is installed; when it is not, one line says so and how to install it. A run stopped for
-preemption leaves ``preempted.json`` (its flags, the step and the checkpoint): the same command
-run again (a scheduler's requeue) continues it without ``--resume``; a run that finishes removes it.
-
-Example::
-
-    log = RunLog(Path("runs/a"), is_main=True, start_epoch=0)
-    log.write_config({"model": "convnet"})
-    log.epoch({"epoch": 1, "test_accuracy": 0.97})
-    log.close()
+Only rank 0 writes. A resumed run drops the ``metrics.csv`` rows after its checkpoint's epoch (that
+epoch is trained again). A run stopped for preemption leaves ``preempted.json``; one that finishes removes it.
 """
 
 from __future__ import annotations
@@ -55,16 +43,7 @@ COLUMNS = (
 
 
 def tensorboard_logger(directory: Path, say: Callable[[str], None] | None) -> TensorBoardLogger | None:
-    """A TensorBoard logger for ``directory``, or ``None`` (saying so once) when tensorboard is not installed.
-
-    Args:
-        directory: the event files' folder.
-        say: prints the line that says TensorBoard is left out (rank 0's print), or ``None``.
-
-    Example::
-
-        tensorboard_logger(Path("runs/a/tensorboard"), print)
-    """
+    """A TensorBoard logger for ``directory``, or ``None`` (saying so) when tensorboard is not installed."""
     try:
         return TensorBoardLogger(directory)
     except ConfigError as exc:  # optional for lockstep train: metrics.csv holds the same numbers
@@ -74,18 +53,7 @@ def tensorboard_logger(directory: Path, say: Callable[[str], None] | None) -> Te
 
 
 class RunLog:
-    """Rank 0's record of a run; on other ranks (or without ``out``) every call does nothing.
-
-    Args:
-        out: the ``--out`` folder, or ``None`` to write nothing.
-        is_main: True on rank 0.
-        start_epoch: first epoch this run trains (0-based); rows from it on are dropped.
-        say: prints rank 0's lines (where the run's outputs are; TensorBoard left out), or ``None``.
-
-    Example::
-
-        log = RunLog(None, is_main=True, start_epoch=0)   # writes nothing
-    """
+    """Rank 0's record of a run; on other ranks (or without ``out``) every call does nothing."""
 
     def __init__(
         self, out: Path | None, is_main: bool, start_epoch: int, say: Callable[[str], None] | None = None
@@ -108,28 +76,12 @@ class RunLog:
             )
 
     def write_config(self, config: dict[str, Any]) -> None:
-        """Write ``config.json`` (the run's flags, resolved defaults and world).
-
-        Args:
-            config: JSON-able values.
-
-        Example::
-
-            log.write_config({"model": "convnet", "world_size": 2})
-        """
+        """Write ``config.json`` (the run's flags, resolved defaults and world)."""
         if self.out is not None:
             (self.out / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
     def epoch(self, row: dict[str, Any]) -> None:
-        """Append one epoch's row to ``metrics.csv`` and its scalars to TensorBoard.
-
-        Args:
-            row: values for :data:`COLUMNS` (``epoch`` counts from 1).
-
-        Example::
-
-            log.epoch({"epoch": 1, "train_loss": 0.4, "test_accuracy": 0.97})
-        """
+        """Append one epoch's row to ``metrics.csv`` and its scalars to TensorBoard."""
         if self.out is None:
             return
         epoch = int(row["epoch"])
@@ -139,17 +91,7 @@ class RunLog:
             self._tb.flush()
 
     def preempted(self, config: dict[str, Any], step: int, checkpoint: Path | None) -> None:
-        """Leave ``preempted.json``: the run stopped for preemption and its command may be run again.
-
-        Args:
-            config: the run's flags (:meth:`~lockstep.recipes.config.TrainConfig.to_dict`).
-            step: the global step every rank stopped after.
-            checkpoint: the checkpoint saved then.
-
-        Example::
-
-            log.preempted(config.to_dict(), 120, Path("runs/a/checkpoints/step-000120"))
-        """
+        """Leave ``preempted.json``: the run stopped for preemption and its command may be run again."""
         if self.out is not None:
             body = {"step": step, "checkpoint": None if checkpoint is None else str(checkpoint), "config": config}
             tmp = self.out / (PREEMPTED_FILE + ".tmp")
@@ -157,36 +99,18 @@ class RunLog:
             tmp.replace(self.out / PREEMPTED_FILE)
 
     def finished(self) -> None:
-        """The run trained every epoch: remove ``preempted.json`` if an earlier attempt left one.
-
-        Example::
-
-            log.finished()
-        """
+        """The run trained every epoch: remove ``preempted.json`` if an earlier attempt left one."""
         if self.out is not None:
             (self.out / PREEMPTED_FILE).unlink(missing_ok=True)
 
     def close(self) -> None:
-        """Close the loggers (the CSV file is closed after every row). Safe to call twice.
-
-        Example::
-
-            log.close()
-        """
+        """Close the loggers. Safe to call twice."""
         for logger in self._loggers:
             logger.close()
 
 
 def read_preempted(out: Path) -> dict[str, Any] | None:
-    """What ``preempted.json`` in ``out`` says, or ``None`` when the last run there was not preempted.
-
-    Args:
-        out: the ``--out`` folder.
-
-    Example::
-
-        read_preempted(Path("runs/a"))    # {"step": 120, "checkpoint": "...", "config": {...}}
-    """
+    """What ``preempted.json`` in ``out`` says, or ``None`` when the last run there was not preempted."""
     try:
         body = json.loads((out / PREEMPTED_FILE).read_text())
     except (OSError, ValueError):

@@ -1,10 +1,4 @@
-"""The training program of ``lockstep train``, as every worker process runs it.
-
-It is the seed tutorials' program written against :class:`lockstep.Session` only: build the
-model, wrap it, load the data with per-device batches, continue from the checkpoints in ``--out``
-(the configuration allowed them: ``--resume``, or a preempted run of the same flags), train with a
-progress bar on rank 0, evaluate exactly over all ranks after every epoch, save a checkpoint and a
-row of ``metrics.csv``. An epoch whose every step was skipped for a non-finite loss fails the run.
+"""The training program of ``lockstep train``, as every worker process runs it, on :class:`lockstep.Session` only.
 
 Run it through the command line (which starts the workers)::
 
@@ -50,9 +44,8 @@ def train(config: TrainConfig, data: Any = None) -> int:
         config: the validated configuration.
         data: the data from :func:`~lockstep.recipes.checks.check_data` when already opened.
 
-    Example::
-
-        train(TrainConfig(epochs=1, nproc=1))       # one process, trains the ConvNet on digits
+    Raises:
+        DivergedError: every step of an epoch was skipped for a non-finite loss.
     """
     world = lockstep.detect_world()
     if data is None:
@@ -194,11 +187,14 @@ def _epoch(
     }
 
 
-def _progress(session: lockstep.Session, config: TrainConfig, loader: Any) -> Iterable[Any]:
+def _progress(session: lockstep.Session, config: TrainConfig, loader: Iterable[Any]) -> Iterable[Any]:
     if config.progress == "off":
         return loader
     desc = f"epoch {session.epoch + 1}/{config.epochs}"
+    bar: Iterable[Any]
     if config.progress == "on" and not sys.stderr.isatty():
         # a launcher collects the output line by line (each refresh becomes a line): refresh rarely
-        return session.progress(loader, force=True, mininterval=5.0, leave=True, desc=desc)
-    return session.progress(loader, desc=desc)
+        bar = session.progress(loader, force=True, mininterval=5.0, leave=True, desc=desc)
+    else:
+        bar = session.progress(loader, desc=desc)
+    return bar

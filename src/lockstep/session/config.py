@@ -1,19 +1,9 @@
 """The Session's options as one frozen dataclass, each checked once, before any process group.
 
-``lockstep.Session(strategy=..., precision=..., ...)`` builds a :class:`SessionConfig` from its
-keyword arguments; ``lockstep train``, ``bench`` and ``verify`` build the same dataclass from
-their flags, in the launching process, so that a bad value is refused with the same message
-wherever it was given, before any worker starts. Each option has one owner module that holds
-its rules (:data:`OWNERS`): the rules that belong to a lower layer (a precision name, a
-backend, a gradient compression, ``torch.compile``'s keywords) live there, and ``__post_init__``
-calls each of them once; the others live here. The rules that need the job's size are in
-:meth:`SessionConfig.check_processes`.
-
-Example::
-
-    config = SessionConfig(strategy="DDP", precision="O1", grad_compression="fp16")
-    config.strategy, config.precision        # ('ddp', 'fp16-mixed')
-    session = lockstep.Session(config=config)
+``lockstep.Session``'s keywords and the flags of ``lockstep train``, ``bench`` and ``verify`` build
+the same :class:`SessionConfig`, so a bad value is refused with the same message wherever it was
+given. Each option's rules live in its owner module (:data:`OWNERS`); those needing the job's size
+in :meth:`SessionConfig.check_processes`.
 """
 
 from __future__ import annotations
@@ -98,52 +88,45 @@ def _check_bool(name: str, value: Any) -> None:
 class SessionConfig:
     """Every option of a :class:`~lockstep.Session`, checked and spelled canonically at construction.
 
-    Values are kept in their canonical form: the strategy in lower case, the precision's
-    canonical name (apex aliases resolved), the chosen backend (``"auto"`` becomes ``"nccl"``
-    or ``"gloo"``), the timeout as a ``timedelta``, the compression's name (``"none"`` when
-    none), ``compile`` as ``torch.compile``'s keyword arguments (``None``: eager).
+    Values are kept canonical: the strategy in lower case, the precision's name (apex aliases
+    resolved), the chosen backend (not ``"auto"``), the timeout as a ``timedelta``, the compression's
+    name (``"none"`` when none), ``compile`` as ``torch.compile``'s keywords (``None``: eager).
 
     Args:
         strategy: ``"auto"``, ``"single"``, ``"dp"``, ``"ddp"``, ``"fsdp"`` or ``"horovod"``.
-        precision: ``"fp32"``, ``"bf16-mixed"``, ``"fp16-mixed"``, ``"fp16-o2"``, ``"bf16"``,
-            ``"fp16"`` or apex's ``"O0"``-``"O3"``.
+        precision: ``"fp32"``, ``"bf16-mixed"``, ``"fp16-mixed"``, ``"fp16-o2"``, ``"bf16"``, ``"fp16"``
+            or apex's ``"O0"``-``"O3"``.
         sync_bn: convert BatchNorm layers to SyncBatchNorm (needs CUDA; ddp or fsdp).
         accumulate: micro-steps per optimizer step (an integer >= 1).
         clip_grad_norm: clip the global gradient norm to this positive, finite value; ``None``: no clipping.
         seed: seed of every rank's RNG and of the data order.
         nonfinite: ``"skip"``, ``"stop"`` or ``"ignore"`` (see :class:`~lockstep.Session`).
-        timeout: seconds or a timedelta a collective may wait; ``None``: ``$LOCKSTEP_TIMEOUT``
-            or 10 minutes.
+        timeout: seconds or a timedelta a collective may wait; ``None``: ``$LOCKSTEP_TIMEOUT`` or 10 minutes.
         backend: ``"auto"``, ``"nccl"`` or ``"gloo"``.
         init_method: rendezvous URL (``env://``, ``tcp://``, ``file://``); ``None``: the launcher's.
         grad_compression: ddp's gradient compression: ``None``/``"none"``, ``"bf16"``, ``"fp16"``, ``"powersgd"``.
         shard_optimizer: ddp's optimizer state sharded over the ranks (ZeRO-1).
-        strategy_options: the strategy's own options (``bucket_cap_mb``, ``powersgd_rank``...),
-            checked by the strategy.
+        strategy_options: the strategy's own options (``bucket_cap_mb``, ``powersgd_rank``...), checked by it.
         compile: ``False``, ``True`` or a dict of ``torch.compile`` keyword arguments.
         quiet: print neither the start summary nor the "resumed from" line.
         preemption: ``"save"``, ``"flag"`` or ``"off"`` (see :mod:`lockstep.session.preempt`).
         preempt_check_seconds: about how often the ranks agree on a stop signal (positive, finite).
-        order: the training data order: ``"lockstep"`` (one global order and cursor, no padding,
-            exactly once at any world size; :mod:`lockstep.data.steps`) or ``"torch"``
-            (``DistributedSampler``'s order and padding).
-        global_batch: samples per optimizer step over all ranks, held when the world size
-            changes: the loader's ``batch_size`` becomes the largest per-rank micro-batch and
-            the micro-batch and accumulation are planned for the world size
-            (:func:`~lockstep.data.steps.plan_batches`). ``None``: ``batch_size x world x accumulate``.
+        order: the training data order: ``"lockstep"`` (one global order, no padding;
+            :mod:`lockstep.data.steps`) or ``"torch"`` (``DistributedSampler``'s order and padding).
+        global_batch: samples per optimizer step over all ranks, held when the world size changes
+            (:func:`~lockstep.data.steps.plan_batches`); ``None``: ``batch_size x world x accumulate``.
         loggers: :class:`lockstep.loggers.Logger` objects ``session.log`` writes to (rank 0 only).
         log_timings: the step timings the loggers receive: ``"off"``, ``"main"`` (rank 0's) or ``"all"``.
-        timings_every: the fewest steps of a timing window (windows also last about half a second);
-            every window the ranks compare timings (one small all-reduce) and a slow rank is named;
-            0 turns timings off.
+        timings_every: the fewest steps of a timing window, after which a slow rank is named; 0: off.
 
     Raises:
         ConfigError: naming the option, its flag and the fix.
 
     Example::
 
-        SessionConfig(strategy="ddp", precision="bf16-mixed", accumulate=2, clip_grad_norm=1.0)
-        lockstep.Session(config=SessionConfig(strategy="ddp"))
+        >>> config = SessionConfig(strategy="DDP", precision="O1", accumulate=2)
+        >>> config.strategy, config.precision
+        ('ddp', 'fp16-mixed')
     """
 
     strategy: str = "auto"
@@ -179,10 +162,6 @@ class SessionConfig:
 
         Raises:
             ConfigError: ``config`` is not a SessionConfig, or came with options that are not defaults.
-
-        Example::
-
-            SessionConfig.from_keywords({"strategy": "ddp"}).strategy     # 'ddp'
         """
         if config is None:
             return cls(**keywords)
@@ -208,7 +187,7 @@ class SessionConfig:
         self._check_observing()
 
     def _set(self, name: str, value: Any) -> None:
-        """Keep the canonical spelling of a checked value (the dataclass is frozen for everyone else)."""
+        """Keep a checked value's canonical spelling (the dataclass is frozen for everyone else)."""
         object.__setattr__(self, name, value)
 
     def _check_strategy(self) -> None:
@@ -232,7 +211,7 @@ class SessionConfig:
             import_horovod()  # refuses a missing or broken Horovod with the fix, as the strategy would
 
     def _check_numbers(self) -> None:
-        """Numbers of the loop: NaN and infinity fail every comparison, so they are refused too."""
+        """The loop's numbers; NaN and infinity fail every comparison, so they are refused too."""
         if isinstance(self.accumulate, bool) or not isinstance(self.accumulate, int) or self.accumulate < 1:
             raise ConfigError(
                 f"{_given('accumulate', self.accumulate)} must be an integer >= 1 (micro-steps "
@@ -252,7 +231,7 @@ class SessionConfig:
             raise ConfigError(f"{_given('preempt_check_seconds', wait)} must be a positive, finite number of seconds")
 
     def _check_choices(self) -> None:
-        """Options with a fixed set of values, listed in the message."""
+        """Options with a fixed set of values."""
         if self.nonfinite not in NONFINITE_POLICIES:
             raise ConfigError(f"{_given('nonfinite', self.nonfinite)}; choose one of {', '.join(NONFINITE_POLICIES)}")
         if self.preemption not in PREEMPTION_MODES:
@@ -265,7 +244,7 @@ class SessionConfig:
             )
 
     def _check_strategy_options(self) -> None:
-        """The strategy's own options are its to check; here only their shape and ddp's ZeRO switch."""
+        """Only the options' shape and ddp's ZeRO switch: the strategy checks the rest."""
         options = self.strategy_options
         if options is not None and not isinstance(options, dict):
             raise ConfigError(f"{_given('strategy_options', options)} must be a dict of the strategy's options")
@@ -279,7 +258,7 @@ class SessionConfig:
             )
 
     def _check_lower_layers(self) -> None:
-        """The rules owned by the layers below, each called once; what they return is the canonical value."""
+        """The rules owned by the layers below; what they return is the canonical value."""
         from lockstep.comm.group import pick_backend
         from lockstep.comm.store import resolve_timeout
         from lockstep.precision import check_precision
@@ -334,7 +313,7 @@ class SessionConfig:
             )
 
     def _check_observing(self) -> None:
-        """Loggers are lockstep's logger objects; timings are a choice and a window length."""
+        """Loggers, the timings' choice and window length."""
         from lockstep.loggers import Logger
 
         loggers = self.loggers
@@ -357,12 +336,7 @@ class SessionConfig:
 
     @property
     def compile_backend(self) -> str:
-        """The ``torch.compile`` backend as an app's ``--compile`` names it: ``none`` (eager) or the backend.
-
-        Example::
-
-            SessionConfig(compile={"backend": "aot_eager"}).compile_backend     # 'aot_eager'
-        """
+        """The ``torch.compile`` backend as an app's ``--compile`` names it: ``none`` (eager) or the backend."""
         options = self.compile if isinstance(self.compile, dict) else None
         return "none" if options is None else str(options.get("backend", "inductor"))
 
@@ -374,10 +348,6 @@ class SessionConfig:
 
         Raises:
             ConfigError: ``dp``, which drives every GPU from one process, with several processes.
-
-        Example::
-
-            SessionConfig(strategy="dp").check_processes(2)     # ConfigError
         """
         from lockstep.strategies import check_processes
 
@@ -391,10 +361,6 @@ class SessionConfig:
 
         Raises:
             ConfigError: an option bound to a fixed group or world size, naming the fix.
-
-        Example::
-
-            SessionConfig(global_batch=24).check_nodes("1:3")
         """
         from lockstep.data.samplers import check_order
         from lockstep.strategies import check_nodes
@@ -419,13 +385,7 @@ class SessionConfig:
         """The keyword arguments :func:`lockstep.strategies.get_strategy` builds the strategy with.
 
         Args:
-            world_size: processes of the job (with ``"auto"`` in one process there is no ddp
-                optimizer to shard).
-
-        Example::
-
-            SessionConfig(strategy="ddp", grad_compression="fp16").strategy_kwargs(2)
-            # {'grad_compression': 'fp16'}
+            world_size: processes of the job (``"auto"`` in one process has no ddp optimizer to shard).
         """
         out = dict(self.strategy_options or {})
         out.pop("grad_compression", None)

@@ -1,38 +1,8 @@
 """A Session under ``lockstep run --nodes MIN:MAX``: the same loop, nodes leaving and joining under it.
 
-The script does not change::
-
-    session = lockstep.Session(global_batch=24)
-    model, optimizer = session.setup(Net(), lambda p: torch.optim.SGD(p, lr=0.05))
-    train = session.loader(train_set, batch_size=8)
-    for epoch in session.epochs(2):
-        for x, y in train:
-            session.backward(loss_fn(model(x), y))
-            session.step(optimizer)
-        session.save("ckpt", model=model, optimizer=optimizer)
-
-Under ``--nodes`` the session's comm is an :class:`~lockstep.comm.elastic_comm.ElasticComm` and its
-strategy :class:`~lockstep.strategies.elastic.ElasticDDPStrategy` (no DDP wrapper: gradients are
-averaged at ``session.step``). :class:`ElasticTraining` ties the loop to the membership:
-
-* the worker joins the job at the first step boundary (``session.epochs`` or the first batch), once
-  the model, the optimizer and the loaders exist: they are what a peer hands over;
-* at each step's first batch the training loader asks :meth:`ElasticTraining.at_boundary` whether a
-  node waits to join (one broadcast); if so, the group is rebuilt and the state taken from a peer;
-* a step is committed when its gradient all-reduce and the optimizer's step are done; a peer's death
-  in the step drops it (``session.step`` returns False), the group is rebuilt, and every rank goes
-  back to the last committed position (:class:`CommittedPosition`), taken from the member with the
-  most committed steps;
-* after each change, gradients are zeroed, micro-batch x accumulation re-planned for the new world
-  size (the global batch is kept), the samplers resized to (world, rank), and the loader continues
-  from the committed cursor with this rank's new share: every sample of an epoch lands in exactly
-  one committed step, and each committed step holds the global batch.
-
-What ``--nodes`` changes in the options (:func:`options_under_nodes`, checked before any group):
-``global_batch`` is required and the data order must be ``"lockstep"``; only ``ddp`` (or ``auto``)
-without ``sync_bn``, ``grad_compression`` or ``shard_optimizer``; preemption is ``"off"`` (a node that
-gets SIGTERM leaves and the others go on) and step timings are off; the checkpoint folder is not
-locked (its holder, rank 0, changes with the membership).
+:class:`ElasticTraining` ties the loop's step boundaries to the membership: joins, admissions,
+dropped steps rolled back to the :class:`CommittedPosition`; :func:`options_under_nodes` adapts or
+refuses the options first. What ``--nodes`` changes is described in docs/clusters.md.
 """
 
 from __future__ import annotations
@@ -67,10 +37,6 @@ def options_under_nodes(config: SessionConfig) -> SessionConfig:
 
     Raises:
         ConfigError: an option a job whose membership changes cannot honour, named with the fix.
-
-    Example::
-
-        config = options_under_nodes(SessionConfig(global_batch=24))
     """
     nodes = read_settings().elastic_nodes
     if not nodes:
@@ -83,16 +49,10 @@ class CommittedPosition:
     """The session's counters and data position as of the last committed step: what a peer hands over.
 
     The loaders count a batch when they hand it out, so during a step the live position is ahead of
-    the last committed one; a step that is dropped goes back here (:meth:`rollback`).
+    the committed one; a dropped step goes back here (:meth:`rollback`).
 
     Args:
         state: the session's :class:`~lockstep.session.state.TrainState`.
-
-    Example::
-
-        position = CommittedPosition(session.state)
-        position.commit()         # after a step
-        position.rollback(1, 2)   # after a change: back to the committed position, as rank 1 of 2
     """
 
     def __init__(self, state: TrainState) -> None:
@@ -100,7 +60,7 @@ class CommittedPosition:
         self.committed: dict[str, Any] = state.position()
 
     def commit(self) -> None:
-        """Record the live position as committed (a step ended, a boundary was reached, or the disk was read)."""
+        """Record the live position as committed."""
         self.committed = self.state.position()
 
     def state_dict(self) -> dict[str, Any]:
@@ -112,12 +72,12 @@ class CommittedPosition:
         self.committed = state
 
     def rollback(self, rank: int, world_size: int) -> None:
-        """Put the committed position back into the counters and the loaders, as ``rank`` of ``world_size``."""
+        """Put the committed position back into the counters and loaders, as ``rank`` of ``world_size``."""
         self.state.load_position(self.committed, rank, world_size)
 
 
 class ElasticTraining:
-    """What the session does at the step boundaries of a job whose nodes leave and join (see the module).
+    """What the session does at the step boundaries of a job whose nodes leave and join.
 
     The training loaders ask it at each step's first batch (:meth:`at_boundary`) and restart from the
     committed position when :attr:`generation` moved.
@@ -126,12 +86,7 @@ class ElasticTraining:
         comm: the session's :class:`~lockstep.comm.elastic_comm.ElasticComm`.
         state: the session's counters and loaders.
         accum: the session's :class:`~lockstep.session.loop.Accumulator` (re-planned after a change).
-        checks: the session's loop checks (the first-step replica comparison is not needed: every
-            change hands the whole state over).
-
-    Example::
-
-        elastic = ElasticTraining.of(session.comm, session.state, accum, checks)   # None unless --nodes
+        checks: the session's loop checks (no first-step replica comparison: every change hands the state over).
     """
 
     def __init__(self, comm: ElasticComm, state: TrainState, accum: Any, checks: Any) -> None:
@@ -149,15 +104,15 @@ class ElasticTraining:
 
     @classmethod
     def of(cls, comm: Comm, state: TrainState, accum: Any, checks: Any) -> ElasticTraining | None:
-        """The session's elastic side when ``comm`` is an :class:`ElasticComm`, else ``None`` (see the class)."""
+        """The session's elastic side when ``comm`` is an :class:`ElasticComm`, else ``None``."""
         return cls(comm, state, accum, checks) if isinstance(comm, ElasticComm) else None
 
     def folders(self) -> FolderLocks:
-        """Checkpoint folders used without a lock: the lock's holder, rank 0, changes with the membership."""
+        """Checkpoint folders without a lock: the lock's holder, rank 0, changes with the membership."""
         return _UnlockedFolders(self.comm)
 
     def watch(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, precision: Any) -> None:
-        """Hand ``model``, ``optimizer`` and the precision's state over at every change (``session.setup``)."""
+        """Hand ``model``, ``optimizer`` and the precision's state over at every change."""
         n = len(self._models)
         self._models.append(model)
         self.group.stateful[f"model{n or ''}"] = model
@@ -167,14 +122,14 @@ class ElasticTraining:
         self.group.stateful["precision"] = precision
 
     def start(self, epoch: int) -> int:
-        """Join the job if not in yet (``session.epochs``); returns the epoch to run (a running job's may be later)."""
+        """Join the job if not in yet; returns the epoch to run (a running job's may be later)."""
         if not self.group.joined:
             self._join()
         # a running job's epoch wins over the script's start; a fresh job (every worker new) starts alike everywhere
         return self.state.epoch if self.group.step > 0 else max(epoch, self.state.epoch)
 
     def at_boundary(self) -> None:
-        """A step is about to start: join, or let in a node that waits (every rank calls it at the same step)."""
+        """A step is about to start: join, or let in a node that waits (every rank, same step)."""
         if not self.group.joined:
             self._join()
             return
@@ -184,13 +139,10 @@ class ElasticTraining:
         self._began = time.monotonic()
 
     def step(self, train_step: Callable[[], bool]) -> bool:
-        """Run the session's step; count it committed, or drop it when a peer died in it.
+        """Run the session's step; count it committed, or drop it (False) when a peer died in it.
 
         Args:
             train_step: averages the gradients, decides, clips and steps (``TrainStep.step``).
-
-        Returns:
-            What ``train_step`` returned, or False when the step was dropped.
         """
         try:
             took = train_step()
@@ -205,7 +157,7 @@ class ElasticTraining:
         return took
 
     def load(self, restore: Callable[..., ResumeState]) -> ResumeState:
-        """``session.load``: join, the disk checkpoint read only when no member holds the state.
+        """``session.load``: join; the disk is read only when no member holds the state.
 
         Args:
             restore: ``restore(comm=...)`` loads the newest checkpoint into the session's objects.
@@ -244,7 +196,7 @@ class ElasticTraining:
         self._changed()
 
     def _changed(self) -> None:
-        """The group was rebuilt: the committed position back, gradients zeroed, the batches re-planned."""
+        """The group was rebuilt: the committed position back, gradients zeroed, batches re-planned."""
         world, rank = self.comm.world_size, self.comm.rank
         self.position.rollback(rank, world)
         for optimizer in self._optimizers:

@@ -1,15 +1,4 @@
-"""The session's training and evaluation loaders: batches on the device, each training loader's
-epoch and position, and the progress bar.
-
-:class:`DeviceLoader` wraps the DataLoader of :func:`lockstep.data.loader.make_loader`;
-:class:`TrainLoaders` sets, saves and restores the epoch of every training loader in use.
-
-Example::
-
-    loaders = TrainLoaders()
-    loaders.add(DeviceLoader(make_loader(data, 32, world_size=1, rank=0), torch.device("cpu"), train=True))
-    loaders.set_epoch(0)
-"""
+"""The session's loaders: batches on the device, each training loader's epoch and position, the progress bar."""
 
 from __future__ import annotations
 
@@ -30,30 +19,21 @@ __all__ = ["DeviceLoader", "TrainLoaders", "progress_bar"]
 class DeviceLoader:
     """Iterate a DataLoader, moving each batch to the device, and count what training consumed.
 
-    ``len()`` is the number of batches of a whole epoch on this rank, like a DataLoader's, and
-    does not change while iterating; :attr:`remaining` counts the batches of the current epoch
-    not handed out yet (fewer than ``len()`` in an epoch resumed mid-way, 0 after the epoch).
+    ``len()`` is the batches of a whole epoch on this rank and does not change while iterating;
+    :attr:`remaining` counts those of the current epoch not handed out yet; ``share`` is this rank's
+    samples in the batch last handed out.
 
     Args:
-        loader: the torch DataLoader (its sampler is a lockstep sampler).
+        loader: the DataLoader of :func:`lockstep.data.loader.make_loader`.
         device: where batches go (``non_blocking`` copies on CUDA).
-        train: True for a training loader; its sampler position advances per batch so a
-            checkpoint taken mid-epoch knows how far the epoch got.
-        on_batch: called with :attr:`remaining` (the batch included) as each training batch
-            is handed out, before the model sees it (the session's accumulation window); in
-            the default order also with the size of the batch's accumulation window and the
-            factor on its loss (:meth:`lockstep.data.steps.MicroStep.weight`).
+        train: a training loader: its sampler position advances per batch.
+        on_batch: told of each training batch before the model sees it (the accumulation window).
         timer: times each wait for a training batch (:mod:`lockstep.session.timings`), or ``None``.
-
-    Example::
-
-        train = DeviceLoader(make_loader(data, 32, world_size=1, rank=0), torch.device("cpu"), train=True)
-        len(train), train.remaining   # (n, n) before the epoch, (n, 0) after it
     """
 
     def __init__(
         self,
-        loader: torch.utils.data.DataLoader,
+        loader: torch.utils.data.DataLoader[Any],
         device: torch.device,
         train: bool,
         on_batch: Callable[..., None] | None = None,
@@ -85,7 +65,7 @@ class DeviceLoader:
 
     @property
     def dataset(self) -> Any:
-        """The dataset behind the loader (the one given, not the per-sample seeding wrapper)."""
+        """The dataset given (not the per-sample seeding wrapper)."""
         dataset = self.loader.dataset
         dataset = dataset.dataset if isinstance(dataset, StepBatches) else dataset
         return dataset.dataset if isinstance(dataset, SeededDataset) else dataset
@@ -104,12 +84,7 @@ class DeviceLoader:
 
     @property
     def remaining(self) -> int:
-        """Batches of the current epoch not handed out yet (training: the sampler's position).
-
-        Example::
-
-            done = len(train) - train.remaining
-        """
+        """Batches of the current epoch not handed out yet."""
         return len(self.loader)
 
     def __len__(self) -> int:
@@ -119,7 +94,7 @@ class DeviceLoader:
         if samples is None or not self.loader.batch_size:
             return len(self.loader)
         size = self.loader.batch_size
-        return samples // size if self.loader.drop_last else -(-samples // size)
+        return int(samples // size if self.loader.drop_last else -(-samples // size))
 
     def __iter__(self) -> Iterator[Any]:
         steps = self.steps  # one pass of the default order, unless under --nodes a change can start another
@@ -133,15 +108,13 @@ class DeviceLoader:
         return batches if self.timer is None else self.timer.data(batches, self, _batch_len)
 
     def _iter_passes(self, steps: StepSampler) -> Iterator[Any]:
-        """Under ``--nodes``: a membership change sets the position back to the last committed step, and a
-        new pass starts there with this rank's new share (none when that position is in a later epoch)."""
+        """Under ``--nodes`` a change sets the position back; a new pass starts there with the new share."""
         epoch = steps.epoch
         while (yield from self._pass(steps)) and steps.epoch == epoch:
             pass
 
     def _pass(self, steps: StepSampler) -> Generator[Any, None, bool]:
-        """The default order from the sampler's position on: each batch's place in its step is known from the
-        cursor, whatever the prefetch. Returns True when the membership moved the position meanwhile."""
+        """The default order from the sampler's position; True when the membership moved the position meanwhile."""
         on_host, tracker, on_batch = self.device.type == "cpu", self.tracker, self._on_batch
         world, rank = steps.world_size, steps.rank
         upcoming = steps.upcoming() if self.train else []
@@ -170,7 +143,7 @@ class DeviceLoader:
         return False
 
     def _iter_padded(self) -> Iterator[Any]:
-        """The torch order: every rank has the same batches (padded), of ``batch_size`` but the last."""
+        """The torch order: every rank has the same batches (padded)."""
         move, device, nb = self._move, self.device, self._non_blocking
         on_host = device.type == "cpu"  # the loader's batches are already there
         advance = getattr(self.sampler, "advance", None) if self.train else None
@@ -205,24 +178,11 @@ def _batch_len(batch: Any) -> int:
 
 
 class TrainLoaders:
-    """The session's training loaders: each one's epoch is set, saved and restored.
+    """The session's training loaders, held weakly in creation order: each one's epoch is set, saved and restored.
 
-    Loaders are held weakly (a loader the script dropped is forgotten) and kept in creation
-    order, which pairs them with the sampler states of a checkpoint. A state loaded before its
-    loader exists (``session.load`` called before ``session.loader``, or a loader made inside the
-    epoch loop) waits here and is applied when the loader is made, so the epoch still resumes
-    where it stopped.
-
-    Whether a checkpoint was taken in the middle of an epoch is what the loaders last did: an
-    epoch is finished once a loader ran out after the last batch handed out (this covers one
-    loader, ``zip`` of loaders of different lengths, and loops that ``break``), or when every
-    loader has handed out its whole epoch (a save right after the last step).
-
-    Example::
-
-        loaders = TrainLoaders()
-        loaders.add(train)
-        loaders.set_epoch(3)
+    A state loaded before its loader exists waits here and is applied when the loader is made. An
+    epoch is finished once a loader ran out after the last batch handed out, or every loader handed
+    out its whole epoch.
     """
 
     def __init__(self) -> None:
@@ -243,22 +203,12 @@ class TrainLoaders:
 
     @property
     def first(self) -> DeviceLoader | None:
-        """The first training loader (its batches are the ones the summary describes)."""
+        """The first training loader (the one the summary describes)."""
         live = self.live
         return live[0] if live else None
 
     def describe(self, world_size: int, accumulate: int, max_steps: int | None = None) -> list[str]:
-        """What the session's summary says about the batches of the first loader (nothing without one).
-
-        Args:
-            world_size: ranks in the job.
-            accumulate: micro-steps per optimizer step.
-            max_steps: the loop takes at most this many steps per epoch (``"5 of 12 steps per epoch"``).
-
-        Example::
-
-            loaders.describe(4, 1)   # ['batch 100 per device', 'global batch 400 (100 x 4 x 1)', '...']
-        """
+        """What the session's summary says about the first loader's batches (nothing without one)."""
         first = self.first
         if first is None:
             return []
@@ -277,18 +227,7 @@ class TrainLoaders:
 
     @staticmethod
     def options(options: dict[str, Any], config: Any, per_step: int, eval: bool) -> dict[str, Any]:
-        """``make_loader``'s options for a session loader: the session's data order and global batch.
-
-        Args:
-            options: what the script gave ``Session.loader`` (they win).
-            config: the session's :class:`~lockstep.session.config.SessionConfig`.
-            per_step: the loader's batch size times the world size.
-            eval: an evaluation loader (neither applies).
-
-        Example::
-
-            TrainLoaders.options({}, SessionConfig(global_batch=24), 8, eval=False)
-        """
+        """``make_loader``'s options for a session loader: the session's order and global batch (the script's win)."""
         if eval:
             return options
         out = {"order": config.order, **options}
@@ -301,7 +240,7 @@ class TrainLoaders:
 
     def wrap(
         self,
-        loader: torch.utils.data.DataLoader,
+        loader: torch.utils.data.DataLoader[Any],
         device: torch.device,
         *,
         train: bool,
@@ -309,21 +248,7 @@ class TrainLoaders:
         accum: Any = None,
         timer: Any = None,
     ) -> DeviceLoader:
-        """Return ``loader`` as a :class:`DeviceLoader` on ``device``; a training one is tracked (:meth:`add`).
-
-        Args:
-            loader: a DataLoader of :func:`~lockstep.data.loader.make_loader`.
-            device: where its batches go.
-            train: a training loader (its epoch and position are the session's).
-            on_batch: told as each training batch is handed out (see :class:`DeviceLoader`).
-            accum: the session's :class:`~lockstep.session.loop.Accumulator`: told of each batch,
-                and given the first loader's planned accumulation (a global batch plans it).
-            timer: times each wait for a training batch (see :class:`DeviceLoader`).
-
-        Example::
-
-            train = loaders.wrap(make_loader(data, 32, world_size=1, rank=0), torch.device("cpu"), train=True)
-        """
+        """Return ``loader`` as a :class:`DeviceLoader` on ``device``; a training one is tracked (:meth:`add`)."""
         wrapped = DeviceLoader(loader, device, train, accum.on_batch if accum is not None else on_batch, timer)
         if train:
             self.add(wrapped)
@@ -334,11 +259,7 @@ class TrainLoaders:
         return wrapped
 
     def add(self, loader: DeviceLoader) -> None:
-        """Track ``loader``; a sampler state waiting for it is applied now.
-
-        A loader made inside an epoch (``for x in session.loader(...)`` in the epoch loop)
-        starts at that epoch, so its order changes from epoch to epoch.
-        """
+        """Track ``loader``; a sampler state waiting for it is applied now, else it starts the current epoch."""
         if self._pending and int(self._pending[0].get("epoch", -1)) == self._epoch:
             loader.sampler.load_state_dict(self._pending.pop(0))
         else:
@@ -359,21 +280,10 @@ class TrainLoaders:
         return [loader.sampler.state_dict() for loader in self.live]
 
     def restore(self, states: list[dict[str, Any]], epoch: int, epoch_done: bool | None, legacy: bool = False) -> bool:
-        """Load saved sampler ``states``, paired with the loaders in creation order.
+        """Load saved sampler ``states``, paired with the loaders in creation order; True when taken mid-``epoch``.
 
-        Returns True when the checkpoint was taken in the middle of ``epoch`` (each loader then
-        continues from its position); otherwise every loader starts the next epoch.
-
-        Args:
-            states: the saved sampler states.
-            epoch: the epoch the checkpoint was taken in.
-            epoch_done: whether that epoch had finished; ``None`` for a checkpoint that did not
-                record it (then a position short of the dataset's end means mid-epoch).
-            legacy: ``states`` is the one state of an older checkpoint, which was the last
-                loader's.
-
-        Raises:
-            ConfigError: a state was saved for a dataset of another length.
+        ``epoch_done`` is ``None`` for an older checkpoint that did not record it; ``legacy``: ``states`` is
+        an older checkpoint's one state, which was the last loader's.
         """
         if not states:
             self._pending = []
@@ -393,20 +303,7 @@ class TrainLoaders:
 
 
 def progress_bar(iterable: Iterable[Any], show: bool, *, force: bool = False, **kwargs: Any) -> Iterable[Any]:
-    """Wrap ``iterable`` in a tqdm bar where ``show`` is True and stderr is a terminal (or ``force``).
-
-    The bar of a training loader resumed mid-epoch starts at the batches already done.
-
-    Args:
-        iterable: what the loop goes over.
-        show: draw a bar in this process (rank 0 only, so ranks do not print over each other).
-        force: draw it even when stderr is not a terminal.
-        **kwargs: passed to tqdm (``leave`` is False unless given).
-
-    Example::
-
-        for batch in progress_bar(train, session.is_main, desc="epoch 0"): ...
-    """
+    """Wrap ``iterable`` in a tqdm bar where ``show`` is True and stderr is a terminal (or ``force``)."""
     if not show or not (force or sys.stderr.isatty()):
         return iterable
     from tqdm.auto import tqdm
@@ -414,4 +311,5 @@ def progress_bar(iterable: Iterable[Any], show: bool, *, force: bool = False, **
     kwargs.setdefault("leave", False)
     if isinstance(iterable, DeviceLoader) and iterable.train:
         kwargs.setdefault("initial", len(iterable) - iterable.remaining)
-    return tqdm(iterable, **kwargs)
+    bar: Iterable[Any] = tqdm(iterable, **kwargs)
+    return bar

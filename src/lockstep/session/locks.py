@@ -1,18 +1,8 @@
 """The checkpoint folders a session holds: one live job per folder.
 
-``Session.save`` and ``Session.load`` take the folder's lock (:func:`lockstep.checkpoint.lock_folder`)
-the first time they see it, and keep it until ``Session.close``; a second live job that saves
-into (or resumes from) the same folder is refused with one line naming the holder's host and pid.
-A lock also ends with rank 0's process, however it ends. A folder where no lock can be taken
-(a read-only file system holding checkpoints to resume from) is used without one, with a warning.
-The save still being written is :mod:`lockstep.session.saves`' job.
-
-Example::
-
-    locks = FolderLocks(comm)
-    locks.hold("checkpoints")      # collective the first time, a no-op after
-    ...
-    locks.release()                # Session.close, before the comm shuts down
+``Session.save`` and ``Session.load`` take a folder's lock (:func:`lockstep.checkpoint.lock_folder`)
+the first time they see it and keep it until ``Session.close``; a folder where no lock can be taken
+(a read-only file system) is used without one, with a warning.
 """
 
 from __future__ import annotations
@@ -38,10 +28,6 @@ class FolderLocks:
 
     Args:
         comm: the job's communication (taking a lock is a collective).
-
-    Example::
-
-        FolderLocks(comm).hold(Path("ckpt"))
     """
 
     def __init__(self, comm: Comm) -> None:
@@ -53,18 +39,8 @@ class FolderLocks:
     def hold(self, directory: str | Path) -> Path | str:
         """Take ``directory``'s lock unless this session holds it already (every rank calls it).
 
-        Args:
-            directory: the checkpoint folder.
-
-        Returns:
-            ``directory`` as a ``Path``, or a URL (``s3://...``) as a ``str``.
-
-        Raises:
-            FolderInUseError: another live job holds the folder.
-
-        Example::
-
-            locks.hold("checkpoints")
+        Returns ``directory`` as a ``Path``, or a URL as a ``str``; raises ``FolderInUseError`` when
+        another live job holds it.
         """
         where = location(directory)
         key = where if isinstance(where, str) else os.path.abspath(where)
@@ -79,12 +55,7 @@ class FolderLocks:
         return where
 
     def release(self) -> None:
-        """Give every folder up (safe to call twice; no collective).
-
-        Example::
-
-            locks.release()
-        """
+        """Give every folder up (safe to call twice; no collective)."""
         _release_all(self._held)
 
 

@@ -1,18 +1,5 @@
-"""The training step behind ``Session.backward`` and ``Session.step``: gradient accumulation,
-the non-finite decision, clipping, the optimizer step and the counters it moves.
-
-The model's wrappers are :mod:`lockstep.session.wrappers`, the loaders
-:mod:`lockstep.session.loaders`, the non-finite policy :mod:`lockstep.session.nonfinite`; users
-meet these only through ``Session``.
-
-Example::
-
-    accum = Accumulator(2)
-    accum.attach(strategy, wrapped_model)   # opens the first no-sync window
-    steps = TrainStep(state, accum, policy, precision, strategy, comm, clip=None, say=print)
-    steps.backward(loss)
-    if accum.ready:
-        steps.step(optimizer, wrapped_model)
+"""The training step behind ``Session.backward`` and ``Session.step``: gradient accumulation, the
+non-finite decision, clipping, the optimizer step and the counters it moves.
 """
 
 from __future__ import annotations
@@ -41,26 +28,14 @@ __all__ = ["Accumulator", "TrainStep"]
 class Accumulator:
     """Gradient accumulation over windows of ``k`` micro-steps: no gradient sync on all but the last.
 
-    A window closes early at the end of a training loader's epoch: with ``k=3`` and 10 batches
-    an epoch takes 4 optimizer steps, on 3, 3, 3 and 1 micro-batches, so no micro-batch is
-    carried into the next epoch and a run resumed at an epoch's end takes the same steps as one
-    that was not stopped. Each micro-batch's loss is divided by the size of its window, so every
-    step applies the mean gradient over the micro-batches it saw (a last window of one applies
-    that micro-batch's gradient at full weight, as a step without accumulation would).
-
+    A window closes early at the end of a training loader's epoch, so no micro-batch is carried into
+    the next epoch; each loss is divided by its window's size, so every step applies the mean.
     DDP decides whether to sync at *forward* time, so the no-sync state is entered before the
-    first micro-step's forward and left before the window's last forward. The window's size is
-    decided when its first batch is handed out (:meth:`on_batch`); micro-batches that do not come
-    from a session loader make windows of ``k``.
+    window's first forward and left before its last one; the window is sized at its first batch
+    (:meth:`on_batch`).
 
     Args:
-        k: micro-steps per optimizer step (1 disables accumulation; ``SessionConfig`` checked it).
-
-    Example::
-
-        accum = Accumulator(3)
-        accum.on_batch(1)          # the epoch's last batch: a window of one
-        accum.scale(loss)          # loss / 1
+        k: micro-steps per optimizer step (1 disables accumulation).
     """
 
     def __init__(self, k: int) -> None:
@@ -83,16 +58,10 @@ class Accumulator:
         return self.micro >= self.window
 
     def on_batch(self, left: int, window: int | None = None, weight: Fraction | None = None) -> None:
-        """A training loader handed out a batch; ``left`` batches of its epoch remain, this one included.
+        """A training loader handed out a batch, ``left`` of its epoch remaining (this one included).
 
-        At a window's first batch this sizes the window: ``k``, or fewer at the epoch's end (or
-        ``window``, when the loader plans its steps).
-
-        Args:
-            left: the loader's remaining batches before this one was handed out.
-            window: the micro-steps of the batch's optimizer step (the default data order).
-            weight: the factor on the batch's loss, in place of ``1 / window``: this rank's share
-                of the step's samples times the world size (:mod:`lockstep.data.steps`).
+        At a window's first batch this sizes the window: ``k``, fewer at the epoch's end, or ``window``
+        when the loader plans its steps; ``weight`` replaces ``1 / window`` on the loss (:mod:`lockstep.data.steps`).
         """
         self.weight = weight
         if self.micro == 0:
@@ -103,8 +72,7 @@ class Accumulator:
                 self._open()
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss`` divided by the window's size, so that the step applies the window's mean;
-        or times the batch's weight, so that it applies the mean over the step's samples."""
+        """``loss`` over the window's size, or times the batch's weight: the step applies the mean."""
         weight = self.weight
         if weight is None:
             return loss / self.window if self.window > 1 else loss
@@ -137,11 +105,7 @@ class Accumulator:
 
 
 class TrainStep:
-    """What ``Session.backward`` and ``Session.step`` do, between the user's loss and the counters.
-
-    Every rank takes the same decision: gradients are already averaged over the ranks, so a
-    non-finite value is seen everywhere. The counters are ``state``'s; the non-finite policy
-    only reports what it skipped.
+    """What ``Session.backward`` and ``Session.step`` do, between the user's loss and ``state``'s counters.
 
     Args:
         state: the loop's state (its counters move here).
@@ -153,11 +117,6 @@ class TrainStep:
         clip: the largest global gradient norm, or ``None``.
         say: prints a warning once (``Session.print``).
         timer: times the phases of each step (:mod:`lockstep.session.timings`), or ``None``.
-
-    Example::
-
-        steps = TrainStep(state, Accumulator(1), NonFinitePolicy("skip"), precision, strategy, comm,
-                          clip=1.0, say=print)
     """
 
     def __init__(
@@ -177,21 +136,13 @@ class TrainStep:
         self.clip, self.say, self.timer = clip, say, timer
 
     def attach(self, model: nn.Module) -> None:
-        """Bind the accumulation to the wrapped ``model`` (its first no-sync window) and time its gradients.
-
-        Args:
-            model: the strategy-wrapped model.
-        """
+        """Bind the accumulation to the wrapped ``model`` and time its gradients."""
         self.accum.attach(self.strategy, model)
         if self.timer is not None:
             self.timer.watch(model)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backpropagate ``loss``, scaled for fp16 and for the accumulation window.
-
-        Args:
-            loss: the micro-batch's loss.
-        """
+        """Backpropagate ``loss``, scaled for fp16 and for the accumulation window."""
         self.finite.record(loss)
         loss = self.accum.scale(loss)
         watch = self.comm.watchdog
@@ -210,12 +161,7 @@ class TrainStep:
         self.accum.after_backward()
 
     def step(self, optimizer: torch.optim.Optimizer, model: nn.Module | None) -> bool:
-        """Decide, unscale, clip, step, zero the gradients and count; False when no step was taken.
-
-        Args:
-            optimizer: the optimizer to step (its gradients are checked).
-            model: the strategy-wrapped model whose gradients are clipped (``None``: no clip).
-        """
+        """Decide, unscale, clip, step, zero the gradients and count; False when no step was taken."""
         state = self.state
         if self.timer is not None:
             self.timer.before_step()
@@ -243,15 +189,11 @@ class TrainStep:
         return took
 
     def count_late_skips(self, name_ranks: bool = True) -> None:
-        """Read the steps the optimizer skipped on the device (no-sync path) into the counters.
-
-        Args:
-            name_ranks: gather which ranks saw a non-finite loss (a collective).
-        """
+        """Count the steps the optimizer skipped on the device; ``name_ranks`` gathers which ranks (a collective)."""
         self._note(self.finite.count_late_skips(name_ranks))
 
     def _note(self, late: LateSkips) -> None:
-        """The counters are the state's: it moves the steps; the warning is printed once."""
+        """The state counts the late skips; the warning is printed once."""
         if late.steps:
             self.state.count_late_skips(late.steps)
             self.say(late.message)

@@ -1,29 +1,9 @@
-"""The non-finite loss policy: the per-step gradient check, naming the ranks, one decision.
+"""The non-finite loss policy: the per-step gradient check, naming the ranks, one decision on every rank.
 
-:class:`NonFinitePolicy` is what the session holds. Its :class:`FiniteCheck` runs once per
-optimizer step (the hot path) unless the policy is ``nonfinite="ignore"``;
-:func:`name_nonfinite_ranks` runs only on the rare bad step. The policy owns no counter: it
-answers each step with a :class:`StepDecision` and reports steps found skipped later as
-:class:`LateSkips`; the session's :class:`~lockstep.session.state.TrainState` counts them.
-
-**Without a host sync on an accelerator.** Reading the check's flag on the host waits for the
-GPU once per step. When the gradients live on an accelerator, the policy is ``"skip"`` and the
-optimizer can skip a step by itself on the device (torch's fused Adam, AdamW and SGD:
-``fused=True``, the same path GradScaler uses), the flag is not read: it is lent to the
-optimizer as ``found_inf``, so a non-finite step changes neither the weights nor the optimizer's
-state (Adam's step count included), and the skipped steps are added up on the device. The host
-reads that sum every ``read_every`` steps (default 50), before a checkpoint is written and at
-the end; only then are the skipped steps reported (:class:`LateSkips`, with the warning naming
-the ranks whose loss was not finite). Every rank takes the same decision, as before: the flag
-comes from gradients already averaged over the ranks, and the ranks read the sum at the same
-steps. ``"stop"``, sharded gradients (FSDP), other optimizers and CPU gradients keep the one
-read per step (on CPU it costs no sync).
-
-Example::
-
-    policy = NonFinitePolicy("skip", comm)
-    policy.record(loss)
-    decision = policy.decide(optimizer, step=3, epoch=0)   # decision.take: the step goes ahead
+With gradients on an accelerator, ``"skip"`` and a fused optimizer, the check's flag is not read
+on the host but lent to the optimizer as ``found_inf`` (it skips a bad step on the device), and the
+skipped steps are read every ``read_every`` steps, before a save and at the end (:class:`LateSkips`).
+Elsewhere the flag is read once per step. The policy counts nothing: the session's ``TrainState`` does.
 """
 
 from __future__ import annotations
@@ -67,19 +47,7 @@ class NonFiniteLossError(LockstepError):
 
 @dataclass(frozen=True)
 class StepDecision:
-    """Whether an optimizer step goes ahead, and the warning when it was skipped on every rank.
-
-    Args:
-        take: True when the step may go ahead (on the no-sync path the optimizer may still
-            skip it itself; :class:`LateSkips` reports that later).
-        message: the warning naming the ranks whose loss was not finite ("" when ``take``).
-
-    Example::
-
-        decision = policy.decide(optimizer, step=3, epoch=0)
-        if not decision.take:
-            print(decision.message)
-    """
+    """Whether an optimizer step goes ahead (``take``), and the warning (``message``) when it was skipped everywhere."""
 
     take: bool = True
     message: str = ""
@@ -87,17 +55,7 @@ class StepDecision:
 
 @dataclass(frozen=True)
 class LateSkips:
-    """Steps that were counted as taken but that the optimizer skipped on the device.
-
-    Args:
-        steps: how many (0: none).
-        message: the warning naming the ranks and the steps ("" when ``steps`` is 0).
-
-    Example::
-
-        late = policy.count_late_skips()
-        state.count_late_skips(late.steps)
-    """
+    """Steps counted as taken that the optimizer skipped on the device (``steps``), and the warning."""
 
     steps: int = 0
     message: str = ""
@@ -112,19 +70,11 @@ class NonFinitePolicy:
     """What a session does when the loss turns NaN/inf on any rank; every rank decides alike.
 
     Args:
-        policy: ``"skip"`` the step on every rank, ``"stop"`` every rank with an error, or
-            ``"ignore"`` (no check; fastest).
+        policy: ``"skip"``, ``"stop"`` or ``"ignore"``.
         comm: the job's collectives (to name the ranks, and to agree on sharded gradients).
-        defer: lend the flag to fused optimizers instead of reading it: ``None`` only for
-            gradients on an accelerator, True wherever the optimizer can, False never.
+        defer: lend the flag to fused optimizers: ``None`` only for gradients on an accelerator,
+            True wherever the optimizer can, False never.
         read_every: steps between two host reads of the steps skipped on the device.
-
-    Raises:
-        ConfigError: ``read_every`` below 1 (the policy itself is checked by ``SessionConfig``).
-
-    Example::
-
-        policy = NonFinitePolicy("stop", comm)
     """
 
     def __init__(
@@ -143,31 +93,14 @@ class NonFinitePolicy:
         self._first = 0  # the first step of that window
 
     def record(self, loss: torch.Tensor) -> None:
-        """Keep this micro-step's loss, to tell which ranks saw a non-finite one.
-
-        Args:
-            loss: the loss given to ``Session.backward``.
-        """
+        """Keep this micro-step's loss, to tell which ranks saw a non-finite one."""
         if self.active:
             self.loss = loss.detach()
 
     def decide(self, optimizer: torch.optim.Optimizer, step: int, epoch: int) -> StepDecision:
-        """Whether the step goes ahead; when it does not, the warning of a step skipped on every rank.
+        """Whether the step goes ahead; raises :class:`NonFiniteLossError` under ``"stop"``.
 
-        On the no-sync path (see the module docstring) the flag is lent to the optimizer, which
-        skips a bad step itself, and the step goes ahead: :meth:`after_step` must follow it.
-
-        Args:
-            optimizer: the optimizer about to step (its gradients are checked).
-            step: the step's number, for the message.
-            epoch: the epoch, for the message.
-
-        Raises:
-            NonFiniteLossError: a non-finite gradient under ``policy="stop"`` (on every rank).
-
-        Example::
-
-            decision = policy.decide(optimizer, step=3, epoch=0)
+        On the lent-flag path the step goes ahead and :meth:`after_step` must follow it.
         """
         if not self.active:
             return GO_AHEAD
@@ -186,13 +119,7 @@ class NonFinitePolicy:
         return StepDecision(False, f"lockstep: warning: {text}; the step was skipped on every rank")
 
     def after_step(self) -> LateSkips:
-        """After an optimizer step: take the lent flag back, and every ``read_every`` such steps
-        :meth:`count_late_skips`. Nothing to do (one test) when no flag was lent.
-
-        Example::
-
-            state.count_late_skips(policy.after_step().steps)
-        """
+        """Take a lent flag back; every ``read_every`` such steps, :meth:`count_late_skips`."""
         if not self._lent:
             return NO_LATE_SKIPS
         for optimizer, plan in self._lent:
@@ -203,15 +130,8 @@ class NonFinitePolicy:
     def count_late_skips(self, name_ranks: bool = True) -> LateSkips:
         """Read the steps the optimizers skipped on the device since the last read (one host sync).
 
-        Every rank calls it at the same step (every ``read_every`` steps, before a save, at the
-        end); with ``name_ranks`` the ranks also gather which of them saw a non-finite loss.
-
-        Args:
-            name_ranks: gather the ranks (a collective; False where not every rank may call it).
-
-        Example::
-
-            late = policy.count_late_skips()   # LateSkips(steps=2, message="lockstep: warning: ...")
+        Every rank calls it at the same step; ``name_ranks`` gathers which ranks saw a non-finite loss
+        (a collective: False where not every rank may call it).
         """
         window, first, self._unread = self._unread, self._first, 0
         if not window:
@@ -234,21 +154,10 @@ class NonFinitePolicy:
 
 
 class FiniteCheck:
-    """Whether every gradient an optimizer is about to apply is finite (one host read per step).
+    """Whether every gradient an optimizer is about to apply is finite.
 
-    The check runs GradScaler's fused kernel (unscaling by 1 leaves the values as they are) on
-    the gradients of the optimizer's parameters, grouped by device and dtype. The grouping and
-    the flag tensors are kept between steps and rebuilt when the optimizer's parameter groups
-    change size, so a step costs one kernel per group and one read of the flag.
-
-    Checking the optimizer's parameters (not one model's) covers every model a session set up,
-    e.g. a GAN's generator and discriminator with their own optimizers.
-
-    Example::
-
-        check = FiniteCheck()
-        if check(optimizer):
-            optimizer.step()
+    Runs GradScaler's fused kernel (unscaling by 1) per device and dtype, on the optimizer's
+    parameters (so every model a session set up is covered); the grouping and flags are kept between steps.
     """
 
     def __init__(self, comm: Comm | None = None) -> None:
@@ -256,7 +165,7 @@ class FiniteCheck:
         self._plans: weakref.WeakKeyDictionary[Any, _Plan] = weakref.WeakKeyDictionary()
 
     def plan(self, optimizer: torch.optim.Optimizer) -> _Plan:
-        """The check's plan for ``optimizer`` (its groups and flags), made or remade when its groups change size."""
+        """The check's plan for ``optimizer``, remade when its groups change size."""
         param_groups = optimizer.param_groups
         size = tuple(len(g["params"]) for g in param_groups)
         plan = self._plans.get(optimizer)
@@ -267,17 +176,8 @@ class FiniteCheck:
         return plan
 
     def lend_flag(self, optimizer: torch.optim.Optimizer, loss: torch.Tensor | None, defer: bool | None) -> bool:
-        """Check the gradients on the device and lend the flag to ``optimizer`` as its ``found_inf``.
-
-        Done only where it spares a host sync and the optimizer skips a flagged step itself
-        (``_step_supports_amp_scaling``: torch's fused optimizers); returns False (nothing done)
-        otherwise, and the caller checks the usual way.
-
-        Args:
-            optimizer: the optimizer about to step.
-            loss: this rank's last loss, to name the ranks when the skips are read (``None``: unknown).
-            defer: ``None``: only for gradients on an accelerator; True: wherever the optimizer
-                can (tests on CPU); False: never.
+        """Check on the device and lend the flag to ``optimizer`` as its ``found_inf``; False (nothing done)
+        unless that spares a host sync and the optimizer skips a flagged step itself.
         """
         if defer is False or not steps_on_found_inf(optimizer):
             return False
@@ -324,8 +224,7 @@ class FiniteCheck:
 
 
 class _Plan:
-    """What one optimizer's check needs, worked out once: groups, where the flags are read, and
-    the comm to agree over when parameters are sharded."""
+    """What one optimizer's check needs: groups, where the flags are read, the comm for sharded parameters."""
 
     def __init__(self, size: tuple[int, ...], params: list[torch.Tensor], comm: Comm | None) -> None:
         self.size = size
@@ -365,7 +264,7 @@ class _Plan:
         hand_found_inf(optimizer, self.found)  # read by fused optimizers' step
 
     def take_flag_back(self, optimizer: torch.optim.Optimizer) -> None:
-        """After the step: take ``found_inf`` back (a later step outside the session must not see it), count it."""
+        """Take ``found_inf`` back (a later step outside the session must not see it) and count it."""
         take_found_inf(optimizer, self.found)
         self.skipped += self.found
 

@@ -1,18 +1,8 @@
 """What a session tells about its own steps: each window's timings, the slow rank, the loggers.
 
-:class:`TimingReport` owns the session's :class:`~lockstep.session.timings.StepTimer`: at the end
-of each window it shares this rank's row with the others (one all-reduce of a few floats per
-rank), asks the :class:`~lockstep.session.slow_rank.SlowRankDetector` whether one rank holds the
-others back (rank 0 prints the verdict in one line) and logs the timings. :class:`Observing` is
-the part of ``Session`` users meet: :meth:`Observing.log`, :attr:`Observing.timings` and
-:attr:`Observing.slow_ranks`.
-
-Example::
-
-    session = lockstep.Session(loggers=[lockstep.loggers.CSVLogger("runs/a")], log_timings="all")
-    ...
-    session.log({"loss": loss}, step=session.global_step)
-    session.timings.of(1)["compute"]      # rank 1's median compute per step in the last window
+:class:`TimingReport` shares each window's timings, asks the
+:class:`~lockstep.session.slow_rank.SlowRankDetector` for a slow rank and logs;
+:class:`Observing` is the part of ``Session`` users meet (``log``, ``timings``, ``slow_ranks``).
 """
 
 from __future__ import annotations
@@ -42,10 +32,6 @@ class TimingReport:
         config: the session's options (``loggers``, ``log_timings``, ``timings_every``).
         say: prints a line once, on rank 0 (``Session.print``).
         step: the session's global step, the x-axis of what is logged.
-
-    Example::
-
-        report = TimingReport(comm, torch.device("cpu"), SessionConfig(), say=print, step=lambda: 0)
     """
 
     def __init__(
@@ -75,12 +61,12 @@ class TimingReport:
         self.loggers.log(metrics, self._step() if step is None else step)
 
     def _exchange(self, row: list[float]) -> list[list[float]]:
-        """Every rank's row: one all-reduce of a world x row table where each rank fills its own line."""
+        """Every rank's row: one all-reduce of a world x row table, each rank filling its own line."""
         if self.comm.world_size == 1:
             return [row]
         table = torch.zeros(self.comm.world_size, len(row), dtype=torch.float64, device=self._device)
         table[self.comm.rank] = torch.tensor(row, dtype=torch.float64)
-        return self.comm.all_reduce(table).tolist()  # type: ignore[no-any-return]
+        return self.comm.all_reduce(table).tolist()
 
     def _on_window(self, window: TimingWindow) -> None:
         """Judge the window (the same verdict on every rank), print a new verdict and log."""
@@ -110,57 +96,35 @@ class TimingReport:
 
 
 class Observing(Position):
-    """The session's logging and timings (``Session`` inherits these, and :meth:`print` and :meth:`progress`; the
-    report is its ``_report``).
-
-    Example::
-
-        session.log({"loss": loss.item(), "lr": lr}, step=session.global_step)
-    """
+    """The session's logging, timings, :meth:`print` and :meth:`progress` (``Session`` inherits them)."""
 
     _report: TimingReport
     device: torch.device
 
     def _observe(self, config: SessionConfig) -> StepTimer | None:
-        """Build the session's timing report (its ``_report``); return the timer the training step calls."""
+        """Build the session's timing report; return the timer the training step calls."""
         self._report = TimingReport(self.comm, self.device, config, say=self.print, step=lambda: self.state.global_step)
         return self._report.timer
 
     def log(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
-        """Write ``metrics`` to the session's loggers (rank 0 only; other ranks return at once).
+        """Write ``metrics`` to the session's loggers; every rank may call it, rank 0 writes.
 
-        Every rank may call it (only rank 0 writes); values that are not numbers are left out, a
-        one-element tensor is read with ``.item()`` (a host sync on GPU: log every few steps).
+        Values that are not numbers are left out; a one-element tensor is read with ``.item()``.
 
         Args:
             metrics: names and numbers, e.g. ``{"loss": 0.31, "lr": 0.1}``.
             step: the x-axis value; the session's :attr:`global_step` when ``None``.
-
-        Example::
-
-            session.log({"loss": loss}, step=session.global_step)
         """
         self._report.log(metrics, step)
 
     @property
     def timings(self) -> TimingWindow | None:
-        """The last timing window every rank shared (``None`` before the first one, or with timings off).
-
-        Example::
-
-            window = session.timings
-            window.of(session.rank)     # {"data": 0.001, "compute": 0.012, "comm": 0.003, ...}
-        """
+        """The last timing window every rank shared (``None`` before the first one, or with timings off)."""
         return self._report.latest
 
     @property
     def slow_ranks(self) -> list[SlowRank]:
-        """Every slow rank named so far (the same list on every rank).
-
-        Example::
-
-            [(v.rank, v.phase) for v in session.slow_ranks]     # [(2, "compute")]
-        """
+        """Every slow rank named so far (the same list on every rank)."""
         return list(self._report.slow)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
@@ -169,6 +133,11 @@ class Observing(Position):
             print(*args, **{"flush": True, **kwargs})
 
     def progress(self, iterable: Iterable[Any], **kwargs: Any) -> Iterable[Any]:
-        """Wrap ``iterable`` in a tqdm bar on rank 0 (other ranks iterate silently)."""
+        """Wrap ``iterable`` in a tqdm bar on rank 0 (other ranks iterate silently).
+
+        Args:
+            iterable: what the loop goes over (a training loader's bar starts at the batches already done).
+            **kwargs: passed to tqdm (``desc`` defaults to the epoch).
+        """
         kwargs.setdefault("desc", f"epoch {self.epoch}")
         return progress_bar(iterable, self.is_main, **kwargs)

@@ -1,12 +1,4 @@
-"""The one line a session prints at start: world, strategy (and its compression), precision, batches.
-
-The options themselves are checked by :class:`~lockstep.session.config.SessionConfig`.
-
-Example::
-
-    summary_line(world_size=2, strategy=strategy, precision="fp32", backend="gloo",
-                 timeout=timedelta(minutes=10), loaders=[])
-"""
+"""The one line a session prints at start: world, strategy (and its compression), precision, batches."""
 
 from __future__ import annotations
 
@@ -26,21 +18,8 @@ def summary_line(
     loaders: list[str],
     compiled: bool = False,
 ) -> str:
-    """The one line a session prints at start: world, strategy (and its compression), precision, batches.
-
-    Args:
-        world_size: processes in the job.
-        strategy: the built strategy (its ``name`` and ``options``).
-        precision: the precision's name.
-        backend: the process-group backend.
-        timeout: the collectives' timeout.
-        loaders: the training loaders' descriptions.
-        compiled: the model is compiled with ``torch.compile``.
-
-    Example::
-
-        summary_line(world_size=2, strategy=strategy, precision="fp32", backend="gloo",
-                     timeout=timedelta(minutes=10), loaders=[])
+    """The start line, from the job's size, the built strategy (its ``name`` and ``options``), the
+    precision's name, the backend, the timeout and the training loaders' descriptions.
     """
     parts = [f"world {world_size}", f"strategy {strategy.name}"]
     compression = strategy.options.get("grad_compression", "none")

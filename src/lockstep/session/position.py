@@ -1,11 +1,5 @@
-"""Where a session's rank is and how far its loop got, asked of their owners: the job's
-:class:`~lockstep.comm.group.Comm` (rank, world) and the :class:`~lockstep.session.state.TrainState`
-(epoch, steps). :class:`~lockstep.session.Session` answers with these properties; nothing is copied.
-
-Example::
-
-    session = lockstep.Session()
-    session.rank, session.world_size, session.is_main, session.global_step    # 0, 1, True, 0
+"""Where a session's rank is and how far its loop got, asked of the job's
+:class:`~lockstep.comm.group.Comm` and the :class:`~lockstep.session.state.TrainState`; nothing is copied.
 """
 
 from __future__ import annotations
@@ -22,12 +16,8 @@ __all__ = ["Position"]
 
 
 class Position(WorldView):
-    """Rank, world (:class:`~lockstep.env.WorldView`) and loop counters, read from the session's ``comm`` and ``state``;
-    the two collectives a script calls itself (:meth:`all_reduce`, :meth:`barrier`).
-
-    Example::
-
-        if session.is_main and session.global_step % 100 == 0: ...
+    """Rank, world (:class:`~lockstep.env.WorldView`) and loop counters of the session's ``comm`` and ``state``,
+    and the two collectives a script calls itself (:meth:`all_reduce`, :meth:`barrier`).
     """
 
     comm: Comm
@@ -35,12 +25,12 @@ class Position(WorldView):
 
     @property
     def world(self) -> World:
-        """The job's world, as the process group knows it (an adopted group may say more than the environment)."""
+        """The job's world as the process group knows it (an adopted group may say more than the environment)."""
         return self.comm.world
 
     @property
     def epoch(self) -> int:
-        """The current epoch (:attr:`state` holds it with the other counters)."""
+        """The current epoch."""
         return self.state.epoch
 
     @property
@@ -54,7 +44,12 @@ class Position(WorldView):
         return self.state.skipped_steps
 
     def all_reduce(self, value: torch.Tensor | float, op: str = "sum") -> Any:
-        """Reduce a tensor (in place) or a number over all ranks; returns the result."""
+        """Reduce a tensor (in place) or a number over all ranks; returns the result.
+
+        Args:
+            value: a tensor, or a number (reduced in float64).
+            op: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``.
+        """
         if isinstance(value, torch.Tensor):
             return self.comm.all_reduce(value, op)
         t = torch.tensor([float(value)], dtype=torch.float64)

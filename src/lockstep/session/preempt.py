@@ -1,46 +1,11 @@
 """Stop every rank at the same step when the job is asked to stop, save, and exit with code 75.
 
-Schedulers preempt a job with SIGTERM (Slurm: SIGTERM, SIGKILL ``KillWait`` seconds later; or
-SIGUSR1 with ``--signal``), sent to the launcher, which forwards it to every worker, or to one
-process only. A signal handler cannot save a distributed checkpoint by itself: the other ranks
-may not have seen a signal, and a save is a collective. So the handler only records the signal,
-and :class:`StopGuard` makes the ranks agree on it inside ``Session.step``:
-
-* **One small all_reduce, now and then.** Every ``interval`` optimizer steps the ranks reduce two
-  numbers with MAX: "was a stop signal received here" and "seconds per step since the last
-  check". The next interval is computed from the reduced numbers, identically on every rank, so
-  that checks happen about once per ``check_seconds`` (default 1 s); it starts at one step and
-  grows at most fourfold per check. At 2 ms per step that is one tiny all_reduce per ~500 steps
-  (far below 0.1 % of the step time); a signal is acted on within about ``check_seconds`` plus
-  one step. The handlers are installed at the first ``Session.step`` and removed by
-  ``Session.close``.
-* **Then everyone stops at that step.** :meth:`StopGuard.poll` returns True on every rank at
-  once. With ``preemption="save"`` (the default) the session then saves a checkpoint into the
-  folder last given to ``Session.save``/``Session.load``, passes a barrier, destroys the process
-  group and raises :class:`Preempted`, a ``SystemExit`` with code 75
-  (:data:`~lockstep.errors.EXIT_PREEMPTED`): the job ends with "run me again".
-  ``preemption="flag"`` only sets ``session.should_stop``; ``"off"`` installs no handler.
-
-A stop signal that arrives while the ranks are still agreeing on an earlier one is part of the
-same request, whichever it is: Slurm signals every process of a step and ``lockstep run``
-forwards what it receives, so a rank sees one preemption twice (``kill -USR1 <rank>; kill -USR1
-<launcher>`` does the same), and a scheduler that warns with SIGUSR1 and then cancels with
-SIGTERM (``scancel --signal=USR1`` then ``scancel``) still gets one save and exit 75. What ends a
-process at once is a signal after the grace window (``$LOCKSTEP_GRACE`` seconds, set by
-``lockstep run --grace``; 30 by default) passed without an agreement, or after the job already
-failed: a process that stopped calling ``Session.step`` still obeys SIGTERM, at the latest when
-the grace is over. SIGINT (Ctrl-C) and SIGKILL are never held back.
-The watchdog tells the guard when the job has failed (:meth:`~lockstep.comm.watchdog.NullWatchdog.on_job_failed`),
-and a signal waiting for agreement then ends the process too.
-
-Example::
-
-    session = lockstep.Session(preemption="save")       # the default
-    state = session.load("ckpt", model=model, optimizer=opt)
-    for epoch in session.epochs(10, start=state.epoch):
-        for x, y in train:
-            session.backward(loss_fn(model(x), y))
-            session.step(opt)        # on SIGTERM: saves to ckpt/, exits 75 on every rank
+A signal handler cannot save a distributed checkpoint (a save is a collective, and the other ranks
+may have seen no signal), so the SIGTERM/SIGUSR1 handler only records the signal, and
+:class:`StopGuard` makes the ranks agree on it inside ``Session.step``: one small all_reduce about
+every ``check_seconds``, after which every rank stops at that step (docs/troubleshooting.md).
+Signals arriving while the ranks agree are one request; one after the grace (``$LOCKSTEP_GRACE``,
+``lockstep run --grace``) or after the job failed ends the process at once.
 """
 
 from __future__ import annotations
@@ -75,13 +40,6 @@ class Preempted(SystemExit):
         message: what happened (printed by rank 0 already).
         step: the global step every rank stopped after.
         path: the checkpoint written, or ``None`` when no checkpoint folder was known.
-
-    Example::
-
-        try:
-            train()
-        except lockstep.session.preempt.Preempted as stop:
-            print("stopped at", stop.step); raise
     """
 
     def __init__(self, message: str, step: int, path: Path | str | None) -> None:
@@ -93,18 +51,7 @@ class Preempted(SystemExit):
 
 
 def parse_grace(text: str) -> float:
-    """Seconds a stop signal may wait for the ranks to agree, from ``$LOCKSTEP_GRACE`` as written.
-
-    Empty, unreadable, negative or infinite values give :data:`~lockstep.errors.DEFAULT_GRACE`.
-
-    Args:
-        text: the setting (``read_settings().grace``).
-
-    Example::
-
-        parse_grace("5")     # 5.0
-        parse_grace("soon")  # 30.0
-    """
+    """Seconds a stop signal may wait for agreement, from ``$LOCKSTEP_GRACE``; odd values give the default."""
     try:
         grace = float(text) if text else DEFAULT_GRACE
     except ValueError:
@@ -113,17 +60,7 @@ def parse_grace(text: str) -> float:
 
 
 def stop_message(signals: list[int | None], step: int, path: Path | str | None) -> str:
-    """The line rank 0 prints when the job stops: which signal reached which ranks, and the save.
-
-    Args:
-        signals: the signal each rank received (``None``: none), by rank.
-        step: the step every rank stopped after.
-        path: the checkpoint written, or ``None``.
-
-    Example::
-
-        stop_message([None, 15], 12, Path("ckpt/step-000012"))
-    """
+    """The line rank 0 prints when the job stops: which signal reached which ranks (``signals``, by rank), the save."""
     by_signal: dict[int, list[int]] = {}
     for rank, signum in enumerate(signals):
         if signum is not None:
@@ -143,24 +80,16 @@ def stop_message(signals: list[int | None], step: int, path: Path | str | None) 
 class StopGuard:
     """Record stop signals and make every rank agree on them at the same step.
 
-    The session calls :meth:`poll` once per optimizer step; it runs :meth:`check` only when
-    ``steps >= next_check``: a comparison of two integers is all the hot path pays. It is built
-    once the job's comm exists; the comm's watchdog reports a failed job to the guard, and a
-    signal then waiting for an agreement that cannot come ends the process.
+    :meth:`poll` runs once per optimizer step and calls :meth:`check` only when ``steps >= next_check``.
+    The next interval comes from the reduced step time, the same on every rank, growing at most 4x
+    per check.
 
     Args:
-        comm: the job's communication.
+        comm: the job's communication (its watchdog reports a failed job).
         device: this rank's device (nccl needs the agreement's tensor on the rank's GPU).
-        mode: ``"save"``, ``"flag"`` or ``"off"`` (see the module docstring), as
-            :class:`~lockstep.session.config.SessionConfig` checked it (``preemption``).
+        mode: ``"save"``, ``"flag"`` or ``"off"`` (``preemption``).
         check_seconds: the target time between two agreements (``preempt_check_seconds``).
-        grace: seconds a signal may wait for agreement before it ends the process; by default
-            ``lockstep run --grace`` (:func:`parse_grace` of ``read_settings().grace``).
-
-    Example::
-
-        guard = StopGuard(comm, torch.device("cpu"))
-        if guard.poll(): ...   # every rank agreed to stop at this step
+        grace: seconds a signal may wait for agreement before it ends the process; default ``lockstep run --grace``.
     """
 
     def __init__(
@@ -187,14 +116,14 @@ class StopGuard:
         comm.watchdog.on_job_failed(self._resend)
 
     def install(self) -> None:
-        """Handle SIGTERM and SIGUSR1 in this process (main thread only; else nothing is done)."""
+        """Handle SIGTERM and SIGUSR1 in this process (main thread only)."""
         if self._saved or threading.current_thread() is not threading.main_thread():
             return
         for signum in _SIGNALS:
             self._saved[signum] = signal.signal(signum, self._on_signal)
 
     def uninstall(self) -> None:
-        """Give back the handlers found at :meth:`install` (``Session.close`` calls it)."""
+        """Give back the handlers found at :meth:`install`."""
         for signum, handler in self._saved.items():
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
         self._saved = {}
@@ -224,22 +153,12 @@ class StopGuard:
             os.kill(os.getpid(), signum)
 
     def poll(self) -> bool:
-        """Count one optimizer step; True on every rank at once when the ranks agreed to stop here.
-
-        Example::
-
-            if guard.poll() and guard.mode == "save": ...   # save and exit on every rank
-        """
+        """Count one optimizer step; True on every rank at once when the ranks agreed to stop here."""
         self.steps += 1
         return self.steps >= self.next_check and self.check()
 
     def signals(self) -> list[int | None]:
-        """The signal each rank recorded (``None``: none), by rank; every rank must call it.
-
-        Example::
-
-            stop_message(guard.signals(), step, path)
-        """
+        """The signal each rank recorded (``None``: none), by rank; every rank must call it."""
         return self.comm.all_gather_object(self.requested)
 
     def check(self) -> bool:

@@ -1,10 +1,5 @@
 """Every random number generator of a process (Python, NumPy, torch CPU and CUDA): seeded alike on
 every rank, captured into a checkpoint as plain lists, put back on resume.
-
-Example::
-
-    seed_everything(0)
-    saved = capture_rng(); torch.rand(1); restore_rng(saved)
 """
 
 from __future__ import annotations
@@ -19,27 +14,14 @@ __all__ = ["seed_everything", "capture_rng", "restore_rng"]
 
 
 def seed_everything(seed: int) -> None:
-    """Seed Python, NumPy and torch (CPU and every CUDA device) with ``seed``.
-
-    Args:
-        seed: the seed; lockstep uses the same one on every rank so models start equal.
-
-    Example::
-
-        seed_everything(0)
-    """
+    """Seed Python, NumPy and torch (CPU and every CUDA device) with ``seed``."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
 
 
 def capture_rng() -> dict[str, Any]:
-    """Return this process's RNG states in a form ``torch.load(weights_only=True)`` accepts.
-
-    Example::
-
-        saved = capture_rng(); torch.rand(1); restore_rng(saved)
-    """
+    """This process's RNG states in a form ``torch.load(weights_only=True)`` accepts."""
     # plain lists and numbers only: the states travel through all_gather_object (whose
     # unpickler cannot rebuild tensors) and must pass torch.load(weights_only=True)
     np_state: tuple[Any, ...] = tuple(np.random.get_state())
@@ -60,15 +42,7 @@ def capture_rng() -> dict[str, Any]:
 
 
 def restore_rng(state: dict[str, Any]) -> None:
-    """Put back RNG states captured by :func:`capture_rng` (on the same rank).
-
-    Args:
-        state: what :func:`capture_rng` returned.
-
-    Example::
-
-        restore_rng(saved)
-    """
+    """Put back RNG states captured by :func:`capture_rng` (on the same rank)."""
     version, inner, gauss = state["python"]
     random.setstate((version, tuple(inner), gauss))
     kind, keys, pos, has_gauss, cached = state["numpy"]
@@ -85,6 +59,6 @@ def _bytes(values: Any) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.uint8)
 
 
-def _python_state_to_list(state: tuple) -> list[Any]:
+def _python_state_to_list(state: tuple[Any, ...]) -> list[Any]:
     version, inner, gauss = state
     return [version, list(inner), gauss]

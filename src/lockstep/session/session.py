@@ -1,21 +1,8 @@
 """``lockstep.Session``: turn a plain PyTorch training loop into a correct data-parallel one.
 
-The same script runs as ``python train.py`` (one process), ``lockstep run --nproc 4 train.py``,
-``torchrun --nproc_per_node 4 train.py`` and under Slurm's ``srun``::
-
-    session = lockstep.Session(strategy="ddp", precision="bf16-mixed")
-    model, optimizer = session.setup(ConvNet(), lambda p: torch.optim.SGD(p, lr=0.1))
-    train = session.loader(train_set, batch_size=100, shuffle=True)     # per-device batch
-    test = session.loader(test_set, batch_size=500, eval=True)          # exact, no padding
-    state = session.load("checkpoints", model=model, optimizer=optimizer)
-    for epoch in session.epochs(10, start=state.epoch):               # set_epoch done here
-        for images, labels in session.progress(train):
-            session.backward(criterion(model(images), labels))
-            session.step(optimizer)
-        acc = lockstep.metrics.accuracy(model, test, session)
-        session.save("checkpoints", model=model, optimizer=optimizer, keep=2)
-
-The session is thin: it delegates to the layers below (env, comm, strategies, precision, data, metrics, checkpoint).
+The same script runs as ``python train.py``, ``lockstep run --nproc 4 train.py``, under ``torchrun``
+or Slurm's ``srun``. The session is thin: it delegates to the layers below (env, comm, strategies,
+precision, data, metrics, checkpoint).
 """
 
 from __future__ import annotations
@@ -58,59 +45,43 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
 class Session(Observing):
     """One training job: where this rank is, how it talks, how the model is wrapped.
 
-    The options are one :class:`~lockstep.session.config.SessionConfig` (its docstring has the
-    rules), built from the keywords below or given whole as ``config``, and checked once, before
-    any process group. The components are then built once each, in order: the process group, the
-    preemption guard and the non-finite policy over it, the precision, the strategy. The loop's
-    counters, loader positions and RNG are :attr:`state`, a
+    The options form one :class:`~lockstep.session.config.SessionConfig`, checked before any process
+    group. The loop's counters, loader positions and RNG are :attr:`state`, a
     :class:`~lockstep.session.state.TrainState` that :meth:`save` and :meth:`load` checkpoint.
 
     Args:
-        strategy: ``"auto"`` (ddp with several processes, dp with several GPUs in one process,
-            else single), ``"single"``, ``"dp"``, ``"ddp"``, ``"fsdp"`` or ``"horovod"``.
-        precision: ``"fp32"``, ``"bf16-mixed"``, ``"fp16-mixed"``, ``"fp16-o2"``, ``"bf16"``,
-            ``"fp16"`` or apex's ``"O0"``-``"O3"``.
+        strategy: ``"auto"`` (ddp with several processes, dp with several GPUs in one, else single),
+            ``"single"``, ``"dp"``, ``"ddp"``, ``"fsdp"`` or ``"horovod"``.
+        precision: ``"fp32"``, ``"bf16-mixed"``, ``"fp16-mixed"``, ``"fp16-o2"``, ``"bf16"``, ``"fp16"``
+            or apex's ``"O0"``-``"O3"``.
         config: every option at once (then no other may be given); see also :meth:`from_config`.
         sync_bn: convert BatchNorm layers to SyncBatchNorm (GPU only; ddp or fsdp).
-        accumulate: micro-steps per optimizer step; an epoch ends with a step on its last window
-            (the mean over its micro-batches): 10 batches with 3 make 4 steps (3, 3, 3 and 1).
+        accumulate: micro-steps per optimizer step; an epoch ends with a step on its shorter last window.
         clip_grad_norm: clip the global gradient norm to this positive, finite value in ``step``.
-        seed: seed of every rank's RNG (identical, so models start equal), data order included.
-        nonfinite: a NaN/inf loss on any rank: ``"skip"`` the step on every rank (warn, naming
-            the rank), ``"stop"`` every rank with an error, or ``"ignore"`` (no check; fastest).
-            With GPU gradients and a fused optimizer, ``"skip"`` costs no host sync
-            (:mod:`lockstep.session.nonfinite`).
-        timeout: how long a collective may wait for a missing rank (seconds or timedelta);
-            ``$LOCKSTEP_TIMEOUT`` (``lockstep run --timeout``) or 10 minutes. Past it the job
-            fails with a message naming the rank that did not arrive.
+        seed: seed of every rank's RNG (the same on every rank) and of the data order.
+        nonfinite: a NaN/inf loss on any rank: ``"skip"`` the step on every rank (warn, naming the
+            rank), ``"stop"`` every rank with an error, or ``"ignore"`` (no check).
+        timeout: how long a collective waits for a missing rank (seconds or timedelta); default
+            ``$LOCKSTEP_TIMEOUT`` (``lockstep run --timeout``) or 10 minutes.
         backend: ``"auto"``, ``"nccl"`` or ``"gloo"``.
         init_method: rendezvous URL (``env://``, ``tcp://``, ``file://``); the launcher's by default.
-        grad_compression: ``ddp`` only: ``"bf16"``, ``"fp16"`` or ``"powersgd"``, one of torch's
-            DDP communication hooks (lossy by design; PowerSGD's memory is checkpointed).
-        shard_optimizer: ``ddp`` only: each parameter's optimizer state on one rank (ZeRO-1).
-        strategy_options: the strategy's own options, e.g. ddp's ``{"bucket_cap_mb": 50,
-            "static_graph": True, "powersgd_rank": 2}`` (see :class:`~lockstep.strategies.DDPStrategy`).
-        compile: ``True`` (inductor) or a dict of ``torch.compile`` keywords; the strategy wraps
-            first; if torch cannot compile, one warning and eager.
+        grad_compression: ddp only: ``"bf16"``, ``"fp16"`` or ``"powersgd"`` (torch's DDP hooks; lossy).
+        shard_optimizer: ddp only: each parameter's optimizer state on one rank (ZeRO-1).
+        strategy_options: the strategy's own options, e.g. ddp's ``{"bucket_cap_mb": 50}``
+            (see :class:`~lockstep.strategies.DDPStrategy`).
+        compile: ``True`` (inductor) or a dict of ``torch.compile`` keywords; eager if torch cannot compile.
         quiet: do not print the start summary and the "resumed from" line.
-        preemption: on SIGTERM/SIGUSR1: ``"save"`` (every rank stops at the same step, saves to
-            the folder last given to :meth:`save`/:meth:`load`, exits 75), ``"flag"`` (sets
-            :attr:`should_stop`) or ``"off"`` (:mod:`lockstep.session.preempt`).
+        preemption: on SIGTERM/SIGUSR1: ``"save"`` (every rank stops at the same step, saves, exits 75),
+            ``"flag"`` (sets :attr:`should_stop`) or ``"off"`` (:mod:`lockstep.session.preempt`).
         preempt_check_seconds: about how often the ranks agree on a stop signal.
-        order: the training data order, ``"lockstep"`` (never padded) or ``"torch"`` (see ``SessionConfig``).
-        global_batch: samples per optimizer step, held at any world size (see ``SessionConfig``).
-        loggers: :mod:`lockstep.loggers` objects that :meth:`log` and the step timings write to (rank 0 only).
-        log_timings: whose step timings the loggers get every window: ``"main"`` (rank 0), ``"all"`` or ``"off"``.
-        timings_every: fewest steps per timing window (0: no timings); a persistently slow rank is named then.
+        order: the training data order, ``"lockstep"`` (never padded) or ``"torch"``.
+        global_batch: samples per optimizer step, held at any world size.
+        loggers: :mod:`lockstep.loggers` objects that :meth:`log` and the step timings write to (rank 0).
+        log_timings: whose step timings the loggers get: ``"main"`` (rank 0), ``"all"`` or ``"off"``.
+        timings_every: fewest steps per timing window (0: no timings).
 
     Raises:
         ConfigError: a bad option (before any process group), or ``config`` with other options.
-
-    Example::
-
-        session = lockstep.Session(strategy="ddp", precision="bf16-mixed", accumulate=2)
-        session = lockstep.Session(strategy="ddp", grad_compression="powersgd", strategy_options={"powersgd_rank": 2})
-        session = lockstep.Session(config=lockstep.SessionConfig(strategy="ddp", clip_grad_norm=1.0))
     """
 
     def __init__(
@@ -180,14 +151,10 @@ class Session(Observing):
 
     @classmethod
     def from_config(cls, config: SessionConfig) -> Session:
-        """A session of the options ``config`` holds (checked when it was built).
+        """A session of the options ``config`` holds.
 
         Args:
             config: the session's options, e.g. built by ``lockstep train`` from its flags.
-
-        Example::
-
-            session = lockstep.Session.from_config(lockstep.SessionConfig(strategy="ddp", accumulate=2))
         """
         return cls(config=config)
 
@@ -207,16 +174,12 @@ class Session(Observing):
         """Move ``model`` to the device, apply precision and the strategy; build the optimizer.
 
         Args:
-            model: the bare model (same initial weights are enforced on every rank).
-            optimizer: an optimizer factory ``params -> Optimizer`` (preferred: FSDP needs the
-                sharded parameters) or an optimizer built on ``model.parameters()``.
+            model: the bare model (every rank starts from rank 0's weights).
+            optimizer: a factory ``params -> Optimizer`` (preferred: FSDP needs the sharded parameters)
+                or an optimizer built on ``model.parameters()``.
 
         Returns:
             ``model`` alone, or ``(model, optimizer)`` when an optimizer was given.
-
-        Example::
-
-            model, opt = session.setup(Net(), lambda p: torch.optim.AdamW(p, lr=1e-3))
         """
         layers = wrap_model(model, self.strategy, self.precision, self._compile)
         wrapped = layers.wrapped
@@ -241,21 +204,15 @@ class Session(Observing):
     ) -> DeviceLoader:
         """A distributed loader whose batches arrive on this rank's device.
 
-        Every training loader in use follows :meth:`epochs` and has its position saved and
-        restored by :meth:`save` / :meth:`load` (loaders are paired in the order they are made).
-        ``len()`` is the batches of a whole epoch on this rank, ``.remaining`` those not read yet.
+        Every training loader follows :meth:`epochs` and has its position saved and restored by
+        :meth:`save` / :meth:`load` (paired in the order they are made).
 
         Args:
             dataset: a map-style dataset.
             batch_size: samples per batch **per device**.
             shuffle: reshuffle every epoch (training loaders).
             eval: an evaluation loader: every sample exactly once over all ranks, no padding.
-            **options: passed to :func:`lockstep.data.loader.make_loader` (``num_workers``,
-                ``drop_last``, ``order="torch"`` for ``DistributedSampler``'s order...).
-
-        Example::
-
-            train = session.loader(train_set, batch_size=64)
+            **options: passed to :func:`lockstep.data.loader.make_loader` (``num_workers``, ``drop_last``...).
         """
         options = self.state.loaders.options(options, self.config, batch_size * self.world_size, eval)
         loader = make_loader(
@@ -274,11 +231,9 @@ class Session(Observing):
     def epochs(self, n: int, start: int = 0) -> Iterator[int]:
         """Yield epoch numbers ``start .. n-1``, setting every training sampler's epoch.
 
-        A run resumed mid-epoch continues that epoch from the saved position.
-
-        Example::
-
-            for epoch in session.epochs(10, start=state.epoch): ...
+        Args:
+            n: the number of epochs.
+            start: the first epoch (``ResumeState.epoch``); an epoch resumed mid-way continues from its position.
         """
         start = self._elastic.start(start) if self._elastic else start  # joins a running job: maybe a later epoch
         for epoch in range(start, n):
@@ -288,7 +243,11 @@ class Session(Observing):
             self._steps.count_late_skips()  # counted before the loop looks at them
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backpropagate ``loss`` (scaled for fp16 and for accumulation); :meth:`setup` must come first."""
+        """Backpropagate ``loss``, scaled for fp16 and for accumulation; :meth:`setup` must come first.
+
+        Args:
+            loss: this micro-batch's loss.
+        """
         self._checks.before_backward(bool(self._models))
         self._announce()
         self._steps.backward(loss)
@@ -296,11 +255,13 @@ class Session(Observing):
     def step(self, optimizer: Optimizer) -> bool:
         """Unscale, clip, step and zero the gradients; returns False when no step was taken.
 
-        With ``accumulate=k`` only every k-th call steps, and an epoch's last. Every rank takes the
-        same decision: gradients are already averaged over ranks, so a non-finite value is seen everywhere.
+        With ``accumulate=k`` only every k-th call (and an epoch's last) steps. Every rank takes the same decision.
+
+        Args:
+            optimizer: the optimizer :meth:`setup` returned.
 
         Raises:
-            Preempted: a stop signal reached a rank: every rank saved (``preemption``), exit code 75.
+            Preempted: a stop signal reached a rank: every rank saved (``preemption="save"``), exit code 75.
             SessionUsageError: no :meth:`backward` since the last step, or the weights differ after the first.
         """
         self._checks.before_step(self._accum.micro)
@@ -333,7 +294,11 @@ class Session(Observing):
         raise Preempted(message, self.global_step, path)
 
     def summary(self, max_steps: int | None = None) -> str:
-        """The line printed at start: world, strategy, precision, batches (steps per epoch at most ``max_steps``)."""
+        """The line printed at start: world, strategy, precision, batches.
+
+        Args:
+            max_steps: steps per epoch the loop takes at most, for the batches' part.
+        """
         return summary_line(
             world_size=self.world_size,
             strategy=self.strategy,
@@ -364,20 +329,17 @@ class Session(Observing):
         """Write a complete, crash-safe checkpoint (every rank must call it).
 
         Args:
-            directory: folder of checkpoints (``step-000123`` inside), or any fsspec URL such as
-                ``"s3://bucket/run"`` (every rank uploads its part; ``pip install 'lockstep[s3]'``);
-                no other live job may use it. A URL's checkpoint is returned as a ``str``.
+            directory: folder of checkpoints (``step-000123`` inside) or an fsspec URL such as
+                ``"s3://bucket/run"`` (returned as a ``str``); no other live job may use it.
             model: the model returned by :meth:`setup`.
             optimizer: its optimizer.
             keep: keep only the newest ``keep`` checkpoints (pruned after the new one is committed).
-            blocking: False: return once the state is copied, the ranks writing it meanwhile; the
-                next save, load, :meth:`wait_for_save` or :meth:`close` waits for it and raises
-                its error.
+            blocking: False: return once the state is copied; the next save, load, :meth:`wait_for_save`
+                or :meth:`close` waits for the write and raises its error.
             **extras: your own values (numbers, strings, tensors, lists, dicts).
 
-        Example::
-
-            session.save("checkpoints", model=model, optimizer=optimizer, keep=3, best=acc)
+        Returns:
+            The checkpoint's folder.
         """
         self._steps.count_late_skips()
         self._saves.wait()  # a save still being written ends (or fails) before the next one
@@ -401,31 +363,27 @@ class Session(Observing):
     def wait_for_save(self) -> Path | str | None:
         """Wait until a non-blocking save is committed (every rank must call it).
 
-        :meth:`save` with ``blocking=False`` returns while the ranks write; the next save, load
-        and :meth:`close` wait for that write anyway. Call this to know when it is done, e.g.
-        before copying the checkpoint elsewhere or to time the write.
-
         Returns:
             The committed checkpoint folder, or ``None`` when no save was being written.
 
         Raises:
             CheckpointError: the write failed (on every rank; the previous checkpoint is intact).
-
-        Example::
-
-            session.save("checkpoints", model=model, optimizer=optimizer, blocking=False)
-            ...                                   # train on while the ranks write
-            path = session.wait_for_save()        # checkpoints/step-000100, committed
         """
         return self._saves.wait()
 
     def load(self, directory: str | Path, *, model: nn.Module, optimizer: Optimizer | None = None) -> ResumeState:
-        """Restore the newest good checkpoint in ``directory``, if any; see :class:`ResumeState`.
+        """Restore the newest good checkpoint in ``directory``, if any.
 
-        Corrupt or unfinished checkpoints are skipped (with a warning) in favour of the previous
-        good one. Resuming with another world size is supported: the data position is counted
-        in samples, not batches. Rank 0 prints where it resumed from. A preemption saves into
-        ``directory`` (or the folder of the last :meth:`save`). The folder is locked as by :meth:`save`.
+        Corrupt or unfinished checkpoints are skipped (with a warning); another world size resumes at
+        the same sample. A preemption saves into ``directory``, which is locked as by :meth:`save`.
+
+        Args:
+            directory: the checkpoint folder (or URL) :meth:`save` writes to.
+            model: the model returned by :meth:`setup`.
+            optimizer: its optimizer.
+
+        Returns:
+            Where training continues (:class:`ResumeState`).
         """
         self._saves.wait()  # a save still being written ends (or fails) before the load
         if (directory := self._folders.hold(directory)) != (self._ckpt.directory if self._ckpt else None):

@@ -1,18 +1,8 @@
 """Name the rank that holds the others back, from the timings every rank shares each window.
 
-Every rank of a data-parallel job waits for the slowest one at each gradient all-reduce, so a
-slow rank shows twice: in its own work (waiting for data, computing, stepping the optimizer)
-and in everybody else's *communication* wait. :class:`SlowRankDetector` compares each rank's own
-work (its means per step over one window) with the median of the other ranks' and names a rank
-only when it is slower by both a relative and an absolute margin, in the same rank for several
-windows in a row (so a single descheduled step or window does not count). Every rank runs the same
-detector on the same gathered table, so every rank reaches the same verdict; rank 0 prints it.
-
-Example::
-
-    detector = SlowRankDetector(hosts=["a", "a", "b"])
-    verdict = detector.update([[0.0, 0.01, 0.15, 0.001], [0.0, 0.01, 0.15, 0.001], [0.0, 0.16, 0.0, 0.001]])
-    verdict is None          # True: one window is not persistent yet; two more like it name rank 2
+A slow rank shows in its own work and in everybody else's *communication* wait, so only the own
+work (data, compute, optimizer) is compared. Every rank runs the same detector on the same table,
+so every rank reaches the same verdict; rank 0 prints it.
 """
 
 from __future__ import annotations
@@ -46,13 +36,9 @@ class SlowRank:
         phase: ``"data"``, ``"compute"`` or ``"optimizer"``: where its extra time goes.
         seconds: its mean time per step in that phase.
         others: the other ranks' median in that phase.
-        waited: the other ranks' median of their mean communication wait per step (the time they lose to it).
+        waited: the other ranks' median communication wait per step (what they lose to it).
         windows: consecutive windows it was the slow one.
         step: the global step of the window that named it.
-
-    Example::
-
-        print(verdict.message())
     """
 
     rank: int
@@ -77,21 +63,15 @@ class SlowRank:
 class SlowRankDetector:
     """Decide, window after window, whether one rank is persistently slower than the others.
 
-    A rank is a suspect in a window when its own work per step (data + compute + optimizer,
-    means per step) exceeds the median of the other ranks' by more than ``margin_s`` **and** by more
-    than ``ratio`` times theirs; it is named once it has been the suspect ``windows`` windows in a
-    row. It is named once per episode: when no rank is a suspect any more, a later episode is
-    named again.
+    A rank is a suspect when its own work per step exceeds the others' median by more than
+    ``margin_s`` **and** ``ratio`` times theirs; it is named after ``windows`` such windows in a row,
+    once per episode.
 
     Args:
         hosts: every rank's host name, by rank.
         windows: consecutive windows before a rank is named.
         ratio: the relative margin (0.25: 25% more work than the others).
         margin_s: the absolute margin in seconds per step (noise on a loaded machine stays below it).
-
-    Example::
-
-        detector = SlowRankDetector(["node1", "node2"], windows=2)
     """
 
     def __init__(self, hosts: Sequence[str], windows: int = 3, ratio: float = 0.25, margin_s: float = 0.03) -> None:
@@ -101,16 +81,7 @@ class SlowRankDetector:
         self._named: int | None = None
 
     def update(self, table: Sequence[Sequence[float]], step: int = 0) -> SlowRank | None:
-        """Take one window's table (a row of :data:`PHASES` seconds per rank); a new verdict or ``None``.
-
-        Args:
-            table: ``table[rank] = [data, compute, comm, optimizer]``, means per step.
-            step: the global step the window ended at (recorded in the verdict).
-
-        Example::
-
-            detector.update([[0.0, 0.01, 0.0, 0.001]])     # None: one rank has no one to lag behind
-        """
+        """Take one window's table (``table[rank]``: the :data:`PHASES` means per step); a new verdict or ``None``."""
         suspect = self._suspect_of(table) if len(table) > 1 else None
         if suspect is None:
             self._suspect, self._streak, self._named = None, 0, None

@@ -1,17 +1,9 @@
 """What a checkpoint holds besides the model and optimizer, and how a session is put back.
 
-:class:`TrainState` is the loop's own state, with ``state_dict`` / ``load_state_dict``: the
-counters (epoch, global step, skipped steps), every training loader's position (counted in
-global samples, so it resumes at another world size), whether the epoch had finished, and the
-RNG of every rank (Python, NumPy, torch CPU and CUDA). :func:`save_state` / :func:`load_state`
-build the checkpoint from it and the model, optimizer, precision and the user's extras;
-:class:`ResumeState` is what ``Session.load`` returns.
-
-Example::
-
-    state = session.load("checkpoints", model=model, optimizer=optimizer)
-    for epoch in session.epochs(10, start=state.epoch):
-        ...
+:class:`TrainState` is the loop's own state (counters, every training loader's position in global
+samples, whether the epoch had finished, every rank's RNG); :func:`save_state` / :func:`load_state`
+build the checkpoint from it and the model, optimizer, precision and extras; :class:`ResumeState`
+is what ``Session.load`` returns.
 """
 
 from __future__ import annotations
@@ -59,12 +51,7 @@ class ResumeState:
         step: optimizer steps taken so far.
         path: the checkpoint that was loaded (a URL as a ``str``), or ``None`` when training starts fresh.
         extras: the user's own values given to ``Session.save`` (``{}`` when fresh).
-        mid_epoch: True when the checkpoint was taken in the middle of ``epoch``; the training
-            loader then continues from the saved position.
-
-    Example::
-
-        ResumeState().epoch   # 0: nothing was loaded
+        mid_epoch: True when the checkpoint was taken mid-``epoch``; the training loader continues from its position.
     """
 
     epoch: int = 0
@@ -86,13 +73,6 @@ class TrainState:
         rank: this process's rank (picks its RNG state out of a checkpoint).
         world_size: ranks in the job (RNG states are restored only at the same world size).
         say: prints the line of a resume at another world size (:meth:`replan_line`); ``None``: quiet.
-
-    Example::
-
-        state = TrainState(rank=0, world_size=1)
-        state.loaders.add(train_loader)
-        saved = state.state_dict()
-        state.load_state_dict({**saved, "rng": [saved["rng"]]})
     """
 
     def __init__(self, rank: int = 0, world_size: int = 1, say: Callable[[str], None] | None = None) -> None:
@@ -110,33 +90,18 @@ class TrainState:
         return self.loaders.epoch_done
 
     def count_step(self) -> None:
-        """Count one optimizer step taken.
-
-        Example::
-
-            state.count_step()
-        """
+        """Count one optimizer step taken."""
         self.global_step += 1
 
     def count_skipped(self) -> None:
-        """Count one step skipped on every rank for a non-finite loss (``nonfinite="skip"``).
-
-        Example::
-
-            state.count_skipped()
-        """
+        """Count one step skipped on every rank for a non-finite loss."""
         self.skipped_steps += 1
 
     def count_late_skips(self, steps: int) -> None:
-        """Move ``steps`` steps counted as taken to the skipped ones: the optimizer skipped them on
-        the device, and the host learnt it later (:class:`~lockstep.session.nonfinite.LateSkips`).
+        """Move ``steps`` steps counted as taken to the skipped ones (the optimizer skipped them on the device).
 
         Args:
             steps: how many of the steps counted as taken were skipped.
-
-        Example::
-
-            state.count_late_skips(policy.count_late_skips().steps)
         """
         self.global_step -= steps
         self.skipped_steps += steps
@@ -151,12 +116,7 @@ class TrainState:
         self.loaders.set_epoch(epoch)
 
     def position(self) -> dict[str, Any]:
-        """The counters and every training loader's position, without the RNG: what a peer hands over under ``--nodes``.
-
-        Example::
-
-            state.position()["samplers"][0]["cursor"]
-        """
+        """The counters and every training loader's position, without the RNG (what a peer hands over)."""
         return {
             "epoch": self.epoch,
             "step": self.global_step,
@@ -172,10 +132,6 @@ class TrainState:
             position: what :meth:`position` returned, here or on a peer.
             rank: this process's rank now.
             world_size: ranks in the job now.
-
-        Example::
-
-            state.load_position(committed, rank=1, world_size=2)
         """
         self.epoch, self.global_step, self.skipped_steps = position["epoch"], position["step"], position["skipped"]
         for loader, sampler in zip(self.loaders.live, position["samplers"]):
@@ -184,12 +140,7 @@ class TrainState:
         self.rank, self.world_size = rank, world_size
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's part of a checkpoint (``"rng"`` is this rank's; the save gathers every rank's).
-
-        Example::
-
-            state.state_dict()["step"]
-        """
+        """This rank's part of a checkpoint (``"rng"`` is this rank's; the save gathers every rank's)."""
         samplers = self.loaders.state_dicts()
         return {
             "epoch": self.epoch,
@@ -203,20 +154,13 @@ class TrainState:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> bool:
-        """Put back a checkpoint's counters, loader positions and this rank's RNG.
-
-        Afterwards :attr:`epoch` is the epoch training continues in. The RNG is restored only
-        when the checkpoint was written at the same world size.
+        """Put back a checkpoint's counters, loader positions and this rank's RNG (at the same world size only).
 
         Args:
             state: the loaded checkpoint, ``"rng"`` being the list of every rank's state.
 
         Returns:
-            True when the checkpoint was taken in the middle of its epoch.
-
-        Example::
-
-            mid_epoch = state.load_state_dict(load_checkpoint("ckpt", comm))
+            True when the checkpoint was taken in the middle of its epoch (:attr:`epoch` is where training continues).
         """
         rngs = state.get("rng")
         if isinstance(rngs, list) and len(rngs) == self.world_size:
@@ -242,15 +186,7 @@ class TrainState:
             self.say(line)
 
     def replan_line(self) -> str | None:
-        """Once, after a resume at another world size: how the first loader's steps are planned now.
-
-        ``None`` when the world size is the checkpoint's, or no loader of the default order exists yet.
-
-        Example::
-
-            state.replan_line()
-            # 'lockstep: world size 2 -> 3: global batch 24 kept, micro-batch 4 x world 3 x accumulate 2'
-        """
+        """Once, after a resume at another world size: how the first loader's steps are planned now; else ``None``."""
         first = self.loaders.first
         steps = first.steps if first is not None else None
         if self._resumed_from is None or steps is None:
@@ -282,29 +218,9 @@ def save_state(
 ) -> Path | str | PendingSave:
     """Write ``train`` with the model, optimizer, precision state and ``extras`` as one checkpoint.
 
-    The model's and optimizer's tensors are written through ``torch.distributed.checkpoint``,
-    each rank its part (sharded for fsdp; spread over the ranks for the replicated strategies).
-    With ``blocking=False`` the state is copied now and the ranks write it in the background: a
-    :class:`~lockstep.checkpoint.background.PendingSave` is returned (its ``wait()`` gives the
-    folder).
-
-    Args:
-        directory: the checkpoint folder, or an fsspec URL.
-        train: the loop's state.
-        comm: the job's collectives (every rank calls this).
-        strategy: what wrapped ``model``; gives its (and the optimizer's) state.
-        precision: the precision plugin (its loss scaler is saved).
-        model: the layers ``Session.setup`` put around the model; the strategy gets the one it wrapped.
-        optimizer: its optimizer, if any.
-        keep: keep only the newest ``keep`` checkpoints.
-        extras: the user's own values.
-        blocking: write before returning (True) or in the background (False).
-        writers: the background writers' process group, kept between saves (``blocking=False``).
-
-    Example::
-
-        save_state(Path("ckpt"), session.state, comm=session.comm, strategy=session.strategy,
-                   precision=session.precision, model=layers, optimizer=opt, keep=2, extras={})
+    The model's and optimizer's tensors go through ``torch.distributed.checkpoint``, each rank its
+    part; with ``blocking=False`` the state is copied and written in the background, and a
+    :class:`~lockstep.checkpoint.background.PendingSave` is returned. Every rank calls it.
     """
     from lockstep.checkpoint.background import save_checkpoint_async
     from lockstep.checkpoint.core import save_checkpoint
@@ -367,27 +283,8 @@ def load_state(
 ) -> ResumeState:
     """Load the newest good checkpoint in ``directory`` into ``train``, the model and the optimizer.
 
-    Args:
-        directory: the checkpoint folder.
-        train: the loop's state.
-        comm: the job's collectives (every rank calls this).
-        device: where the checkpoint's tensors are loaded.
-        strategy: what wrapped ``model``.
-        precision: the precision plugin.
-        model: the layers ``Session.setup`` put around the model.
-        optimizer: its optimizer, if any.
-
-    Returns:
-        Where training continues (a fresh :class:`ResumeState` when there is no checkpoint).
-
-    Raises:
-        CheckpointError: the checkpoint was written in a newer format than :data:`FORMAT`.
-
-    Example::
-
-        resume = load_state(Path("ckpt"), session.state, comm=session.comm, device=session.device,
-                            strategy=session.strategy, precision=session.precision, model=layers,
-                            optimizer=opt)
+    Returns a fresh :class:`ResumeState` when there is none; raises ``CheckpointError`` for a
+    checkpoint of a newer format than :data:`FORMAT`. Every rank calls it.
     """
     from lockstep.checkpoint.core import load_checkpoint
     from lockstep.checkpoint.files import CheckpointError
@@ -417,15 +314,7 @@ def load_state(
 
 
 def resumed_line(state: ResumeState) -> str:
-    """What rank 0 prints after a resume; names the attempt when the launcher restarted the job.
-
-    Args:
-        state: what ``Session.load`` restored.
-
-    Example::
-
-        resumed_line(state)   # "lockstep: resumed from ckpt/step-000006 at epoch 1, step 6 (attempt 2)"
-    """
+    """What rank 0 prints after a resume; names the attempt when the launcher restarted the job."""
     count = read_settings().restart_count
     attempt = f" (attempt {count + 1})" if count is not None else ""
     return f"lockstep: resumed from {state.path} at epoch {state.epoch}, step {state.step}{attempt}"

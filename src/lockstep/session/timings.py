@@ -1,31 +1,9 @@
 """Per-rank step timings: where each optimizer step's time goes on this rank, measured always and cheaply.
 
-A step is split into four phases, each summed over the step's micro-batches:
-
-* ``data``: waiting for the session loader's next batch (host time, the copy to the device included);
-* ``compute``: from the batch handed out to the moment backward produced the last parameter
-  gradient: the forward, the loss and the backward's own work;
-* ``comm``: from that last gradient to the end of backward: the gradient communication that did
-  *not* overlap the backward (DDP all-reduces buckets while backward runs; what is left to wait
-  for at the end is the cost a rank sees; a rank waiting for a slower peer waits here);
-* ``optimizer``: ``session.step``: unscaling, clipping and the optimizer's step.
-
-Time between these (the user's own code between backward and step, logging...) belongs to no
-phase. On CPU the phases are read from the host clock; on a GPU ``compute``, ``comm`` and
-``optimizer`` are CUDA events on the current stream, read only when a window closes (no host
-sync per step), and ``data`` stays host time. Scripts that do not use ``session.loader`` see
-their data loading inside ``compute``. Where gradients arrive through other means than
-parameter hooks (FSDP's sharded parameters), ``comm`` is 0 and its time is in ``compute``.
-
-Every window of steps (at least ``every`` steps and about half a second of their own work) the ranks share their
-means in one all-reduce of a few floats (:class:`TimingWindow`); the session names a slow rank
-from it (:mod:`lockstep.session.slow_rank`) and logs it.
-
-Example::
-
-    timer = StepTimer(torch.device("cpu"), every=5, exchange=lambda row: [row], on_window=print)
-    for batch in timer.data(iter(loader), loader, len):   # loader.share: this rank's samples in the batch
-        ...; timer.after_backward(); timer.before_step(); ...; timer.after_step()
+Four phases per step, summed over its micro-batches: ``data`` (waiting for the session loader),
+``compute`` (to the last parameter gradient), ``comm`` (from it to the end of backward: the
+communication that did not overlap) and ``optimizer`` (``session.step``); see docs/observability.md.
+On a GPU the last three are CUDA events read when a window closes, so no step pays a host sync.
 """
 
 from __future__ import annotations
@@ -73,12 +51,7 @@ _PEAK_BF16 = {
 
 
 def peak_flops(device: torch.device) -> float | None:
-    """The device's dense half-precision peak in FLOP/s, or ``None`` when unknown (CPUs, other GPUs).
-
-    Example::
-
-        peak_flops(torch.device("cpu"))     # None
-    """
+    """The device's dense half-precision peak in FLOP/s, or ``None`` when unknown (CPUs, other GPUs)."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
@@ -93,10 +66,6 @@ class TimingWindow:
         step: the global step the window ended at.
         steps: optimizer steps in the window.
         table: ``table[rank]`` holds the :data:`ROW` values of that rank.
-
-    Example::
-
-        window.scalars("main")      # {"timings/compute_s": 0.012, ...}, rank 0's
     """
 
     step: int
@@ -108,11 +77,10 @@ class TimingWindow:
         return dict(zip(ROW, self.table[rank]))
 
     def scalars(self, ranks: str = "main") -> dict[str, float]:
-        """What a logger receives: rank 0's values (``"main"``) or every rank's (``"all"``), and the job's samples/s.
+        """What a logger receives: ``timings/...`` values and the job's samples/s.
 
-        Example::
-
-            window.scalars("all")["timings/rank1/data_s"]
+        Args:
+            ranks: ``"main"`` (rank 0's values) or ``"all"`` (every rank's, under ``timings/rankN/``).
         """
         out: dict[str, float] = {
             "timings/job_samples_per_s": sum(row[ROW.index("samples_per_s")] for row in self.table)
@@ -130,19 +98,14 @@ class StepTimer:
     """Measure this rank's phases per optimizer step and close a window every so often.
 
     The session calls :meth:`data` (through its loaders), :meth:`after_backward`, :meth:`before_step`
-    and :meth:`after_step`; :meth:`watch` hooks the model's parameters to see when backward produced
-    the last gradient. Every rank closes its windows at the same step: the next window's length is
-    decided from the table all ranks share.
+    and :meth:`after_step`; :meth:`watch` hooks the parameters to see the last gradient. Every rank
+    closes its windows at the same step: the next window's length comes from the shared table.
 
     Args:
         device: the rank's device (CUDA: device events, read lazily).
         every: the fewest steps in a window (0 turns timings off).
         exchange: shares this rank's row and returns every rank's (one collective).
         on_window: told each closed window.
-
-    Example::
-
-        timer = StepTimer(torch.device("cpu"), 5, exchange=lambda row: [row], on_window=print)
     """
 
     def __init__(
@@ -194,14 +157,7 @@ class StepTimer:
 
     # -- the model's gradients --------------------------------------------------------------------------------------
     def watch(self, model: nn.Module) -> None:
-        """Hook ``model``'s parameters: the time the last gradient is ready ends ``compute`` and begins ``comm``.
-
-        Every trainable parameter is hooked for the first backward; from then on only the one whose
-        gradient came last keeps its hook (one Python call per backward, not one per parameter).
-
-        Args:
-            model: the wrapped model (its trainable parameters are hooked; others are left alone).
-        """
+        """Hook ``model``'s trainable parameters: the last gradient ends ``compute`` (one hook kept after backward)."""
         if not self.enabled:
             return
         for param in (p for p in model.parameters() if p.requires_grad):
@@ -212,7 +168,7 @@ class StepTimer:
                 return
 
     def _grad_hook(self, index: int) -> Callable[[torch.Tensor], None]:
-        """One parameter's hook: records when its gradient is ready (a time, or an event on a GPU)."""
+        """One parameter's hook: records when its gradient is ready."""
 
         def hook(_: torch.Tensor) -> None:
             self._grad_last = index
@@ -221,7 +177,7 @@ class StepTimer:
         return hook
 
     def _keep_last_hook(self) -> None:
-        """After the first backward: drop every hook but the last gradient's (the order is the graph's)."""
+        """After the first backward: drop every hook but the last gradient's."""
         if len(self._hooks) > 1 and 0 <= self._grad_target < len(self._hooks):
             for index, handle in enumerate(self._hooks):
                 if index != self._grad_target:
@@ -236,13 +192,7 @@ class StepTimer:
 
     # -- the step's phases --------------------------------------------------------------------------------------
     def data(self, batches: Iterator[Any], source: Any, size: Callable[[Any], int]) -> Iterator[Any]:
-        """Yield ``batches``, timing each wait for the next one (``data``) and counting samples.
-
-        Args:
-            batches: the loader's batches (already on the device).
-            source: what yields them; its ``share`` is this rank's samples in the batch just handed out.
-            size: a batch's length (the samples a FLOP count covers, read once per run).
-        """
+        """Yield ``batches``, timing each wait (``data``) and counting ``source.share`` samples."""
         clock = self._clock
         while True:
             began = clock()
@@ -318,7 +268,7 @@ class StepTimer:
         self._reset_window()
 
     def _resolve(self) -> list[tuple[float, float, float, float]]:
-        """Every step's four phases in seconds (on a GPU, the events of the window are read now: one sync)."""
+        """Every step's four phases in seconds (on a GPU the window's events are read now: one sync)."""
         if not self._cuda:
             return self._rows
         if self._rows and self._rows[-1][1]:

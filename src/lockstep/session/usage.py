@@ -1,19 +1,6 @@
-"""Mistakes in a training loop that would otherwise train wrong replicas silently, caught at the
-first point they can be known, each in one line naming the fix.
-
-* ``session.backward`` before any ``session.setup``: the model is not wrapped, so no gradient is
-  averaged over the ranks; refused at that first ``backward``.
-* ``session.step`` with no ``session.backward`` since the last step (``step`` called before
-  ``backward``, or ``loss.backward()`` used instead): refused at that ``step``. A skipped
-  non-finite step and accumulation windows both end with a step, so they never trip it.
-* The replicas differ after the first step (the loop trains the bare model or optimizer instead
-  of those ``setup`` returned): found by comparing a fingerprint of the optimizer's parameters
-  across the ranks once, after the first step of a replicated strategy.
-
-Example::
-
-    checks = LoopChecks(comm)
-    checks.before_backward(models_set_up=False)   # SessionUsageError: call session.setup first
+"""Loop mistakes that would silently train wrong replicas, each caught where it can first be known
+and refused in one line naming the fix: ``backward`` before ``setup``, ``step`` with no
+``backward`` since the last one, replicas that differ after the first step (compared once).
 """
 
 from __future__ import annotations
@@ -48,59 +35,30 @@ _CHUNK = 1 << 22
 class SessionUsageError(LockstepError):
     """The training loop uses the session in a way that would train wrong replicas.
 
-    Raised on every rank at the first point the mistake can be known (``backward`` before
-    ``setup``, ``step`` before ``backward``, replicas that differ after the first step).
-
-    Example::
-
-        try:
-            session.backward(loss)
-        except lockstep.SessionUsageError as exc:
-            print(exc)   # names the call to add
+    Raised on every rank: ``backward`` before ``setup``, ``step`` before ``backward``, or replicas
+    that differ after the first step.
     """
 
 
 class LoopChecks:
-    """The order of ``setup``, ``backward`` and ``step``, and the replicas' agreement at the first step.
-
-    Args:
-        comm: the job's collectives (the first-step comparison gathers one small list).
-
-    Example::
-
-        checks = LoopChecks(comm)
-        checks.before_step(backwards=0)   # SessionUsageError: backward first
-    """
+    """The order of ``setup``, ``backward`` and ``step``, and the replicas' agreement after the first step."""
 
     def __init__(self, comm: Comm) -> None:
         self.comm = comm
         self.compared = False
 
     def before_backward(self, models_set_up: bool) -> None:
-        """Refuse a backward with no model set up.
-
-        Args:
-            models_set_up: ``session.setup`` was called at least once.
-        """
+        """Refuse a backward with no model set up."""
         if not models_set_up:
             raise SessionUsageError(_NO_SETUP)
 
     def before_step(self, backwards: int) -> None:
-        """Refuse a step with no backward since the last one.
-
-        Args:
-            backwards: micro-steps (``session.backward`` calls) since the last step.
-        """
+        """Refuse a step with no backward (``backwards`` micro-steps) since the last one."""
         if backwards == 0:
             raise SessionUsageError(_NO_BACKWARD)
 
     def after_step(self, optimizer: torch.optim.Optimizer, replicated: bool) -> None:
-        """After the first step, check once that every rank holds the same parameters.
-
-        Args:
-            optimizer: the optimizer just stepped (its parameters are compared).
-            replicated: every rank holds every parameter whole (not FSDP's shards).
-        """
+        """After the first step, check once that every rank holds the same parameters (``replicated`` only)."""
         if self.compared:
             return
         self.compared = True
@@ -114,15 +72,7 @@ class LoopChecks:
 
 
 def fingerprint(optimizer: torch.optim.Optimizer) -> list[float]:
-    """Per parameter the float64 sums of absolute values and of squares (no cancellation), one host copy.
-
-    Args:
-        optimizer: the optimizer whose parameters are summarised.
-
-    Example::
-
-        fingerprint(torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1))   # 4 numbers
-    """
+    """Per parameter the float64 sums of absolute values and of squares (no cancellation), one host copy."""
     sums = []
     with torch.no_grad():
         for group in optimizer.param_groups:

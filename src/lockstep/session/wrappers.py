@@ -1,17 +1,6 @@
-"""The layers ``Session.setup`` puts around the user's model, recorded once where they are built.
-
-A model goes through the precision plugin (converted in place: ``fp16-o2``, pure half), the
-strategy (DDP, DataParallel or FSDP, or nothing), ``torch.compile`` (optional) and the
-:class:`PrecisionModule` that runs its forward under autocast. :class:`ModelWrappers` keeps
-each layer by name, so that a checkpoint reads the bare module's state (no ``module.`` or
-``_orig_mod.`` prefix), the strategy gets the module it wrapped, and accumulation the wrapper
-whose ``no_sync`` counts; nobody peels the wrappers off again.
-
-Example::
-
-    layers = wrap_model(net, strategy, precision, compile_options=None)
-    layers.bare.state_dict().keys()        # the user's own keys
-    layers.trained(inputs)                 # what Session.setup returned
+"""The layers ``Session.setup`` puts around the user's model, recorded once where they are built, so
+that a checkpoint reads the bare module's keys, the strategy gets the module it wrapped, and nobody
+peels the wrappers off again.
 """
 
 from __future__ import annotations
@@ -34,17 +23,7 @@ __all__ = ["ModelWrappers", "PrecisionModule", "wrap_model"]
 class PrecisionModule(nn.Module):
     """Run the wrapped model's forward under the precision plugin's autocast / input casting.
 
-    ``state_dict`` and ``load_state_dict`` go to the user's bare module, so saving the wrapped
-    model never adds a ``module.`` prefix.
-
-    Args:
-        module: the strategy-wrapped (maybe compiled) model.
-        precision: the precision plugin.
-        bare: the user's own module (for state dicts), :attr:`ModelWrappers.bare`.
-
-    Example::
-
-        model = PrecisionModule(ddp_model, precision, ddp_model.module)
+    State dicts go to the user's ``bare`` module, so saving never adds a ``module.`` prefix.
     """
 
     def __init__(self, module: nn.Module, precision: Any, bare: nn.Module) -> None:
@@ -61,10 +40,10 @@ class PrecisionModule(nn.Module):
             out = self.module(*args, **kwargs)
         return precision.convert_output(out)
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         return self._bare.state_dict(*args, **kwargs)
 
-    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
         return self._bare.load_state_dict(*args, **kwargs)
 
 
@@ -73,17 +52,10 @@ class ModelWrappers:
     """Each layer around one model, from the user's module out to what ``Session.setup`` returned.
 
     Args:
-        bare: the user's module, precision-converted and on the device: the one inside the
-            strategy's wrapper, whose ``state_dict`` keys a checkpoint holds.
+        bare: the user's module, converted and on the device; its ``state_dict`` keys a checkpoint holds.
         wrapped: what the strategy returned (DDP, DataParallel, an FSDP root, or ``bare``).
         compiled: ``torch.compile`` around ``wrapped``, or ``wrapped`` itself.
-        trained: what the user trains: a :class:`PrecisionModule` around ``compiled``, or
-            ``compiled`` itself.
-
-    Example::
-
-        layers = ModelWrappers(bare=net, wrapped=net, compiled=net, trained=net)   # one process, fp32
-        layers.holds(net)   # True
+        trained: what the user trains: a :class:`PrecisionModule` around ``compiled``, or ``compiled``.
     """
 
     bare: nn.Module
@@ -97,30 +69,14 @@ class ModelWrappers:
         return self.compiled is not self.wrapped
 
     def holds(self, model: nn.Module) -> bool:
-        """True when ``model`` is one of these layers.
-
-        Args:
-            model: a module, e.g. the one given to ``Session.save``.
-        """
+        """True when ``model`` is one of these layers."""
         return any(model is layer for layer in (self.trained, self.compiled, self.wrapped, self.bare))
 
 
 def wrap_model(
     model: nn.Module, strategy: Strategy, precision: Precision, compile_options: dict[str, Any] | None
 ) -> ModelWrappers:
-    """Convert, wrap, compile and autocast ``model`` in that order; every layer recorded.
-
-    Args:
-        model: the user's bare module.
-        strategy: the job's strategy (checks the model, moves it, wraps it).
-        precision: the precision plugin (converts the model; autocast around its forward).
-        compile_options: ``torch.compile`` keyword arguments, or ``None`` for eager
-            (:func:`~lockstep.strategies.compile.check_compile`).
-
-    Example::
-
-        layers = wrap_model(ConvNet(), session.strategy, session.precision, None)
-    """
+    """Convert, wrap, compile and autocast ``model`` in that order; every layer recorded."""
     wrapped = strategy.setup_module(precision.convert_module(model))
     bare = strategy.unwrap(wrapped)  # the strategy knows its own wrapper; asked this once
     compiled = apply_compile(wrapped, compile_options)

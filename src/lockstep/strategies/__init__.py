@@ -1,20 +1,7 @@
 """Parallel strategies, registered by name: ``single``, ``dp``, ``ddp``, ``fsdp``, ``horovod`` and ``auto``.
 
-``auto`` picks ``ddp`` when the job has several processes, ``dp`` when one process sees several
-GPUs, and ``single`` otherwise. The wrapping itself lives in plain functions (:func:`apply_ddp`,
-:func:`apply_fsdp`, :func:`apply_dp`, :func:`apply_sync_bn`) that can be used on their own. What
-the strategies need of torch beyond its public API is in :mod:`~lockstep.strategies.torch_internals`.
-
-Example::
-
-    from lockstep.strategies import get_strategy
-    strategy = get_strategy("auto", comm, device)
-    model = strategy.setup_module(net)
-
-A new strategy registers itself with::
-
-    @register_strategy("mine")
-    class MyStrategy(Strategy): ...
+The wrapping itself lives in plain functions that can be used on their own (:func:`apply_ddp`, :func:`apply_fsdp`,
+:func:`apply_dp`, :func:`apply_sync_bn`); a new strategy registers itself with :func:`register_strategy`.
 """
 
 from __future__ import annotations
@@ -73,13 +60,7 @@ def register_strategy(name: str) -> Callable[[type[Strategy]], type[Strategy]]:
     """Class decorator that makes a :class:`Strategy` subclass available under ``name``.
 
     Args:
-        name: the lower-case name users pass as ``strategy=``.
-
-    Example::
-
-        @register_strategy("mine")
-        class MyStrategy(Strategy):
-            name = "mine"
+        name: the name users pass as ``strategy=`` (any case; ``auto`` is reserved).
     """
     key = name.lower()
     if key == "auto":
@@ -95,12 +76,7 @@ def register_strategy(name: str) -> Callable[[type[Strategy]], type[Strategy]]:
 
 
 def available_strategies() -> list[str]:
-    """Names accepted by :func:`get_strategy`, ``auto`` first.
-
-    Example::
-
-        available_strategies()   # ['auto', 'ddp', 'dp', 'fsdp', 'horovod', 'single']
-    """
+    """Names accepted by :func:`get_strategy`, ``auto`` first."""
     return ["auto", *sorted(_REGISTRY)]
 
 
@@ -113,11 +89,6 @@ def check_strategy(name: str, choices: Sequence[str] | None = None) -> str:
 
     Raises:
         ConfigError: an unknown name, a combination (``fsdp+dp``), or one outside ``choices``.
-
-    Example::
-
-        check_strategy("FSDP")                              # 'fsdp'
-        check_strategy("dp", choices=("ddp", "fsdp"))       # ConfigError
     """
     registered = available_strategies()
     allowed = list(registered if choices is None else choices)
@@ -149,10 +120,6 @@ def check_processes(strategy: str, world_size: int) -> None:
 
     Raises:
         ConfigError: ``dp``, which drives every GPU from one process, with several processes.
-
-    Example::
-
-        check_processes("dp", 2)     # ConfigError
     """
     if strategy == "dp" and world_size > 1:
         raise ConfigError(
@@ -170,10 +137,6 @@ def check_nodes(strategy: str, nodes: str) -> None:
 
     Raises:
         ConfigError: any strategy but ``ddp`` (or ``auto``).
-
-    Example::
-
-        check_nodes("fsdp", "1:3")     # ConfigError
     """
     if strategy not in ("ddp", "auto"):
         raise ConfigError(
@@ -183,15 +146,11 @@ def check_nodes(strategy: str, nodes: str) -> None:
 
 
 def resolve_auto(comm: Comm, device: torch.device) -> str:
-    """The strategy ``auto`` stands for in this process.
+    """The strategy ``auto`` stands for here: ``ddp`` with several processes, ``dp`` with several GPUs, else ``single``.
 
     Args:
         comm: the job's collectives.
         device: this rank's device.
-
-    Example::
-
-        resolve_auto(Comm(World()), torch.device("cpu"))   # 'single'
     """
     if comm.world_size > 1:
         return "ddp"
@@ -203,18 +162,13 @@ def resolve_auto(comm: Comm, device: torch.device) -> str:
 def strategy_for_model(model: nn.Module, comm: Comm, device: torch.device) -> Strategy:
     """The strategy whose wrapper ``model`` holds: ``fsdp``, ``ddp``, else ``single``.
 
-    For code handed a wrapped model without the strategy that wrapped it (a model passed to
-    :mod:`lockstep.metrics` with a plain Comm); the wrapper may sit inside others (autocast,
-    ``torch.compile``).
+    For code handed a wrapped model without the strategy that wrapped it (a model passed to :mod:`lockstep.metrics`
+    with a plain Comm).
 
     Args:
-        model: the module, wrapped or not.
+        model: the module, wrapped or not; the wrapper may sit inside others (autocast, ``torch.compile``).
         comm: the job's collectives.
         device: this rank's device.
-
-    Example::
-
-        strategy_for_model(apply_ddp(net, device), comm, device).name   # 'ddp'
     """
     if holds_fsdp(model):
         return FSDPStrategy(comm, device)
@@ -230,16 +184,17 @@ def get_strategy(name: str, comm: Comm, device: torch.device, **options: Any) ->
         name: one of :func:`available_strategies` (case does not matter).
         comm: the job's collectives.
         device: this rank's device.
-        **options: the strategy's options. With ``auto``, options that the chosen strategy
-            does not have are dropped, so that one script runs as 1 or N processes; an option
-            no strategy has is still an error.
+        **options: the strategy's options. With ``auto``, options that the chosen strategy does not have are
+            dropped, so that one script runs as 1 or N processes; an option no strategy has is still an error.
 
     Raises:
         ConfigError: for an unknown name or option.
 
     Example::
 
-        strategy = get_strategy("ddp", comm, device, find_unused_parameters=True)
+        >>> from lockstep.env import World
+        >>> get_strategy("auto", Comm(World()), torch.device("cpu"))  # one process
+        SingleStrategy(device=cpu)
     """
     key = name if name == "auto" or name in _REGISTRY else check_strategy(name)  # a checked name is canonical
     if isinstance(comm, ElasticComm):  # lockstep run --nodes: ddp without a wrapper bound to one group

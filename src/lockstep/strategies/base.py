@@ -1,18 +1,7 @@
-"""The :class:`Strategy` interface: how one way of parallelism prepares and saves a model.
+"""The :class:`Strategy` interface: how one way of parallelism prepares, trains and saves a model.
 
-A strategy is built from a :class:`~lockstep.comm.group.Comm` (who the peers are) and a device, plus
-options it declares in ``defaults``. Its public methods check, its ``_hooks`` act, so that a new
-strategy overrides only what differs (usually ``_wrap``).
-
-What a strategy saves (portable state dicts, checkpoint state) is its base
-:class:`~lockstep.strategies.state.StateDicts`; evaluation has two hooks (:meth:`Strategy.eval_context`,
-:meth:`Strategy.extra_eval_forwards`) so that metrics need not know the wrappers.
-
-Example::
-
-    strategy = SingleStrategy(Comm(World()), torch.device("cpu"))
-    model = strategy.setup_module(net)
-    torch.save(strategy.model_state_dict(model), "weights.pt")
+Its public methods check and its ``_hooks`` act, so that a new strategy overrides only what differs (usually
+``_wrap``); what it saves comes from its base :class:`~lockstep.strategies.state.StateDicts`.
 """
 
 from __future__ import annotations
@@ -39,13 +28,8 @@ class Strategy(StateDicts):
     Args:
         comm: the job's collectives (the null :class:`~lockstep.comm.group.Comm` for one process).
         device: this rank's device.
-        **options: strategy options; each strategy lists its own in ``defaults``
-            (every strategy accepts ``sync_bn``). An unknown option is a :class:`ConfigError`.
-
-    Example::
-
-        strategy = get_strategy("ddp", comm, device, find_unused_parameters=True)
-        model = strategy.setup_module(model)
+        **options: strategy options; each strategy lists its own in ``defaults`` (every strategy accepts
+            ``sync_bn``). An unknown option is a :class:`ConfigError`.
     """
 
     name: ClassVar[str] = "base"
@@ -86,12 +70,7 @@ class Strategy(StateDicts):
             model: the user's bare module.
 
         Raises:
-            ConfigError: for example fsdp on a model without trainable parameters. (The options
-                alone, ``sync_bn`` on a CPU among them, were checked by ``SessionConfig``.)
-
-        Example::
-
-            strategy.validate(model)   # raises ConfigError with the fix in the message
+            ConfigError: for example fsdp on a model without trainable parameters (the message says the fix).
         """
         self._validate(model)
 
@@ -106,10 +85,6 @@ class Strategy(StateDicts):
 
         Returns:
             The module to train with (possibly a wrapper; see :meth:`unwrap`).
-
-        Example::
-
-            model = strategy.setup_module(ConvNet())
         """
         self.validate(model)
         model = model.to(self.device)
@@ -125,92 +100,47 @@ class Strategy(StateDicts):
     def setup_optimizer(
         self, optimizer: torch.optim.Optimizer, model: nn.Module, accumulate: int = 1
     ) -> torch.optim.Optimizer:
-        """Prepare the optimizer of the module :meth:`setup_module` returned; the base returns it.
-
-        A strategy that averages gradients in the optimizer (``horovod``) wraps it here.
+        """Prepare the optimizer of the module :meth:`setup_module` returned; the base returns it as it is.
 
         Args:
-            optimizer: the user's optimizer over ``model``'s parameters.
+            optimizer: the user's optimizer over ``model``'s parameters (``horovod`` wraps it).
             model: the module returned by :meth:`setup_module`.
             accumulate: backward passes per optimizer step (gradient accumulation).
-
-        Example::
-
-            optimizer = strategy.setup_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
         """
         return optimizer
 
     def unwrap(self, model: nn.Module) -> nn.Module:
-        """Return the user's bare module inside DDP, DataParallel or ``torch.compile`` wrappers.
-
-        Args:
-            model: a module returned by :meth:`setup_module` (or a bare one).
-
-        Example::
-
-            strategy.unwrap(model).state_dict().keys()   # no "module." or "_orig_mod." prefix
-        """
+        """Return the user's bare module inside DDP, DataParallel or ``torch.compile`` wrappers of ``model``."""
         return unwrap_module(model)
 
     def release(self, model: nn.Module) -> None:
-        """Drop the wrapper's references to the process group once it is destroyed.
+        """Drop the wrapper's references to the process group once it is destroyed (``Session.close``).
 
-        Called by ``Session.close``. A wrapper that still holds the group when the interpreter
-        exits destroys it during finalisation, which can abort the process (gloo).
-
-        Args:
-            model: the module returned by :meth:`setup_module`.
+        A wrapper that still holds the group when the interpreter exits destroys it during finalisation,
+        which can abort the process (gloo).
         """
 
     # -- training ------------------------------------------------------------------------
 
     def no_backward_sync(self, model: nn.Module) -> AbstractContextManager[Any]:
-        """Context in which ``backward`` accumulates gradients locally without communicating.
-
-        Use it for every micro-batch but the last of a gradient-accumulation step.
-
-        Args:
-            model: the module returned by :meth:`setup_module`.
-
-        Example::
-
-            with strategy.no_backward_sync(model):
-                loss_fn(model(x1)).backward()
-            loss_fn(model(x2)).backward()   # gradients of both are synchronised here
-        """
+        """Context in which ``backward`` accumulates gradients locally: every micro-batch of a step but its last."""
         return contextlib.nullcontext()
 
     def sync_gradients(self, model: nn.Module) -> None:
         """Average the gradients over the ranks before the optimizer steps, where backward did not.
 
-        The base does nothing: DDP and FSDP reduce in backward, Horovod in its optimizer. A
-        strategy whose process group may be rebuilt between steps (``lockstep run --nodes``)
-        reduces here, over whatever group is current.
-
-        Args:
-            model: the module returned by :meth:`setup_module`.
-
-        Example::
-
-            strategy.sync_gradients(model)   # then clip and step
+        The base does nothing: DDP and FSDP reduce in backward, Horovod in its optimizer. Under
+        ``lockstep run --nodes``, whose process group may be rebuilt between steps, they are reduced here.
         """
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        """Scale the gradients so that their global 2-norm is at most ``max_norm``.
-
-        Args:
-            model: the module returned by :meth:`setup_module`.
-            max_norm: the largest allowed total norm.
+        """Scale the gradients of ``model`` so that their global 2-norm is at most ``max_norm``.
 
         Returns:
             The total norm before clipping (the same on every rank).
 
         Raises:
             ConfigError: ``max_norm`` is not a positive, finite number.
-
-        Example::
-
-            norm = strategy.clip_grad_norm(model, 1.0)
         """
         if not (math.isfinite(max_norm) and max_norm > 0):
             raise ConfigError(f"max_norm must be a positive, finite number, got {max_norm}")
@@ -223,18 +153,11 @@ class Strategy(StateDicts):
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Refuse an optimizer built on the bare model when the wrapping replaces its parameters.
 
-        DDP keeps the parameters, so such an optimizer still points at the right tensors; FSDP
-        replaces them, so its optimizer must come from a factory.
-
-        Args:
-            optimizer: the user's optimizer, built on the bare model's parameters.
+        DDP keeps the parameters, so such an optimizer still points at the right tensors; FSDP replaces them, so its
+        optimizer must come from a factory.
 
         Raises:
             ConfigError: this strategy replaces the parameters.
-
-        Example::
-
-            strategy.check_optimizer(torch.optim.SGD(net.parameters(), lr=0.1))
         """
         if self.sharded:
             raise ConfigError(
@@ -247,32 +170,18 @@ class Strategy(StateDicts):
     def eval_context(self, model: nn.Module) -> AbstractContextManager[Any]:
         """Context of an evaluation in which ranks may run different numbers of forwards.
 
-        The base does nothing; DDP first gives every rank rank 0's buffers, then turns off its
-        per-forward buffer broadcast, which would otherwise leave a rank waiting.
-
-        Args:
-            model: the module to evaluate (wrapped, possibly inside other wrappers).
-
-        Example::
-
-            with strategy.eval_context(model), torch.no_grad():
-                outputs = [model(x) for x in batches]
+        The base does nothing; DDP first gives every rank rank 0's buffers, then turns off its per-forward buffer
+        broadcast, which would otherwise leave a rank waiting.
         """
         return contextlib.nullcontext()
 
     def extra_eval_forwards(self, model: nn.Module, batches: int | None) -> int:
-        """How many extra, discarded forwards this rank runs after its evaluation batches.
+        """How many extra, discarded forwards this rank runs after its evaluation batches (the base: none).
 
-        Where a forward is a collective (FSDP all-gathers), every rank must run as many; the
-        ranks agree on it here, before any forward. The base needs none.
+        Where a forward is a collective (FSDP all-gathers), every rank must run as many; the ranks agree on it here.
 
         Args:
             model: the module to evaluate.
             batches: this rank's number of evaluation batches (``None``: the loader has no length).
-
-        Example::
-
-            for _ in range(strategy.extra_eval_forwards(model, len(loader))):
-                model(padding_inputs)
         """
         return 0

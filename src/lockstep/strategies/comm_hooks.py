@@ -1,23 +1,4 @@
-"""Gradient compression for ``ddp``: torch's DDP communication hooks, chosen by name.
-
-``Session(strategy="ddp", grad_compression=...)`` (``--grad-compression`` in ``lockstep train``,
-``bench`` and ``verify``) registers one of torch's hooks on the DistributedDataParallel wrapper:
-
-* ``"bf16"`` / ``"fp16"``: each gradient bucket is cast to 16 bits, all-reduced, and cast back
-  (``default_hooks.bf16_compress_hook`` / ``fp16_compress_hook``): half the bytes, lossy by design.
-* ``"powersgd"``: a rank-``powersgd_rank`` approximation of each gradient matrix is all-reduced
-  after ``powersgd_start_iter`` steps of plain all-reduce (``powerSGD_hook``); the part it drops
-  is kept per rank (error feedback) and added to the next step's gradient. That memory, the
-  step counter and the hook's RNG are checkpointed per rank and restored by ``Session.load``.
-
-Every option is checked by :func:`check_grad_compression`, which the Session calls before any
-process group starts and the apps call before any process is launched.
-
-Example::
-
-    check_grad_compression("powersgd", strategy="ddp", backend="gloo")   # 'powersgd'
-    lockstep run --nproc 2 -m lockstep train --strategy ddp --grad-compression bf16
-"""
+"""Gradient compression for ``ddp``: torch's DDP communication hooks (``bf16``, ``fp16``, ``powersgd``), by name."""
 
 from __future__ import annotations
 
@@ -64,32 +45,11 @@ def check_grad_compression(
     bucket_cap_mb: float | None = None,
     nodes: str = "",
 ) -> str:
-    """Return ``compression`` in canonical form (``"none"``, ``"bf16"``, ``"fp16"``, ``"powersgd"``) or refuse it.
-
-    Args:
-        compression: the requested compression, any case; ``None`` means ``"none"``.
-        strategy: the requested strategy; only ``ddp`` (or ``auto``, which is ddp with several
-            processes) has communication hooks.
-        backend: the process-group backend that will run (``"gloo"``, ``"nccl"``; ``"none"`` for one process).
-        powersgd_rank: rank of PowerSGD's low-rank approximation (at least 1).
-        powersgd_start_iter: plain all-reduce steps before PowerSGD starts (at least 2: DDP
-            rebuilds its buckets after the first step, and error feedback needs stable buckets).
-        bucket_cap_mb: the bucket size the user asked for, if any. PowerSGD on gloo hangs at its
-            first compressed step when DDP has more than one bucket (torch 2.14), so on gloo
-            the ddp strategy puts every gradient in one bucket and refuses a given size.
-        nodes: ``MIN:MAX`` of ``lockstep run --nodes``, where no compression runs (no DDP wrapper).
-
-    Raises:
-        ConfigError: an unknown name, a strategy other than ddp, a backend that cannot run the
-            hook, or a bad PowerSGD knob.
-
-    Example::
-
-        check_grad_compression("BF16", strategy="ddp", backend="gloo")   # 'bf16'
-    """
+    """Return ``compression`` in canonical form, or refuse it for this strategy, backend and PowerSGD knobs."""
     name = "none" if compression is None else str(compression).strip().lower()
     if name not in GRAD_COMPRESSIONS:
         raise ConfigError(f"unknown grad_compression {compression!r}; choose one of {', '.join(GRAD_COMPRESSIONS)}")
+    # start_iter >= 2: DDP rebuilds its buckets after the first step, and error feedback needs stable buckets
     for knob, value, least in (("powersgd_rank", powersgd_rank, 1), ("powersgd_start_iter", powersgd_start_iter, 2)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ConfigError(f"{knob} must be an integer >= {least}, got {value!r}")
@@ -112,6 +72,8 @@ def check_grad_compression(
             f"grad_compression={name!r} cannot run on the {backend!r} backend; use backend "
             f"{' or '.join(_BACKENDS[name])}, or drop grad_compression"
         )
+    # PowerSGD on gloo hangs at its first compressed step when DDP has more than one bucket (torch 2.14):
+    # the ddp strategy then puts every gradient in one bucket, so a size the user gave cannot be honoured
     if name == "powersgd" and backend == "gloo" and bucket_cap_mb is not None:
         raise ConfigError(
             "grad_compression='powersgd' on the 'gloo' backend needs all gradients in one bucket "
@@ -128,25 +90,11 @@ def check_grad_compression(
 _TABLES = ("error", "p_memory", "q_memory")
 
 
+# PowerSGD keeps its memory per gradient bucket, and DDP lays its buckets out anew after its first step (in the
+# order gradients arrive), so a resumed job's first step sees other buckets than the job that saved: the memory
+# is saved per parameter and laid out again for whichever bucket asks for it (at a resume, or a bucket rebuild).
 class CommHook:
-    """The hook registered on one DDP wrapper, and its checkpointable state (PowerSGD's).
-
-    PowerSGD keeps its memory per gradient bucket, and DDP lays its buckets out anew after its
-    first step (by the order in which gradients arrive), so a resumed job's first step sees
-    other buckets than the job that saved. The memory is therefore saved per parameter and laid
-    out again for whatever bucket asks for it, at a resume and when DDP rebuilds its buckets.
-
-    Args:
-        name: ``"bf16"``, ``"fp16"`` or ``"powersgd"``.
-        state: torch's ``PowerSGDState`` for ``"powersgd"``, else ``None``.
-        params: the wrapped module's parameters in ``parameters()`` order (names the memory's pieces).
-
-    Example::
-
-        hook = apply_comm_hook(ddp, "powersgd", powersgd_rank=2)
-        saved = hook.state_dict()          # this rank's PowerSGD memory, per parameter
-        hook.load_state_dict(saved)
-    """
+    """The hook registered on one DDP wrapper, and its checkpointable state (PowerSGD's, kept per parameter)."""
 
     def __init__(self, name: str, state: Any = None, params: list[torch.Tensor] | None = None) -> None:
         self.name, self.state = name, state
@@ -156,12 +104,7 @@ class CommHook:
         self._pieces: dict[str, dict[int, torch.Tensor]] = {t: {} for t in _TABLES}  # not laid out yet
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's hook state as CPU tensors and numbers (empty for the stateless hooks).
-
-        Example::
-
-            hook.state_dict()["iter"]    # PowerSGD's step counter
-        """
+        """This rank's hook state as CPU tensors and numbers (empty for the stateless hooks)."""
         if self.state is None:
             return {}
         s = self.state
@@ -177,16 +120,7 @@ class CommHook:
         }
 
     def load_state_dict(self, saved: dict[str, Any], device: torch.device | None = None) -> None:
-        """Put back what :meth:`state_dict` returned (this rank's part of a checkpoint).
-
-        Args:
-            saved: one rank's hook state.
-            device: where the memory tensors go (the gradients' device).
-
-        Example::
-
-            hook.load_state_dict(checkpoint["ddp_comm_hook"]["ranks"][rank])
-        """
+        """Put back what :meth:`state_dict` returned (this rank's part), the memory on ``device``."""
         if self.state is None or not saved:
             return
         s = self.state
@@ -205,12 +139,7 @@ class CommHook:
             self._pieces[t] = {int(i): v.to(device) if device is not None else v for i, v in saved[t].items()}
 
     def forget_iteration_memory(self) -> None:
-        """Drop PowerSGD's per-rank memory but keep its step counter (a resume at another world size).
-
-        Example::
-
-            hook.forget_iteration_memory()
-        """
+        """Drop PowerSGD's per-rank memory but keep its step counter (a resume at another world size)."""
         if self.state is not None:
             for t in _TABLES:
                 getattr(self.state, f"{t}_dict").clear()
@@ -218,11 +147,9 @@ class CommHook:
             self._layouts.clear()
 
     def powersgd(self, state: Any, bucket):  # type: ignore[no-untyped-def]
-        """PowerSGD's hook, with its memory laid out for ``bucket``'s parameters first.
-
-        (``bucket`` and the result stay unannotated: DDP compares the annotations with
-        ``dist.GradBucket`` and ``Future`` objects, and this module's annotations are strings.)
-        """
+        """PowerSGD's hook, with its memory laid out for ``bucket``'s parameters first."""
+        # bucket and the result stay unannotated: DDP compares the annotations with dist.GradBucket and Future,
+        # and this module's annotations are strings
         index = bucket.index()
         layout = [self._index[id(p)] for p in bucket.parameters()]
         if self._layouts.get(index) != layout:  # a resume, the first step, or DDP rebuilt its buckets
@@ -283,21 +210,7 @@ class CommHook:
 def apply_comm_hook(
     ddp: nn.parallel.DistributedDataParallel, compression: str, *, powersgd_rank: int = 1, powersgd_start_iter: int = 10
 ) -> CommHook | None:
-    """Register the communication hook ``compression`` names on ``ddp`` (before its first forward).
-
-    Args:
-        ddp: the DistributedDataParallel wrapper.
-        compression: a value accepted by :func:`check_grad_compression` (``"none"`` registers nothing).
-        powersgd_rank: rank of PowerSGD's approximation.
-        powersgd_start_iter: plain all-reduce steps before PowerSGD starts.
-
-    Returns:
-        The :class:`CommHook`, or ``None`` for ``"none"``.
-
-    Example::
-
-        hook = apply_comm_hook(apply_ddp(net, device), "fp16")
-    """
+    """Register the hook ``compression`` names on ``ddp`` before its first forward; ``None`` for ``'none'``."""
     if compression == "none":
         return None
     if compression in ("bf16", "fp16"):

@@ -1,16 +1,7 @@
 """``torch.compile`` applied in the order each strategy needs, with an eager fallback.
 
-The strategy wraps first and the wrapper is compiled afterwards: a compiled DDP module lets
-dynamo's DDP optimizer split the graph at DDP's gradient buckets, so that the all-reduce of a
-bucket still overlaps the rest of the backward; an FSDP2 root compiled as a whole keeps each
-block's all-gather and reduce-scatter hooks, as torch documents for ``fully_shard``. The user
-gets the compiled wrapper; checkpoints unwrap it (no ``_orig_mod.`` prefix), so a compiled run's
-checkpoint loads into an uncompiled run and back.
-
-Example::
-
-    options = check_compile({"backend": "aot_eager"})    # {'backend': 'aot_eager'}
-    model = apply_compile(strategy.setup_module(net), options)
+The strategy wraps first and the wrapper is compiled afterwards, so that DDP's all-reduces still overlap the
+backward and FSDP2 keeps its hooks; checkpoints unwrap it (no ``_orig_mod.`` prefix).
 """
 
 from __future__ import annotations
@@ -34,21 +25,7 @@ def _compile_keys() -> list[str]:
 
 
 def check_compile(compile: bool | dict[str, Any] | None) -> dict[str, Any] | None:
-    """Check ``Session(compile=...)``; returns the keyword arguments for ``torch.compile`` or ``None``.
-
-    Args:
-        compile: ``False``/``None`` (eager), ``True`` (torch's defaults: inductor) or a dict of
-            ``torch.compile`` keyword arguments (``backend``, ``mode``, ``fullgraph``, ``dynamic``,
-            ``options``, ``disable``).
-
-    Raises:
-        ConfigError: not a bool or dict, or a key ``torch.compile`` does not take.
-
-    Example::
-
-        check_compile(True)                        # {}
-        check_compile({"mode": "max-autotune"})    # {'mode': 'max-autotune'}
-    """
+    """Check ``Session(compile=...)``: the keyword arguments for ``torch.compile``, or ``None`` for eager."""
     if compile is None or compile is False:
         return None
     if compile is True:
@@ -65,15 +42,7 @@ def check_compile(compile: bool | dict[str, Any] | None) -> dict[str, Any] | Non
 
 
 def compile_label(options: dict[str, Any] | None) -> str:
-    """A short name of the compile setting for summaries and tables: ``eager``, ``inductor``...
-
-    Args:
-        options: what :func:`check_compile` returned.
-
-    Example::
-
-        compile_label({"backend": "aot_eager"})   # 'aot_eager'
-    """
+    """A short name of the compile setting for summaries and tables: ``eager``, ``inductor``..."""
     if options is None:
         return "eager"
     backend = options.get("backend", "inductor")
@@ -81,19 +50,7 @@ def compile_label(options: dict[str, Any] | None) -> str:
 
 
 def apply_compile(model: nn.Module, options: dict[str, Any] | None) -> nn.Module:
-    """Compile the strategy's wrapped module; fall back to eager with one warning if torch cannot.
-
-    Only a failure of ``torch.compile`` itself (an unknown or unavailable backend) falls back;
-    an error in the model's own forward is raised as in eager mode.
-
-    Args:
-        model: the module returned by ``Strategy.setup_module`` (DDP, FSDP2 root or bare).
-        options: what :func:`check_compile` returned; ``None`` returns ``model`` unchanged.
-
-    Example::
-
-        model = apply_compile(ddp_model, {"backend": "aot_eager"})
-    """
+    """Compile the strategy's wrapped module; only a failure of ``torch.compile`` itself falls back to eager."""
     if options is None:
         return model
     try:
@@ -109,19 +66,7 @@ def apply_compile(model: nn.Module, options: dict[str, Any] | None) -> nn.Module
 
 
 def compile_from_flag(backend: str | None) -> dict[str, Any] | None:
-    """The ``Session(compile=...)`` value of a command line's ``--compile [BACKEND]``.
-
-    Args:
-        backend: ``None``, ``"none"`` or ``"off"`` (eager), or a ``torch.compile`` backend name
-            (``inductor``, ``aot_eager``, ``eager``...).
-
-    Raises:
-        ConfigError: a backend torch does not know, with the ones it does.
-
-    Example::
-
-        compile_from_flag("aot_eager")    # {'backend': 'aot_eager'}
-    """
+    """The ``Session(compile=...)`` value of a command line's ``--compile [BACKEND]``."""
     if backend is None or backend.lower() in ("none", "off"):
         return None
     # public; it imports dynamo (which takes a while) only when called

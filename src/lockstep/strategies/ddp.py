@@ -1,17 +1,7 @@
 """The ``ddp`` strategy: one process per device, gradients all-reduced by DistributedDataParallel.
 
-Run a script that uses it with ``lockstep run --nproc 2 train.py`` (or ``torchrun
---nproc-per-node 2 train.py``). With one process there is nothing to synchronise and the model
-is left unwrapped, so the same script also runs as plain ``python train.py``.
-
-A parameter that takes no part in the loss makes DDP fail at the next forward with a list of
-parameter *indices*; the wrapper made by :func:`apply_ddp` turns that into an
-:class:`UnusedParametersError` that names the parameters and the fix.
-
-Example::
-
-    strategy = DDPStrategy(comm, torch.device("cuda", comm.world.local_rank), bucket_cap_mb=50)
-    model = strategy.setup_module(net)
+With one process there is nothing to synchronise and the model is left unwrapped, so a script run with
+``lockstep run --nproc 2 train.py`` (or ``torchrun``) also runs as plain ``python train.py``.
 """
 
 from __future__ import annotations
@@ -47,7 +37,7 @@ _HAS_FORWARD_SYNC = "forward_sync_buffers" in inspect.signature(DistributedDataP
 
 
 class UnusedParametersError(LockstepError):
-    """Some parameters received no gradient, which DDP cannot synchronise by default.
+    """Raised by the forward of an :func:`apply_ddp` wrapper when parameters received no gradient in the last step.
 
     Args:
         rank: the rank that reported them.
@@ -75,7 +65,7 @@ class _LockstepDDP(DistributedDataParallel):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         try:
-            return super().forward(*inputs, **kwargs)
+            return super().forward(*inputs, **kwargs)  # type: ignore[no-untyped-call]
         except RuntimeError as exc:
             better = explain_ddp_error(exc, self)
             if better is None:
@@ -102,24 +92,18 @@ def apply_ddp(
         model: the module, already on ``device``.
         device: this rank's device; a CUDA device becomes ``device_ids=[device]``.
         bucket_cap_mb: size of the gradient buckets all-reduced together.
-        static_graph: promise that the set of used parameters never changes (faster, and
-            allows unused parameters).
+        static_graph: promise that the set of used parameters never changes (faster, and allows unused parameters).
         find_unused_parameters: search the autograd graph each step for unused parameters.
         sync_buffers: copy rank 0's buffers (BatchNorm statistics) at each forward.
-        gradient_as_bucket_view: let gradients alias the all-reduce buckets (saves a gradient-sized
-            copy and its memory; code that calls ``detach_()`` on a gradient needs False).
-        grad_compression: ``"none"``, ``"bf16"``, ``"fp16"`` or ``"powersgd"``
-            (:mod:`lockstep.strategies.comm_hooks`); the hook is reachable as ``.comm_hook``.
+        gradient_as_bucket_view: let gradients alias the all-reduce buckets (saves a gradient-sized copy and its
+            memory; code that calls ``detach_()`` on a gradient needs False).
+        grad_compression: ``"none"``, ``"bf16"``, ``"fp16"`` or ``"powersgd"`` (torch's DDP communication hooks);
+            the hook is reachable as ``.comm_hook``.
         powersgd_rank: rank of PowerSGD's gradient approximation.
         powersgd_start_iter: plain all-reduce steps before PowerSGD starts.
 
     Raises:
         ConfigError: when no process group has been initialised.
-
-    Example::
-
-        comm = init_comm()
-        model = apply_ddp(net.to(device), device, find_unused_parameters=True)
     """
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         raise ConfigError("apply_ddp needs a process group; call lockstep.comm.group.init_comm() first")
@@ -150,11 +134,6 @@ def explain_ddp_error(exc: BaseException, model: nn.Module) -> UnusedParametersE
 
     Returns:
         An :class:`UnusedParametersError`, or ``None`` when ``exc`` is another error.
-
-    Example::
-
-        except RuntimeError as exc:
-            raise (explain_ddp_error(exc, model) or exc)
     """
     text = str(exc)
     named = _NAMES.search(text)
@@ -172,19 +151,7 @@ def explain_ddp_error(exc: BaseException, model: nn.Module) -> UnusedParametersE
 
 
 def reducer_parameter_names(module: nn.Module, ignored: set[str] | None = None) -> list[str]:
-    """Names of the parameters in the order DDP's reducer indexes them.
-
-    DDP walks ``named_modules()`` and each module's own parameters, keeps those that require
-    grad and are not ignored, and drops repeats of shared parameters.
-
-    Args:
-        module: the bare module DDP wraps.
-        ignored: fully qualified names DDP was told to ignore.
-
-    Example::
-
-        reducer_parameter_names(nn.Linear(2, 2))   # ['weight', 'bias']
-    """
+    """Names of ``module``'s parameters in the order DDP's reducer indexes them (``named_modules()`` order)."""
     ignored = ignored or set()
     seen: set[int] = set()
     names: list[str] = []
@@ -205,16 +172,10 @@ class DDPStrategy(Strategy):
     Args:
         comm: the job's collectives.
         device: this rank's device.
-        **options: ``sync_bn``, ``bucket_cap_mb`` (25), ``static_graph`` (False),
-            ``find_unused_parameters`` (False), ``sync_buffers`` (True),
-            ``gradient_as_bucket_view`` (True), ``grad_compression`` ("none"), ``powersgd_rank`` (1),
-            ``powersgd_start_iter`` (10); see :func:`apply_ddp`. PowerSGD's per-rank memory is
-            part of :meth:`checkpoint_state`. ``shard_optimizer`` (False): keep each parameter's
-            optimizer state on one rank (ZeRO-1, :mod:`lockstep.strategies.zero`).
-
-    Example::
-
-        strategy = get_strategy("ddp", comm, device, static_graph=True, grad_compression="bf16")
+        **options: ``sync_bn``, ``bucket_cap_mb`` (25), ``static_graph`` (False), ``find_unused_parameters`` (False),
+            ``sync_buffers`` (True), ``gradient_as_bucket_view`` (True), ``grad_compression`` ("none"),
+            ``powersgd_rank`` (1), ``powersgd_start_iter`` (10): see :func:`apply_ddp`. ``shard_optimizer``
+            (False): keep each parameter's optimizer state on one rank (ZeRO-1).
     """
 
     name: ClassVar[str] = "ddp"
@@ -312,14 +273,9 @@ def _comm_hook(model: nn.Module) -> CommHook | None:
 
 @contextlib.contextmanager
 def _quiet_ddp(model: nn.Module, comm: Comm) -> Iterator[None]:
-    """Sync the buffers of every DDP inside ``model`` once, then stop its per-forward sync.
-
-    A DDP forward may broadcast buffers, a collective; with shards of different batch counts
-    (or an empty one) the ranks would then call different collectives and hang. The DDP may sit
-    inside other wrappers (autocast, compile), so it is found among the modules, not unwrapped.
-    """
+    """Sync the buffers of every DDP inside ``model`` once, then stop its per-forward sync (see ``eval_context``)."""
     saved = []
-    for m in model.modules():
+    for m in model.modules():  # not unwrapped: the DDP may sit inside other wrappers (autocast, compile)
         if isinstance(m, DistributedDataParallel):
             if getattr(m, "broadcast_buffers", False):
                 # DDP refreshes buffers from rank 0 at each forward, so after the last training

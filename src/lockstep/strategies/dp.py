@@ -1,14 +1,4 @@
-"""The ``dp`` strategy: :class:`torch.nn.DataParallel` over the GPUs one process sees.
-
-DataParallel splits each batch over the GPUs in threads of a single process and gathers the
-outputs on the first GPU. It is the simplest way to use several GPUs, and usually slower than
-``ddp`` with one process per GPU; ``lockstep bench`` shows by how much.
-
-Example::
-
-    strategy = DataParallelStrategy(comm, torch.device("cuda", 0))
-    model = strategy.setup_module(net)   # nn.DataParallel(net) over all visible GPUs
-"""
+"""The ``dp`` strategy: :class:`torch.nn.DataParallel` over the GPUs one process sees."""
 
 from __future__ import annotations
 
@@ -24,22 +14,18 @@ from lockstep.strategies.base import Strategy
 __all__ = ["DataParallelStrategy", "apply_dp"]
 
 
-def apply_dp(model: nn.Module, device_ids: list[int] | None = None) -> nn.DataParallel:
+def apply_dp(model: nn.Module, device_ids: list[int] | None = None) -> nn.DataParallel[nn.Module]:
     """Wrap ``model`` in :class:`torch.nn.DataParallel` over ``device_ids``.
 
     Args:
         model: the module, already on ``cuda:device_ids[0]``.
         device_ids: the GPUs to use; all visible GPUs when ``None``.
-
-    Example::
-
-        model = apply_dp(net.cuda(0))
     """
     return nn.DataParallel(model, device_ids=device_ids)
 
 
 class DataParallelStrategy(Strategy):
-    """One process drives several GPUs through :class:`torch.nn.DataParallel`.
+    """One process drives several GPUs through :class:`torch.nn.DataParallel` (simple, usually slower than ``ddp``).
 
     Args:
         comm: the job's collectives; ``dp`` runs as a single process.
@@ -47,11 +33,7 @@ class DataParallelStrategy(Strategy):
         **options: ``device_ids`` (list of GPU indices, default all visible ones).
 
     Raises:
-        ConfigError: without CUDA GPUs (``SessionConfig`` refuses dp with several processes or ``sync_bn``).
-
-    Example::
-
-        strategy = get_strategy("dp", comm, torch.device("cuda", 0), device_ids=[0, 1])
+        ConfigError: without CUDA GPUs, or for ``device_ids`` that are not GPU indices.
     """
 
     name: ClassVar[str] = "dp"

@@ -1,18 +1,7 @@
-"""The ``fsdp`` strategy: parameters, gradients and optimizer state sharded over the ranks.
+"""The ``fsdp`` strategy: parameters, gradients and optimizer state sharded over the ranks (FSDP2, ``fully_shard``).
 
-Built on FSDP2 (``torch.distributed.fsdp.fully_shard``): each block of the model becomes one
-unit whose parameters are all-gathered for its forward and backward and freed afterwards, and
-whose gradients are reduce-scattered. Parameters are DTensors sharded on dim 0. It runs on GPUs
-with nccl and on CPUs with gloo::
-
-    lockstep run --nproc 2 train.py        # with Session(strategy="fsdp")
-
-With one process there is nothing to shard and the model is left as it is.
-
-Example::
-
-    strategy = FSDPStrategy(comm, device, reshard_after_forward=False)
-    model = strategy.setup_module(net)
+Each block of the model becomes one unit whose parameters are all-gathered for its forward and backward and
+freed afterwards; nccl on GPUs, gloo on CPUs. With one process the model is left as it is.
 """
 
 from __future__ import annotations
@@ -37,18 +26,7 @@ _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 
 
 def fsdp_blocks(model: nn.Module, block_types: tuple[type[nn.Module], ...] | None = None) -> list[nn.Module]:
-    """The submodules :func:`apply_fsdp` shards as units of their own, innermost first.
-
-    Args:
-        model: the root module.
-        block_types: shard every submodule of these types (e.g. a transformer block class).
-            By default: every direct child that holds parameters, looking through
-            ``ModuleList``/``ModuleDict`` containers to their items.
-
-    Example::
-
-        fsdp_blocks(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1)))   # both Linears
-    """
+    """The submodules :func:`apply_fsdp` shards as units of their own, innermost first."""
     if block_types:
         found = [m for m in model.modules() if m is not model and isinstance(m, block_types)]
         return list(reversed(found))  # fully_shard must run bottom-up
@@ -67,22 +45,19 @@ def apply_fsdp(
     mp_policy: MixedPrecisionPolicy | None = None,
     block_types: tuple[type[nn.Module], ...] | None = None,
 ) -> nn.Module:
-    """Shard ``model`` with FSDP2: each block of :func:`fsdp_blocks`, then the root.
+    """Shard ``model`` with FSDP2: each of its blocks, then the root.
 
     Args:
         model: the module, already on this rank's device.
         mesh: a 1-D device mesh; by default one over all ranks of the default process group.
-        reshard_after_forward: free gathered parameters after forward (less memory, one more
-            all-gather in backward).
+        reshard_after_forward: free gathered parameters after forward (less memory, one more all-gather in
+            backward).
         mp_policy: FSDP's own mixed precision (parameter and reduction dtypes), if any.
-        block_types: which submodules become units (see :func:`fsdp_blocks`).
+        block_types: the submodule types that become units (e.g. a transformer block class); by default every
+            direct child that holds parameters, looking through ``ModuleList``/``ModuleDict`` to their items.
 
     Returns:
-        ``model`` itself, now an ``FSDPModule`` whose parameters are DTensors.
-
-    Example::
-
-        model = apply_fsdp(net.to(device), reshard_after_forward=False)
+        ``model`` itself, now an ``FSDPModule`` whose parameters are DTensors sharded on dim 0.
     """
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         raise ConfigError("apply_fsdp needs a process group; call lockstep.comm.group.init_comm() first")
@@ -106,10 +81,6 @@ def holds_fsdp(model: nn.Module) -> bool:
 
     Args:
         model: a module, wrapped or not.
-
-    Example::
-
-        holds_fsdp(apply_fsdp(net.to(device)))   # True
     """
     try:
         from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
@@ -124,13 +95,8 @@ class FSDPStrategy(Strategy):
     Args:
         comm: the job's collectives.
         device: this rank's device.
-        **options: ``sync_bn``, ``reshard_after_forward`` (True), ``block_types`` (None:
-            shard each child block; or a tuple of module classes).
-
-    Example::
-
-        strategy = get_strategy("fsdp", comm, device)
-        model = strategy.setup_module(net)
+        **options: ``sync_bn``, ``reshard_after_forward`` (True), ``block_types`` (None: shard each child block;
+            or a tuple of module classes); see :func:`apply_fsdp`.
     """
 
     name: ClassVar[str] = "fsdp"

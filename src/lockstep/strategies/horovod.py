@@ -1,26 +1,7 @@
 """The ``horovod`` strategy: gradients averaged by Horovod's ``DistributedOptimizer`` (gloo or NCCL).
 
-Horovod is optional (``make horovod`` builds it); without it, lockstep works as before and this
-strategy is refused with the reason. The same script runs under Horovod's launcher and under
-lockstep's::
-
-    horovodrun -np 2 --gloo python train.py          # Horovod's rendezvous
-    lockstep run --nproc 2 train.py                  # rank 0 starts Horovod's rendezvous itself
-
-with ``Session(strategy="horovod")`` in ``train.py``. lockstep's own collectives (metrics,
-checkpoint agreement, the non-finite check) keep using the torch.distributed group the session
-forms from the launcher's environment; Horovod all-reduces the gradients.
-
-The model is not wrapped: every rank starts from rank 0's weights, and the optimizer becomes a
-``hvd.DistributedOptimizer`` (``backward_passes_per_step`` = the session's accumulation) whose
-all-reduces start during ``backward`` and are waited for when the last backward of a step ends,
-so the non-finite check, clipping and loss-scale unscaling see averaged gradients; ``step`` then
-runs inside ``skip_synchronize()``. Checkpoints hold full state dicts, as under ``ddp``.
-
-Example::
-
-    session = lockstep.Session(strategy="horovod")
-    model, optimizer = session.setup(net, lambda p: torch.optim.SGD(p, lr=0.1))
+Horovod is optional (``make horovod`` builds it); without it this strategy is refused with the reason. A script
+runs under ``horovodrun -np 2 --gloo python train.py`` and under ``lockstep run --nproc 2 train.py``.
 """
 
 from __future__ import annotations
@@ -62,12 +43,7 @@ class HorovodUnavailableError(ConfigError):
 
 @functools.cache
 def horovod_unavailable() -> str | None:
-    """Why ``import horovod.torch`` fails here, or ``None`` when it works.
-
-    Example::
-
-        horovod_unavailable()   # 'horovod not installed: make horovod' on a machine without it
-    """
+    """Why ``import horovod.torch`` fails here, or ``None`` when it works."""
     try:
         import horovod.torch  # noqa: F401
     except ModuleNotFoundError as exc:
@@ -81,16 +57,7 @@ def horovod_unavailable() -> str | None:
 
 
 def import_horovod() -> Any:
-    """``horovod.torch``, or a :class:`HorovodUnavailableError` that says how to get it.
-
-    Raises:
-        HorovodUnavailableError: Horovod is missing or does not load.
-
-    Example::
-
-        hvd = import_horovod()
-        hvd.init()
-    """
+    """``horovod.torch``, or a :class:`HorovodUnavailableError` that says how to get it."""
     reason = horovod_unavailable()
     if reason is not None:
         raise HorovodUnavailableError(f"strategy horovod: {reason}")
@@ -100,29 +67,7 @@ def import_horovod() -> Any:
 
 
 def init_horovod(comm: Comm) -> Any:
-    """Initialise Horovod for the job ``comm`` belongs to and check that both agree on the ranks.
-
-    Under ``horovodrun`` and ``lockstep run`` (one node) Horovod finds its rendezvous in the
-    environment. Under any other launcher (``torchrun``, ``spawn``) rank 0 starts Horovod's
-    rendezvous server for the job's one host, and every rank is given the variables
-    ``horovodrun`` would have set.
-
-    Args:
-        comm: the job's collectives (formed from the launcher's environment).
-
-    Returns:
-        The initialised ``horovod.torch`` module.
-
-    Raises:
-        HorovodUnavailableError: Horovod is missing or does not load.
-        ConfigError: a job over several hosts not started by ``horovodrun``, or Horovod sees
-            another world than the launcher described.
-
-    Example::
-
-        hvd = init_horovod(init_comm())
-        hvd.size() == comm.world_size   # True
-    """
+    """Initialise Horovod for the job ``comm`` belongs to and check that both agree on the ranks."""
     hvd = import_horovod()
     world = comm.world
     if not hvd.is_initialized():
@@ -177,19 +122,7 @@ def _init_with_own_rendezvous(hvd: Any, comm: Comm) -> None:
 
 @contextlib.contextmanager
 def loopback_rendezvous(plan: list[Any]) -> Iterator[int]:
-    """Serve Horovod's rendezvous for one host's ranks on a free loopback port; yield the port.
-
-    Horovod's own ``RendezvousServer.start()`` listens on every interface; its key-value store
-    takes writes from anyone who reaches it. A job on one host needs loopback only.
-
-    Args:
-        plan: Horovod's slots for the host (``get_host_assignments``).
-
-    Example::
-
-        with loopback_rendezvous(get_host_assignments([HostInfo("node0", 2)], 2)) as port:
-            ...   # HOROVOD_GLOO_RENDEZVOUS_ADDR=127.0.0.1, HOROVOD_GLOO_RENDEZVOUS_PORT=port
-    """
+    """Serve Horovod's rendezvous on a free loopback port (Horovod's own listens on every interface); yield it."""
     import threading
 
     from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer
@@ -206,28 +139,12 @@ def loopback_rendezvous(plan: list[Any]) -> Iterator[int]:
         thread.join()
 
 
+# Horovod waits for its all-reduces inside optimizer.step(), but lockstep checks the gradients for non-finite
+# values, unscales and clips them first, which must see the averaged gradients: the wait moves to the end of each
+# backward outside no_sync (a callback on the autograd engine, as DDP does), and step runs inside
+# skip_synchronize(), Horovod's documented pattern for clipping.
 class HorovodGradients:
-    """A ``hvd.DistributedOptimizer`` whose gradients are averaged when a step's last backward ends.
-
-    Horovod waits for its all-reduces inside ``optimizer.step()``; lockstep's step first checks the
-    gradients for non-finite values, unscales and clips them, which must happen on the averaged
-    gradients, the same on every rank. So the wait moves to the end of each backward run outside
-    :meth:`no_sync` (a callback queued on the autograd engine, where DDP finishes its reduction
-    too), and ``step`` runs inside ``skip_synchronize()``, Horovod's documented pattern for
-    clipping. ``zero_grad`` also accepts ``set_to_none``.
-
-    Args:
-        optimizer: the ``hvd.DistributedOptimizer``.
-        model: the model whose parameters it averages.
-
-    Example::
-
-        grads = HorovodGradients(hvd.DistributedOptimizer(opt, named_parameters=...), model)
-        with grads.no_sync():
-            loss_fn(model(x1)).backward()   # accumulated locally
-        loss_fn(model(x2)).backward()       # averaged over the ranks when it returns
-        grads.optimizer.step()
-    """
+    """A ``hvd.DistributedOptimizer`` whose gradients are averaged when a step's last backward ends."""
 
     def __init__(self, optimizer: Any, model: nn.Module) -> None:
         self.optimizer, self.model = optimizer, model
@@ -243,13 +160,7 @@ class HorovodGradients:
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Backward passes inside accumulate gradients locally (the accumulation's first micro-steps).
-
-        Example::
-
-            with gradients.no_sync():
-                loss_fn(model(x1)).backward()
-        """
+        """Backward passes inside accumulate gradients locally (the accumulation's first micro-steps)."""
         self.local = True
         try:
             yield
@@ -257,12 +168,7 @@ class HorovodGradients:
             self.local = False
 
     def synchronize(self) -> None:
-        """Wait for the all-reduces (starting those Horovod held back) and put the averages in ``.grad``.
-
-        Example::
-
-            gradients.synchronize()   # after a backward run inside no_sync, before reading .grad
-        """
+        """Wait for the all-reduces (starting those Horovod held back) and put the averages in ``.grad``."""
         self.pending = False
         self.optimizer.synchronize()
 
@@ -292,31 +198,12 @@ class HorovodGradients:
         self._class.__mro__[1].zero_grad(self.optimizer, set_to_none=set_to_none)  # the user's class's
 
 
+# A fresh optimizer state is not broadcast: Horovod would create it with a step on zero gradients, and weight
+# decay and Adam's step count would then differ from a run without Horovod.
 def apply_horovod_optimizer(
     optimizer: torch.optim.Optimizer, model: nn.Module, accumulate: int = 1
 ) -> HorovodGradients:
-    """Turn ``optimizer`` into a ``hvd.DistributedOptimizer`` over ``model``'s named parameters.
-
-    A state the optimizer already holds (a loaded one) is broadcast from rank 0; a fresh one is
-    left alone, since Horovod would first take a step with zero gradients to create it (weight
-    decay and Adam's step count would then differ from a run without Horovod).
-
-    Args:
-        optimizer: an optimizer over ``model``'s parameters, built on every rank alike.
-        model: the model (wrapped or bare) whose parameter names Horovod uses.
-        accumulate: backward passes per optimizer step (``backward_passes_per_step``).
-
-    Returns:
-        The :class:`HorovodGradients`; its ``optimizer`` replaces ``optimizer``.
-
-    Raises:
-        HorovodUnavailableError: Horovod is missing or does not load.
-
-    Example::
-
-        hvd = init_horovod(comm)
-        optimizer = apply_horovod_optimizer(torch.optim.SGD(net.parameters(), lr=0.1), net).optimizer
-    """
+    """Turn ``optimizer`` into a ``hvd.DistributedOptimizer`` over ``model``'s named parameters."""
     hvd = import_horovod()
     had_state = any(len(s) > 0 for s in optimizer.state.values())
     wrapped = hvd.DistributedOptimizer(
@@ -338,12 +225,8 @@ class HorovodStrategy(Strategy):
 
     Raises:
         HorovodUnavailableError: Horovod is missing or does not load.
-
-    Example::
-
-        strategy = get_strategy("horovod", comm, device)
-        model = strategy.setup_module(net)
-        optimizer = strategy.setup_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+        ConfigError: a job over several hosts not started by ``horovodrun``, or Horovod sees another world than
+            the launcher described.
     """
 
     name: ClassVar[str] = "horovod"
@@ -363,7 +246,8 @@ class HorovodStrategy(Strategy):
             return optimizer  # nothing to average with one process
         gradients = apply_horovod_optimizer(optimizer, model, accumulate)
         self._gradients.append(gradients)
-        return gradients.optimizer
+        wrapped: torch.optim.Optimizer = gradients.optimizer
+        return wrapped
 
     def eval_context(self, model: nn.Module) -> AbstractContextManager[Any]:
         # Horovod averages gradients only, so BatchNorm statistics drift apart between ranks:

@@ -1,10 +1,4 @@
-"""Module helpers the strategies share: unwrapping, SyncBatchNorm, initial weight broadcast.
-
-Example::
-
-    broadcast_module_state(comm, model)          # every rank now holds rank 0's weights
-    unwrap_module(DistributedDataParallel(net))  # net
-"""
+"""Module helpers the strategies share: unwrapping, SyncBatchNorm, initial weight broadcast."""
 
 from __future__ import annotations
 
@@ -26,10 +20,6 @@ def unwrap_module(model: nn.Module) -> nn.Module:
 
     Args:
         model: a module, wrapped or not.
-
-    Example::
-
-        unwrap_module(DistributedDataParallel(net)) is net   # True
     """
     while True:
         if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
@@ -41,16 +31,13 @@ def unwrap_module(model: nn.Module) -> nn.Module:
 
 
 def apply_sync_bn(model: nn.Module) -> nn.Module:
-    """Replace every BatchNorm layer by a SyncBatchNorm that normalises over all ranks.
+    """Replace every BatchNorm layer by a SyncBatchNorm that normalises over all ranks (it runs on CUDA only).
 
     Args:
         model: the module to convert (in place where possible).
-
-    Example::
-
-        model = apply_sync_bn(model)   # needs CUDA devices when it runs
     """
-    return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    converted: nn.Module = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    return converted
 
 
 def broadcast_module_state(comm: Comm, model: nn.Module, src: int = 0, parameters: bool = True) -> None:
@@ -61,10 +48,6 @@ def broadcast_module_state(comm: Comm, model: nn.Module, src: int = 0, parameter
         model: the module, already on this rank's device.
         src: the rank whose values win.
         parameters: False to broadcast the buffers alone (BatchNorm statistics).
-
-    Example::
-
-        broadcast_module_state(comm, model)   # all ranks now start from rank 0's weights
     """
     if comm.world_size == 1:
         return

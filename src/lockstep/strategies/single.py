@@ -1,10 +1,4 @@
-"""The ``single`` strategy: one process, one device, no wrapper.
-
-Example::
-
-    strategy = SingleStrategy(Comm(World()), torch.device("cpu"))
-    model = strategy.setup_module(net)   # net moved to the device, nothing else
-"""
+"""The ``single`` strategy: one process, one device, no wrapper."""
 
 from __future__ import annotations
 
@@ -21,12 +15,7 @@ class SingleStrategy(Strategy):
     Args:
         comm: the job's collectives (normally the null one of a single process).
         device: the device to train on.
-        **options: ``sync_bn`` (accepted for symmetry with ``ddp``; with one process there is
-            nothing to synchronise, and it is refused on CPU like everywhere else).
-
-    Example::
-
-        model = SingleStrategy(comm, torch.device("cuda", 0)).setup_module(net)
+        **options: ``sync_bn`` (accepted for symmetry with ``ddp``; it is refused on CPU like everywhere else).
     """
 
     name: ClassVar[str] = "single"

@@ -1,15 +1,4 @@
-"""How a strategy's model and optimizer state leave it and come back (the base of :class:`Strategy`).
-
-State dicts leave a strategy in one portable form: the bare module's keys, full (unsharded) CPU
-tensors, identical on every rank; optimizer state in ``torch.optim``'s own positional format.
-Either loads back under any strategy and any world size. A sharded strategy (FSDP) checkpoints
-its shards instead, through :meth:`StateDicts.sharded_state`.
-
-Example::
-
-    full, sharded = strategy.checkpoint_state(model, optimizer)
-    torch.save(strategy.model_state_dict(model), "weights.pt")
-"""
+"""How a strategy's model and optimizer state leave it and come back (the base of :class:`Strategy`)."""
 
 from __future__ import annotations
 
@@ -26,23 +15,15 @@ __all__ = ["StateDicts"]
 class StateDicts:
     """The state-dict half of :class:`~lockstep.strategies.base.Strategy`: portable state and checkpoints.
 
-    A sharded strategy overrides :meth:`_full_tensor` and :meth:`_shard_like` (its tensors are
-    pieces of the full ones) and, to checkpoint its shards, :meth:`sharded_state` and
-    :meth:`load_checkpoint_state`.
-
-    Example::
-
-        strategy.load_model_state_dict(model, strategy.model_state_dict(model))
+    State leaves a strategy in one portable form, which loads back under any strategy and world size: the bare
+    module's keys, full (unsharded) CPU tensors, identical on every rank; optimizer state in ``torch.optim``'s
+    positional format. A sharded strategy (FSDP) checkpoints its shards instead, through :meth:`sharded_state`.
     """
 
     sharded: ClassVar[bool] = False
 
     def unwrap(self, model: nn.Module) -> nn.Module:
-        """The user's bare module inside ``model`` (:meth:`Strategy.unwrap <lockstep.strategies.base.Strategy.unwrap>`).
-
-        Args:
-            model: a module returned by ``setup_module``.
-        """
+        """The user's bare module inside ``model`` (see ``Strategy.unwrap``)."""
         raise NotImplementedError
 
     # -- checkpoints -----------------------------------------------------------------------
@@ -50,17 +31,9 @@ class StateDicts:
     def sharded_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any] | None:
         """What a sharded strategy saves, and loads in place, with ``torch.distributed.checkpoint``.
 
-        Args:
-            model: the module returned by ``setup_module``.
-            optimizer: its optimizer, if any.
-
         Returns:
-            ``{"model": ..., "optimizer": ...}`` of sharded tensors, or ``None`` (the base: full
-            state dicts are checkpointed instead).
-
-        Example::
-
-            template = strategy.sharded_state(model, optimizer)   # None for single/dp/ddp
+            ``{"model": ..., "optimizer": ...}`` of sharded tensors, or ``None`` (the base: full state dicts are
+            checkpointed instead).
         """
         return None
 
@@ -69,18 +42,13 @@ class StateDicts:
     ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
         """The model's and optimizer's state for a checkpoint: ``(full, sharded)``, one of them ``None``.
 
-        ``full`` (single, dp, ddp) holds ``"model"`` and, with an optimizer, ``"optimizer"`` in
-        the portable form of :meth:`model_state_dict` / :meth:`optimizer_state_dict`, to be
-        stored with the rest of the checkpoint; ``sharded`` is :meth:`sharded_state`.
+        ``full`` (single, dp, ddp) holds ``"model"`` and, with an optimizer, ``"optimizer"``, as
+        :meth:`model_state_dict` and :meth:`optimizer_state_dict` give them; ``sharded`` is :meth:`sharded_state`.
 
         Args:
             model: the module returned by ``setup_module``.
             optimizer: its optimizer, if any.
-
-        Example::
-
-            full, sharded = strategy.checkpoint_state(model, optimizer)
-            save_checkpoint("ckpt", {**(full or {}), "step": 10}, comm, step=10, sharded=sharded)
+            copy: as for :meth:`model_state_dict`.
         """
         sharded = self.sharded_state(model, optimizer)
         if sharded is not None:
@@ -104,12 +72,6 @@ class StateDicts:
             optimizer: its optimizer, if any (an optimizer state missing from ``state`` is skipped).
             state: the loaded checkpoint (``"model"`` and ``"optimizer"`` for a full one).
             sharded: the :meth:`sharded_state` the checkpoint was loaded into, or ``None``.
-
-        Example::
-
-            template = strategy.sharded_state(model, optimizer)
-            state = load_checkpoint("ckpt", comm, sharded=template)
-            strategy.load_checkpoint_state(model, optimizer, state, template)
         """
         self.load_model_state_dict(model, state["model"])
         if optimizer is not None and "optimizer" in state:
@@ -122,29 +84,17 @@ class StateDicts:
 
         Args:
             model: the module returned by ``setup_module``.
-            copy: False: the live tensors (detached, on their device) instead of CPU copies,
-                for a caller that copies what it keeps (a checkpoint copies each rank's share).
-
-        Example::
-
-            torch.save(strategy.model_state_dict(model), "weights.pt")
+            copy: False: the live tensors (detached, on their device) instead of CPU copies, for a caller that
+                copies what it keeps (a checkpoint copies each rank's share).
         """
         state = self.unwrap(model).state_dict()
         return {key: _export(self._full_tensor(value), copy) for key, value in state.items()}
 
     def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        """Load a full state dict (as :meth:`model_state_dict` returns) into ``model``.
-
-        Args:
-            model: the module returned by ``setup_module``.
-            state: bare-module keys to full tensors, on any device.
+        """Load a full state dict (as :meth:`model_state_dict` returns, tensors on any device) into ``model``.
 
         Raises:
             ConfigError: when the keys or shapes do not match the model.
-
-        Example::
-
-            strategy.load_model_state_dict(model, torch.load("weights.pt", weights_only=True))
         """
         bare = self.unwrap(model)
         current = bare.state_dict()
@@ -160,11 +110,7 @@ class StateDicts:
         Args:
             model: the module returned by ``setup_module``.
             optimizer: the optimizer over its parameters.
-            copy: False: the live tensors, as for :meth:`model_state_dict`.
-
-        Example::
-
-            torch.save(strategy.optimizer_state_dict(model, optimizer), "optim.pt")
+            copy: as for :meth:`model_state_dict`.
         """
         raw = self._optimizer_state(optimizer)
         state = {
@@ -180,17 +126,7 @@ class StateDicts:
     def load_optimizer_state_dict(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
     ) -> None:
-        """Load optimizer state saved by :meth:`optimizer_state_dict` (at any world size).
-
-        Args:
-            model: the module returned by ``setup_module``.
-            optimizer: the optimizer to load into.
-            state: the saved optimizer state.
-
-        Example::
-
-            strategy.load_optimizer_state_dict(model, optimizer, saved)
-        """
+        """Load optimizer state saved by :meth:`optimizer_state_dict` (at any world size)."""
         params = [p for group in optimizer.param_groups for p in group["params"]]
         converted: dict[Any, Any] = {}
         for index, entry in state["state"].items():

@@ -1,27 +1,9 @@
 """Layer-by-layer comparison of the two runs of ``lockstep verify``.
 
-Three things are compared, each as a relative difference ``max|a - b| / max|b|`` (``b`` the
-single-process value; scaled by the tensor's largest magnitude, so that values near zero do
-not blow the ratio up):
-
-* the loss of every step (mean over the global batch);
-* every parameter and every buffer (BatchNorm running statistics included) after training,
-  in module order;
-* every module's output in the first forward pass, rank by rank, against the rows of the
-  single-process output that hold the same samples. Weights are identical at that point, so
-  the first module whose output differs while the modules before it agree is where the runs
-  part ways: a BatchNorm normalising over a smaller batch, a dropout mask, a rank-dependent bug.
-
-For each parameter the ratio of the two runs' first updates (``(parallel - init)`` fitted
-against ``(reference - init)`` after the first step, where both started from the same weights
-and data) is kept too: every layer moving N times too far is the signature of a gradient summed
-instead of averaged. Later steps start from weights that already differ, so the ratio is read
-from the first one whatever the number of steps.
-
-Example::
-
-    comparison = compare_runs(reference, parallel, init, model, config)
-    comparison.equivalent        # True when everything is within the tolerance
+Each difference is relative, ``max|a - b| / max|b|`` (``b`` the single process's). The losses,
+every parameter and buffer after training, and every module's first forward output (where weights
+are still identical, so the first differing module is where the runs part ways) are compared; each
+parameter's first update is fitted against the reference's (``N`` times too far: a summed gradient).
 """
 
 from __future__ import annotations
@@ -49,16 +31,7 @@ _FIT = 0.1  # an update counts as a scaled copy of the reference's when the rest
 
 
 def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``max|a - b| / max|b|`` in float64 (``inf`` when shapes differ, exact test for integers).
-
-    Args:
-        a: the parallel run's tensor.
-        b: the single process's tensor (the reference).
-
-    Example::
-
-        relative_difference(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.5]))   # 0.2
-    """
+    """``max|a - b| / max|b|`` in float64 (``inf`` when shapes differ, exact test for integers)."""
     if a.shape != b.shape:
         return float("inf")
     if not (a.is_floating_point() and b.is_floating_point()):
@@ -74,21 +47,7 @@ def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def update_ratio(parallel: torch.Tensor, reference: torch.Tensor, init: torch.Tensor) -> float | None:
-    """How many times the reference's update the parallel run applied, if the two are parallel.
-
-    Args:
-        parallel: the parameter after the parallel run.
-        reference: the parameter after the single-process run.
-        init: the parameter before training.
-
-    Returns:
-        ``c`` with ``parallel - init ~ c * (reference - init)``, or ``None`` when the
-        reference did not move or the updates point different ways.
-
-    Example::
-
-        update_ratio(torch.tensor([3.0]), torch.tensor([2.0]), torch.tensor([1.0]))   # 2.0
-    """
+    """``c`` with ``parallel - init ~ c * (reference - init)``; ``None``: the reference did not move, or no such c."""
     if not parallel.is_floating_point() or parallel.shape != reference.shape:
         return None
     u_par = (parallel.double() - init.double()).flatten()
@@ -103,19 +62,7 @@ def update_ratio(parallel: torch.Tensor, reference: torch.Tensor, init: torch.Te
 
 @dataclass(frozen=True)
 class TensorDiff:
-    """One parameter or buffer compared after training.
-
-    Args:
-        name: its state-dict key, e.g. ``layer1.1.running_mean``.
-        kind: ``parameter`` or ``buffer``.
-        module: the name of the module that owns it (``""`` for the root).
-        rel: relative difference.
-        ratio: the update ratio of the first step (parameters only; see :func:`update_ratio`).
-
-    Example::
-
-        TensorDiff("fc.weight", "parameter", "fc", rel=2e-8, ratio=1.0)
-    """
+    """One parameter or buffer after training: its relative difference and first-step update ratio."""
 
     name: str
     kind: str
@@ -126,17 +73,7 @@ class TensorDiff:
 
 @dataclass(frozen=True)
 class ForwardDiff:
-    """One module's output in the first forward pass, on the rank where it differs most.
-
-    Args:
-        module: the module name (``""`` is the whole model).
-        rank: the rank with the largest difference.
-        rel: that difference.
-
-    Example::
-
-        ForwardDiff("layer1.1", rank=1, rel=0.2)
-    """
+    """One module's first forward output, on the rank where it differs most."""
 
     module: str
     rank: int
@@ -145,18 +82,7 @@ class ForwardDiff:
 
 @dataclass(frozen=True)
 class LossDiff:
-    """The loss of one step in both runs.
-
-    Args:
-        step: the optimizer step.
-        reference: mean loss of the single process.
-        parallel: mean loss over all ranks of the parallel run.
-        rel: ``|parallel - reference| / |reference|``.
-
-    Example::
-
-        LossDiff(step=0, reference=2.30, parallel=2.30, rel=0.0)
-    """
+    """The loss of one step in both runs and their relative difference."""
 
     step: int
     reference: float
@@ -166,18 +92,7 @@ class LossDiff:
 
 @dataclass
 class Comparison:
-    """Everything compared, with the tolerance that decides.
-
-    Args:
-        tolerance: the relative tolerance.
-        losses: per step.
-        tensors: parameters and buffers in module (state-dict) order.
-        forward: module outputs of the first forward pass, in the order the modules finished.
-
-    Example::
-
-        Comparison(1e-5, losses, tensors, forward).differing   # the tensors beyond 1e-5
-    """
+    """Everything compared, with the tolerance that decides."""
 
     tolerance: float
     losses: list[LossDiff]
@@ -206,20 +121,7 @@ class Comparison:
 
 
 def compare_forward(reference: RunResult, parallel: RunResult, config: VerifyConfig) -> list[ForwardDiff]:
-    """Compare each module's first-pass output on every rank with the matching reference rows.
-
-    Both runs kept the same samples (see :mod:`lockstep.verify.record`); outputs whose first
-    dimension is not the batch, or whose shapes do not match, are skipped.
-
-    Args:
-        reference: the single-process run (its one forward pass saw the whole global batch).
-        parallel: the N-process run (each rank's first micro-batch).
-        config: the batch split.
-
-    Example::
-
-        compare_forward(reference, parallel, config)[0]   # ForwardDiff(module="0", rank=0, rel=0.0)
-    """
+    """Compare each module's first-pass output on every rank with the reference rows of the same samples."""
     ref_acts = reference.activations[0]
     found = []
     for name in reference.order:
@@ -241,19 +143,7 @@ def compare_forward(reference: RunResult, parallel: RunResult, config: VerifyCon
 def compare_runs(
     reference: RunResult, parallel: RunResult, init: dict[str, torch.Tensor], model: nn.Module, config: VerifyConfig
 ) -> Comparison:
-    """Compare losses, parameters, buffers and first-pass outputs of the two runs.
-
-    Args:
-        reference: the single-process run.
-        parallel: the N-process run (rank 0's view; activations of every rank).
-        init: the initial state dict both started from.
-        model: a bare instance of the model (to tell parameters from buffers).
-        config: the comparison's configuration (batch split, tolerance).
-
-    Example::
-
-        compare_runs(reference, parallel, init, build_model(config), config).equivalent
-    """
+    """Compare losses, parameters, buffers and first-pass outputs of the two runs."""
     params = {name for name, _ in model.named_parameters()}
     # the first step's updates (runs recorded before first_state existed: the final weights)
     ref_first, par_first = reference.first_state or reference.state, parallel.first_state or parallel.state

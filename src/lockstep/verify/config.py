@@ -1,11 +1,4 @@
-"""What ``lockstep verify`` compares, validated before any process starts.
-
-Example::
-
-    config = VerifyConfig(model="convnet", nproc=2, steps=5, batch=32)
-    config.per_device_batch     # 16
-    config.tolerance            # 1e-05 for fp32
-"""
+"""What ``lockstep verify`` compares, validated before any process starts."""
 
 from __future__ import annotations
 
@@ -29,15 +22,7 @@ LOSSES = ("cross_entropy", "mse")
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
-    """Read ``--shape`` such as ``1,28,28`` (one sample's shape, without the batch dimension).
-
-    Args:
-        text: comma-separated positive integers.
-
-    Example::
-
-        parse_shape("3,32,32")   # (3, 32, 32)
-    """
+    """Read ``--shape`` such as ``1,28,28`` (one sample's shape, without the batch dimension)."""
     try:
         shape = tuple(int(part) for part in text.replace("x", ",").split(",") if part.strip())
     except ValueError:
@@ -52,8 +37,7 @@ class VerifyConfig:
     """One comparison of N-process training against 1-process training.
 
     Args:
-        model: ``package.module:factory`` (called with no arguments) or a ``lockstep train``
-            model name (``convnet``, ``resnet18``...).
+        model: ``package.module:factory`` (called with no arguments) or a ``lockstep train`` model name.
         nproc: processes of the parallel run (at least 2).
         steps: optimizer steps of each run.
         batch: the global batch: samples per optimizer step, the same in both runs.
@@ -62,29 +46,30 @@ class VerifyConfig:
         accumulate: micro-batches per optimizer step in the parallel run.
         shape: one sample's shape for synthetic data (``None``: the model name's default).
         classes: classes of the synthetic labels (outputs per sample for ``mse``).
-        data: ``package.module:dataset_factory`` returning a map-style dataset of
-            ``(input, target)`` pairs; synthetic data when ``None``.
+        data: ``package.module:dataset_factory`` returning a map-style dataset of ``(input, target)``
+            pairs; synthetic data when ``None``.
         loss: ``cross_entropy``, ``mse`` or ``package.module:function(output, target)``.
-        dropout: ``disable`` (dropout probabilities set to 0 in both runs) or ``align`` (every
-            rank's and the reference's RNG seeded identically before each step).
+        dropout: ``disable`` (dropout probabilities set to 0 in both runs) or ``align`` (every rank's
+            and the reference's RNG seeded identically before each step).
         sync_bn: use SyncBatchNorm in the parallel run (GPU only).
         lr: learning rate of plain SGD (no momentum, no weight decay).
         seed: seed of the initial weights and of the synthetic data.
         tolerance: relative tolerance; by default 1e-5 for fp32 and 1e-2 otherwise.
-        timeout: seconds a rank waits for the others; ``None``: ``$LOCKSTEP_TIMEOUT`` or 10
-            minutes (as ``lockstep run --timeout``).
+        timeout: seconds a rank waits for the others; ``None``: as ``lockstep run --timeout``.
         grad_compression: ddp's gradient compression in the parallel run (``none``, ``bf16``,
-            ``fp16``, ``powersgd``); every one is lossy, so the verdict is NOT EQUIVALENT with
-            the measured difference.
+            ``fp16``, ``powersgd``); each is lossy, so the verdict is NOT EQUIVALENT.
         powersgd_rank: rank of PowerSGD's approximation.
-        powersgd_start_iter: plain all-reduce steps before PowerSGD starts (2 here, the least,
-            so that a few steps see it).
-        compile: ``none``, or the ``torch.compile`` backend of the parallel run (``inductor``,
-            ``aot_eager``...); the single-process reference always runs eager.
+        powersgd_start_iter: plain all-reduce steps before PowerSGD starts.
+        compile: ``none``, or the ``torch.compile`` backend of the parallel run; the reference runs eager.
+
+    Raises:
+        ConfigError: a bad value, or a global batch that does not split evenly over the ranks.
 
     Example::
 
-        VerifyConfig(model="mypkg.nets:make_net", nproc=2, strategy="fsdp", shape=(16,))
+        >>> config = VerifyConfig(model="convnet", nproc=2, batch=32)
+        >>> config.per_device_batch, config.effective_tolerance
+        (16, 1e-05)
     """
 
     model: str
@@ -141,12 +126,7 @@ class VerifyConfig:
             raise ConfigError(f"give the input shape of {self.model!r} with --shape C,H,W (or a dataset with --data)")
 
     def session_config(self) -> SessionConfig:
-        """The :class:`~lockstep.SessionConfig` of the parallel run's Session on every rank.
-
-        Example::
-
-            lockstep.Session(config=VerifyConfig(model="convnet").session_config())
-        """
+        """The :class:`~lockstep.SessionConfig` of the parallel run's Session on every rank."""
         from lockstep.zoo.options import session_config
 
         return session_config(
@@ -190,12 +170,7 @@ class VerifyConfig:
         return (input_channels(self.model, 1), side, side)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain values only (for the job file the workers read).
-
-        Example::
-
-            VerifyConfig.from_dict(config.to_dict()) == config   # True
-        """
+        """Plain values only (for the job file the workers read)."""
         values = asdict(self)
         values["shape"] = list(self.shape) if self.shape is not None else None
         return values

@@ -1,27 +1,10 @@
 """Why two runs differ: the likely cause, read from where and how they differ.
 
-The rules, in the order they are tried:
-
-1. A module's output differs in the very first forward pass (same weights, same samples):
-
-   * a BatchNorm layer: it normalises each rank's batch with that batch's own statistics;
-   * a module that draws random numbers (dropout): masks cannot match across batch splits;
-   * any other module: its forward depends on the rank or on the batch split; it is named.
-
-2. The forward pass matches but in the first step every parameter moved by the same factor
-   ``c`` times the single process's update: ``c ~ N`` (gradients summed, not averaged),
-   ``c ~ 1/N`` (a loss summed over the batch, or averaged twice), ``c ~ A`` or ``1/A``
-   (accumulation scaling). The first step is read whatever ``--max-steps``: later steps start from
-   weights that already differ.
-3. Only one module's weights differ: its gradient is not synchronised; it is named.
-4. Only buffers differ: state updated in forward from each rank's own data.
-5. Small differences in a reduced precision: rounding.
-
-Example::
-
-    facts = model_facts(config, init, batches[0])
-    diagnosis = diagnose(comparison, facts, config)
-    print(diagnosis.verdict)
+The rules, in order: a module's first forward output differs (BatchNorm, dropout, or a
+rank-dependent forward); every parameter's first update is scaled by the same factor (``N``,
+``1/N``, ``A``, ``1/A``: gradients summed, a summed loss, accumulation scaling); only one module's
+weights differ (an unsynchronised gradient); only buffers differ; small differences in a reduced
+precision (rounding).
 """
 
 from __future__ import annotations
@@ -49,19 +32,7 @@ __all__ = ["ModelFacts", "Diagnosis", "model_facts", "diagnose", "random_modules
 
 @dataclass(frozen=True)
 class ModelFacts:
-    """What the model contains that matters for equivalence.
-
-    Args:
-        types: module name to class name.
-        batchnorm: names of BatchNorm layers.
-        dropout: names of dropout layers (as built, before ``--dropout disable``).
-        disabled: the dropout layers set to p=0 for the comparison.
-        random: modules whose output changed between two identical forward passes.
-
-    Example::
-
-        ModelFacts({"": "Net", "bn": "BatchNorm1d"}, batchnorm=["bn"]).label("bn")   # "bn (BatchNorm1d)"
-    """
+    """What the model contains that matters for equivalence: layer types, BatchNorm, dropout, randomness."""
 
     types: dict[str, str]
     batchnorm: list[str] = field(default_factory=list)
@@ -77,17 +48,7 @@ class ModelFacts:
 
 @dataclass(frozen=True)
 class Diagnosis:
-    """The verdict and the likely causes.
-
-    Args:
-        equivalent: the two runs agree within the tolerance.
-        verdict: the verdict line.
-        causes: the likely causes, most likely first (empty when equivalent).
-
-    Example::
-
-        Diagnosis(True, "verdict: EQUIVALENT within tolerance 1e-05 ...", [])
-    """
+    """The verdict line and the likely causes, most likely first (empty when equivalent)."""
 
     equivalent: bool
     verdict: str
@@ -95,19 +56,7 @@ class Diagnosis:
 
 
 def random_modules(model: nn.Module, inputs: torch.Tensor) -> list[str]:
-    """Modules that draw random numbers: same input twice, different output (training mode).
-
-    Modules downstream of a random one see different inputs, and containers of a random one
-    are random through it: neither is listed.
-
-    Args:
-        model: the model (put in training mode; its BatchNorm statistics are updated).
-        inputs: a batch.
-
-    Example::
-
-        random_modules(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)), torch.randn(8, 4))   # ["1"]
-    """
+    """The innermost modules whose output differs between two passes of the same input (training mode)."""
     passes: list[dict[str, tuple[torch.Tensor | None, torch.Tensor | None]]] = [{}, {}]
 
     def hook(seen: dict[str, Any], name: str) -> Any:
@@ -147,17 +96,7 @@ def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
 
 
 def model_facts(config: VerifyConfig, init: dict[str, torch.Tensor], batch: Batch) -> ModelFacts:
-    """Inspect a fresh copy of the model: layer types, BatchNorm, dropout, randomness.
-
-    Args:
-        config: the comparison's configuration (model, dropout mode, micro-batch size).
-        init: the initial state dict.
-        batch: a global batch; its first micro-batch feeds the randomness test.
-
-    Example::
-
-        model_facts(config, init, batches[0]).batchnorm   # ["layer1.1", "layer2.1"]
-    """
+    """Inspect a fresh copy of the model: layer types, BatchNorm, dropout, randomness."""
     model = build_model(config)
     model.load_state_dict(init)
     types = {name: type(m).__name__ for name, m in model.named_modules()}
@@ -275,17 +214,7 @@ def _lossy_verdict(compression: str, worst: float, tol: float) -> Diagnosis:
 
 
 def diagnose(comparison: Comparison, facts: ModelFacts, config: VerifyConfig) -> Diagnosis:
-    """Turn a comparison into a verdict and its likely causes.
-
-    Args:
-        comparison: the two runs compared.
-        facts: what the model contains (:func:`model_facts`).
-        config: the comparison's configuration.
-
-    Example::
-
-        diagnose(comparison, facts, config).verdict   # "verdict: EQUIVALENT within tolerance 1e-05 ..."
-    """
+    """Turn a comparison into a verdict and its likely causes."""
     tol = comparison.tolerance
     worst = max([t.rel for t in comparison.tensors] + [d.rel for d in comparison.losses], default=0.0)
     if config.grad_compression != "none" and comparison.first_forward_difference is None:

@@ -1,16 +1,8 @@
 """The model, loss and batches both runs of ``lockstep verify`` train on.
 
-The batches are fixed up front: ``steps`` global batches of ``batch`` samples, drawn with the
-config's seed (synthetic data) or from the user's dataset in a seeded order. The single process
-trains on each global batch whole; rank ``r`` of ``N`` trains on the contiguous slice
-``[r * batch/N, (r+1) * batch/N)`` of it, cut into ``accumulate`` consecutive micro-batches.
-This is the partition a distributed sampler makes of one global batch, written out so that
-both runs provably see the same samples at every step.
-
-Example::
-
-    batches = make_batches(config)                  # [(inputs, targets), ...] of `batch` rows
-    micro = shard(batches[0], rank=1, nproc=2, accumulate=1)   # rows 16..31 of step 0
+The ``steps`` global batches are fixed up front; rank ``r`` of ``N`` trains on the contiguous slice
+``[r * batch/N, (r+1) * batch/N)`` of each (the partition a distributed sampler makes of one global
+batch), so that both runs provably see the same samples at every step.
 """
 
 from __future__ import annotations
@@ -47,15 +39,7 @@ _DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropo
 
 
 def build_model(config: VerifyConfig) -> nn.Module:
-    """Build a fresh model from the config's factory or ``lockstep train`` model name.
-
-    Args:
-        config: the comparison's configuration.
-
-    Example::
-
-        model = build_model(VerifyConfig(model="convnet"))
-    """
+    """A fresh model from the config's factory or ``lockstep train`` model name."""
     spec = ModelSpec(config.model)
     if spec.is_factory:
         return spec.build()  # the factory sizes the model itself
@@ -66,15 +50,7 @@ def build_model(config: VerifyConfig) -> nn.Module:
 
 
 def make_loss(config: VerifyConfig) -> LossFn:
-    """The loss function ``loss(output, target)``; it should average over the batch.
-
-    Args:
-        config: the comparison's configuration (its ``loss``).
-
-    Example::
-
-        make_loss(VerifyConfig(model="convnet", loss="mse"))   # F.mse_loss
-    """
+    """The loss function ``loss(output, target)``; it should average over the batch."""
     if config.loss == "cross_entropy":
         return F.cross_entropy
     if config.loss == "mse":
@@ -87,15 +63,7 @@ def _mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def make_batches(config: VerifyConfig) -> list[Batch]:
-    """The ``steps`` global batches of the comparison (same on every call with one config).
-
-    Args:
-        config: the comparison's configuration (seed, batch, steps, data or shape).
-
-    Example::
-
-        [x.shape for x, _ in make_batches(VerifyConfig(model="convnet", steps=2, batch=8))]
-    """
+    """The ``steps`` global batches of the comparison (the same on every call with one config)."""
     gen = torch.Generator().manual_seed(config.seed)
     if config.data is None:
         count = config.steps * config.batch
@@ -132,19 +100,7 @@ def _dataset_batches(config: VerifyConfig, gen: torch.Generator) -> list[Batch]:
 
 
 def shard(batch: Batch, rank: int, nproc: int, accumulate: int) -> list[Batch]:
-    """Rank ``rank``'s contiguous slice of a global batch, cut into ``accumulate`` micro-batches.
-
-    Args:
-        batch: one global batch ``(inputs, targets)``.
-        rank: the rank whose slice to return.
-        nproc: ranks of the parallel run.
-        accumulate: micro-batches per step.
-
-    Example::
-
-        shard((torch.arange(8), torch.arange(8)), rank=1, nproc=2, accumulate=2)
-        # [(tensor([4, 5]), ...), (tensor([6, 7]), ...)]
-    """
+    """Rank ``rank``'s contiguous slice of a global batch, cut into ``accumulate`` micro-batches."""
     x, y = batch
     per_rank = x.shape[0] // nproc
     micro = per_rank // accumulate
@@ -153,15 +109,7 @@ def shard(batch: Batch, rank: int, nproc: int, accumulate: int) -> list[Batch]:
 
 
 def dropout_layers(model: nn.Module) -> list[str]:
-    """Names of the modules that draw random numbers in training mode (dropout of any kind).
-
-    Args:
-        model: the bare model.
-
-    Example::
-
-        dropout_layers(nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.5)))   # ["1"]
-    """
+    """Names of the modules that draw random numbers in training mode (dropout of any kind)."""
     return [
         name
         for name, m in model.named_modules()
@@ -170,33 +118,12 @@ def dropout_layers(model: nn.Module) -> list[str]:
 
 
 def batchnorm_layers(model: nn.Module) -> list[str]:
-    """Names of the BatchNorm (and SyncBatchNorm) layers of ``model``.
-
-    Args:
-        model: the bare model.
-
-    Example::
-
-        batchnorm_layers(nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4)))   # ["1"]
-    """
+    """Names of the BatchNorm (and SyncBatchNorm) layers of ``model``."""
     return [name for name, m in model.named_modules() if isinstance(m, BATCHNORM_TYPES)]
 
 
 def apply_dropout_mode(model: nn.Module, mode: str) -> list[str]:
-    """With ``disable``, set every dropout probability to 0 and return the layers changed.
-
-    ``align`` changes nothing here: the training loops seed every RNG identically instead.
-    Dropout written as ``F.dropout`` inside a ``forward`` cannot be reached; the comparison
-    then shows the randomness in that module.
-
-    Args:
-        model: the bare model.
-        mode: ``disable`` or ``align``.
-
-    Example::
-
-        apply_dropout_mode(model, "disable")   # ["head.dropout"]
-    """
+    """With ``disable``, set every dropout module's probability to 0; return the layers changed."""
     if mode != "disable":
         return []
     changed = []
@@ -211,15 +138,7 @@ def apply_dropout_mode(model: nn.Module, mode: str) -> list[str]:
 
 
 def first_tensor(value: Any) -> torch.Tensor | None:
-    """The first tensor in a module's output (a tensor, or a tuple/list/dict holding one).
-
-    Args:
-        value: what a module returned (or the arguments it received).
-
-    Example::
-
-        first_tensor((None, torch.ones(2)))   # tensor([1., 1.])
-    """
+    """The first tensor in a module's output (a tensor, or a tuple/list/dict holding one)."""
     if isinstance(value, torch.Tensor):
         return value
     if isinstance(value, (tuple, list)):

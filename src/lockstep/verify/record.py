@@ -1,17 +1,8 @@
 """Module outputs of the first forward pass, kept for the layer-by-layer comparison.
 
-Only a few rows of each output are kept: the first :data:`ROWS` samples of every rank's first
-micro-batch, and, in the single process, the same samples picked out of the global batch. Any
-sample shows a layer that computes differently (a BatchNorm, a dropout mask, a rank-dependent
-bug), and a large model's activations would not fit in memory whole. A budget caps what one
-process keeps; recording stops at the first module past it, and later modules are not compared.
-
-Example::
-
-    recorder = ActivationRecorder(model, rows=[0, 1], batch=16)
-    model(x)                       # x has 16 rows
-    recorder.close()
-    recorder.outputs["fc"]         # rows 0 and 1 of model.fc's output
+Only the first :data:`ROWS` samples of every rank's first micro-batch are kept (and the same samples
+in the single process): any sample shows a layer that computes differently, and a large model's
+activations would not fit whole. Recording stops at the first module past the budget.
 """
 
 from __future__ import annotations
@@ -33,21 +24,7 @@ BUDGET_ELEMENTS = 32 * 2**20
 
 
 def recorded_rows(config: VerifyConfig, reference: bool) -> tuple[list[int], int]:
-    """Which rows of the first forward pass to keep, and how many rows that pass has.
-
-    Args:
-        config: the batch split.
-        reference: the single process (its pass holds the whole global batch) rather than a rank.
-
-    Returns:
-        ``(rows, batch)``: for a rank the first rows of its micro-batch; for the single process
-        the same samples of every rank in rank order, so that rank ``r``'s rows are
-        ``[r * k, (r + 1) * k)`` of what it keeps.
-
-    Example::
-
-        recorded_rows(VerifyConfig(model="convnet", batch=32), reference=True)   # ([0, 1, 2, 3, 16, 17, 18, 19], 32)
-    """
+    """The rows of the first forward pass to keep (in the single process, every rank's in rank order) and its batch."""
     k = min(ROWS, config.micro_batch)
     if not reference:
         return list(range(k)), config.micro_batch
@@ -56,20 +33,7 @@ def recorded_rows(config: VerifyConfig, reference: bool) -> tuple[list[int], int
 
 
 class ActivationRecorder:
-    """Keep CPU copies of chosen rows of every module's output in the next forward pass.
-
-    Outputs whose first dimension is not the batch are skipped; recording stops at the budget.
-
-    Args:
-        model: the bare model (hooks on its submodules also fire inside DDP or FSDP).
-        rows: which rows (samples) to keep.
-        batch: the rows of that forward pass's input.
-        budget: elements to keep at most, over all modules.
-
-    Example::
-
-        recorder = ActivationRecorder(model, rows=[0, 1], batch=8); model(x); recorder.close()
-    """
+    """Keep CPU copies of chosen rows of every module's output in the next forward pass."""
 
     def __init__(self, model: nn.Module, rows: list[int], batch: int, budget: int = BUDGET_ELEMENTS) -> None:
         self.outputs: dict[str, torch.Tensor] = {}

@@ -1,9 +1,4 @@
-"""The text ``lockstep verify`` prints: the loss curves, the layer table, the verdict.
-
-Example::
-
-    print(format_report(config, comparison, facts, diagnosis))
-"""
+"""The text ``lockstep verify`` prints: the loss curves, the layer table, the verdict."""
 
 from __future__ import annotations
 
@@ -88,18 +83,7 @@ def _forward(comparison: Comparison, facts: ModelFacts) -> list[str]:
 
 
 def format_report(config: VerifyConfig, comparison: Comparison, facts: ModelFacts, diagnosis: Diagnosis) -> str:
-    """The whole report, ending with the verdict and the likely cause.
-
-    Args:
-        config: the comparison's configuration.
-        comparison: what was compared.
-        facts: what the model contains.
-        diagnosis: the verdict and causes.
-
-    Example::
-
-        print(format_report(config, comparison, facts, diagnosis))
-    """
+    """The whole report, ending with the verdict and the likely cause."""
     lines = _heading(config, facts) + _losses(comparison, config) + _tensors(comparison)
     lines += _forward(comparison, facts)
     lines.append(diagnosis.verdict)

@@ -1,20 +1,9 @@
 """The two trainings of ``lockstep verify``: one process in this process, N processes launched.
 
-Both start from the same initial weights (built here with the config's seed and sent to the
-workers), train with plain SGD on the same fixed global batches (see
-:mod:`lockstep.verify.inputs`) and record the mean loss of every step over the whole global
-batch, the full state dict after the first step and at the end, and every module's output of
-the very first forward pass (to find the layer where the two runs part ways). The workers get everything in a job file
-and rank 0 writes the results back with ``torch.save``.
-
-This module is also the workers' entry point::
+Both start from the same weights and train with plain SGD on the same batches; rank 0 of the N
+writes the losses, state dicts and first forward outputs back. The workers' entry point::
 
     python -m lockstep.verify.run JOB_FILE      # started by the launcher, once per rank
-
-Example::
-
-    reference = run_reference(config, init, batches)
-    parallel = run_parallel(config, init, batches)
 """
 
 from __future__ import annotations
@@ -37,30 +26,12 @@ __all__ = ["RunResult", "train", "run_reference", "run_parallel", "worker_main",
 
 
 class VerifyRunError(LockstepError):
-    """The N-process training failed or returned no result.
-
-    Example::
-
-        raise VerifyRunError("the 2-process training failed (exit code 1)")
-    """
+    """The N-process training failed or returned no result."""
 
 
 @dataclass
 class RunResult:
-    """What one training run produced.
-
-    Args:
-        losses: mean loss over the global batch, per optimizer step.
-        state: final full state dict (bare-module keys, CPU tensors).
-        activations: per rank, every module's output in the first forward pass (CPU, float).
-        order: module names in the order their forward finished in that pass.
-        first_state: full state dict after the first optimizer step (the first updates are
-            compared before the runs' trajectories part).
-
-    Example::
-
-        RunResult(losses=[2.3], state=model.state_dict(), activations=[{}], order=[])
-    """
+    """What one training run produced (``first_state``: the state dict after the first step)."""
 
     losses: list[float]
     state: dict[str, torch.Tensor]
@@ -72,21 +43,7 @@ class RunResult:
 def train(
     session: Any, config: VerifyConfig, init: dict[str, torch.Tensor], steps: list[list[Batch]], reference: bool = False
 ) -> RunResult:
-    """Train the config's model under ``session`` on ``steps`` (micro-batches of each step).
-
-    Every rank of the session calls it; each passes its own micro-batches.
-
-    Args:
-        session: a :class:`lockstep.Session` (world size 1 for the reference).
-        config: the comparison's configuration.
-        init: the initial state dict.
-        steps: per optimizer step, this rank's micro-batches.
-        reference: this is the single-process run (it records the rows of every rank's slice).
-
-    Example::
-
-        result = train(lockstep.Session(quiet=True), config, init, [[b] for b in batches], reference=True)
-    """
+    """Train the config's model under ``session`` on ``steps``, this rank's micro-batches of each step."""
     if config.precision == "fp32" and session.device.type == "cuda":
         # TF32 convolutions/matmuls round to 10 bits, differently for different batch shapes:
         # an fp32 comparison must compute in fp32
@@ -122,31 +79,13 @@ def train(
 
 
 def initial_state(config: VerifyConfig) -> dict[str, torch.Tensor]:
-    """The initial weights both runs start from (the config's seed decides them).
-
-    Args:
-        config: the comparison's configuration (model and seed).
-
-    Example::
-
-        init = initial_state(config)
-    """
+    """The initial weights both runs start from (the config's seed decides them)."""
     torch.manual_seed(config.seed)
     return {k: v.detach().clone() for k, v in build_model(config).state_dict().items()}
 
 
 def run_reference(config: VerifyConfig, init: dict[str, torch.Tensor], batches: list[Batch]) -> RunResult:
-    """Train in this process, world size 1, each global batch whole.
-
-    Args:
-        config: the comparison's configuration.
-        init: the initial state dict.
-        batches: the global batches.
-
-    Example::
-
-        reference = run_reference(config, initial_state(config), make_batches(config))
-    """
+    """Train in this process, world size 1, each global batch whole."""
     from lockstep.session.session import Session
 
     with Session(strategy="single", precision=config.precision, seed=config.seed, quiet=True) as session:
@@ -154,20 +93,7 @@ def run_reference(config: VerifyConfig, init: dict[str, torch.Tensor], batches: 
 
 
 def run_parallel(config: VerifyConfig, init: dict[str, torch.Tensor], batches: list[Batch]) -> RunResult:
-    """Launch ``config.nproc`` workers with the launcher of ``lockstep run`` and collect rank 0's result.
-
-    Args:
-        config: the comparison's configuration.
-        init: the initial state dict (sent to every rank).
-        batches: the global batches (each rank takes its slices).
-
-    Raises:
-        VerifyRunError: a worker failed (the launcher has printed which and why).
-
-    Example::
-
-        parallel = run_parallel(config, init, batches)
-    """
+    """Launch ``config.nproc`` workers with the launcher of ``lockstep run``; return rank 0's result."""
     from lockstep.launch.relaunch import relaunch
 
     with tempfile.TemporaryDirectory(prefix="lockstep-verify-") as tmp:
@@ -189,15 +115,7 @@ def run_parallel(config: VerifyConfig, init: dict[str, torch.Tensor], batches: l
 
 
 def worker_main(job_file: str) -> int:
-    """One rank of the parallel run: train on this rank's slices, rank 0 writes the result.
-
-    Args:
-        job_file: the job written by :func:`run_parallel`.
-
-    Example::
-
-        sys.exit(worker_main(sys.argv[1]))
-    """
+    """One rank of the parallel run: train on this rank's slices, rank 0 writes the result."""
     from lockstep.session.session import Session
 
     job = torch.load(job_file, weights_only=True)

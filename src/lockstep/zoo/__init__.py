@@ -4,17 +4,10 @@
   ``--model`` spec (a name or the user's ``pkg.module:factory``);
 * :mod:`~lockstep.zoo.datasets`: digits (bundled), MNIST IDX files, image folders, synthetic;
 * :mod:`~lockstep.zoo.idx` / :mod:`~lockstep.zoo.folders`: the MNIST IDX and ImageFolder readers;
-* :mod:`~lockstep.zoo.options`: the apps' flags as the Session's own
-  :class:`~lockstep.SessionConfig` (checked there, once).
+* :mod:`~lockstep.zoo.options`: the apps' flags as the Session's own :class:`~lockstep.SessionConfig`.
 
 May import: ``lockstep.errors``, ``lockstep.env``, ``lockstep._imports`` and the library layers
 below the session; never an app.
-
-Example::
-
-    from lockstep.zoo import build_model, session_config
-    model = build_model("convnet", channels=1, num_classes=10, image_size=28)
-    session_config(strategy="ddp", precision="bf16-mixed").check_processes(2)
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 """The data ``lockstep train`` reads: ``digits``, ``mnist:DIR``, ``imagefolder:DIR``, ``synthetic``.
 
-* ``digits`` (the default): scikit-learn's bundled 1,797 handwritten digits (8x8), upsampled to
-  the model's input size; 297 held out for testing by a fixed seeded split. Needs no download.
-* ``mnist:DIR``: MNIST's IDX files on disk (see :mod:`lockstep.zoo.idx`).
-* ``imagefolder:DIR``: one folder per class (see :mod:`lockstep.zoo.folders`).
-* ``synthetic``: random images of the model's input shape and random labels, for speed tests.
-
-Train/test splits use the fixed :data:`SPLIT_SEED`, not ``--seed``, so that runs with different
-seeds are scored on the same test images.
-
-Example::
-
-    data = open_data(parse_data("digits"), image_size=28, channels=1)
-    len(data.train), len(data.test), data.num_classes      # 1500, 297, 10
+``digits`` is scikit-learn's bundled 8x8 digits, upsampled to the model's input, :data:`DIGITS_TEST`
+held out. Train/test splits use the fixed :data:`SPLIT_SEED`, not ``--seed``, so that runs with
+different seeds are scored on the same test images.
 """
 
 from __future__ import annotations
@@ -57,10 +47,6 @@ class DataSpec:
     Args:
         kind: one of :data:`DATA_KINDS`.
         path: the folder of ``mnist:DIR`` and ``imagefolder:DIR``; ``None`` otherwise.
-
-    Example::
-
-        DataSpec("mnist", Path("data/mnist"))
     """
 
     kind: str
@@ -95,11 +81,10 @@ def parse_data(text: str) -> DataSpec:
     """Parse and check a ``--data`` value; folders must exist and not be empty.
 
     Args:
-        text: ``digits``, ``synthetic``, ``mnist:DIR`` or ``imagefolder:DIR``.
+        text: ``digits``, ``synthetic``, ``mnist:DIR`` or ``imagefolder:DIR`` (``~`` is expanded).
 
-    Example::
-
-        parse_data("imagefolder:~/data/flowers").path    # the expanded folder
+    Raises:
+        ConfigError: an unknown kind, a missing or empty folder.
     """
     kind, _, path = text.partition(":")
     if kind not in DATA_KINDS:
@@ -119,44 +104,22 @@ def parse_data(text: str) -> DataSpec:
 
 
 def native_channels(spec: DataSpec) -> int:
-    """Channels of the data as stored: 1 for digits, MNIST and synthetic, 3 for image folders.
-
-    Example::
-
-        native_channels(DataSpec("digits"))   # 1
-    """
+    """Channels of the data as stored: 1 for digits, MNIST and synthetic, 3 for image folders."""
     return 3 if spec.kind == "imagefolder" else 1
 
 
 def materialized(dataset: Dataset[Any]) -> Dataset[Any]:
-    """``dataset`` with its images converted up front where it can (see :meth:`ImageTensors.materialized`).
+    """``dataset`` with its images converted up front where that fits in memory.
 
     Args:
         dataset: a data set of :func:`open_data`, or any other (returned as it is).
-
-    Example::
-
-        train = materialized(open_data(parse_data("digits"), 28, 1).train)
     """
     convert = getattr(dataset, "materialized", None)
     return convert() if convert is not None else dataset
 
 
 class ImageTensors(Dataset[tuple[torch.Tensor, torch.Tensor]]):
-    """Images held in memory at their own size, resized and channel-repeated per sample.
-
-    Args:
-        images: ``(N, C, H, W)`` uint8 or float tensor.
-        labels: ``(N,)`` int64 tensor.
-        image_size: side of the images handed out.
-        channels: channels handed out (grayscale is repeated for RGB models).
-        scale: divides the stored values (255 for uint8 pixels, 16 for digits).
-
-    Example::
-
-        ds = ImageTensors(torch.zeros(4, 1, 8, 8), torch.zeros(4, dtype=torch.long), 28, 1, 16.0)
-        ds[0][0].shape      # (1, 28, 28)
-    """
+    """Images held in memory at their own size, resized and channel-repeated per sample."""
 
     def __init__(
         self, images: torch.Tensor, labels: torch.Tensor, image_size: int, channels: int, scale: float
@@ -179,15 +142,7 @@ class ImageTensors(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return self._convert(self.images[index : index + 1])[0], self.labels[index]
 
     def materialized(self) -> Dataset[Any]:
-        """Convert all images at once into a TensorDataset when that fits in a modest memory.
-
-        Indexing one tensor is far cheaper per sample than resizing on every access; a large
-        set (MNIST at 224 pixels) stays as it is and converts each sample when it is read.
-
-        Example::
-
-            train = data.train.materialized()
-        """
+        """All images converted at once into a TensorDataset, unless that is too large."""
         size = len(self) * self.channels * self.image_size**2 * 4
         if size > _MATERIALIZE_BYTES:
             return self
@@ -195,19 +150,7 @@ class ImageTensors(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
 
 class SyntheticImages(Dataset[tuple[torch.Tensor, torch.Tensor]]):
-    """Random images and labels, each a function of ``(seed, index)`` only (no memory held).
-
-    Args:
-        count: number of samples.
-        channels: image channels.
-        image_size: image side.
-        num_classes: labels are drawn from ``range(num_classes)``.
-        seed: distinguishes the training from the test set.
-
-    Example::
-
-        SyntheticImages(8, 3, 32, 10, seed=1)[0][0].shape   # (3, 32, 32)
-    """
+    """Random images and labels, each a function of ``(seed, index)`` only (no memory held)."""
 
     def __init__(self, count: int, channels: int, image_size: int, num_classes: int, seed: int) -> None:
         self.count, self.channels, self.image_size = count, channels, image_size
@@ -263,15 +206,11 @@ def open_data(spec: DataSpec, image_size: int, channels: int, *, val_fraction: f
     Args:
         spec: from :func:`parse_data`.
         image_size: side of the images the model takes.
-        channels: channels the model takes (see :func:`native_channels`).
+        channels: channels the model takes.
         val_fraction: held-out share of an image folder without ``train/`` and ``val/``.
 
     Raises:
         ConfigError: missing or damaged files, unreadable images, labels that cannot be classes.
-
-    Example::
-
-        data = open_data(parse_data("synthetic"), image_size=32, channels=3)
     """
     notes: list[str] = []
     if spec.kind == "digits":

@@ -1,18 +1,7 @@
 """Image folders (``imagefolder:DIR``): one sub-folder per class, checked before training starts.
 
-``DIR`` holds ``train/`` and ``val/`` (each with one folder per class), or the class folders
-directly, in which case a seeded fraction of the images becomes the validation set. Transforms
-follow the seed tutorial: random resized crop and horizontal flip for training, resize and
-centre crop for validation, ImageNet normalisation for both.
-
-Images are checked up front, before any process starts: the first :data:`CHECK_PER_CLASS` files
-of every class (in the order ImageFolder reads them) are opened and fully decoded, which catches
-a wrong folder, a wrong format or a broken copy without reading a whole ImageNet. A later file that
-cannot be read stops training with an error naming it.
-
-Example::
-
-    train, val, classes = image_folders(Path("data/flowers"), image_size=64, seed=0, val_fraction=0.1)
+``DIR`` holds ``train/`` and ``val/``, or the class folders directly (a seeded fraction becomes the
+validation set). The first :data:`CHECK_PER_CLASS` images of every class are decoded up front.
 """
 
 from __future__ import annotations
@@ -76,19 +65,7 @@ def _folder(root: Path, image_size: int, train: bool) -> Any:
 
 
 def check_images(dataset: Any, per_class: int = CHECK_PER_CLASS) -> int:
-    """Decode the first ``per_class`` images of every class; return how many were checked.
-
-    Args:
-        dataset: a torchvision ``ImageFolder``.
-        per_class: files checked per class.
-
-    Raises:
-        UnreadableImageError: naming the first file that cannot be decoded.
-
-    Example::
-
-        check_images(ImageFolder("data/train"))
-    """
+    """Decode the first ``per_class`` images of every class; return how many were checked."""
     seen: dict[int, int] = {}
     for path, label in dataset.samples:
         if seen.get(label, 0) < per_class:
@@ -100,22 +77,7 @@ def check_images(dataset: Any, per_class: int = CHECK_PER_CLASS) -> int:
 def image_folders(
     root: Path, image_size: int, seed: int, val_fraction: float
 ) -> tuple[Dataset[Any], Dataset[Any], int]:
-    """Return ``(train, val, num_classes)`` for an image folder tree, after checking its images.
-
-    Args:
-        root: the ``imagefolder:DIR`` folder.
-        image_size: side of the square crops.
-        seed: seed of the train/val split of a folder without ``train/`` and ``val/``.
-        val_fraction: share of images held out in that case.
-
-    Raises:
-        ConfigError: missing or empty folders, fewer than two classes, classes that differ between
-            train and val, an unreadable image.
-
-    Example::
-
-        train, val, k = image_folders(Path("data/imagenette"), 160, seed=0, val_fraction=0.1)
-    """
+    """Return ``(train, val, num_classes)`` for an image folder tree, after checking its images."""
     if not root.is_dir():
         raise ConfigError(f"data directory {root} does not exist")
     if (root / "train").is_dir() and (root / "val").is_dir():

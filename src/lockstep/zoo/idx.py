@@ -1,12 +1,7 @@
 """MNIST's IDX files, read with NumPy from a folder on disk (nothing is downloaded).
 
-The folder holds ``train-images-idx3-ubyte``, ``train-labels-idx1-ubyte``, ``t10k-images-idx3-ubyte``
-and ``t10k-labels-idx1-ubyte``, each optionally gzipped (``.gz``); the spellings with a dot
-(``train-images.idx3-ubyte``) and torchvision's ``MNIST/raw`` sub-folder are found too.
-
-Example::
-
-    images, labels = read_mnist("~/data/mnist", "train")    # uint8 (60000, 28, 28), (60000,)
+The four files may be gzipped (``.gz``), spelled with a dot (``train-images.idx3-ubyte``), or in
+torchvision's ``MNIST/raw`` sub-folder.
 """
 
 from __future__ import annotations
@@ -33,18 +28,7 @@ _DTYPES: dict[int, Any] = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i
 
 
 def read_idx(path: str | Path) -> np.ndarray:
-    """Read one IDX file (gzipped or not) into an array of its declared type and shape.
-
-    Args:
-        path: the file.
-
-    Raises:
-        ConfigError: the file is not IDX or its size does not match its header.
-
-    Example::
-
-        labels = read_idx("t10k-labels-idx1-ubyte.gz")   # uint8 array of shape (10000,)
-    """
+    """Read one IDX file (gzipped or not) into an array of its declared type and shape."""
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
     try:
@@ -67,16 +51,7 @@ def read_idx(path: str | Path) -> np.ndarray:
 
 
 def write_idx(path: str | Path, array: np.ndarray) -> None:
-    """Write ``array`` (uint8) as an IDX file, gzipped when ``path`` ends in ``.gz``.
-
-    Args:
-        path: the file to write.
-        array: a uint8 array of any shape.
-
-    Example::
-
-        write_idx("train-labels-idx1-ubyte", np.array([3, 1, 4], dtype=np.uint8))
-    """
+    """Write ``array`` (uint8) as an IDX file, gzipped when ``path`` ends in ``.gz``."""
     array = np.ascontiguousarray(array, dtype=np.uint8)
     data = bytes([0, 0, 0x08, array.ndim]) + np.asarray(array.shape, dtype=">u4").tobytes() + array.tobytes()
     opener = gzip.open if str(path).endswith(".gz") else open
@@ -85,20 +60,7 @@ def write_idx(path: str | Path, array: np.ndarray) -> None:
 
 
 def find_mnist_file(folder: Path, split: str, what: str) -> Path:
-    """Locate one of the four MNIST files under ``folder``.
-
-    Args:
-        folder: the ``mnist:DIR`` folder.
-        split: ``"train"`` or ``"test"``.
-        what: ``"images"`` or ``"labels"``.
-
-    Raises:
-        ConfigError: naming the file that is missing and where it was looked for.
-
-    Example::
-
-        find_mnist_file(Path("data"), "test", "labels")   # data/t10k-labels-idx1-ubyte.gz
-    """
+    """Locate one of the four MNIST files under ``folder``, or name the missing one."""
     name = MNIST_FILES[(split, what)]
     dotted = name.replace("-idx", ".idx")
     for base in (folder, folder / "raw", folder / "MNIST" / "raw"):
@@ -114,19 +76,7 @@ def find_mnist_file(folder: Path, split: str, what: str) -> Path:
 
 
 def read_mnist(folder: str | Path, split: str) -> tuple[np.ndarray, np.ndarray]:
-    """Read MNIST's ``split`` (``"train"`` or ``"test"``) as uint8 images ``(N, H, W)`` and labels.
-
-    Args:
-        folder: the folder with the IDX files.
-        split: ``"train"`` or ``"test"``.
-
-    Raises:
-        ConfigError: a file is missing or damaged, or images and labels disagree in number.
-
-    Example::
-
-        images, labels = read_mnist("data/mnist", "test")
-    """
+    """Read MNIST's ``split`` (``"train"`` or ``"test"``) as uint8 images ``(N, H, W)`` and int64 labels."""
     folder = Path(folder)
     images_path = find_mnist_file(folder, split, "images")
     labels_path = find_mnist_file(folder, split, "labels")
@@ -146,20 +96,7 @@ def read_mnist(folder: str | Path, split: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def check_labels(folder: Path, train: np.ndarray, test: np.ndarray) -> tuple[int, str | None]:
-    """The number of classes of MNIST-style labels, and a warning when it is not MNIST's 10.
-
-    Args:
-        folder: the ``mnist:DIR`` folder, for the messages.
-        train: the training labels (integers >= 0).
-        test: the test labels.
-
-    Raises:
-        ConfigError: a test label the training set never shows (the model would have no such class).
-
-    Example::
-
-        check_labels(Path("data"), np.array([0, 1, 9]), np.array([3]))   # (10, None)
-    """
+    """The number of classes of MNIST-style labels, and a warning when it is not MNIST's 10."""
     classes = int(train.max()) + 1
     if int(test.max()) >= classes:
         raise ConfigError(

@@ -1,15 +1,7 @@
 """The classifiers the apps know: the seeds' ConvNet and torchvision's models by name.
 
-``convnet`` is the seed tutorial's network, sized to the input (channels, side, classes). Any
-torchvision classification model (``resnet18``, ``resnet50``, ``vit_b_16``...) is built with random
-weights: nothing is downloaded. Pretrained weights come from a local file (``--weights FILE``).
-``bench`` and ``verify`` also take the user's own ``pkg.module:factory`` (:func:`parse_model`).
-
-Example::
-
-    model = build_model("convnet", channels=1, num_classes=10, image_size=28)
-    model = build_model("resnet50", channels=3, num_classes=10, image_size=32)
-    model = parse_model("mypackage.models:make_net").build(channels=3, num_classes=10, image_size=32)
+Every model is built with random weights: nothing is downloaded (``--weights FILE`` loads a local
+file). ``bench`` and ``verify`` also take the user's own ``pkg.module:factory`` (:func:`parse_model`).
 """
 
 from __future__ import annotations
@@ -43,11 +35,12 @@ class ConvNet(nn.Module):
     Args:
         num_classes: output scores per sample.
         channels: input channels (1 for MNIST and digits, 3 for colour images).
-        image_size: side of the square input; the linear layer takes ``(side // 4)^2 * 32``.
+        image_size: side of the square input (at least 4).
 
     Example::
 
-        ConvNet(10, channels=1, image_size=28)(torch.zeros(2, 1, 28, 28)).shape  # (2, 10)
+        >>> ConvNet(10, channels=1, image_size=28)(torch.zeros(2, 1, 28, 28)).shape
+        torch.Size([2, 10])
     """
 
     def __init__(self, num_classes: int = 10, channels: int = 1, image_size: int = 28) -> None:
@@ -72,31 +65,19 @@ class ConvNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Scores ``[batch, num_classes]`` for images ``[batch, channels, side, side]``."""
         out = self.layer2(self.layer1(x))
-        return self.fc(out.reshape(out.size(0), -1))
+        scores: torch.Tensor = self.fc(out.reshape(out.size(0), -1))
+        return scores
 
 
 def model_names() -> list[str]:
-    """Every name ``--model`` accepts: ``convnet`` and torchvision's classification models.
-
-    Example::
-
-        "resnet50" in model_names()   # True
-    """
+    """Every name ``--model`` accepts: ``convnet`` and torchvision's classification models."""
     from torchvision import models
 
     return ["convnet", *models.list_models(module=models)]
 
 
 def check_model(name: str) -> None:
-    """Refuse an unknown model name, listing the common ones.
-
-    Args:
-        name: the ``--model`` value.
-
-    Example::
-
-        check_model("resnet18")      # fine; check_model("resnet19") raises ConfigError
-    """
+    """Refuse an unknown model name, listing the common ones."""
     # convnet is checked without importing torchvision (seconds of start-up time)
     if name != "convnet" and name not in model_names():
         raise ConfigError(
@@ -107,16 +88,10 @@ def check_model(name: str) -> None:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A checked ``--model`` value: a model name, or the user's ``pkg.module:factory``.
-
-    Made by :func:`parse_model`; plain text inside, so it travels to started processes.
+    """A checked ``--model`` value (made by :func:`parse_model`); plain text, so it travels to started processes.
 
     Args:
-        text: the ``--model`` value.
-
-    Example::
-
-        net = ModelSpec("convnet").build(channels=1, num_classes=10, image_size=28)
+        text: a model name, or the user's ``pkg.module:factory``.
     """
 
     text: str
@@ -127,22 +102,15 @@ class ModelSpec:
         return ":" in self.text
 
     def build(self, channels: int | None = None, num_classes: int = 10, image_size: int | None = None) -> nn.Module:
-        """A fresh model: the factory's, or the named one sized to the input (see :func:`build_model`).
-
-        A factory is called with no arguments and sizes the model itself; the sizes are for named
-        models only.
+        """A fresh model: the factory's (which sizes it itself), or the named one sized to the input.
 
         Args:
-            channels: input channels; ``None``: the model's own for grayscale data (see :func:`input_channels`).
-            num_classes: output classes.
-            image_size: side of the square input; ``None``: see :func:`default_image_size`.
+            channels: input channels of a named model; ``None``: its own for grayscale data.
+            num_classes: output classes of a named model.
+            image_size: side of a named model's square input; ``None``: its default.
 
         Raises:
             ConfigError: the factory returned something that is not a ``torch.nn.Module``.
-
-        Example::
-
-            parse_model("resnet18").build(channels=3, num_classes=100, image_size=64)
         """
         if not self.is_factory:
             channels = input_channels(self.text, 1) if channels is None else channels
@@ -157,18 +125,13 @@ class ModelSpec:
 def parse_model(text: str) -> ModelSpec:
     """Check a ``--model`` value: a known model name, or a ``pkg.module:factory`` that imports.
 
-    The working directory is importable (as with ``python -m``), so a module next to the user's
-    script is found; started processes inherit the path.
+    The working directory is importable (as with ``python -m``); started processes inherit the path.
 
     Args:
         text: ``convnet``, a torchvision classification model name, or ``pkg.module:factory``.
 
     Raises:
         ConfigError: an unknown name, a module that does not import, or no such callable.
-
-    Example::
-
-        parse_model("mypackage.models:make_net").is_factory    # True
     """
     spec = ModelSpec(text)
     if spec.is_factory:
@@ -179,29 +142,12 @@ def parse_model(text: str) -> ModelSpec:
 
 
 def input_channels(name: str, data_channels: int) -> int:
-    """Channels the model takes: convnet adapts to the data, the others (torchvision's, a factory) want RGB.
-
-    Args:
-        name: the model name or ``pkg.module:factory``.
-        data_channels: the data's own channels (grayscale data is repeated to 3 for RGB models).
-
-    Example::
-
-        input_channels("resnet18", 1)   # 3
-    """
+    """Channels the model takes: convnet adapts to the data, the others (torchvision's, a factory) want RGB."""
     return data_channels if name == "convnet" else 3
 
 
 def default_image_size(name: str) -> int:
-    """The input side used when ``--image-size`` is not given: 28 for convnet, 224 otherwise.
-
-    Args:
-        name: the model name or ``pkg.module:factory``.
-
-    Example::
-
-        default_image_size("convnet")  # 28
-    """
+    """The input side used when ``--image-size`` is not given: 28 for convnet, 224 otherwise."""
     return 28 if name == "convnet" else 224
 
 
@@ -212,14 +158,13 @@ def build_model(
 
     Args:
         name: ``convnet`` or a torchvision classification model name.
-        channels: input channels (see :func:`input_channels`).
+        channels: input channels.
         num_classes: classes of the dataset.
         image_size: side of the square input.
-        weights: a local state-dict file to start from (see :func:`load_weights`).
+        weights: a local state-dict file to start from (keys of another shape are left random).
 
-    Example::
-
-        model = build_model("resnet18", channels=3, num_classes=100, image_size=64)
+    Raises:
+        ConfigError: an unknown name, or weights that do not fit the model.
     """
     check_model(name)
     if name == "convnet":
@@ -245,23 +190,7 @@ def _torchvision_options(name: str, num_classes: int, image_size: int) -> dict[s
 
 
 def load_weights(model: nn.Module, path: str | Path) -> list[str]:
-    """Load a local state-dict file into ``model``; return the keys left at their random start.
-
-    Keys whose shapes differ (typically the classifier of an ImageNet checkpoint fine-tuned on
-    fewer classes) are skipped. The file is read with ``weights_only=True``: it cannot run code.
-
-    Args:
-        model: the freshly built model.
-        path: a ``torch.save``'d state dict, or a dict holding one under ``model`` / ``state_dict``.
-
-    Raises:
-        ConfigError: the file is missing or unreadable, or fits fewer than half of the model's
-            tensors (another architecture).
-
-    Example::
-
-        skipped = load_weights(model, "resnet50-11ad3fa6.pth")   # ["fc.weight", "fc.bias"]
-    """
+    """Load a local state-dict file (``weights_only``) into ``model``, skipping keys of another shape; return them."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"weights file {path} does not exist")

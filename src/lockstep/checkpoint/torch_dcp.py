@@ -5,7 +5,7 @@ to unpickle non-tensor values with ``weights_only=True``. Like torch's own ``loa
 must put each value back where the flattened key points in the caller's nested state dict,
 which torch does with ``torch.distributed.checkpoint._traverse.set_element`` (private). Kept
 here so that a torch upgrade that moves or changes it breaks this module and its test
-(``tests/test_shims.py``), not a resume. Checked on torch 2.14.
+(``tests/lockstep/test_shims.py``), not a resume. Checked on torch 2.14.
 
 Example::
 

@@ -3,7 +3,7 @@
 argparse offers no public way to list the flags a parser was given; ``parser._actions`` is where
 every argparse version keeps them (``format_help`` only prints them). The flag table
 (:mod:`lockstep.cli.reference`) reads them through :func:`parser_actions`, so a Python that changes
-it breaks this module and its version test (``tests/test_shims.py``). Checked on CPython 3.11.
+it breaks this module and its version test (``tests/lockstep/test_shims.py``). Checked on CPython 3.11.
 
 Example::
 

@@ -2,7 +2,7 @@
 
 Only ``sys._current_frames()`` gives it ("for internal and specialized purposes only";
 ``faulthandler`` prints stacks but returns none). Kept here so that a Python without it, or one
-that changes it, breaks this module and its test (``tests/test_shims.py``). Checked on CPython 3.11.
+that changes it, breaks this module and its test (``tests/lockstep/test_shims.py``). Checked on CPython 3.11.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 without Python's teardown. The ``atexit`` module offers that only through two private
 functions of CPython, ``atexit._run_exitfuncs`` (run every handler, last registered first) and
 ``atexit._ncallbacks`` (how many are registered). Kept here so that a Python without them, or one
-that changes them, breaks this module and its test (``tests/test_shims.py``). Checked on
+that changes them, breaks this module and its test (``tests/lockstep/test_shims.py``). Checked on
 CPython 3.11.
 
 Example::

@@ -2,7 +2,7 @@
 
 ``GradScaler`` decides on each rank alone whether a step overflowed, and fused optimizers take the overflow flag
 through an undocumented protocol. The private names for both live here, so that a torch upgrade that changes
-them breaks this module and ``tests/test_shims.py``, not training. Checked on torch 2.14.
+them breaks this module and ``tests/lockstep/test_shims.py``, not training. Checked on torch 2.14.
 """
 
 from __future__ import annotations

@@ -1,0 +1,103 @@
+"""``lockstep doctor --comm``: every link between nodes measured point to point, the slow node or link
+named (and a problem with --strict), a clean topology naming none."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from lockstep.doctor.links import LinkReport, format_links, node_leaders, slow_parts
+from support.dist import run_distributed
+
+
+def _report(latency: dict[tuple[int, int], float], bandwidth: dict[tuple[int, int], float]) -> LinkReport:
+    n = 1 + max(b for _, b in latency)
+    return LinkReport(list(range(n)), [f"host n{i}" for i in range(n)], 1 << 20, latency, bandwidth)
+
+
+def test_a_node_whose_every_link_is_slow_is_named() -> None:
+    fast, slow = 1e-4, 0.05
+    report = _report({(0, 1): fast, (0, 2): slow, (1, 2): slow}, {(0, 1): 1e9, (0, 2): 2e7, (1, 2): 2e7})
+    nodes, links, notes = slow_parts(report)
+    assert len(nodes) == 1 and nodes[0].startswith("host n2 is far slower than the others on every link: 50.00 ms")
+    assert links == [] and notes == []
+    text = "\n".join(format_links(report))
+    assert "latency" in text and "bandwidth" in text and "50.00 ms" in text and "20.0 MB/s" in text
+
+
+def test_one_slow_link_is_named_as_a_link() -> None:
+    lat = {(a, b): 1e-4 for a in range(4) for b in range(a + 1, 4)}
+    bw = {pair: 1e9 for pair in lat}
+    bw[(1, 3)] = 1e8
+    nodes, links, _ = slow_parts(_report(lat, bw))
+    assert nodes == [] and len(links) == 1 and links[0].startswith("the link host n1 - host n3 is far slower")
+
+
+def test_a_clean_topology_or_a_single_link_names_nothing() -> None:
+    lat = {(0, 1): 1e-4, (0, 2): 2.5e-4, (1, 2): 1.5e-3}  # jitter under a factor of 4, or under 2 ms
+    assert slow_parts(_report(lat, {(0, 1): 1e9, (0, 2): 5e8, (1, 2): 8e8})) == ([], [], [])
+    noisy = {(0, 1): 1e-4, (0, 2): 0.05, (1, 2): 0.04}  # every link slow by one figure: busy hosts
+    nodes, links, notes = slow_parts(_report(noisy, {(0, 1): 1e7, (0, 2): 1e9, (1, 2): 1e9}))
+    assert nodes == links == [] and notes[0].startswith("the links' figures vary too widely")
+    assert slow_parts(_report({(0, 1): 1.0}, {(0, 1): 1.0})) == ([], [], [])
+
+
+def test_one_rank_per_host_measures() -> None:
+    ranks = [{"rank": r, "host": h} for r, h in enumerate(["a", "a", "b", "b", "c"])]
+    assert node_leaders(ranks) == ([0, 2, 4], ["host a", "host b", "host c"])
+    assert node_leaders(ranks[:2]) == ([0, 1], ["rank 0", "rank 1"])  # one host: every rank
+
+
+class _SlowRank:
+    """Every message to or from one rank waits a while first, as over a slowed link."""
+
+    def __init__(self, rank: int, delay: float) -> None:
+        self.rank, self.delay = rank, delay
+
+    def send(self, tensor, dst: int) -> None:  # type: ignore[no-untyped-def]
+        import os
+
+        import torch.distributed as dist
+
+        if self.rank in (dst, int(os.environ["RANK"])):
+            time.sleep(self.delay)
+        dist.send(tensor, dst)
+
+    def recv(self, tensor, src: int) -> None:  # type: ignore[no-untyped-def]
+        import torch.distributed as dist
+
+        dist.recv(tensor, src)
+
+
+def _links(slow: int | None) -> tuple[list[str], list[str], list[str], list[str]]:
+    from lockstep.comm.group import init_comm
+    from lockstep.doctor.links import measure_links
+
+    comm = init_comm(timeout=30)
+    transport = _SlowRank(slow, 0.05) if slow is not None else None
+    report = measure_links(comm, [0, 1, 2], ["rank 0", "rank 1", "rank 2"], size=1 << 16, iters=3, transport=transport)
+    comm.shutdown()
+    return (*slow_parts(report), format_links(report))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_an_injected_slow_rank_is_named_and_a_clean_run_names_none() -> None:
+    nodes, links, _, table = run_distributed(_links, 3, 2)[0]
+    assert len(nodes) == 1 and nodes[0].startswith("rank 2 is far slower than the others"), (nodes, links, table)
+    nodes, links, _, table = run_distributed(_links, 3, None)[1]
+    assert (nodes, links) == ([], []), table
+
+
+def _doctor(strict: bool) -> int:
+    from lockstep.doctor.checks import run_doctor
+
+    return run_doctor([4096], iters=2, warmup=1, links=True, strict=strict, transport=_SlowRank(1, 0.05))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_strict_makes_a_slow_node_a_problem() -> None:
+    assert run_distributed(_doctor, 3, True) == [1, 1, 1]
+    assert run_distributed(_doctor, 3, False) == [0, 0, 0]

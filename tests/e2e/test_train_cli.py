@@ -1,0 +1,249 @@
+"""``lockstep train`` end to end: the real command, 2 processes on gloo, tiny epochs.
+
+Every run goes through ``python -m lockstep train`` in a subprocess, so the launcher, the
+workers and the exit codes are the ones a user gets.
+"""
+
+from __future__ import annotations
+
+import csv
+import fcntl
+import json
+import os
+import pty
+import struct
+import subprocess
+import sys
+import termios
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_zoo import write_image_folder, write_mnist
+
+from lockstep.checkpoint import load_checkpoint
+from lockstep.comm.group import Comm
+from lockstep.env import World
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]  # every test here runs lockstep train end to end
+
+FAST = ["--epochs", "1", "--max-steps", "3", "--progress", "off"]
+
+
+def lockstep_train(*args: str, timeout: float = 150, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "lockstep", "train", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=cwd,
+    )
+
+
+def rows(out: Path) -> list[dict[str, str]]:
+    with open(out / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def assert_trained(result: subprocess.CompletedProcess, world: int) -> None:
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"lockstep: world {world}," in result.stdout
+    assert "Epoch [" in result.stdout and "test accuracy" in result.stdout
+    assert "Training complete in" in result.stdout
+
+
+@pytest.mark.timeout(180)
+def test_digits_two_processes_writes_outputs(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    result = lockstep_train(
+        "--nproc",
+        "2",
+        "--out",
+        str(out),
+        "--epochs",
+        "2",
+        "--max-steps",
+        "4",
+        "--progress",
+        "off",
+        "--scale-lr",
+        "--base-batch",
+        "32",
+    )
+    assert_trained(result, 2)
+    # --lr 0.01 is meant for a global batch of 32; two processes of 32 make 64
+    assert "strategy ddp" in result.stdout and "global batch 64" in result.stdout and "lr 0.02" in result.stdout
+    table = rows(out)
+    assert [r["epoch"] for r in table] == ["1", "2"]
+    assert int(table[-1]["test_count"]) == 297  # exact: every test sample once over both ranks
+    assert float(table[-1]["test_accuracy"]) > 0.3
+    config = json.loads((out / "config.json").read_text())
+    assert config["world_size"] == 2 and config["model"] == "convnet" and config["data"] == "digits"
+    assert any(p.name.startswith("step-") for p in (out / "checkpoints").iterdir())
+
+
+@pytest.mark.timeout(180)
+def test_image_folder_and_mnist(tmp_path: Path) -> None:
+    write_image_folder(tmp_path / "folders", per_class=12, classes=3)
+    result = lockstep_train(
+        "--data",
+        f"imagefolder:{tmp_path / 'folders'}",
+        "--image-size",
+        "16",
+        "--batch-size",
+        "4",
+        "--nproc",
+        "2",
+        *FAST,
+    )
+    assert_trained(result, 2)
+    assert "(9 samples)" in result.stdout
+    write_mnist(tmp_path / "mnist", gz=True)
+    result = lockstep_train("--data", f"mnist:{tmp_path / 'mnist'}", "--nproc", "2", *FAST)
+    assert_trained(result, 2)
+    assert "(597 samples)" in result.stdout
+
+
+@pytest.mark.timeout(240)
+def test_resume_matches_uninterrupted_run(tmp_path: Path) -> None:
+    common = ["--nproc", "2", "--max-steps", "4", "--progress", "off"]
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    assert_trained(lockstep_train(*common, "--epochs", "2", "--out", str(whole)), 2)
+    assert_trained(lockstep_train(*common, "--epochs", "1", "--out", str(split)), 2)
+    refused = lockstep_train(*common, "--epochs", "2", "--out", str(split))
+    assert refused.returncode == 2 and "pass --resume" in refused.stderr
+    resumed = lockstep_train(*common, "--epochs", "2", "--out", str(split), "--resume")
+    assert_trained(resumed, 2)
+    assert "resumed from" in resumed.stdout and "Epoch [1/2]" not in resumed.stdout
+    a, b = rows(whole), rows(split)
+    assert [r["epoch"] for r in b] == ["1", "2"]
+    for key in ("step", "train_loss", "test_loss", "test_accuracy"):
+        assert a[-1][key] == b[-1][key], key
+    final_a, final_b = last_weights(whole), last_weights(split)
+    assert final_a.keys() == final_b.keys()
+    assert all(torch.equal(final_a[k], final_b[k]) for k in final_a)
+
+
+def last_weights(out: Path) -> dict[str, torch.Tensor]:
+    state = load_checkpoint(out / "checkpoints", Comm(World()))  # the newest
+    assert state is not None
+    return state["model"]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("flags", [["--strategy", "fsdp"], ["--precision", "bf16-mixed"]])
+def test_strategy_and_precision(flags: list[str]) -> None:
+    result = lockstep_train("--nproc", "2", *flags, *FAST)
+    assert_trained(result, 2)
+    assert f"{flags[0][2:]} {flags[1]}" in result.stdout
+
+
+@pytest.mark.timeout(240)
+def test_under_lockstep_run() -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "lockstep", "run", "--nproc", "2", "-m", "lockstep", "train", *FAST],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
+    assert "lockstep: world 2," in result.stdout, result.stdout + result.stderr
+    assert result.returncode == 0 and "Training complete" in result.stdout
+
+
+@pytest.mark.timeout(120)
+def test_resnet50_synthetic_one_process() -> None:
+    result = lockstep_train(
+        "--model",
+        "resnet50",
+        "--data",
+        "synthetic",
+        "--epochs",
+        "1",
+        "--image-size",
+        "32",
+        "--max-steps",
+        "2",
+        "--nproc",
+        "1",
+        "--progress",
+        "off",
+    )
+    assert_trained(result, 1)
+    assert "(256 samples)" in result.stdout
+
+
+@pytest.mark.timeout(120)
+def test_progress_bar_shows_loss_and_speed() -> None:
+    # a pseudo-terminal on stderr: the bar appears as it does for a user at a terminal
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 160, 0, 0))  # a new pty is 0 wide
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lockstep", "train", "--nproc", "1", "--epochs", "1"],
+        stdout=subprocess.PIPE,
+        stderr=follower,
+        env=env,
+    )
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            data = os.read(leader, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    assert proc.wait(timeout=90) == 0
+    os.close(leader)
+    bar = b"".join(chunks).decode(errors="replace")
+    assert "epoch 1/1" in bar and "loss=" in bar and "samples_s=" in bar
+
+
+def _bad_inputs(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
+    (tmp_path / "empty").mkdir()
+    write_image_folder(tmp_path / "broken", per_class=4, classes=2)
+    (tmp_path / "broken" / "train" / "digit1" / "000-bad.png").write_bytes(b"not a png")
+    (tmp_path / "a-file").write_text("")
+    cut = write_mnist(tmp_path / "cut", gz=True) / "train-images-idx3-ubyte.gz"
+    cut.write_bytes(cut.read_bytes()[:2000])
+    return {
+        "missing dir": (["--data", f"imagefolder:{tmp_path / 'nope'}"], "does not exist"),
+        "empty dir": (["--data", f"mnist:{tmp_path / 'empty'}"], "is empty"),
+        "unreadable image": (["--data", f"imagefolder:{tmp_path / 'broken'}"], "cannot read image"),
+        "unknown model": (["--model", "resnet19"], "unknown model 'resnet19'"),
+        "unknown strategy": (["--strategy", "zero3"], "choose one of auto, ddp, dp, fsdp, horovod, single"),
+        "nproc 0": (["--nproc", "0"], "--nproc must be at least 1"),
+        "fsdp with dp": (["--strategy", "fsdp+dp"], "cannot be combined"),
+        "batch over shard": (["--batch-size", "800", "--nproc", "2"], "larger than each process's share"),
+        "lr inf": (["--lr", "inf"], "--lr must be a positive, finite number, got inf"),
+        "momentum nan": (["--momentum", "nan"], "--momentum must be a finite number, at least 0, got nan"),
+        "weight decay inf": (["--weight-decay", "inf"], "--weight-decay must be a finite number"),
+        "out under a file": (["--out", str(tmp_path / "a-file" / "run")], "cannot write there (Not a directory)"),
+        "truncated gz": (["--data", f"mnist:{tmp_path / 'cut'}"], "is truncated or damaged"),
+    }
+
+
+@pytest.mark.timeout(240)
+def test_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    for name, (flags, message) in _bad_inputs(tmp_path).items():
+        began = time.monotonic()
+        result = lockstep_train(*flags, timeout=60)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2, (name, result.stderr)
+        assert len(lines) == 1 and lines[0].startswith("lockstep train: error: "), (name, result.stderr)
+        assert message in lines[0], (name, lines[0])
+        assert "lockstep: world" not in result.stdout, name  # refused before any process group
+        assert time.monotonic() - began < 45, name
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_default_run_on_gpus() -> None:
+    result = lockstep_train("--epochs", "1", "--progress", "off", "--sync-bn")
+    assert_trained(result, torch.cuda.device_count())

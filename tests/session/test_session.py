@@ -1,0 +1,335 @@
+"""Session end to end on real gloo processes: parity with one process, resume, non-finite loss."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import lockstep
+from support.dist import run_distributed
+
+N_SAMPLES = 240  # divisible by 2 x 3 x 8 x 5: every world size sees whole global batches
+
+
+def _data(n: int = N_SAMPLES) -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 6, generator=g)
+    y = (x[:, :3].sum(1, keepdim=True) - x[:, 3:4]).tanh()
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def _model(dropout: float = 0.0) -> nn.Module:
+    torch.manual_seed(123)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(dropout), nn.Linear(16, 1))
+
+
+def _train(strategy: str, global_batch: int, steps: int, accumulate: int = 1) -> dict[str, torch.Tensor]:
+    session = lockstep.Session(strategy=strategy, quiet=True, accumulate=accumulate, timeout=60)
+    model, opt = session.setup(_model(), lambda p: torch.optim.SGD(p, lr=0.1))
+    per_device = global_batch // (session.world_size * accumulate)
+    train = session.loader(_data(), batch_size=per_device, shuffle=True)
+    done = 0
+    for _ in session.epochs(100):
+        for x, y in train:
+            session.backward(nn.functional.mse_loss(model(x), y))
+            if session.step(opt):
+                done += 1
+            if done == steps:
+                break
+        if done == steps:
+            break
+    state = session.strategy.model_state_dict(session.strategy.unwrap(model))
+    session.close()
+    return {k: v.detach().cpu().clone() for k, v in state.items()}
+
+
+def _max_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)).item() for k in a)
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, torch.Tensor]:
+    return _train("single", global_batch=24, steps=50)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("strategy,world_size", [("ddp", 2), ("ddp", 3), ("fsdp", 2), ("fsdp", 3)])
+def test_parity_with_one_process(reference: dict, strategy: str, world_size: int) -> None:
+    results = run_distributed(_train, world_size, strategy, 24, 50, timeout=150)
+    for weights in results:
+        assert _max_rel(weights, reference) <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_accumulation_equals_bigger_batch(reference: dict) -> None:
+    results = run_distributed(_train, 2, "ddp", 24, 50, 2, timeout=100)
+    assert _max_rel(results[0], reference) <= 1e-5
+
+
+def _resumable(directory: str, stop_at: int | None, epochs: int = 2) -> dict[str, torch.Tensor]:
+    """Train `epochs` epochs; with stop_at, save after that many steps and return early."""
+    session = lockstep.Session(strategy="auto", quiet=True, timeout=60)
+    model, opt = session.setup(_model(dropout=0.2), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    train = session.loader(_data(), batch_size=8, shuffle=True)
+    state = session.load(directory, model=model, optimizer=opt)
+    for _ in session.epochs(epochs, start=state.epoch):
+        for x, y in train:
+            session.backward(nn.functional.mse_loss(model(x), y))
+            session.step(opt)
+            if stop_at is not None and session.global_step == stop_at:
+                session.save(directory, model=model, optimizer=opt)
+                session.close()
+                return {}
+    weights = {k: v.detach().clone() for k, v in session.strategy.unwrap(model).state_dict().items()}
+    session.close()
+    return weights
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_resume_mid_epoch_is_bit_identical(tmp_path: Path, world_size: int) -> None:
+    steps_per_epoch = N_SAMPLES // (8 * world_size)
+    stop = steps_per_epoch + 3  # in the middle of the second epoch
+    whole = run_distributed(_resumable, world_size, str(tmp_path / "a"), None)
+    run_distributed(_resumable, world_size, str(tmp_path / "b"), stop)
+    resumed = run_distributed(_resumable, world_size, str(tmp_path / "b"), None)
+    for a, b in zip(whole, resumed):
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
+
+
+def _nan_on_rank1(policy: str) -> dict:
+    session = lockstep.Session(strategy="ddp", quiet=True, nonfinite=policy, timeout=60)
+    model, opt = session.setup(_model(), lambda p: torch.optim.SGD(p, lr=0.1))
+    train = session.loader(_data(), batch_size=8)
+    taken: list[bool] = []
+    try:
+        for _ in session.epochs(1):
+            for i, (x, y) in enumerate(train):
+                loss = nn.functional.mse_loss(model(x), y)
+                if session.rank == 1 and i == 3:
+                    loss = loss * float("nan")
+                session.backward(loss)
+                taken.append(session.step(opt))
+                if i == 6:
+                    break
+    except lockstep.LockstepError as exc:
+        session.close()
+        return {"error": str(exc), "taken": taken}
+    finite = all(torch.isfinite(p).all().item() for p in model.parameters())
+    session.close()
+    return {"taken": taken, "skipped": session.skipped_steps, "finite": finite}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_nan_on_one_rank_skipped_everywhere(capfd: pytest.CaptureFixture) -> None:
+    """FAULTS row 15: same decision at the same step on every rank; the rank is named."""
+    results = run_distributed(_nan_on_rank1, 2, "skip")
+    for res in results:
+        assert res["taken"] == [True, True, True, False, True, True, True]
+        assert res["skipped"] == 1 and res["finite"]
+    assert "non-finite loss on rank 1 at step 4" in capfd.readouterr().out  # the 4th step, counted from 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_nan_on_one_rank_stops_everywhere() -> None:
+    results = run_distributed(_nan_on_rank1, 2, "stop")
+    for res in results:
+        assert "non-finite loss on rank 1 at step 4" in res["error"]
+        assert res["taken"] == [True, True, True]
+
+
+def test_summary_and_world_one() -> None:
+    session = lockstep.Session(quiet=True, accumulate=2)
+    model, opt = session.setup(_model(), lambda p: torch.optim.SGD(p, lr=0.1))
+    assert "batch" not in session.summary()  # no training loader yet
+    train = session.loader(_data(), batch_size=10)  # the summary describes the loaders in use
+    text = session.summary()
+    assert "world 1" in text and "strategy single" in text and "precision fp32" in text
+    assert "global batch 20 (10 x 1 x 2)" in text and "12 steps per epoch" in text
+    assert session.all_reduce(3.0) == 3.0
+    assert len(train) == 24
+    session.close()
+
+
+def test_train_state_round_trip_and_older_checkpoints() -> None:
+    from lockstep.session.state import TrainState
+
+    state = TrainState(rank=0, world_size=1)
+    state.global_step, state.skipped_steps = 7, 2
+    saved = state.state_dict()
+    assert {"epoch", "step", "world_size", "sampler", "samplers", "epoch_done", "rng"} <= set(saved)
+    want = torch.rand(3)
+    again = TrainState()
+    assert again.load_state_dict({**saved, "rng": [saved["rng"]]}) is False  # no loader: not mid-epoch
+    assert torch.equal(torch.rand(3), want)  # this rank's RNG is back
+    assert (again.epoch, again.global_step, again.skipped_steps) == (1, 7, 2)
+    old = TrainState()  # a checkpoint of an older version: one "sampler", no epoch_done or skipped_steps
+    assert old.load_state_dict({"epoch": 2, "step": 5, "sampler": None, "rng": []}) is False
+    assert (old.epoch, old.global_step, old.skipped_steps) == (3, 5, 0)
+
+
+def test_resumed_line_names_the_attempt(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lockstep.session.state import ResumeState, resumed_line
+
+    state = ResumeState(epoch=1, step=6, path=Path("ckpt/step-000006"))
+    assert resumed_line(state) == "lockstep: resumed from ckpt/step-000006 at epoch 1, step 6"
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert resumed_line(state).endswith("step 6 (attempt 2)")
+
+
+def test_bad_options_refused_before_any_group() -> None:
+    with pytest.raises(lockstep.ConfigError, match="nonfinite"):
+        lockstep.Session(nonfinite="maybe")
+    with pytest.raises(lockstep.ConfigError, match="accumulate"):
+        lockstep.Session(accumulate=0)
+    assert not torch.distributed.is_initialized()
+    assert "RANK" not in os.environ
+
+
+def test_two_models_each_optimizer_checks_its_own_gradients() -> None:
+    """A GAN-like loop: the non-finite check follows the optimizer passed to step(), not the last model."""
+    session = lockstep.Session(quiet=True)
+    gen, opt_g = session.setup(nn.Linear(4, 4), lambda p: torch.optim.SGD(p, lr=0.1))
+    disc, opt_d = session.setup(nn.Linear(4, 1), lambda p: torch.optim.SGD(p, lr=0.1))
+    x = torch.randn(8, 4)
+    session.backward(gen(x).sum() * float("inf"))  # the generator's loss overflows
+    before = [p.detach().clone() for p in gen.parameters()]
+    assert session.step(opt_g) is False and session.skipped_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, gen.parameters()))
+    session.backward(disc(x).sum())
+    assert session.step(opt_d) is True
+    opt_d.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})  # the check regroups
+    session.backward(disc(x).sum())
+    opt_d.param_groups[1]["params"][0].grad = torch.tensor([1.0, float("nan")])
+    assert session.step(opt_d) is False and session.skipped_steps == 2
+    session.close()
+
+
+def test_finite_check_groups_by_dtype() -> None:
+    from lockstep.session.nonfinite import FiniteCheck
+
+    a, b = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    opt = torch.optim.SGD([a, b], lr=0.1)
+    check = FiniteCheck()
+    assert check(opt)  # no gradients yet
+    a.grad, b.grad = torch.ones(3), torch.ones(3, dtype=torch.float64)
+    assert check(opt)
+    b.grad[1] = float("-inf")
+    assert not check(opt)
+    b.grad[1] = 0.0
+    a.grad[0] = float("nan")
+    assert not check(opt)
+
+
+def _two_loaders(directory: str, stop_at: int | None, load_first: bool) -> list[tuple[int, ...]]:
+    """Two training sets read side by side (e.g. two tasks); returns the label ids each step saw."""
+    session = lockstep.Session(quiet=True)
+    model, opt = session.setup(_model(), lambda p: torch.optim.SGD(p, lr=0.1))
+    ids_a = torch.utils.data.TensorDataset(_data(40).tensors[0], torch.arange(40))
+    ids_b = torch.utils.data.TensorDataset(_data(24).tensors[0], torch.arange(100, 124))
+    state = session.load(directory, model=model, optimizer=opt) if load_first else None
+    a = session.loader(ids_a, batch_size=4)
+    b = session.loader(ids_b, batch_size=4)
+    if state is None:
+        state = session.load(directory, model=model, optimizer=opt)
+    seen: list[tuple[int, ...]] = []
+    for _ in session.epochs(3, start=state.epoch):
+        for (xa, ia), (xb, ib) in zip(a, b):  # an epoch ends with the shorter loader (6 steps)
+            session.backward(model(xa).square().mean() + model(xb).square().mean())
+            session.step(opt)
+            seen.append(tuple(ia.tolist() + ib.tolist()))
+            if stop_at is not None and session.global_step == stop_at:
+                session.save(directory, model=model, optimizer=opt)
+                session.close()
+                return seen
+    session.close()
+    return seen
+
+
+@pytest.mark.parametrize("load_first", [False, True])
+def test_every_training_loader_gets_each_epoch_and_resumes(tmp_path: Path, load_first: bool) -> None:
+    """Every training loader of a session is set to each epoch, saved and restored (also when
+    `session.load` runs before the loaders are made)."""
+    whole = _two_loaders(str(tmp_path / "whole"), None, load_first)
+    assert len(whole) == 3 * 6  # each loader yields batches in every epoch
+    for epoch in range(3):
+        steps = whole[6 * epoch : 6 * epoch + 6]
+        assert sorted(i for s in steps for i in s[4:]) == list(range(100, 124))  # all of b, once
+        a_ids = [i for s in steps for i in s[:4]]
+        assert len(set(a_ids)) == 24 and all(0 <= i < 40 for i in a_ids)  # 24 distinct samples of a
+    first = _two_loaders(str(tmp_path / "cut"), 8, load_first)  # stops in the middle of epoch 1
+    rest = _two_loaders(str(tmp_path / "cut"), None, load_first)
+    assert first + rest == whole
+
+
+def test_a_loader_made_inside_the_epoch_loop_follows_the_epoch() -> None:
+    session = lockstep.Session(quiet=True, seed=3)
+    ids = torch.utils.data.TensorDataset(torch.arange(16))
+    orders = []
+    for _ in session.epochs(3):
+        orders.append([int(i) for (batch,) in session.loader(ids, batch_size=4) for i in batch])
+    assert all(sorted(o) == list(range(16)) for o in orders)
+    # reshuffled every epoch, never an earlier epoch's order again (every pair, epoch 0 with 2 too)
+    assert orders[0] != orders[1] and orders[1] != orders[2] and orders[0] != orders[2]
+    session.close()
+
+
+def _epoch_end_save(directory: str, inside: bool, epochs: int) -> tuple[int, list[int]]:
+    """Train with a checkpoint at the end of every epoch; returns (start epoch, steps per epoch).
+    ``inside``: the loaders are made inside the epoch loop, else once before it (two, zipped)."""
+    session = lockstep.Session(quiet=True)
+    model, opt = session.setup(_model(), lambda p: torch.optim.SGD(p, lr=0.1))
+    long_set, short_set = _data(40), _data(24)  # zip stops with the short one: the long one is part-read
+    made = None if inside else (session.loader(long_set, batch_size=4), session.loader(short_set, batch_size=4))
+    state = session.load(directory, model=model, optimizer=opt)
+    steps = []
+    for _ in session.epochs(epochs, start=state.epoch):
+        a, b = made or (session.loader(long_set, batch_size=4), session.loader(short_set, batch_size=4))
+        n = 0
+        for (xa, ya), (xb, yb) in zip(a, b):
+            session.backward(nn.functional.mse_loss(model(xa), ya) + nn.functional.mse_loss(model(xb), yb))
+            session.step(opt)
+            n += 1
+        steps.append(n)
+        session.save(directory, model=model, optimizer=opt)
+    session.close()
+    return state.epoch, steps
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_a_checkpoint_at_the_end_of_an_epoch_resumes_with_the_next_one(tmp_path: Path, inside: bool) -> None:
+    assert _epoch_end_save(str(tmp_path), inside, 1) == (0, [6])
+    assert _epoch_end_save(str(tmp_path), inside, 3) == (1, [6, 6])  # epochs 1 and 2, each whole
+
+
+def _nan_in_one_shard() -> list[bool]:
+    session = lockstep.Session(strategy="fsdp", quiet=True, timeout=60)
+    model, opt = session.setup(_model(), lambda p: torch.optim.SGD(p, lr=0.1))
+    x, y = _data(16).tensors
+    taken = []
+    for i in range(3):
+        session.backward(nn.functional.mse_loss(model(x), y))
+        if i == 1 and session.rank == 0:
+            with torch.no_grad():  # one element of rank 0's shard only: rank 1's shard stays finite
+                next(iter(model.parameters())).grad.to_local().view(-1)[0] = float("nan")
+        taken.append(session.step(opt))
+    session.close()
+    return taken
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_fsdp_ranks_agree_on_a_non_finite_value_in_one_shard() -> None:
+    """The shard holding the NaN is on one rank; every rank must skip that step (no split decision, no hang)."""
+    assert run_distributed(_nan_in_one_shard, 2, timeout=60) == [[True, False, True]] * 2

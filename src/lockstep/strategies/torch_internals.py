@@ -1,7 +1,8 @@
 """Everything of the strategies (and of ``torch.compile``'s users) that reaches into torch beyond its public API.
 
 Each name used here is private to torch and may change in any release; kept in one module, a torch upgrade that
-changes one breaks this module and its test (``tests/lockstep/test_shims.py``), not a training run. Checked on torch 2.14.
+changes one breaks this module and its test (``tests/lockstep/test_shims.py``), not a training run.
+Checked on torch 2.14.
 """
 
 from __future__ import annotations

@@ -205,7 +205,7 @@ def test_comm_timeout_names_the_sleeping_rank(tmp_path: Path) -> None:
     assert waiter["blame"] == (1,) and waiter["waited"] > 2.9  # the whole timeout, however loaded the machine
     assert waiter["error"].startswith("rank 1 (host ")
     assert "did not reach all_reduce #2 within 3 s; rank 0 waited there" in waiter["error"]
-    assert "rank 1 last finished all_reduce #1 and was at test_faults_hang.py" in waiter["error"]
+    assert "rank 1 last finished all_reduce #1 and was at test_watchdog.py" in waiter["error"]
 
 
 HANG = textwrap.dedent("""

@@ -18,13 +18,6 @@
 * :mod:`~lockstep.checkpoint.objlock`: one live job per checkpoint URL, by a lock object.
 
 May import: ``lockstep.errors``, ``lockstep.comm``.
-
-Example::
-
-    from lockstep.checkpoint import lock_folder, save_checkpoint, load_checkpoint
-    with lock_folder("ckpt", comm):
-        state = load_checkpoint("ckpt", comm)
-        save_checkpoint("ckpt", {"step": 10}, comm, step=10, replicated={"model": model.state_dict()})
 """
 
 from __future__ import annotations

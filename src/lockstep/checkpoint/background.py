@@ -12,12 +12,6 @@ writer and tells every rank how it ended: a failure (a full disk, naming the pat
 there, on every rank, and the previous checkpoint is still the good one. A crash or SIGKILL
 during the write leaves only a temporary folder, which the next save removes and which a load
 never takes for a checkpoint.
-
-Example::
-
-    pending = save_checkpoint_async("ckpt", state, comm, step=100, keep=3, replicated=full)
-    ...                                  # train on
-    pending.wait()                       # every rank; raises if the write failed
 """
 
 from __future__ import annotations
@@ -53,10 +47,6 @@ class PendingSave:
             rank has nothing to write.
         group: the process group the writers plan over (not the training's), or ``None`` in one process.
         done_with_group: called once the write ended, to destroy a group made for this save alone.
-
-    Example::
-
-        pending.path       # ckpt/step-000100, once pending.wait() returned
     """
 
     def __init__(
@@ -89,12 +79,7 @@ class PendingSave:
             self._error = CheckpointError(f"saving {self.path} failed: {type(exc).__name__}: {exc}")
 
     def done(self) -> bool:
-        """True once this rank has nothing left to write (no collective).
-
-        Example::
-
-            if pending.done(): pending.wait()
-        """
+        """True once this rank has nothing left to write (no collective)."""
         return self._thread is None or not self._thread.is_alive()
 
     def wait(self) -> Path | str:
@@ -103,10 +88,6 @@ class PendingSave:
         Raises:
             CheckpointError: the write failed (on every rank; the message names the path and,
                 for a full disk, which earlier checkpoint is intact).
-
-        Example::
-
-            path = pending.wait()
         """
         if self._thread is not None:
             self._thread.join()
@@ -161,13 +142,6 @@ class WriterGroup:
 
     Args:
         comm: the job's collectives (its watchdog timeout is the group's).
-
-    Example::
-
-        writers = WriterGroup(comm)
-        pending = save_checkpoint_async("ckpt", state, comm, step=10, replicated=full, writers=writers)
-        pending.wait()
-        writers.release()   # Session.close, before comm.shutdown()
     """
 
     def __init__(self, comm: Comm) -> None:
@@ -175,12 +149,7 @@ class WriterGroup:
         self._group: Any = None
 
     def get(self) -> Any:
-        """The group, made the first time (a collective: every rank calls it alike).
-
-        Example::
-
-            group = writers.get()
-        """
+        """The group, made the first time (a collective: every rank calls it alike)."""
         if self._group is None:
             seconds = getattr(self.comm.watchdog, "timeout", None)
             timeout = timedelta(seconds=seconds) if seconds else None
@@ -193,10 +162,6 @@ class WriterGroup:
         A job whose group lockstep formed loses it anyway when ``Comm.shutdown`` destroys every
         group; a group lockstep adopted (Ray Train) stays its owner's, so this side group is the
         only one lockstep destroys there. Call it once no save is in flight.
-
-        Example::
-
-            writers.release()
         """
         group, self._group = self._group, None
         if group is not None and torch.distributed.is_initialized():
@@ -245,10 +210,6 @@ def save_checkpoint_async(
 
     Raises:
         UnsupportedStateError: a value that could not be loaded back safely (on every rank, now).
-
-    Example::
-
-        pending = save_checkpoint_async("ckpt", {"step": 10}, comm, step=10, replicated={"model": msd})
     """
     if is_url(directory):
         return _objects_async(

@@ -6,11 +6,6 @@ Every name a checkpoint gives for its own files (in ``manifest.json``, or a shar
 :func:`open_file` opens the file one folder at a time from the checkpoint folder without
 following any symbolic link (``O_NOFOLLOW``, relative to the open parent), so neither a crafted
 name nor a link planted in the folder, or swapped in while it is read, leads outside.
-
-Example::
-
-    with open_file(Path("ckpt/step-000100"), "sharded/__0_0.distcp") as f:
-        data = f.read()
 """
 
 from __future__ import annotations
@@ -47,11 +42,6 @@ def check_name(checkpoint: Path, name: str) -> tuple[str, ...]:
     Raises:
         UnsafeCheckpointError: ``name`` is absolute, holds ``..``, ``.``, an empty part, a
             backslash or a NUL.
-
-    Example::
-
-        check_name(ckpt, "sharded/.metadata")   # ("sharded", ".metadata")
-        check_name(ckpt, "../other/state.pt")   # raises UnsafeCheckpointError
     """
     if not isinstance(name, str) or not name:
         raise _outside(checkpoint, str(name), "not a file name")
@@ -75,11 +65,6 @@ def open_file(checkpoint: Path, name: str) -> IO[bytes]:
     Raises:
         UnsafeCheckpointError: ``name`` leaves the folder, or a link or special file is met.
         OSError: the file cannot be opened (``FileNotFoundError`` when it is missing).
-
-    Example::
-
-        with open_file(Path("ckpt/step-000100"), "state.pt") as f:
-            data = f.read()
     """
     parts = check_name(checkpoint, name)
     if os.open not in os.supports_dir_fd:  # no openat(): check the resolved path instead

@@ -120,11 +120,6 @@ def save_checkpoint(
         UnsupportedStateError: ``state`` holds a value that could not be loaded back safely.
         CheckpointError: the write failed (the message names the path, for example "no space
             left on device"); the earlier checkpoints are intact and no temporary files remain.
-
-    Example::
-
-        save_checkpoint("ckpt", {"step": 100, "rng": torch.get_rng_state()}, comm, step=100, keep=3,
-                        replicated={"model": model.state_dict()})
     """
     if is_url(directory):
         from lockstep.checkpoint.objects import save_objects
@@ -187,11 +182,6 @@ def load_checkpoint(
             checkpoint points outside its folder (a link, an absolute or ``..`` name, a shard
             the manifest does not list). This is never skipped by ``fallback``: a planted file
             is a reason to stop, not to go on.
-
-    Example::
-
-        state = load_checkpoint("ckpt", comm, map_location=device)
-        start = 0 if state is None else state["step"] + 1
     """
     if is_url(directory):
         from lockstep.checkpoint.objects import load_objects

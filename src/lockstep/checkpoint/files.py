@@ -7,12 +7,6 @@ file), an optional ``sharded/`` folder (``torch.distributed.checkpoint``) and ``
 name, so a folder called ``step-*`` is always complete. Names, listing and pruning live in
 :mod:`lockstep.checkpoint.layout`. This module does the file work of one process; the
 collectives live in :mod:`lockstep.checkpoint.core`.
-
-Example::
-
-    record = write_state_file(tmp / STATE_FILE, {"w": torch.ones(2)})
-    write_manifest(tmp, {STATE_FILE: record}, step=7, world_size=1)
-    final = publish(tmp, root / step_name(7))
 """
 
 from __future__ import annotations
@@ -79,10 +73,6 @@ def io_error(exc: OSError, path: Path, action: str = "write") -> CheckpointError
         exc: the error the file system raised.
         path: the file or folder being written or read.
         action: ``"write"`` or ``"read"``, for the message.
-
-    Example::
-
-        raise io_error(OSError(errno.ENOSPC, "full"), Path("ckpt/step-000001"))
     """
     if exc.errno in _NO_SPACE:  # what is left of earlier saves, save_checkpoint says (it knows the folder)
         return DiskFullError(
@@ -138,10 +128,6 @@ def write_state_file(path: Path, obj: Any) -> dict[str, Any]:
 
     Raises:
         CheckpointError: the disk is full ("no space left on device"), or another write error.
-
-    Example::
-
-        write_state_file(tmp / "state.pt", {"step": 3})   # {"size": 1203, "sha256": "9f..."}
     """
     try:
         with _open_for_write(path) as raw:
@@ -172,10 +158,6 @@ def write_bytes(path: Path, data: bytes) -> None:
 
     Raises:
         CheckpointError: the disk is full ("no space left on device"), or another write error.
-
-    Example::
-
-        write_bytes(tmp / "manifest.json", b"{}")
     """
     try:
         with _open_for_write(path) as f:
@@ -191,10 +173,6 @@ def hash_file(path: Path) -> dict[str, Any]:
 
     Args:
         path: the file to read.
-
-    Example::
-
-        hash_file(Path("ckpt/step-000001/state.pt"))["sha256"]
     """
     with open(path, "rb") as f:
         return hash_stream(f)
@@ -205,11 +183,6 @@ def hash_stream(f: IO[bytes]) -> dict[str, Any]:
 
     Args:
         f: a file open for reading in binary mode.
-
-    Example::
-
-        with open(path, "rb") as f:
-            record = hash_stream(f)
     """
     sha = hashlib.sha256()
     size = 0
@@ -224,10 +197,6 @@ def fsync_dir(path: Path) -> None:
 
     Args:
         path: a folder.
-
-    Example::
-
-        fsync_dir(Path("ckpt"))   # after renaming a checkpoint into it
     """
     if os.name == "nt":  # Windows cannot open a folder for fsync; its renames are journaled
         return
@@ -247,10 +216,6 @@ def publish(tmp: Path, final: Path) -> Path:
     Args:
         tmp: the complete, fsync'd temporary folder.
         final: its ``step-N`` name.
-
-    Example::
-
-        publish(root / ".tmp-step-000003-41", root / "step-000003")
     """
     trash = None
     if os.path.lexists(final):  # a dangling link too: a folder cannot be renamed over it
@@ -275,10 +240,6 @@ def discard(path: Path | None) -> None:
 
     Args:
         path: the folder (or link, or file) to delete; ``None`` does nothing.
-
-    Example::
-
-        discard(root / ".trash-step-000001-41")
     """
     if path is None:
         return

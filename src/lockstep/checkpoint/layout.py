@@ -8,11 +8,6 @@ Layout::
         .tmp-step-000300-4242/     <- an unfinished save; ignored, removed by the next save
 
 Only real folders count: a ``step-N`` symbolic link is never listed, followed or pruned.
-
-Example::
-
-    list_checkpoints("ckpt")                            # oldest first
-    prune(Path("ckpt"), 2, Path("ckpt/step-000300"))    # after a commit
 """
 
 from __future__ import annotations
@@ -37,10 +32,6 @@ def step_name(step: int) -> str:
 
     Args:
         step: the global step the checkpoint was taken at.
-
-    Example::
-
-        step_name(42)   # "step-000042"
     """
     return f"step-{step:06d}"
 
@@ -50,10 +41,6 @@ def temp_name(step: int) -> str:
 
     Args:
         step: the global step being saved.
-
-    Example::
-
-        temp_name(42)   # ".tmp-step-000042-31337"
     """
     return f".tmp-{step_name(step)}-{os.getpid()}"
 
@@ -63,10 +50,6 @@ def step_of(name: str) -> int | None:
 
     Args:
         name: a folder name (not a path).
-
-    Example::
-
-        step_of("step-000042")   # 42
     """
     match = _STEP.match(name)
     return int(match.group(1)) if match else None
@@ -81,10 +64,6 @@ def list_checkpoints(directory: str | Path) -> list[Path]:
 
     Args:
         directory: the folder ``save_checkpoint`` writes into; a missing one has none.
-
-    Example::
-
-        list_checkpoints("ckpt")   # [PosixPath('ckpt/step-000100'), PosixPath('ckpt/step-000200')]
     """
     root = Path(directory)
     if not root.is_dir():
@@ -113,10 +92,6 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
 
     Args:
         directory: the folder ``save_checkpoint`` writes into.
-
-    Example::
-
-        latest_checkpoint("ckpt")   # PosixPath('ckpt/step-000200')
     """
     found = list_checkpoints(directory)
     return found[-1] if found else None
@@ -127,10 +102,6 @@ def remove_stale(root: Path) -> None:
 
     Args:
         root: the checkpoint folder; only one job may write into it at a time.
-
-    Example::
-
-        remove_stale(Path("ckpt"))   # deletes ckpt/.tmp-step-000300-4242
     """
     for entry in root.iterdir():
         if entry.name.startswith(_LEFTOVER):
@@ -151,10 +122,6 @@ def prune(root: Path, keep: int | None, protect: Path) -> None:
         root: the checkpoint folder.
         keep: how many to keep (``None`` keeps all).
         protect: the checkpoint that was just committed.
-
-    Example::
-
-        prune(Path("ckpt"), 2, Path("ckpt/step-000300"))   # leaves step-000200 and step-000300
     """
     if keep is None:
         return

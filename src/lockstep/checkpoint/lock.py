@@ -12,14 +12,6 @@ On a file system shared between machines, whether ``flock`` reaches the other ma
 on the file system (NFS and Lustre with the ``flock`` mount option do; a local-only mode does
 not); only rank 0 takes the lock, and where the file system refuses locks it is skipped with a
 warning.
-
-Example::
-
-    lock = lock_folder("checkpoints", comm)       # once per folder, on every rank
-    try:
-        ...                                       # save_checkpoint / load_checkpoint
-    finally:
-        lock.release()
 """
 
 from __future__ import annotations
@@ -60,11 +52,6 @@ class FolderLock:
     Args:
         path: the lock file (``None`` on the other ranks or where locks are unsupported).
         fd: its open descriptor holding the ``flock``.
-
-    Example::
-
-        with lock_folder("checkpoints", comm):
-            save_checkpoint("checkpoints", state, comm, step=10)
     """
 
     def __init__(self, path: Path | None = None, fd: int | None = None) -> None:
@@ -73,21 +60,11 @@ class FolderLock:
 
     @property
     def held(self) -> bool:
-        """True while this process holds the lock file (rank 0 only).
-
-        Example::
-
-            lock_folder("checkpoints", comm).held   # True on rank 0
-        """
+        """True while this process holds the lock file (rank 0 only)."""
         return self._fd is not None
 
     def release(self) -> None:
-        """Give the folder up: remove the lock file, then drop the lock (safe to call twice).
-
-        Example::
-
-            lock.release()
-        """
+        """Give the folder up: remove the lock file, then drop the lock (safe to call twice)."""
         fd, self._fd = self._fd, None
         if fd is None:
             return
@@ -126,13 +103,6 @@ def lock_folder(directory: str | Path, comm: Comm) -> FolderLock | ObjectLock:
         FolderInUseError: another live job (or this one) holds the folder; the message names
             its host and pid.
         CheckpointError: the folder or lock file cannot be created.
-
-    Example::
-
-        lock = lock_folder("checkpoints", comm)
-        state = load_checkpoint("checkpoints", comm)
-        ...
-        lock.release()
     """
     if is_url(directory):
         from lockstep.checkpoint.objlock import lock_objects

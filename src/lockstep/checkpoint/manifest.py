@@ -9,12 +9,6 @@ The manifest guards against accidents, not against someone who may write into th
 can write a matching manifest too). Against them, every file is read through
 :func:`~lockstep.checkpoint.confine.open_file` (never outside the folder) and
 :func:`read_verified` (read once: the bytes that were hashed are the bytes that are unpickled).
-
-Example::
-
-    write_manifest(tmp, {"state.pt": record}, step=100, world_size=2)
-    ...
-    manifest = verify_checkpoint("ckpt/step-000100")    # raises CorruptCheckpointError if altered
 """
 
 from __future__ import annotations
@@ -69,10 +63,6 @@ def manifest_bytes(files: dict[str, dict[str, Any]], *, step: int, world_size: i
         step: the checkpoint's step.
         world_size: how many ranks took part in the save.
         position: the data position to record (any JSON value, kept opaque), or ``None``.
-
-    Example::
-
-        manifest_bytes({"state.pt": record}, step=3, world_size=2)
     """
     body: dict[str, Any] = {
         "format": FORMAT,
@@ -99,10 +89,6 @@ def check_manifest(raw: bytes, where: str, named: int | None) -> dict[str, Any]:
     Raises:
         CorruptCheckpointError: unreadable or altered.
         CheckpointError: it records another step than ``named``.
-
-    Example::
-
-        check_manifest(storage.get("step-000003/manifest.json"), "checkpoint s3://b/r/step-000003 is corrupt", 3)
     """
     try:
         body = json.loads(raw)
@@ -138,10 +124,6 @@ def write_manifest(folder: Path, files: dict[str, dict[str, Any]], *, step: int,
 
     Raises:
         CheckpointError: the disk is full ("no space left on device"), or another write error.
-
-    Example::
-
-        write_manifest(tmp, {"state.pt": record}, step=3, world_size=2)
     """
     write_bytes(folder / MANIFEST_FILE, manifest_bytes(files, step=step, world_size=world_size))
 
@@ -165,10 +147,6 @@ def read_manifest(checkpoint: str | Path) -> dict[str, Any]:
         CorruptCheckpointError: the manifest is missing, unreadable or altered.
         CheckpointError: it records another step than the folder's name.
         UnsafeCheckpointError: ``manifest.json`` or the folder is a symbolic link.
-
-    Example::
-
-        read_manifest("ckpt/step-000100")["world_size"]   # 2
     """
     folder = Path(checkpoint)
     where = f"checkpoint {folder} is corrupt"
@@ -189,10 +167,6 @@ def check_record(path: Path | str, record: dict[str, Any], actual: dict[str, Any
         path: the file that was read, for the message.
         record: what the manifest says.
         actual: what was read.
-
-    Example::
-
-        check_record(p, manifest["files"]["state.pt"], hash_file(p))
     """
     if actual["size"] != record["size"] or actual["sha256"] != record["sha256"]:
         raise CorruptCheckpointError(
@@ -211,10 +185,6 @@ def verify_checkpoint(checkpoint: str | Path) -> dict[str, Any]:
     Raises:
         CorruptCheckpointError: a file is missing, of the wrong size or has the wrong sha256.
         CheckpointError: a file cannot be read.
-
-    Example::
-
-        verify_checkpoint("ckpt/step-000100")["step"]   # 100
     """
     folder = Path(checkpoint)
     manifest = read_manifest(folder)
@@ -252,10 +222,6 @@ def read_verified(checkpoint: Path, name: str, files: dict[str, dict[str, Any]])
         UnsafeCheckpointError: ``name`` is not in the manifest, leaves the folder, or is a link.
         CorruptCheckpointError: the bytes do not match the manifest, or the file is missing.
         CheckpointError: the file cannot be read.
-
-    Example::
-
-        data = read_verified(ckpt, "state.pt", manifest["files"])
     """
     record = files.get(name)
     if record is None:

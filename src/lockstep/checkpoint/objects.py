@@ -28,11 +28,6 @@ verifies and whose objects all exist with their recorded sizes; every rank then 
 what it reads (``state.pt``, the DCP metadata, the shards DCP asks for at this world size) and
 checks each object's sha256 before using a byte of it. If any rank finds an object corrupt or
 missing, every rank learns it (naming the object) and the ranks go on to the previous one.
-
-Example::
-
-    save_objects("s3://bucket/run", state, comm, step=100, keep=3, replicated={"model": msd})
-    state = load_objects("s3://bucket/run", comm)
 """
 
 from __future__ import annotations
@@ -82,10 +77,6 @@ def committed_steps(storage: Storage) -> list[int]:
 
     Args:
         storage: the checkpoints' storage.
-
-    Example::
-
-        committed_steps(open_storage("s3://bucket/run"))   # [100, 200]
     """
     return sorted(int(m.group(1)) for name in storage.list() if (m := _MANIFEST.match(name)))
 
@@ -116,10 +107,6 @@ def begin_objects(
 
     What a killed save left under this step is deleted; so is a checkpoint of this step that a
     run which went further committed (the job holds the prefix: saving a step again replaces it).
-
-    Example::
-
-        parts = begin_objects(storage, state, comm, step=3, keep=2, replicated=full, sharded=None)
     """
     check_args(step, keep)
     parts, error = None, None
@@ -184,10 +171,6 @@ def write_objects(
 
     Returns:
         On rank 0 the committed checkpoint's URL, and the error (another rank's names it).
-
-    Example::
-
-        final, error = write_objects(storage, parts, 3, 2, comm.rank, comm.world_size, comm.all_gather_object)
     """
     records, error = _upload_own(storage, parts, step, rank, world_size, group)
     gathered = gather((records, error))
@@ -244,10 +227,6 @@ def prune_objects(storage: Storage, keep: int | None, step: int) -> None:
         storage: the checkpoints' storage.
         keep: how many committed checkpoints up to ``step`` to keep (``None``: all).
         step: the checkpoint just committed.
-
-    Example::
-
-        prune_objects(storage, 2, 300)   # leaves step-000200 and step-000300 (and anything newer)
     """
     try:
         names = storage.list()
@@ -288,10 +267,6 @@ def save_objects(
 
     Returns:
         The committed checkpoint's URL (``s3://bucket/run/step-000100``).
-
-    Example::
-
-        save_objects("s3://bucket/run", {"step": 3}, comm, step=3, replicated={"model": msd})
     """
     storage = storage or open_storage(url)
     parts = begin_objects(storage, state, comm, step=step, keep=keep, replicated=replicated, sharded=sharded)
@@ -308,10 +283,6 @@ def object_reader(storage: Storage, step: int, files: dict[str, dict[str, Any]])
         storage: the checkpoints' storage.
         step: the checkpoint.
         files: its manifest's ``"files"`` table.
-
-    Example::
-
-        data = object_reader(storage, 100, manifest["files"])("state.pt")
     """
     prefix = step_name(step)
 
@@ -403,10 +374,6 @@ def load_objects(
     Raises:
         CorruptCheckpointError: every checkpoint (or, with ``fallback=False``, the newest) is corrupt.
         UnsafeCheckpointError: a checkpoint points outside itself or holds an unsafe pickle.
-
-    Example::
-
-        state = load_objects("s3://bucket/run", comm)
     """
     storage = storage or open_storage(url)
     steps: list[int] = []

@@ -19,12 +19,6 @@ both read the dead holder, one deletes it and creates its own, the other's delet
 A job whose generation is found below another's after its put backs off; the holder deletes the
 generations below its own. An object store offers no lock that dies with its process, so a holder
 on a lost host keeps the prefix for up to ``ttl`` (120 s by default).
-
-Example::
-
-    lock = lock_objects("s3://bucket/run", comm)
-    ...
-    lock.release()
 """
 
 from __future__ import annotations
@@ -64,11 +58,6 @@ class ObjectLock:
         body: what rank 0 wrote (``token`` identifies this holder).
         ttl: seconds without renewal after which another job may take the lock over.
         name: the lock generation's object (``.lockstep.lock/00000003``).
-
-    Example::
-
-        with lock_objects("s3://bucket/run", comm):
-            save_checkpoint("s3://bucket/run", state, comm, step=10)
     """
 
     def __init__(
@@ -222,10 +211,6 @@ def lock_objects(url: str, comm: Comm, ttl: float | None = None, storage: Storag
 
     Raises:
         FolderInUseError: another live job holds the prefix (the message names its host and pid).
-
-    Example::
-
-        lock = lock_objects("s3://bucket/run", comm)
     """
     ttl = DEFAULT_TTL if ttl is None else ttl
     lock, error = ObjectLock(), None

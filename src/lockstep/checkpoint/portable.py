@@ -12,12 +12,6 @@ A load reads the skeleton, makes an empty tensor of the recorded shape and dtype
 (:func:`templates`, from the verified DCP metadata: the checkpoint, not the model, says what it
 holds, so it loads at any world size and under any strategy), lets DCP fill them and puts them
 back (:func:`join_tensors`). The result is the state dict that was saved.
-
-Example::
-
-    skeleton, tensors = split_tensors({"model": model.state_dict()})
-    ...                                      # skeleton into state.pt, tensors through dcp.save
-    state = join_tensors(skeleton, filled)   # filled: templates(metadata, marked(skeleton)) after dcp.load
 """
 
 from __future__ import annotations
@@ -40,11 +34,6 @@ def split_tensors(tree: Any, path: str = "full") -> tuple[Any, dict[str, torch.T
     Args:
         tree: nested dicts, lists and tuples holding tensors (a state dict).
         path: the name of ``tree`` (the names of its tensors start with it).
-
-    Example::
-
-        split_tensors({"model": {"w": torch.ones(2)}})
-        # ({"model": {"w": {"__lockstep_dcp__": "full/model/w"}}}, {"full/model/w": tensor([1., 1.])})
     """
     tensors: dict[str, torch.Tensor] = {}
 
@@ -76,10 +65,6 @@ def own_share(tensors: dict[str, torch.Tensor], rank: int, world_size: int) -> d
         tensors: what :func:`split_tensors` returned second (identical on every rank).
         rank: this rank.
         world_size: ranks in the job.
-
-    Example::
-
-        own_share({"a": torch.ones(4), "b": torch.ones(2)}, 1, 2)   # {"b": tensor([1., 1.])}
     """
     loads = [0] * world_size
     mine = {}
@@ -101,10 +86,6 @@ def marked(skeleton: Any) -> list[str]:
 
     Args:
         skeleton: what :func:`split_tensors` returned first (after a round trip through ``state.pt``).
-
-    Example::
-
-        marked(skeleton)   # ["full/model/w"]
     """
     found: list[str] = []
 
@@ -131,10 +112,6 @@ def join_tensors(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
 
     Raises:
         CheckpointError: a marker names a tensor that is not in ``tensors``.
-
-    Example::
-
-        join_tensors(*split_tensors({"w": torch.ones(2)}))   # {"w": tensor([1., 1.])}
     """
 
     def put(value: Any) -> Any:
@@ -163,10 +140,6 @@ def templates(metadata: Any, names: list[str], device: torch.device | str) -> di
 
     Raises:
         CheckpointError: a name the metadata lacks, or records as something other than a tensor.
-
-    Example::
-
-        templates(metadata, ["full/model/w"], "cpu")   # {"full/model/w": tensor of the saved shape}
     """
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 

@@ -2,10 +2,6 @@
 
 Shared by a folder's load (:mod:`lockstep.checkpoint.core`) and an object store's
 (:mod:`lockstep.checkpoint.objects`): only where the verified bytes come from differs (``read``).
-
-Example::
-
-    state = read_chosen(Path("ckpt/step-000003"), manifest["files"], comm, "cpu", None)
 """
 
 from __future__ import annotations
@@ -46,10 +42,6 @@ def read_chosen(
 
     Raises:
         CheckpointError: on every rank, when any rank failed (naming it).
-
-    Example::
-
-        state = read_chosen(Path("ckpt/step-000003"), manifest["files"], comm, "cpu", None)
     """
     where = "cpu" if map_location is None else map_location
     state, metadata, error = None, None, None

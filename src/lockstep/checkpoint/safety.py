@@ -10,12 +10,6 @@
   non-tensor values with ``weights_only=False``; :func:`read_dcp_metadata` (an allowlist
   unpickler over verified bytes, handed to the loader so the file is never read again) and
   :func:`safe_load_planner` close those two doors for the sharded part of a checkpoint.
-
-Example::
-
-    check_loadable({"step": 3, "w": torch.ones(2)})      # fine
-    check_loadable({"best": numpy.float64(0.9)})         # UnsupportedStateError naming state['best']
-    state = load_state_file(ckpt, manifest["files"], "cpu")
 """
 
 from __future__ import annotations
@@ -90,10 +84,6 @@ def check_loadable(obj: Any, where: str = "state", *, allow_dtensor: bool = Fals
         where: how to name ``obj`` in the message (keys are appended, e.g. ``state['opt']``).
         allow_dtensor: also accept ``DTensor`` (the sharded part, written by
             ``torch.distributed.checkpoint``).
-
-    Example::
-
-        check_loadable({"lr": 0.1, "cfg": SimpleNamespace()})   # raises, naming state['cfg']
     """
     kind = type(obj)
     if kind in _LEAVES:
@@ -168,10 +158,6 @@ def load_state_file(
     Raises:
         CorruptCheckpointError: the file does not match the manifest.
         UnsafeCheckpointError: the pickle needs more than ``weights_only=True`` allows.
-
-    Example::
-
-        load_state_file(ckpt, manifest["files"], "cpu")
     """
     path = checkpoint / STATE_FILE
     data = read(STATE_FILE) if read is not None else read_verified(checkpoint, STATE_FILE, files)
@@ -233,10 +219,6 @@ def read_dcp_metadata(checkpoint: Path, files: dict[str, dict[str, Any]], read: 
     Raises:
         UnsafeCheckpointError: it names anything outside the allowlist.
         CorruptCheckpointError: its bytes do not match the manifest.
-
-    Example::
-
-        metadata = read_dcp_metadata(ckpt, manifest["files"])
     """
     from torch.distributed.checkpoint.metadata import Metadata
 
@@ -260,10 +242,6 @@ def safe_load_planner() -> Any:
     """A ``DefaultLoadPlanner`` whose non-tensor values are unpickled with ``weights_only=True``.
 
     (The default planner uses ``torch.load(weights_only=False)`` for them.)
-
-    Example::
-
-        dcp.load(state, checkpoint_id=path, planner=safe_load_planner())
     """
     from torch.distributed.checkpoint import DefaultLoadPlanner
 

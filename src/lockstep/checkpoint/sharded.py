@@ -13,13 +13,6 @@ Saving is plain ``dcp.save``. Loading goes through :class:`VerifiedReader`, a DC
 This module does one process's part; :mod:`lockstep.checkpoint.core` makes the ranks agree (and
 imports it only when a checkpoint has a sharded part, so ``torch.distributed.checkpoint`` is
 not loaded otherwise).
-
-Example::
-
-    error = save_sharded(tmp / SHARDED_DIR, {"model": msd}, comm.world_size)
-    ...
-    metadata = read_dcp_metadata(ckpt, manifest["files"])
-    error = load_sharded(ckpt, manifest["files"], metadata, template, comm)
 """
 
 from __future__ import annotations
@@ -85,11 +78,6 @@ class VerifiedReader(FileSystemReader):
             :func:`~lockstep.checkpoint.safety.read_dcp_metadata`; returned by
             :meth:`read_metadata` instead of reading the file again.
         read: reads a listed file's verified bytes by name (an object store's); default the folder's.
-
-    Example::
-
-        reader = VerifiedReader(ckpt, manifest["files"], read_dcp_metadata(ckpt, manifest["files"]))
-        dcp.load(template, storage_reader=reader, planner=safe_load_planner())
     """
 
     def __init__(
@@ -106,10 +94,6 @@ class VerifiedReader(FileSystemReader):
         Args:
             args: ignored (DCP's signature).
             kwargs: ignored, except that per-rank metadata (``rank=``) is never used.
-
-        Example::
-
-            reader.read_metadata().storage_data
         """
         from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -133,10 +117,6 @@ def save_sharded(target: Path, tensors: dict[str, Any], world_size: int, group: 
             replicated tensors (possibly none: the rank still takes part in the collective save).
         world_size: ranks in the job (1 saves without a process group).
         group: the process group to plan over (``None``: the default one).
-
-    Example::
-
-        error = save_sharded(tmp / SHARDED_DIR, {"model": msd}, comm.world_size)
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
@@ -166,10 +146,6 @@ def load_sharded(
         sharded: the templates, filled in place.
         comm: the job's communicator.
         read: reads a listed file's verified bytes by name (an object store's); default the folder's.
-
-    Example::
-
-        error = load_sharded(ckpt, manifest["files"], metadata, {"model": msd}, comm)
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
@@ -190,10 +166,6 @@ def sharded_error(exc: BaseException, target: Path, action: str) -> CheckpointEr
         exc: what ``dcp.save`` / ``dcp.load`` raised.
         target: the sharded folder, for the message.
         action: ``"write"`` or ``"read"``.
-
-    Example::
-
-        sharded_error(exc, ckpt / SHARDED_DIR, "read")   # the CheckpointError a rank raised inside
     """
     causes: list[BaseException] = [exc]
     for failure in getattr(exc, "failures", {}).values():

@@ -16,12 +16,6 @@ conditional put of the manifest instead, through the few operations of :class:`S
 
 :func:`open_storage` picks one for a URL; :func:`is_url` tells a URL from a local path (a
 ``file://`` URL is a local path: it keeps the commit by rename).
-
-Example::
-
-    storage = open_storage("s3://bucket/run")
-    storage.put("step-000001/state.pt", data)
-    storage.put_new("step-000001/manifest.json", body)   # False: someone committed it first
 """
 
 from __future__ import annotations
@@ -66,10 +60,6 @@ def is_url(location: str | os.PathLike[str]) -> bool:
 
     Args:
         location: a checkpoint folder or URL.
-
-    Example::
-
-        is_url("s3://bucket/run"), is_url("runs/a"), is_url("file:///tmp/a")   # True, False, False
     """
     text = os.fspath(location)
     return isinstance(text, str) and bool(_URL.match(text)) and not text.startswith("file://")
@@ -80,10 +70,6 @@ def local_path(location: str | os.PathLike[str]) -> Path:
 
     Args:
         location: a local path or ``file://`` URL.
-
-    Example::
-
-        local_path("file:///tmp/ckpt")   # PosixPath('/tmp/ckpt')
     """
     text = os.fspath(location)
     return Path(text[len("file://") :]) if isinstance(text, str) and text.startswith("file://") else Path(text)
@@ -94,21 +80,12 @@ def location(where: str | os.PathLike[str]) -> Path | str:
 
     Args:
         where: a local path, a ``file://`` URL or any fsspec URL.
-
-    Example::
-
-        location("s3://bucket/run"), location("runs/a")   # ("s3://bucket/run", PosixPath('runs/a'))
     """
     return os.fspath(where).rstrip("/") if is_url(where) else local_path(where)
 
 
 class Storage(Protocol):
-    """The operations an object-store checkpoint needs, on names relative to one root.
-
-    Example::
-
-        storage.put_new("step-000001/manifest.json", b"{}")   # True the first time
-    """
+    """The operations an object-store checkpoint needs, on names relative to one root."""
 
     url: str
 
@@ -139,11 +116,6 @@ class LocalStorage:
 
     Args:
         root: the folder (created on the first write).
-
-    Example::
-
-        storage = LocalStorage(Path("/tmp/objects"))
-        storage.put("a/b", b"1")
     """
 
     def __init__(self, root: str | Path) -> None:
@@ -241,11 +213,6 @@ class FsspecStorage:
         retries: tries after the first.
         backoff: the first wait, in seconds.
         options: fsspec options (``endpoint_url``, ``key``...; s3fs reads the AWS variables itself).
-
-    Example::
-
-        storage = FsspecStorage("s3://bucket/run", retries=5)
-        storage.get("latest")
     """
 
     def __init__(self, url: str, fs: Any = None, *, retries: int = 5, backoff: float = 0.2, **options: Any) -> None:
@@ -376,10 +343,6 @@ def open_storage(url: str, **options: Any) -> FsspecStorage:
 
     Raises:
         CheckpointError: the client for the URL is not installed (the message says which extra).
-
-    Example::
-
-        storage = open_storage("s3://bucket/run")
     """
     return FsspecStorage(url, **options)
 

@@ -6,10 +6,6 @@ must put each value back where the flattened key points in the caller's nested s
 which torch does with ``torch.distributed.checkpoint._traverse.set_element`` (private). Kept
 here so that a torch upgrade that moves or changes it breaks this module and its test
 (``tests/lockstep/test_shims.py``), not a resume. Checked on torch 2.14.
-
-Example::
-
-    set_nested(state, ("optimizer", "param_groups", 0, "lr"), 0.1)
 """
 
 from __future__ import annotations
@@ -26,10 +22,6 @@ def set_nested(root: dict[str, Any], path: tuple[str | int, ...], value: object)
         root: the caller's (nested) state dict.
         path: the path of the entry, e.g. ``("optimizer", "param_groups", 0, "lr")``.
         value: the value to put there (missing dicts and lists on the way are created).
-
-    Example::
-
-        state = {}; set_nested(state, ("a", "b"), 1); state   # {'a': {'b': 1}}
     """
     from torch.distributed.checkpoint._traverse import set_element
 

@@ -11,13 +11,6 @@ The steps a blocking save (:mod:`~lockstep.checkpoint.core`) and a background on
    error are exchanged, so every rank knows the outcome;
 4. :func:`commit`: rank 0 writes the manifest, fsyncs and renames to ``step-N``;
    :func:`prune_after` then removes old checkpoints.
-
-Example::
-
-    parts = prepare(state, comm, replicated=full, sharded=None)
-    tmp = open_folder(root, step)                          # rank 0
-    records, error = write_parts(tmp, parts, comm.rank, comm.world_size, comm.all_gather_object)
-    final = commit(root, tmp, step, comm.world_size, records)   # rank 0, when error is None
 """
 
 from __future__ import annotations
@@ -78,10 +71,6 @@ class Parts:
         state: ``state.pt``'s content (rank 0 writes it; every rank holds it until the write).
         tensors: this rank's DCP part (its share of the replicated tensors, and sharded state
             dicts; possibly empty), or ``None`` when the checkpoint is ``state.pt`` alone.
-
-    Example::
-
-        Parts({"step": 3}, {"full/model/w": torch.ones(2)})
     """
 
     state: dict[str, Any]
@@ -104,10 +93,6 @@ def agree(
 
     Returns:
         Every rank's payload, by rank.
-
-    Example::
-
-        choice = agree(comm, error, choice if comm.is_main else None)[0]
     """
     gathered = comm.all_gather_object((payload, error))
     failure = first_failure([exc for _, exc in gathered], comm.rank)
@@ -124,10 +109,6 @@ def check_args(step: int, keep: int | None) -> None:
     Args:
         step: the global step (an integer >= 0).
         keep: ``None`` or an integer >= 1.
-
-    Example::
-
-        check_args(10, 3)
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ConfigError(f"checkpoint step must be an integer >= 0, got {step!r}")
@@ -155,10 +136,6 @@ def prepare(
     Raises:
         UnsupportedStateError: a value ``torch.load(weights_only=True)`` would refuse (this
             rank's; the caller makes every rank agree).
-
-    Example::
-
-        parts = prepare({"step": 3, "rng": capture_rng()}, comm, replicated={"model": msd})
     """
     rngs = comm.all_gather_object(state.get("rng"))
     full = {**state, "rng": rngs} if "rng" in state else dict(state)
@@ -180,10 +157,6 @@ def open_folder(root: Path, step: int) -> Path:
 
     Raises:
         CheckpointError: the folder cannot be made (the message names it).
-
-    Example::
-
-        tmp = open_folder(Path("ckpt"), 300)   # ckpt/.tmp-step-000300-4242
     """
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -212,10 +185,6 @@ def begin(
 
     Raises:
         UnsupportedStateError / CheckpointError: on every rank, when any rank failed.
-
-    Example::
-
-        root, parts, tmp = begin("ckpt", state, comm, step=3, keep=2, replicated=full, sharded=None)
     """
     check_args(step, keep)
     root = Path(directory)
@@ -252,10 +221,6 @@ def write_parts(
     Returns:
         Every file's manifest record, and the first error (the same on every rank; another
         rank's names that rank).
-
-    Example::
-
-        records, error = write_parts(tmp, parts, comm.rank, comm.world_size, comm.all_gather_object)
     """
     records, error = write_own(tmp, parts, rank, world_size, group)
     gathered = gather((records, what_is_left(error, tmp.parent)))
@@ -280,10 +245,6 @@ def write_own(
         rank: this rank.
         world_size: ranks in the job.
         group: the process group DCP uses (``None``: the default one).
-
-    Example::
-
-        records, error = write_own(Path(mkdtemp()), parts, comm.rank, comm.world_size)
     """
     records: dict[str, Any] = {}
     error: CheckpointError | None = None
@@ -324,10 +285,6 @@ def first_failure(errors: list[CheckpointError | None], rank: int) -> Checkpoint
     Args:
         errors: every rank's error or ``None``, by rank.
         rank: this rank.
-
-    Example::
-
-        first_failure([None, DiskFullError("...")], 0)   # DiskFullError("... (reported by rank 1)")
     """
     if errors[rank] is not None:
         return errors[rank]
@@ -349,10 +306,6 @@ def commit(root: Path, tmp: Path, step: int, world_size: int, files: dict[str, A
 
     Raises:
         CheckpointError: the manifest or the rename failed (``tmp`` is removed).
-
-    Example::
-
-        commit(Path("ckpt"), tmp, 300, 2, records)   # ckpt/step-000300
     """
     try:
         for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
@@ -373,12 +326,7 @@ def commit(root: Path, tmp: Path, step: int, world_size: int, files: dict[str, A
 def finish(
     root: Path, tmp: Path, step: int, world_size: int, records: dict[str, Any], keep: int | None
 ) -> tuple[Path | None, CheckpointError | None]:
-    """Rank 0: :func:`commit`, then :func:`prune_after`; the committed folder, or the error (nothing raised).
-
-    Example::
-
-        final, error = finish(Path("ckpt"), tmp, 300, 2, records, keep=2)
-    """
+    """Rank 0: :func:`commit`, then :func:`prune_after`; the committed folder, or the error (nothing raised)."""
     try:
         final = commit(root, tmp, step, world_size, records)
     except CheckpointError as exc:
@@ -388,12 +336,7 @@ def finish(
 
 
 def prune_after(root: Path, keep: int | None, final: Path) -> None:
-    """Rank 0, after the commit: prune; the new checkpoint is committed, so a failure only warns.
-
-    Example::
-
-        prune_after(Path("ckpt"), 2, Path("ckpt/step-000300"))
-    """
+    """Rank 0, after the commit: prune; the new checkpoint is committed, so a failure only warns."""
     try:
         prune(root, keep, protect=final)
     except OSError as exc:  # an old checkpoint left over is harmless
@@ -401,12 +344,7 @@ def prune_after(root: Path, keep: int | None, final: Path) -> None:
 
 
 def what_is_left(error: CheckpointError | None, root: Path) -> CheckpointError | None:
-    """A disk-full error that says which earlier checkpoint is left, or that there is none.
-
-    Example::
-
-        what_is_left(DiskFullError("..."), Path("ckpt"))   # "...; the newest checkpoint, ckpt/step-000200, is intact."
-    """
+    """A disk-full error that says which earlier checkpoint is left, or that there is none."""
     if not isinstance(error, DiskFullError):
         return error
     try:

@@ -8,8 +8,4 @@
   :mod:`~lockstep.cli.verify`, :mod:`~lockstep.cli.doctor`.
 
 May import: everything (it is the top of the house).
-
-Example::
-
-    lockstep train --nproc 2 --epochs 3
 """

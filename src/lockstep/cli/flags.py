@@ -8,12 +8,6 @@ command uses every device unless told otherwise, and runs parallel on a CPU mach
 
 An old spelling of a flag stays accepted through :func:`add_deprecated`: hidden from the help,
 it sets the same value and leaves one deprecation line (:func:`deprecation_notes`).
-
-Example::
-
-    add_launch_flags(parser, PLACEMENT_FLAGS, nproc_default=None, nproc_default_text=NPROC_PER_GPU)
-    spec_options = launch_options(parser.parse_args(["--nproc", "2"]))    # {"nproc": 2, "nodes": 1, ...}
-    add_deprecated(parser, "--strategies", "--strategy", dest="strategy")
 """
 
 from __future__ import annotations
@@ -148,10 +142,6 @@ def describe_command(parser: argparse.ArgumentParser, doc: str | None) -> None:
     Args:
         parser: the subcommand's parser.
         doc: the subcommand module's ``__doc__`` (its reST ``::`` and ````code```` marks are dropped).
-
-    Example::
-
-        describe_command(parser, __doc__)
     """
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     body = doc.split("\n", 2)[2] if doc and doc.count("\n") >= 2 else None
@@ -178,10 +168,6 @@ def add_launch_flags(
         nproc_list: ``--nproc`` takes a comma-separated list of counts (``lockstep bench``).
         slurm: the help says that ``--nodes`` defaults to a Slurm step's (``lockstep run``; see
             :func:`launch_options`).
-
-    Example::
-
-        add_launch_flags(argparse.ArgumentParser(), ("nproc", "timeout"))
     """
     unknown = sorted(set(names) - set(LAUNCH_FLAGS))
     if unknown:
@@ -206,10 +192,6 @@ def value_flags(names: Sequence[str] = LAUNCH_FLAGS) -> frozenset[str]:
 
     Args:
         names: destination names, in :data:`LAUNCH_FLAGS`.
-
-    Example::
-
-        "--master" in value_flags()    # True
     """
     flags = {flag for name, (flag, options) in _DECLARATIONS.items() if name in names and "action" not in options}
     return frozenset(flags | ({"--nproc"} if "nproc" in names else set()))
@@ -220,10 +202,6 @@ def flag_strings(names: Sequence[str] = LAUNCH_FLAGS) -> frozenset[str]:
 
     Args:
         names: destination names, in :data:`LAUNCH_FLAGS`.
-
-    Example::
-
-        "--verbose" in flag_strings()    # True
     """
     flags = {flag for name, (flag, _) in _DECLARATIONS.items() if name in names}
     return frozenset(flags | ({"--nproc"} if "nproc" in names else set()))
@@ -242,11 +220,6 @@ def split_at_target(argv: Sequence[str], takes_value: Collection[str]) -> tuple[
         argv: the arguments after the command's name.
         takes_value: the command's options written as a separate ``--flag VALUE`` pair; every
             other option is one argument (``--verbose``, ``-m``, ``--nproc=2``).
-
-    Example::
-
-        split_at_target(["--nproc", "2", "train.py", "--n", "100"], value_flags())
-        # (["--nproc", "2", "train.py"], ["--n", "100"])
     """
     index = 0
     while index < len(argv):
@@ -273,10 +246,6 @@ def launch_options(
             (:func:`~lockstep.launch.spec.slurm_defaults`), used where neither ``--nodes`` nor
             ``--master`` was given.
         elastic: accept ``--nodes MIN:MAX`` (``lockstep run`` only: its script drives the membership).
-
-    Example::
-
-        LaunchSpec("train.py", **launch_options(args))
     """
     from lockstep.errors import DEFAULT_GRACE, ConfigError
     from lockstep.launch.spec import DEFAULT_JOIN_TIMEOUT, parse_nodes, read_secret, resolve_nproc
@@ -318,10 +287,6 @@ class DeprecatedFlag(argparse.Action):
         canonical: the canonical spelling, named in the note.
         const: the value to set when the old spelling takes no value (``--no-progress``: ``off``).
         **options: ``type``, ``metavar``... of a flag that takes a value.
-
-    Example::
-
-        parser.add_argument("--strategies", action=DeprecatedFlag, dest="strategy", canonical="--strategy")
     """
 
     def __init__(
@@ -369,10 +334,6 @@ def add_deprecated(
         dest: ``canonical``'s destination.
         const: the value ``old`` stands for when it takes none (``--no-progress``: ``off``).
         **options: ``type`` of an alias that takes a value.
-
-    Example::
-
-        add_deprecated(parser, "--no-progress", "--progress", dest="progress", const="off")
     """
     parser.add_argument(old, action=DeprecatedFlag, dest=dest, canonical=canonical, const=const, **options)
 
@@ -382,10 +343,5 @@ def deprecation_notes(args: argparse.Namespace) -> list[str]:
 
     Args:
         args: a parsed namespace.
-
-    Example::
-
-        for note in deprecation_notes(args):
-            print(f"lockstep bench: warning: {note}", file=sys.stderr)
     """
     return list(getattr(args, _NOTES, []))

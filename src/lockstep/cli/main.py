@@ -4,12 +4,6 @@ Each subcommand lives in ``lockstep/cli/<name>.py`` with two functions,
 ``add_arguments(parser)`` and ``main(args) -> int``; it is imported only when used, so that
 ``lockstep run`` starts as fast as ``torchrun``. A command that runs a script (``run``) also has
 ``split_argv(argv)``: the script's arguments are cut off before parsing and reach it verbatim.
-
-Example::
-
-    lockstep run --nproc 2 train.py --epochs 3
-    lockstep train --nproc 2
-    lockstep --version
 """
 
 from __future__ import annotations
@@ -53,11 +47,6 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
     Args:
         argv: the arguments after ``lockstep``.
-
-    Example::
-
-        parse_args(["run", "--nproc", "2", "train.py", "--n", "100"]).script_args   # ["--n", "100"]
-        parse_args(["train", "--lr", "0.1"]).given                                  # frozenset({"lr"})
     """
     argv = list(argv)
     parser, subparsers = _parser()
@@ -94,10 +83,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     Args:
         argv: the arguments after ``lockstep``; ``sys.argv[1:]`` when omitted, which also says that
             this process is the command (``lockstep run`` then skips torch's teardown at exit).
-
-    Example::
-
-        sys.exit(main(["train", "--epochs", "1"]))
     """
     as_program = argv is None  # the process is this command (not a caller of main() in its own program)
     args = parse_args(sys.argv[1:] if argv is None else argv)

@@ -4,10 +4,6 @@ argparse offers no public way to list the flags a parser was given; ``parser._ac
 every argparse version keeps them (``format_help`` only prints them). The flag table
 (:mod:`lockstep.cli.reference`) reads them through :func:`parser_actions`, so a Python that changes
 it breaks this module and its version test (``tests/lockstep/test_shims.py``). Checked on CPython 3.11.
-
-Example::
-
-    [a.dest for a in parser_actions(parser)]   # ['help', 'nproc', ...]
 """
 
 from __future__ import annotations
@@ -22,9 +18,5 @@ def parser_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
 
     Args:
         parser: an ``argparse.ArgumentParser``.
-
-    Example::
-
-        parser_actions(argparse.ArgumentParser())[0].option_strings   # ['-h', '--help']
     """
     return list(parser._actions)

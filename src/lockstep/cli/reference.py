@@ -44,10 +44,6 @@ class Flag:
         meaning: its help text, from the first subcommand that takes it.
         defaults: per subcommand that takes it, its default as text.
         old: the old spellings that still work.
-
-    Example::
-
-        Flag("--nproc", "processes on this node", {"run": "·"})
     """
 
     name: str
@@ -61,10 +57,6 @@ def command_parser(name: str) -> argparse.ArgumentParser:
 
     Args:
         name: a key of :data:`lockstep.cli.main.COMMANDS`.
-
-    Example::
-
-        command_parser("train").parse_args(["--epochs", "1"])
     """
     parser = argparse.ArgumentParser(prog=f"lockstep {name}")
     importlib.import_module(f"lockstep.cli.{name}").add_arguments(parser)
@@ -88,10 +80,6 @@ def collect_flags(commands: list[str] | None = None) -> list[Flag]:
 
     Args:
         commands: subcommand names.
-
-    Example::
-
-        [f.name for f in collect_flags(["verify"])][:2]   # ['--model', '--nproc']
     """
     from lockstep.cli.flags import DeprecatedFlag
     from lockstep.cli.main import COMMANDS
@@ -117,12 +105,7 @@ def collect_flags(commands: list[str] | None = None) -> list[Flag]:
 
 
 def flag_page() -> str:
-    """The Markdown of ``docs/flags.md``: the introduction and the table.
-
-    Example::
-
-        Path("docs/flags.md").write_text(flag_page())
-    """
+    """The Markdown of ``docs/flags.md``: the introduction and the table."""
     from lockstep.cli.main import COMMANDS
 
     commands = list(COMMANDS)

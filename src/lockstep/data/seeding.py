@@ -53,12 +53,8 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
 
 
 class SampleKey(int):
-    """A dataset index that carries its sample's seed; it is the plain ``int`` everywhere else.
-
-    Args:
-        index: the sample's index in the dataset.
-        seed: the seed of its randomness (:func:`sample_seed`), kept as ``seed``.
-    """
+    """A dataset index that carries its sample's seed (``.seed``, from :func:`sample_seed`); it is the
+    plain ``int`` everywhere else: ``SampleKey(index, seed)``."""
 
     seed: int
 

@@ -4,8 +4,4 @@
 * :mod:`~lockstep.doctor.bandwidth`: allreduce bus bandwidth over message sizes.
 
 An app: may import the library (``lockstep`` and its layers) and ``lockstep.zoo``, never another app.
-
-Example::
-
-    lockstep doctor --nproc 2
 """

@@ -59,10 +59,6 @@ class BandwidthRow:
         algbw: algorithm bandwidth in bytes per second (``size / seconds``).
         busbw: bus bandwidth in bytes per second (``algbw * 2 (n-1) / n``).
         correct: every rank got the exact sum of a known input.
-
-    Example::
-
-        BandwidthRow(size=4096, seconds=1e-4, iters=20, algbw=4.1e7, busbw=4.1e7, correct=True)
     """
 
     size: int
@@ -78,10 +74,6 @@ def parse_size(text: str) -> int:
 
     Args:
         text: a number with an optional unit (K, M, G; powers of 1024).
-
-    Example::
-
-        parse_size("64M")   # 67108864
     """
     match = re.fullmatch(r"\s*(\d+)\s*([KMG]?B?)\s*", text.upper())
     if match is None or int(match.group(1)) <= 0:
@@ -94,10 +86,6 @@ def parse_sizes(text: str) -> list[int]:
 
     Args:
         text: ``"4K..64M"`` or ``"1M,16M"``.
-
-    Example::
-
-        parse_sizes("4K..64K")   # [4096, 16384, 65536]
     """
     if ".." in text:
         low, high = (parse_size(part) for part in text.split("..", 1))
@@ -124,10 +112,6 @@ def format_size(size: int) -> str:
 
     Args:
         size: bytes.
-
-    Example::
-
-        format_size(1 << 20)   # "1 MB"
     """
     for unit, scale in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
         if size >= scale and size % scale == 0:
@@ -140,10 +124,6 @@ def bus_factor(world_size: int) -> float:
 
     Args:
         world_size: ranks taking part.
-
-    Example::
-
-        bus_factor(2)   # 1.0
     """
     return 2.0 * (world_size - 1) / world_size
 
@@ -195,10 +175,6 @@ def measure_allreduce(
         iters: timed operations per size at most (fewer for sizes slower than 1 s in total).
         warmup: untimed operations first (connection set-up, allocator, NCCL channels).
         device: where the tensors live (the rank's GPU with NCCL); cpu when omitted.
-
-    Example::
-
-        rows = measure_allreduce(comm, [4096, 1 << 20], iters=10)
     """
     if iters < 1 or warmup < 0:
         raise ConfigError(f"iters must be >= 1 and warmup >= 0, got {iters} and {warmup}")
@@ -219,10 +195,6 @@ def format_table(rows: list[BandwidthRow], world_size: int, backend: str = "") -
         rows: the measurements.
         world_size: ranks that took part (for the heading).
         backend: the process-group backend (for the heading).
-
-    Example::
-
-        print(format_table(rows, 2, "gloo"))
     """
     via = f" over {backend}" if backend else ""
     lines = [

@@ -67,10 +67,6 @@ def describe_rank(world: World) -> dict[str, Any]:
 
     Args:
         world: where this process is.
-
-    Example::
-
-        describe_rank(detect_world())["torch"]   # "2.14.1"
     """
     cuda = torch.cuda.is_available()
     count = torch.cuda.device_count() if cuda else 0
@@ -101,10 +97,6 @@ def clock_offsets(comm: Comm, rounds: int = 5) -> tuple[list[float], float]:
     Args:
         comm: the job's communicator (every rank must call).
         rounds: barriers to take the median over.
-
-    Example::
-
-        offsets, resolution = clock_offsets(comm)   # [0.0, 0.0003], 0.0001
     """
     samples: list[list[float]] = [[] for _ in range(comm.world_size)]
     waits = []
@@ -134,10 +126,6 @@ class Report:
         missed: for every rank, the ranks on other hosts it could not reach.
         problems: what makes the job unsafe to run.
         warnings: what deserves a look but does not stop a job.
-
-    Example::
-
-        diagnose(Report(ranks, "gloo", offsets, resolution, rows)).ok
     """
 
     ranks: list[dict[str, Any]]
@@ -199,10 +187,6 @@ def diagnose(report: Report) -> Report:
 
     Args:
         report: the measurements (its problems and warnings are replaced).
-
-    Example::
-
-        diagnose(report).ok   # False when versions disagree or an allreduce summed wrong
     """
     report.problems = _disagreements(report.ranks)
     problems, warnings = _device_problems(report.ranks, report.backend)
@@ -254,10 +238,6 @@ def verdict_line(report: Report) -> str:
 
     Args:
         report: a diagnosed report.
-
-    Example::
-
-        verdict_line(report)   # "verdict: OK - 2 ranks agree on versions ..."
     """
     if report.problems:
         return "verdict: PROBLEM: " + "; ".join(report.problems)
@@ -280,10 +260,6 @@ def format_report(report: Report) -> str:
 
     Args:
         report: a diagnosed report.
-
-    Example::
-
-        print(format_report(diagnose(report)))
     """
     lines = [f"lockstep doctor: {len(report.ranks)} rank(s), backend {report.backend}", "ranks:"]
     lines += _rank_lines(report.ranks, report.offsets)
@@ -342,10 +318,6 @@ def run_doctor(
 
     Returns:
         0 when no problem was found, 1 otherwise (the same on every rank).
-
-    Example::
-
-        sys.exit(run_doctor([4096, 1 << 20]))
     """
     world = detect_world() if world is None else world
     try:

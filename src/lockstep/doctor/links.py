@@ -99,10 +99,6 @@ def node_leaders(ranks: list[dict[str, Any]]) -> tuple[list[int], list[str]]:
 
     Args:
         ranks: every rank's description, with ``rank`` and ``host`` (``describe_rank``).
-
-    Example::
-
-        node_leaders([{"rank": 0, "host": "a"}, {"rank": 1, "host": "b"}])   # ([0, 1], ["host a", "host b"])
     """
     hosts: dict[str, int] = {}
     for info in sorted(ranks, key=lambda i: i["rank"]):
@@ -160,10 +156,6 @@ def measure_links(
         size: bytes each way of a bandwidth round trip.
         iters: timed round trips per measurement.
         transport: how two ranks exchange tensors (``torch.distributed`` when omitted).
-
-    Example::
-
-        measure_links(comm, [0, 1, 2], ["host a", "host b", "host c"]).latency[(0, 2)]
     """
     transport = transport or _Torch()
     report = LinkReport(units, names, size)
@@ -212,10 +204,6 @@ def slow_parts(report: LinkReport) -> tuple[list[str], list[str], list[str]]:
 
     Args:
         report: what :func:`measure_links` measured.
-
-    Example::
-
-        slow_parts(report)   # (["host node2 is far slower than the others on every link: ..."], [], [])
     """
     slow = _slow(report)
     n = len(report.units)
@@ -255,10 +243,6 @@ def format_links(report: LinkReport) -> list[str]:
 
     Args:
         report: what :func:`measure_links` measured.
-
-    Example::
-
-        print("\\n".join(format_links(report)))
     """
     n = len(report.units)
     width = max([len(name) for name in report.names] + [12])

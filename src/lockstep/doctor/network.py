@@ -32,12 +32,7 @@ _VIRTUAL = ("lo", "docker", "veth", "br-", "virbr")
 
 
 def interfaces() -> dict[str, str]:
-    """IPv4 address of every interface that has one, by name (Linux).
-
-    Example::
-
-        interfaces()   # {"lo": "127.0.0.1", "eth0": "192.0.2.1"}
-    """
+    """IPv4 address of every interface that has one, by name (Linux)."""
     found = {}
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         for _, name in socket.if_nameindex():
@@ -54,10 +49,6 @@ def route_address(host: str) -> str:
 
     Args:
         host: the master address.
-
-    Example::
-
-        route_address("127.0.0.1")   # "127.0.0.1"
     """
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
@@ -80,10 +71,6 @@ class NetworkProbe:
     Args:
         world: where this process is.
         settings: the launcher's settings (the socket interface variables).
-
-    Example::
-
-        probe = NetworkProbe(world, read_settings()).open()
     """
 
     def __init__(self, world: World, settings: Settings) -> None:
@@ -143,10 +130,6 @@ def network_lines(infos: list[dict[str, Any]], missed: list[list[int]]) -> list[
     Args:
         infos: every rank's probe info, in rank order.
         missed: for every rank, the ranks (one per other host) it could not reach.
-
-    Example::
-
-        network_lines(infos, [[], []])
     """
     hosts = len({i["host"] for i in infos})
     lines = ["network:"]
@@ -170,10 +153,6 @@ def network_warnings(infos: list[dict[str, Any]], missed: list[list[int]]) -> tu
     Args:
         infos: every rank's probe info, in rank order.
         missed: for every rank, the ranks it could not reach.
-
-    Example::
-
-        problems, warnings = network_warnings(infos, missed)
     """
     problems = [
         f"rank {info['rank']} ({info['host']}) cannot reach {format_ranks(bad)} over "

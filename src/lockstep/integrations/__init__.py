@@ -7,14 +7,6 @@ Each bridge is a module that imports its framework only when one of its function
   (``TorchTrainer``'s ``train_loop_per_worker``), adopting the process group and device Ray set
   up, with lockstep checkpoints reported to Ray and resumed from Ray's latest one
   (``pip install 'lockstep[ray]'``).
-
-Example::
-
-    from lockstep.integrations import ray as lockstep_ray
-
-    def train_loop_per_worker(config):
-        session = lockstep_ray.ray_session()
-        ...
 """
 
 from __future__ import annotations

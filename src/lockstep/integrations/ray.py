@@ -105,12 +105,6 @@ def ray_session(**options: Any) -> Session:
         ConfigError: Ray Train is not installed, this is not a Ray Train worker, Ray formed no
             process group (a ``TorchTrainer`` does; other trainers do not), or the session's
             device is not the one Ray assigned to this worker.
-
-    Example::
-
-        def train_loop_per_worker(config):
-            session = ray_session(strategy="ddp", precision="bf16-mixed")
-            model, optimizer = session.setup(Net(), lambda p: torch.optim.AdamW(p, lr=1e-3))
     """
     context = _train_context()
     import ray.train.torch
@@ -178,11 +172,6 @@ def report(
 
     Returns:
         The checkpoint folder written (``folder/step-N``); for a URL, its URL (not staged for Ray).
-
-    Example::
-
-        report(session, {"epoch": epoch, "loss": loss}, folder="checkpoints", model=model,
-               optimizer=optimizer, keep=2)
     """
     import ray.train
 
@@ -239,11 +228,6 @@ def resume(
 
     Raises:
         LockstepError: Ray's checkpoint could not be copied into ``folder`` (on every rank alike).
-
-    Example::
-
-        state = resume(session, "checkpoints", model=model, optimizer=optimizer)
-        for epoch in session.epochs(10, start=state.epoch): ...
     """
     import ray.train
 

@@ -15,12 +15,6 @@
 * :mod:`~lockstep.launch.spawn`: ``spawn(fn, nprocs)`` for notebooks and tests.
 
 May import: ``lockstep.errors``, ``lockstep.env``, ``lockstep.comm``.
-
-Example::
-
-    from lockstep.launch.elastic import launch
-    from lockstep.launch.spec import LaunchSpec
-    launch(LaunchSpec(target="train.py", nproc=2))
 """
 
 from __future__ import annotations

@@ -57,11 +57,6 @@ def die_with_launcher(launcher_pid: int | None) -> bool:
     Returns:
         False when the launcher is already gone (the caller must exit), True otherwise
         (including platforms without ``prctl``, where nothing is done).
-
-    Example::
-
-        if not die_with_launcher(read_settings().launcher_pid):
-            sys.exit(EXIT_ORPHANED)
     """
     if launcher_pid is None or not sys.platform.startswith("linux"):
         return True
@@ -81,10 +76,6 @@ def run_target(target: str, args: list[str], module: bool) -> None:
         target: path of the script, or the dotted module name.
         args: the script's own arguments (``sys.argv[1:]`` inside it).
         module: run ``target`` like ``python -m target``.
-
-    Example::
-
-        run_target("train.py", ["--epochs", "3"], module=False)
     """
     if module:
         sys.argv = [target, *args]
@@ -104,10 +95,6 @@ def record_failure(exc: BaseException, exit_code: int, path: str) -> None:
         exc: the exception the script raised.
         exit_code: the exit code this worker is about to use.
         path: the error file (``Settings.error_file``).
-
-    Example::
-
-        record_failure(ValueError("bad"), 1, read_settings().error_file)
     """
     from lockstep.comm import failure  # only a failing worker pays for its imports (json, socket, traceback)
 
@@ -129,10 +116,6 @@ def main(argv: list[str]) -> int:
 
     Args:
         argv: ``[-m] TARGET [ARGS...]`` as the launcher passes it.
-
-    Example::
-
-        sys.exit(main(["train.py", "--epochs", "3"]))
     """
     module = bool(argv) and argv[0] == "-m"
     if module:

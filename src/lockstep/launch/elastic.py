@@ -27,12 +27,6 @@ chooses its configuration and explains the outcome. How it launches:
 * the workers die with the launcher: the agent runs in this process and starts them itself, and
   each worker's bootstrap asks for SIGKILL when its parent, this process
   (``LOCKSTEP_LAUNCHER_PID``), ends, however it ends (``kill -9`` included).
-
-Example::
-
-    lockstep run --nproc 2 train.py --epochs 3
-    lockstep run --nodes 2 --node-rank 0 --master 10.0.0.1:29400 --nproc 4 train.py   # on node 0
-    lockstep run --nodes 2 --node-rank 1 --master 10.0.0.1:29400 --nproc 4 train.py   # on node 1
 """
 
 from __future__ import annotations
@@ -269,10 +263,6 @@ def launch(spec: LaunchSpec) -> int:
         PortInUseError: the ``--master`` port is taken (exit code 2).
         ConfigError: a script that imports Horovod, on several nodes (exit code 2).
         LaunchError: the rendezvous failed (nodes that never joined), or not every worker could start.
-
-    Example::
-
-        sys.exit(launch(LaunchSpec("train.py", nproc=2)))
     """
     check_horovod_hosts(spec)
     import_torch_quietly(spec.verbose)

@@ -10,12 +10,6 @@ order, the standard streams and C stdio buffers flushed) and skips only that tea
 
 It is for the launcher's process alone (``lockstep run`` as a command), never for a program
 that imports lockstep: that program's exit is its own.
-
-Example::
-
-    code = launch(spec)
-    exit_without_teardown(code)    # the process still ends where it would, with ``code``
-    sys.exit(code)
 """
 
 from __future__ import annotations
@@ -59,10 +53,6 @@ def exit_without_teardown(code: int) -> bool:
     Returns:
         True when armed; False where the interpreter has no way to run its handlers early
         (not CPython): the normal exit then happens.
-
-    Example::
-
-        exit_without_teardown(0); sys.exit(0)
     """
     hooks = exit_hooks()
     if hooks is None:

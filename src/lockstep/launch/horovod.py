@@ -11,10 +11,6 @@ the interface, host name and sizes; each worker's bootstrap adds its own ``HOROV
 (:func:`lockstep.strategies.horovod.init_horovod`). A script that imports Horovod is
 refused on several nodes, in one line naming ``horovodrun`` (Horovod's gloo needs the interface
 that joins the hosts, which ``horovodrun`` discovers).
-
-Example::
-
-    lockstep run --nproc 2 pytorch_synthetic_benchmark.py --no-cuda   # one Horovod job of size 2
 """
 
 from __future__ import annotations
@@ -41,10 +37,6 @@ def imports_horovod(spec: LaunchSpec) -> bool:
 
     Args:
         spec: what ``lockstep run`` starts.
-
-    Example::
-
-        imports_horovod(LaunchSpec("pytorch_synthetic_benchmark.py"))   # True
     """
     if spec.module:
         return False
@@ -62,10 +54,6 @@ def check_horovod_hosts(spec: LaunchSpec) -> None:
 
     Raises:
         ConfigError: one line naming ``horovodrun``.
-
-    Example::
-
-        check_horovod_hosts(LaunchSpec("hvd_train.py", nodes=2, master="node0:29400"))   # ConfigError
     """
     if spec.nodes > 1 and imports_horovod(spec):
         raise ConfigError(
@@ -85,11 +73,6 @@ def horovod_rendezvous(spec: LaunchSpec) -> Iterator[dict[str, str]]:
 
     Args:
         spec: what ``lockstep run`` starts.
-
-    Example::
-
-        with horovod_rendezvous(LaunchSpec("train.py", nproc=2)) as variables:
-            variables["HOROVOD_SIZE"]   # "2"
     """
     if spec.nodes > 1 or importlib.util.find_spec("horovod") is None or not imports_horovod(spec):
         yield {}

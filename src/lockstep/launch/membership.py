@@ -7,11 +7,6 @@ node, as on one node) and never restarts them: the workers find each other in ro
 ``--master`` address hosts; it listens on that address only (not on every interface). Every value
 lockstep writes there is signed with the job's secret (``--secret-file``, required) and nothing read
 from it is unpickled.
-
-Example::
-
-    with membership_store(spec):                  # hosts the store when this node owns the address
-        env = membership_environment(spec, node_id)   # the workers' variables
 """
 
 from __future__ import annotations
@@ -30,12 +25,7 @@ __all__ = ["membership_store", "membership_environment", "new_node_id"]
 
 
 def new_node_id() -> str:
-    """A fresh id for this start of the node's launcher (a restarted node is a new member).
-
-    Example::
-
-        new_node_id()   # "3f9c2a1b7d4e"
-    """
+    """A fresh id for this start of the node's launcher (a restarted node is a new member)."""
     return uuid.uuid4().hex[:12]
 
 
@@ -96,10 +86,6 @@ def membership_environment(spec: LaunchSpec, node_id: str) -> dict[str, str]:
     Args:
         spec: the launch.
         node_id: this node's id (:func:`new_node_id`).
-
-    Example::
-
-        membership_environment(spec, new_node_id())["LOCKSTEP_NODES"]   # "1:3"
     """
     return {
         "LOCKSTEP_NODES": f"{spec.nodes}:{spec.max_nodes}",

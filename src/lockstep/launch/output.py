@@ -9,12 +9,6 @@ Why not torch's own ``tee``: its tail threads sleep 0.1 s between reads and cann
 the agent stops the stdout and the stderr tailer one after the other, so every job (and every
 restart) ended 0.1-0.2 s after its last rank did. :meth:`OutputRelay.stop` wakes the thread at
 once, copies what is left (a last line without an ending included) and returns.
-
-Example::
-
-    relay = OutputRelay([Source("/logs/0/stdout.log", sys.stdout, "[rank0]: ")]).start()
-    ...  # the workers run
-    relay.stop()
 """
 
 from __future__ import annotations

@@ -5,10 +5,6 @@ end is often a victim (gloo aborts a waiting rank on a mismatch, or a waiting ra
 first). The records every rank left in the post-mortem folder (:mod:`lockstep.comm.postmortem`)
 say which rank issued what, where. :func:`postmortem_text` prints that verdict when it names a
 desync, or a rank behind that the plain summary did not name as the root cause with its own error.
-
-Example::
-
-    text = postmortem_text(folder, failures, summarize(failures)) or summarize(failures).text()
 """
 
 from __future__ import annotations
@@ -30,10 +26,6 @@ def postmortem_text(folder: str, failures: list[Failure], summary: Summary, pref
         failures: the failed ranks, as the agent reported them.
         summary: the plain summary of those failures (:func:`lockstep.launch.report.summarize`).
         prefix: put in front of the launcher's own lines.
-
-    Example::
-
-        say(postmortem_text(folder, failures, summary) or summary.text())
     """
     from lockstep.comm.postmortem import analyze
 

@@ -6,12 +6,6 @@ functions of CPython, ``atexit._run_exitfuncs`` (run every handler, last registe
 ``atexit._ncallbacks`` (how many are registered). Kept here so that a Python without them, or one
 that changes them, breaks this module and its test (``tests/lockstep/test_shims.py``). Checked on
 CPython 3.11.
-
-Example::
-
-    hooks = exit_hooks()
-    if hooks is not None:
-        before = hooks.count(); hooks.run_all()
 """
 
 from __future__ import annotations
@@ -31,10 +25,6 @@ class ExitHooks:
         run_all: runs every registered handler as Python's exit would (last registered first,
             each error printed) and clears the list.
         count: how many handlers are registered now.
-
-    Example::
-
-        hooks = exit_hooks(); hooks.count()   # e.g. 3
     """
 
     run_all: Callable[[], None]
@@ -42,12 +32,7 @@ class ExitHooks:
 
 
 def exit_hooks() -> ExitHooks | None:
-    """The ``atexit`` handlers' runner and counter, or ``None`` where the interpreter has none (not CPython).
-
-    Example::
-
-        hooks = exit_hooks()   # ExitHooks(...) on CPython
-    """
+    """The ``atexit`` handlers' runner and counter, or ``None`` where the interpreter has none (not CPython)."""
     run_all: Callable[[], None] | None = getattr(atexit, "_run_exitfuncs", None)
     count: Callable[[], int] | None = getattr(atexit, "_ncallbacks", None)
     if run_all is None or count is None:

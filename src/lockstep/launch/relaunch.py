@@ -5,12 +5,6 @@ A command started by hand that needs N processes calls :func:`relaunch`, which r
 ``python -m MODULE ARGS`` on every rank with ``lockstep run``'s launcher (torch's elastic agent)
 and returns the launcher's exit code. Started by a launcher (``lockstep run``, ``torchrun``,
 ``srun``), the same command is already one of the ranks: :func:`launched_as_worker` says so.
-
-Example::
-
-    if launched_as_worker():
-        return run_here()
-    return relaunch(["doctor", "--sizes", "4K"], nproc=default_nproc())
 """
 
 from __future__ import annotations
@@ -29,12 +23,7 @@ DEFAULT_NPROC_CPU = 2
 
 
 def default_nproc() -> int:
-    """One process per GPU, or :data:`DEFAULT_NPROC_CPU` on a machine without GPUs.
-
-    Example::
-
-        default_nproc()   # 2 on a laptop, 8 on a machine with 8 GPUs
-    """
+    """One process per GPU, or :data:`DEFAULT_NPROC_CPU` on a machine without GPUs."""
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else DEFAULT_NPROC_CPU
@@ -50,10 +39,6 @@ def launched_as_worker(*, asked_to_launch: bool = False) -> bool:
 
     Args:
         asked_to_launch: the command was given how many processes or nodes to start.
-
-    Example::
-
-        launched_as_worker()          # False in a terminal, True under torchrun
     """
     if read_settings().launched:
         return True
@@ -80,10 +65,6 @@ def relaunch(
     Raises:
         ConfigError: the options are invalid (before anything starts).
         LaunchError: the job could not start (busy port, nodes that never joined).
-
-    Example::
-
-        sys.exit(relaunch(["train", "--epochs", "1"], nproc=2))
     """
     spec = LaunchSpec(target=module, args=tuple(args), module=True, rank0_only=rank0_only, prefix=prefix, **options)
     return launch(spec)

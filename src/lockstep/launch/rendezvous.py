@@ -8,11 +8,6 @@ workers to form their own store on the loopback interface at a free port (they l
 127.0.0.1 only, see :mod:`lockstep.comm.store`). It is registered with torch's rendezvous registry
 under the name :data:`BACKEND`; ``lockstep run --nodes N`` uses torch's static rendezvous, which
 reads no pickle either.
-
-Example::
-
-    register()
-    LaunchConfig(..., rdzv_backend=BACKEND, rdzv_endpoint="127.0.0.1:0")
 """
 
 from __future__ import annotations
@@ -27,12 +22,7 @@ BACKEND = "lockstep-local"
 
 
 def free_loopback_port() -> int:
-    """A port that is free on 127.0.0.1 now (rank 0 binds it for the workers' store).
-
-    Example::
-
-        port = free_loopback_port()
-    """
+    """A port that is free on 127.0.0.1 now (rank 0 binds it for the workers' store)."""
     return free_port("127.0.0.1")
 
 
@@ -46,10 +36,6 @@ def free_port(host: str) -> int:
 
     Args:
         host: the address to bind (``127.0.0.1``, or a node's address).
-
-    Example::
-
-        port = free_port("127.0.0.1")
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     low = _ephemeral_low()
@@ -84,7 +70,7 @@ def _handler_class() -> type:
     from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
     from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 
-    class _Local(RendezvousHandler):  # type: ignore[misc, valid-type]
+    class _Local(RendezvousHandler):
         """One node, one agent: the rendezvous completes at once, in memory."""
 
         def __init__(self, run_id: str) -> None:
@@ -127,22 +113,12 @@ def LocalRendezvous(run_id: str) -> Any:  # noqa: N802 - a class made on first u
 
     Args:
         run_id: the job's run id.
-
-    Example::
-
-        handler = LocalRendezvous("job-1")
-        info = handler.next_rendezvous()     # rank 0 of 1; workers' store at 127.0.0.1:<free port>
     """
     return _handler_class()(run_id)
 
 
 def register() -> None:
-    """Register :data:`BACKEND` with torch's rendezvous registry (once per process).
-
-    Example::
-
-        register()
-    """
+    """Register :data:`BACKEND` with torch's rendezvous registry (once per process)."""
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 
     rendezvous_handler_registry.register(BACKEND, _create)  # the same creator again is accepted

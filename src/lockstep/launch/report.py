@@ -8,11 +8,6 @@ ranks that are not at fault, using the error file each worker's bootstrap wrote
 waiting in a collective and named the rank that never came
 (:class:`lockstep.comm.watchdog.CollectiveTimeoutError`), that rank is the root cause, not them. It imports nothing from
 torch: it reads the agent's ``ProcessFailure`` objects by their attributes.
-
-Example::
-
-    failures = [Failure.from_process_failure(rank, f, host) for rank, f in err.failures.items()]
-    print(summarize(failures).text())
 """
 
 from __future__ import annotations
@@ -74,11 +69,6 @@ class Failure:
         blame: the ranks this rank named as never arriving in a collective it waited in.
         exit_status: the exit code the worker recorded when it ended by ``sys.exit`` (its argparse
             refusing the arguments, say), even if the launcher stopped it before it was gone.
-
-    Example::
-
-        Failure(rank=1, local_rank=1, host="node1", pid=42, exitcode=-9, time=0.0).describe()
-        # "was killed by SIGKILL"
     """
 
     rank: int
@@ -201,10 +191,6 @@ class Summary:
         preempted: every blamed rank stopped for preemption (exit code 75): resume the job.
         hang: the report of a rank that gave up waiting in a collective and named ``root`` as the
             rank that never came (``root`` is that report itself when the named rank is elsewhere).
-
-    Example::
-
-        print(summarize(failures).text())
     """
 
     root: Failure
@@ -300,10 +286,6 @@ def summarize(failures: list[Failure]) -> Summary:
 
     Args:
         failures: every failed rank the agent reported (at least one).
-
-    Example::
-
-        summarize(failures).root.rank   # 1
     """
     if not failures:
         raise ValueError("summarize() needs at least one failure")

@@ -1,10 +1,5 @@
 """The launcher's voice during a job: restarts, the final verdict (with the ranks' post-mortem when
 it names the cause better than how the ranks ended) and a stop by signal.
-
-Example::
-
-    report = JobReporter(spec, postmortem_dir="logs/postmortem")
-    sys.exit(report.failed(exc.failures))
 """
 
 from __future__ import annotations
@@ -29,11 +24,6 @@ class JobReporter:
         spec: the job being launched (a :class:`~lockstep.launch.spec.LaunchSpec`).
         postmortem_dir: where the ranks keep their collective records; when they name the cause of
             a failure better than how the ranks ended, the summary says so (:mod:`lockstep.launch.postmortem`).
-
-    Example::
-
-        report = JobReporter(spec)
-        sys.exit(report.failed(exc.failures))
     """
 
     def __init__(self, spec: LaunchSpec, postmortem_dir: str = "") -> None:

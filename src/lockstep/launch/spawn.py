@@ -7,12 +7,6 @@ unpickled, so ``lockstep.Session()``, ``init_comm()`` or ``dist.init_process_gro
 inside ``fn`` join the job. Return values come back by rank; a failing rank raises
 :class:`SpawnError` in the parent with that rank's exception and traceback. Scripts should prefer
 ``lockstep run``, which restarts, reports and handles signals.
-
-Example::
-
-    from mypackage.jobs import train       # fn must live in an importable module, not a notebook cell
-    results = lockstep.spawn(train, nprocs=2, args=(0.1,))
-    results = lockstep.launch.spawn(train, 2, args=(0.1,))   # the same call: this module is callable
 """
 
 from __future__ import annotations
@@ -41,13 +35,6 @@ class SpawnError(LockstepError):
         message: what happened, naming the rank.
         rank: the failing global rank.
         worker_traceback: the traceback printed in the worker, or ``""``.
-
-    Example::
-
-        try:
-            spawn(fn, 2)
-        except SpawnError as exc:
-            print(exc.rank)
     """
 
     def __init__(self, message: str, rank: int | None = None, worker_traceback: str = "") -> None:
@@ -176,10 +163,6 @@ def spawn(
     Raises:
         SpawnError: a rank raised, died or the timeout passed; the message names the rank and
             carries its traceback. The other ranks are stopped.
-
-    Example::
-
-        spawn(mymodule.add_rank, nprocs=2, args=(10,))   # [10, 11]
     """
     import multiprocessing as mp
 

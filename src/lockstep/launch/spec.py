@@ -2,11 +2,6 @@
 
 Everything here is cheap (no torch import unless ``--nproc auto|gpu|cpu`` asks for a device count),
 so bad flags are refused at once with a :class:`~lockstep.errors.ConfigError`.
-
-Example::
-
-    spec = LaunchSpec("train.py", ("--epochs", "3"), nproc=resolve_nproc("2"))
-    host, port = parse_master("10.0.0.1:29400")
 """
 
 from __future__ import annotations
@@ -74,10 +69,6 @@ class LaunchSpec:
         grace: seconds the workers get to save and exit after a stop signal before SIGKILL.
         secret: the job's secret (the content of ``--secret-file``), which signs lockstep's values
             in the workers' store; a random one per job when empty. Every node must use the same.
-
-    Example::
-
-        LaunchSpec("train.py", ("--epochs", "3"), nproc=2)
     """
 
     target: str
@@ -163,10 +154,6 @@ def check_seconds(flag: str, value: float, zero_ok: bool = False) -> None:
 
     Raises:
         ConfigError: one line naming the flag and the accepted range.
-
-    Example::
-
-        check_seconds("--timeout", float("inf"))   # ConfigError
     """
     low_ok = value >= 0 if zero_ok else value > 0
     if not (low_ok and math.isfinite(value) and value <= _MAX_SECONDS):
@@ -182,10 +169,6 @@ def read_secret(path: str) -> str:
 
     Raises:
         ConfigError: the file cannot be read or holds nothing.
-
-    Example::
-
-        read_secret("/etc/lockstep/job.secret")
     """
     try:
         with open(path, encoding="utf-8") as fp:
@@ -202,10 +185,6 @@ def parse_nodes(text: str) -> tuple[int, int | None]:
 
     Args:
         text: the flag's value.
-
-    Example::
-
-        parse_nodes("1:3")   # (1, 3)
     """
     match = re.fullmatch(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?", str(text))
     if match is None:
@@ -218,10 +197,6 @@ def parse_master(text: str) -> tuple[str, int]:
 
     Args:
         text: the ``--master`` value.
-
-    Example::
-
-        parse_master("10.0.0.1:29400")  # ("10.0.0.1", 29400)
     """
     match = re.fullmatch(r"\[([^\]]+)\]:(\d+)|([^:\[\]]+):(\d+)", text.strip())
     if match is None:
@@ -240,10 +215,6 @@ def exposure_warning(host: str) -> str | None:
 
     Args:
         host: the ``--master`` host.
-
-    Example::
-
-        exposure_warning("0.0.0.0")  # "warning: ... wildcard ..."
     """
     if host in ("0.0.0.0", "::", "*", ""):
         what = f"the wildcard address {host!r}"
@@ -275,10 +246,6 @@ def oversubscription_warning(nproc: int, cpus: int | None = None, gpus: int | No
         nproc: processes per node.
         cpus: CPU cores (default: those this process may use).
         gpus: visible GPUs (default: ``torch.cuda.device_count()``, 0 without CUDA).
-
-    Example::
-
-        oversubscription_warning(64, cpus=2, gpus=0)   # "lockstep run: warning: 64 processes ..."
     """
     if cpus is None:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -304,10 +271,6 @@ def resolve_nproc(value: str | int) -> int:
 
     Args:
         value: the flag's value.
-
-    Example::
-
-        resolve_nproc("2")  # 2
     """
     text = str(value).strip()
     if text.isdigit():
@@ -330,10 +293,6 @@ def slurm_defaults(env: Mapping[str, str]) -> dict[str, Any]:
 
     Args:
         env: the environment to read (:func:`lockstep.env.environment`).
-
-    Example::
-
-        slurm_defaults({"SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NUM_TASKS": "2", ...})
     """
     from lockstep._cluster import launch_defaults
 
@@ -352,10 +311,6 @@ def import_torch_quietly(verbose: bool = False) -> None:
 
     Args:
         verbose: keep torch's C++ logging as configured.
-
-    Example::
-
-        import_torch_quietly()
     """
     if verbose or "torch" in sys.modules or "TORCH_CPP_LOG_LEVEL" in os.environ:
         return

@@ -14,11 +14,6 @@ and nowhere else, so that a change in torch's private agent API breaks one modul
 The private names it uses (``LocalElasticAgent._start_workers``, ``_monitor_workers``,
 ``_restart_workers``, ``_shutdown``, ``_pcontext``, ``_remaining_restarts``) are checked by
 ``tests/lockstep/test_shims.py``. Checked on torch 2.14.
-
-Example::
-
-    with quiet_torch(False), reporting_agent(JobReporter(spec)):
-        elastic_launch(config, sys.executable)(*args)
 """
 
 from __future__ import annotations

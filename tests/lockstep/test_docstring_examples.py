@@ -25,7 +25,7 @@ def test_every_example_block_is_a_doctest() -> None:
     for path in SRC.rglob("*.py"):
         if "describe_command(parser, __doc__)" in path.read_text():
             continue  # a command's docstring is its --help text: shell lines, run by the docs' tests
-        for match in re.finditer(r"Example::\n\n((?:[ \t]+.*\n|\n)+)", path.read_text()):
+        for match in re.finditer(r"Example[^\n]*::\n\n((?:[ \t]+.*\n|\n)+)", path.read_text()):
             if ">>> " not in match.group(1):
                 loose.append(f"{path.relative_to(SRC)}: {match.group(1).strip().splitlines()[0]}")
     assert not loose, "examples that no test runs (write them as doctests):\n" + "\n".join(loose)

@@ -1,21 +1,9 @@
-"""checkpoint: complete, crash-safe, verified training state on disk.
+"""checkpoint: complete, crash-safe, verified training state, in a folder or on an object store.
 
-* :mod:`~lockstep.checkpoint.core`: :func:`save_checkpoint` / :func:`load_checkpoint` (every rank);
-* :mod:`~lockstep.checkpoint.write`: the steps of one save (folder, each rank's part, manifest, commit);
-* :mod:`~lockstep.checkpoint.background`: :func:`save_checkpoint_async`, the same save in background threads;
-* :mod:`~lockstep.checkpoint.portable`: replicated state dicts cut into DCP tensors and a skeleton, and joined back;
-* :mod:`~lockstep.checkpoint.files`: errors, atomic writes, publish by rename;
-* :mod:`~lockstep.checkpoint.layout`: ``step-N`` names, listing (no symbolic links), pruning;
-* :mod:`~lockstep.checkpoint.manifest`: the sha256 manifest written last and checked first;
-* :mod:`~lockstep.checkpoint.confine`: opening a checkpoint's files without leaving its folder;
-* :mod:`~lockstep.checkpoint.safety`: ``weights_only`` loading and the allowlist for DCP metadata;
-* :mod:`~lockstep.checkpoint.torch_dcp`: the only torch-private name of the layer (DCP's nested setter);
-* :mod:`~lockstep.checkpoint.sharded`: the ``torch.distributed.checkpoint`` part (every rank
-  writes its share), read through a reader that only uses verified bytes;
-* :mod:`~lockstep.checkpoint.lock`: :func:`lock_folder`, one live job per checkpoint folder;
-* :mod:`~lockstep.checkpoint.storage`: the storage interface (a local folder, any fsspec URL);
-* :mod:`~lockstep.checkpoint.objects`: checkpoints on an object store, committed by a conditional put;
-* :mod:`~lockstep.checkpoint.objlock`: one live job per checkpoint URL, by a lock object.
+:func:`save_checkpoint` / :func:`load_checkpoint` (:mod:`~lockstep.checkpoint.core`, every rank) save
+and resume; :func:`lock_folder` keeps one live job per folder or URL. The other modules are the steps
+of a save and a load (:mod:`~lockstep.checkpoint.write`, :mod:`~lockstep.checkpoint.manifest`,
+:mod:`~lockstep.checkpoint.safety`, :mod:`~lockstep.checkpoint.objects`...), each naming its job.
 
 May import: ``lockstep.errors``, ``lockstep.comm``.
 """

@@ -1,17 +1,10 @@
 """Non-blocking saves: the state is copied at once, the ranks write it while training goes on.
 
-``session.save(..., blocking=False)`` (and :func:`save_checkpoint_async`) takes what a blocking
-save takes: every rank's state gathered into CPU copies (a sharded state is staged to CPU
-first) and checked (``weights_only``-loadable), and rank 0 opens the temporary folder. Then, in
-a background thread on each rank, rank 0 writes ``state.pt``, every rank writes its part of the
-tensors through ``torch.distributed.checkpoint`` over a process group of its own (so the
-training's collectives are never interleaved with the checkpoint's) and hashes it, and rank 0
-writes the manifest, fsyncs, commits by rename and prunes, exactly as a blocking save does.
-:meth:`PendingSave.wait` (the session calls it at the next save, load or close) joins the
-writer and tells every rank how it ended: a failure (a full disk, naming the path) is raised
-there, on every rank, and the previous checkpoint is still the good one. A crash or SIGKILL
-during the write leaves only a temporary folder, which the next save removes and which a load
-never takes for a checkpoint.
+:func:`save_checkpoint_async` does at once what a blocking save does first (CPU copies, checked;
+rank 0 opens the temporary folder), then each rank writes its part in a background thread over a
+process group of its own, so the training's collectives never interleave with the checkpoint's.
+:meth:`PendingSave.wait` raises a failure on every rank, the previous checkpoint still the good
+one; a crash during the write leaves only a temporary folder, never taken for a checkpoint.
 """
 
 from __future__ import annotations
@@ -38,16 +31,7 @@ Work = Callable[[Any], "tuple[Path | str | None, CheckpointError | None]"]
 
 
 class PendingSave:
-    """A checkpoint the ranks are writing in background threads (made by :func:`save_checkpoint_async`).
-
-    Args:
-        path: where the checkpoint will be once committed (a folder, or a URL).
-        comm: the job's collectives.
-        work: this rank's part of the write, run in a thread with ``group``; ``None`` when this
-            rank has nothing to write.
-        group: the process group the writers plan over (not the training's), or ``None`` in one process.
-        done_with_group: called once the write ended, to destroy a group made for this save alone.
-    """
+    """A checkpoint being written in background threads; ``path`` is where it will be once committed."""
 
     def __init__(
         self,
@@ -83,12 +67,7 @@ class PendingSave:
         return self._thread is None or not self._thread.is_alive()
 
     def wait(self) -> Path | str:
-        """Wait for the write and agree on its outcome (every rank must call it); the committed folder.
-
-        Raises:
-            CheckpointError: the write failed (on every rank; the message names the path and,
-                for a full disk, which earlier checkpoint is intact).
-        """
+        """Wait for the write and agree on its outcome (every rank); the committed folder, or raise on every rank."""
         if self._thread is not None:
             self._thread.join()
         try:
@@ -134,15 +113,7 @@ def _gather(group: Any) -> Any:
 
 
 class WriterGroup:
-    """The process group background writes plan over: made on first use, destroyed by :meth:`release`.
-
-    The writers talk over a gloo group of their own, so the training's collectives are never
-    interleaved with the checkpoint's. A session keeps one for all its saves; a save given none
-    makes one for itself and destroys it once written.
-
-    Args:
-        comm: the job's collectives (its watchdog timeout is the group's).
-    """
+    """The gloo group background writes plan over: made on first use, destroyed by :meth:`release`."""
 
     def __init__(self, comm: Comm) -> None:
         self.comm = comm
@@ -157,12 +128,9 @@ class WriterGroup:
         return self._group
 
     def release(self) -> None:
-        """Destroy the group, if one was made (no collective; safe to call twice).
-
-        A job whose group lockstep formed loses it anyway when ``Comm.shutdown`` destroys every
-        group; a group lockstep adopted (Ray Train) stays its owner's, so this side group is the
-        only one lockstep destroys there. Call it once no save is in flight.
-        """
+        """Destroy the group, if one was made (no collective; safe to call twice, once no save is in flight)."""
+        # Comm.shutdown destroys every group lockstep formed, but not an adopted one (Ray Train's): there,
+        # this side group is the only one lockstep destroys
         group, self._group = self._group, None
         if group is not None and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group(group)
@@ -189,27 +157,10 @@ def save_checkpoint_async(
     writers: WriterGroup | None = None,
     position: Any = None,
 ) -> PendingSave:
-    """Start writing checkpoint ``step-NNNNNN`` and return at once (every rank calls it).
+    """Start :func:`~lockstep.checkpoint.core.save_checkpoint` and return at once (every rank calls it).
 
-    The same contract as :func:`~lockstep.checkpoint.core.save_checkpoint`: the RNG states are
-    gathered, the state checked and the temporary folder opened now; the writes go on in the
-    background. ``state`` and ``replicated`` must be copies nothing changes while they are
-    written; ``sharded`` is copied to CPU here.
-
-    Args:
-        directory: the checkpoint folder.
-        state: the rest of the state (counters, extras; ``state["rng"]`` this rank's).
-        comm: the job's collectives.
-        step: the global step.
-        keep: keep only the newest ``keep`` checkpoints.
-        sharded: state dicts holding ``DTensor`` s (FSDP2).
-        replicated: state dicts identical on every rank (ddp's model and optimizer).
-        writers: the group the writers plan over, kept between saves; ``None``: one made for
-            this save and destroyed when it is written.
-        position: the data position, recorded in an object-store checkpoint's manifest.
-
-    Raises:
-        UnsupportedStateError: a value that could not be loaded back safely (on every rank, now).
+    ``state`` and ``replicated`` must be copies nothing changes while they are written; ``sharded`` is
+    copied to CPU here. ``writers``: a group kept between saves (``None``: one made for this save).
     """
     if is_url(directory):
         return _objects_async(

@@ -1,11 +1,8 @@
 """Open a checkpoint's files without ever leaving its folder.
 
-Every name a checkpoint gives for its own files (in ``manifest.json``, or a shard's
-``relative_path`` in the ``torch.distributed.checkpoint`` metadata) is a plain relative name:
-:func:`check_name` refuses absolute names, ``..``, empty parts and backslashes, and
-:func:`open_file` opens the file one folder at a time from the checkpoint folder without
-following any symbolic link (``O_NOFOLLOW``, relative to the open parent), so neither a crafted
-name nor a link planted in the folder, or swapped in while it is read, leads outside.
+:func:`check_name` refuses absolute names, ``..``, empty parts and backslashes; :func:`open_file`
+walks down from the checkpoint folder one ``O_NOFOLLOW`` open at a time, so neither a crafted name
+nor a planted (or swapped-in) link leads outside.
 """
 
 from __future__ import annotations
@@ -33,16 +30,7 @@ def _outside(checkpoint: Path, name: str, why: str) -> UnsafeCheckpointError:
 
 
 def check_name(checkpoint: Path, name: str) -> tuple[str, ...]:
-    """Split ``name`` into its parts; refuse a name that could leave the checkpoint folder.
-
-    Args:
-        checkpoint: the ``step-N`` folder (for the message).
-        name: a file name relative to it, ``/``-separated (``"sharded/__0_0.distcp"``).
-
-    Raises:
-        UnsafeCheckpointError: ``name`` is absolute, holds ``..``, ``.``, an empty part, a
-            backslash or a NUL.
-    """
+    """Split ``name`` (``/``-separated) into its parts; :class:`UnsafeCheckpointError` if it could leave the folder."""
     if not isinstance(name, str) or not name:
         raise _outside(checkpoint, str(name), "not a file name")
     parts = tuple(name.split("/"))
@@ -52,20 +40,7 @@ def check_name(checkpoint: Path, name: str) -> tuple[str, ...]:
 
 
 def open_file(checkpoint: Path, name: str) -> IO[bytes]:
-    """Open the regular file ``name`` inside ``checkpoint`` for reading, following no link.
-
-    Neither ``checkpoint`` itself (the ``step-N`` folder; its parents may be links) nor any
-    folder or file below it may be a symbolic link, and the file must be a regular file (not a
-    FIFO that would block, nor a device).
-
-    Args:
-        checkpoint: the ``step-N`` folder.
-        name: a file name relative to it (see :func:`check_name`).
-
-    Raises:
-        UnsafeCheckpointError: ``name`` leaves the folder, or a link or special file is met.
-        OSError: the file cannot be opened (``FileNotFoundError`` when it is missing).
-    """
+    """Open the regular file ``name`` inside ``checkpoint`` for reading, through no link (nor a FIFO or device)."""
     parts = check_name(checkpoint, name)
     if os.open not in os.supports_dir_fd:  # no openat(): check the resolved path instead
         path = checkpoint.joinpath(*parts)

@@ -1,12 +1,9 @@
 """The files of a checkpoint: errors, crash-safe writing and the commit by rename.
 
 A committed checkpoint is a folder ``step-000123`` holding ``state.pt`` (one ``torch.save``
-file), an optional ``sharded/`` folder (``torch.distributed.checkpoint``) and ``manifest.json``
-(see :mod:`lockstep.checkpoint.manifest`). It is written under a temporary name
-(``.tmp-step-000123-PID``), every file and folder is fsync'd, and only then renamed to its final
-name, so a folder called ``step-*`` is always complete. Names, listing and pruning live in
-:mod:`lockstep.checkpoint.layout`. This module does the file work of one process; the
-collectives live in :mod:`lockstep.checkpoint.core`.
+file), an optional ``sharded/`` folder and ``manifest.json``. It is written under
+``.tmp-step-000123-PID``, every file and folder fsync'd, then renamed, so a folder called
+``step-*`` is always complete.
 """
 
 from __future__ import annotations
@@ -67,13 +64,7 @@ class UnsafeCheckpointError(CheckpointError):
 
 
 def io_error(exc: OSError, path: Path, action: str = "write") -> CheckpointError:
-    """Translate an ``OSError`` into a :class:`CheckpointError` naming ``path`` and the cause.
-
-    Args:
-        exc: the error the file system raised.
-        path: the file or folder being written or read.
-        action: ``"write"`` or ``"read"``, for the message.
-    """
+    """An ``OSError`` as a :class:`CheckpointError` naming ``path`` and the cause (:class:`DiskFullError` if full)."""
     if exc.errno in _NO_SPACE:  # what is left of earlier saves, save_checkpoint says (it knows the folder)
         return DiskFullError(
             f"cannot {action} checkpoint {path}: no space left on device. Free disk space or "
@@ -88,11 +79,7 @@ def _open_for_write(path: Path) -> IO[bytes]:
 
 
 class _HashingWriter:
-    """The file object ``torch.save`` writes through: hashes the bytes and keeps the real OSError.
-
-    ``torch.save`` turns a failing write into ``RuntimeError: unexpected pos`` and loses the
-    ``OSError`` (ENOSPC); remembering it here lets the caller report the true cause.
-    """
+    """What ``torch.save`` writes through: hashes the bytes, keeps the OSError torch turns into ``unexpected pos``."""
 
     def __init__(self, raw: IO[bytes]) -> None:
         self.raw = raw
@@ -120,15 +107,7 @@ class _HashingWriter:
 
 
 def write_state_file(path: Path, obj: Any) -> dict[str, Any]:
-    """``torch.save`` ``obj`` to ``path``, fsync it and return its manifest record.
-
-    Args:
-        path: the file to create (inside the temporary checkpoint folder).
-        obj: what to save.
-
-    Raises:
-        CheckpointError: the disk is full ("no space left on device"), or another write error.
-    """
+    """``torch.save`` ``obj`` to ``path``, fsync it and return its manifest record (size, sha256)."""
     try:
         with _open_for_write(path) as raw:
             writer = _HashingWriter(raw)
@@ -150,15 +129,7 @@ def write_state_file(path: Path, obj: Any) -> dict[str, Any]:
 
 
 def write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to a new file ``path`` and fsync it.
-
-    Args:
-        path: the file to create.
-        data: its content.
-
-    Raises:
-        CheckpointError: the disk is full ("no space left on device"), or another write error.
-    """
+    """Write ``data`` to a new file ``path`` and fsync it."""
     try:
         with _open_for_write(path) as f:
             f.write(data)
@@ -169,21 +140,13 @@ def write_bytes(path: Path, data: bytes) -> None:
 
 
 def hash_file(path: Path) -> dict[str, Any]:
-    """The manifest record (size, sha256) of an existing file.
-
-    Args:
-        path: the file to read.
-    """
+    """The manifest record (size, sha256) of an existing file."""
     with open(path, "rb") as f:
         return hash_stream(f)
 
 
 def hash_stream(f: IO[bytes]) -> dict[str, Any]:
-    """The manifest record (size, sha256) of what is left to read in ``f``.
-
-    Args:
-        f: a file open for reading in binary mode.
-    """
+    """The manifest record (size, sha256) of what is left to read in ``f``."""
     sha = hashlib.sha256()
     size = 0
     while chunk := f.read(_CHUNK):
@@ -193,11 +156,7 @@ def hash_stream(f: IO[bytes]) -> dict[str, Any]:
 
 
 def fsync_dir(path: Path) -> None:
-    """Make the entries of folder ``path`` (new files, renames) durable.
-
-    Args:
-        path: a folder.
-    """
+    """Make the entries of folder ``path`` (new files, renames) durable."""
     if os.name == "nt":  # Windows cannot open a folder for fsync; its renames are journaled
         return
     fd = os.open(path, os.O_RDONLY)
@@ -208,15 +167,7 @@ def fsync_dir(path: Path) -> None:
 
 
 def publish(tmp: Path, final: Path) -> Path:
-    """Rename the finished folder ``tmp`` to ``final`` atomically and fsync the parent.
-
-    An existing ``final`` (the same step saved again) is first moved aside and deleted after:
-    the rename of a folder cannot replace a non-empty one.
-
-    Args:
-        tmp: the complete, fsync'd temporary folder.
-        final: its ``step-N`` name.
-    """
+    """Rename ``tmp`` to ``final`` atomically, fsync the parent; an existing ``final`` is moved aside, deleted after."""
     trash = None
     if os.path.lexists(final):  # a dangling link too: a folder cannot be renamed over it
         trash = final.with_name(f".trash-{final.name}-{os.getpid()}")
@@ -234,13 +185,7 @@ def publish(tmp: Path, final: Path) -> Path:
 
 
 def discard(path: Path | None) -> None:
-    """Delete a temporary or retired checkpoint folder, ignoring errors (best effort).
-
-    A symbolic link is removed itself; what it points to is never touched.
-
-    Args:
-        path: the folder (or link, or file) to delete; ``None`` does nothing.
-    """
+    """Delete a temporary or retired checkpoint folder (a link itself, never its target), ignoring errors."""
     if path is None:
         return
     if path.is_symlink() or path.is_file():

@@ -1,12 +1,5 @@
 """The layout of a checkpoint folder: ``step-N`` names, listing, leftovers and pruning.
 
-Layout::
-
-    checkpoints/
-        step-000100/  state.pt  manifest.json  [sharded/]
-        step-000200/  ...
-        .tmp-step-000300-4242/     <- an unfinished save; ignored, removed by the next save
-
 Only real folders count: a ``step-N`` symbolic link is never listed, followed or pruned.
 """
 
@@ -28,29 +21,17 @@ _LEFTOVER = (".tmp-step-", ".trash-step-")
 
 
 def step_name(step: int) -> str:
-    """The folder name of the checkpoint of ``step``: ``step-000123`` (wider past a million).
-
-    Args:
-        step: the global step the checkpoint was taken at.
-    """
+    """The folder name of the checkpoint of ``step``: ``step-000123`` (wider past a million)."""
     return f"step-{step:06d}"
 
 
 def temp_name(step: int) -> str:
-    """The name a checkpoint of ``step`` is written under before its commit (unique per process).
-
-    Args:
-        step: the global step being saved.
-    """
+    """The name a checkpoint of ``step`` is written under before its commit (unique per process)."""
     return f".tmp-{step_name(step)}-{os.getpid()}"
 
 
 def step_of(name: str) -> int | None:
-    """The step a checkpoint folder name stands for, or ``None`` if it is not a ``step-N`` name.
-
-    Args:
-        name: a folder name (not a path).
-    """
+    """The step a checkpoint folder name stands for, or ``None`` if it is not a ``step-N`` name."""
     match = _STEP.match(name)
     return int(match.group(1)) if match else None
 
@@ -58,9 +39,8 @@ def step_of(name: str) -> int | None:
 def list_checkpoints(directory: str | Path) -> list[Path]:
     """The committed checkpoints in ``directory``, oldest (lowest step) first.
 
-    Unfinished temporary folders are never listed: they do not carry a ``step-N`` name until
-    their commit. Neither is a ``step-N`` symbolic link (a save never makes one): it could lead
-    into another run and shadow this run's newer checkpoints, so it is ignored with a warning.
+    Unfinished temporary folders are never listed, nor ``step-N`` symbolic links (they could lead
+    into another run and shadow this run's checkpoints), which are ignored with a warning.
 
     Args:
         directory: the folder ``save_checkpoint`` writes into; a missing one has none.
@@ -98,11 +78,7 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
 
 
 def remove_stale(root: Path) -> None:
-    """Delete temporary folders left by saves that were killed before their commit.
-
-    Args:
-        root: the checkpoint folder; only one job may write into it at a time.
-    """
+    """Delete temporary folders left by saves that were killed before their commit."""
     for entry in root.iterdir():
         if entry.name.startswith(_LEFTOVER):
             logger.info("removing unfinished checkpoint %s left by an interrupted save", entry)
@@ -110,19 +86,7 @@ def remove_stale(root: Path) -> None:
 
 
 def prune(root: Path, keep: int | None, protect: Path) -> None:
-    """Keep the ``keep`` newest checkpoints up to ``protect`` (the one just written); delete older.
-
-    A checkpoint with a higher step than ``protect`` is never deleted: it belongs to a run that
-    was resumed from an earlier step (after a fallback, or on purpose), and it is not this
-    save's to remove; saving its step again replaces it. Symbolic links are never listed, so
-    never followed. Each is renamed to a temporary name before deletion, so a crash mid-delete
-    never leaves a half-deleted folder that looks committed.
-
-    Args:
-        root: the checkpoint folder.
-        keep: how many to keep (``None`` keeps all).
-        protect: the checkpoint that was just committed.
-    """
+    """Delete all but the ``keep`` newest checkpoints up to ``protect`` (just written); none newer than it."""
     if keep is None:
         return
     limit = step_of(protect.name)
@@ -130,6 +94,7 @@ def prune(root: Path, keep: int | None, protect: Path) -> None:
     for old in found[: max(0, len(found) - keep)]:
         if old == protect:
             continue
+        # renamed before deletion: a crash mid-delete never leaves a half-deleted folder that looks committed
         trash = old.with_name(f".trash-{old.name}-{os.getpid()}")
         try:
             os.replace(old, trash)

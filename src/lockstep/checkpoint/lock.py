@@ -1,17 +1,9 @@
 """One live job per checkpoint folder.
 
-Two jobs saving into (or resuming from) the same folder overwrite and prune each other's
-checkpoints. :func:`lock_folder` lets one job hold a folder for as long as it lives: rank 0
-holds an exclusive ``flock`` on ``<folder>/.lockstep.lock``, whose body names the holder's host
-and pid; the kernel drops the lock when that process ends, however it ends (``kill -9``
-included), so a lock left by a dead job is simply taken over by the next one. Every rank learns
-rank 0's outcome, so either all ranks hold the folder or all raise the same one-line
-:class:`FolderInUseError`.
-
-On a file system shared between machines, whether ``flock`` reaches the other machines depends
-on the file system (NFS and Lustre with the ``flock`` mount option do; a local-only mode does
-not); only rank 0 takes the lock, and where the file system refuses locks it is skipped with a
-warning.
+Rank 0 holds an exclusive ``flock`` on ``<folder>/.lockstep.lock``, whose body names the holder's
+host and pid; the kernel drops it when that process ends (``kill -9`` included), so a dead job's
+lock is taken over by the next one. Across machines, ``flock`` works where the shared file system
+supports it (NFS, Lustre mounted with ``flock``); where locks are refused, a warning says so.
 """
 
 from __future__ import annotations
@@ -46,8 +38,7 @@ _TRIES = 5
 class FolderLock:
     """A checkpoint folder held by this job, from :func:`lock_folder`; :meth:`release` when done.
 
-    Only rank 0's lock holds a file; the other ranks' is empty and :meth:`release` does nothing
-    there. Also a context manager.
+    Only rank 0's lock holds a file; the other ranks' is empty. Also a context manager.
 
     Args:
         path: the lock file (``None`` on the other ranks or where locks are unsupported).
@@ -86,22 +77,19 @@ class FolderLock:
 def lock_folder(directory: str | Path, comm: Comm) -> FolderLock | ObjectLock:
     """Hold checkpoint folder ``directory`` for this job until :meth:`FolderLock.release`.
 
-    Every rank calls it (collective); rank 0 takes the lock and all ranks learn the outcome.
-    Call it once per folder, before the first save or load, and release it when the job is
-    done with the folder (the lock also ends with rank 0's process). A second call for a
-    folder this job already holds is refused like any other holder.
+    Every rank calls it, once per folder, before the first save or load; rank 0 takes the lock and
+    all ranks learn the outcome. The lock also ends with rank 0's process.
 
     Args:
-        directory: the checkpoint folder (created if missing), or an fsspec URL: a lock object
-            put only if absent holds it (:mod:`lockstep.checkpoint.objlock`).
+        directory: the checkpoint folder (created if missing), or an fsspec URL
+            (:mod:`lockstep.checkpoint.objlock`).
         comm: the job's :class:`~lockstep.comm.group.Comm`.
 
     Returns:
         The held lock (empty on ranks other than 0).
 
     Raises:
-        FolderInUseError: another live job (or this one) holds the folder; the message names
-            its host and pid.
+        FolderInUseError: another live job, or this one already, holds it (the message names host and pid).
         CheckpointError: the folder or lock file cannot be created.
     """
     if is_url(directory):

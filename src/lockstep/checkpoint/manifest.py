@@ -1,14 +1,10 @@
 """A checkpoint's ``manifest.json``: what every file must contain, and the check before loading.
 
-The manifest lists each file of the checkpoint (relative name, size, sha256), the step, the
-world size that wrote it, the torch version and the time. It carries its own sha256 too, so an
-altered manifest is caught like an altered file. Nothing is unpickled before this check passes:
-``torch.load`` of a bit-flipped file would otherwise return wrong tensors without a word.
-
-The manifest guards against accidents, not against someone who may write into the folder (they
-can write a matching manifest too). Against them, every file is read through
-:func:`~lockstep.checkpoint.confine.open_file` (never outside the folder) and
-:func:`read_verified` (read once: the bytes that were hashed are the bytes that are unpickled).
+The manifest (format ``lockstep-checkpoint/1``) lists each file (relative name, size, sha256), the
+step, the world size, the torch version, the time, an object store's data position, and its own
+sha256. Nothing is unpickled before the check passes. It guards against accidents, not against
+someone who may write into the folder: against them, every file is read through
+:func:`~lockstep.checkpoint.confine.open_file` and :func:`read_verified`.
 """
 
 from __future__ import annotations
@@ -56,14 +52,7 @@ def _manifest_digest(body: dict[str, Any]) -> str:
 
 
 def manifest_bytes(files: dict[str, dict[str, Any]], *, step: int, world_size: int, position: Any = None) -> bytes:
-    """The content of a manifest: every file's record, the step, the world size, its own sha256.
-
-    Args:
-        files: ``{relative name: {"size": ..., "sha256": ...}}``.
-        step: the checkpoint's step.
-        world_size: how many ranks took part in the save.
-        position: the data position to record (any JSON value, kept opaque), or ``None``.
-    """
+    """The content of a manifest: every file's record, the step, the world size, the position, its own sha256."""
     body: dict[str, Any] = {
         "format": FORMAT,
         "step": step,
@@ -79,17 +68,7 @@ def manifest_bytes(files: dict[str, dict[str, Any]], *, step: int, world_size: i
 
 
 def check_manifest(raw: bytes, where: str, named: int | None) -> dict[str, Any]:
-    """Parse and check a manifest's bytes: its own sha256, its format, the step its name says.
-
-    Args:
-        raw: the manifest's content.
-        where: "checkpoint X is corrupt", the start of the messages.
-        named: the step the checkpoint's name says, or ``None``.
-
-    Raises:
-        CorruptCheckpointError: unreadable or altered.
-        CheckpointError: it records another step than ``named``.
-    """
+    """Parse and check a manifest's bytes: its own sha256, its format, and the step ``named`` (if not ``None``)."""
     try:
         body = json.loads(raw)
     except ValueError as exc:
@@ -114,17 +93,7 @@ def check_manifest(raw: bytes, where: str, named: int | None) -> dict[str, Any]:
 
 
 def write_manifest(folder: Path, files: dict[str, dict[str, Any]], *, step: int, world_size: int) -> None:
-    """Write and fsync ``manifest.json`` describing ``files`` (names relative to ``folder``).
-
-    Args:
-        folder: the temporary checkpoint folder.
-        files: ``{relative name: {"size": ..., "sha256": ...}}``.
-        step: the checkpoint's step.
-        world_size: how many ranks took part in the save.
-
-    Raises:
-        CheckpointError: the disk is full ("no space left on device"), or another write error.
-    """
+    """Write and fsync ``manifest.json`` describing ``files`` (names relative to ``folder``)."""
     write_bytes(folder / MANIFEST_FILE, manifest_bytes(files, step=step, world_size=world_size))
 
 
@@ -135,10 +104,8 @@ def _is_record(record: Any) -> bool:
 def read_manifest(checkpoint: str | Path) -> dict[str, Any]:
     """Read and check ``manifest.json`` of a committed checkpoint (not the files it lists).
 
-    The step it records must be the one the folder is named after: a checkpoint renamed (or
-    copied in under another name) would otherwise be resumed at the wrong place, or shadow
-    newer ones. A checkpoint copied in from another run under its own name is accepted and
-    loads like one of this run's: that is how a run is started from another's on purpose.
+    The step it records must be the one the folder is named after; a checkpoint copied in from
+    another run under its own name is accepted.
 
     Args:
         checkpoint: a ``step-N`` folder.
@@ -161,13 +128,7 @@ def read_manifest(checkpoint: str | Path) -> dict[str, Any]:
 
 
 def check_record(path: Path | str, record: dict[str, Any], actual: dict[str, Any]) -> None:
-    """Raise :class:`CorruptCheckpointError` unless ``actual`` (size, sha256) matches ``record``.
-
-    Args:
-        path: the file that was read, for the message.
-        record: what the manifest says.
-        actual: what was read.
-    """
+    """Raise :class:`CorruptCheckpointError` unless ``actual`` (size, sha256) matches ``record``."""
     if actual["size"] != record["size"] or actual["sha256"] != record["sha256"]:
         raise CorruptCheckpointError(
             f"checkpoint file {path} is corrupt: checksum mismatch (manifest: {record['size']} bytes, "
@@ -183,7 +144,7 @@ def verify_checkpoint(checkpoint: str | Path) -> dict[str, Any]:
         checkpoint: a ``step-N`` folder.
 
     Raises:
-        CorruptCheckpointError: a file is missing, of the wrong size or has the wrong sha256.
+        CorruptCheckpointError: the manifest is altered, or a file is missing, of the wrong size or sha256.
         CheckpointError: a file cannot be read.
     """
     folder = Path(checkpoint)
@@ -208,21 +169,7 @@ def _open_listed(folder: Path, name: str) -> IO[bytes]:
 
 
 def read_verified(checkpoint: Path, name: str, files: dict[str, dict[str, Any]]) -> bytes:
-    """Read file ``name`` of ``checkpoint`` once, check it against the manifest, return its bytes.
-
-    The bytes returned are the bytes that were hashed: whoever unpickles them unpickles what
-    the manifest vouches for, even if the file is replaced or rewritten meanwhile.
-
-    Args:
-        checkpoint: the ``step-N`` folder.
-        name: the file's name in the manifest (``"state.pt"``, ``"sharded/.metadata"``).
-        files: the manifest's ``"files"`` table.
-
-    Raises:
-        UnsafeCheckpointError: ``name`` is not in the manifest, leaves the folder, or is a link.
-        CorruptCheckpointError: the bytes do not match the manifest, or the file is missing.
-        CheckpointError: the file cannot be read.
-    """
+    """Read listed file ``name`` of ``checkpoint`` once and check it: the bytes returned are the bytes hashed."""
     record = files.get(name)
     if record is None:
         raise UnsafeCheckpointError(

@@ -1,33 +1,20 @@
 """Checkpoints on an object store (any fsspec URL): commit by a conditional put, not a rename.
 
-An object store has no rename, so a checkpoint cannot be written under a temporary name and
-renamed when complete. Instead::
+Layout::
 
     s3://bucket/run/
         step-000100/state.pt               <- rank 0
-        step-000100/sharded/__0_0.distcp   <- each rank uploads its own part, nothing gathered
-        step-000100/sharded/__1_0.distcp
+        step-000100/sharded/__1_0.distcp   <- each rank uploads its own part, nothing gathered
         step-000100/sharded/.metadata
         step-000100/manifest.json          <- written last, only if absent (If-None-Match: *)
         latest                             <- "step-000100", after the manifest: a hint only
         .lockstep.lock/00000003            <- the job holding the prefix (lockstep.checkpoint.objlock)
 
-1. Each rank writes its part into a private local folder (only its own share: nothing of the
-   checkpoint is gathered on one rank or one disk), uploads each file under the step's prefix,
-   retrying transient errors, and records its size and sha256.
-2. The records meet on rank 0, which writes the manifest (every object's sha256, the world
-   size, the step, the data position) with a conditional put: a step is committed once the
-   manifest exists, and two writers can never both commit it. Objects without a manifest are
-   a partial upload: never loaded, deleted by a later save.
-3. ``latest`` is written after the manifest, then old checkpoints are pruned (their manifest
-   first, so a checkpoint half deleted is no longer committed). Pruning never touches the
-   checkpoint just committed nor anything newer.
-
-A load walks back from the newest manifest: rank 0 picks the newest checkpoint whose manifest
-verifies and whose objects all exist with their recorded sizes; every rank then downloads only
-what it reads (``state.pt``, the DCP metadata, the shards DCP asks for at this world size) and
-checks each object's sha256 before using a byte of it. If any rank finds an object corrupt or
-missing, every rank learns it (naming the object) and the ranks go on to the previous one.
+A step is committed once its manifest exists, and two writers can never both commit it; objects
+without a manifest (a partial upload) are never loaded and a later save deletes them. Pruning
+deletes a checkpoint's manifest first and never touches the one just committed nor a newer one.
+A load walks back from the newest manifest; each rank downloads only what it reads and checks
+each object's sha256 before using it.
 """
 
 from __future__ import annotations
@@ -73,11 +60,7 @@ Gather = Callable[[Any], list[Any]]
 
 
 def committed_steps(storage: Storage) -> list[int]:
-    """The steps whose manifest exists (committed, not verified), oldest first.
-
-    Args:
-        storage: the checkpoints' storage.
-    """
+    """The steps whose manifest exists (committed, not verified), oldest first."""
     return sorted(int(m.group(1)) for name in storage.list() if (m := _MANIFEST.match(name)))
 
 
@@ -103,11 +86,7 @@ def begin_objects(
     replicated: dict[str, Any] | None,
     sharded: dict[str, Any] | None,
 ) -> Parts:
-    """Every rank: check, :func:`~lockstep.checkpoint.write.prepare`; rank 0 clears the step's prefix; agreed.
-
-    What a killed save left under this step is deleted; so is a checkpoint of this step that a
-    run which went further committed (the job holds the prefix: saving a step again replaces it).
-    """
+    """Every rank: :func:`~lockstep.checkpoint.write.prepare`; rank 0 clears the step's prefix; agreed."""
     check_args(step, keep)
     parts, error = None, None
     try:
@@ -156,22 +135,7 @@ def write_objects(
     group: Any = None,
     position: Any = None,
 ) -> tuple[str | None, CheckpointError | None]:
-    """Upload this rank's part, exchange the records, rank 0 commits and prunes (nothing raised).
-
-    Args:
-        storage: the checkpoints' storage.
-        parts: what :func:`begin_objects` returned.
-        step: the global step.
-        keep: keep only the newest ``keep`` checkpoints up to this one.
-        rank: this rank.
-        world_size: ranks in the job.
-        gather: every rank's value by rank (``comm.all_gather_object`` or over the writers' group).
-        group: the process group DCP uses (``None``: the default one).
-        position: the data position recorded in the manifest (opaque JSON), or ``None``.
-
-    Returns:
-        On rank 0 the committed checkpoint's URL, and the error (another rank's names it).
-    """
+    """Upload this rank's part, exchange the records; rank 0 commits, prunes, returns the URL (nothing raised)."""
     records, error = _upload_own(storage, parts, step, rank, world_size, group)
     gathered = gather((records, error))
     error = first_failure([e for _, e in gathered], rank)
@@ -218,16 +182,7 @@ def _commit(
 
 
 def prune_objects(storage: Storage, keep: int | None, step: int) -> None:
-    """Rank 0, after committing ``step``: delete older checkpoints past ``keep`` and older partial uploads.
-
-    ``step`` itself (the last verified checkpoint) and anything newer are never touched. A
-    failure only warns: the new checkpoint is committed.
-
-    Args:
-        storage: the checkpoints' storage.
-        keep: how many committed checkpoints up to ``step`` to keep (``None``: all).
-        step: the checkpoint just committed.
-    """
+    """Rank 0, after committing ``step``: delete older checkpoints past ``keep`` and older partial uploads."""
     try:
         names = storage.list()
         done = sorted(int(m.group(1)) for name in names if (m := _MANIFEST.match(name)))
@@ -252,22 +207,7 @@ def save_objects(
     position: Any = None,
     storage: Storage | None = None,
 ) -> str:
-    """:func:`~lockstep.checkpoint.core.save_checkpoint` for a URL: every rank calls it.
-
-    Args:
-        url: the checkpoints' URL (``s3://bucket/run``).
-        state: as for ``save_checkpoint``.
-        comm: the job's collectives.
-        step: the global step.
-        keep: keep only the newest ``keep`` checkpoints.
-        sharded: DTensor state dicts (FSDP2).
-        replicated: state dicts identical on every rank.
-        position: the data position recorded in the manifest (opaque JSON), or ``None``.
-        storage: the storage to use (default :func:`~lockstep.checkpoint.storage.open_storage` of ``url``).
-
-    Returns:
-        The committed checkpoint's URL (``s3://bucket/run/step-000100``).
-    """
+    """:func:`~lockstep.checkpoint.core.save_checkpoint` for a URL; every rank calls it."""
     storage = storage or open_storage(url)
     parts = begin_objects(storage, state, comm, step=step, keep=keep, replicated=replicated, sharded=sharded)
     final, error = write_objects(
@@ -277,13 +217,7 @@ def save_objects(
 
 
 def object_reader(storage: Storage, step: int, files: dict[str, dict[str, Any]]) -> Callable[[str], bytes]:
-    """Reads a listed object of checkpoint ``step`` once and checks it against the manifest.
-
-    Args:
-        storage: the checkpoints' storage.
-        step: the checkpoint.
-        files: its manifest's ``"files"`` table.
-    """
+    """Reads a listed object of checkpoint ``step`` once and checks it against the manifest."""
     prefix = step_name(step)
 
     def read(name: str) -> bytes:
@@ -358,23 +292,7 @@ def load_objects(
     fallback: bool = True,
     storage: Storage | None = None,
 ) -> dict[str, Any] | None:
-    """:func:`~lockstep.checkpoint.core.load_checkpoint` for a URL: every rank calls it.
-
-    Args:
-        url: the checkpoints' URL.
-        comm: the job's collectives.
-        map_location: where tensors go (default CPU).
-        sharded: templates of ``sharded=`` state dicts, filled in place.
-        fallback: go back to the previous checkpoint when one is corrupt (else raise).
-        storage: the storage to use (default :func:`~lockstep.checkpoint.storage.open_storage` of ``url``).
-
-    Returns:
-        The state (``"path"`` the checkpoint's URL), or ``None`` when there is none.
-
-    Raises:
-        CorruptCheckpointError: every checkpoint (or, with ``fallback=False``, the newest) is corrupt.
-        UnsafeCheckpointError: a checkpoint points outside itself or holds an unsafe pickle.
-    """
+    """:func:`~lockstep.checkpoint.core.load_checkpoint` for a URL; every rank calls it."""
     storage = storage or open_storage(url)
     steps: list[int] = []
     error: CheckpointError | None = None

@@ -1,24 +1,12 @@
 """One live job per checkpoint URL, without a shared disk: lock objects put only if absent.
 
-The lock is a series of objects ``<url>/.lockstep.lock/<generation>`` (``00000001``, ...), each created by
-a conditional put (``If-None-Match: *``); the highest generation is the holder. Its body names the holder (host, pid,
-since) and a random token. While the
-job lives, a thread renews it (rewrites ``renewed``) every ``ttl / 4`` seconds; at the end the job
-marks it released. A second job reads the highest generation and is refused with one line naming
-the holder, unless the holder is gone:
-
-* released (the job ended);
-* same host and its pid no longer runs (a job killed and restarted on that host, ``kill -9``
-  included): taken over at once;
-* otherwise when it was not renewed for ``ttl`` seconds (a lost host): taken over.
-
-Taking over is creating the next generation: of two jobs that both find the holder gone, one
-conditional put wins and the other sees the winner alive. No job deletes the generation it
-takes over, so none can remove a lock another one just took (a delete-then-create takeover can:
-both read the dead holder, one deletes it and creates its own, the other's delete removes that).
-A job whose generation is found below another's after its put backs off; the holder deletes the
-generations below its own. An object store offers no lock that dies with its process, so a holder
-on a lost host keeps the prefix for up to ``ttl`` (120 s by default).
+The lock is a series of objects ``<url>/.lockstep.lock/<generation>``, each created by a
+conditional put; the highest generation is the holder, its body names it (host, pid, since, a
+random token). A thread renews it every ``ttl / 4`` seconds; the job marks it released at the
+end. Another job is refused, naming the holder, unless the holder released it, is a dead pid on
+the same host, or was not renewed for ``ttl`` seconds. Taking over creates the next generation,
+so of two jobs taking over one wins; none deletes the generation it takes over (a
+delete-then-create takeover could remove a lock another job just took).
 """
 
 from __future__ import annotations
@@ -201,17 +189,7 @@ def _forget(storage: Storage, names: list[str]) -> None:
 
 
 def lock_objects(url: str, comm: Comm, ttl: float | None = None, storage: Storage | None = None) -> ObjectLock:
-    """Hold checkpoint URL ``url`` for this job (every rank calls it; rank 0 takes the lock object).
-
-    Args:
-        url: the checkpoints' URL.
-        comm: the job's collectives.
-        ttl: seconds without renewal after which another job takes the lock over (default 120).
-        storage: the storage to use (default the URL's).
-
-    Raises:
-        FolderInUseError: another live job holds the prefix (the message names its host and pid).
-    """
+    """:func:`~lockstep.checkpoint.lock.lock_folder` for a URL (``ttl`` default :data:`DEFAULT_TTL`)."""
     ttl = DEFAULT_TTL if ttl is None else ttl
     lock, error = ObjectLock(), None
     if comm.is_main:

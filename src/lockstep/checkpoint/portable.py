@@ -1,17 +1,11 @@
 """Replicated state written by every rank: its tensors go through DCP, the rest stays in ``state.pt``.
 
-A replicated state dict (ddp's model and optimizer: the same full tensors on every rank) is cut
-in two by :func:`split_tensors`: the tensors, under flat names (``full/model/fc.weight``,
-``full/optimizer/state/0/exp_avg``), and a skeleton holding everything else, where each tensor
-is replaced by a marker naming it, which rank 0 writes into ``state.pt`` with the counters.
-:func:`own_share` gives each tensor to one rank, balancing the bytes; each rank copies only its
-own tensors and passes them to ``torch.distributed.checkpoint``, so each rank writes (and holds
-a copy of) about 1/world_size of the state, and none writes it all.
-
-A load reads the skeleton, makes an empty tensor of the recorded shape and dtype for each marker
-(:func:`templates`, from the verified DCP metadata: the checkpoint, not the model, says what it
-holds, so it loads at any world size and under any strategy), lets DCP fill them and puts them
-back (:func:`join_tensors`). The result is the state dict that was saved.
+:func:`split_tensors` cuts a replicated state dict (ddp's model and optimizer) into its tensors,
+under flat DCP names (``full/model/fc.weight``), and a skeleton, written into ``state.pt``, where
+each tensor is a marker naming it; :func:`own_share` gives each tensor to one rank. A load makes
+empty tensors from the verified DCP metadata (:func:`templates`: the checkpoint, not the model,
+says what it holds, so it loads at any world size), lets DCP fill them and puts them back
+(:func:`join_tensors`).
 """
 
 from __future__ import annotations
@@ -29,12 +23,7 @@ _MARK = "__lockstep_dcp__"
 
 
 def split_tensors(tree: Any, path: str = "full") -> tuple[Any, dict[str, torch.Tensor]]:
-    """``tree`` with each tensor replaced by a marker, and the tensors by their DCP names.
-
-    Args:
-        tree: nested dicts, lists and tuples holding tensors (a state dict).
-        path: the name of ``tree`` (the names of its tensors start with it).
-    """
+    """``tree`` with each tensor replaced by a marker ``{"__lockstep_dcp__": name}``, and the tensors by name."""
     tensors: dict[str, torch.Tensor] = {}
 
     def cut(value: Any, name: str) -> Any:
@@ -54,18 +43,9 @@ def split_tensors(tree: Any, path: str = "full") -> tuple[Any, dict[str, torch.T
 
 
 def own_share(tensors: dict[str, torch.Tensor], rank: int, world_size: int) -> dict[str, torch.Tensor]:
-    """CPU copies of the tensors ``rank`` writes: each tensor goes to one rank, bytes balanced.
-
-    Every rank computes the same assignment from the names, shapes and dtypes alone (largest
-    tensor first, to the rank with the fewest bytes so far, the lowest rank on a tie), so no
-    message is needed, and copies only its own share: the copy a save needs (training may go on
-    while it is written) costs each rank about 1/world_size of the state.
-
-    Args:
-        tensors: what :func:`split_tensors` returned second (identical on every rank).
-        rank: this rank.
-        world_size: ranks in the job.
-    """
+    """CPU copies of the tensors ``rank`` writes: each tensor to one rank, the bytes balanced."""
+    # largest first, to the rank with the fewest bytes (lowest on a tie): from names, shapes and dtypes
+    # alone, so every rank computes the same assignment without a message
     loads = [0] * world_size
     mine = {}
     for name in sorted(tensors, key=lambda n: (-tensors[n].nelement() * tensors[n].element_size(), n)):
@@ -82,11 +62,7 @@ def _is_mark(value: Any) -> bool:
 
 
 def marked(skeleton: Any) -> list[str]:
-    """The DCP names the markers in ``skeleton`` refer to (empty for a state without any).
-
-    Args:
-        skeleton: what :func:`split_tensors` returned first (after a round trip through ``state.pt``).
-    """
+    """The DCP names the markers in ``skeleton`` refer to (empty for a state without any)."""
     found: list[str] = []
 
     def walk(value: Any) -> None:
@@ -104,15 +80,7 @@ def marked(skeleton: Any) -> list[str]:
 
 
 def join_tensors(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    """Put the tensors back where :func:`split_tensors` left markers.
-
-    Args:
-        skeleton: the tree with markers.
-        tensors: every marked name's tensor.
-
-    Raises:
-        CheckpointError: a marker names a tensor that is not in ``tensors``.
-    """
+    """Put the tensors back where :func:`split_tensors` left markers."""
 
     def put(value: Any) -> Any:
         if _is_mark(value):
@@ -131,16 +99,7 @@ def join_tensors(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
 
 
 def templates(metadata: Any, names: list[str], device: torch.device | str) -> dict[str, torch.Tensor]:
-    """An empty tensor for each name, of the shape and dtype the DCP metadata records.
-
-    Args:
-        metadata: the verified DCP ``Metadata`` of the checkpoint.
-        names: the tensors to read (:func:`marked`).
-        device: where to put them (the load's ``map_location``).
-
-    Raises:
-        CheckpointError: a name the metadata lacks, or records as something other than a tensor.
-    """
+    """An empty tensor for each name, of the shape and dtype the DCP metadata records."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     recorded = metadata.state_dict_metadata

@@ -1,7 +1,6 @@
 """Reading the checkpoint the ranks agreed on: ``state.pt``, then its DCP part, each phase agreed.
 
-Shared by a folder's load (:mod:`lockstep.checkpoint.core`) and an object store's
-(:mod:`lockstep.checkpoint.objects`): only where the verified bytes come from differs (``read``).
+Shared by a folder's load and an object store's: only where the verified bytes come from differs.
 """
 
 from __future__ import annotations
@@ -29,20 +28,7 @@ def read_chosen(
     read: Reader | None = None,
     name: str | None = None,
 ) -> dict[str, Any]:
-    """Every rank: read the checkpoint the ranks agreed on, its DCP part too; each phase agreed.
-
-    Args:
-        path: the checkpoint (a ``step-N`` folder; for an object store, only used in messages).
-        files: its manifest's ``"files"`` table.
-        comm: the job's collectives.
-        map_location: where tensors go (default CPU).
-        sharded: the templates of ``save_checkpoint(sharded=...)``, filled in place.
-        read: reads a listed file's verified bytes (an object store's); default the folder's.
-        name: what ``state["path"]`` says (default ``str(path)``).
-
-    Raises:
-        CheckpointError: on every rank, when any rank failed (naming it).
-    """
+    """Every rank: read the agreed checkpoint and its DCP part; one rank's failure raises on every rank."""
     where = "cpu" if map_location is None else map_location
     state, metadata, error = None, None, None
     try:

@@ -1,15 +1,10 @@
 """Loading a checkpoint can never run code: ``weights_only=True`` everywhere, and nothing else.
 
-* :func:`check_loadable` refuses, at save time, values that ``torch.load(weights_only=True)``
-  would refuse at load time, so no checkpoint is written that could never be loaded.
-* :func:`load_state_file` reads the file once, compares its bytes with the manifest and calls
-  ``torch.load(..., weights_only=True, map_location=...)`` on those same bytes. A refusal is
-  reported as :class:`UnsafeCheckpointError` with torch's reason; there is no retry with
-  ``weights_only=False``.
-* ``torch.distributed.checkpoint`` reads its ``.metadata`` with plain ``pickle`` and its
-  non-tensor values with ``weights_only=False``; :func:`read_dcp_metadata` (an allowlist
-  unpickler over verified bytes, handed to the loader so the file is never read again) and
-  :func:`safe_load_planner` close those two doors for the sharded part of a checkpoint.
+:func:`check_loadable` refuses at save time what ``weights_only=True`` would refuse at load time;
+:func:`load_state_file` unpickles the very bytes it checked against the manifest and never retries
+with ``weights_only=False``. DCP reads its ``.metadata`` with plain ``pickle`` and non-tensor
+values with ``weights_only=False``: :func:`read_dcp_metadata` (an allowlist unpickler over
+verified bytes) and :func:`safe_load_planner` close those two doors.
 """
 
 from __future__ import annotations
@@ -73,18 +68,7 @@ def _tensor_ok(t: torch.Tensor, allow_dtensor: bool) -> bool:
 
 
 def check_loadable(obj: Any, where: str = "state", *, allow_dtensor: bool = False) -> None:
-    """Raise :class:`UnsupportedStateError` if ``obj`` holds a value ``weights_only`` refuses.
-
-    Allowed: tensors and parameters, dicts (also ``OrderedDict``), lists, tuples, sets, str,
-    bytes, numbers, bools, ``None``, ``torch.Size`` / dtype / device, and any type registered
-    with ``torch.serialization.add_safe_globals``.
-
-    Args:
-        obj: the value to check.
-        where: how to name ``obj`` in the message (keys are appended, e.g. ``state['opt']``).
-        allow_dtensor: also accept ``DTensor`` (the sharded part, written by
-            ``torch.distributed.checkpoint``).
-    """
+    """Raise :class:`UnsupportedStateError`, naming the key, if ``obj`` holds a value ``weights_only`` refuses."""
     kind = type(obj)
     if kind in _LEAVES:
         return
@@ -115,12 +99,7 @@ def check_loadable(obj: Any, where: str = "state", *, allow_dtensor: bool = Fals
 
 
 def _refusal_detail(exc: Exception) -> str:
-    """The reason in a ``weights_only`` refusal, without torch's advice to switch the check off.
-
-    Torch words it differently from version to version (``WeightsUnpickler error: Unsupported
-    global: GLOBAL io.open ...`` or ``Trying to load unsupported GLOBAL posix.system ...``), and
-    wraps it in advice to rerun with ``weights_only=False``, which lockstep never gives.
-    """
+    """The reason in a ``weights_only`` refusal (worded by each torch its own way), without torch's advice."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     for line in lines:
         if "WeightsUnpickler error:" in line:
@@ -144,21 +123,7 @@ def _unsafe_message(path: Path, exc: Exception) -> str:
 def load_state_file(
     checkpoint: Path, files: dict[str, dict[str, Any]], map_location: Any, read: Reader | None = None
 ) -> Any:
-    """Read ``state.pt`` of ``checkpoint`` once, verify it and unpickle it with ``weights_only=True``.
-
-    The bytes that were checked against the manifest are the bytes that are unpickled, even
-    if the file is replaced or rewritten while it is read.
-
-    Args:
-        checkpoint: the ``step-N`` folder.
-        files: the manifest's ``"files"`` table.
-        map_location: where tensors go (``"cpu"``, a device, ...), passed to ``torch.load``.
-        read: reads a listed file's verified bytes by name (an object store's); default the folder's.
-
-    Raises:
-        CorruptCheckpointError: the file does not match the manifest.
-        UnsafeCheckpointError: the pickle needs more than ``weights_only=True`` allows.
-    """
+    """Read ``state.pt`` once, verify it and unpickle those same bytes with ``weights_only=True``."""
     path = checkpoint / STATE_FILE
     data = read(STATE_FILE) if read is not None else read_verified(checkpoint, STATE_FILE, files)
     try:
@@ -205,21 +170,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_dcp_metadata(checkpoint: Path, files: dict[str, dict[str, Any]], read: Reader | None = None) -> Any:
-    """Read, verify and unpickle ``sharded/.metadata`` with an allowlist; return the ``Metadata``.
-
-    ``dcp.load`` would read this file with plain ``pickle.load``. Here its bytes are read once,
-    checked against the manifest and unpickled with an allowlist (the metadata classes, torch
-    dtypes and sizes); the object is then handed to the loader, which never opens the file.
-
-    Args:
-        checkpoint: the ``step-N`` folder.
-        files: the manifest's ``"files"`` table.
-        read: reads a listed file's verified bytes by name (an object store's); default the folder's.
-
-    Raises:
-        UnsafeCheckpointError: it names anything outside the allowlist.
-        CorruptCheckpointError: its bytes do not match the manifest.
-    """
+    """Read, verify and unpickle ``sharded/.metadata`` with an allowlist; the loader gets the object."""
     from torch.distributed.checkpoint.metadata import Metadata
 
     path = checkpoint / DCP_METADATA
@@ -239,10 +190,7 @@ def read_dcp_metadata(checkpoint: Path, files: dict[str, dict[str, Any]], read: 
 
 
 def safe_load_planner() -> Any:
-    """A ``DefaultLoadPlanner`` whose non-tensor values are unpickled with ``weights_only=True``.
-
-    (The default planner uses ``torch.load(weights_only=False)`` for them.)
-    """
+    """A ``DefaultLoadPlanner`` unpickling non-tensor values with ``weights_only=True`` (torch's: ``False``)."""
     from torch.distributed.checkpoint import DefaultLoadPlanner
 
     class SafeLoadPlanner(DefaultLoadPlanner):

@@ -1,18 +1,8 @@
 """The sharded part of a checkpoint: ``torch.distributed.checkpoint`` (DCP) in ``sharded/``.
 
-Saving is plain ``dcp.save``. Loading goes through :class:`VerifiedReader`, a DCP
-``FileSystemReader`` that reads nothing DCP would otherwise trust on its own:
-
-* the metadata is the object :func:`~lockstep.checkpoint.safety.read_dcp_metadata` already
-  verified and unpickled with an allowlist (DCP would ``pickle.load`` the file a second time);
-* a shard file is opened only if the manifest lists it, never outside the checkpoint folder
-  (a ``relative_path`` that is absolute, climbs with ``..`` or meets a link is refused), and
-  its bytes are read once and checked against the manifest before any of them is used;
-* non-tensor values are unpickled with ``weights_only=True`` (:func:`safe_load_planner`).
-
-This module does one process's part; :mod:`lockstep.checkpoint.core` makes the ranks agree (and
-imports it only when a checkpoint has a sharded part, so ``torch.distributed.checkpoint`` is
-not loaded otherwise).
+Saving is plain ``dcp.save``. Loading goes through :class:`VerifiedReader`, which uses only
+verified bytes: the metadata already unpickled with an allowlist, the shard files the manifest
+lists (never outside the folder), and non-tensor values with ``weights_only=True``.
 """
 
 from __future__ import annotations
@@ -69,16 +59,7 @@ class _ManifestFileSystem(FileSystem):
 
 
 class VerifiedReader(FileSystemReader):
-    """A DCP reader of ``checkpoint/sharded`` that only reads files the manifest vouches for.
-
-    Args:
-        checkpoint: the ``step-N`` folder.
-        files: its manifest's ``"files"`` table.
-        metadata: the DCP ``Metadata`` from
-            :func:`~lockstep.checkpoint.safety.read_dcp_metadata`; returned by
-            :meth:`read_metadata` instead of reading the file again.
-        read: reads a listed file's verified bytes by name (an object store's); default the folder's.
-    """
+    """A DCP reader of ``checkpoint/sharded`` that reads only what the manifest vouches for."""
 
     def __init__(
         self, checkpoint: Path, files: dict[str, dict[str, Any]], metadata: Any, read: Reader | None = None
@@ -89,12 +70,7 @@ class VerifiedReader(FileSystemReader):
         self.verified_metadata = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        """Return the metadata given at construction (already verified), never the file's.
-
-        Args:
-            args: ignored (DCP's signature).
-            kwargs: ignored, except that per-rank metadata (``rank=``) is never used.
-        """
+        """The metadata given at construction (already verified), never the file's."""
         from torch.distributed.checkpoint.metadata import StorageMeta
 
         metadata = self.verified_metadata
@@ -105,19 +81,7 @@ class VerifiedReader(FileSystemReader):
 
 
 def save_sharded(target: Path, tensors: dict[str, Any], world_size: int, group: Any = None) -> CheckpointError | None:
-    """``dcp.save`` ``tensors`` into ``target`` (every rank); return this rank's error, if any.
-
-    Each rank writes what it passes: its shards of ``DTensor`` s, and the tensors only it
-    holds (its share of a replicated state, :func:`~lockstep.checkpoint.portable.own_share`);
-    the metadata records them all. A tensor that several ranks pass alike is written once.
-
-    Args:
-        target: the ``sharded/`` folder of the temporary checkpoint.
-        tensors: this rank's part: state dicts holding ``DTensor`` s, and its share of the
-            replicated tensors (possibly none: the rank still takes part in the collective save).
-        world_size: ranks in the job (1 saves without a process group).
-        group: the process group to plan over (``None``: the default one).
-    """
+    """``dcp.save`` this rank's part ``tensors`` into ``target`` (every rank); this rank's error, if any."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -137,16 +101,7 @@ def load_sharded(
     comm: Comm,
     read: Reader | None = None,
 ) -> CheckpointError | None:
-    """``dcp.load`` into the templates ``sharded`` (every rank); return this rank's error, if any.
-
-    Args:
-        checkpoint: the ``step-N`` folder.
-        files: its manifest's ``"files"`` table.
-        metadata: the verified DCP metadata (see :class:`VerifiedReader`).
-        sharded: the templates, filled in place.
-        comm: the job's communicator.
-        read: reads a listed file's verified bytes by name (an object store's); default the folder's.
-    """
+    """``dcp.load`` into the templates ``sharded`` (every rank); this rank's error, if any."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -160,13 +115,7 @@ def load_sharded(
 
 
 def sharded_error(exc: BaseException, target: Path, action: str) -> CheckpointError:
-    """Find the real cause inside a ``CheckpointException`` (which wraps each rank's error).
-
-    Args:
-        exc: what ``dcp.save`` / ``dcp.load`` raised.
-        target: the sharded folder, for the message.
-        action: ``"write"`` or ``"read"``.
-    """
+    """The real cause inside a ``CheckpointException`` (which wraps each rank's error)."""
     causes: list[BaseException] = [exc]
     for failure in getattr(exc, "failures", {}).values():
         causes.append(failure[0] if isinstance(failure, tuple) else failure)

@@ -1,21 +1,9 @@
 """Where a checkpoint's objects live: a small storage interface, a local folder or any fsspec URL.
 
-A checkpoint on an object store (S3, GCS, MinIO, SeaweedFS...) cannot be committed by renaming
-a folder: an object store has no rename. :mod:`lockstep.checkpoint.objects` commits it by a
-conditional put of the manifest instead, through the few operations of :class:`Storage`:
-``put``, ``put_new`` (a conditional put: ``If-None-Match: *`` on S3), ``get``, ``exists``,
-``list`` and ``delete``, on ``/``-separated names relative to the storage's root.
-
-* :class:`LocalStorage` keeps the objects as files of a local folder (atomic writes, ``put_new``
-  by a hard link that fails when the name exists);
-* :class:`FsspecStorage` reaches any fsspec URL (``s3://`` through s3fs, ``gs://`` through
-  gcsfs...), retrying transient errors with exponential backoff and naming the object after the
-  last try. Credentials and the endpoint come from the usual variables (``AWS_ACCESS_KEY_ID``,
-  ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``...) or from fsspec options, never from
-  lockstep's own configuration.
-
-:func:`open_storage` picks one for a URL; :func:`is_url` tells a URL from a local path (a
-``file://`` URL is a local path: it keeps the commit by rename).
+An object store has no rename, so :mod:`lockstep.checkpoint.objects` commits by a conditional put
+(``put_new``: ``If-None-Match: *`` on S3). Credentials and the endpoint come from the usual
+variables (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``...) or fsspec options, never from
+lockstep's configuration. A ``file://`` URL is a local path, committed by rename.
 """
 
 from __future__ import annotations
@@ -54,38 +42,33 @@ class ObjectStoreError(CheckpointError):
 
 
 def is_url(location: str | os.PathLike[str]) -> bool:
-    """True when ``location`` is a URL handled by fsspec (``s3://bucket/run``), not a local path.
-
-    ``file://`` URLs count as local paths (see :func:`local_path`).
+    """True when ``location`` is a URL handled by fsspec, not a local path (``file://`` is local).
 
     Args:
         location: a checkpoint folder or URL.
+
+    Example::
+
+        >>> is_url("s3://bucket/run"), is_url("runs/a"), is_url("file:///tmp/a")
+        (True, False, False)
     """
     text = os.fspath(location)
     return isinstance(text, str) and bool(_URL.match(text)) and not text.startswith("file://")
 
 
 def local_path(location: str | os.PathLike[str]) -> Path:
-    """A local checkpoint folder as a ``Path`` (a ``file://`` URL's path).
-
-    Args:
-        location: a local path or ``file://`` URL.
-    """
+    """A local checkpoint folder as a ``Path`` (a ``file://`` URL's path)."""
     text = os.fspath(location)
     return Path(text[len("file://") :]) if isinstance(text, str) and text.startswith("file://") else Path(text)
 
 
 def location(where: str | os.PathLike[str]) -> Path | str:
-    """A checkpoint folder as a ``Path``, or a URL kept as a ``str`` (a ``Path`` would fold its ``//``).
-
-    Args:
-        where: a local path, a ``file://`` URL or any fsspec URL.
-    """
+    """A checkpoint folder as a ``Path``, or a URL kept as a ``str`` (a ``Path`` would fold its ``//``)."""
     return os.fspath(where).rstrip("/") if is_url(where) else local_path(where)
 
 
 class Storage(Protocol):
-    """The operations an object-store checkpoint needs, on names relative to one root."""
+    """The operations an object-store checkpoint needs, on ``/``-separated names relative to one root."""
 
     url: str
 
@@ -112,7 +95,7 @@ class Storage(Protocol):
 
 
 class LocalStorage:
-    """Objects as files under a local folder.
+    """Objects as files under a local folder: atomic writes, ``put_new`` by a hard link.
 
     Args:
         root: the folder (created on the first write).
@@ -201,17 +184,14 @@ def _precondition_failed(exc: BaseException) -> bool:
 class FsspecStorage:
     """Objects under an fsspec URL, each call retried with exponential backoff on transient errors.
 
-    A missing object (``FileNotFoundError``), a refused permission and a refused conditional put
-    are answers, not transient errors: they are never retried. Anything else (a dropped
-    connection, a timeout, a 5xx) is retried ``retries`` times, waiting ``backoff`` seconds, then
-    twice that, and so on (with jitter); the last failure raises :class:`ObjectStoreError`
-    naming the object.
+    A missing object, a refused permission and a refused conditional put are answers, never retried;
+    after the last try, :class:`ObjectStoreError` names the object.
 
     Args:
         url: the root, e.g. ``"s3://bucket/run"``.
-        fs: an fsspec file system to use (default: the one fsspec makes for ``url`` with ``options``).
+        fs: the fsspec file system (default: fsspec's for ``url`` with ``options``).
         retries: tries after the first.
-        backoff: the first wait, in seconds.
+        backoff: the first wait in seconds, doubled at each try (with jitter).
         options: fsspec options (``endpoint_url``, ``key``...; s3fs reads the AWS variables itself).
     """
 
@@ -334,12 +314,11 @@ def _filesystem(url: str, options: dict[str, Any]) -> tuple[Any, str]:
 
 
 def open_storage(url: str, **options: Any) -> FsspecStorage:
-    """The storage of checkpoint URL ``url`` (fsspec), options passed to its file system.
+    """The storage of checkpoint URL ``url``: an :class:`FsspecStorage`.
 
     Args:
         url: ``s3://bucket/run``, ``gs://bucket/run``, ``memory://run``...
-        options: fsspec options; by default s3fs (botocore) reads the ``AWS_*`` variables,
-            ``AWS_ENDPOINT_URL`` included.
+        options: fsspec options (s3fs reads the ``AWS_*`` variables, ``AWS_ENDPOINT_URL`` included).
 
     Raises:
         CheckpointError: the client for the URL is not installed (the message says which extra).

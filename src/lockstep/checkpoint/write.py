@@ -1,16 +1,9 @@
 """Writing one checkpoint: a temporary folder, each rank's part, the manifest, the rename.
 
 The steps a blocking save (:mod:`~lockstep.checkpoint.core`) and a background one
-(:mod:`~lockstep.checkpoint.background`) share:
-
-1. :func:`prepare`: every rank's RNG gathered, replicated state dicts cut into tensors and a
-   skeleton (:mod:`~lockstep.checkpoint.portable`), everything checked ``weights_only``-loadable;
-2. :func:`open_folder`: rank 0 clears leftovers and makes ``.tmp-step-N-PID``;
-3. :func:`write_parts`: rank 0 writes ``state.pt``, every rank writes its part of the tensors
-   through ``torch.distributed.checkpoint`` and hashes the files it wrote; the records and any
-   error are exchanged, so every rank knows the outcome;
-4. :func:`commit`: rank 0 writes the manifest, fsyncs and renames to ``step-N``;
-   :func:`prune_after` then removes old checkpoints.
+(:mod:`~lockstep.checkpoint.background`) share: :func:`prepare`, :func:`open_folder` (rank 0:
+``.tmp-step-N-PID``), :func:`write_parts` (each rank its part; records and errors exchanged),
+:func:`commit` (rank 0: manifest, fsync, rename to ``step-N``), then :func:`prune_after`.
 """
 
 from __future__ import annotations
@@ -68,9 +61,8 @@ class Parts:
     """What one save writes.
 
     Args:
-        state: ``state.pt``'s content (rank 0 writes it; every rank holds it until the write).
-        tensors: this rank's DCP part (its share of the replicated tensors, and sharded state
-            dicts; possibly empty), or ``None`` when the checkpoint is ``state.pt`` alone.
+        state: ``state.pt``'s content (rank 0 writes it).
+        tensors: this rank's DCP part (possibly empty), or ``None`` when the checkpoint is ``state.pt`` alone.
     """
 
     state: dict[str, Any]
@@ -80,20 +72,7 @@ class Parts:
 def agree(
     comm: Comm, error: CheckpointError | None, payload: Any = None, on_error: Callable[[], None] | None = None
 ) -> list[Any]:
-    """Exchange (payload, error) between all ranks; if any rank failed, raise on every rank.
-
-    This is also the barrier of each phase: no rank goes on before every rank got here. The
-    failing rank raises its own error; the others raise a copy naming the rank that reported it.
-
-    Args:
-        comm: the job's :class:`~lockstep.comm.group.Comm` (every rank calls this).
-        error: this rank's failure, or ``None``.
-        payload: a small picklable value to share (for example rank 0's choice).
-        on_error: called on every rank before raising (clean-up).
-
-    Returns:
-        Every rank's payload, by rank.
-    """
+    """Exchange (payload, error) between all ranks, a barrier; every rank's payload, or raise on every rank."""
     gathered = comm.all_gather_object((payload, error))
     failure = first_failure([exc for _, exc in gathered], comm.rank)
     if failure is not None:
@@ -104,12 +83,7 @@ def agree(
 
 
 def check_args(step: int, keep: int | None) -> None:
-    """Refuse a step or ``keep`` that is not a usable number (a :class:`~lockstep.errors.ConfigError`).
-
-    Args:
-        step: the global step (an integer >= 0).
-        keep: ``None`` or an integer >= 1.
-    """
+    """Refuse a step or ``keep`` that is not a usable number (a :class:`~lockstep.errors.ConfigError`)."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ConfigError(f"checkpoint step must be an integer >= 0, got {step!r}")
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
@@ -123,20 +97,7 @@ def prepare(
     replicated: dict[str, Any] | None = None,
     sharded: dict[str, Any] | None = None,
 ) -> Parts:
-    """Gather every rank's RNG (a collective), cut ``replicated`` and check what will be written.
-
-    Args:
-        state: the rest of the checkpoint (``state["rng"]`` this rank's RNG).
-        comm: the job's collectives.
-        replicated: state dicts identical on every rank (ddp's model and optimizer; live
-            tensors, on any device): their tensors go through DCP, each copied and written by
-            one rank (:func:`~lockstep.checkpoint.portable.own_share`); they load back as they were.
-        sharded: state dicts holding ``DTensor`` s (FSDP2), written through DCP as they are.
-
-    Raises:
-        UnsupportedStateError: a value ``torch.load(weights_only=True)`` would refuse (this
-            rank's; the caller makes every rank agree).
-    """
+    """Gather every rank's RNG (a collective), cut ``replicated`` into this rank's share, check what is written."""
     rngs = comm.all_gather_object(state.get("rng"))
     full = {**state, "rng": rngs} if "rng" in state else dict(state)
     tensors: dict[str, Any] | None = None
@@ -153,11 +114,7 @@ def prepare(
 
 
 def open_folder(root: Path, step: int) -> Path:
-    """Rank 0: clear what killed saves left, make the temporary folder of ``step``.
-
-    Raises:
-        CheckpointError: the folder cannot be made (the message names it).
-    """
+    """Rank 0: clear what killed saves left, make the temporary folder of ``step``."""
     try:
         root.mkdir(parents=True, exist_ok=True)
         remove_stale(root)
@@ -178,14 +135,7 @@ def begin(
     replicated: dict[str, Any] | None,
     sharded: dict[str, Any] | None,
 ) -> tuple[Path, Parts, Path]:
-    """Every rank: check the arguments, :func:`prepare` the parts, rank 0 opens the folder; agreed.
-
-    Returns:
-        The checkpoint folder, the parts, the temporary folder (the same on every rank).
-
-    Raises:
-        UnsupportedStateError / CheckpointError: on every rank, when any rank failed.
-    """
+    """Every rank: check the arguments, :func:`prepare` the parts, rank 0 opens the folder; agreed."""
     check_args(step, keep)
     root = Path(directory)
     parts, tmp, error = None, None, None
@@ -203,25 +153,7 @@ def begin(
 def write_parts(
     tmp: Path, parts: Parts, rank: int, world_size: int, gather: Gather, group: Any = None
 ) -> tuple[dict[str, Any], CheckpointError | None]:
-    """Write this rank's share of ``parts`` into ``tmp`` (every rank that holds a share calls it).
-
-    Rank 0 writes ``state.pt``; every rank passes its share of the tensors (``parts.tensors``)
-    to DCP, which writes them, then hashes the files it wrote itself. Rank 0 goes
-    through every step even after a failure of its own, so no rank waits for it in vain.
-
-    Args:
-        tmp: the temporary checkpoint folder.
-        parts: what :func:`prepare` returned.
-        rank: this rank.
-        world_size: ranks in the job.
-        gather: every rank's value by rank (``comm.all_gather_object``, or the same over another
-            group); ``lambda x: [x]`` when rank 0 writes alone.
-        group: the process group DCP uses (``None``: the default one).
-
-    Returns:
-        Every file's manifest record, and the first error (the same on every rank; another
-        rank's names that rank).
-    """
+    """Write this rank's share into ``tmp`` and exchange: every file's record and the first error, on every rank."""
     records, error = write_own(tmp, parts, rank, world_size, group)
     gathered = gather((records, what_is_left(error, tmp.parent)))
     merged: dict[str, Any] = {}
@@ -233,19 +165,7 @@ def write_parts(
 def write_own(
     tmp: Path, parts: Parts, rank: int, world_size: int, group: Any = None
 ) -> tuple[dict[str, Any], CheckpointError | None]:
-    """This rank's files of ``parts`` in ``tmp`` and their records, or this rank's error (no exchange).
-
-    Rank 0 writes ``state.pt`` (and DCP's metadata); every rank writes its share of the tensors
-    (a collective of DCP's over ``group``). ``tmp`` may be a folder of this rank's own: an
-    object-store save writes each rank's part locally, then uploads it.
-
-    Args:
-        tmp: the folder to write into.
-        parts: what :func:`prepare` returned.
-        rank: this rank.
-        world_size: ranks in the job.
-        group: the process group DCP uses (``None``: the default one).
-    """
+    """This rank's files of ``parts`` in ``tmp`` and their records, or this rank's error (no exchange)."""
     records: dict[str, Any] = {}
     error: CheckpointError | None = None
     if rank == 0:
@@ -255,6 +175,7 @@ def write_own(
             error = exc
         except OSError as exc:
             error = io_error(exc, tmp / STATE_FILE)
+    # even after a failure of its own: DCP's save is a collective the other ranks wait in
     if parts.tensors is not None:
         from lockstep.checkpoint.sharded import save_sharded
 
@@ -280,12 +201,7 @@ def _hash_own(tmp: Path, rank: int) -> dict[str, Any]:
 
 
 def first_failure(errors: list[CheckpointError | None], rank: int) -> CheckpointError | None:
-    """The error every rank raises: this rank's own, else the first other rank's, naming it.
-
-    Args:
-        errors: every rank's error or ``None``, by rank.
-        rank: this rank.
-    """
+    """The error every rank raises: this rank's own, else the first other rank's, naming it."""
     if errors[rank] is not None:
         return errors[rank]
     for other, exc in enumerate(errors):
@@ -295,18 +211,7 @@ def first_failure(errors: list[CheckpointError | None], rank: int) -> Checkpoint
 
 
 def commit(root: Path, tmp: Path, step: int, world_size: int, files: dict[str, Any]) -> Path:
-    """Rank 0: write the manifest (hashing any file no rank recorded), fsync, rename to ``step-N``.
-
-    Args:
-        root: the checkpoint folder.
-        tmp: the finished temporary folder.
-        step: the global step.
-        world_size: ranks that saved (recorded in the manifest).
-        files: the records already taken by :func:`write_parts`.
-
-    Raises:
-        CheckpointError: the manifest or the rename failed (``tmp`` is removed).
-    """
+    """Rank 0: write the manifest (hashing any file no rank recorded), fsync, rename to ``step-N``."""
     try:
         for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
             name = path.relative_to(tmp).as_posix()

@@ -11,11 +11,6 @@ Bandwidths follow nccl-tests' definitions (``doc/PERFORMANCE.md`` there)::
     busbw = algbw * 2 * (n - 1) / n      # what each link carries in a ring allreduce
 
 busbw is comparable across world sizes and with the hardware's link speed.
-
-Example (inside a job of several ranks)::
-
-    rows = measure_allreduce(comm, parse_sizes("4K..64M"), iters=20, device=torch.device("cpu"))
-    print(format_table(rows, comm.world_size))
 """
 
 from __future__ import annotations

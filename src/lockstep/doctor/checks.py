@@ -13,11 +13,6 @@ HOST:PORT`` on each machine, or inside any launcher::
 
     torchrun --nproc_per_node 2 -m lockstep doctor
     srun -n 4 python -m lockstep doctor
-
-Example (inside a job)::
-
-    from lockstep.doctor.checks import run_doctor
-    exit_code = run_doctor(sizes=[4096, 1 << 20], iters=10)
 """
 
 from __future__ import annotations

@@ -15,12 +15,6 @@ Every pair is measured in :data:`ROUNDS` rounds and keeps its fastest figures. A
 its latency is over :data:`SLOW_FACTOR` times the best link's, or its bandwidth under the best
 link's divided by :data:`SLOW_FACTOR`, and it loses more than :data:`JITTER_S` per message. A node all of whose links
 are slow (with three nodes or more) is named as the node; otherwise the links are named.
-
-Example (inside a job)::
-
-    links = measure_links(comm, units=node_leaders(ranks), size=1 << 20, iters=5)
-    print("\\n".join(format_links(links)))
-    slow_parts(links)   # (["host node2 is far slower than the others on every link: ..."], [], [])
 """
 
 from __future__ import annotations

@@ -6,13 +6,6 @@ Per rank: the interface and address the route to the master address leaves by (a
 choice: the first interface that is up, not loopback and not docker's), and whether it reached a
 listener that every other node opened for the check. In a job of several hosts a loopback or
 docker interface is a warning: the other nodes cannot reach it.
-
-Example (inside a job)::
-
-    probe = NetworkProbe(world, settings).open()
-    infos = comm.all_gather_object(probe.info)
-    reached = comm.all_gather_object(probe.reach(infos))
-    probe.close()
 """
 
 from __future__ import annotations

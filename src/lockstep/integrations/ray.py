@@ -1,49 +1,9 @@
 """lockstep inside Ray Train: a :class:`~lockstep.Session` per ``TorchTrainer`` worker.
 
-Ray Train starts the workers, forms their ``torch.distributed`` process group (gloo on CPUs, nccl
-on GPUs), exports ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``... and picks each worker's device before
-``train_loop_per_worker`` runs. :func:`ray_session` builds the session on that: it adopts Ray's
-group (lockstep neither forms nor destroys it) and checks that the session's device is the one Ray
-gave the worker. :func:`report` saves a lockstep checkpoint and reports it to Ray with the epoch's
-metrics; :func:`resume` continues from Ray's latest checkpoint of the run (after a worker failure,
-or in a new fit with the same ``RunConfig(name, storage_path)``), or from the newer one in the
-worker's own folder.
-
-Ray is an optional dependency (``pip install 'lockstep[ray]'``): it is imported when these
-functions are called, never by ``import lockstep``.
-
-Notes:
-
-* Ray owns the process group, so its timeout is ``TorchConfig(timeout_s=...)``; the session's
-  ``timeout`` only labels its start line, and there is no watchdog naming a hung rank.
-* Ray runs the training function outside the worker's main thread, so the session does not
-  install its SIGTERM/SIGUSR1 handlers there: Ray's own fault tolerance (``FailureConfig``) and
-  the checkpoints reported here take their place.
-* Checkpoints are written by lockstep (complete, verified, resumable at another world size);
-  rank 0 reports the newest ``step-N`` folder. A sharded (FSDP) checkpoint needs a ``folder`` that
-  every rank shares, as it does without Ray.
-
-Example (``python examples/ray_train.py`` runs this on a local Ray cluster)::
-
-    from ray.train import ScalingConfig
-    from ray.train.torch import TorchTrainer
-    from lockstep.integrations import ray as lockstep_ray
-
-    def train_loop_per_worker(config):
-        session = lockstep_ray.ray_session(strategy="ddp")
-        model, optimizer = session.setup(make_model(), lambda p: torch.optim.SGD(p, lr=0.1))
-        train = session.loader(make_dataset(), batch_size=32)
-        state = lockstep_ray.resume(session, "checkpoints", model=model, optimizer=optimizer)
-        for epoch in session.epochs(config["epochs"], start=state.epoch):
-            for x, y in train:
-                session.backward(loss_fn(model(x), y))
-                session.step(optimizer)
-            lockstep_ray.report(session, {"epoch": epoch}, folder="checkpoints", model=model,
-                                optimizer=optimizer, keep=2)
-        session.close()
-
-    TorchTrainer(train_loop_per_worker, train_loop_config={"epochs": 3},
-                 scaling_config=ScalingConfig(num_workers=2)).fit()
+:func:`ray_session` adopts the group and device Ray set up, :func:`report` saves a checkpoint and reports it to
+Ray, :func:`resume` continues from Ray's latest; Ray (``pip install 'lockstep[ray]'``) is imported only then.
+Ray owns the group (lockstep never destroys it): its timeout is ``TorchConfig(timeout_s=...)``, no watchdog
+names a hung rank, and the loop, off the main thread, gets no SIGTERM/SIGUSR1 handlers (``FailureConfig``'s job).
 """
 
 from __future__ import annotations
@@ -71,7 +31,6 @@ _STEP_PREFIX = "step-"
 
 
 def _train_context() -> Any:
-    """Ray Train's context of this worker; a clear error outside ``train_loop_per_worker``."""
     try:
         import ray.train
     except ImportError:
@@ -94,17 +53,10 @@ def ray_session(**options: Any) -> Session:
     """Build this Ray Train worker's :class:`~lockstep.Session` on the group and device Ray set up.
 
     Args:
-        **options: :class:`~lockstep.Session`'s options (``strategy``, ``precision``,
-            ``accumulate``, ``seed``...). ``backend`` and ``init_method`` have no effect: the
-            group is Ray's (``TorchConfig(backend=...)``).
-
-    Returns:
-        The session; its ``rank`` and ``world_size`` are Ray's world rank and size.
+        **options: :class:`~lockstep.Session`'s options (``backend`` and ``init_method`` have no effect).
 
     Raises:
-        ConfigError: Ray Train is not installed, this is not a Ray Train worker, Ray formed no
-            process group (a ``TorchTrainer`` does; other trainers do not), or the session's
-            device is not the one Ray assigned to this worker.
+        ConfigError: Ray Train is missing, this is no ``TorchTrainer`` worker, or the device is not Ray's.
     """
     context = _train_context()
     import ray.train.torch
@@ -137,7 +89,6 @@ def ray_session(**options: Any) -> Session:
 
 
 def _link_or_copy(source: str, target: str) -> object:
-    """Hard-link ``source`` to ``target`` (no bytes copied), or copy it across file systems."""
     try:
         os.link(source, target)
     except OSError:
@@ -155,11 +106,7 @@ def report(
     keep: int | None = None,
     **extras: Any,
 ) -> Path | str:
-    """Save a lockstep checkpoint into ``folder`` and report it to Ray Train with ``metrics``.
-
-    Every rank must call it (``Session.save`` and ``ray.train.report`` are both collective). Rank
-    0 hands Ray the new ``step-N`` folder; Ray copies it into the run's storage before this
-    returns, and :func:`resume` finds it there after a restart.
+    """Save a lockstep checkpoint into ``folder`` and report it to Ray Train with ``metrics`` (every rank).
 
     Args:
         session: the worker's session (:func:`ray_session`).
@@ -171,7 +118,7 @@ def report(
         **extras: your own values, saved with the checkpoint.
 
     Returns:
-        The checkpoint folder written (``folder/step-N``); for a URL, its URL (not staged for Ray).
+        The ``folder/step-N`` written; for a URL, its URL (not staged for Ray).
     """
     import ray.train
 
@@ -187,8 +134,7 @@ def report(
 
 
 def _restore_into(source: Path, folder: Path) -> None:
-    """Copy the ``step-N`` folders of Ray's checkpoint into ``folder`` (those it lacks), each under a
-    temporary name first, so that a half-copied folder never carries a ``step-N`` name."""
+    # each step-N copied under a temporary name first: a half-copied folder never carries a step-N name
     folder.mkdir(parents=True, exist_ok=True)
     for item in sorted(source.iterdir()):
         if not item.name.startswith(_STEP_PREFIX) or item.is_symlink() or not item.is_dir():
@@ -209,22 +155,13 @@ def _restore_into(source: Path, folder: Path) -> None:
 def resume(
     session: Session, folder: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
 ) -> ResumeState:
-    """Continue from Ray Train's latest checkpoint, or from ``folder``'s own if that is newer.
-
-    Every rank must call it. When Ray has a checkpoint for this run (``ray.train.get_checkpoint()``:
-    after a worker failure, or in a new fit of the same run, i.e. the same ``RunConfig(name,
-    storage_path)``), the first rank of each machine copies its ``step-N`` folder into ``folder``;
-    then ``Session.load`` loads the newest good checkpoint there (verified against its manifest),
-    on every rank.
+    """Continue from Ray Train's latest checkpoint, or from ``folder``'s own if that is newer (every rank).
 
     Args:
         session: the worker's session (:func:`ray_session`).
-        folder: the worker's checkpoint folder, the one given to :func:`report`.
+        folder: the checkpoint folder given to :func:`report`.
         model: the model returned by ``Session.setup``.
         optimizer: its optimizer.
-
-    Returns:
-        Where training continues (``ResumeState().epoch == 0`` when there is nothing to resume).
 
     Raises:
         LockstepError: Ray's checkpoint could not be copied into ``folder`` (on every rank alike).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import gc
 import os
 import random
 
@@ -210,6 +211,41 @@ def test_loader_follows_the_sampler_position(num_workers: int) -> None:
     loader.sampler.set_epoch(1)
     assert len(loader) == len(full) - 2
     assert [b[1].tolist() for b in loader] == full[2:]
+
+
+class _Collecting(Dataset):
+    """Runs the worker's garbage collector on every item, as a worker's own allocations eventually do."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        gc.collect()
+        return torch.tensor([float(i)]), i
+
+
+def test_workers_survive_a_dropped_store_left_in_garbage() -> None:
+    """A TCPStore (it owns a server thread) dropped inside a reference cycle before the workers fork:
+    collected in a worker, its destructor would join a thread that process does not have and abort it."""
+    import torch.distributed as dist
+
+    class Holder:
+        pass
+
+    def drop() -> None:
+        holder = Holder()
+        holder.me = holder  # type: ignore[attr-defined]  # a cycle: only the collector frees it
+        holder.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
+
+    enabled = gc.isenabled()
+    gc.disable()  # the cycle stays until something collects it
+    try:
+        drop()
+        loader = make_loader(_Collecting(), 3, world_size=1, rank=0, seed=1, num_workers=2, seed_samples=False)
+        assert sorted(i for b in loader for i in b[1].tolist()) == list(range(12))
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class _Noisy(Dataset):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Callable, Iterator, Mapping, Sized
 from typing import Any
@@ -70,6 +71,14 @@ class _Loader(DataLoader):  # type: ignore[type-arg]  # any item type
         if self.generator is not None:
             self.generator.manual_seed(_worker_base_seed(self._lockstep_seed, self._lockstep_rank, epoch))
         return super().__iter__()
+
+    def _get_iterator(self) -> Any:
+        if self.num_workers > 0:
+            # A forked worker inherits the parent's unreachable objects, and its own garbage
+            # collector may destroy one: a native object that owns a thread (a TCPStore, a process
+            # group dropped earlier) then aborts the worker. Collect them here, in their process.
+            gc.collect()
+        return super()._get_iterator()
 
 
 def _dataset_len(dataset: Dataset[Any]) -> int:

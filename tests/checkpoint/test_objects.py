@@ -109,6 +109,7 @@ def test_conditional_put_is_honoured_by_the_server(s3: Any) -> None:
     assert storage.list() == {"step-000001/manifest.json": 5}
 
 
+@pytest.mark.e2e  # resumes at two other world sizes; make test resumes through the object store in the other tests here
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_world_2_saves_and_resumes_at_1_and_3(s3: Any) -> None:

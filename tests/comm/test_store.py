@@ -128,6 +128,7 @@ def _attack(ports: list[int], marker: Path) -> int:
     return hit
 
 
+@pytest.mark.e2e  # a whole `lockstep run` job attacked; make test checks the signed values (test_signed_values_*)
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_outsider_writes_change_nothing_and_run_nothing(tmp_path: Path) -> None:

@@ -45,6 +45,7 @@ def _lockstep(*args: str, timeout: float = 280) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.e2e  # Horovod's own benchmark script end to end; make test keeps the rendezvous and environment tests
 @pytest.mark.horovod
 @pytest.mark.slow
 @pytest.mark.timeout(300)

@@ -229,6 +229,7 @@ def _lockstep_run(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.e2e  # whole commands under Horovod; make test keeps its parity, accumulation, non-finite and resume runs
 @pytest.mark.horovod
 @pytest.mark.slow
 @pytest.mark.timeout(150)
@@ -246,6 +247,7 @@ def test_same_script_under_horovodrun_and_lockstep_run(hvd: Any, tmp_path: Path)
     assert lines["horovodrun"] == lines["lockstep run"]
 
 
+@pytest.mark.e2e  # whole commands under Horovod; make test keeps its parity, accumulation, non-finite and resume runs
 @pytest.mark.horovod
 @pytest.mark.slow
 @pytest.mark.timeout(240)
@@ -256,6 +258,7 @@ def test_bench_runs_horovod_cells(hvd: Any, tmp_path: Path) -> None:
     assert all(cell["status"] == "ran" for cell in cells.values()), cells
 
 
+@pytest.mark.e2e  # whole commands under Horovod; make test keeps its parity, accumulation, non-finite and resume runs
 @pytest.mark.horovod
 @pytest.mark.slow
 @pytest.mark.timeout(180)
@@ -286,6 +289,7 @@ def _epochs(proc: subprocess.CompletedProcess) -> list[tuple[str, str]]:
     return found
 
 
+@pytest.mark.e2e  # whole commands under Horovod; make test keeps its parity, accumulation, non-finite and resume runs
 @pytest.mark.horovod
 @pytest.mark.slow
 @pytest.mark.timeout(400)

@@ -70,15 +70,12 @@ class _Loader(DataLoader):  # type: ignore[type-arg]  # any item type
         epoch = int(getattr(self.sampler, "epoch", 0))
         if self.generator is not None:
             self.generator.manual_seed(_worker_base_seed(self._lockstep_seed, self._lockstep_rank, epoch))
-        return super().__iter__()
-
-    def _get_iterator(self) -> Any:
         if self.num_workers > 0:
-            # A forked worker inherits the parent's unreachable objects, and its own garbage
-            # collector may destroy one: a native object that owns a thread (a TCPStore, a process
-            # group dropped earlier) then aborts the worker. Collect them here, in their process.
+            # A forked worker inherits the parent's unreachable objects, and its own garbage collector
+            # may destroy one: a native object that owns a thread (a TCPStore, a process group dropped
+            # earlier) then aborts the worker. Collect them here, in their own process (once an epoch).
             gc.collect()
-        return super()._get_iterator()
+        return super().__iter__()
 
 
 def _dataset_len(dataset: Dataset[Any]) -> int:

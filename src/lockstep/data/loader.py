@@ -65,16 +65,18 @@ class _Loader(DataLoader):  # type: ignore[type-arg]  # any item type
         super().__init__(*args, **kwargs)
         self._lockstep_seed = lockstep_seed
         self._lockstep_rank = lockstep_rank
+        self._workers_started = False  # persistent workers fork once, at the first epoch
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         epoch = int(getattr(self.sampler, "epoch", 0))
         if self.generator is not None:
             self.generator.manual_seed(_worker_base_seed(self._lockstep_seed, self._lockstep_rank, epoch))
-        if self.num_workers > 0:
+        if self.num_workers > 0 and not (self.persistent_workers and self._workers_started):
             # A forked worker inherits the parent's unreachable objects, and its own garbage collector
             # may destroy one: a native object that owns a thread (a TCPStore, a process group dropped
-            # earlier) then aborts the worker. Collect them here, in their own process (once an epoch).
+            # earlier) then aborts the worker. Collect them here, in their own process, before each fork.
             gc.collect()
+            self._workers_started = True
         return super().__iter__()
 
 

@@ -167,9 +167,17 @@ def test_every_step_skipped_fails_the_run(tmp_path: Path, capsys: pytest.Capture
     for signum, handler in handlers.items():  # the failed session was not closed
         signal.signal(signum, handler)
     out = capsys.readouterr().out
-    for step in (1, 2, 3):  # the true step of each skip, not the count of steps taken
+    for step in (1, 2):  # the true step of each skip, not the count of steps taken
         assert f"non-finite loss on rank 0 at step {step} (epoch 0)" in out
+    assert "at step 2 (epoch 0); the step was skipped on every rank (2 steps in a row)" in out
+    assert "at step 3 (epoch 0)" not in out  # the 3rd in a row is not a power of two: collapsed
     assert "Training complete" not in out
+
+
+def test_resume_on_a_folder_with_no_run_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"--resume: .*typo holds no run \(no checkpoints, no config.json\)"):
+        check_out(TrainConfig(out=str(tmp_path / "typo"), resume=True))
+    assert not (tmp_path / "typo").exists()  # refused before anything was written
 
 
 def test_only_node_0_probes_the_checkpoint_lock(tmp_path: Path) -> None:

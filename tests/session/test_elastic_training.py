@@ -56,8 +56,7 @@ class _Comm:
 
 def _training(workers: int = 0) -> tuple[ElasticTraining, TrainState, Accumulator, Any]:
     comm, state, accum = _Comm(), TrainState(), Accumulator(1)
-    checks = type("Checks", (), {"compared": False})()
-    elastic = ElasticTraining(comm, state, accum, checks)  # type: ignore[arg-type]
+    elastic = ElasticTraining(comm, state, accum)  # type: ignore[arg-type]
     loader = make_loader(TensorDataset(torch.arange(N)), CAP, world_size=1, rank=0, global_batch=G, num_workers=workers)
     train = state.loaders.wrap(loader, torch.device("cpu"), train=True, accum=accum)
     return elastic, state, accum, train

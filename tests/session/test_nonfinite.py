@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 import torch
 
+import lockstep
 from lockstep.errors import ConfigError
-from lockstep.session.nonfinite import FiniteCheck, LateSkips, NonFinitePolicy
+from lockstep.session.nonfinite import FiniteCheck, LateSkips, NonFiniteLossError, NonFinitePolicy
 from lockstep.session.state import TrainState
 from support.dist import run_distributed
 
@@ -241,4 +242,23 @@ def test_no_host_sync_per_step_on_cuda() -> None:
     session._steps.count_late_skips()
     assert (session.global_step, session.skipped_steps) == (11, 1)
     assert all(torch.isfinite(p).all() for p in model.parameters())
+    session.close()
+
+
+def test_a_loss_non_finite_step_after_step_ends_the_run_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """Warnings for the 1st, 2nd, 4th, 8th and 16th skip in a row; the 20th raises, naming the count and the fix."""
+    from lockstep.session.loop import MAX_SKIPS_IN_A_ROW
+
+    session = lockstep.Session(quiet=True)
+    model, opt = session.setup(torch.nn.Linear(2, 1), lambda p: torch.optim.SGD(p, lr=0.1))
+    session.backward(model(torch.ones(1, 2)).sum())
+    assert session.step(opt)  # a finite step first: only steps in a row count
+    with pytest.raises(NonFiniteLossError, match=f"non-finite {MAX_SKIPS_IN_A_ROW} steps in a row") as err:
+        for _ in range(MAX_SKIPS_IN_A_ROW):
+            session.backward(model(torch.ones(1, 2)).sum() * float("nan"))
+            assert not session.step(opt)
+    assert "lower the learning rate" in str(err.value) and session.skipped_steps == MAX_SKIPS_IN_A_ROW
+    lines = [line for line in capsys.readouterr().out.splitlines() if "non-finite loss" in line]
+    assert [line.rsplit("(", 1)[-1] for line in lines[1:]] == [f"{n} steps in a row)" for n in (2, 4, 8, 16)]
+    assert len(lines) == 5 and "at step 2 " in lines[0]
     session.close()

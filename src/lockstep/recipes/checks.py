@@ -25,6 +25,11 @@ def check_out(config: TrainConfig) -> None:
             _try_lock(f"{config.out}/{CHECKPOINTS}", config.out)
         return
     out = Path(config.out)
+    if config.resume and not _holds_a_run(out):
+        raise ConfigError(
+            f"--resume: {out} holds no run (no checkpoints, no config.json); check the folder's name, "
+            "or drop --resume to start a new run there"
+        )
     try:
         out.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".lockstep-probe-", dir=out)
@@ -38,6 +43,14 @@ def check_out(config: TrainConfig) -> None:
         return  # the folder is node 0's to lock (rank 0 holds it); on a shared file system the
         # other nodes' launchers would find each other's probes and refuse their own job
     _try_lock(out / CHECKPOINTS, out)
+
+
+def _holds_a_run(out: Path) -> bool:
+    """``out`` has a run's checkpoints or its ``config.json`` (a run stopped before its first checkpoint)."""
+    from lockstep.recipes.outputs import CONFIG_FILE
+
+    ckpts = out / CHECKPOINTS
+    return (out / CONFIG_FILE).is_file() or (ckpts.is_dir() and any(ckpts.iterdir()))
 
 
 def _try_lock(checkpoints: str | Path, out: str | Path) -> None:

@@ -34,7 +34,8 @@ POSTFIX_EVERY = 10  # steps between progress-bar updates of loss and speed (each
 
 
 class DivergedError(lockstep.LockstepError):
-    """Every optimizer step of an epoch was skipped for a non-finite loss: the model learns nothing."""
+    """Every optimizer step of an epoch was skipped for a non-finite loss, or the epoch's train loss is not
+    finite: the model learns nothing. ``lockstep train`` exits with code 1."""
 
 
 def train(config: TrainConfig, data: Any = None) -> int:
@@ -45,7 +46,7 @@ def train(config: TrainConfig, data: Any = None) -> int:
         data: the data from :func:`~lockstep.recipes.checks.check_data` when already opened.
 
     Raises:
-        DivergedError: every step of an epoch was skipped for a non-finite loss.
+        DivergedError: every step of an epoch was skipped for a non-finite loss, or its train loss is not finite.
     """
     world = lockstep.detect_world()
     if data is None:
@@ -176,6 +177,11 @@ def _epoch(
         )
     session.all_reduce(totals)
     loss_sum, samples = totals.tolist()
+    if samples and not math.isfinite(loss_sum):  # the same sum on every rank: every rank raises
+        raise DivergedError(
+            f"epoch {session.epoch + 1}'s train loss is {loss_sum / samples}: the run diverged "
+            f"({session.skipped_steps - skipped} steps skipped); lower --lr, or check the data and --weights"
+        )
     result = lockstep.metrics.evaluate(model, test_loader, session)
     return {
         "train_loss": loss_sum / samples if samples else math.nan,

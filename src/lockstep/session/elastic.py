@@ -86,10 +86,9 @@ class ElasticTraining:
         comm: the session's :class:`~lockstep.comm.elastic_comm.ElasticComm`.
         state: the session's counters and loaders.
         accum: the session's :class:`~lockstep.session.loop.Accumulator` (re-planned after a change).
-        checks: the session's loop checks (no first-step replica comparison: every change hands the state over).
     """
 
-    def __init__(self, comm: ElasticComm, state: TrainState, accum: Any, checks: Any) -> None:
+    def __init__(self, comm: ElasticComm, state: TrainState, accum: Any) -> None:
         self.comm, self.state, self.accum = comm, state, accum
         self.group = comm.group
         self.position = CommittedPosition(state)
@@ -100,12 +99,11 @@ class ElasticTraining:
         self.group.stateful["position"] = self.position
         self.group.plan = self._plan
         state.loaders.boundary = self
-        checks.compared = True
 
     @classmethod
-    def of(cls, comm: Comm, state: TrainState, accum: Any, checks: Any) -> ElasticTraining | None:
+    def of(cls, comm: Comm, state: TrainState, accum: Any) -> ElasticTraining | None:
         """The session's elastic side when ``comm`` is an :class:`ElasticComm`, else ``None``."""
-        return cls(comm, state, accum, checks) if isinstance(comm, ElasticComm) else None
+        return cls(comm, state, accum) if isinstance(comm, ElasticComm) else None
 
     def folders(self) -> FolderLocks:
         """Checkpoint folders without a lock: the lock's holder, rank 0, changes with the membership."""

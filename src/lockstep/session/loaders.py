@@ -51,6 +51,7 @@ class DeviceLoader:
         self.timer = timer if train else None
         self.share = 0  # samples of this rank in the batch last handed out (0: a zero-weight stand-in)
         self.boundary: Any = None  # under --nodes: asked at each step's first batch (session.elastic)
+        self.before_batch: Callable[[], None] | None = None  # a training batch is about to be handed out
 
     @property
     def steps(self) -> StepSampler | None:
@@ -120,7 +121,10 @@ class DeviceLoader:
         upcoming = steps.upcoming() if self.train else []
         boundary = self.boundary if self.train else None
         seen = boundary.generation if boundary is not None else 0
+        before = self.before_batch if self.train else None
         for i, batch in enumerate(self.loader):
+            if before is not None:
+                before()  # before the position moves: a stop here resumes with this batch
             if self.train:
                 micro = upcoming[i]
                 if boundary is not None:
@@ -150,7 +154,10 @@ class DeviceLoader:
         world = getattr(self.sampler, "world_size", 1)
         full = self.loader.batch_size  # every batch but an epoch's last has it on every rank
         tracker, on_batch = self.tracker, self._on_batch
+        before = self.before_batch if self.train else None
         for batch in self.loader:
+            if before is not None:
+                before()  # before the position moves: a stop here resumes with this batch
             left = self.remaining if on_batch is not None else 0  # this batch and those after it
             if advance is not None:
                 # counted when handed out: a checkpoint taken after this batch's step resumes
@@ -192,6 +199,7 @@ class TrainLoaders:
         self.epoch_done = False  # written by the loaders: True once one ran out after the last batch
         self.on_add: Callable[[], None] | None = None  # told when a training loader is made (TrainState's)
         self.boundary: Any = None  # under --nodes: given to each training loader (session.elastic)
+        self.before_batch: Callable[[], None] | None = None  # given to each training loader (the session's stop)
 
     @property
     def live(self) -> list[DeviceLoader]:
@@ -265,7 +273,7 @@ class TrainLoaders:
         else:
             self._pending = []
             loader.sampler.set_epoch(self._epoch)
-        loader.tracker, loader.boundary = self, self.boundary
+        loader.tracker, loader.boundary, loader.before_batch = self, self.boundary, self.before_batch
         self._refs.append(weakref.ref(loader))
 
     def set_epoch(self, epoch: int) -> None:

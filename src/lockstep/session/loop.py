@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from lockstep.comm.group import Comm
-from lockstep.session.nonfinite import GO_AHEAD, LateSkips, NonFinitePolicy
+from lockstep.session.nonfinite import GO_AHEAD, LateSkips, NonFiniteLossError, NonFinitePolicy
 from lockstep.session.state import TrainState
 
 if TYPE_CHECKING:  # the session builds them; importing them here would only cost import time
@@ -22,7 +22,10 @@ if TYPE_CHECKING:  # the session builds them; importing them here would only cos
     from lockstep.session.timings import StepTimer
     from lockstep.strategies.base import Strategy
 
-__all__ = ["Accumulator", "TrainStep"]
+__all__ = ["Accumulator", "TrainStep", "MAX_SKIPS_IN_A_ROW"]
+
+MAX_SKIPS_IN_A_ROW = 20
+"""Steps skipped for a non-finite loss one after another that end the run (``NonFiniteLossError``): it diverged."""
 
 
 class Accumulator:
@@ -43,13 +46,15 @@ class Accumulator:
         self.micro = 0
         self.window = k  # micro-steps of the current window
         self.weight: Fraction | None = None  # the current batch's loss factor, when its loader gives one
-        self._ctx: AbstractContextManager[Any] | None = None
-        self._model: nn.Module | None = None
+        self._ctxs: list[AbstractContextManager[Any]] | None = None  # open no-sync contexts, one per model
+        self._models: list[nn.Module] = []
         self._strategy: Any = None
 
     def attach(self, strategy: Any, model: nn.Module) -> None:
-        """Bind the accumulation to the wrapped model and open the first no-sync window."""
-        self._strategy, self._model = strategy, model
+        """Add a wrapped model to the accumulation (each model's gradient sync waits alike); open the window."""
+        self._close()
+        self._strategy = strategy
+        self._models.append(model)
         self._open()
 
     @property
@@ -94,14 +99,16 @@ class Accumulator:
         self._open()
 
     def _open(self) -> None:
-        if max(self.k, self.window) > 1 and self._model is not None and self._ctx is None:
-            self._ctx = self._strategy.no_backward_sync(self._model)
-            self._ctx.__enter__()
+        if max(self.k, self.window) > 1 and self._models and self._ctxs is None:
+            self._ctxs = [self._strategy.no_backward_sync(model) for model in self._models]
+            for ctx in self._ctxs:
+                ctx.__enter__()
 
     def _close(self) -> None:
-        if self._ctx is not None:
-            ctx, self._ctx = self._ctx, None
-            ctx.__exit__(None, None, None)
+        if self._ctxs is not None:
+            ctxs, self._ctxs = self._ctxs, None
+            for ctx in reversed(ctxs):
+                ctx.__exit__(None, None, None)
 
 
 class TrainStep:
@@ -134,6 +141,7 @@ class TrainStep:
         self.state, self.accum, self.finite = state, accum, finite
         self.precision, self.strategy, self.comm = precision, strategy, comm
         self.clip, self.say, self.timer = clip, say, timer
+        self.skips_in_a_row = 0
 
     def attach(self, model: nn.Module) -> None:
         """Bind the accumulation to the wrapped ``model`` and time its gradients."""
@@ -160,8 +168,9 @@ class TrainStep:
             self.timer.after_backward()
         self.accum.after_backward()
 
-    def step(self, optimizer: torch.optim.Optimizer, model: nn.Module | None) -> bool:
-        """Decide, unscale, clip, step, zero the gradients and count; False when no step was taken."""
+    def step(self, optimizer: torch.optim.Optimizer, model: nn.Module | None, counted: bool = True) -> bool:
+        """Decide, unscale, clip, step, zero the gradients and count (``counted``: the session's own
+        step count, the first optimizer's); False when no step was taken."""
         state = self.state
         if self.timer is not None:
             self.timer.before_step()
@@ -172,8 +181,9 @@ class TrainStep:
         decision = GO_AHEAD if self.precision.scales_loss else self.finite.decide(optimizer, attempt, state.epoch)
         took = False
         if not decision.take:
-            state.count_skipped()
-            self.say(decision.message)
+            if counted:
+                state.count_skipped()
+            self._skipped(decision.message)
         else:
             clip = None
             if self.clip is not None and model is not None:
@@ -181,12 +191,25 @@ class TrainStep:
             took = self.precision.step(optimizer, clip)
         optimizer.zero_grad(set_to_none=True)
         self.accum.after_step()
-        if took:  # a loss scaler's own skip (an overflow while it calibrates) is neither taken nor counted
+        if took and counted:  # a loss scaler's own skip (an overflow while it calibrates) is neither taken nor counted
             state.count_step()
+            self.skips_in_a_row = 0
         self._note(self.finite.after_step())  # no-sync path: skipped steps reported late
         if self.timer is not None:  # after the counters: a window's end is logged at this step
             self.timer.after_step()
         return took
+
+    def _skipped(self, message: str) -> None:
+        """One warning line for the 1st, 2nd, 4th, 8th... skip in a row; the run ends at :data:`MAX_SKIPS_IN_A_ROW`."""
+        n = self.skips_in_a_row = self.skips_in_a_row + 1
+        if n >= MAX_SKIPS_IN_A_ROW:
+            what = message.removeprefix("lockstep: warning: ").split(";")[0]
+            raise NonFiniteLossError(
+                f"{what}: the loss was non-finite {n} steps in a row, so the run diverged; lower the learning "
+                "rate (or clip the gradient norm) and resume from the last checkpoint"
+            )
+        if n & (n - 1) == 0:
+            self.say(message if n == 1 else f"{message} ({n} steps in a row)")
 
     def count_late_skips(self, name_ranks: bool = True) -> None:
         """Count the steps the optimizer skipped on the device; ``name_ranks`` gathers which ranks (a collective)."""

@@ -42,7 +42,9 @@ READ_EVERY = 50
 
 
 class NonFiniteLossError(LockstepError):
-    """The loss became NaN or infinite and the session was told to stop (``nonfinite="stop"``)."""
+    """The loss became NaN or infinite and the session was told to stop (``nonfinite="stop"``), or it was
+    non-finite ``MAX_SKIPS_IN_A_ROW`` (20) steps in a row under ``"skip"``: the run diverged. Raised on
+    every rank; ``lockstep train`` and ``lockstep run`` exit with code 1 (``EXIT_FAILURE``)."""
 
 
 @dataclass(frozen=True)

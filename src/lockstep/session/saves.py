@@ -16,11 +16,21 @@ __all__ = ["SaveInFlight", "SaveTarget"]
 
 @dataclass(frozen=True)
 class SaveTarget:
-    """Where the last save (or load) wrote, with its ``keep`` and ``extras``: a preemption saves there again."""
+    """Where the last save (or load) was, with its ``keep`` and the objects it named: a preemption saves them there.
+
+    Args:
+        directory: the checkpoint folder (or URL).
+        keep: the last save's ``keep``.
+        model: the ``model=`` of the last save or load (the live object, not a copy).
+        optimizer: its ``optimizer=``.
+        named: the other named values, live: a preemption takes each object's state as of then.
+    """
 
     directory: Path | str
     keep: int | None = None
-    extras: dict[str, Any] = field(default_factory=dict)
+    model: Any = None
+    optimizer: Any = None
+    named: dict[str, Any] = field(default_factory=dict)
 
 
 class SaveInFlight:

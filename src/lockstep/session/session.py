@@ -26,14 +26,15 @@ from lockstep.session.elastic import ElasticTraining, options_under_nodes
 from lockstep.session.loaders import DeviceLoader
 from lockstep.session.locks import FolderLocks
 from lockstep.session.loop import Accumulator, TrainStep
+from lockstep.session.named import NamedState, sort_named
 from lockstep.session.nonfinite import NonFiniteLossError, NonFinitePolicy
 from lockstep.session.observe import Observing
 from lockstep.session.options import summary_line
 from lockstep.session.preempt import Preempted, StopGuard, stop_message
 from lockstep.session.saves import SaveInFlight, SaveTarget
 from lockstep.session.state import ResumeState, TrainState, load_state, resumed_line, save_state, seed_everything
-from lockstep.session.usage import LoopChecks, SessionUsageError
-from lockstep.session.wrappers import ModelWrappers, model_wrappers, wrap_model
+from lockstep.session.usage import LoopChecks, SessionUsageError, check_bare
+from lockstep.session.wrappers import ModelWrappers, model_wrappers, optimizer_model, wrap_model
 from lockstep.strategies import get_strategy
 
 __all__ = ["Session", "ResumeState", "NonFiniteLossError", "SessionUsageError"]
@@ -141,13 +142,17 @@ class Session(Observing):
             timer=self._observe(config),
         )
         self._checks = LoopChecks(self.comm)  # setup before backward before step; equal replicas
-        self._elastic = ElasticTraining.of(self.comm, self.state, self._accum, self._checks)  # only under --nodes
-        self._models: list[ModelWrappers] = []  # each setup's layers, the last one the model in training
+        self._elastic = ElasticTraining.of(self.comm, self.state, self._accum)  # only under --nodes
+        self._models: list[ModelWrappers] = []  # each setup's layers
+        self._bound: dict[int, tuple[Optimizer, ModelWrappers]] = {}  # id(optimizer) -> (it, its model's layers)
+        self._counted: Optimizer | None = None  # the optimizer whose steps global_step counts: the first one
         self.compiled = False  # set by setup: True once torch.compile wrapped the model
         self._announced = False
         self._ckpt: SaveTarget | None = None  # where a preemption saves
         self._folders = self._elastic.folders() if self._elastic else FolderLocks(self.comm)  # one live job each
         self._saves = SaveInFlight(self.comm)
+        self._stop_due = False  # the ranks agreed to stop: at the next training batch, or the next epoch
+        self.state.loaders.before_batch = self._stop_if_due
 
     @classmethod
     def from_config(cls, config: SessionConfig) -> Session:
@@ -173,14 +178,27 @@ class Session(Observing):
     def setup(self, model: nn.Module, optimizer: Optimizer | OptimizerFactory | None = None) -> Any:
         """Move ``model`` to the device, apply precision and the strategy; build the optimizer.
 
+        Call it once per model (a GAN's generator and critic, a teacher and a student): each
+        optimizer is bound to its model, and ``step(optimizer)`` syncs, clips and steps that model's gradients.
+
         Args:
-            model: the bare model (every rank starts from rank 0's weights).
+            model: the bare model (every rank starts from rank 0's weights); not already wrapped in
+                DDP, DataParallel, FSDP or ``torch.compile`` (the session wraps it: ``compile=True``).
             optimizer: a factory ``params -> Optimizer`` (preferred: FSDP needs the sharded parameters)
                 or an optimizer built on ``model.parameters()``.
 
         Returns:
             ``model`` alone, or ``(model, optimizer)`` when an optimizer was given.
+
+        Raises:
+            SessionUsageError: ``model`` is already wrapped, or a second optimizer with ``accumulate`` > 1.
         """
+        check_bare(model)
+        if optimizer is not None and self._bound and self.accumulate > 1:
+            raise SessionUsageError(
+                f"accumulate={self.accumulate} counts the micro-steps of one optimizer; with several models and "
+                "optimizers, accumulate=1 (sum the micro-batches' losses yourself)"
+            )
         layers = wrap_model(model, self.strategy, self.precision, self._compile)
         wrapped = layers.wrapped
         opt: Optimizer | None = None
@@ -192,6 +210,8 @@ class Session(Observing):
                 opt = optimizer(wrapped.parameters())
             opt = self.strategy.setup_optimizer(opt, wrapped, self.accumulate)
             opt = self.precision.setup_optimizer(opt, wrapped)
+            self._bound[id(opt)] = (opt, layers)
+            self._counted = self._counted or opt
         self._steps.attach(wrapped)  # no_sync needs the strategy's own wrapper; the timings hook its parameters
         if self._elastic is not None:  # handed over when nodes leave or join
             self._elastic.watch(wrapped, opt, self.precision)
@@ -237,6 +257,7 @@ class Session(Observing):
         """
         start = self._elastic.start(start) if self._elastic else start  # joins a running job: maybe a later epoch
         for epoch in range(start, n):
+            self._stop_if_due()
             self.state.start_epoch(epoch)  # a loader resumed mid-epoch keeps its position
             self._announce()
             yield epoch
@@ -255,38 +276,73 @@ class Session(Observing):
     def step(self, optimizer: Optimizer) -> bool:
         """Unscale, clip, step and zero the gradients; returns False when no step was taken.
 
-        With ``accumulate=k`` only every k-th call (and an epoch's last) steps. Every rank takes the same decision.
+        With ``accumulate=k`` only every k-th call (and an epoch's last) steps. Every rank takes the same
+        decision. :attr:`global_step` and :attr:`skipped_steps` count the steps of the first optimizer set up
+        (a GAN's generator, not its critic too).
+
+        The gradients synced and clipped are those of the model ``optimizer`` is bound to (:meth:`setup`).
 
         Args:
-            optimizer: the optimizer :meth:`setup` returned.
+            optimizer: an optimizer :meth:`setup` returned (or one built on a set-up model's parameters).
 
         Raises:
             Preempted: a stop signal reached a rank: every rank saved (``preemption="save"``), exit code 75.
-            SessionUsageError: no :meth:`backward` since the last step, or the weights differ after the first.
+            SessionUsageError: no :meth:`backward` since the last step, replicas that differ (checked
+                after each optimizer's first step and again at steps 2, 4, 8, ... 1024, then every 1024),
+                or an optimizer that holds none of the set-up models' parameters.
         """
         self._checks.before_step(self._accum.micro)
         if not self._accum.ready:
             return False
-        model = self._models[-1].wrapped if self._models else None
+        layers = self._model_of(optimizer)
+        model = layers.wrapped if layers is not None else None
+        self._counted = self._counted or optimizer
+        counted = optimizer is self._counted
         if self._elastic is not None:  # no replica check, no preemption: a peer's death drops the step
-            return self._elastic.step(lambda: self._steps.step(optimizer, model))
-        if took := self._steps.step(optimizer, model):
+            return self._elastic.step(lambda: self._steps.step(optimizer, model, counted))
+        if took := self._steps.step(optimizer, model, counted):
             self._checks.after_step(optimizer, replicated=not self.strategy.sharded)
         if self._guard.poll() and self._guard.mode == "save":
-            self._stop_every_rank(optimizer)
+            self._stop_due = True  # every rank agreed at this same step
+            if self.state.loaders.first is None:  # no loader of the session's: the loop's batches are unknown
+                self._stop_every_rank()
         return took
 
-    def _stop_every_rank(self, optimizer: Optimizer) -> NoReturn:
-        """The ranks agreed to stop: save where the last save or load was, tear down, exit 75."""
+    def _stop_if_due(self) -> None:
+        """Stop between two iterations: every optimizer of the last batch has stepped (a GAN's critic and generator)."""
+        if self._stop_due:
+            self._stop_every_rank()
+
+    def _model_of(self, optimizer: Optimizer) -> ModelWrappers | None:
+        """The layers of the model ``optimizer`` is bound to; found by its parameters (then bound) when set up later."""
+        bound = self._bound.get(id(optimizer))
+        if bound is not None and bound[0] is optimizer:
+            return bound[1]
+        layers = optimizer_model(optimizer, self._models)
+        if layers is None and len(self._models) == 1:
+            layers = self._models[0]  # e.g. fp16-o2's master copies: not the module's own parameters
+        if layers is None and self._models:
+            raise SessionUsageError(
+                "session.step got an optimizer that holds none of the parameters of the models session.setup "
+                "returned: build it on a set-up model's parameters, or pass it to session.setup(model, optimizer)"
+            )
+        if layers is not None:
+            self._bound[id(optimizer)] = (optimizer, layers)
+        return layers
+
+    def _stop_every_rank(self) -> NoReturn:
+        """The ranks agreed to stop: save the objects of the last save or load where it was, tear down, exit 75."""
+        self._stop_due = False
         signals = self._guard.signals()
         path = None
-        if self._ckpt is not None and self._models:
+        target = self._ckpt
+        if target is not None and target.model is not None:
             path = self.save(
-                self._ckpt.directory,
-                model=self._models[-1].trained,
-                optimizer=optimizer,
-                keep=self._ckpt.keep,
-                **self._ckpt.extras,
+                target.directory,
+                model=target.model,
+                optimizer=target.optimizer,
+                keep=target.keep,
+                **target.named,
             )
         message = stop_message(signals, self.global_step, path)
         self.print(message)
@@ -324,9 +380,13 @@ class Session(Observing):
         optimizer: Optimizer | None = None,
         keep: int | None = None,
         blocking: bool = True,
-        **extras: Any,
+        **named: Any,
     ) -> Path | str:
         """Write a complete, crash-safe checkpoint (every rank must call it).
+
+        Name everything the loop needs to resume: ``session.save(dir, model=g, optimizer=g_opt,
+        scheduler=sched, critic=d, critic_opt=d_opt, best=acc)``. A preemption saves these same
+        objects again, as they are then.
 
         Args:
             directory: folder of checkpoints (``step-000123`` inside) or an fsspec URL such as
@@ -336,14 +396,24 @@ class Session(Observing):
             keep: keep only the newest ``keep`` checkpoints (pruned after the new one is committed).
             blocking: False: return once the state is copied; the next save, load, :meth:`wait_for_save`
                 or :meth:`close` waits for the write and raises its error.
-            **extras: your own values (numbers, strings, tensors, lists, dicts).
+            **named: more models :meth:`setup` returned and their optimizers (saved through the
+                strategy, like ``model``); objects with ``state_dict``/``load_state_dict`` (LR
+                schedulers, an EMA copy, your own); any other value (numbers, strings, tensors,
+                lists, dicts) comes back in ``ResumeState.extras``.
 
         Returns:
             The checkpoint's folder.
+
+        Raises:
+            ConfigError: an optimizer named without the model it is bound to, or ``optimizer`` bound to
+                another model than ``model``.
         """
         self._steps.count_late_skips()
         self._saves.wait()  # a save still being written ends (or fails) before the next one
-        self._ckpt = SaveTarget(directory := self._folders.hold(directory), keep, extras)
+        layers = model_wrappers(model, self._models, self.strategy)
+        sorted_named = self._sort(named, layers, optimizer, "save")
+        directory = self._folders.hold(directory)
+        self._ckpt = SaveTarget(directory, keep, model, optimizer, named)
         return self._saves.track(
             save_state(
                 directory,
@@ -353,8 +423,8 @@ class Session(Observing):
                 precision=self.precision,
                 optimizer=optimizer,
                 keep=keep,
-                model=model_wrappers(model, self._models, self.strategy),
-                extras=extras,
+                model=layers,
+                named=sorted_named,
                 blocking=blocking,
                 writers=self._saves.writers,
             )
@@ -371,23 +441,37 @@ class Session(Observing):
         """
         return self._saves.wait()
 
-    def load(self, directory: str | Path, *, model: nn.Module, optimizer: Optimizer | None = None) -> ResumeState:
-        """Restore the newest good checkpoint in ``directory``, if any.
+    def load(
+        self, directory: str | Path, *, model: nn.Module, optimizer: Optimizer | None = None, **named: Any
+    ) -> ResumeState:
+        """Restore the newest good checkpoint in ``directory``, if any, into the objects given, in place.
 
         Corrupt or unfinished checkpoints are skipped (with a warning); another world size resumes at
-        the same sample. A preemption saves into ``directory``, which is locked as by :meth:`save`.
+        the same sample. With no checkpoint there, training starts fresh and rank 0 says so. A
+        preemption saves the objects given here into ``directory``, which is locked as by :meth:`save`.
 
         Args:
             directory: the checkpoint folder (or URL) :meth:`save` writes to.
             model: the model returned by :meth:`setup`.
             optimizer: its optimizer.
+            **named: the models, optimizers and stateful objects named in :meth:`save`, by the same
+                names (an object the checkpoint lacks keeps its state, with a warning).
 
         Returns:
-            Where training continues (:class:`ResumeState`).
+            Where training continues (:class:`ResumeState`; the plain values saved are in ``extras``).
+
+        Raises:
+            ConfigError: a value without ``load_state_dict``, or an optimizer named without its model.
+            CheckpointError: the checkpoint holds no model of a name given.
         """
         self._saves.wait()  # a save still being written ends (or fails) before the load
-        if (directory := self._folders.hold(directory)) != (self._ckpt.directory if self._ckpt else None):
-            self._ckpt = SaveTarget(directory)
+        layers = model_wrappers(model, self._models, self.strategy)
+        sorted_named = self._sort(named, layers, optimizer, "load")
+        directory = self._folders.hold(directory)
+        before = self._ckpt
+        keep = before.keep if before is not None and before.directory == directory else None
+        plain = before.named if before is not None and before.directory == directory else {}
+        self._ckpt = SaveTarget(directory, keep, model, optimizer, {**plain, **named})
         restore = partial(
             load_state,
             directory,
@@ -396,12 +480,29 @@ class Session(Observing):
             strategy=self.strategy,
             optimizer=optimizer,
             precision=self.precision,
-            model=model_wrappers(model, self._models, self.strategy),
+            model=layers,
+            named=sorted_named,
+            say=None if self.quiet else self.print,
         )
         resume = self._elastic.load(restore) if self._elastic else restore(comm=self.comm)  # under --nodes: joins
-        if resume.resumed and not self.quiet:
-            self.print(resumed_line(resume))
+        if not self.quiet:
+            self.print(
+                resumed_line(resume) if resume.resumed else f"lockstep: no checkpoint in {directory}: starting fresh"
+            )
         return resume
+
+    def _sort(self, named: dict[str, Any], layers: ModelWrappers, optimizer: Optimizer | None, what: str) -> NamedState:
+        """Sort a save's or load's named values (:mod:`lockstep.session.named`)."""
+        if not named and optimizer is None:
+            return NamedState()
+        return sort_named(
+            named,
+            set_up=lambda module: next((m for m in self._models if m.holds(module)), None),
+            model_of=lambda opt: self._bound[id(opt)][1] if id(opt) in self._bound else None,
+            primary=layers,
+            primary_optimizer=optimizer,
+            what=what,
+        )
 
     def close(self) -> None:
         """Give up the checkpoint folders, end the job's communication (barrier + destroy). Safe to call twice."""

@@ -24,6 +24,7 @@ from lockstep.session.rng import capture_rng, restore_rng, seed_everything
 if TYPE_CHECKING:  # the session builds them; importing them here would only cost import time
     from lockstep.checkpoint.background import PendingSave, WriterGroup
     from lockstep.precision.base import Precision
+    from lockstep.session.named import NamedState
     from lockstep.session.wrappers import ModelWrappers
     from lockstep.strategies.base import Strategy
 
@@ -212,28 +213,38 @@ def save_state(
     model: ModelWrappers,
     optimizer: torch.optim.Optimizer | None,
     keep: int | None,
-    extras: dict[str, Any],
+    named: NamedState,
     blocking: bool = True,
     writers: WriterGroup | None = None,
 ) -> Path | str | PendingSave:
-    """Write ``train`` with the model, optimizer, precision state and ``extras`` as one checkpoint.
+    """Write ``train`` with the model, optimizer, precision state and the ``named`` values as one checkpoint.
 
-    The model's and optimizer's tensors go through ``torch.distributed.checkpoint``, each rank its
-    part; with ``blocking=False`` the state is copied and written in the background, and a
-    :class:`~lockstep.checkpoint.background.PendingSave` is returned. Every rank calls it.
+    The models' and optimizers' tensors go through ``torch.distributed.checkpoint``, each rank its
+    part (each named model under ``"models"``, with its optimizer); a stateful object's
+    ``state_dict()`` is taken now. With ``blocking=False`` the state is copied and written in the
+    background, and a :class:`~lockstep.checkpoint.background.PendingSave` is returned. Every rank calls it.
     """
     from lockstep.checkpoint.background import save_checkpoint_async
     from lockstep.checkpoint.core import save_checkpoint
 
     # live tensors: each rank copies only the share it writes (checkpoint.portable.own_share)
     full, sharded = strategy.checkpoint_state(model.wrapped, optimizer, copy=False)
-    if not blocking:
-        extras = copy.deepcopy(extras)  # the user's tensors may change while the state is written
+    for name, entry in named.models.items():
+        more_full, more_sharded = strategy.checkpoint_state(entry.layers.wrapped, entry.optimizer, copy=False)
+        if more_full is not None and full is not None:
+            full.setdefault("models", {})[name] = more_full
+        if more_sharded is not None and sharded is not None:
+            sharded.setdefault("models", {})[name] = more_sharded
+    extras = dict(named.extras)
+    objects = {name: obj.state_dict() for name, obj in named.objects.items()}
+    if not blocking:  # the user's tensors and objects may change while the state is written
+        extras, objects = copy.deepcopy(extras), copy.deepcopy(objects)
     state: dict[str, Any] = {
         "format": FORMAT,
         **train.state_dict(),
         "precision": precision.state_dict(),
         "extras": extras,
+        "objects": objects,
     }
     position = _json_or_none(state.get("samplers"))  # recorded in an object store's manifest
     if blocking:
@@ -280,11 +291,14 @@ def load_state(
     precision: Precision,
     model: ModelWrappers,
     optimizer: torch.optim.Optimizer | None,
+    named: NamedState,
+    say: Callable[[str], None] | None = None,
 ) -> ResumeState:
-    """Load the newest good checkpoint in ``directory`` into ``train``, the model and the optimizer.
+    """Load the newest good checkpoint in ``directory`` into ``train``, the models, optimizers and named objects.
 
     Returns a fresh :class:`ResumeState` when there is none; raises ``CheckpointError`` for a
-    checkpoint of a newer format than :data:`FORMAT`. Every rank calls it.
+    checkpoint of a newer format than :data:`FORMAT`, or one without a named model. A named object
+    the checkpoint lacks keeps its state, and ``say`` tells so. Every rank calls it.
     """
     from lockstep.checkpoint.core import load_checkpoint
     from lockstep.checkpoint.files import CheckpointError
@@ -292,6 +306,10 @@ def load_state(
 
     inner = model.wrapped
     sharded = strategy.sharded_state(inner, optimizer)
+    if sharded is not None and named.models:
+        sharded["models"] = {
+            name: strategy.sharded_state(entry.layers.wrapped, entry.optimizer) for name, entry in named.models.items()
+        }
     state = load_checkpoint(directory, comm, map_location=device, sharded=sharded)
     if state is None:
         return ResumeState()
@@ -302,6 +320,21 @@ def load_state(
             f"{written}; this version reads up to {FORMAT}): upgrade lockstep to resume from it"
         )
     strategy.load_checkpoint_state(inner, optimizer, state, sharded)
+    saved_models = state.get("models") or {}
+    for name, entry in named.models.items():
+        if sharded is None and name not in saved_models:
+            raise CheckpointError(
+                f"{state.get('path', directory)} holds no model {name!r} (saved as {sorted(saved_models) or 'none'}): "
+                f"load it with the names it was saved with, or start {name} fresh by leaving it out"
+            )
+        part = sharded["models"][name] if sharded is not None else None
+        strategy.load_checkpoint_state(entry.layers.wrapped, entry.optimizer, saved_models.get(name, {}), part)
+    saved_objects = state.get("objects") or {}
+    for name, obj in named.objects.items():
+        if name in saved_objects:
+            obj.load_state_dict(saved_objects[name])
+        elif say is not None:
+            say(f"lockstep: {state.get('path', directory)} holds no {name!r}: it keeps its state as it is")
     precision.load_state_dict(state.get("precision") or {})
     mid = train.load_state_dict(state)
     return ResumeState(

@@ -1,6 +1,7 @@
 """Loop mistakes that would silently train wrong replicas, each caught where it can first be known
-and refused in one line naming the fix: ``backward`` before ``setup``, ``step`` with no
-``backward`` since the last one, replicas that differ after the first step (compared once).
+and refused in one line naming the fix: a model already wrapped given to ``setup``, ``backward``
+before ``setup``, ``step`` with no ``backward`` since the last one, replicas that differ (compared
+after each optimizer's first step, then at steps 2, 4, 8, ... 1024 and every 1024 after).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 from lockstep.comm.group import Comm
 from lockstep.errors import LockstepError, format_ranks
 
-__all__ = ["SessionUsageError", "LoopChecks", "fingerprint"]
+__all__ = ["SessionUsageError", "LoopChecks", "fingerprint", "check_bare", "RECHECK_CAP"]
 
 _SETUP = "model, optimizer = session.setup(model, optimizer)"
 _NO_SETUP = (
@@ -24,9 +25,11 @@ _NO_BACKWARD = (
     "session.backward(loss) before session.step(optimizer) in every iteration (not loss.backward())"
 )
 _DIVERGED = (
-    f"the replicas differ after the first step ({{ranks}} not rank 0's weights): the loop does not train "
+    f"the replicas differ after step {{step}} ({{ranks}} not rank 0's weights): the loop does not train "
     f"the model and optimizer that session.setup returned; use `{_SETUP}` and train those"
 )
+RECHECK_CAP = 1024
+"""The replicas are compared after an optimizer's steps 1, 2, 4, ... up to this, then every this many."""
 # float64 sums of equal tensors agree to rounding; replicas one step apart differ far above it
 _RTOL = 1e-10
 _CHUNK = 1 << 22
@@ -40,12 +43,39 @@ class SessionUsageError(LockstepError):
     """
 
 
+def check_bare(model: object) -> None:
+    """Refuse a model already wrapped in DDP, DataParallel, FSDP or ``torch.compile``: the session wraps it itself."""
+    from torch import nn
+
+    from lockstep.strategies.torch_internals import compiled_original
+
+    if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        raise SessionUsageError(
+            f"session.setup got a model already wrapped in {type(model).__name__}; pass the bare module "
+            f"(model.module): the session wraps it with its own strategy"
+        )
+    if isinstance(model, nn.Module) and compiled_original(model) is not None:
+        raise SessionUsageError(
+            "session.setup got a model already wrapped by torch.compile; pass the module before torch.compile "
+            "and give Session(compile=True): the session compiles it after wrapping it"
+        )
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    except ImportError:  # torch built without distributed
+        return
+    if isinstance(model, (FullyShardedDataParallel, FSDPModule)):
+        raise SessionUsageError(
+            "session.setup got a model already sharded by FSDP; pass the bare module and give "
+            "Session(strategy='fsdp'): the session shards it itself"
+        )
+
+
 class LoopChecks:
-    """The order of ``setup``, ``backward`` and ``step``, and the replicas' agreement after the first step."""
+    """The order of ``setup``, ``backward`` and ``step``; the replicas' agreement at steps 1, 2, 4..."""
 
     def __init__(self, comm: Comm) -> None:
         self.comm = comm
-        self.compared = False
+        self._steps: dict[int, int] = {}  # id(optimizer) -> its steps taken
 
     def before_backward(self, models_set_up: bool) -> None:
         """Refuse a backward with no model set up."""
@@ -58,17 +88,18 @@ class LoopChecks:
             raise SessionUsageError(_NO_BACKWARD)
 
     def after_step(self, optimizer: torch.optim.Optimizer, replicated: bool) -> None:
-        """After the first step, check once that every rank holds the same parameters (``replicated`` only)."""
-        if self.compared:
-            return
-        self.compared = True
+        """At ``optimizer``'s steps 1, 2, 4, ... (then every :data:`RECHECK_CAP`), check that every rank holds
+        the same parameters (``replicated`` only): one fingerprint gathered, a few milliseconds each time."""
         if self.comm.world_size == 1 or not replicated:
             return
+        step = self._steps[id(optimizer)] = self._steps.get(id(optimizer), 0) + 1
+        if step & (step - 1) if step < RECHECK_CAP else step % RECHECK_CAP:
+            return  # every rank counts the same steps: every rank skips alike
         mine = fingerprint(optimizer)
         every = self.comm.all_gather_object(mine)
         differ = [rank for rank, theirs in enumerate(every) if not _close(theirs, every[0])]
         if differ:
-            raise SessionUsageError(_DIVERGED.format(ranks=format_ranks(differ) + "'s weights are"))
+            raise SessionUsageError(_DIVERGED.format(step=step, ranks=format_ranks(differ) + "'s weights are"))
 
 
 def fingerprint(optimizer: torch.optim.Optimizer) -> list[float]:

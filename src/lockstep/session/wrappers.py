@@ -17,7 +17,7 @@ if TYPE_CHECKING:  # the session builds them; importing them here would only cos
     from lockstep.precision.base import Precision
     from lockstep.strategies.base import Strategy
 
-__all__ = ["ModelWrappers", "PrecisionModule", "wrap_model"]
+__all__ = ["ModelWrappers", "PrecisionModule", "wrap_model", "model_wrappers", "optimizer_model"]
 
 
 class PrecisionModule(nn.Module):
@@ -90,3 +90,14 @@ def model_wrappers(model: nn.Module, known: list[ModelWrappers], strategy: Strat
         if layers.holds(model):
             return layers
     return ModelWrappers(bare=strategy.unwrap(model), wrapped=model, compiled=model, trained=model)
+
+
+def optimizer_model(optimizer: torch.optim.Optimizer, known: list[ModelWrappers]) -> ModelWrappers | None:
+    """The set-up model whose parameters ``optimizer`` holds (its first parameter decides), else ``None``."""
+    first = next((p for group in optimizer.param_groups for p in group["params"]), None)
+    if first is None:
+        return None
+    for layers in known:
+        if any(p is first for p in layers.wrapped.parameters()):
+            return layers
+    return None

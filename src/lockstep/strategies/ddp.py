@@ -222,6 +222,8 @@ class DDPStrategy(Strategy):
     def checkpoint_state(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, copy: bool = True
     ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        # each rank writes a share of the replicated tensors: the buffers must be rank 0's on every rank
+        _sync_buffers(model, self.comm)
         full, sharded = super().checkpoint_state(model, optimizer, copy=copy)
         hook = _comm_hook(model)
         if full is not None and hook is not None and hook.state is not None:
@@ -271,16 +273,25 @@ def _comm_hook(model: nn.Module) -> CommHook | None:
     return None
 
 
+def _sync_buffers(model: nn.Module, comm: Comm) -> None:
+    """Give every rank rank 0's buffers, in each DDP inside ``model`` that syncs them at each forward.
+
+    DDP refreshes buffers (BatchNorm statistics) from rank 0 at the start of each forward, so after
+    the last training forward they differ between ranks: an evaluation now would score another
+    model on each rank, and a checkpoint whose ranks each write a share would mix them.
+    """
+    for m in model.modules():  # not unwrapped: the DDP may sit inside other wrappers (autocast, compile)
+        if isinstance(m, DistributedDataParallel) and getattr(m, "broadcast_buffers", False):
+            broadcast_module_state(comm, m.module, parameters=False)
+
+
 @contextlib.contextmanager
 def _quiet_ddp(model: nn.Module, comm: Comm) -> Iterator[None]:
     """Sync the buffers of every DDP inside ``model`` once, then stop its per-forward sync (see ``eval_context``)."""
+    _sync_buffers(model, comm)
     saved = []
-    for m in model.modules():  # not unwrapped: the DDP may sit inside other wrappers (autocast, compile)
+    for m in model.modules():
         if isinstance(m, DistributedDataParallel):
-            if getattr(m, "broadcast_buffers", False):
-                # DDP refreshes buffers from rank 0 at each forward, so after the last training
-                # forward they differ between ranks: evaluating now would score another model on each
-                broadcast_module_state(comm, m.module, parameters=False)
             saved.append((m, m.require_forward_param_sync))
             m.require_forward_param_sync = False
     try:

@@ -147,13 +147,16 @@ def _epoch(
     """Train one epoch and evaluate; return the row of ``metrics.csv`` (without epoch and step)."""
     criterion = nn.CrossEntropyLoss()
     limit = config.max_steps * config.accumulate if config.max_steps is not None else None
+    done = len(train_loader) - train_loader.remaining if hasattr(train_loader, "remaining") else 0
+    if limit is not None:  # an epoch resumed mid-way counts the batches it took before the stop
+        limit -= done
     totals = torch.zeros(2, dtype=torch.float64, device=session.device)  # loss sum, samples
     skipped, took = session.skipped_steps, 0
     model.train()
     bar = _progress(session, config, train_loader)
     began = time.perf_counter()
     try:
-        for i, (images, labels) in enumerate(bar):
+        for i, (images, labels) in enumerate(bar if limit is None or limit > 0 else ()):
             loss = criterion(model(images).float(), labels)
             session.backward(loss)
             took += session.step(optimizer)

@@ -175,6 +175,7 @@ def _finish(launcher: subprocess.Popen) -> tuple[str, str, int]:
     return out, err, stopped[0]
 
 
+@pytest.mark.e2e  # make test keeps SIGTERM to a rank and to the launcher in session/test_preempt_signals.py
 @pytest.mark.timeout(150)
 def test_sigterm_to_the_launcher_saves_and_a_rerun_resumes(job: Path, reference: dict) -> None:
     """Row 22: SIGTERM to the launcher; every rank stops at one step and saves; a rerun finishes."""
@@ -191,6 +192,7 @@ def test_sigterm_to_the_launcher_saves_and_a_rerun_resumes(job: Path, reference:
     _assert_same(job / "out.pt", reference)
 
 
+@pytest.mark.e2e  # make test keeps SIGTERM to one rank in session/test_preempt_signals.py
 @pytest.mark.timeout(120)
 def test_sigterm_to_one_rank_stops_every_rank(job: Path) -> None:
     """Row 22: SIGTERM to rank 1 alone; --max-restarts does not restart a preempted job."""

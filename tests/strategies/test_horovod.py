@@ -173,6 +173,7 @@ def _resumable(directory: str, strategy: str, stop_at: int | None) -> dict[str, 
 
 @pytest.mark.horovod
 @pytest.mark.slow
+@pytest.mark.e2e  # make test keeps Horovod's parity, accumulation and non-finite runs
 @pytest.mark.timeout(240)
 def test_checkpoints_resume_from_horovod_under_ddp_and_back(hvd: Any, tmp_path: Path) -> None:
     """Saved under horovod at step 20, resumed under ddp to step 25 and saved, finished under horovod."""

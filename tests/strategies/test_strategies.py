@@ -397,7 +397,9 @@ def _parity_body(name: str) -> dict[str, Any]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("name,world_size", [("ddp", 2), ("ddp", 3), ("fsdp", 2), ("fsdp", 3)])
+@pytest.mark.parametrize(
+    "name,world_size", [("ddp", 2), pytest.param("ddp", 3, marks=pytest.mark.e2e), ("fsdp", 2), ("fsdp", 3)]
+)
 def test_parity_with_single_process(name: str, world_size: int) -> None:
     results = run_distributed(_parity_body, world_size, name, timeout=200)
     ref = _reference(STEPS)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import pickle
 import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -71,10 +72,21 @@ def test_first_round_takes_every_node_up_to_max(store: Any) -> None:
 
 
 def test_a_node_that_never_comes_back_is_dropped(store: Any) -> None:
-    ms = {n: _membership(store, n) for n in "abc"}
+    # last_call far above the moment between c's arrival and a's: both are in the second round
+    ms = {n: _membership(store, n, last_call=3.0) for n in "abc"}
     first = dict(zip("abc", _join_all([m.join for m in ms.values()])))
-    # node b died: a and c come back with their committed steps; the round closes after last_call
-    second = _join_all([lambda: ms["a"].join(first["a"], step=7), lambda: ms["c"].join(first["c"], step=7)])
+    # node b died: a and c come back with their committed steps, the later-ranked first (survivors keep
+    # their old order whatever the arrival order); the round closes after last_call
+    later, sooner = sorted("ac", key=lambda n: -first[n].rank)
+    second_of: dict[str, Any] = {}
+    came = threading.Thread(target=lambda: second_of.update({later: ms[later].join(first[later], step=7)}))
+    came.start()
+    posts = dist.PrefixStore("el/", store)
+    while not posts.check(["r1/p/1"]):  # its post is in: the other one arrives second (the test's timeout guards)
+        time.sleep(0.01)  # a store's wait() would hold the interpreter lock from the joining thread
+    second_of[sooner] = ms[sooner].join(first[sooner], step=7)
+    came.join(30)
+    second = [second_of["a"], second_of["c"]]
     assert [v.world_size for v in second] == [2, 2]
     assert [m.node for m in second[0].left] == ["b"] and second[0].joined == ()
     assert {m.step for m in second[0].members} == {7}

@@ -239,7 +239,7 @@ class Membership:
         return quiet >= self.last_call and (not prev or bool(prev & arrived))
 
     def _publish(self, k: int, whole: dict[str, list[Member]], prev: list[Member]) -> None:
-        old_rank = {m.uid: m.rank for m in prev}
+        old_rank = {m.uid: i for i, m in enumerate(prev)}  # a post's own rank is of the round before
         order = sorted(whole.values(), key=lambda ms: min((old_rank.get(m.uid, 1 << 30) for m in ms), default=1 << 30))[
             : self.nodes[1]
         ]

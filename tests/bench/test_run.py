@@ -388,6 +388,7 @@ def test_compressed_ddp_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str])
 
 
 @pytest.mark.slow
+@pytest.mark.e2e  # make test keeps the --compile flag's checks (strategies/test_compile.py) and bench's eager cells
 @pytest.mark.timeout(240)
 def test_eager_and_compiled_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, doc = _bench(

@@ -252,7 +252,7 @@ def test_verify_refuses_compression_outside_ddp() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("compression", ["fp16", "powersgd"])
+@pytest.mark.parametrize("compression", [pytest.param("fp16", marks=pytest.mark.e2e), "powersgd"])
 def test_verify_reports_lossy_hook_with_its_difference(compression: str, capsys: pytest.CaptureFixture) -> None:
     from lockstep.cli.main import main as cli
 

@@ -185,6 +185,7 @@ def test_checkpoint_between_compiled_and_uncompiled_world_two(tmp_path: Path, st
 
 
 @pytest.mark.slow
+@pytest.mark.e2e  # make test keeps aot_eager's one-process parity and the compiled world-two runs
 @pytest.mark.timeout(600)
 def test_inductor_one_process_matches_eager() -> None:
     with warnings.catch_warnings():

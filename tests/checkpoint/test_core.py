@@ -31,6 +31,7 @@ from lockstep.checkpoint.core import (
     read_manifest,
     save_checkpoint,
 )
+from lockstep.checkpoint.layout import Retention
 from lockstep.checkpoint.manifest import write_manifest
 from lockstep.comm.group import Comm
 from lockstep.env import World
@@ -80,7 +81,7 @@ def test_round_trip_and_layout(tmp_path: Path) -> None:
     assert path == tmp_path / "step-000005"
     assert sorted(p.name for p in path.iterdir()) == ["manifest.json", "state.pt"]
     loaded = load_checkpoint(tmp_path, COMM)
-    assert loaded is not None and loaded.pop("path") == str(path)
+    assert loaded is not None and loaded.pop("path") == str(path) and loaded.pop("unusable") == []
     assert isinstance(loaded["rng"], list) and len(loaded["rng"]) == 1  # one entry per saving rank
     _assert_same({**state, "rng": [state["rng"]]}, loaded)
     manifest = read_manifest(path)
@@ -323,6 +324,46 @@ def test_every_checkpoint_corrupt_is_an_error_not_a_fresh_start(tmp_path: Path) 
     with pytest.raises(CorruptCheckpointError, match="no usable checkpoint") as info:
         load_checkpoint(tmp_path, COMM)
     assert "step-000001" in str(info.value) and "step-000002" in str(info.value)
+
+
+def _flip_a_byte(checkpoint: Path) -> None:
+    bad = checkpoint / "state.pt"
+    data = bytearray(bad.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    bad.write_bytes(bytes(data))
+
+
+def test_keep_after_a_fallback_prunes_the_corrupt_checkpoint_not_the_good_one(tmp_path: Path) -> None:
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, {"step": step, "w": torch.full((8,), float(step))}, COMM, step=step)
+    _flip_a_byte(tmp_path / "step-000003")
+    loaded = load_checkpoint(tmp_path, COMM)
+    assert loaded is not None and loaded["step"] == 2 and loaded["unusable"] == [3]
+    # the run goes on from step 2 and next saves at step 4: keep=2 keeps 2 and 4, the corrupt 3 goes
+    save_checkpoint(tmp_path, {"step": 4, "w": torch.full((8,), 4.0)}, COMM, step=4, keep=2, unusable=[3])
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000002", "step-000004"]
+    assert _leftovers(tmp_path) == []
+    _flip_a_byte(tmp_path / "step-000004")  # one more corruption: step 2 is still there to resume from
+    again = load_checkpoint(tmp_path, COMM)
+    assert again is not None and again["step"] == 2 and torch.equal(again["w"], torch.full((8,), 2.0))
+    assert again["unusable"] == [4]
+
+
+@pytest.mark.parametrize(
+    "committed, step, keep, unusable, doomed",
+    [
+        ([1, 2, 3, 4], 4, 2, set(), [1, 2]),
+        ([1, 2, 3, 4], 4, 2, {3}, [1, 3]),  # the corrupt 3 is not counted: 2 stays
+        ([2, 3, 5], 3, 2, {5}, [5]),  # a newer checkpoint goes only once a load found it unusable
+        ([2, 3, 5], 3, 1, set(), [2]),
+        ([1, 2, 3], 3, None, {2}, []),  # keep=None: nothing pruned, not even a corrupt one
+        ([1, 3], 3, 1, {3}, [1]),  # the step just written replaced the corrupt one of its name
+    ],
+)
+def test_retention_dooms_past_keep_and_the_unusable(
+    committed: list[int], step: int, keep: int | None, unusable: set[int], doomed: list[int]
+) -> None:
+    assert Retention(keep, frozenset(unusable)).doomed(committed, step) == doomed
 
 
 # -- FAULTS row 19: malicious pickle --------------------------------------------------------------

@@ -24,7 +24,7 @@ from lockstep.checkpoint.files import CorruptCheckpointError
 from lockstep.checkpoint.layout import step_name
 from lockstep.checkpoint.lock import FolderInUseError
 from lockstep.checkpoint.manifest import MANIFEST_FILE
-from lockstep.checkpoint.objects import committed_steps, load_objects, object_reader
+from lockstep.checkpoint.objects import committed_steps, load_objects, object_reader, save_objects
 from lockstep.checkpoint.objlock import lock_objects
 from lockstep.checkpoint.storage import open_storage
 from lockstep.comm.group import Comm
@@ -152,6 +152,20 @@ def test_bad_object_is_named_and_the_previous_checkpoint_used(s3: Any, how: str)
     resumed = run_distributed(_train, 2, s3.env, url, 4, timeout=200)
     assert [r["step"] for r in resumed] == [2, 2]
     assert _same(resumed[0]["final"], first[0]["final"])  # step 2 was intact: retrained to 4 alike
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_keep_after_a_fallback_prunes_the_corrupt_checkpoint(s3: Any) -> None:
+    url, comm = s3.url(), Comm(World())
+    for step in (1, 2, 3):
+        save_objects(url, {"step": step, "w": torch.full((8,), float(step))}, comm, step=step)
+    bucket, prefix = url[len("s3://") :].split("/", 1)
+    s3.client().put_object(Bucket=bucket, Key=f"{prefix}/step-000003/state.pt", Body=b"not the saved bytes")
+    loaded = load_objects(url, comm)
+    assert loaded is not None and loaded["step"] == 2 and loaded["unusable"] == [3]
+    save_objects(url, {"step": 4}, comm, step=4, keep=2, unusable=loaded["unusable"])
+    assert committed_steps(open_storage(url)) == [2, 4]  # the corrupt 3 went, not the good 2
 
 
 @pytest.mark.slow

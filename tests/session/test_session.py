@@ -106,6 +106,43 @@ def test_resume_mid_epoch_is_bit_identical(tmp_path: Path, world_size: int) -> N
             assert torch.equal(a[k], b[k]), k
 
 
+def _save_at(directory: str, saves: list[int], keep: int | None) -> int:
+    """Resume from ``directory``, train on and save after each step in ``saves``; the step resumed at."""
+    session = lockstep.Session(quiet=True, timeout=60)
+    model, opt = session.setup(_model(), lambda p: torch.optim.SGD(p, lr=0.1))
+    train = session.loader(_data(), batch_size=8, shuffle=True)
+    resumed = session.load(directory, model=model, optimizer=opt).step
+    for _ in session.epochs(1):
+        for x, y in train:
+            if session.global_step >= max(saves, default=0):
+                break
+            session.backward(nn.functional.mse_loss(model(x), y))
+            session.step(opt)
+            if session.global_step in saves:
+                session.save(directory, model=model, optimizer=opt, keep=keep)
+    session.close()
+    return resumed
+
+
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_keep_after_a_fallback_keeps_the_checkpoint_resumed_from(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    assert run_distributed(_save_at, 2, str(root), [1, 2, 3], None, timeout=100) == [0, 0]
+    _flip_a_byte(root / "step-000003" / "state.pt")
+    # the resume falls back to step 2; its save at step 4 with keep=2 prunes the corrupt step 3, not step 2
+    assert run_distributed(_save_at, 2, str(root), [4], 2, timeout=100) == [2, 2]
+    assert sorted(p.name for p in root.iterdir()) == ["step-000002", "step-000004"]
+    _flip_a_byte(root / "step-000004" / "state.pt")  # one more corruption: step 2 is still there
+    assert run_distributed(_save_at, 2, str(root), [], None, timeout=100) == [2, 2]
+
+
 def _nan_on_rank1(policy: str) -> dict:
     session = lockstep.Session(strategy="ddp", quiet=True, nonfinite=policy, timeout=60)
     model, opt = session.setup(_model(), lambda p: torch.optim.SGD(p, lr=0.1))

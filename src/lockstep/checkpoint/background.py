@@ -10,7 +10,7 @@ one; a crash during the write leaves only a temporary folder, never taken for a 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from lockstep.checkpoint.files import CheckpointError, discard
-from lockstep.checkpoint.layout import step_name
+from lockstep.checkpoint.layout import Retention, step_name
 from lockstep.checkpoint.storage import is_url, local_path
 from lockstep.checkpoint.write import Parts, agree, begin, finish, what_is_left, write_parts
 from lockstep.comm.group import Comm
@@ -79,7 +79,7 @@ class PendingSave:
                 done()
 
 
-def _disk_work(root: Path, tmp: Path, parts: Parts, step: int, keep: int | None, comm: Comm) -> Work:
+def _disk_work(root: Path, tmp: Path, parts: Parts, step: int, retention: Retention, comm: Comm) -> Work:
     """The write of a folder checkpoint: every rank's files, then rank 0's commit by rename."""
 
     def work(group: Any) -> tuple[Path | str | None, CheckpointError | None]:
@@ -87,7 +87,7 @@ def _disk_work(root: Path, tmp: Path, parts: Parts, step: int, keep: int | None,
         try:
             records, error = write_parts(tmp, parts, comm.rank, comm.world_size, _gather(group), group)
             if error is None and comm.is_main:
-                final, error = finish(root, tmp, step, comm.world_size, records, keep)
+                final, error = finish(root, tmp, step, comm.world_size, records, retention)
         except CheckpointError as exc:
             error = what_is_left(exc, root)
         except Exception as exc:  # noqa: BLE001 - reported at wait(), on every rank
@@ -152,6 +152,7 @@ def save_checkpoint_async(
     *,
     step: int,
     keep: int | None = None,
+    unusable: Iterable[int] = (),
     sharded: dict[str, Any] | None = None,
     replicated: dict[str, Any] | None = None,
     writers: WriterGroup | None = None,
@@ -162,13 +163,14 @@ def save_checkpoint_async(
     ``state`` and ``replicated`` must be copies nothing changes while they are written; ``sharded`` is
     copied to CPU here. ``writers``: a group kept between saves (``None``: one made for this save).
     """
+    retention = Retention(keep, frozenset(unusable))
     if is_url(directory):
         return _objects_async(
             str(directory),
             state,
             comm,
             step=step,
-            keep=keep,
+            retention=retention,
             replicated=replicated,
             sharded=_staged(sharded),
             position=position,
@@ -178,7 +180,7 @@ def save_checkpoint_async(
         local_path(directory), state, comm, step=step, keep=keep, replicated=replicated, sharded=_staged(sharded)
     )
     path = root / step_name(step)
-    work = _disk_work(root, tmp, parts, step, keep, comm) if comm.is_main or parts.tensors is not None else None
+    work = _disk_work(root, tmp, parts, step, retention, comm) if comm.is_main or parts.tensors is not None else None
     if comm.world_size == 1 or parts.tensors is None:
         return PendingSave(path, comm, work)
     return _with_group(path, comm, work, writers)
@@ -198,7 +200,7 @@ def _objects_async(
     comm: Comm,
     *,
     step: int,
-    keep: int | None,
+    retention: Retention,
     replicated: dict[str, Any] | None,
     sharded: dict[str, Any] | None,
     position: Any,
@@ -209,11 +211,11 @@ def _objects_async(
     from lockstep.checkpoint.storage import open_storage
 
     storage = open_storage(url)
-    parts = begin_objects(storage, state, comm, step=step, keep=keep, replicated=replicated, sharded=sharded)
+    parts = begin_objects(storage, state, comm, step=step, keep=retention.keep, replicated=replicated, sharded=sharded)
     rank, world_size = comm.rank, comm.world_size
 
     def work(group: Any) -> tuple[Path | str | None, CheckpointError | None]:
-        return write_objects(storage, parts, step, keep, rank, world_size, _gather(group), group, position)
+        return write_objects(storage, parts, step, retention, rank, world_size, _gather(group), group, position)
 
     path = storage.where(step_name(step))
     if world_size == 1 or parts.tensors is None:

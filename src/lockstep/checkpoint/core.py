@@ -20,6 +20,7 @@ writes and reads its part of ``sharded/``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ from lockstep.checkpoint.files import (
     UnsafeCheckpointError,
     discard,
 )
-from lockstep.checkpoint.layout import latest_checkpoint, list_checkpoints
+from lockstep.checkpoint.layout import Retention, latest_checkpoint, list_checkpoints, step_of
 from lockstep.checkpoint.manifest import read_manifest, verify_checkpoint
 from lockstep.checkpoint.read import read_chosen
 from lockstep.checkpoint.safety import UnsupportedStateError
@@ -65,6 +66,7 @@ def save_checkpoint(
     *,
     step: int,
     keep: int | None = None,
+    unusable: Iterable[int] = (),
     sharded: dict[str, Any] | None = None,
     replicated: dict[str, Any] | None = None,
     position: Any = None,
@@ -80,7 +82,10 @@ def save_checkpoint(
         comm: the job's :class:`~lockstep.comm.group.Comm`.
         step: the global step; names the folder. Saving a step again replaces it.
         keep: keep the newest ``keep`` checkpoints up to this one, pruned after the commit; one with
-            a higher step (left by a run that went further) is never pruned. ``None`` keeps all.
+            a higher step (left by a run that went further) is never pruned, unless it is
+            ``unusable``. ``None`` keeps all.
+        unusable: steps of checkpoints in ``directory`` a load skipped as unusable (the
+            ``"unusable"`` of :func:`load_checkpoint`): ``keep`` does not count them, and prunes them.
         sharded: state dicts holding ``DTensor`` s (FSDP2), written by every rank into ``sharded/``.
         replicated: state dicts identical on every rank (ddp's model and optimizer): their tensors are
             written through DCP too, spread over the ranks, and load back as keys of the state.
@@ -98,7 +103,15 @@ def save_checkpoint(
         from lockstep.checkpoint.objects import save_objects
 
         return save_objects(
-            str(directory), state, comm, step=step, keep=keep, sharded=sharded, replicated=replicated, position=position
+            str(directory),
+            state,
+            comm,
+            step=step,
+            keep=keep,
+            unusable=unusable,
+            sharded=sharded,
+            replicated=replicated,
+            position=position,
         )
     directory = local_path(directory)
     root, parts, tmp = begin(directory, state, comm, step=step, keep=keep, replicated=replicated, sharded=sharded)
@@ -107,7 +120,8 @@ def save_checkpoint(
         if comm.is_main:
             discard(tmp)
         raise error
-    final, error = finish(root, tmp, step, comm.world_size, records, keep) if comm.is_main else (None, None)
+    retention = Retention(keep, frozenset(unusable))
+    final, error = finish(root, tmp, step, comm.world_size, records, retention) if comm.is_main else (None, None)
     return Path(agree(comm, error, str(final or ""))[0])
 
 
@@ -134,8 +148,9 @@ def load_checkpoint(
         fallback: skip a corrupt (or misnamed) newest checkpoint with a warning; ``False`` raises.
 
     Returns:
-        The saved state plus ``"path"``; ``"rng"`` lists every saving rank's RNG state (its length is
-        not ``comm.world_size`` after a world-size change). ``None`` when there is no checkpoint.
+        The saved state plus ``"path"`` and ``"unusable"`` (the steps of the newer checkpoints skipped,
+        for the next :func:`save_checkpoint`); ``"rng"`` lists every saving rank's RNG state (its
+        length is not ``comm.world_size`` after a world-size change). ``None`` when there is no checkpoint.
 
     Raises:
         CorruptCheckpointError: the newest (``fallback=False``) or every checkpoint is corrupt.
@@ -157,15 +172,18 @@ def load_checkpoint(
     choice = agree(comm, error, choice)[0]
     if choice is None:
         return None
-    return read_chosen(Path(choice[0]), choice[1]["files"], comm, map_location, sharded)
+    state = read_chosen(Path(choice[0]), choice[1]["files"], comm, map_location, sharded)
+    state["unusable"] = choice[2]
+    return state
 
 
-def _choose(root: Path, fallback: bool) -> tuple[str, dict[str, Any]] | None:
-    """Rank 0: the newest checkpoint that verifies (and its manifest), or ``None`` if none exist."""
-    bad = []
+def _choose(root: Path, fallback: bool) -> tuple[str, dict[str, Any], list[int]] | None:
+    """Rank 0: the newest checkpoint that verifies, its manifest and the steps skipped; ``None`` if none exist."""
+    bad: list[str] = []
+    skipped: list[int] = []
     for path in reversed(list_checkpoints(root)):
         try:
-            return str(path), verify_checkpoint(path)
+            return str(path), verify_checkpoint(path), skipped
         except UnsafeCheckpointError:
             raise
         except CheckpointError as exc:
@@ -173,6 +191,7 @@ def _choose(root: Path, fallback: bool) -> tuple[str, dict[str, Any]] | None:
                 raise
             logger.warning("checkpoint %s is unusable, falling back to the previous one. %s", path, exc)
             bad.append(str(exc))
+            skipped.append(step_of(path.name) or 0)
     if bad:
         raise CorruptCheckpointError(
             f"no usable checkpoint in {root}; every one failed verification:\n  " + "\n  ".join(bad)

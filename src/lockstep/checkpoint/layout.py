@@ -8,11 +8,22 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from lockstep.checkpoint.files import discard
 
-__all__ = ["step_name", "temp_name", "step_of", "list_checkpoints", "latest_checkpoint", "remove_stale", "prune"]
+__all__ = [
+    "step_name",
+    "temp_name",
+    "step_of",
+    "list_checkpoints",
+    "latest_checkpoint",
+    "remove_stale",
+    "Retention",
+    "prune",
+]
 
 logger = logging.getLogger("lockstep.checkpoint.core")
 
@@ -85,15 +96,51 @@ def remove_stale(root: Path) -> None:
             discard(entry)
 
 
-def prune(root: Path, keep: int | None, protect: Path) -> None:
-    """Delete all but the ``keep`` newest checkpoints up to ``protect`` (just written); none newer than it."""
-    if keep is None:
+@dataclass(frozen=True)
+class Retention:
+    """Which checkpoints a save prunes once it is committed.
+
+    The ``keep`` newest usable checkpoints up to the new one stay; one with a higher step (left by
+    a run that went further) is never pruned, unless a load found it unusable. A checkpoint a load
+    skipped as unusable is not counted: after a fallback from a corrupt newest checkpoint, the good
+    one the run resumed from is not pruned in its place.
+
+    Args:
+        keep: how many checkpoints to keep, the new one included; ``None`` keeps all (nothing is pruned).
+        unusable: the steps of checkpoints a load skipped as unusable (``load_checkpoint``'s
+            ``"unusable"``); with ``keep`` set they are pruned, whatever their step.
+    """
+
+    keep: int | None = None
+    unusable: frozenset[int] = frozenset()
+
+    def doomed(self, committed: Iterable[int], step: int) -> list[int]:
+        """The steps to delete, oldest first, once ``step`` is committed beside ``committed``.
+
+        Args:
+            committed: the steps of the committed checkpoints, ``step`` among them.
+            step: the step just committed; never doomed.
+        """
+        if self.keep is None:
+            return []
+        others = sorted(set(committed) - {step})
+        older = [s for s in others if s < step and s not in self.unusable]
+        past_keep = older[: max(0, len(older) - (self.keep - 1))]
+        return sorted(set(past_keep) | {s for s in others if s in self.unusable})
+
+
+def prune(root: Path, retention: Retention, protect: Path) -> None:
+    """Delete the checkpoints ``retention`` dooms once ``protect`` (just written) is committed."""
+    step = step_of(protect.name)
+    if retention.keep is None or step is None:
         return
-    limit = step_of(protect.name)
-    found = [p for p in list_checkpoints(root) if limit is None or (step_of(p.name) or 0) <= limit]
-    for old in found[: max(0, len(found) - keep)]:
-        if old == protect:
+    found = list_checkpoints(root)
+    doomed = set(retention.doomed((step_of(p.name) or 0 for p in found), step))
+    for old in found:
+        if old == protect or step_of(old.name) not in doomed:
             continue
+        if step_of(old.name) in retention.unusable:
+            logger.info("removing %s: it failed verification at the last load", old)
         # renamed before deletion: a crash mid-delete never leaves a half-deleted folder that looks committed
         trash = old.with_name(f".trash-{old.name}-{os.getpid()}")
         try:

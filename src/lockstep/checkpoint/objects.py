@@ -12,7 +12,8 @@ Layout::
 
 A step is committed once its manifest exists, and two writers can never both commit it; objects
 without a manifest (a partial upload) are never loaded and a later save deletes them. Pruning
-deletes a checkpoint's manifest first and never touches the one just committed nor a newer one.
+deletes a checkpoint's manifest first and never touches the one just committed nor a newer one
+(unless a load found it unusable: see :class:`~lockstep.checkpoint.layout.Retention`).
 A load walks back from the newest manifest; each rank downloads only what it reads and checks
 each object's sha256 before using it.
 """
@@ -24,7 +25,7 @@ import logging
 import re
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ import torch
 
 from lockstep.checkpoint.confine import check_name
 from lockstep.checkpoint.files import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError, io_error
-from lockstep.checkpoint.layout import step_name
+from lockstep.checkpoint.layout import Retention, step_name
 from lockstep.checkpoint.manifest import MANIFEST_FILE, check_manifest, check_record, manifest_bytes
 from lockstep.checkpoint.read import read_chosen
 from lockstep.checkpoint.storage import Storage, open_storage
@@ -128,7 +129,7 @@ def write_objects(
     storage: Storage,
     parts: Parts,
     step: int,
-    keep: int | None,
+    retention: Retention,
     rank: int,
     world_size: int,
     gather: Gather,
@@ -148,7 +149,7 @@ def write_objects(
     for theirs, _ in gathered:
         merged.update(theirs)
     try:
-        return _commit(storage, step, world_size, merged, keep, position), None
+        return _commit(storage, step, world_size, merged, retention, position), None
     except CheckpointError as exc:
         return None, exc
 
@@ -163,7 +164,7 @@ def _discard(storage: Storage, step: int) -> None:
 
 
 def _commit(
-    storage: Storage, step: int, world_size: int, files: dict[str, Any], keep: int | None, position: Any
+    storage: Storage, step: int, world_size: int, files: dict[str, Any], retention: Retention, position: Any
 ) -> str:
     """Rank 0: the manifest by a conditional put, then ``latest``, then pruning."""
     name = f"{step_name(step)}/{MANIFEST_FILE}"
@@ -177,17 +178,16 @@ def _commit(
         storage.put(LATEST, step_name(step).encode())
     except CheckpointError as exc:  # a hint only: a load lists the manifests anyway
         logger.warning("could not update %s: %s", storage.where(LATEST), exc)
-    prune_objects(storage, keep, step)
+    prune_objects(storage, retention, step)
     return storage.where(step_name(step))
 
 
-def prune_objects(storage: Storage, keep: int | None, step: int) -> None:
-    """Rank 0, after committing ``step``: delete older checkpoints past ``keep`` and older partial uploads."""
+def prune_objects(storage: Storage, retention: Retention, step: int) -> None:
+    """Rank 0, after committing ``step``: delete the checkpoints ``retention`` dooms and older partial uploads."""
     try:
         names = storage.list()
         done = sorted(int(m.group(1)) for name in names if (m := _MANIFEST.match(name)))
-        older = [s for s in done if s < step]
-        doomed = set(older[: max(0, len(older) - (keep - 1))]) if keep is not None else set()
+        doomed = set(retention.doomed(done, step))
         doomed |= {s for s in _steps_present(names) - set(done) if s < step}  # partial uploads of killed saves
         for old in sorted(doomed):
             _remove_step(storage, old)
@@ -202,6 +202,7 @@ def save_objects(
     *,
     step: int,
     keep: int | None = None,
+    unusable: Iterable[int] = (),
     sharded: dict[str, Any] | None = None,
     replicated: dict[str, Any] | None = None,
     position: Any = None,
@@ -210,8 +211,9 @@ def save_objects(
     """:func:`~lockstep.checkpoint.core.save_checkpoint` for a URL; every rank calls it."""
     storage = storage or open_storage(url)
     parts = begin_objects(storage, state, comm, step=step, keep=keep, replicated=replicated, sharded=sharded)
+    retention = Retention(keep, frozenset(unusable))
     final, error = write_objects(
-        storage, parts, step, keep, comm.rank, comm.world_size, comm.all_gather_object, position=position
+        storage, parts, step, retention, comm.rank, comm.world_size, comm.all_gather_object, position=position
     )
     return str(agree(comm, error, final)[0])
 
@@ -265,7 +267,9 @@ def _plausible(storage: Storage, step: int) -> dict[str, Any]:
     return manifest
 
 
-def _next_choice(storage: Storage, steps: list[int], bad: list[str], fallback: bool) -> tuple[int, Any] | None:
+def _next_choice(
+    storage: Storage, steps: list[int], bad: list[tuple[int, str]], fallback: bool
+) -> tuple[int, Any] | None:
     """Rank 0: pop the newest plausible checkpoint off ``steps`` (newest last); the others go to ``bad``."""
     while steps:
         step = steps.pop()
@@ -279,7 +283,7 @@ def _next_choice(storage: Storage, steps: list[int], bad: list[str], fallback: b
             logger.warning(
                 "checkpoint %s is unusable, falling back to the previous one. %s", storage.where(step_name(step)), exc
             )
-            bad.append(str(exc))
+            bad.append((step, str(exc)))
     return None
 
 
@@ -302,7 +306,7 @@ def load_objects(
         except CheckpointError as exc:
             error = exc
     agree(comm, error)
-    bad: list[str] = []
+    bad: list[tuple[int, str]] = []  # (step, why) of each checkpoint skipped
     while True:
         choice, error = None, None
         if comm.is_main:
@@ -316,7 +320,7 @@ def load_objects(
         step, manifest = choice
         prefix = step_name(step)
         try:
-            return read_chosen(
+            state = read_chosen(
                 Path(prefix),
                 manifest["files"],
                 comm,
@@ -334,9 +338,13 @@ def load_objects(
                 logger.warning(
                     "checkpoint %s is unusable, falling back to the previous one. %s", storage.where(prefix), exc
                 )
-            bad.append(str(exc))
+            bad.append((step, str(exc)))
+            continue
+        state["unusable"] = [skipped for skipped, _ in bad]
+        return state
     if bad:
         raise CorruptCheckpointError(
-            f"no usable checkpoint in {storage.url}; every one failed verification:\n  " + "\n  ".join(bad)
+            f"no usable checkpoint in {storage.url}; every one failed verification:\n  "
+            + "\n  ".join(why for _, why in bad)
         )
     return None

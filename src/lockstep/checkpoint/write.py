@@ -27,7 +27,7 @@ from lockstep.checkpoint.files import (
     publish,
     write_state_file,
 )
-from lockstep.checkpoint.layout import latest_checkpoint, prune, remove_stale, step_name, temp_name
+from lockstep.checkpoint.layout import Retention, latest_checkpoint, prune, remove_stale, step_name, temp_name
 from lockstep.checkpoint.manifest import write_manifest
 from lockstep.checkpoint.portable import own_share, split_tensors
 from lockstep.checkpoint.safety import check_loadable
@@ -229,21 +229,21 @@ def commit(root: Path, tmp: Path, step: int, world_size: int, files: dict[str, A
 
 
 def finish(
-    root: Path, tmp: Path, step: int, world_size: int, records: dict[str, Any], keep: int | None
+    root: Path, tmp: Path, step: int, world_size: int, records: dict[str, Any], retention: Retention
 ) -> tuple[Path | None, CheckpointError | None]:
     """Rank 0: :func:`commit`, then :func:`prune_after`; the committed folder, or the error (nothing raised)."""
     try:
         final = commit(root, tmp, step, world_size, records)
     except CheckpointError as exc:
         return None, what_is_left(exc, root)
-    prune_after(root, keep, final)
+    prune_after(root, retention, final)
     return final, None
 
 
-def prune_after(root: Path, keep: int | None, final: Path) -> None:
+def prune_after(root: Path, retention: Retention, final: Path) -> None:
     """Rank 0, after the commit: prune; the new checkpoint is committed, so a failure only warns."""
     try:
-        prune(root, keep, protect=final)
+        prune(root, retention, protect=final)
     except OSError as exc:  # an old checkpoint left over is harmless
         logger.warning("could not prune old checkpoints in %s: %s", root, exc)
 

@@ -186,6 +186,7 @@ class ElasticTraining:
             path=mine.path,
             extras=mine.extras,
             mid_epoch=bool(state.loaders.live) and not state.loaders.epoch_done,
+            unusable=mine.unusable,
         )
 
     def _join(self) -> None:

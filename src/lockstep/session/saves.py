@@ -24,6 +24,8 @@ class SaveTarget:
         model: the ``model=`` of the last save or load (the live object, not a copy).
         optimizer: its ``optimizer=``.
         named: the other named values, live: a preemption takes each object's state as of then.
+        unusable: the steps of the checkpoints there that a load skipped as corrupt and no save has
+            replaced since, which the next save's ``keep`` does not count (and prunes).
     """
 
     directory: Path | str
@@ -31,6 +33,11 @@ class SaveTarget:
     model: Any = None
     optimizer: Any = None
     named: dict[str, Any] = field(default_factory=dict)
+    unusable: frozenset[int] = frozenset()
+
+    def still_unusable(self, directory: Path | str, step: int) -> frozenset[int]:
+        """The unusable steps after a save of ``step`` into ``directory``: that step is no longer one."""
+        return self.unusable - {step} if directory == self.directory else frozenset()
 
 
 class SaveInFlight:

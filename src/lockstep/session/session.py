@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import replace
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -413,7 +414,8 @@ class Session(Observing):
         layers = model_wrappers(model, self._models, self.strategy)
         sorted_named = self._sort(named, layers, optimizer, "save")
         directory = self._folders.hold(directory)
-        self._ckpt = SaveTarget(directory, keep, model, optimizer, named)
+        unusable = self._ckpt.still_unusable(directory, self.state.global_step) if self._ckpt else frozenset()
+        self._ckpt = SaveTarget(directory, keep, model, optimizer, named, unusable)
         return self._saves.track(
             save_state(
                 directory,
@@ -427,6 +429,7 @@ class Session(Observing):
                 named=sorted_named,
                 blocking=blocking,
                 writers=self._saves.writers,
+                unusable=self._ckpt.unusable,
             )
         )
 
@@ -446,9 +449,10 @@ class Session(Observing):
     ) -> ResumeState:
         """Restore the newest good checkpoint in ``directory``, if any, into the objects given, in place.
 
-        Corrupt or unfinished checkpoints are skipped (with a warning); another world size resumes at
-        the same sample. With no checkpoint there, training starts fresh and rank 0 says so. A
-        preemption saves the objects given here into ``directory``, which is locked as by :meth:`save`.
+        Corrupt or unfinished checkpoints are skipped (with a warning); the next :meth:`save` there
+        prunes them and does not count them in its ``keep``. Another world size resumes at the same
+        sample. With no checkpoint there, training starts fresh and rank 0 says so. A preemption saves
+        the objects given here into ``directory``, which is locked as by :meth:`save`.
 
         Args:
             directory: the checkpoint folder (or URL) :meth:`save` writes to.
@@ -485,6 +489,7 @@ class Session(Observing):
             say=None if self.quiet else self.print,
         )
         resume = self._elastic.load(restore) if self._elastic else restore(comm=self.comm)  # under --nodes: joins
+        self._ckpt = replace(self._ckpt, unusable=frozenset(resume.unusable))  # pruned first, never counted in keep
         if not self.quiet:
             self.print(
                 resumed_line(resume) if resume.resumed else f"lockstep: no checkpoint in {directory}: starting fresh"

@@ -53,6 +53,8 @@ class ResumeState:
         path: the checkpoint that was loaded (a URL as a ``str``), or ``None`` when training starts fresh.
         extras: the user's own values given to ``Session.save`` (``{}`` when fresh).
         mid_epoch: True when the checkpoint was taken mid-``epoch``; the training loader continues from its position.
+        unusable: the steps of the newer checkpoints skipped as unusable (corrupt); the next
+            ``Session.save`` into the same folder does not count them in its ``keep``, and prunes them.
     """
 
     epoch: int = 0
@@ -60,6 +62,7 @@ class ResumeState:
     path: Path | str | None = None
     extras: dict[str, Any] = field(default_factory=dict)
     mid_epoch: bool = False
+    unusable: tuple[int, ...] = ()
 
     @property
     def resumed(self) -> bool:
@@ -216,13 +219,15 @@ def save_state(
     named: NamedState,
     blocking: bool = True,
     writers: WriterGroup | None = None,
+    unusable: frozenset[int] = frozenset(),
 ) -> Path | str | PendingSave:
     """Write ``train`` with the model, optimizer, precision state and the ``named`` values as one checkpoint.
 
     The models' and optimizers' tensors go through ``torch.distributed.checkpoint``, each rank its
     part (each named model under ``"models"``, with its optimizer); a stateful object's
     ``state_dict()`` is taken now. With ``blocking=False`` the state is copied and written in the
-    background, and a :class:`~lockstep.checkpoint.background.PendingSave` is returned. Every rank calls it.
+    background, and a :class:`~lockstep.checkpoint.background.PendingSave` is returned. ``unusable``: steps a load found
+    corrupt there (not counted in ``keep``; pruned). Every rank calls it.
     """
     from lockstep.checkpoint.background import save_checkpoint_async
     from lockstep.checkpoint.core import save_checkpoint
@@ -254,6 +259,7 @@ def save_state(
             comm,
             step=train.global_step,
             keep=keep,
+            unusable=unusable,
             sharded=sharded,
             replicated=full,
             position=position,
@@ -264,6 +270,7 @@ def save_state(
         comm,
         step=train.global_step,
         keep=keep,
+        unusable=unusable,
         sharded=sharded,
         replicated=full,
         writers=writers,
@@ -343,6 +350,7 @@ def load_state(
         path=location(state.get("path", directory)),
         extras=dict(state.get("extras") or {}),
         mid_epoch=mid,
+        unusable=tuple(state.get("unusable") or ()),
     )
 
 

@@ -143,7 +143,7 @@ def test_run_hands_everything_after_the_script_to_it(argv: list[str], own: tuple
 def test_run_refuses_abbreviated_flags_before_the_script(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         parse_args(["run", "--np", "2", "s.py"])
-    assert exit_info.value.code == 2 and "unrecognized arguments: --np" in capsys.readouterr().err
+    assert exit_info.value.code == 2 and "unknown option --np; did you mean --nproc?" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parse_args(["run", "--nproc"])  # the flag's value is missing: argparse says so, nothing is guessed
     assert "expected one argument" in capsys.readouterr().err
@@ -164,24 +164,46 @@ def test_split_at_target() -> None:
 
 
 @pytest.mark.parametrize(
-    "command, argv",
+    "command, argv, line",
     [
-        ("run", ["--np", "2", "s.py"]),
-        ("train", ["--bogus"]),
-        ("bench", ["--strategy", "ddp", "--bogus", "1"]),
-        ("verify", ["convnet", "--bogus"]),
-        ("doctor", ["--bogus"]),
+        ("run", ["--nprc", "2", "s.py"], "unknown option --nprc; did you mean --nproc?"),
+        ("train", ["--epocs", "2"], "unknown option --epocs; did you mean --epochs?"),
+        ("train", ["--epochs=2", "--lr=0.1", "--colour=red"], "unknown option --colour; see lockstep train --help"),
+        ("train", ["--epochs", "2", "extra"], "unexpected argument extra; see lockstep train --help"),
+        ("bench", ["--strategy", "ddp", "--bogus", "1"], "unknown option --bogus; see lockstep bench --help"),
+        ("verify", ["convnet", "--max-step", "3"], "unknown option --max-step; did you mean --max-steps?"),
+        ("doctor", ["--comms"], "unknown option --comms; did you mean --comm?"),
+        ("postmortem", ["records", "--bogus"], "unknown option --bogus; see lockstep postmortem --help"),
     ],
 )
-def test_a_bad_flag_shows_the_subcommands_usage(
-    command: str, argv: list[str], capsys: pytest.CaptureFixture[str]
+def test_an_unknown_flag_is_one_line_naming_the_closest(
+    command: str, argv: list[str], line: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main([command, *argv])
-    err = capsys.readouterr().err
     assert exit_info.value.code == 2
-    assert err.startswith(f"usage: lockstep {command} ") and "usage: lockstep [-h]" not in err, err
-    assert f"lockstep {command}: error: unrecognized arguments: --bogus" in err or "--np" in err
+    assert capsys.readouterr().err.splitlines() == [f"lockstep {command}: {line}"]
+
+
+def test_an_unknown_command_or_top_level_flag_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv, line in [
+        (["trian"], "unknown command trian; did you mean train?"),
+        (["--verison"], "unknown option --verison; did you mean --version?"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2 and capsys.readouterr().err.splitlines() == [f"lockstep: {line}"]
+
+
+def test_a_typo_after_the_script_is_the_scripts_own(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "s.py").write_text("")
+    launched: list = []
+    monkeypatch.setattr("lockstep.launch.elastic.launch", lambda spec: launched.append(spec) or 0)
+    assert main(["run", "--nproc", "1", "s.py", "--epocs", "2", "--anything"]) == 0
+    assert launched[0].args == ("--epocs", "2", "--anything") and capsys.readouterr().err == ""
 
 
 def test_run_names_its_own_flags_after_the_script(

@@ -9,13 +9,17 @@ Each subcommand lives in ``lockstep/cli/<name>.py`` with two functions,
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
+import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import NoReturn
 
+from lockstep.cli.py_argparse import parser_actions
 from lockstep.errors import EXIT_USAGE, ConfigError
 
-__all__ = ["main", "parse_args", "COMMANDS"]
+__all__ = ["main", "parse_args", "unknown_arguments", "COMMANDS"]
 
 COMMANDS = {
     "run": "launch a script on N processes (and nodes) with torch's elastic agent",
@@ -42,8 +46,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
     For a command that runs a script, only the arguments up to the script are parsed; the rest
     become ``script_args`` unchanged, even those that look like the command's own flags. A flag
-    the command does not know is refused with the command's own usage (exit 2). ``given`` holds
-    the destinations of the flags typed on the command line (not left at their defaults).
+    the command does not know is refused in one line naming the closest flag it has
+    (:func:`unknown_arguments`; exit 2), as is an unknown command. ``given`` holds the
+    destinations of the flags typed on the command line (not left at their defaults).
 
     Args:
         argv: the arguments after ``lockstep``.
@@ -51,8 +56,15 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     argv = list(argv)
     parser, subparsers = _parser()
     name = next((a for a in argv if not a.startswith("-")), None)
-    if name not in COMMANDS:
-        return parser.parse_args(argv)
+    if name is not None and name not in COMMANDS:
+        close = difflib.get_close_matches(name, COMMANDS, n=1)
+        hint = f"did you mean {close[0]}?" if close else f"one of {', '.join(COMMANDS)}"
+        _refuse([f"lockstep: unknown command {name}; {hint}"])
+    if name is None:
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:
+            _refuse(unknown_arguments(parser.prog, _options(parser), unknown))
+        return args
     module = importlib.import_module(f"lockstep.cli.{name}")
     command = subparsers[name]
     module.add_arguments(command)
@@ -60,12 +72,59 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     split = getattr(module, "split_argv", None)
     own, script_args = split(argv[at:]) if split is not None else (argv[at:], None)
     args, unknown = parser.parse_known_args([*argv[:at], *own])
-    if unknown:  # the command's usage, not lockstep's: the mistake is in the command's flags
-        command.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if unknown:  # one line per mistake, in the command's own flags: not argparse's usage dump
+        _refuse(unknown_arguments(command.prog, _options(command), unknown))
     if script_args is not None:
         args.script_args = script_args
     args.given = _given(command, own, args)
     return args
+
+
+_NUMBER = re.compile(r"-\d+(\.\d*)?")  # a negative number is a value, not a flag
+_CLOSE = 0.7  # difflib's ratio over the whole flag: --np finds --nproc (0.73), --colour not --lr (0.67)
+
+
+def unknown_arguments(prog: str, options: Iterable[str], unknown: Sequence[str]) -> list[str]:
+    """One line per argument a command did not take: an unknown flag names the closest of
+    ``options``; a word after an unknown flag is taken for its value and not named again.
+
+    Args:
+        prog: the command, as its messages begin (``"lockstep train"``).
+        options: the command's flags (``--epochs``...).
+        unknown: the arguments its parser left over, in order.
+
+    Example::
+
+        >>> unknown_arguments("lockstep train", ["--epochs", "--nproc"], ["--epocs", "2"])
+        ['lockstep train: unknown option --epocs; did you mean --epochs?']
+        >>> unknown_arguments("lockstep train", ["--epochs"], ["--colour"])
+        ['lockstep train: unknown option --colour; see lockstep train --help']
+    """
+    options = list(options)
+    lines: list[str] = []
+    value_of_unknown = False
+    for arg in unknown:
+        if arg.startswith("-") and len(arg) > 1 and not _NUMBER.fullmatch(arg):
+            flag = arg.split("=", 1)[0]
+            close = difflib.get_close_matches(flag, options, n=1, cutoff=_CLOSE)
+            hint = f"did you mean {close[0]}?" if close else f"see {prog} --help"
+            lines.append(f"{prog}: unknown option {flag}; {hint}")
+            value_of_unknown = "=" not in arg
+        elif value_of_unknown:
+            value_of_unknown = False
+        else:
+            lines.append(f"{prog}: unexpected argument {arg}; see {prog} --help")
+    return lines
+
+
+def _options(parser: argparse.ArgumentParser) -> list[str]:
+    """The flags ``parser`` shows in its help (hidden old spellings are never suggested)."""
+    return [flag for a in parser_actions(parser) if a.help != argparse.SUPPRESS for flag in a.option_strings]
+
+
+def _refuse(lines: list[str]) -> NoReturn:
+    print("\n".join(lines), file=sys.stderr)
+    raise SystemExit(EXIT_USAGE)
 
 
 def _given(command: argparse.ArgumentParser, own: list[str], args: argparse.Namespace) -> frozenset[str]:

@@ -122,6 +122,13 @@ def test_table_prints_the_spread_and_the_verdict() -> None:
     assert "no winner" not in called and ": the winner, its slowest window beats the next cell's fastest" in called
 
 
+def test_one_timed_window_is_one_window() -> None:
+    doc = _doc("ddp/fp32/2", [])
+    for cell in doc["cells"]:
+        cell["repeats"] = 1
+    assert "* fastest: ddp fp32 x2, 1,992.0 samples/s (median of 1 window, min" in format_table(doc)
+
+
 def test_a_one_class_folder_is_refused_before_any_cell(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     write_image_folder(tmp_path / "one", per_class=8, classes=1)
     began = time.monotonic()

@@ -41,6 +41,13 @@ def test_a_rank_is_named_after_persistent_windows_only() -> None:
     assert detector.update([FAST, SLOW, FAST], 40).rank == 1  # type: ignore[union-attr]
 
 
+def test_the_message_counts_its_windows_in_words() -> None:
+    for windows, words in [(1, "(1 window in a row"), (2, "(2 windows in a row")]:
+        detector = SlowRankDetector(["a", "b"], windows=windows)
+        verdict = [detector.update([FAST, SLOW], step) for step in range(windows)][-1]
+        assert verdict is not None and words in verdict.message(), verdict
+
+
 def test_a_suspect_needs_both_margins_and_the_same_rank() -> None:
     detector = SlowRankDetector(["h"] * 3, windows=2, ratio=0.25, margin_s=0.03)
     big = [0.0, 1.0, 0.0, 0.0]

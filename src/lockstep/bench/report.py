@@ -199,8 +199,9 @@ def verdict_lines(doc: dict[str, Any]) -> list[str]:
     text = f"* fastest: {cell_label(fastest)}, {_num(fastest['samples_per_s'])} samples/s"
     if fastest.get("samples_per_s_min") is None:  # a document without the spread
         return [text]
+    repeats = fastest.get("repeats", 1)
     text += (
-        f" (median of {fastest.get('repeats', 1)} windows, min {_num(fastest['samples_per_s_min'])}, "
+        f" (median of {repeats} window{'s' if repeats != 1 else ''}, min {_num(fastest['samples_per_s_min'])}, "
         f"max {_num(fastest['samples_per_s_max'])})"
     )
     ran = [c for c in doc["cells"] if c["status"] == "ran" and c["id"] != fastest["id"]]

@@ -66,7 +66,8 @@ class JobReporter:
         if summary.preempted:
             return EXIT_PREEMPTED
         if self.spec.max_restarts:
-            say(f"{PREFIX}gave up after {self.spec.max_restarts} restarts")
+            restarts = self.spec.max_restarts
+            say(f"{PREFIX}gave up after {restarts} restart{'s' if restarts != 1 else ''}")
         if self.spec.log_dir:
             say(f"{PREFIX}every rank's output is under {self.spec.log_dir}")
         return EXIT_FAILURE

@@ -56,7 +56,8 @@ class SlowRank:
             f"lockstep: rank {self.rank} (host {self.host}) is the slow rank: {self.phase} takes "
             f"{self.seconds * 1e3:.0f} ms per step there against {self.others * 1e3:.0f} ms on the other "
             f"ranks, which wait {self.waited * 1e3:.0f} ms per step for it in communication "
-            f"({self.windows} windows in a row, up to step {self.step}). Hint: {HINTS[self.phase]}"
+            f"({self.windows} window{'s' if self.windows != 1 else ''} in a row, up to step {self.step}). "
+            f"Hint: {HINTS[self.phase]}"
         )
 
 

@@ -194,12 +194,29 @@ def test_bad_folders_refused(tmp_path: Path) -> None:
         parse_data(f"imagefolder:{tmp_path / 'empty'}")
     (tmp_path / "flat").mkdir()
     (tmp_path / "flat" / "a.png").write_bytes(b"x")
-    with pytest.raises(ConfigError, match="one sub-folder of images per class"):
+    with pytest.raises(ConfigError, match="holds images but no class folders"):
         open_data(parse_data(f"imagefolder:{tmp_path / 'flat'}"), 16, 3)
     with pytest.raises(ConfigError, match="unknown data 'cifar'"):
         parse_data("cifar")
     with pytest.raises(ConfigError, match="needs a folder"):
         parse_data("mnist")
+
+
+@pytest.mark.parametrize("layout", ["flat", "train/val"])
+def test_images_without_class_folders_are_named_so(tmp_path: Path, layout: str) -> None:
+    root = tmp_path / "f"
+    flat = root if layout == "flat" else root / "train"
+    for folder in [flat] if layout == "flat" else [flat, root / "val"]:
+        folder.mkdir(parents=True)
+        (folder / "a.JPG").write_bytes(b"x")
+    with pytest.raises(ConfigError) as info:
+        open_data(parse_data(f"imagefolder:{root}"), 16, 3)
+    assert str(info.value) == (
+        f"{flat} holds images but no class folders: put each class's images in a sub-folder ({flat}/<class>/<image>)"
+    )
+    (flat / "a.JPG").rename(flat / "notes.txt")
+    with pytest.raises(ConfigError, match=f"^{flat} holds no images and no class folders: put each class"):
+        open_data(parse_data(f"imagefolder:{root}"), 16, 3)
 
 
 def test_unreadable_image_named(tmp_path: Path) -> None:

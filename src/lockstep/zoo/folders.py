@@ -50,8 +50,7 @@ def _folder(root: Path, image_size: int, train: bool) -> Any:
 
     if not root.is_dir():
         raise ConfigError(f"data directory {root} does not exist")
-    if not any(p.is_dir() for p in root.iterdir()):
-        raise ConfigError(f"data directory {root} is empty: it needs one sub-folder of images per class")
+    _check_class_folders(root)
     try:
         folder = ImageFolder(str(root), transform=_transforms(image_size, train), loader=_load_rgb)
     except FileNotFoundError as exc:  # a class folder without images
@@ -62,6 +61,21 @@ def _folder(root: Path, image_size: int, train: bool) -> Any:
             "put each class's images in a sub-folder of its own"
         )
     return folder
+
+
+def _check_class_folders(root: Path) -> None:
+    """Refuse a folder without sub-folders, saying whether it holds images (laid out flat) or nothing."""
+    from torchvision.datasets.folder import IMG_EXTENSIONS
+
+    entries = list(root.iterdir())
+    if any(p.is_dir() for p in entries):
+        return
+    layout = f"put each class's images in a sub-folder ({root}/<class>/<image>)"
+    if any(p.suffix.lower() in IMG_EXTENSIONS for p in entries):
+        raise ConfigError(f"{root} holds images but no class folders: {layout}")
+    if entries:
+        raise ConfigError(f"{root} holds no images and no class folders: {layout}")
+    raise ConfigError(f"data directory {root} is empty: it needs one sub-folder of images per class")
 
 
 def check_images(dataset: Any, per_class: int = CHECK_PER_CLASS) -> int:

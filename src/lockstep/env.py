@@ -22,12 +22,17 @@ __all__ = [
     "Settings",
     "detect_world",
     "read_settings",
+    "withhold_secret",
     "environment",
     "export_environment",
     "first_slurm_host",
 ]
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
+
+# The one value kept outside os.environ: the job's secret, once a worker took it out of its environment
+# (withhold_secret, before the script runs) so that the processes the script starts do not inherit it.
+_WITHHELD: dict[str, str] = {}
 
 
 @dataclass(frozen=True)
@@ -187,7 +192,8 @@ class Settings:
         agent_store: the elastic agent shares its store (``$MASTER_ADDR:$MASTER_PORT``) with the workers.
         master_addr: ``$MASTER_ADDR`` as written.
         master_port: ``$MASTER_PORT`` as written.
-        secret: ``$LOCKSTEP_SECRET``: the job's secret that signs lockstep's values in the store.
+        secret: ``$LOCKSTEP_SECRET``: the job's secret that signs lockstep's values in the store (in a
+            worker of ``lockstep run``, the value :func:`withhold_secret` took out of the environment).
         gloo_ifname: ``$GLOO_SOCKET_IFNAME``: the interface gloo uses.
         nccl_ifname: ``$NCCL_SOCKET_IFNAME``: the interface nccl uses.
         loglevel: ``$LOGLEVEL`` (torchrun's: show the elastic agent's own logging).
@@ -241,7 +247,7 @@ def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
         agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
         master_addr=env.get("MASTER_ADDR", ""),
         master_port=env.get("MASTER_PORT", ""),
-        secret=env.get("LOCKSTEP_SECRET", ""),
+        secret=env.get("LOCKSTEP_SECRET", _WITHHELD.get("LOCKSTEP_SECRET", "") if environ is None else ""),
         gloo_ifname=env.get("GLOO_SOCKET_IFNAME", ""),
         nccl_ifname=env.get("NCCL_SOCKET_IFNAME", ""),
         loglevel=env.get("LOGLEVEL", ""),
@@ -256,6 +262,19 @@ def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
         elastic_store=env.get("LOCKSTEP_ELASTIC_STORE", "").strip(),
         node_id=env.get("LOCKSTEP_NODE_ID", "").strip(),
     )
+
+
+def withhold_secret() -> None:
+    """Take ``$LOCKSTEP_SECRET`` out of this process's environment; :func:`read_settings` keeps returning it.
+
+    Each worker of ``lockstep run`` calls it before the training script runs
+    (:mod:`lockstep.launch.bootstrap`): the processes the script starts no longer inherit the job's
+    secret, while every later process group of this process still signs with it. A secret set in the
+    environment again afterwards is read (and used) instead.
+    """
+    value = os.environ.pop("LOCKSTEP_SECRET", None)
+    if value is not None:
+        _WITHHELD["LOCKSTEP_SECRET"] = value
 
 
 def environment() -> Mapping[str, str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -234,6 +235,36 @@ def test_everything_after_the_script_reaches_every_rank(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     for rank in (0, 1):
         assert json.loads((tmp_path / f"argv{rank}.json").read_text()) == script_args
+
+
+# Each rank starts a process of its own, then signs a handshake and all_reduces twice (two groups).
+SECRET_SCRIPT = textwrap.dedent("""
+    import hashlib, os, subprocess, sys, torch
+    from lockstep.comm.group import init_comm
+    from lockstep.env import read_settings
+    seen = "import os; print(os.environ.get('LOCKSTEP_SECRET'))"
+    child = subprocess.run([sys.executable, "-c", seen], capture_output=True, text=True, check=True).stdout.strip()
+    for group in (1, 2):
+        comm = init_comm(timeout=30)
+        total = int(comm.all_reduce(torch.ones(1)).item())
+        comm.shutdown()
+    signed_with = hashlib.sha256(read_settings().secret.encode()).hexdigest()[:12]
+    print(f"rank {comm.rank}: child sees {child}, env {os.environ.get('LOCKSTEP_SECRET')}, "
+          f"sum {total}, secret {signed_with}", flush=True)
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_the_secret_is_not_inherited_by_what_the_script_starts(tmp_path: Path) -> None:
+    script = tmp_path / "secret.py"
+    script.write_text(SECRET_SCRIPT)
+    proc = _run(["--nproc", "2", str(script)])
+    assert proc.returncode == 0, proc.stderr
+    lines = sorted(re.findall(r"rank (\d): child sees (\w+), env (\w+), sum (\d), secret (\w+)", proc.stdout))
+    assert [line[:4] for line in lines] == [("0", "None", "None", "2"), ("1", "None", "None", "2")], proc.stdout
+    unset = hashlib.sha256(b"").hexdigest()[:12]
+    assert lines[0][4] == lines[1][4] != unset  # both ranks still signed with the job's one secret
 
 
 @pytest.mark.slow

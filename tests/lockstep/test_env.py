@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
+import lockstep.env
 from lockstep._cluster import DEFAULT_PORT, derived_port, expand_hostlist, expand_tasks_per_node, launch_defaults
-from lockstep.env import World, WorldError, detect_world, first_slurm_host
+from lockstep.env import World, WorldError, detect_world, first_slurm_host, read_settings, withhold_secret
 from lockstep.errors import ConfigError
 
 
@@ -279,3 +282,16 @@ def test_inconsistent_environment_is_refused(env: dict[str, str], words: list[st
 def test_empty_slurm_nodelist_is_refused() -> None:
     with pytest.raises(WorldError, match="empty"):
         first_slurm_host("  ")
+
+
+def test_a_withheld_secret_leaves_the_environment_and_stays_in_the_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(lockstep.env, "_WITHHELD", {})
+    monkeypatch.setenv("LOCKSTEP_SECRET", "s3cr3t")
+    withhold_secret()
+    assert "LOCKSTEP_SECRET" not in os.environ
+    assert read_settings().secret == "s3cr3t"  # every later read, e.g. a second process group
+    assert read_settings({}).secret == ""  # an explicit mapping is read alone
+    withhold_secret()  # twice: nothing left to take, the secret is kept
+    assert read_settings().secret == "s3cr3t"
+    monkeypatch.setenv("LOCKSTEP_SECRET", "newer")  # set again: the environment's value is read
+    assert read_settings().secret == "newer"

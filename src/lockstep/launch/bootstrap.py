@@ -19,6 +19,10 @@ the kernel for SIGKILL when that parent ends (``prctl(PR_SET_PDEATHSIG)``, Linux
 that its parent is still the launcher that started it (``$LOCKSTEP_LAUNCHER_PID``): a launcher
 killed with ``kill -9``, or one that failed to start the rest of the group, leaves no worker
 training on its own.
+
+The job's secret (``$LOCKSTEP_SECRET``, which signs lockstep's values in the store) is taken out
+of the worker's environment before the script runs (:func:`lockstep.env.withhold_secret`): lockstep
+in the worker still uses it, the processes the script starts do not inherit it.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import signal
 import sys
 
 from lockstep._cluster import horovod_rank_variables
-from lockstep.env import environment, export_environment, read_settings
+from lockstep.env import environment, export_environment, read_settings, withhold_secret
 from lockstep.errors import EXIT_PREEMPTED
 
 __all__ = ["main", "run_target", "record_failure", "die_with_launcher"]
@@ -124,6 +128,7 @@ def main(argv: list[str]) -> int:
         print("lockstep.launch.bootstrap: no script given", file=sys.stderr)
         return 2
     settings = read_settings()
+    withhold_secret()  # lockstep keeps it in this process; what the script starts does not inherit it
     if not die_with_launcher(settings.launcher_pid):
         print(
             f"lockstep.launch.bootstrap: the launcher (pid {settings.launcher_pid}) is gone; not starting",

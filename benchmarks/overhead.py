@@ -13,7 +13,11 @@ that the machine's background load falls on every arm alike:
   cost of the check shows;
 * ``raw-again``: a second, identical copy of the raw loop: an A/A control. Its ratio to ``raw``
   is what this machine's noise alone produces; a lockstep ratio within that distance of 1.0
-  cannot be told apart from the raw loop by this run.
+  cannot be told apart from the raw loop by this run;
+* ``fabric`` and ``accelerate``: the same loop written the way Lightning Fabric's and Hugging
+  Face Accelerate's documentation write it (``fabric.setup``/``setup_dataloaders``/``backward``,
+  ``accelerator.prepare``/``backward``), on the same process group; each arm runs where its
+  package imports (``pip install lightning accelerate``) and is left out with one line otherwise.
 
 Workloads: (a) the seed's ConvNet, batch 100 of 28x28 synthetic images; (b) a tiny model
 (``Linear(10, 10)``, batch 4), where the per-step overhead dominates. Targets: lockstep/raw
@@ -55,6 +59,8 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 import lockstep
 
 ARMS = ("raw", "raw-again", "lockstep", "lockstep-ignore")
+PEERS = ("fabric", "accelerate")
+"""Arms of other libraries, run where they import."""
 WORKLOADS: dict[str, dict[str, Any]] = {
     "convnet": {"batch": 100, "samples": 20000, "shape": (1, 28, 28)},
     "tiny": {"batch": 4, "samples": 8192, "shape": (10,)},
@@ -134,6 +140,78 @@ def lockstep_arm(workload: str, data: Dataset[Any], session: Any) -> Callable[[]
     return step
 
 
+def _stream(loader: Any) -> Iterator[Any]:
+    """A loader's batches, epoch after epoch (``set_epoch`` on its sampler when it has one)."""
+    epoch = 0
+    while True:
+        sampler = getattr(loader, "sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def fabric_arm(workload: str, data: Dataset[Any], world_size: int) -> Callable[[], None]:
+    """Lightning Fabric's loop on the job's process group (Fabric finds it already initialised)."""
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=world_size, strategy="ddp", precision="32-true")
+    fabric.launch()  # the processes exist already (LOCAL_RANK is set): this only marks them launched
+    model = build_model(workload)
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), 1e-4))
+    loader = fabric.setup_dataloaders(DataLoader(data, batch_size=WORKLOADS[workload]["batch"], shuffle=True))
+    criterion = nn.CrossEntropyLoss()
+    stream = _stream(loader)
+
+    def step() -> None:
+        images, labels = next(stream)
+        loss = criterion(model(images), labels)
+        optimizer.zero_grad()
+        fabric.backward(loss)
+        optimizer.step()
+
+    return step
+
+
+def accelerate_arm(workload: str, data: Dataset[Any]) -> Callable[[], None]:
+    """Hugging Face Accelerate's loop on the job's process group (its state finds it initialised)."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    model = build_model(workload)
+    model, optimizer, loader = accelerator.prepare(
+        model,
+        torch.optim.SGD(model.parameters(), 1e-4),
+        DataLoader(data, batch_size=WORKLOADS[workload]["batch"], shuffle=True),
+    )
+    criterion = nn.CrossEntropyLoss()
+    stream = _stream(loader)
+
+    def step() -> None:
+        images, labels = next(stream)
+        loss = criterion(model(images), labels)
+        optimizer.zero_grad()
+        accelerator.backward(loss)
+        optimizer.step()
+
+    return step
+
+
+def peer_arms(workload: str, data: Dataset[Any], world_size: int) -> tuple[dict[str, Callable[[], None]], list[str]]:
+    """The arms of the peers that import here, and one line for each left out."""
+    arms: dict[str, Callable[[], None]] = {}
+    missing = []
+    for name, build in (
+        ("fabric", lambda: fabric_arm(workload, data, world_size)),
+        ("accelerate", lambda: accelerate_arm(workload, data)),
+    ):
+        try:
+            arms[name] = build()
+        except ImportError as err:
+            missing.append(f"{name}: left out ({err.name or err} does not import here)")
+    return arms, missing
+
+
 def _window(step: Callable[[], None], steps: int) -> float:
     """Steps per second over ``steps`` steps, between barriers (rank 0's clock)."""
     dist.barrier()
@@ -152,8 +230,10 @@ def _calibrate(step: Callable[[], None], seconds: float) -> int:
     return int(count.item())
 
 
-def rank_main(workload: str, rounds: int, seconds: float, profile: bool, timings_every: int) -> dict[str, Any]:
-    """One rank: build the three arms, warm them up, time them interleaved; rank 0 reports."""
+def rank_main(
+    workload: str, rounds: int, seconds: float, profile: bool, timings_every: int, with_peers: bool = True
+) -> dict[str, Any]:
+    """One rank: build the arms, warm them up, time them interleaved; rank 0 reports."""
     torch.set_num_threads(1)
     session = lockstep.Session(strategy="ddp", precision="fp32", seed=0, quiet=True, timings_every=timings_every)
     data = build_data(workload)
@@ -163,16 +243,19 @@ def rank_main(workload: str, rounds: int, seconds: float, profile: bool, timings
         "lockstep": lockstep_arm(workload, data, session),
     }
     steps_of["lockstep-ignore"] = steps_of["lockstep"]  # the same loop, the check switched off
-    for arm in ARMS:
+    peers, missing = peer_arms(workload, data, session.world_size) if with_peers else ({}, [])
+    steps_of.update(peers)
+    arms = (*ARMS, *peers)
+    for arm in arms:
         _window(steps_of[arm], 10)  # warm-up
     steps = _calibrate(steps_of["raw"], seconds)
-    rates: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    rates: dict[str, list[float]] = {arm: [] for arm in arms}
     for r in range(rounds):
-        for arm in ARMS[r % len(ARMS) :] + ARMS[: r % len(ARMS)]:  # rotate: no arm always runs first
+        for arm in arms[r % len(arms) :] + arms[: r % len(arms)]:  # rotate: no arm always runs first
             session.nonfinite = "ignore" if arm == "lockstep-ignore" else "skip"
             rates[arm].append(_window(steps_of[arm], steps))
     session.nonfinite = "skip"
-    report: dict[str, Any] = {"rates": rates, "steps": steps}
+    report: dict[str, Any] = {"rates": rates, "steps": steps, "missing": missing}
     if profile:
         report["profile"] = _profile(steps_of, steps, session.rank)
     session.close()
@@ -199,13 +282,15 @@ def _profile(steps_of: dict[str, Callable[[], None]], steps: int, rank: int) -> 
     return "\n".join(text)
 
 
-def run_workload(workload: str, rounds: int, seconds: float, profile: bool, timings_every: int = 5) -> dict[str, Any]:
+def run_workload(
+    workload: str, rounds: int, seconds: float, profile: bool, timings_every: int = 5, with_peers: bool = True
+) -> dict[str, Any]:
     """Start the 2-rank job for ``workload`` and return rank 0's report."""
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["LOCKSTEP_INIT_METHOD"] = f"file://{tmp}/rendezvous"
         os.environ["OMP_NUM_THREADS"] = "1"
         try:
-            return lockstep.spawn(rank_main, 2, args=(workload, rounds, seconds, profile, timings_every))[0]
+            return lockstep.spawn(rank_main, 2, args=(workload, rounds, seconds, profile, timings_every, with_peers))[0]
         finally:
             del os.environ["LOCKSTEP_INIT_METHOD"]
 
@@ -233,9 +318,10 @@ def summarize(workload: str, report: dict[str, Any], target: float) -> str:
         f"{workload}: {len(rates['raw'])} interleaved rounds of {report['steps']} steps at world 2 (gloo)",
         f"  {'':16s} {'median steps/s':>15s} {'best steps/s':>13s}",
     ]
-    for arm in ARMS:
+    for arm in rates:
         lines.append(f"  {arm:16s} {statistics.median(rates[arm]):15.1f} {max(rates[arm]):13.1f}")
-    for arm in ARMS[1:]:
+    lines += [f"  {line}" for line in report.get("missing", [])]
+    for arm in list(rates)[1:]:
         ratios = [a / b for a, b in zip(rates[arm], rates["raw"])]
         paired = statistics.median(ratios)
         low, high = median_interval(ratios)
@@ -248,6 +334,9 @@ def summarize(workload: str, report: dict[str, Any], target: float) -> str:
         if arm == "lockstep":
             text += f"; target >= {target} -> {'meets' if paired >= target else 'below'}"
         lines.append(text)
+    for peer in (p for p in PEERS if p in rates):
+        ahead = statistics.median(a / b for a, b in zip(rates["lockstep"], rates[peer]))
+        lines.append(f"  lockstep/{peer} = {ahead:.3f} (median of paired rounds)")
     control = statistics.median(a / b for a, b in zip(rates["raw-again"], rates["raw"]))
     lines.append(
         f"  A/A control: two copies of the raw loop differ by {abs(1 - control):.1%} in this run; "
@@ -269,6 +358,7 @@ def main() -> int:
         default=5,
         help="the Session's timings_every (default 5, its own default; 0: step timings off)",
     )
+    parser.add_argument("--no-peers", action="store_true", help="leave out the Fabric and Accelerate arms")
     args = parser.parse_args()
     targets = {"convnet": 0.99, "tiny": 0.97}
     names = list(WORKLOADS) if args.workload == "all" else [args.workload]
@@ -277,7 +367,7 @@ def main() -> int:
         f"load average {os.getloadavg()}"
     )
     for name in names:
-        report = run_workload(name, args.rounds, args.seconds, args.profile, args.timings_every)
+        report = run_workload(name, args.rounds, args.seconds, args.profile, args.timings_every, not args.no_peers)
         print(summarize(name, report, targets[name]), flush=True)
         if "profile" in report:
             print(report["profile"])

@@ -272,9 +272,9 @@ def test_verify_reports_lossy_hook_with_its_difference(compression: str, capsys:
             compression,
         ]
     )
-    out = capsys.readouterr().out
-    assert code == 1, out
-    assert f"parallel: 2 processes x 8 samples, strategy ddp, grad compression {compression}" in out
+    out, err = capsys.readouterr()
+    assert code == 1, out + err
+    assert f"parallel: 2 processes x 8 samples, strategy ddp, grad compression {compression}" in out, err
     found = re.search(
         rf"verdict: NOT EQUIVALENT, as expected: grad compression {compression} is lossy by design "
         r"\(largest relative difference (\S+); tolerance 1e-05\)",

@@ -33,10 +33,9 @@ lint: install
 # the docs' build and examples too), then the type checker; `test-e2e` runs whole commands end to
 # end (`lockstep train`, a requeued job, the benchmark scripts: tests marked `e2e`), and
 # `test-engines` runs them and then lockstep under the real engines. Tests run on TEST_WORKERS
-# pytest-xdist workers (3 by default, one more than a 2-core machine's cores: the multi-process
-# tests wait on sockets, timeouts and child processes as much as they compute, and every test
-# passes under a CPU hog); TEST_WORKERS=0 runs them one after another.
-TEST_WORKERS ?= 3
+# pytest-xdist workers (2 by default: the multi-process tests wait on sockets, timeouts and child
+# processes as much as they compute); TEST_WORKERS=0 runs them one after another.
+TEST_WORKERS ?= 2
 # --durations=20 prints the 20 slowest tests of every run (CI's too).
 test: lint
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not e2e" --durations=20 tests

@@ -151,6 +151,21 @@ def _stream(loader: Any) -> Iterator[Any]:
         epoch += 1
 
 
+def _peer_step(model: Any, optimizer: Any, loader: Any, backward: Callable[[Any], None]) -> Callable[[], None]:
+    """One step of a peer's loop: its prepared model, optimizer and loader, and its ``backward``."""
+    criterion = nn.CrossEntropyLoss()
+    stream = _stream(loader)
+
+    def step() -> None:
+        images, labels = next(stream)
+        loss = criterion(model(images), labels)
+        optimizer.zero_grad()
+        backward(loss)
+        optimizer.step()
+
+    return step
+
+
 def fabric_arm(workload: str, data: Dataset[Any], world_size: int) -> Callable[[], None]:
     """Lightning Fabric's loop on the job's process group (Fabric finds it already initialised)."""
     from lightning.fabric import Fabric
@@ -160,17 +175,7 @@ def fabric_arm(workload: str, data: Dataset[Any], world_size: int) -> Callable[[
     model = build_model(workload)
     model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), 1e-4))
     loader = fabric.setup_dataloaders(DataLoader(data, batch_size=WORKLOADS[workload]["batch"], shuffle=True))
-    criterion = nn.CrossEntropyLoss()
-    stream = _stream(loader)
-
-    def step() -> None:
-        images, labels = next(stream)
-        loss = criterion(model(images), labels)
-        optimizer.zero_grad()
-        fabric.backward(loss)
-        optimizer.step()
-
-    return step
+    return _peer_step(model, optimizer, loader, fabric.backward)
 
 
 def accelerate_arm(workload: str, data: Dataset[Any]) -> Callable[[], None]:
@@ -184,17 +189,7 @@ def accelerate_arm(workload: str, data: Dataset[Any]) -> Callable[[], None]:
         torch.optim.SGD(model.parameters(), 1e-4),
         DataLoader(data, batch_size=WORKLOADS[workload]["batch"], shuffle=True),
     )
-    criterion = nn.CrossEntropyLoss()
-    stream = _stream(loader)
-
-    def step() -> None:
-        images, labels = next(stream)
-        loss = criterion(model(images), labels)
-        optimizer.zero_grad()
-        accelerator.backward(loss)
-        optimizer.step()
-
-    return step
+    return _peer_step(model, optimizer, loader, accelerator.backward)
 
 
 def peer_arms(workload: str, data: Dataset[Any], world_size: int) -> tuple[dict[str, Callable[[], None]], list[str]]:

@@ -255,20 +255,21 @@ FAULT = textwrap.dedent("""
         session.step(opt)
     session.close()
 """)
-# collective #10: lockstep's own before it (the setup, the replicas' one weight check after the
-# first step) and the script's all_reduce of each of its first steps
+# collective #11: lockstep's own before it (the setup, and the replicas' weight checks after steps
+# 1 and 2: they are compared at steps 1, 2, 4, 8 ...) and the script's all_reduce of each of its
+# first steps
 EXPECTED = {
     "skip": (
-        "ranks 0, 2 called all_reduce #10 (float32 [4]) at fault.py:18 in <module>",
-        "rank 1 called backward #10 (step 4) at fault.py:21 in <module>",
+        "ranks 0, 2 called all_reduce #11 (float32 [4]) at fault.py:18 in <module>",
+        "rank 1 called backward #11 (step 4) at fault.py:21 in <module>",
     ),
     "broadcast": (
-        "ranks 0, 2 called all_reduce #10 (float32 [4]) at fault.py:18 in <module>",
-        "rank 1 called broadcast #10 (float32 [4], src=0) at fault.py:14 in <module>",
+        "ranks 0, 2 called all_reduce #11 (float32 [4]) at fault.py:18 in <module>",
+        "rank 1 called broadcast #11 (float32 [4], src=0) at fault.py:14 in <module>",
     ),
     "shape": (
-        "ranks 0, 2 called all_reduce #10 (float32 [4]) at fault.py:18 in <module>",
-        "rank 1 called all_reduce #10 (float32 [5]) at fault.py:16 in <module>",
+        "ranks 0, 2 called all_reduce #11 (float32 [4]) at fault.py:18 in <module>",
+        "rank 1 called all_reduce #11 (float32 [5]) at fault.py:16 in <module>",
     ),
 }
 

@@ -27,7 +27,7 @@ from lockstep.comm.watchdog import Watchdog
 from lockstep.errors import EXIT_PREEMPTED
 
 _SCRIPT = """
-import sys, time, torch, lockstep
+import os, sys, time, torch, lockstep
 ckpt, ready = sys.argv[1], sys.argv[2]
 session = lockstep.Session(seed=0)
 model, opt = session.setup(torch.nn.Linear(4, 1), lambda p: torch.optim.SGD(p, lr=0.1))
@@ -35,8 +35,10 @@ session.load(ckpt, model=model, optimizer=opt)
 for step in range(10_000):
     session.backward(model(torch.ones(2, 4)).sum())
     session.step(opt)
-    if step == 1 and session.is_main:
-        open(ready, "w").close()
+    if step >= 1 and session.is_main:  # the steps done, written whole (the test reads it meanwhile)
+        with open(ready + ".tmp", "w") as f:
+            f.write(str(step + 1))
+        os.replace(ready + ".tmp", ready)
     time.sleep(5.5)   # past half the timeout between sync points: the watchdog reads the store
 """
 
@@ -130,7 +132,7 @@ def _attack(ports: list[int], marker: Path) -> int:
 
 @pytest.mark.e2e  # a whole `lockstep run` job attacked; make test checks the signed values (test_signed_values_*)
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_outsider_writes_change_nothing_and_run_nothing(tmp_path: Path) -> None:
     script, ready, marker, ckpt = tmp_path / "job.py", tmp_path / "ready", tmp_path / "pwned", tmp_path / "ckpt"
     script.write_text(textwrap.dedent(_SCRIPT))
@@ -168,7 +170,13 @@ def test_outsider_writes_change_nothing_and_run_nothing(tmp_path: Path) -> None:
         ports = sorted({int(_environ(pid)["MASTER_PORT"]) for pid in workers if "MASTER_PORT" in _environ(pid)})
         assert ports and all(p in {q for pid in workers for _, q in sockets.get(pid, [])} for p in ports)
         assert _attack(ports, marker) > 2  # the keys it found, and the forged verdict and post
-        time.sleep(7)  # the watchdogs read the forged values while the ranks sleep
+        # two more steps: each one's sleep outlasts half the timeout, so the watchdogs read the forged
+        # values in it (and found nothing to act on, or the job would not have gone on)
+        attacked, guard = int(ready.read_text()), time.monotonic() + 120
+        while int(ready.read_text()) < attacked + 2:
+            assert launcher.poll() is None, launcher.communicate()[0]
+            assert time.monotonic() < guard, "the job stopped stepping after the attack"
+            time.sleep(0.1)
         launcher.send_signal(signal.SIGTERM)
         out, _ = launcher.communicate(timeout=90)
     finally:

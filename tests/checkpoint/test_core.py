@@ -443,4 +443,7 @@ def test_a_newer_checkpoint_format_is_refused(tmp_path: Path, monkeypatch: pytes
     monkeypatch.undo()
     with pytest.raises(cio.CheckpointError, match="written by a newer lockstep .*upgrade lockstep"):
         session.load(tmp_path, model=model, optimizer=opt)
+    save_checkpoint(tmp_path / "raw", {"step": 1, "model": model.state_dict()}, COMM, step=1)  # no session state
+    with pytest.raises(cio.CheckpointError, match="holds no session state .*not written by session.save"):
+        session.load(tmp_path / "raw", model=model, optimizer=opt)
     session.close()

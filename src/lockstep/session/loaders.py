@@ -287,21 +287,15 @@ class TrainLoaders:
         """Every loader's sampler position, in creation order."""
         return [loader.sampler.state_dict() for loader in self.live]
 
-    def restore(self, states: list[dict[str, Any]], epoch: int, epoch_done: bool | None, legacy: bool = False) -> bool:
-        """Load saved sampler ``states``, paired with the loaders in creation order; True when taken mid-``epoch``.
-
-        ``epoch_done`` is ``None`` for an older checkpoint that did not record it; ``legacy``: ``states`` is
-        an older checkpoint's one state, which was the last loader's.
-        """
+    def restore(self, states: list[dict[str, Any]], epoch: int, epoch_done: bool) -> bool:
+        """Load saved sampler ``states``, paired with the loaders in creation order; True when taken mid-``epoch``."""
         if not states:
             self._pending = []
             return False
         at_end = all(int(s.get("seen", 0)) >= int(s.get("dataset_len", 0)) for s in states)
-        if epoch_done is None:
-            epoch_done = at_end or not any(int(s.get("seen", 0)) > 0 for s in states)
         mid = not (epoch_done or at_end)  # a save right after the last batch: every loader at its end
         self._epoch, self.epoch_done = (epoch, False) if mid else (epoch + 1, False)
-        live = self.live[-1:] if legacy else self.live
+        live = self.live
         for loader, state in zip(live, states):
             loader.sampler.load_state_dict(state)
             if not mid:

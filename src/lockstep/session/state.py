@@ -151,7 +151,6 @@ class TrainState:
             "step": self.global_step,
             "skipped_steps": self.skipped_steps,
             "world_size": self.world_size,
-            "sampler": samplers[-1] if samplers else None,  # older versions read the last loader's
             "samplers": samplers,
             "epoch_done": self.loaders.epoch_done,
             "rng": capture_rng(),
@@ -170,15 +169,11 @@ class TrainState:
         if isinstance(rngs, list) and len(rngs) == self.world_size:
             restore_rng(rngs[self.rank])
         self.global_step = int(state["step"])
-        self.skipped_steps = int(state.get("skipped_steps") or 0)  # older checkpoints lack it
-        epoch = int(state["epoch"])
-        states, legacy = state.get("samplers"), False
-        if states is None:  # written before checkpoints kept every loader's position
-            states, legacy = ([state["sampler"]] if state.get("sampler") else []), True
+        self.skipped_steps = int(state["skipped_steps"])
+        epoch, states = int(state["epoch"]), list(state["samplers"])
         saved = [s for s in states if s] or [{}]
-        self._resumed_from = (int(state.get("world_size") or self.world_size), saved[0].get("global_batch"))
-        done = state.get("epoch_done")
-        mid = self.loaders.restore(list(states), epoch, None if done is None else bool(done), legacy)
+        self._resumed_from = (int(state["world_size"]), saved[0].get("global_batch"))
+        mid = self.loaders.restore(states, epoch, bool(state["epoch_done"]))
         self.epoch = epoch if mid else epoch + 1
         self._say_replan()
         return mid
@@ -320,7 +315,12 @@ def load_state(
     state = load_checkpoint(directory, comm, map_location=device, sharded=sharded)
     if state is None:
         return ResumeState()
-    written = int(state.get("format") or 1)  # the first checkpoints had no format field
+    written = state.get("format")
+    if not isinstance(written, int):
+        raise CheckpointError(
+            f"{state.get('path', directory)} holds no session state (no checkpoint format): it was not "
+            "written by session.save; resume from a checkpoint the session saved"
+        )
     if written > FORMAT:  # every rank read the same state: every rank raises alike
         raise CheckpointError(
             f"{state.get('path', directory)} was written by a newer lockstep (checkpoint format "

@@ -117,5 +117,6 @@ def test_readme_resume_continues_and_refuses_a_conflict(tmp_path: Path) -> None:
     resumed = lockstep_train("--out", str(out), "--resume", "--epochs", "2", "--progress", "off", timeout=280)
     assert_trained(resumed, 2)
     assert "resumed from" in resumed.stdout and "lr 0.05" in resumed.stdout and "Epoch [2/2]" in resumed.stdout
+    assert " after epoch 1/2\n" in resumed.stdout, resumed.stdout  # counted as the Epoch [i/N] lines count
     config = json.loads((out / "config.json").read_text())
     assert (config["resume"], config["lr"], config["max_steps"], config["epochs"]) == (True, 0.05, 3, 2)

@@ -29,3 +29,21 @@ def test_the_log_folder_is_printed_and_holds_each_rank(tmp_path: Path) -> None:
     folder = Path(line.split("under ", 1)[1].split(" (", 1)[0])
     assert folder.parent == logs.resolve()
     assert "hello from 1" in (folder / "attempt_0" / "1" / "stdout.log").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_failed_job_names_its_log_folder_once(tmp_path: Path) -> None:
+    script = tmp_path / "fail.py"
+    script.write_text("import os, sys\nsys.exit(3 if os.environ['RANK'] == '1' else 0)\n")
+    logs = tmp_path / "logs"
+    done = subprocess.run(
+        [sys.executable, "-m", "lockstep", "run", "--nproc", "2", "--log-dir", str(logs), str(script)],
+        capture_output=True,
+        text=True,
+        timeout=140,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 1, done.stderr
+    [line] = [x for x in done.stderr.splitlines() if "every rank's output is under" in x]
+    assert line.startswith(f"lockstep run: every rank's output is under {logs.resolve()}/"), line

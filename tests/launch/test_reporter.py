@@ -17,3 +17,17 @@ def test_the_verdict_counts_the_restarts_in_words(restarts: int, line: str, caps
     crashed = SimpleNamespace(local_rank=0, pid=4242, exitcode=1, timestamp=0.0, error_file_data={})
     assert reporter.failed({0: crashed}) == EXIT_FAILURE
     assert f"lockstep run: {line}\n" in capsys.readouterr().err
+
+
+def test_the_launcher_of_lockstep_train_labels_its_lines_so(capsys: pytest.CaptureFixture[str]) -> None:
+    spec = LaunchSpec(target="json", module=True, max_restarts=1, label="lockstep train", log_dir="logs")
+    reporter = JobReporter(spec)
+    crashed = SimpleNamespace(local_rank=0, pid=4242, exitcode=1, timestamp=0.0, error_file_data={})
+    reporter.restarting({0: crashed}, 2)
+    assert reporter.failed({0: crashed}) == EXIT_FAILURE
+    lines = capsys.readouterr().err.splitlines()
+    own = [line for line in lines if not line.startswith("  ")]  # not the traceback's indented lines
+    assert own and all(line.startswith("lockstep train: ") for line in own), lines
+    assert own[0].startswith("lockstep train: restarting the job (attempt 2 of 2) after rank 0")
+    assert "lockstep train: gave up after 1 restart" in own
+    assert not any("every rank's output is under" in line for line in lines)  # said once, by the launcher

@@ -149,6 +149,8 @@ def test_oversubscription_warns() -> None:
     assert "64 processes on 2 CPU cores" in (oversubscription_warning(64, cpus=2, gpus=0) or "")
     assert "9 processes on this node but 8 GPUs" in (oversubscription_warning(9, cpus=64, gpus=8) or "")
     assert oversubscription_warning(8, cpus=64, gpus=8) is None
+    warning = oversubscription_warning(64, cpus=2, gpus=0, prefix="lockstep train: ") or ""
+    assert warning.startswith("lockstep train: warning: 64 processes")
 
 
 def test_every_step_skipped_fails_the_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -54,9 +54,9 @@ def test_summed_loss_is_diagnosed_at_the_default_steps(capsys: pytest.CaptureFix
             "test_diagnose:summed_cross_entropy",
         ]
     )
-    out = capsys.readouterr().out
-    assert code == 1, out
-    assert "update x0.5" in out
+    out, err = capsys.readouterr()
+    assert code == 1, out + err
+    assert "update x0.5" in out, out + err
     assert (
         "likely cause: in the first step every layer moved 0.5x as far as in the single process (~1/2): "
         "the loss is a sum over the batch instead of a mean" in out

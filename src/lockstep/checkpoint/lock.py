@@ -26,7 +26,7 @@ from lockstep.comm.group import Comm
 if TYPE_CHECKING:
     from lockstep.checkpoint.objlock import ObjectLock
 
-__all__ = ["LOCK_FILE", "FolderInUseError", "FolderLock", "lock_folder"]
+__all__ = ["LOCK_FILE", "FolderInUseError", "FolderLock", "lock_folder", "holder"]
 
 logger = logging.getLogger("lockstep.checkpoint.core")
 
@@ -104,6 +104,33 @@ def lock_folder(directory: str | Path, comm: Comm) -> FolderLock | ObjectLock:
             error = exc
     agree(comm, error, on_error=lock.release)
     return lock
+
+
+def holder(directory: str | Path) -> str | None:
+    """Who holds local folder ``directory`` now (``host H, pid P, since T``), or ``None`` when nobody does.
+
+    Creates nothing and takes nothing: a look before a command refuses to start on a folder in use.
+
+    Args:
+        directory: a folder that :func:`lock_folder` may hold.
+    """
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    try:
+        fd = os.open(Path(directory) / LOCK_FILE, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None  # no lock file: nobody holds it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _read_holder(fd)
+    except OSError:
+        return None  # locks unsupported: lock_folder warns when it is taken
+    finally:
+        os.close(fd)
+    return None
 
 
 def _same_file(path: Path, fd: int) -> bool:

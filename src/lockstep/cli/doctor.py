@@ -141,7 +141,7 @@ def main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="lockstep-doctor-") as tmp:
         result = Path(tmp) / "verdict"
         try:
-            code = relaunch(_forwarded(args, str(result)), **options)
+            code = relaunch(_forwarded(args, str(result)), label="lockstep doctor", **options)
         except LockstepError as exc:
             if exc.exit_code == 2:
                 raise

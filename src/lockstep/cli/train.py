@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from pathlib import Path
 from typing import Any
 
 from lockstep.cli.flags import NPROC_PER_GPU, add_launch_flags, describe_command, launch_options
@@ -223,9 +224,11 @@ def main(args: argparse.Namespace) -> int:
         main(parser.parse_args(["--epochs", "1", "--nproc", "1"]))
     """
     config = config_from_args(args)  # first: a bad flag is refused before torch is imported
+    from lockstep.checkpoint.storage import is_url
     from lockstep.errors import ConfigError, LockstepError
     from lockstep.launch.relaunch import launched_as_worker, relaunch
     from lockstep.recipes.checks import check_data, check_out
+    from lockstep.recipes.outputs import hold_out
     from lockstep.recipes.train import train
 
     # asked for processes or nodes: e.g. one `srun` task per node running the launcher
@@ -235,6 +238,12 @@ def main(args: argparse.Namespace) -> int:
     for note in data.notes:
         print(f"lockstep train: warning: {note}", file=sys.stderr, flush=True)
     check_out(config)
+    # the launcher holds --out for the whole job (restarts too): of two runs started together, one is refused
+    held = (
+        hold_out(Path(config.out))
+        if config.out is not None and not is_url(config.out) and config.node_rank == 0
+        else None
+    )
     try:
         if config.world_size == 1:
             return train(config, data)
@@ -246,9 +255,13 @@ def main(args: argparse.Namespace) -> int:
             master=config.master,
             max_restarts=config.max_restarts,
             timeout=config.timeout,
+            label="lockstep train",
         )
     except LockstepError as exc:
         if isinstance(exc, ConfigError):
             raise  # the CLI prints configuration errors itself
         print(f"lockstep train: error: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
+    finally:
+        if held is not None:
+            held.release()

@@ -104,7 +104,7 @@ def _worker_args(spec: LaunchSpec) -> list[str]:
     return args + list(spec.args)
 
 
-def _say_log_folder(log_dir: str, run_id: str) -> None:
+def _say_log_folder(log_dir: str, run_id: str, prefix: str) -> None:
     """Name the folder torch's agent made under ``--log-dir`` for this job (``RUNID_xxxx``, a random suffix)."""
     made = (
         sorted(
@@ -115,7 +115,7 @@ def _say_log_folder(log_dir: str, run_id: str) -> None:
     )
     if made:
         say(
-            f"lockstep run: every rank's output is under {os.path.abspath(made[-1])} "
+            f"{prefix}every rank's output is under {os.path.abspath(made[-1])} "
             "(attempt_N/LOCAL_RANK/stdout.log and stderr.log)"
         )
 
@@ -270,9 +270,9 @@ def launch(spec: LaunchSpec) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    warnings = [oversubscription_warning(spec.nproc)]
+    warnings = [oversubscription_warning(spec.nproc, prefix=spec.says)]
     if spec.master is not None and not spec.elastic:
-        warnings.append(exposure_warning(parse_master(spec.master)[0]))
+        warnings.append(exposure_warning(parse_master(spec.master)[0], prefix=spec.says))
     for warning in warnings:
         if warning:
             say(warning)
@@ -300,4 +300,4 @@ def launch(spec: LaunchSpec) -> int:
         if spec.log_dir is None:
             shutil.rmtree(log_dir, ignore_errors=True)
         elif config is not None:
-            _say_log_folder(log_dir, config.run_id)
+            _say_log_folder(log_dir, config.run_id, spec.says)

@@ -206,7 +206,15 @@ class Summary:
             same = [f for f in (self.root, *self.others) if f.kind == "exit" and f.code == self.root.code]
             if len(same) > 1:
                 return f"{_ranks(same)} exited with code {self.root.code} (host {self.root.host})"
+        if len(same := self._same_error()) > 1:  # every rank raised it: one line names them all
+            return f"{_ranks(same)} {self.root.describe()} (rank {self.root.rank}: {self.root.where()})"
         return f"rank {self.root.rank} {self.root.describe()} ({self.root.where()})"
+
+    def _same_error(self) -> list[Failure]:
+        """The root and every other rank that raised the very same error as it."""
+        if self.root.kind != "exception":
+            return [self.root]
+        return [self.root, *(f for f in self.others if f.kind == "exception" and f.error == self.root.error)]
 
     def text(self, prefix: str = PREFIX) -> str:
         """The full summary: headline, the root's traceback, and who else stopped and why."""
@@ -222,11 +230,14 @@ class Summary:
         if self.root.traceback and self.root.error_type != "SystemExit":  # an exit is no error to trace
             lines += ["  " + line for line in self.root.traceback.rstrip().splitlines()]
         named = self.headline().startswith("ranks ") and self.root.kind == "exit"
+        said = self._same_error()  # in the headline already
         stopped = [f for f in self.others if f.kind in ("stopped", "preempted")]
         lost = [
             f
             for f in self.others
-            if f.kind not in ("stopped", "preempted") and not (named and f.kind == "exit" and f.code == self.root.code)
+            if f.kind not in ("stopped", "preempted")
+            and not (named and f.kind == "exit" and f.code == self.root.code)
+            and f not in said
         ]
         if self.root.kind == "peer" and stopped:
             lines.append(

@@ -11,7 +11,7 @@ from typing import Any
 from lockstep.errors import EXIT_FAILURE, EXIT_PREEMPTED, signal_name
 from lockstep.launch.postmortem import postmortem_text
 from lockstep.launch.report import Failure, say, summarize
-from lockstep.launch.spec import PREFIX, LaunchSpec
+from lockstep.launch.spec import LaunchSpec
 
 __all__ = ["JobReporter"]
 
@@ -47,7 +47,7 @@ class JobReporter:
         summary = summarize(self.failures(raw))
         total = self.spec.max_restarts + 1
         lines = [
-            f"{PREFIX}restarting the job (attempt {attempt} of {total}) after "
+            f"{self.spec.says}restarting the job (attempt {attempt} of {total}) after "
             f"rank {summary.root.rank} {summary.root.describe()}"
         ]
         # the same crash again: once is enough; an exit (sys.exit) is no error to trace
@@ -59,26 +59,25 @@ class JobReporter:
     def failed(self, raw: Mapping[int, Any]) -> int:
         failures = self.failures(raw)
         summary = summarize(failures)
-        verdict = None if summary.preempted else postmortem_text(self.postmortem_dir, failures, summary)
-        say(verdict or summary.text(PREFIX))
+        says = self.spec.says
+        verdict = None if summary.preempted else postmortem_text(self.postmortem_dir, failures, summary, says)
+        say(verdict or summary.text(says))
         if verdict and self.spec.log_dir:
-            say(f"{PREFIX}the ranks' records are under {self.postmortem_dir} (lockstep postmortem DIR reads them)")
+            say(f"{says}the ranks' records are under {self.postmortem_dir} (lockstep postmortem DIR reads them)")
         if summary.preempted:
             return EXIT_PREEMPTED
         if self.spec.max_restarts:
             restarts = self.spec.max_restarts
-            say(f"{PREFIX}gave up after {restarts} restart{'s' if restarts != 1 else ''}")
-        if self.spec.log_dir:
-            say(f"{PREFIX}every rank's output is under {self.spec.log_dir}")
-        return EXIT_FAILURE
+            say(f"{self.spec.says}gave up after {restarts} restart{'s' if restarts != 1 else ''}")
+        return EXIT_FAILURE  # the launcher names the job's log folder last
 
     def signalled(self, signum: int) -> int:
         codes = [c for c in self.exit_codes.values() if c is not None]
         if codes and all(c == EXIT_PREEMPTED for c in codes):
             say(
-                f"{PREFIX}received {signal_name(signum)}: the job was preempted; every rank stopped with "
+                f"{self.spec.says}received {signal_name(signum)}: the job was preempted; every rank stopped with "
                 f"exit code {EXIT_PREEMPTED}. Resume it by running the same command again."
             )
             return EXIT_PREEMPTED
-        say(f"{PREFIX}received {signal_name(signum)}: stopped every rank")
+        say(f"{self.spec.says}received {signal_name(signum)}: stopped every rank")
         return 128 + signum

@@ -69,6 +69,8 @@ class LaunchSpec:
         grace: seconds the workers get to save and exit after a stop signal before SIGKILL.
         secret: the job's secret (the content of ``--secret-file``), which signs lockstep's values
             in the workers' store; a random one per job when empty. Every node must use the same.
+        label: the command that starts each of the launcher's own lines (``lockstep train`` when
+            that command launched its workers).
     """
 
     target: str
@@ -89,6 +91,12 @@ class LaunchSpec:
     timeout: float | None = None
     grace: float = DEFAULT_GRACE
     secret: str = field(default="", repr=False)
+    label: str = "lockstep run"
+
+    @property
+    def says(self) -> str:
+        """How each of the launcher's own lines starts: ``lockstep run: ``."""
+        return f"{self.label}: "
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
@@ -208,13 +216,14 @@ def parse_master(text: str) -> tuple[str, int]:
     return host, port
 
 
-def exposure_warning(host: str) -> str | None:
+def exposure_warning(host: str, prefix: str = PREFIX) -> str | None:
     """Return a warning when the store would be reachable from everywhere, else ``None``.
 
     The rendezvous store has no authentication: anyone who reaches it can join or disturb the job.
 
     Args:
         host: the ``--master`` host.
+        prefix: how the line starts (:attr:`LaunchSpec.says`).
     """
     if host in ("0.0.0.0", "::", "*", ""):
         what = f"the wildcard address {host!r}"
@@ -230,13 +239,15 @@ def exposure_warning(host: str) -> str | None:
             return None
         what = f"the public address {host}"
     return (
-        f"{PREFIX}warning: --master names {what}; the rendezvous store listens there and anyone who "
+        f"{prefix}warning: --master names {what}; the rendezvous store listens there and anyone who "
         "reaches it can disturb the job (lockstep's own values are signed with the job's secret, "
         "torch's are not). Use a private interface."
     )
 
 
-def oversubscription_warning(nproc: int, cpus: int | None = None, gpus: int | None = None) -> str | None:
+def oversubscription_warning(
+    nproc: int, cpus: int | None = None, gpus: int | None = None, prefix: str = PREFIX
+) -> str | None:
     """A warning when ``nproc`` processes are far more than this machine can run side by side.
 
     With GPUs, more processes than GPUs share them (and nccl refuses two ranks on one GPU); without,
@@ -246,6 +257,7 @@ def oversubscription_warning(nproc: int, cpus: int | None = None, gpus: int | No
         nproc: processes per node.
         cpus: CPU cores (default: those this process may use).
         gpus: visible GPUs (default: ``torch.cuda.device_count()``, 0 without CUDA).
+        prefix: how the line starts (:attr:`LaunchSpec.says`).
     """
     if cpus is None:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -255,12 +267,12 @@ def oversubscription_warning(nproc: int, cpus: int | None = None, gpus: int | No
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus > 0 and nproc > gpus:
         return (
-            f"{PREFIX}warning: {nproc} processes on this node but {gpus} GPU{'s' if gpus > 1 else ''}: "
+            f"{prefix}warning: {nproc} processes on this node but {gpus} GPU{'s' if gpus > 1 else ''}: "
             "ranks will share GPUs (nccl refuses two ranks on one GPU); use --nproc gpu for one per GPU"
         )
     if gpus == 0 and nproc > OVERSUBSCRIBE_PER_CORE * cpus:
         return (
-            f"{PREFIX}warning: {nproc} processes on {cpus} CPU core{'s' if cpus > 1 else ''}: they will mostly "
+            f"{prefix}warning: {nproc} processes on {cpus} CPU core{'s' if cpus > 1 else ''}: they will mostly "
             "wait for each other (and each needs its own memory); use --nproc cpu for one per core"
         )
     return None

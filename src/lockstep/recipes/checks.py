@@ -17,7 +17,9 @@ __all__ = ["check_out", "check_data"]
 
 
 def check_out(config: TrainConfig) -> None:
-    """Check that ``--out`` can be written (a probe file) and, on node 0, that no live job holds its checkpoints."""
+    """Check that ``--out`` can be written (a probe file) and, on node 0, that no live job holds it."""
+    from lockstep.recipes.outputs import refuse_if_in_use
+
     if config.out is None:
         return
     if is_url(config.out):
@@ -42,6 +44,7 @@ def check_out(config: TrainConfig) -> None:
     if config.node_rank != 0:
         return  # the folder is node 0's to lock (rank 0 holds it); on a shared file system the
         # other nodes' launchers would find each other's probes and refuse their own job
+    refuse_if_in_use(out)  # a lockstep train's launcher holds it: named before its rank 0's hold below
     _try_lock(out / CHECKPOINTS, out)
 
 

@@ -217,6 +217,9 @@ class TrainConfig:
             if out.exists() and not out.is_dir():
                 raise ConfigError(f"--out {out} exists and is not a folder")
             if not self.resume and _has_checkpoints(out):
+                from lockstep.recipes.outputs import refuse_if_in_use
+
+                refuse_if_in_use(out)  # a run going on there now: not "an earlier run"
                 self._check_continues(out)
 
     def _check_continues(self, out: Path) -> None:

@@ -17,6 +17,8 @@ from lockstep.loggers import CSVLogger, Logger, TensorBoardLogger
 __all__ = [
     "RunLog",
     "read_preempted",
+    "hold_out",
+    "refuse_if_in_use",
     "tensorboard_logger",
     "METRICS_FILE",
     "CONFIG_FILE",
@@ -116,3 +118,42 @@ def read_preempted(out: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return body if isinstance(body, dict) else None
+
+
+def refuse_if_in_use(out: Path) -> None:
+    """Refuse ``out`` while another ``lockstep train`` holds it (a look: nothing is taken).
+
+    Raises:
+        ConfigError: in use; the message names the holder's host and pid.
+    """
+    from lockstep.checkpoint.lock import holder
+
+    who = holder(out)
+    if who is not None:
+        raise _in_use(out, who)
+
+
+def hold_out(out: Path) -> Any:
+    """Hold run folder ``out`` for this command until the returned lock's ``release`` (or the process ends).
+
+    The launcher holds it for the whole job, restarts included; rank 0 also holds the checkpoint
+    folder inside it (``lockstep.checkpoint.lock``), a lock of its own.
+
+    Raises:
+        ConfigError: another ``lockstep train`` holds it.
+    """
+    from lockstep.checkpoint.files import FolderInUseError
+    from lockstep.checkpoint.lock import holder, lock_folder
+    from lockstep.comm.group import Comm
+    from lockstep.env import World
+
+    try:
+        return lock_folder(out, Comm(World()))
+    except FolderInUseError:
+        raise _in_use(out, holder(out) or "holder not yet recorded") from None
+
+
+def _in_use(out: Path, who: str) -> ConfigError:
+    return ConfigError(
+        f"--out {out} is in use by another lockstep train ({who}): wait for it to end, or choose another --out"
+    )

@@ -78,6 +78,14 @@ def _prepare(session: lockstep.Session, config: TrainConfig, data: Any) -> tuple
     return model, optimizer, train_loader, test_loader, lr
 
 
+def _where(state: lockstep.ResumeState, start: int, epochs: int) -> str:
+    """Where a resume continues, epochs counted from 1 as the ``Epoch [i/N]`` lines count them."""
+    ended = state.extras.get("epoch_end_step")  # the step of the last whole epoch's save (a preemption's is later)
+    if state.mid_epoch if ended is None else int(ended) != state.step:
+        return f"in epoch {start + 1}/{epochs} at step {state.step}: the epoch goes on with its remaining batches"
+    return f"after epoch {start}/{epochs}" if start else f"at step {state.step}, before epoch 1/{epochs}"
+
+
 def _run(session: lockstep.Session, config: TrainConfig, data: Any) -> None:
     model, optimizer, train_loader, test_loader, lr = _prepare(session, config, data)
     url = config.out if config.out is not None and is_url(config.out) else None
@@ -91,7 +99,7 @@ def _run(session: lockstep.Session, config: TrainConfig, data: Any) -> None:
     start = int(state.extras.get("epochs_done", state.epoch)) if state.resumed else 0
     session.print(f"{session.summary(config.max_steps)}, lr {lr:g}")  # --max-steps: the steps it takes
     if state.resumed:
-        session.print(f"lockstep train: resumed from {state.path} after epoch {start}")
+        session.print(f"lockstep train: resumed from {state.path} {_where(state, start, config.epochs)}")
     for logger in session.config.loggers or ():
         logger.resume_at(session.global_step + 1)  # steps after the checkpoint are trained (and logged) again
     log = RunLog(out, session.is_main, start, say=session.print)
@@ -120,7 +128,14 @@ def _run(session: lockstep.Session, config: TrainConfig, data: Any) -> None:
                 f"{row['epoch_time_s']:.1f} s"
             )
             if checkpoints is not None:
-                session.save(checkpoints, model=model, optimizer=optimizer, keep=config.keep, epochs_done=epoch + 1)
+                session.save(
+                    checkpoints,
+                    model=model,
+                    optimizer=optimizer,
+                    keep=config.keep,
+                    epochs_done=epoch + 1,
+                    epoch_end_step=session.global_step,
+                )
             log.epoch(row)
     except lockstep.Preempted as stop:
         log.preempted(config.to_dict(), stop.step, stop.path)  # the same command continues it

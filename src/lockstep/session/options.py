@@ -16,10 +16,11 @@ def summary_line(
     backend: str,
     timeout: timedelta,
     loaders: list[str],
-    compiled: bool = False,
+    compiled: str | None = None,
 ) -> str:
     """The start line, from the job's size, the built strategy (its ``name`` and ``options``), the
-    precision's name, the backend, the timeout and the training loaders' descriptions.
+    precision's name, the backend, the timeout and the training loaders' descriptions; ``compiled``
+    names ``torch.compile``'s backend where the model was compiled.
     """
     parts = [f"world {world_size}", f"strategy {strategy.name}"]
     compression = strategy.options.get("grad_compression", "none")
@@ -28,6 +29,6 @@ def summary_line(
     if getattr(strategy, "ignored", None):
         parts.append(f"{', '.join(strategy.ignored)} unused under --nodes (no DDP wrapper: one all_reduce per step)")
     if compiled:
-        parts.append("compiled")
+        parts.append(f"compiled ({compiled})")
     parts += [f"precision {precision}", f"backend {backend}", f"timeout {timeout.total_seconds():g} s", *loaders]
     return "lockstep: " + ", ".join(parts)

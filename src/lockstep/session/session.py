@@ -37,6 +37,7 @@ from lockstep.session.state import ResumeState, TrainState, load_state, resumed_
 from lockstep.session.usage import LoopChecks, SessionUsageError, check_bare
 from lockstep.session.wrappers import ModelWrappers, model_wrappers, optimizer_model, wrap_model
 from lockstep.strategies import get_strategy
+from lockstep.strategies.compile import compile_label
 
 __all__ = ["Session", "ResumeState", "NonFiniteLossError", "SessionUsageError"]
 
@@ -362,7 +363,9 @@ class Session(Observing):
             precision=self.precision.name,
             backend=self.comm.backend,
             timeout=self.timeout,
-            compiled=self.compiled,
+            compiled=compile_label(options)
+            if self.compiled and isinstance(options := self.config.compile, dict)
+            else None,
             loaders=self.state.loaders.describe(self.world_size, self.accumulate, max_steps),
         )
 

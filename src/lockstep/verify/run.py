@@ -103,7 +103,12 @@ def run_parallel(config: VerifyConfig, init: dict[str, torch.Tensor], batches: l
             {"config": config.to_dict(), "init": init, "batches": batches, "out": str(out), "sys_path": paths}, job
         )
         code = relaunch(
-            [str(job)], module="lockstep.verify.run", prefix=True, nproc=config.nproc, timeout=config.timeout
+            [str(job)],
+            module="lockstep.verify.run",
+            prefix=True,
+            nproc=config.nproc,
+            timeout=config.timeout,
+            label="lockstep verify",
         )
         if code != 0 or not out.exists():
             raise VerifyRunError(

@@ -32,10 +32,12 @@ lint: install
 # `test` runs every test but the end-to-end runs (the multi-process ones marked `slow` included,
 # the docs' build and examples too), then the type checker; `test-e2e` runs whole commands end to
 # end (`lockstep train`, a requeued job, the benchmark scripts: tests marked `e2e`), and
-# `test-engines` runs them and then lockstep under the real engines. Tests run on TEST_WORKERS
-# pytest-xdist workers (2 by default: the multi-process tests wait on sockets, timeouts and child
-# processes as much as they compute); TEST_WORKERS=0 runs them one after another.
-TEST_WORKERS ?= 2
+# `test-engines` runs them and then lockstep under the real engines. `make test` runs on
+# TEST_WORKERS pytest-xdist workers (3 by default, one more than 2 cores: the multi-process tests
+# wait on sockets, timeouts and child processes as much as they compute), `make test-e2e` on
+# E2E_WORKERS (2: its whole commands start several processes each); 0 runs them one after another.
+TEST_WORKERS ?= 3
+E2E_WORKERS ?= 2
 # --durations=20 prints the 20 slowest tests of every run (CI's too).
 test: lint
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not e2e" --durations=20 tests
@@ -51,7 +53,7 @@ test-mutations: install
 
 .PHONY: test-e2e
 test-e2e: install
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m e2e --durations=20 tests
+	$(BIN)/python -m pytest -q -n $(E2E_WORKERS) -m e2e --durations=20 tests
 
 # The multi-process tests STRESS_RUNS times in a row (5 by default) while a CPU hog keeps both cores
 # busy (stress-ng --cpu 2 where installed, else two busy Python processes); fails on the first

@@ -101,3 +101,10 @@ def _doctor(strict: bool) -> int:
 def test_strict_makes_a_slow_node_a_problem() -> None:
     assert run_distributed(_doctor, 3, True) == [1, 1, 1]
     assert run_distributed(_doctor, 3, False) == [0, 0, 0]
+
+
+def test_links_out_without_comm_is_refused_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from lockstep.cli.main import main
+
+    assert main(["doctor", "--links-out", "links.json", "--nproc", "1"]) == 2
+    assert "--links-out writes what --comm measures: add --comm" in capsys.readouterr().err

@@ -47,6 +47,7 @@ SCENARIOS=(
     "ray_torchtrainer 900 ray"
     "link_down 300 two-hosts"
     "doctor_comm_slow_host 300 two-hosts"
+    "bench_project_links 600 two-hosts"
     "elastic_kill 400 two-hosts"
     "elastic_cut 400 two-hosts"
     "elastic_session_kill 400 two-hosts"
@@ -55,7 +56,9 @@ SCENARIOS=(
 )
 # Scenarios that fail because of a known lockstep bug, not because of the harness: they are
 # reported as "xfail" and do not fail the run (one that passes is reported as "xpass").
-declare -A XFAIL=()
+declare -A XFAIL=(
+    [bench_project_links]="bench --project projects 12-34 % below the measured step on these shaped hosts (see its log)"
+)
 
 CANNOT_RUN=3  # exit status where the engines cannot run here (.ci/run tells it from a failure)
 

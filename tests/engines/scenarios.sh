@@ -465,6 +465,116 @@ scenario_doctor_comm_slow_host() {
     [ $((SECONDS - start)) -le 180 ] || fail "the slow host took $((SECONDS - start)) s to name (over 180 s)"
 }
 
+# ---- lockstep bench --project against lockstep run --nodes on shaped links ---------------------
+# The three hosts' links are shaped with tbf at two rates (this kernel has no netem for an added
+# delay). At each, `lockstep doctor --comm --links-out` measures the links (latency and bandwidth),
+# and `lockstep bench --project --link` that file on one host projects the ConvNet's step (batch 32) to
+# 2 and 3 nodes for ddp and ddp+bf16, and `lockstep run --nodes N` measures it (project_step.py);
+# each pair must agree within 15 %. The hosts share this machine's cores, which real nodes do not:
+# the one-host profile for N nodes is taken while N - 1 busy processes hold the other hosts' share
+# of the cores, as the job's other ranks do while they compute.
+PROJECT_RATES=(20mbit 10mbit)
+PROJECT_STRATEGIES=(ddp ddp+bf16)
+
+project_shape() {  # project_shape RATE: every host's link sends at RATE
+    local i ns
+    for i in 0 1 2; do
+        ns=$(cat "$W/netns-d$i")
+        tc -n "$ns" qdisc del dev eth1 root 2>/dev/null
+        tc -n "$ns" qdisc add dev eth1 root tbf rate "$1" burst 2kb latency 500ms || return 1
+    done
+}
+
+project_measure() {  # project_measure RATE STRATEGY N PORT: the job's step time into $W/measured-RATE-STRATEGY-N.json
+    local i pids=() rc=0 out="$W/measured-$1-$2-$3.json"
+    for ((i = 0; i < $3; i++)); do
+        "$ENGINES_DIR/nsrun.sh" "$W" "d$i" lockstep run --nodes "$3" --node-rank $i --master "d0:$4" --nproc 1 \
+            --timeout 120 "$ENGINES_DIR/scripts/project_step.py" --strategy "$2" --result "$out" \
+            >"$W/job-$1-$2-$3.d$i.out" 2>&1 &
+        pids+=($!)
+    done
+    for i in "${pids[@]}"; do wait "$i" || rc=$?; done
+    [ "$rc" -eq 0 ] && [ -s "$out" ] || fail "lockstep run --nodes $3 ($2 at $1) exited $rc: $(tail -3 "$W/job-$1-$2-$3.d0.out" | tr '\n' ' ')"
+}
+
+project_links() {  # project_links RATE PORT: lockstep doctor --comm on the three hosts writes $W/links-RATE.json
+    local i pids=() rc=0
+    for i in 0 1 2; do
+        "$ENGINES_DIR/nsrun.sh" "$W" "d$i" lockstep doctor --comm --links-out "$W/links-$1.json" --nodes 3 \
+            --node-rank $i --master "d0:$2" --nproc 1 --sizes 4K --iters 2 --timeout 120 >"$W/links-$1.d$i.out" 2>&1 &
+        pids+=($!)
+    done
+    for i in "${pids[@]}"; do wait "$i" || rc=$?; done
+    [ -s "$W/links-$1.json" ] || fail "lockstep doctor --comm --links-out wrote no links at $1 (exit $rc)"
+    python -c "import json,sys; d=json.load(open(sys.argv[1])); print(f'links at {sys.argv[2]}: ' + \
+        f'slowest {d[\"bandwidth_bytes_per_s\"] * 8 / 1e6:.2f} Mbit/s, {d[\"latency_s\"] * 1e3:.2f} ms')" \
+        "$W/links-$1.json" "$1"
+}
+
+project_predict() {  # project_predict RATE N: bench --project on d0 with N - 1 busy processes beside it
+    local hogs=() i
+    for ((i = 1; i < $2; i++)); do
+        python -c 'while True: pass' &
+        hogs+=($!)
+    done
+    "$ENGINES_DIR/nsrun.sh" "$W" d0 lockstep bench --project --nodes "$2" --link "$W/links-$1.json" \
+        --strategy ddp,ddp+bf16 \
+        --threads 1 --batch-size 32 --max-steps 60 --out "$W/project-$1-$2" >"$W/project-$1-$2.out" 2>&1
+    local rc=$?
+    kill "${hogs[@]}" 2>/dev/null
+    wait "${hogs[@]}" 2>/dev/null
+    [ "$rc" -eq 0 ] || fail "lockstep bench --project exited $rc: $(tail -3 "$W/project-$1-$2.out" | tr '\n' ' ')"
+}
+
+scenario_bench_project_links() {
+    trap comm_hosts_down EXIT
+    comm_hosts_up || fail "could not create the three hosts"
+    local rate n s port=24600 measured=() worst
+    for rate in "${PROJECT_RATES[@]}"; do
+        project_shape "$rate" || fail "tc could not shape the links at $rate"
+        port=$((port + 10))
+        project_links "$rate" "$port"
+        for n in 2 3; do
+            project_predict "$rate" "$n"
+            for s in "${PROJECT_STRATEGIES[@]}"; do
+                port=$((port + 1))
+                project_measure "$rate" "$s" "$n" "$port"
+            done
+        done
+    done
+    python - "$W" "${PROJECT_RATES[@]}" <<'PY' || fail "a projection was more than 15 % off (table above)"
+import json, sys
+from pathlib import Path
+w, rates, worst = Path(sys.argv[1]), sys.argv[2:], 0.0
+for rate in rates:
+    for n in (2, 3):
+        rows = {r["strategy"]: r for r in json.loads((w / f"project-{rate}-{n}/project.json").read_text())["projections"]}
+        for strategy in ("ddp", "ddp+bf16"):
+            measured = json.loads((w / f"measured-{rate}-{strategy}-{n}.json").read_text())["step_s"]
+            projected = rows[strategy]["step_s"]
+            off = (projected - measured) / measured
+            worst = max(worst, abs(off))
+            print(f"{rate:>7} {strategy:<9} {n} nodes: measured {measured * 1e3:7.2f} ms, projected {projected * 1e3:7.2f} ms, {off * 100:+6.1f} %")
+print(f"worst: {worst * 100:.1f} %")
+sys.exit(0 if worst <= 0.15 else 1)
+PY
+    # bench --project re-run with what was measured says how far off it was
+    project_predict_measured
+}
+
+project_predict_measured() {
+    local rate=${PROJECT_RATES[0]} ms2 ms3
+    ms2=$(python -c "import json,sys; print(json.load(open(sys.argv[1]))['step_s'] * 1e3)" "$W/measured-$rate-ddp-2.json")
+    ms3=$(python -c "import json,sys; print(json.load(open(sys.argv[1]))['step_s'] * 1e3)" "$W/measured-$rate-ddp-3.json")
+    "$ENGINES_DIR/nsrun.sh" "$W" d0 lockstep bench --project --nodes 2,3 --link "$W/links-$rate.json" \
+        --strategy ddp --threads 1 \
+        --batch-size 32 --max-steps 20 --measured "ddp:2=$ms2,3=$ms3" --out "$W/project-measured" \
+        >"$W/project-measured.out" 2>&1 || fail "bench --project --measured failed"
+    cat "$W/project-measured.out"
+    expect "$W/project-measured.out" "^measured ddp at 2 node\(s\): .* ms a step; projected .* ms, .* % (high|low)" \
+        "bench --project --measured did not say how far off it was"
+}
+
 # Membership that changes while the job runs: `--nodes 1:3` on node0 (A, hosting the store) and
 # node1 (B); B is lost at step 7 (its processes SIGKILLed, or its link cut), node2 (C) starts at
 # step 15 and joins before step 16. The ledger every rank keeps must show each index once per

@@ -14,6 +14,13 @@ line, exit code 2). ``results.json`` and ``bench.png`` go to --out. Examples::
     lockstep bench --data digits                 # include a real loader in the timing
     lockstep bench --strategy ddp --precision fp32 --compile none,inductor   # eager and compiled rows
     lockstep bench --repeats 5 --max-steps 200   # a narrower spread on a busy machine
+    lockstep bench --project --nodes 1,2,4 --link 25Gbit,10us          # this job on 1, 2, 4 nodes
+    lockstep bench --project --gpus-per-node 8 --intra nvlink --nodes 1,2 --link ib-hdr
+    lockstep bench --project --nodes 2,3 --link links.json --measured ddp:2=31.5,3=40.2
+
+``--project`` measures one device's step here (forward, backward, optimizer, DDP's gradient buckets
+and when each is ready) and projects it to ``--gpus-per-node`` devices on each of ``--nodes`` nodes
+over ``--link`` (see ``lockstep.bench.project``): a table, ``project.json`` and ``project.png``.
 
 Exit code: 0 when every cell ran or was skipped for a stated reason (with or without a
 winner), 1 when a cell failed or none ran, 2 for bad flags or data.
@@ -28,7 +35,10 @@ from pathlib import Path
 from lockstep.bench.matrix import DEFAULT_REPEATS, DEFAULT_STEPS, DEFAULT_WARMUP, BenchConfig, parse_list
 from lockstep.cli.flags import NPROC_PER_GPU, add_deprecated, add_launch_flags, describe_command
 
-__all__ = ["add_arguments", "main", "config_from_args", "default_nprocs"]
+__all__ = ["add_arguments", "main", "project_main", "config_from_args", "default_nprocs"]
+
+STRATEGY_DEFAULT = "single,dp,ddp,fsdp"
+PRECISION_DEFAULT = "fp32,bf16-mixed"
 
 
 def default_nprocs() -> str:
@@ -78,14 +88,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--strategy",
-        default="single,dp,ddp,fsdp",
+        default=STRATEGY_DEFAULT,
         metavar="LIST",
         help="comma-separated strategies (default single,dp,ddp,fsdp); ddp+bf16, ddp+fp16 and ddp+powersgd "
         "are ddp with that gradient compression (see --grad-compression of lockstep train)",
     )
     add(
         "--precision",
-        default="fp32,bf16-mixed",
+        default=PRECISION_DEFAULT,
         metavar="LIST",
         help="comma-separated precisions: fp32, bf16-mixed, fp16-mixed, fp16-o2, bf16, fp16 (default fp32,bf16-mixed)",
     )
@@ -185,9 +195,149 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="auto|on|off",
         help="progress bar over the cells: auto (when stderr is a terminal), on or off (default auto)",
     )
+    _add_project_arguments(parser)
     add_deprecated(parser, "--strategies", "--strategy", dest="strategy")
     add_deprecated(parser, "--steps", "--max-steps", dest="steps", type=int)
     add_deprecated(parser, "--no-progress", "--progress", dest="progress", const="off")
+
+
+PROJECT_DEFAULT_STRATEGIES = "ddp,ddp+bf16,ddp+powersgd,fsdp"
+
+
+def _add_project_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("projection (--project)")
+    add = group.add_argument
+    add(
+        "--project",
+        action="store_true",
+        help="measure one device's step here and project it to --gpus-per-node devices on each of --nodes nodes "
+        "instead of running the matrix (--strategy defaults to " + PROJECT_DEFAULT_STRATEGIES + ")",
+    )
+    add(
+        "--nodes",
+        dest="project_nodes",
+        default="1,2,4",
+        metavar="LIST",
+        help="with --project: the node counts to project to (default 1,2,4)",
+    )
+    add(
+        "--gpus-per-node",
+        type=int,
+        default=None,
+        metavar="G",
+        help="with --project: devices per node (default: this machine's GPUs, or 1)",
+    )
+    add(
+        "--link",
+        default="25gbe",
+        metavar="SPEC",
+        help="with --project: the link between nodes: BANDWIDTH[,LATENCY] (25Gbit,10us; 12.5GB/s,5us), a name "
+        "(" + ", ".join(_link_presets()) + "), or the file of lockstep doctor --comm --links-out (default 25gbe)",
+    )
+    add(
+        "--intra",
+        default=None,
+        metavar="SPEC",
+        help="with --project: the link between the devices of one node, as --link (default pcie4 with more "
+        "than one device per node)",
+    )
+    add(
+        "--powersgd-rank",
+        type=int,
+        default=1,
+        metavar="R",
+        help="with --project: PowerSGD's matrix rank for ddp+powersgd (default 1, as lockstep train's)",
+    )
+    add(
+        "--measured",
+        nargs="+",
+        default=[],
+        metavar="STRATEGY:NODES=MS,...",
+        help="with --project: step times measured for real (e.g. ddp:2=31.5,3=40.2 ddp+bf16:2=20), printed beside "
+        "the projection with how far off it was (default: none)",
+    )
+
+
+def _link_presets() -> list[str]:
+    from lockstep.bench.costmodel import LINK_PRESETS
+
+    return list(LINK_PRESETS)
+
+
+def project_main(args: argparse.Namespace) -> int:
+    """``lockstep bench --project``: profile one device's step, print the projection, write its files.
+
+    Args:
+        args: the parsed flags.
+
+    Returns:
+        0.
+
+    Example::
+
+        project_main(parser.parse_args(["--project", "--nodes", "1,2", "--link", "10Gbit,20us"]))
+    """
+    import torch
+
+    from lockstep.bench.costmodel import parse_link
+    from lockstep.bench.profile import profile_step
+    from lockstep.bench.project import (
+        advise,
+        compare_measured,
+        format_projection,
+        parse_measured,
+        project_all,
+        projection_doc,
+        write_projection,
+    )
+    from lockstep.errors import ConfigError
+    from lockstep.zoo.models import default_image_size, parse_model
+
+    chosen = args.strategy if args.strategy != STRATEGY_DEFAULT else PROJECT_DEFAULT_STRATEGIES
+    strategies = parse_list(chosen, "--strategy")
+    nodes = parse_list(args.project_nodes, "--nodes", int)
+    if any(n < 1 for n in nodes):
+        raise ConfigError(f"--nodes: every node count must be at least 1, got {args.project_nodes}")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    per_node = args.gpus_per_node if args.gpus_per_node is not None else max(gpus, 1)
+    if per_node < 1:
+        raise ConfigError(f"--gpus-per-node must be at least 1, got {per_node}")
+    if args.powersgd_rank < 1:
+        raise ConfigError(f"--powersgd-rank must be at least 1, got {args.powersgd_rank}")
+    inter = parse_link(args.link, "--link")
+    intra = parse_link(args.intra or ("pcie4" if per_node > 1 else args.link), "--intra")
+    measured = parse_measured(args.measured)
+    precisions = parse_list(args.precision, "--precision")
+    precision = "fp32" if args.precision == PRECISION_DEFAULT else precisions[0]
+    parse_model(args.model)
+    convnet = args.model == "convnet"
+    profile = profile_step(
+        args.model,
+        data=args.data,
+        batch_size=args.batch_size or (100 if convnet else 32),
+        image_size=args.image_size or default_image_size(args.model),
+        channels=args.channels or (1 if convnet else 3),
+        num_classes=args.num_classes,
+        precision=precision,
+        steps=args.steps,
+        warmup=args.warmup,
+        threads=args.threads or 0,
+    )
+    rows = project_all(profile, strategies, per_node, nodes, inter, intra, powersgd_rank=args.powersgd_rank)
+    doc = projection_doc(
+        profile,
+        rows,
+        inter,
+        intra,
+        per_node,
+        advise(profile, rows, inter, intra, powersgd_rank=args.powersgd_rank),
+        compare_measured(rows, measured),
+    )
+    print(format_projection(doc), flush=True)
+    paths = write_projection(doc, Path(args.out))
+    png = paths["png"]
+    print(f"wrote {paths['json']}" + (f" and {png}" if png else " (no plot: pip install matplotlib)"))
+    return 0
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -240,6 +390,8 @@ def main(args: argparse.Namespace) -> int:
     from lockstep.bench.report import format_table, write_outputs
     from lockstep.bench.run import run_bench
 
+    if args.project:
+        return project_main(args)
     config = config_from_args(args)
     progress = args.progress == "on" or (args.progress == "auto" and sys.stderr.isatty())
     doc = run_bench(config, progress=progress)

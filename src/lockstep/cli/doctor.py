@@ -6,6 +6,7 @@ launcher (``torchrun``, ``srun``, ``lockstep run``) it is one of the workers. Ex
     lockstep doctor                          # one rank per GPU, or 2 ranks on CPU
     lockstep doctor --nproc 4 --sizes 1M..256M --iters 50
     lockstep doctor --comm --strict --nodes 3 --node-rank 0 --master 10.0.0.1:29400 --nproc 1   # every link
+    lockstep doctor --comm --links-out links.json --nodes 2 ...   # for lockstep bench --project --link links.json
     lockstep doctor --nodes 2 --node-rank 0 --master 10.0.0.1:29400 --nproc 8   # on node 0
     lockstep doctor --nodes 2 --node-rank 1 --master 10.0.0.1:29400 --nproc 8   # on node 1
     torchrun --nproc_per_node 2 -m lockstep doctor
@@ -72,6 +73,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--strict", action="store_true", help="with --comm: a slow node or link is a problem (exit 1), not a warning"
     )
+    parser.add_argument(
+        "--links-out",
+        default=None,
+        metavar="FILE",
+        help="with --comm: write the links' latency and bandwidth (and the slowest link's) to this JSON file, "
+        "which lockstep bench --project --link FILE reads (default: not written)",
+    )
     parser.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
 
 
@@ -87,6 +95,7 @@ def _worker(args: argparse.Namespace) -> int:
         timeout=args.timeout,
         links=args.comm,
         strict=args.strict,
+        links_out=args.links_out,
     )
     if not args.result_file:
         return code
@@ -107,6 +116,7 @@ def _forwarded(args: argparse.Namespace, result_file: str) -> list[str]:
         "--backend",
         args.backend,
         *flags,
+        *(["--links-out", str(Path(args.links_out).resolve())] if args.links_out else []),
         "--result-file",
         result_file,
     ]
@@ -131,6 +141,8 @@ def main(args: argparse.Namespace) -> int:
     pick_backend(args.backend)
     if args.iters < 1:
         raise ConfigError(f"--iters must be at least 1, got {args.iters}")
+    if args.links_out and not args.comm:
+        raise ConfigError("--links-out writes what --comm measures: add --comm")
     if launched_as_worker():
         return _worker(args)
     options = launch_options(args)

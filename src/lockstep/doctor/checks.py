@@ -17,11 +17,13 @@ HOST:PORT`` on each machine, or inside any launcher::
 
 from __future__ import annotations
 
+import json
 import platform
 import socket
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -296,6 +298,7 @@ def run_doctor(
     links: bool = False,
     strict: bool = False,
     transport: Transport | None = None,
+    links_out: str | None = None,
 ) -> int:
     """Run every check on this rank (all ranks of the job call it); rank 0 prints the report.
 
@@ -310,6 +313,8 @@ def run_doctor(
         links: also measure latency and bandwidth between every pair of nodes (``--comm``).
         strict: a slow node or link is a problem (exit 1), not a warning.
         transport: how the pairs exchange tensors (``torch.distributed`` when omitted; tests slow one).
+        links_out: with ``links``, rank 0 writes the links' figures to this JSON file
+            (:meth:`~lockstep.doctor.links.LinkReport.to_dict`; ``lockstep bench --project --link FILE`` reads it).
 
     Returns:
         0 when no problem was found, 1 otherwise (the same on every rank).
@@ -330,6 +335,8 @@ def run_doctor(
         report = diagnose(Report(ranks, comm.backend, offsets, resolution, rows, network, missed, pairs, strict))
         if comm.is_main:
             print(format_report(report), flush=True)
+            if links_out and pairs is not None:
+                Path(links_out).write_text(json.dumps(pairs.to_dict(), indent=2) + "\n")
     finally:
         comm.shutdown()
     return 0 if report.ok else 1

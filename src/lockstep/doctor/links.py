@@ -87,6 +87,25 @@ class LinkReport:
     latency: dict[tuple[int, int], float] = field(default_factory=dict)
     bandwidth: dict[tuple[int, int], float] = field(default_factory=dict)
 
+    def to_dict(self) -> dict[str, Any]:
+        """The figures as JSON values, with the slowest link's (``latency_s``, ``bandwidth_bytes_per_s``)
+        first: what ``lockstep bench --project --link FILE`` reads."""
+        pairs = [
+            {
+                "a": self.names[a],
+                "b": self.names[b],
+                "latency_s": self.latency[(a, b)],
+                "bandwidth_bytes_per_s": self.bandwidth[(a, b)],
+            }
+            for (a, b) in sorted(self.latency)
+        ]
+        return {
+            "latency_s": max(self.latency.values(), default=0.0),
+            "bandwidth_bytes_per_s": min(self.bandwidth.values(), default=0.0),
+            "size": self.size,
+            "pairs": pairs,
+        }
+
 
 def node_leaders(ranks: list[dict[str, Any]]) -> tuple[list[int], list[str]]:
     """The ranks that measure (one per host; every rank on one host) and their names.

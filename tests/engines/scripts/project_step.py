@@ -1,0 +1,63 @@
+"""The measured side of `lockstep bench --project`'s check: the bundled ConvNet's step time under a real job.
+
+Run under `lockstep run --nodes N` (one rank per host): trains the ConvNet on one resident random
+batch per rank, as `lockstep bench --project` profiles it, with `--strategy` (ddp, ddp+bf16, ...);
+after `--warmup` steps, every rank times `--steps` steps between barriers, and rank 0 writes the
+median over `--repeats` windows of the slowest rank's seconds per step to `--result` as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+from torch import nn
+
+import lockstep
+from lockstep.zoo.models import ModelSpec
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--strategy", default="ddp")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--result", required=True)
+    args = parser.parse_args()
+    strategy, _, compression = args.strategy.partition("+")
+    torch.set_num_threads(1)
+    session = lockstep.Session(strategy=strategy, grad_compression=compression or "none", quiet=True)
+    torch.manual_seed(session.rank)
+    images = torch.randn(args.batch_size, 1, 28, 28)
+    labels = torch.randint(10, (args.batch_size,))
+    model, optimizer = session.setup(ModelSpec("convnet").build(1, 10, 28), lambda p: torch.optim.SGD(p, lr=0.01))
+    criterion = nn.CrossEntropyLoss()
+
+    def step() -> None:
+        session.backward(criterion(model(images), labels))
+        session.step(optimizer)
+
+    for _ in range(args.warmup):
+        step()
+    windows = []
+    for _ in range(args.repeats):
+        session.barrier()
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        mine = (time.perf_counter() - start) / args.steps
+        windows.append(float(session.all_reduce(mine, op="max")))
+    if session.is_main:
+        with open(args.result, "w") as out:
+            step_s = statistics.median(windows)
+            json.dump({"strategy": args.strategy, "world": session.world_size, "step_s": step_s}, out)
+    session.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -204,6 +204,8 @@ class Settings:
         elastic_nodes: ``$LOCKSTEP_NODES``: ``MIN:MAX`` of ``lockstep run --nodes``.
         elastic_store: ``$LOCKSTEP_ELASTIC_STORE``: ``HOST:PORT`` of the membership store.
         node_id: ``$LOCKSTEP_NODE_ID``: the id of this worker's node (its launcher's).
+        terminal: ``$LOCKSTEP_TERMINAL``: ``COLUMNSxLINES`` of the launcher's terminal, set when the
+            launcher's stderr is one (a worker's stderr is a log file the launcher relays), else empty.
     """
 
     timeout: str = ""
@@ -226,6 +228,7 @@ class Settings:
     elastic_nodes: str = ""
     elastic_store: str = ""
     node_id: str = ""
+    terminal: str = ""
 
 
 def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
@@ -261,6 +264,7 @@ def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
         elastic_nodes=env.get("LOCKSTEP_NODES", "").strip(),
         elastic_store=env.get("LOCKSTEP_ELASTIC_STORE", "").strip(),
         node_id=env.get("LOCKSTEP_NODE_ID", "").strip(),
+        terminal=env.get("LOCKSTEP_TERMINAL", "").strip(),
     )
 
 

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import fcntl
 import io
+import os
+import select
+import struct
+import subprocess
+import sys
+import termios
+import textwrap
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -117,3 +125,53 @@ def test_an_unreadable_file_stops_only_its_own_relay(tmp_path: Path) -> None:
     bad.mkdir()  # opening it for reading fails with an OSError other than "not found"
     OutputRelay([Source(str(bad), out, "[rank1]: "), Source(str(good), out, "[rank0]: ")]).start().stop()
     assert out.getvalue() == "[rank0]: fine\n"
+
+
+def _in_a_terminal(argv: list[str], cwd: Path, guard_s: float = 120) -> tuple[int, str]:
+    """Run ``argv`` with a 120x40 pseudo-terminal as its stdin, stdout and stderr; its exit code and output."""
+    master, slave = os.openpty()
+    os.set_blocking(master, True)
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "120", "LINES": "40"}
+    proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, cwd=cwd, env=env, start_new_session=True)
+    os.close(slave)
+    chunks = []
+    deadline = time.monotonic() + guard_s  # a hang guard far above the few seconds it takes
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 1.0)
+            if not ready:
+                continue
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: every end of the terminal closed (the command and its workers ended)
+                break
+            if not data:
+                break
+            chunks.append(data)
+        code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(master)
+    return code, b"".join(chunks).decode(errors="replace")
+
+
+@pytest.mark.timeout(180)
+def test_a_progress_bar_draws_under_lockstep_run_in_a_terminal(tmp_path: Path) -> None:
+    """The worker's stderr is a log file, but the launcher's is a terminal: rank 0's bar is relayed there."""
+    script = tmp_path / "bar.py"
+    script.write_text(
+        textwrap.dedent("""
+            import lockstep
+            session = lockstep.Session()
+            for _ in session.progress(range(3), desc="counting", leave=True):
+                pass
+            session.close()
+        """)
+    )
+    code, out = _in_a_terminal([sys.executable, "-m", "lockstep", "run", "--nproc", "1", str(script)], tmp_path)
+    assert code == 0, out
+    drawn = [line for line in out.replace("\r", "\n").splitlines() if line.startswith("[rank0]: counting:")]
+    assert drawn, out
+    assert any("100%|" in line and "3/3" in line for line in drawn), out

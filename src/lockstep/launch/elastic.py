@@ -191,6 +191,9 @@ def _environment(spec: LaunchSpec, postmortem_dir: str, extra: dict[str, str]) -
     # signs lockstep's values in the workers' store (see lockstep.comm.signed); a random secret per job
     # on one node, the --secret-file content across nodes (the nodes' launchers share nothing else)
     env["LOCKSTEP_SECRET"] = spec.secret or (secrets.token_hex(16) if spec.nodes == 1 else "")
+    if sys.stderr.isatty():  # a worker's stderr is a log file the relay copies: its progress bar still draws
+        size = shutil.get_terminal_size()
+        env["LOCKSTEP_TERMINAL"] = f"{size.columns}x{size.lines}"
     if spec.nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = "1"  # as torchrun: N processes must not oversubscribe the CPU
     # launch_agent also sets TORCHELASTIC_SIGNALS_TO_HANDLE for good; give back the caller's value.

@@ -144,3 +144,54 @@ def test_loader_length_is_constant_and_remaining_counts_down() -> None:
     assert (bar.n, bar.total) == (2, 4)  # the bar starts where the epoch resumed
     bar.close()
     session.close()
+
+
+@pytest.mark.parametrize("order", ["lockstep", "torch"])
+def test_reading_the_batch_size_from_a_first_iterator_loses_no_batch(order: str) -> None:
+    """The tutorial's ``b_sz = len(next(iter(train))[0])`` before ``for x, y in train``: a DataLoader's
+    new iterator starts the epoch again, and so does a session loader's while no step was taken since."""
+    data = TensorDataset(torch.arange(12.0).unsqueeze(1), torch.zeros(12, 1))
+    session = lockstep.Session(quiet=True, order=order)
+    model, opt = session.setup(nn.Linear(1, 1), lambda p: torch.optim.SGD(p, lr=0.0))
+    train = session.loader(data, batch_size=3, shuffle=True)
+    seen: list[list[float]] = []
+    for _ in session.epochs(2):
+        b_sz = len(next(iter(train))[0])
+        assert b_sz == 3
+        epoch: list[float] = []
+        for i, (x, y) in enumerate(train):
+            epoch += x.flatten().tolist()
+            session.backward(nn.functional.mse_loss(model(x), y))
+            session.step(opt)
+            if i == 1:
+                break  # two steps taken: a new iterator goes on after them
+        for x, y in train:
+            epoch += x.flatten().tolist()
+            session.backward(nn.functional.mse_loss(model(x), y))
+            session.step(opt)
+        seen.append(epoch)
+    assert [sorted(e) for e in seen] == [[float(i) for i in range(12)]] * 2  # every sample once per epoch
+    assert session.global_step == 8
+    session.close()
+
+
+def test_a_new_iterator_after_a_load_starts_at_the_loaded_position(tmp_path: Path) -> None:
+    """A position set from outside (a checkpoint) is where the next iterator starts, not an earlier pass's start."""
+    data = TensorDataset(torch.arange(8.0).unsqueeze(1), torch.zeros(8, 1))
+    session = lockstep.Session(quiet=True)
+    model, opt = session.setup(nn.Linear(1, 1), lambda p: torch.optim.SGD(p, lr=0.0))
+    train = session.loader(data, batch_size=2, shuffle=False)
+    for x, y in train:
+        session.backward(nn.functional.mse_loss(model(x), y))
+        session.step(opt)
+        if session.global_step == 2:
+            session.save(tmp_path, model=model, optimizer=opt)
+            break
+    session.close()
+    session = lockstep.Session(quiet=True)
+    model, opt = session.setup(nn.Linear(1, 1), lambda p: torch.optim.SGD(p, lr=0.0))
+    train = session.loader(data, batch_size=2, shuffle=False)
+    assert next(iter(train))[0].flatten().tolist() == [0.0, 1.0]  # before the load: the epoch's start
+    session.load(tmp_path, model=model, optimizer=opt)
+    assert [x.flatten().tolist() for x, _ in train] == [[4.0, 5.0], [6.0, 7.0]]
+    session.close()

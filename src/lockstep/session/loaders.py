@@ -52,6 +52,7 @@ class DeviceLoader:
         self.share = 0  # samples of this rank in the batch last handed out (0: a zero-weight stand-in)
         self.boundary: Any = None  # under --nodes: asked at each step's first batch (session.elastic)
         self.before_batch: Callable[[], None] | None = None  # a training batch is about to be handed out
+        self._pass_start: tuple[int, dict[str, Any]] | None = None  # (steps so far, position) at the last iter()
 
     @property
     def steps(self) -> StepSampler | None:
@@ -98,6 +99,8 @@ class DeviceLoader:
         return int(samples // size if self.loader.drop_last else -(-samples // size))
 
     def __iter__(self) -> Iterator[Any]:
+        if self.train and self.tracker is not None and self.boundary is None:
+            self._start_pass()
         steps = self.steps  # one pass of the default order, unless under --nodes a change can start another
         batches = (
             self._iter_padded()
@@ -107,6 +110,20 @@ class DeviceLoader:
             else self._pass(steps)
         )
         return batches if self.timer is None else self.timer.data(batches, self, _batch_len)
+
+    def position_set(self) -> None:
+        """The sampler's position was set from outside (a new epoch, a checkpoint): a new iterator starts there."""
+        self._pass_start = None
+
+    def _start_pass(self) -> None:
+        """A new iterator starts where the last one did when no step was taken since (as a DataLoader's
+        starts its epoch again): ``len(next(iter(loader))[0])`` then ``for batch in loader`` loses no batch."""
+        taken = self.tracker.steps_taken()
+        last = self._pass_start
+        if last is not None and last[0] == taken:
+            self.sampler.load_state_dict(last[1])
+        else:
+            self._pass_start = (taken, self.sampler.state_dict())
 
     def _iter_passes(self, steps: StepSampler) -> Iterator[Any]:
         """Under ``--nodes`` a change sets the position back; a new pass starts there with the new share."""
@@ -200,6 +217,7 @@ class TrainLoaders:
         self.on_add: Callable[[], None] | None = None  # told when a training loader is made (TrainState's)
         self.boundary: Any = None  # under --nodes: given to each training loader (session.elastic)
         self.before_batch: Callable[[], None] | None = None  # given to each training loader (the session's stop)
+        self.steps_taken: Callable[[], int] = lambda: 0  # steps taken and skipped so far (TrainState's)
 
     @property
     def live(self) -> list[DeviceLoader]:
@@ -273,6 +291,7 @@ class TrainLoaders:
         else:
             self._pending = []
             loader.sampler.set_epoch(self._epoch)
+        loader.position_set()
         loader.tracker, loader.boundary, loader.before_batch = self, self.boundary, self.before_batch
         self._refs.append(weakref.ref(loader))
 
@@ -282,6 +301,7 @@ class TrainLoaders:
         self.epoch_done = False
         for loader in self.live:
             loader.sampler.set_epoch(epoch)
+            loader.position_set()
 
     def state_dicts(self) -> list[dict[str, Any]]:
         """Every loader's sampler position, in creation order."""
@@ -300,6 +320,7 @@ class TrainLoaders:
             loader.sampler.load_state_dict(state)
             if not mid:
                 loader.sampler.set_epoch(epoch + 1)
+            loader.position_set()
         self._pending = list(states[len(live) :]) if mid else []
         return mid
 

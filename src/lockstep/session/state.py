@@ -87,6 +87,7 @@ class TrainState:
         self.loaders = TrainLoaders()
         self._resumed_from: tuple[int, int | None] | None = None  # (world size, global batch) of a checkpoint
         self.loaders.on_add = self._say_replan
+        self.loaders.steps_taken = lambda: self.global_step + self.skipped_steps
 
     @property
     def epoch_done(self) -> bool:
@@ -140,6 +141,7 @@ class TrainState:
         self.epoch, self.global_step, self.skipped_steps = position["epoch"], position["step"], position["skipped"]
         for loader, sampler in zip(self.loaders.live, position["samplers"]):
             loader.sampler.load_state_dict(sampler)
+            loader.position_set()
         self.loaders.epoch_done = bool(position["epoch_done"])
         self.rank, self.world_size = rank, world_size
 

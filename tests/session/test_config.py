@@ -395,6 +395,10 @@ _RUNTIME_RULES = {
     # verify's own --global-batch (the batch both of its runs train on), not the Session's
     ("global_batch", "lockstep.verify.config"): "verify splits its batch evenly over the processes",
     ("global_batch", "lockstep.verify.inputs"): "the dataset holds fewer samples than verify's batch",
+    # bench --project's own inputs: the ways of training it models and PowerSGD's rank in its cost
+    # model; no Session is built from them
+    ("strategy", "lockstep.bench.project"): "--project models ddp+bf16, ddp+powersgd..., not Session strategies",
+    ("powersgd_rank", "lockstep.cli.bench"): "--project's PowerSGD rank is a cost-model input",
 }
 
 

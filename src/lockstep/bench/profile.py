@@ -208,11 +208,6 @@ def profile_step(
         threads: CPU threads (0: torch's choice).
         bucket_mb: DDP's bucket cap.
         seed: seed of weights and batch.
-
-    Example::
-
-        profile = profile_step("convnet", batch_size=32, steps=20)
-        profile.backward_s, [b.nbytes for b in profile.buckets]
     """
     from lockstep.strategies.fsdp import fsdp_blocks
     from lockstep.zoo.models import ModelSpec

@@ -155,10 +155,6 @@ def project(
         inter: the link between nodes.
         intra: the link between devices of a node.
         powersgd_rank: PowerSGD's matrix rank.
-
-    Example::
-
-        project(profile, "ddp", 1, 2, parse_link("25Gbit,10us"), parse_link("nvlink")).efficiency
     """
     if strategy not in PROJECT_STRATEGIES:
         raise ConfigError(f"--project knows {', '.join(PROJECT_STRATEGIES)}, not {strategy!r}")

@@ -120,3 +120,40 @@ def test_readme_resume_continues_and_refuses_a_conflict(tmp_path: Path) -> None:
     assert " after epoch 1/2\n" in resumed.stdout, resumed.stdout  # counted as the Epoch [i/N] lines count
     config = json.loads((out / "config.json").read_text())
     assert (config["resume"], config["lr"], config["max_steps"], config["epochs"]) == (True, 0.05, 3, 2)
+    finished = lockstep_train("--out", str(out), "--resume", "--progress", "off")
+    assert finished.returncode == 0 and "lockstep: world" not in finished.stdout, finished.stdout + finished.stderr
+    assert "nothing to train: the checkpoint already covers 2 of 2 epochs" in finished.stdout
+
+
+def test_resume_of_a_finished_run_says_so_before_any_worker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """The newest checkpoint is the last epoch's end (metrics.csv's last row has its step): nothing to
+    train is said by the launcher, exit 0, with no worker started."""
+    import lockstep.launch.relaunch as relaunch
+    import lockstep.recipes.train as recipe
+    from lockstep.checkpoint import save_checkpoint
+    from lockstep.comm.group import Comm
+    from lockstep.env import World
+    from lockstep.recipes.outputs import RunLog, epochs_done
+
+    out = _run_folder(tmp_path, epochs=2)
+    (out / "checkpoints" / "step-000004").rmdir()
+    save_checkpoint(out / "checkpoints", {"step": 4}, Comm(World()), step=4)
+    log = RunLog(out, is_main=True, start_epoch=0)
+    for epoch, step in ((1, 2), (2, 4)):
+        log.epoch({"epoch": epoch, "step": step, "train_loss": 0.5, "lr": 0.1})
+    log.close()
+    assert epochs_done(out) == 2
+
+    def started(*args: object, **kwargs: object) -> int:
+        raise AssertionError("workers started for a finished run")
+
+    monkeypatch.setattr(relaunch, "relaunch", started)
+    monkeypatch.setattr(recipe, "train", started)
+    assert main(["train", "--out", str(out), "--resume"]) == 0
+    said = capsys.readouterr().out
+    assert "lockstep train: nothing to train: the checkpoint already covers 2 of 2 epochs" in said, said
+
+    save_checkpoint(out / "checkpoints", {"step": 5}, Comm(World()), step=5)  # a mid-epoch save after it
+    assert epochs_done(out) is None  # only loading it tells: the workers decide

@@ -228,7 +228,7 @@ def main(args: argparse.Namespace) -> int:
     from lockstep.errors import ConfigError, LockstepError
     from lockstep.launch.relaunch import launched_as_worker, relaunch
     from lockstep.recipes.checks import check_data, check_out
-    from lockstep.recipes.outputs import hold_out
+    from lockstep.recipes.outputs import epochs_done, hold_out
     from lockstep.recipes.train import train
 
     # asked for processes or nodes: e.g. one `srun` task per node running the launcher
@@ -238,6 +238,15 @@ def main(args: argparse.Namespace) -> int:
     for note in data.notes:
         print(f"lockstep train: warning: {note}", file=sys.stderr, flush=True)
     check_out(config)
+    if config.resume and config.out is not None and not is_url(config.out):
+        done = epochs_done(Path(config.out))
+        if done is not None and done >= config.epochs:  # said before any worker starts
+            print(
+                f"lockstep train: nothing to train: the checkpoint already covers {done} of "
+                f"{config.epochs} epochs (raise --epochs to train more)",
+                flush=True,
+            )
+            return 0
     # the launcher holds --out for the whole job (restarts too): of two runs started together, one is refused
     held = (
         hold_out(Path(config.out))

@@ -17,6 +17,7 @@ from lockstep.loggers import CSVLogger, Logger, TensorBoardLogger
 __all__ = [
     "RunLog",
     "read_preempted",
+    "epochs_done",
     "hold_out",
     "refuse_if_in_use",
     "tensorboard_logger",
@@ -118,6 +119,26 @@ def read_preempted(out: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return body if isinstance(body, dict) else None
+
+
+def epochs_done(out: Path) -> int | None:
+    """The epochs the newest checkpoint in ``out`` covers, when ``metrics.csv``'s last row was written
+    at that checkpoint's step (its epoch's end); ``None`` when that cannot be told without loading it."""
+    import csv
+
+    from lockstep.checkpoint import CheckpointError, latest_checkpoint, read_manifest
+    from lockstep.recipes.config import CHECKPOINTS
+
+    newest = latest_checkpoint(out / CHECKPOINTS)
+    try:
+        with (out / METRICS_FILE).open(newline="") as f:
+            rows = list(csv.DictReader(f))
+        step = read_manifest(newest).get("step") if newest is not None else None
+        last = rows[-1] if rows else {}
+        done = int(last["epoch"]) if step is not None and int(last.get("step", -1)) == step else None
+    except (OSError, ValueError, KeyError, TypeError, CheckpointError):
+        return None
+    return done
 
 
 def refuse_if_in_use(out: Path) -> None:

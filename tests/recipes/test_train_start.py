@@ -37,3 +37,20 @@ def test_iterable_dataset_refusal_names_session_loader() -> None:
     with pytest.raises(lockstep.ConfigError, match=r"session\.loader"):
         session.loader(_Stream(), batch_size=2)
     session.close()
+
+
+def test_a_resume_at_another_world_size_says_the_global_batch_changed(tmp_path) -> None:
+    """The checkpoint records its world size (ResumeState.world_size); lockstep train names the new global batch."""
+    from lockstep.recipes.train import _world_changed
+
+    session = lockstep.Session(quiet=True)
+    model, opt = session.setup(torch.nn.Linear(2, 1), lambda p: torch.optim.SGD(p, lr=0.1))
+    assert session.load(tmp_path, model=model, optimizer=opt).world_size is None  # fresh
+    session.save(tmp_path, model=model, optimizer=opt)
+    assert session.load(tmp_path, model=model, optimizer=opt).world_size == 1
+    session.close()
+    line = _world_changed(2, 3, TrainConfig(batch_size=32, accumulate=2, scale_lr=True), 0.3)
+    assert line == (
+        "lockstep train: world size 2 -> 3: global batch 192, was 128 (--batch-size 32 is per device), and "
+        "--scale-lr makes the learning rate 0.3; resume with --nproc 2 to keep the run's"
+    )

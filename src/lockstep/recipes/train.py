@@ -86,6 +86,16 @@ def _where(state: lockstep.ResumeState, start: int, epochs: int) -> str:
     return f"after epoch {start}/{epochs}" if start else f"at step {state.step}, before epoch 1/{epochs}"
 
 
+def _world_changed(was: int, now: int, config: TrainConfig, lr: float) -> str:
+    """The resume line of a run continued at another world size: --batch-size is per device."""
+    per_step = config.batch_size * config.accumulate
+    scaled = f", and --scale-lr makes the learning rate {lr:g}" if config.scale_lr else ""
+    return (
+        f"lockstep train: world size {was} -> {now}: global batch {per_step * now}, was {per_step * was} "
+        f"(--batch-size {config.batch_size} is per device){scaled}; resume with --nproc {was} to keep the run's"
+    )
+
+
 def _run(session: lockstep.Session, config: TrainConfig, data: Any) -> None:
     model, optimizer, train_loader, test_loader, lr = _prepare(session, config, data)
     url = config.out if config.out is not None and is_url(config.out) else None
@@ -100,6 +110,8 @@ def _run(session: lockstep.Session, config: TrainConfig, data: Any) -> None:
     session.print(f"{session.summary(config.max_steps)}, lr {lr:g}")  # --max-steps: the steps it takes
     if state.resumed:
         session.print(f"lockstep train: resumed from {state.path} {_where(state, start, config.epochs)}")
+        if state.world_size is not None and state.world_size != session.world_size:
+            session.print(_world_changed(state.world_size, session.world_size, config, lr))
     for logger in session.config.loggers or ():
         logger.resume_at(session.global_step + 1)  # steps after the checkpoint are trained (and logged) again
     log = RunLog(out, session.is_main, start, say=session.print)

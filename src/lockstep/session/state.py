@@ -55,6 +55,7 @@ class ResumeState:
         mid_epoch: True when the checkpoint was taken mid-``epoch``; the training loader continues from its position.
         unusable: the steps of the newer checkpoints skipped as unusable (corrupt); the next
             ``Session.save`` into the same folder does not count them in its ``keep``, and prunes them.
+        world_size: the world size the checkpoint was saved at (``None`` when fresh).
     """
 
     epoch: int = 0
@@ -63,6 +64,7 @@ class ResumeState:
     extras: dict[str, Any] = field(default_factory=dict)
     mid_epoch: bool = False
     unusable: tuple[int, ...] = ()
+    world_size: int | None = None
 
     @property
     def resumed(self) -> bool:
@@ -353,6 +355,7 @@ def load_state(
         extras=dict(state.get("extras") or {}),
         mid_epoch=mid,
         unusable=tuple(state.get("unusable") or ()),
+        world_size=int(state["world_size"]),
     )
 
 

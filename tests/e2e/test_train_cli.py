@@ -161,11 +161,16 @@ def test_preempted_mid_epoch_at_world_two_ends_bit_identical(tmp_path: Path) -> 
     assert launcher.returncode == EXIT_PREEMPTED, stdout + stderr
     again = lockstep_train(*common, "--out", str(cut))
     assert_trained(again, 2)
-    assert re.search(
-        r"resumed from \S+ (in epoch [1-5]/5 at step \d+: the epoch goes on with its remaining batches"
+    where = re.search(
+        r"resumed from \S+ (in epoch ([1-5])/5 at step \d+: the epoch goes on with its remaining batches"
         r"|after epoch [1-4]/5)\n",
         again.stdout,
-    ), again.stdout
+    )
+    assert where, again.stdout
+    marked = {int(r["epoch"]) for r in rows(cut) if int(r["resumed_at_batch"])}  # its loss covers fewer batches
+    assert marked == ({int(where.group(2))} if where.group(2) else set()), rows(cut)
+    assert (" resumed mid-epoch)" in again.stdout) == bool(where.group(2)), again.stdout
+    assert not any(int(r["resumed_at_batch"]) for r in rows(whole))
     a = _tensors(load_checkpoint(whole / "checkpoints", Comm(World())))
     b = _tensors(load_checkpoint(cut / "checkpoints", Comm(World())))
     assert a.keys() == b.keys() and any("running_var" in k for k in a)

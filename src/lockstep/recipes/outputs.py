@@ -42,7 +42,11 @@ COLUMNS = (
     "samples_per_s",
     "epoch_time_s",
     "lr",
+    "resumed_at_batch",
 )
+"""``metrics.csv``'s columns; ``resumed_at_batch`` is the batch an epoch continued from after a resume
+(its ``train_loss`` covers the batches from there on), 0 for a whole epoch."""
+_SCALARS = COLUMNS[2:-1]  # the curves TensorBoard shows
 
 
 def tensorboard_logger(directory: Path, say: Callable[[str], None] | None) -> TensorBoardLogger | None:
@@ -90,7 +94,7 @@ class RunLog:
         epoch = int(row["epoch"])
         self._csv.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, epoch)
         if self._tb is not None:
-            self._tb.log({k: row[k] for k in COLUMNS[2:] if isinstance(row.get(k), (int, float))}, epoch)
+            self._tb.log({k: row[k] for k in _SCALARS if isinstance(row.get(k), (int, float))}, epoch)
             self._tb.flush()
 
     def preempted(self, config: dict[str, Any], step: int, checkpoint: Path | None) -> None:

@@ -133,8 +133,10 @@ def _run(session: lockstep.Session, config: TrainConfig, data: Any) -> None:
         for epoch in session.epochs(config.epochs, start=start):
             row = _epoch(session, config, model, optimizer, train_loader, test_loader)
             row.update(epoch=epoch + 1, step=session.global_step, lr=lr)
+            resumed = row["resumed_at_batch"]
+            over = f" (batches {resumed + 1}-{row['last_batch']}: resumed mid-epoch)" if resumed else ""
             session.print(
-                f"Epoch [{epoch + 1}/{config.epochs}] train loss {row['train_loss']:.4f}, "
+                f"Epoch [{epoch + 1}/{config.epochs}] train loss {row['train_loss']:.4f}{over}, "
                 f"test loss {row['test_loss']:.4f}, test accuracy {row['test_accuracy']:.4f} "
                 f"({row['test_count']} samples), {row['samples_per_s']:.0f} samples/s, "
                 f"{row['epoch_time_s']:.1f} s"
@@ -178,7 +180,7 @@ def _epoch(
     if limit is not None:  # an epoch resumed mid-way counts the batches it took before the stop
         limit -= done
     totals = torch.zeros(2, dtype=torch.float64, device=session.device)  # loss sum, samples
-    skipped, took = session.skipped_steps, 0
+    skipped, took, batches = session.skipped_steps, 0, 0
     model.train()
     bar = _progress(session, config, train_loader)
     began = time.perf_counter()
@@ -187,6 +189,7 @@ def _epoch(
             loss = criterion(model(images).float(), labels)
             session.backward(loss)
             took += session.step(optimizer)
+            batches += 1
             share = getattr(train_loader, "share", labels.shape[0])  # a zero-sample rank's stand-in counts 0
             totals[0] += loss.detach().double() * share
             totals[1] += share
@@ -220,6 +223,8 @@ def _epoch(
         "test_count": int(result["count"]),
         "samples_per_s": samples / max(elapsed, 1e-9),
         "epoch_time_s": elapsed,
+        "resumed_at_batch": done,  # the train loss covers the batches after it
+        "last_batch": done + batches,  # shown on the screen, not a column
     }
 
 

@@ -12,13 +12,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lockstep.errors import ConfigError
+from lockstep.recipes.outputs import CHECKPOINTS
 
 if TYPE_CHECKING:  # the session's modules load when a config is built, not when the CLI starts
     from lockstep.session.config import SessionConfig
 
 __all__ = ["TrainConfig", "resume_values", "CHECKPOINTS", "RUN_FLAGS", "RESUME_MAY_CHANGE"]
 
-CHECKPOINTS = "checkpoints"
 _PROGRESS = ("auto", "on", "off")
 RUN_FLAGS = (
     "model",

@@ -21,6 +21,7 @@ __all__ = [
     "hold_out",
     "refuse_if_in_use",
     "tensorboard_logger",
+    "CHECKPOINTS",
     "METRICS_FILE",
     "CONFIG_FILE",
     "PREEMPTED_FILE",
@@ -28,6 +29,7 @@ __all__ = [
     "COLUMNS",
 ]
 
+CHECKPOINTS = "checkpoints"
 METRICS_FILE = "metrics.csv"
 CONFIG_FILE = "config.json"
 PREEMPTED_FILE = "preempted.json"
@@ -131,7 +133,6 @@ def epochs_done(out: Path) -> int | None:
     import csv
 
     from lockstep.checkpoint import CheckpointError, latest_checkpoint, read_manifest
-    from lockstep.recipes.config import CHECKPOINTS
 
     newest = latest_checkpoint(out / CHECKPOINTS)
     try:

@@ -40,6 +40,8 @@ FAULT_SCRIPT = textwrap.dedent("""
                 raise ValueError(f"bad value at step {i}")
             if mode == "kill":
                 os.kill(os.getpid(), 9)
+            if mode == "term":  # as from kill(1): no handler of the script's own
+                os.kill(os.getpid(), 15)
         comm.all_reduce(torch.ones(1))
     for i in range(6):
         step(i)
@@ -301,6 +303,16 @@ def test_sigkill_on_rank_1(fault: str) -> None:
     assert proc.returncode == 1 and time.monotonic() - start < 50  # a hang guard, not a speed test
     assert "rank 1 was killed by SIGKILL" in proc.stderr
     assert "rank 0 was killed" not in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_sigterm_to_rank_1_names_rank_1(fault: str) -> None:
+    # the launcher stops rank 0 with the same signal, and rank 0 may first lose contact: rank 1 is still named
+    proc = _run(["--nproc", "2", fault, "term"])
+    assert proc.returncode == 1, proc.stderr
+    first = next(line for line in proc.stderr.splitlines() if line.startswith("lockstep run: rank"))
+    assert first.startswith("lockstep run: rank 1 was killed by SIGTERM"), proc.stderr
 
 
 @pytest.mark.slow

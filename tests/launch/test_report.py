@@ -34,3 +34,51 @@ def test_another_error_on_another_rank_is_still_named() -> None:
     lines = text.splitlines()
     assert lines[0] == "lockstep run: rank 0 raised ValueError: bad (host h, local rank 0, pid 10)", text
     assert lines[-1] == "lockstep run: then rank 1 raised KeyError: 'x'", text
+
+
+def _signalled(rank: int, at: float | None, first: bool = True, agent_time: float = 9.0) -> Failure:
+    # ended by SIGTERM; ``at``: when the worker noted it (rank<N>.signal); ``first``: before the launcher stopped any
+    return Failure(
+        rank=rank,
+        local_rank=rank,
+        host="h",
+        pid=10 + rank,
+        exitcode=-15,
+        time=agent_time,
+        signalled_at=at,
+        signalled_first=first and at is not None,
+    )
+
+
+def test_a_rank_signalled_before_any_failure_is_named_first() -> None:
+    lost = _raised(0, "RuntimeError: Connection closed by peer", 2.0)
+    summary = summarize([lost, _signalled(1, at=1.5)])
+    assert summary.root.rank == 1 and summary.root.external, summary
+    lines = summary.text().splitlines()
+    assert lines[0].startswith("lockstep run: rank 1 was killed by SIGTERM"), lines
+    assert any("rank 0" in line for line in lines[1:]), lines
+
+
+def test_ranks_the_launcher_stopped_after_a_failure_are_not_blamed() -> None:
+    raised = _raised(0, "ValueError: bad", 1.0)
+    summary = summarize([raised, _signalled(1, at=1.2, first=False)])
+    assert summary.root.rank == 0 and summary.root.kind == "exception", summary
+    assert not any(f.external for f in summary.others), summary
+
+
+def test_a_signal_without_a_record_is_a_stop_as_before() -> None:
+    summary = summarize([_raised(0, "RuntimeError: Connection closed by peer", 2.0), _signalled(1, at=None)])
+    assert summary.root.rank == 0, summary
+
+
+def test_a_rank_signalled_before_the_launcher_stopped_the_rest_is_named() -> None:
+    # rank 0 was stopped by the launcher before it noticed its peer was gone: no error of its own
+    summary = summarize([_signalled(0, at=2.1, first=False), _signalled(1, at=2.0)])
+    assert summary.root.rank == 1 and summary.root.external, summary
+    assert summary.text().startswith("lockstep run: rank 1 was killed by SIGTERM"), summary.text()
+
+
+def test_when_every_rank_was_signalled_the_first_signalled_leads() -> None:
+    summary = summarize([_signalled(0, at=3.0), _signalled(1, at=2.0), _signalled(2, at=2.5)])
+    assert summary.root.rank == 1, summary
+    assert [f.rank for f in summary.others] == [2, 0], summary

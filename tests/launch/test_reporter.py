@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from lockstep.errors import EXIT_FAILURE
+from lockstep.launch.bootstrap import signal_record
+from lockstep.launch.report import summarize
 from lockstep.launch.reporter import JobReporter
 from lockstep.launch.spec import LaunchSpec
 
@@ -31,3 +34,19 @@ def test_the_launcher_of_lockstep_train_labels_its_lines_so(capsys: pytest.Captu
     assert own[0].startswith("lockstep train: restarting the job (attempt 2 of 2) after rank 0")
     assert "lockstep train: gave up after 1 restart" in own
     assert not any("every rank's output is under" in line for line in lines)  # said once, by the launcher
+
+
+def test_the_launcher_tells_notes_before_its_stop_from_notes_after(tmp_path: Path) -> None:
+    reporter = JobReporter(LaunchSpec(target="json", module=True, nproc=3), postmortem_dir=str(tmp_path))
+    reporter.workers_started()
+    Path(signal_record(str(tmp_path), 1)).write_text("Fatal Python error: ...")  # SIGTERM from outside
+    Path(signal_record(str(tmp_path), 2)).write_text("")  # never signalled: its note stays empty
+    reporter.stopping()
+    Path(signal_record(str(tmp_path), 0)).write_text("Fatal Python error: ...")  # the launcher's SIGTERM
+    raw = {
+        r: SimpleNamespace(local_rank=r, pid=10 + r, exitcode=-15, timestamp=9, error_file_data={}) for r in range(3)
+    }
+    found = {f.rank: f for f in reporter.failures(raw)}
+    assert found[1].signalled_first and not found[0].signalled_first, found
+    assert found[2].signalled_at is None and not found[2].signalled_first, found
+    assert summarize(list(found.values())).root.rank == 1

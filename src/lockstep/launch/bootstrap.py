@@ -20,6 +20,11 @@ that its parent is still the launcher that started it (``$LOCKSTEP_LAUNCHER_PID`
 killed with ``kill -9``, or one that failed to start the rest of the group, leaves no worker
 training on its own.
 
+A stop signal (SIGTERM, SIGHUP) that reaches a worker running a plain script is noted at once, from
+C, in ``rank<N>.signal`` beside its post-mortem record (:func:`note_stop_signals`; the signal then
+ends the worker as before): the launcher can tell a rank signalled from outside the job, before
+anything failed, from the ranks it stopped itself afterwards, and names that rank first.
+
 The job's secret (``$LOCKSTEP_SECRET``, which signs lockstep's values in the store) is taken out
 of the worker's environment before the script runs (:func:`lockstep.env.withhold_secret`): lockstep
 in the worker still uses it, the processes the script starts do not inherit it.
@@ -38,7 +43,7 @@ from lockstep._cluster import horovod_rank_variables
 from lockstep.env import environment, export_environment, read_settings, withhold_secret
 from lockstep.errors import EXIT_PREEMPTED
 
-__all__ = ["main", "run_target", "record_failure", "die_with_launcher"]
+__all__ = ["main", "run_target", "record_failure", "die_with_launcher", "note_stop_signals", "signal_record"]
 
 _SKIP_FRAMES = {os.path.abspath(__file__), os.path.abspath(runpy.__file__), "<frozen runpy>"}
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
@@ -71,6 +76,46 @@ def die_with_launcher(launcher_pid: int | None) -> bool:
     except (OSError, AttributeError):
         return True
     return os.getppid() == launcher_pid
+
+
+_NOTED_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+def signal_record(folder: str, rank: int) -> str:
+    """The file a worker of ``rank`` notes a stop signal in (:func:`note_stop_signals`)."""
+    return os.path.join(folder, f"rank{rank}.signal")
+
+
+def note_stop_signals(folder: str, rank: int) -> object | None:
+    """Have a stop signal write this process's stacks to :func:`signal_record` before it acts as before.
+
+    Written from C (``faulthandler``), so a rank blocked in a collective notes it at once; the file's
+    time is when the signal came. A script (or ``Session``) that installs its own handler replaces
+    this one; a forked child does not inherit it. Returns the open file (keep it), or ``None``.
+
+    Args:
+        folder: the job's post-mortem folder (``$LOCKSTEP_POSTMORTEM_DIR``); empty: nothing noted.
+        rank: this worker's global rank.
+    """
+    if not folder or not _NOTED_SIGNALS:
+        return None
+    try:
+        os.makedirs(folder, exist_ok=True)
+        record = open(signal_record(folder, rank), "w")  # noqa: SIM115 - written by the signal handler
+    except OSError:
+        return None
+    for signum in _NOTED_SIGNALS:
+        if signal.getsignal(signum) == signal.SIG_DFL:
+            faulthandler.register(signum, file=record, all_threads=True, chain=True)
+    os.register_at_fork(after_in_child=_forget_stop_signals)
+    return record
+
+
+def _forget_stop_signals() -> None:
+    """In a forked child: the parent's record is not the child's (a handler set from Python stays)."""
+    for signum in _NOTED_SIGNALS:
+        if signal.getsignal(signum) is None:  # still faulthandler's (a C handler)
+            faulthandler.unregister(signum)
 
 
 def run_target(target: str, args: list[str], module: bool) -> None:
@@ -138,6 +183,8 @@ def main(argv: list[str]) -> int:
     faulthandler.enable(all_threads=True)  # a crash in native code still leaves a Python stack
     export_environment(horovod_rank_variables(environment()))  # this rank's place in the launcher's Horovod job
     error_file = settings.error_file
+    rank = environment().get("RANK", "")
+    noted = note_stop_signals(settings.postmortem_dir, int(rank)) if rank.isdigit() else None  # noqa: F841
     try:
         run_target(argv[0], argv[1:], module)
     except SystemExit as exc:

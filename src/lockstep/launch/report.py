@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 import signal
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lockstep.errors import EXIT_PREEMPTED, format_ranks, signal_name
@@ -69,6 +69,10 @@ class Failure:
         blame: the ranks this rank named as never arriving in a collective it waited in.
         exit_status: the exit code the worker recorded when it ended by ``sys.exit`` (its argparse
             refusing the arguments, say), even if the launcher stopped it before it was gone.
+        signalled_at: when the worker noted a stop signal (``rank<N>.signal``), or ``None``.
+        signalled_first: that signal came before the launcher began stopping ranks (so not from it).
+        external: stopped by a signal from outside the job while the rest of it ran on
+            (:func:`summarize` decides): named as a cause, not as a rank the launcher stopped.
     """
 
     rank: int
@@ -82,6 +86,9 @@ class Failure:
     traceback: str = field(default="", repr=False)
     blame: tuple[int, ...] = ()
     exit_status: int | None = None
+    signalled_at: float | None = None
+    signalled_first: bool = False
+    external: bool = False
 
     @classmethod
     def from_process_failure(cls, rank: int, failure: Any, host: str) -> Failure:
@@ -134,7 +141,7 @@ class Failure:
             return "waited"
         if self.exitcode == EXIT_PREEMPTED:
             return "preempted"
-        if self.exitcode < 0 and -self.exitcode not in _STOP_SIGNALS:
+        if self.exitcode < 0 and (-self.exitcode not in _STOP_SIGNALS or self.external):
             return "signal"
         if self.error_type == "SystemExit":
             return "exit"  # the script ended itself (sys.exit), even if it was stopped on the way out
@@ -300,6 +307,7 @@ def summarize(failures: list[Failure]) -> Summary:
     """
     if not failures:
         raise ValueError("summarize() needs at least one failure")
+    failures = _mark_external(failures)
     ordered = sorted(failures, key=lambda f: (_SUSPICION[f.kind], f.time, f.rank))
     reports = sorted((f for f in failures if f.kind == "waited"), key=lambda f: (f.time, f.rank))
     if reports and not (_SUSPICION[ordered[0].kind] == 0 and ordered[0].time < reports[0].time):
@@ -311,6 +319,18 @@ def summarize(failures: list[Failure]) -> Summary:
     blamed = [f for f in failures if f.kind != "stopped"]
     preempted = bool(blamed) and all(f.kind == "preempted" for f in blamed)
     return Summary(root=root, others=tuple(ordered[1:]), preempted=preempted)
+
+
+def _mark_external(failures: list[Failure]) -> list[Failure]:
+    """Ranks stopped by a signal that came before the launcher stopped anyone were signalled from outside
+    the job; they are causes, timed by their note, unless every rank was (the whole job stopped: scancel)."""
+    failures = [
+        replace(f, time=f.signalled_at) if f.kind == "stopped" and f.signalled_at is not None else f for f in failures
+    ]  # a note's time is when that rank was stopped (the agent's own is in whole seconds)
+    first = {id(f) for f in failures if f.kind == "stopped" and f.signalled_first and f.signalled_at is not None}
+    if not first or len(first) == len(failures):
+        return failures
+    return [replace(f, external=True) if id(f) in first else f for f in failures]
 
 
 def say(text: str) -> None:

@@ -4,16 +4,25 @@ it names the cause better than how the ranks ended) and a stop by signal.
 
 from __future__ import annotations
 
+import os
 import socket
+import time
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from lockstep.errors import EXIT_FAILURE, EXIT_PREEMPTED, signal_name
+from lockstep.launch.bootstrap import signal_record
 from lockstep.launch.postmortem import postmortem_text
 from lockstep.launch.report import Failure, say, summarize
 from lockstep.launch.spec import LaunchSpec
 
 __all__ = ["JobReporter"]
+
+_STOPPING = "launcher.stopping"  # touched in the post-mortem folder just before the launcher stops ranks
+# The kernel stamps files from a clock that advances once per tick (at most 10 ms: HZ >= 100), so a
+# signal the launcher sends this long after touching its mark leaves a note stamped later than it.
+_AFTER_MARK_S = 0.03
 
 
 class JobReporter:
@@ -33,6 +42,7 @@ class JobReporter:
         self.last_failures: dict[int, Any] = {}
         self.exit_codes: dict[int, int | None] = {}
         self._shown_traceback = ""
+        self._stopping_ns: int | None = None
 
     def shown_local_ranks(self) -> set[int] | None:
         """The local ranks whose output is shown on this node (``None``: all)."""
@@ -41,7 +51,41 @@ class JobReporter:
         return {0} if self.spec.node_rank == 0 else set()
 
     def failures(self, raw: Mapping[int, Any]) -> list[Failure]:
-        return [Failure.from_process_failure(rank, f, self.host) for rank, f in raw.items()]
+        """The agent's failures of this node's ranks, with when each noted a stop signal."""
+        found = [Failure.from_process_failure(rank, f, self.host) for rank, f in raw.items()]
+        return [self._with_signal(f) for f in found]
+
+    def workers_started(self) -> None:
+        """A new attempt's workers run: the launcher has stopped none of them yet."""
+        self._stopping_ns = None
+
+    def stopping(self) -> None:
+        """The launcher is about to stop this attempt's workers: mark when, so a stop signal a rank
+        noted before it is known to come from outside the job (file times on both sides)."""
+        if self._stopping_ns is not None or not self.postmortem_dir:
+            return
+        mark = os.path.join(self.postmortem_dir, _STOPPING)
+        try:
+            os.makedirs(self.postmortem_dir, exist_ok=True)
+            with open(mark, "w"):
+                pass
+            self._stopping_ns = os.stat(mark).st_mtime_ns
+        except OSError:
+            return
+        time.sleep(_AFTER_MARK_S)
+
+    def _with_signal(self, failure: Failure) -> Failure:
+        """``failure`` with when its rank noted a stop signal (its note's time) and whether before any stop."""
+        if not self.postmortem_dir:
+            return failure
+        try:
+            info = os.stat(signal_record(self.postmortem_dir, failure.rank))
+        except OSError:
+            return failure
+        if not info.st_size:
+            return failure
+        first = self._stopping_ns is None or info.st_mtime_ns <= self._stopping_ns
+        return replace(failure, signalled_at=info.st_mtime, signalled_first=first)
 
     def restarting(self, raw: Mapping[int, Any], attempt: int) -> None:
         summary = summarize(self.failures(raw))

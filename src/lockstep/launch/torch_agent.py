@@ -90,6 +90,14 @@ def reporting_agent(report: JobReporter) -> Iterator[None]:
         def _start_workers(self, worker_group: Any) -> Any:
             nonlocal relay
             pids = super()._start_workers(worker_group)
+            report.workers_started()
+            close = self._pcontext.close
+
+            def closing(*args: Any, **kwargs: Any) -> Any:
+                report.stopping()  # before any rank is signalled (a failed rank seen, or the end)
+                return close(*args, **kwargs)
+
+            self._pcontext.close = closing
             if report.spec.relayed:
                 relay.stop()
                 relay = relay_for(

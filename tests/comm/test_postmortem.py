@@ -118,6 +118,29 @@ def test_a_skipped_collective_names_the_rank_that_skipped(tmp_path: Path) -> Non
     assert "ranks 0, 2 only waited for, or lost contact with, rank 1: not the cause" in text
 
 
+@pytest.mark.parametrize("skipper", [0, 1])
+def test_at_world_2_the_rank_that_broke_the_loop_is_named(tmp_path: Path, skipper: int) -> None:
+    """One rank on each side: no majority, but the loop's own order names who skipped."""
+    step = [("all_reduce", [[4]], "train.py:15 in main"), ("backward", [], "train.py:18 in main")]
+    _write(tmp_path, 1 - skipper, step * 4, world_size=2)
+    _write(tmp_path, skipper, step * 3 + step[1:], world_size=2)  # no all_reduce in the 4th step
+    report = analyze(str(tmp_path))
+    assert report.cause == (skipper,) and report.desync, report.lines()
+    assert report.headline == (
+        f"rank {skipper} skipped all_reduce (float32 [4]) at train.py:15 in main: at collective #7 it called "
+        "backward again, though that all_reduce came between every two of its backward calls before"
+    )
+
+
+def test_at_world_2_a_call_new_to_the_loop_blames_neither(tmp_path: Path) -> None:
+    step = [("all_reduce", [[4]], "train.py:15 in main"), ("backward", [], "train.py:18 in main")]
+    _write(tmp_path, 0, step * 3 + step[:1], world_size=2)
+    _write(tmp_path, 1, step * 3 + [("broadcast", [[4]], "train.py:20 in main")], world_size=2)
+    report = analyze(str(tmp_path))
+    assert report.cause == () and report.desync
+    assert report.headline.endswith("no group of ranks is larger than the others: look at both")
+
+
 @pytest.mark.parametrize(
     "odd, shown",
     [
@@ -271,14 +294,22 @@ EXPECTED = {
         "ranks 0, 2 called all_reduce #11 (float32 [4]) at fault.py:18 in <module>",
         "rank 1 called all_reduce #11 (float32 [5]) at fault.py:16 in <module>",
     ),
+    "data": (),
+}
+
+WORLD_2 = {
+    "skip": (
+        "rank 0 called all_reduce #11 (float32 [4]) at fault.py:18 in <module>",
+        "rank 1 called backward #11 (step 4) at fault.py:21 in <module>",
+    )
 }
 
 
 @pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("mode", ["skip", "broadcast", "shape", "data"])
-def test_a_real_desync_or_stuck_rank_is_named(tmp_path: Path, mode: str) -> None:
+@pytest.mark.parametrize("mode, world", [("skip", 3), ("broadcast", 3), ("shape", 3), ("data", 3), ("skip", 2)])
+def test_a_real_desync_or_stuck_rank_is_named(tmp_path: Path, mode: str, world: int) -> None:
     (tmp_path / "fault.py").write_text(FAULT)
     logs = tmp_path / "logs"
     proc = subprocess.Popen(
@@ -288,7 +319,7 @@ def test_a_real_desync_or_stuck_rank_is_named(tmp_path: Path, mode: str) -> None
             "lockstep",
             "run",
             "--nproc",
-            "3",
+            str(world),
             "--timeout",
             "5",
             "--log-dir",
@@ -308,19 +339,26 @@ def test_a_real_desync_or_stuck_rank_is_named(tmp_path: Path, mode: str) -> None
     _, err = proc.communicate(timeout=120)
     took = time.monotonic() - start
     assert proc.returncode == 1 and took < 100, (took, err)  # a hang guard: rank 1 sleeps 120 s in "data"
+    first = next(line for line in err.splitlines() if line.startswith("lockstep run:"))
+    expected = EXPECTED[mode] if world == 3 else WORLD_2[mode]
     if mode == "data":
-        assert re.search(r"lockstep run: rank 1 \(host \S+, pid \d+\) did not reach backward of step 4", err), err
+        assert re.match(r"lockstep run: rank 1 \(host \S+, pid \d+\) did not reach backward of step 4", first), err
+    elif world == 3:
+        assert first.startswith("lockstep run: rank 1 issued a different collective than the others"), err
     else:
-        assert "lockstep run: rank 1 issued a different collective than the others" in err, err
-        for line in EXPECTED[mode]:
-            assert line in err, err
+        assert first.startswith(
+            "lockstep run: rank 1 skipped all_reduce (float32 [4]) at fault.py:18 in <module>: "
+            "at collective #11 it called backward again"
+        ), err
+    for line in expected:
+        assert line in err, err
     where = err[err.index("where each rank was:") :]
-    for rank in range(3):
+    for rank in range(world):
         assert re.search(rf"rank {rank} \(host \S+, pid \d+\): .* at fault\.py:\d+ in <module>", where), where
     assert "rank 0 raised" not in err and "rank 2 raised" not in err
     again = subprocess.run(
         [sys.executable, "-m", "lockstep", "postmortem", str(logs)], capture_output=True, text=True, timeout=60
     )
     assert again.returncode == 1 and "rank 1" in again.stdout.splitlines()[0], again.stdout
-    for line in EXPECTED.get(mode, ()):
+    for line in expected:
         assert line in again.stdout

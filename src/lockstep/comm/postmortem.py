@@ -71,8 +71,8 @@ class RankRecord:
         return f"rank {self.rank} (host {host}, pid {pid})" if host else f"rank {self.rank}"
 
 
-def describe_entry(entry: dict[str, Any]) -> str:
-    """A ring entry as ``all_reduce #7 (float32 [4], op=SUM) at train.py:15 in main``."""
+def describe_entry(entry: dict[str, Any], numbered: bool = True) -> str:
+    """A ring entry as ``all_reduce #7 (float32 [4], op=SUM) at train.py:15 in main`` (no ``#7``: not ``numbered``)."""
     parts = [
         f"{entry.get('dtype') or ''} {' '.join(str(s) for s in entry.get('shapes') or [])}".strip(),
         entry.get("detail") or "",
@@ -80,7 +80,8 @@ def describe_entry(entry: dict[str, Any]) -> str:
     ]
     inner = ", ".join(p for p in parts if p)
     where = f" at {entry['where']}" if entry.get("where") else ""
-    return f"{entry['op']} #{entry['seq']}" + (f" ({inner})" if inner else "") + where
+    number = f" #{entry['seq']}" if numbered else ""
+    return f"{entry['op']}{number}" + (f" ({inner})" if inner else "") + where
 
 
 @dataclass
@@ -196,13 +197,48 @@ def _first_divergence(ranks: dict[int, RankRecord]) -> tuple[int, dict[tuple[str
     return None
 
 
+_LOOP_KEYS = ("op", "shapes", "dtype", "group", "where")  # a call's place in the loop: no step number
+
+
+def _loop_key(entry: dict[str, Any]) -> tuple[str, ...]:
+    return tuple(json.dumps(entry.get(k)) for k in _LOOP_KEYS)
+
+
+def _missing(history: list[dict[str, Any]], entry: dict[str, Any]) -> set[tuple[str, ...]]:
+    """The calls (by :func:`_loop_key`) that came between every two of ``entry``'s earlier calls in the
+    common ``history`` but not since its last one: issuing ``entry`` now skips them."""
+    keys = [_loop_key(e) for e in history]
+    at = [i for i, k in enumerate(keys) if k == _loop_key(entry)]
+    if len(at) < 2:
+        return set()
+    always = set.intersection(*(set(keys[a + 1 : b]) for a, b in zip(at, at[1:])))
+    return always - set(keys[at[-1] + 1 :])
+
+
 def _desync(report: PostMortem, seq: int, groups: dict[tuple[str, ...], list[int]]) -> None:
     sizes = sorted((len(g) for g in groups.values()), reverse=True)
     majority = next(iter(g for g in groups.values() if len(g) == sizes[0])) if sizes[0] > sizes[1] else None
-    report.desync = True
-    report.cause = tuple(sorted(r for g in groups.values() if g is not majority for r in g)) if majority else ()
     entries = {tuple(g): report.ranks[g[0]].at(seq) for g in groups.values()}
-    if report.cause:
+    skipped: dict[str, Any] | None = None  # the call the cause skipped (the other side's)
+    if majority is None and len(entries) == 2:  # one rank on each side (world 2): who broke the loop?
+        history = [e for e in max(report.ranks.values(), key=lambda rec: len(rec.entries)).entries if e["seq"] < seq]
+        (a, ea), (b, eb) = entries.items()
+        assert ea is not None and eb is not None
+        a_skips = _loop_key(eb) in _missing(history, ea)  # a's call comes where b's always came first
+        b_skips = _loop_key(ea) in _missing(history, eb)
+        if a_skips != b_skips:
+            majority, skipped = (list(b), eb) if a_skips else (list(a), ea)
+    report.desync = True
+    report.cause = tuple(sorted(r for g in groups.values() if g != majority for r in g)) if majority else ()
+    if report.cause and skipped is not None:
+        own = next(e for g, e in entries.items() if list(g) != majority)
+        assert own is not None
+        report.headline = (
+            f"{format_ranks(report.cause)} skipped {describe_entry(skipped, numbered=False)}: at collective "
+            f"#{seq} it called {own['op']} again, though that {skipped['op']} came between every two of "
+            f"its {own['op']} calls before"
+        )
+    elif report.cause:
         report.headline = (
             f"{format_ranks(report.cause)} issued a different collective than the others: the "
             f"ranks first disagree at collective #{seq}"

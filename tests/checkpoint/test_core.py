@@ -447,3 +447,39 @@ def test_a_newer_checkpoint_format_is_refused(tmp_path: Path, monkeypatch: pytes
     with pytest.raises(cio.CheckpointError, match="holds no session state .*not written by session.save"):
         session.load(tmp_path / "raw", model=model, optimizer=opt)
     session.close()
+
+
+def _save_from_own_folder(base: str) -> str:
+    """Each rank runs in a folder of its own, as two nodes without a shared disk see ``snapshots``."""
+    import lockstep
+    from lockstep.checkpoint import CheckpointError
+
+    session = lockstep.Session(strategy="ddp", quiet=True, timeout=60)
+    model, opt = session.setup(torch.nn.Linear(4, 2), lambda p: torch.optim.SGD(p, lr=0.1))
+    session.backward(model(torch.ones(2, 4)).sum())
+    session.step(opt)
+    session.save(os.path.join(base, "shared"), model=model, optimizer=opt)  # one folder every rank sees
+    os.makedirs(os.path.join(base, f"node{session.rank}"))
+    os.chdir(os.path.join(base, f"node{session.rank}"))
+    try:
+        session.save("snapshots", model=model, optimizer=opt)
+    except CheckpointError as exc:
+        message = str(exc)
+    else:
+        message = ""
+    session.close()
+    return message
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_folder_not_shared_by_every_rank_is_refused_at_the_save(tmp_path: Path) -> None:
+    from support.dist import run_distributed
+
+    messages = run_distributed(_save_from_own_folder, 2, str(tmp_path), timeout=90)
+    assert [p.name for p in list_checkpoints(tmp_path / "shared")] == ["step-000001"]
+    for message in messages:  # the same error on every rank
+        assert message.startswith("the checkpoint folder snapshots is not shared by every rank: rank 1 (host "), message
+        assert "a shared file system" in message and "s3://bucket/run" in message, message
+    assert list((tmp_path / "node0" / "snapshots").iterdir()) == []  # rank 0's unfinished save is gone
+    assert not (tmp_path / "node1" / "snapshots").exists()  # nothing half-written where rank 1 runs

@@ -14,7 +14,8 @@ Layout::
         .tmp-step-000300-4242/     <- an unfinished save; ignored, removed by the next save
 
 The folder must be visible to every rank (a shared file system across machines): every rank
-writes and reads its part of ``sharded/``.
+writes and reads its part of ``sharded/``. A save checks that every rank sees the folder rank 0
+made, and fails on every rank naming the ranks that do not (:func:`~lockstep.checkpoint.write.check_shared`).
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,7 @@ from lockstep.checkpoint.manifest import write_manifest
 from lockstep.checkpoint.portable import own_share, split_tensors
 from lockstep.checkpoint.safety import check_loadable
 from lockstep.comm.group import Comm
-from lockstep.errors import ConfigError
+from lockstep.errors import ConfigError, format_ranks
 
 __all__ = [
     "Parts",
@@ -147,7 +148,32 @@ def begin(
         error = what_is_left(exc, root)
     tmp = Path(agree(comm, error, str(tmp or ""), on_error=lambda: discard(tmp))[0])
     assert parts is not None
+    check_shared(root, tmp, comm)
     return root, parts, tmp
+
+
+def check_shared(root: Path, tmp: Path, comm: Comm) -> None:
+    """Every rank: see the folder rank 0 just made, or fail on every rank saying the folder is not shared.
+
+    Without a shared disk each node would write its part into a folder of its own, and the checkpoint
+    would be found incomplete only when a resume reads it.
+    """
+    if comm.world_size == 1:
+        return
+    seen = comm.all_gather_object((tmp.is_dir(), socket.gethostname()))
+    blind = [rank for rank, (sees, _) in enumerate(seen) if not sees]
+    if not blind:
+        return
+    if comm.is_main:
+        discard(tmp)
+    hosts = sorted({host for rank, (_, host) in enumerate(seen) if rank in blind})
+    verb = "does" if len(blind) == 1 else "do"
+    raise CheckpointError(
+        f"the checkpoint folder {root} is not shared by every rank: {format_ranks(blind)} (host "
+        f"{', '.join(hosts)}) {verb} not see the folder rank 0 made in it on host {seen[0][1]}, so each node "
+        "would keep only its own part. Save to a folder every node mounts (a shared file system), or to "
+        "an object-store URL (session.save('s3://bucket/run'), lockstep train --out s3://bucket/run)"
+    )
 
 
 def write_parts(

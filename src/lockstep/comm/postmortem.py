@@ -179,8 +179,8 @@ def load(folder: str) -> dict[int, RankRecord]:
     return found
 
 
-def _signature(entry: dict[str, Any]) -> tuple[str, ...]:
-    return tuple(json.dumps(entry.get(k)) for k in _SIGNATURE)
+def _signature(entry: dict[str, Any], keys: tuple[str, ...] = _SIGNATURE) -> tuple[str, ...]:
+    return tuple(json.dumps(entry.get(k)) for k in keys)
 
 
 def _first_divergence(ranks: dict[int, RankRecord]) -> tuple[int, dict[tuple[str, ...], list[int]]] | None:
@@ -201,7 +201,7 @@ _LOOP_KEYS = ("op", "shapes", "dtype", "group", "where")  # a call's place in th
 
 
 def _loop_key(entry: dict[str, Any]) -> tuple[str, ...]:
-    return tuple(json.dumps(entry.get(k)) for k in _LOOP_KEYS)
+    return _signature(entry, _LOOP_KEYS)
 
 
 def _missing(history: list[dict[str, Any]], entry: dict[str, Any]) -> set[tuple[str, ...]]:

@@ -91,7 +91,8 @@ def note_stop_signals(folder: str, rank: int) -> object | None:
 
     Written from C (``faulthandler``), so a rank blocked in a collective notes it at once; the file's
     time is when the signal came. A script (or ``Session``) that installs its own handler replaces
-    this one; a forked child does not inherit it. Returns the open file (keep it), or ``None``.
+    this one; a forked child does not inherit it. Returns the open file (``faulthandler`` holds it too),
+    or ``None``.
 
     Args:
         folder: the job's post-mortem folder (``$LOCKSTEP_POSTMORTEM_DIR``); empty: nothing noted.
@@ -184,7 +185,8 @@ def main(argv: list[str]) -> int:
     export_environment(horovod_rank_variables(environment()))  # this rank's place in the launcher's Horovod job
     error_file = settings.error_file
     rank = environment().get("RANK", "")
-    noted = note_stop_signals(settings.postmortem_dir, int(rank)) if rank.isdigit() else None  # noqa: F841
+    if rank.isdigit():
+        note_stop_signals(settings.postmortem_dir, int(rank))
     try:
         run_target(argv[0], argv[1:], module)
     except SystemExit as exc:

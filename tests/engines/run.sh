@@ -32,6 +32,7 @@ SCENARIOS=(
     "one_host_reference 300 two-hosts"
     "two_hosts_equal 300 two-hosts"
     "loopback_hostname 300 two-hosts"
+    "two_hosts_restart 120 two-hosts"
     "slurm_srun_direct 300 slurm"
     "slurm_lockstep_run 300 slurm"
     "slurm_lockstep_train 600 slurm"

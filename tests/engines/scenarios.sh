@@ -160,6 +160,24 @@ scenario_two_hosts_equal() {
     same_weights "$W/result.json" "$STATE/reference.json"
 }
 
+scenario_two_hosts_restart() {
+    # a plain DDP script's rank 1 (node1) SIGKILLs itself: both hosts restart and form a new group
+    local n pids=() rc
+    for n in 0 1; do
+        "$ENGINES_DIR/nsrun.sh" "$STATE" node$n lockstep run --nodes 2 --node-rank $n --master node0:24150 --nproc 1 \
+            --max-restarts 1 --join-timeout 120 tests/engines/scripts/plain_ddp_restart.py >"$W/node$n.out" 2>&1 &
+        pids+=($!)
+    done
+    for n in 0 1; do
+        wait "${pids[$n]}"
+        rc=$?
+        [ $rc -eq 0 ] || fail "lockstep run on node$n exited $rc after the restart: $(tail -2 "$W/node$n.out" | tr '\n' ' ')"
+    done
+    expect "$W/node1.out" "rank 1 was killed by SIGKILL" "node1 did not say that rank 1 was killed"
+    expect "$W/node0.out" "rank 0 finished attempt 1" "node0's restarted rank did not finish"
+    expect "$W/node1.out" "rank 1 finished attempt 1" "node1's restarted rank did not finish"
+}
+
 scenario_link_down() {
     local n pids=() rc cut elapsed ns
     ns=$(cat "$STATE/netns-node1")

@@ -411,6 +411,81 @@ def test_two_nodes_of_two_processes() -> None:
     assert "[rank0]: world_size 4 sum of ranks 6" in outs[1][0]
 
 
+# A plain DDP script (no lockstep inside): rank 1 kills itself in the first attempt's fourth step.
+RESTART_SCRIPT = textwrap.dedent(
+    """
+    import os, signal, torch, torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    dist.init_process_group("gloo")
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    model = DDP(torch.nn.Linear(4, 4))
+    for step in range(8):
+        model(torch.ones(2, 4)).sum().backward()
+        if step == 3 and attempt == "0" and dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+    print(f"rank {dist.get_rank()} finished attempt {attempt}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    """
+)
+
+
+def _two_nodes(script: Path, restarts: tuple[int, int], join_timeout: int) -> list[tuple[int, str, str]]:
+    """Start node 0 and node 1 of one job on loopback; (exit code, stdout, stderr) of each."""
+    common = [
+        sys.executable,
+        "-m",
+        "lockstep",
+        "run",
+        "--nodes",
+        "2",
+        "--nproc",
+        "1",
+        "--master",
+        f"127.0.0.1:{_free_port()}",
+    ]
+    common += ["--join-timeout", str(join_timeout)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    nodes = [
+        subprocess.Popen(
+            [*common, "--node-rank", str(i), "--max-restarts", str(restarts[i]), str(script)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for i in (0, 1)
+    ]
+    try:
+        outs = [node.communicate(timeout=100) for node in nodes]  # hang guard: the restart used to wait for good
+    finally:
+        for node in nodes:
+            node.kill()  # nothing left behind when the guard fires
+    return [(node.returncode, out, err) for node, (out, err) in zip(nodes, outs, strict=True)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_two_nodes_restart_after_a_killed_rank(tmp_path: Path) -> None:
+    script = tmp_path / "ddp_restart.py"
+    script.write_text(RESTART_SCRIPT)
+    (rc0, out0, err0), (rc1, out1, err1) = _two_nodes(script, (1, 1), join_timeout=60)
+    assert (rc0, rc1) == (0, 0), (err0, err1)
+    assert "rank 0 finished attempt 1" in out0 and "rank 1 finished attempt 1" in out1
+    assert "rank 1 was killed by SIGKILL" in err1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_restart_without_the_other_node_fails_in_one_line(tmp_path: Path) -> None:
+    script = tmp_path / "ddp_restart.py"
+    script.write_text(RESTART_SCRIPT)
+    (rc0, _, err0), (rc1, _, err1) = _two_nodes(script, (1, 0), join_timeout=5)  # node 1 does not restart
+    assert rc0 == 1 and rc1 == 1, (err0, err1)
+    assert "lockstep run: error: the job's restart (round 2) waited 5 s for node 1" in err0
+    assert "finished" not in err0
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_parallel_launches_never_collide() -> None:
@@ -494,3 +569,11 @@ def test_a_free_port_is_chosen_below_the_ephemeral_range(monkeypatch: pytest.Mon
         sock.bind(("127.0.0.1", ports[0]))  # free indeed
     monkeypatch.setattr(rendezvous, "_ephemeral_low", lambda: 10500)  # no room below: the kernel picks
     assert rendezvous.free_port("127.0.0.1") >= low  # the kernel's own choice: from its (real) range
+
+
+def test_the_launcher_loads_torch_only_when_it_launches() -> None:
+    # import_torch_quietly sets torch's C++ log level, which torch reads once, when it loads: a module of
+    # the launcher that loads torch at import makes every store retry print native stack traces
+    code = "import sys, lockstep.cli.run, lockstep.launch.elastic; print('torch' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert proc.stdout.strip() == "False"

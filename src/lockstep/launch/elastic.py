@@ -9,7 +9,9 @@ chooses its configuration and explains the outcome. How it launches:
   does not share the rendezvous store (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``), because a
   shared store keeps stale keys and a restarted gloo group would never form again.
 * ``--master HOST:PORT`` (required with ``--nodes N > 1``): a static rendezvous; node 0 hosts the
-  store on PORT, every node waits up to ``--join-timeout`` for the others.
+  agents' store on PORT, every node waits up to ``--join-timeout`` for the others, at the start and
+  at every restart, and each round's workers get a new store (:mod:`lockstep.launch.rendezvous`): a
+  restart forms a new group or fails within the timeout naming the node it waited for.
 * every worker runs :mod:`lockstep.launch.bootstrap`, which records its exception in the elastic error
   file; when a rank fails, :mod:`lockstep.launch.report` prints one summary blaming the first
   real failure, not the ranks that were merely stopped or lost their peer.
@@ -49,6 +51,7 @@ from lockstep.errors import EXIT_USAGE, LockstepError
 from lockstep.launch.horovod import check_horovod_hosts, horovod_rendezvous
 from lockstep.launch.membership import membership_environment, membership_store, new_node_id
 from lockstep.launch.rendezvous import BACKEND as LOCAL_BACKEND
+from lockstep.launch.rendezvous import NODES_BACKEND, RoundError
 from lockstep.launch.rendezvous import register as register_local_rendezvous
 from lockstep.launch.report import say
 from lockstep.launch.reporter import JobReporter
@@ -155,9 +158,10 @@ def _launch_config(spec: LaunchSpec, log_dir: str) -> Any:
             local_addr="127.0.0.1",
             **common,
         )
+    register_local_rendezvous()
     return LaunchConfig(
         run_id="lockstep",
-        rdzv_backend="static",
+        rdzv_backend=NODES_BACKEND,
         rdzv_endpoint=spec.master,
         rdzv_configs={"rank": spec.node_rank, "timeout": timeout},
         **common,
@@ -266,6 +270,7 @@ def launch(spec: LaunchSpec) -> int:
         PortInUseError: the ``--master`` port is taken (exit code 2).
         ConfigError: a script that imports Horovod, on several nodes (exit code 2).
         LaunchError: the rendezvous failed (nodes that never joined), or not every worker could start.
+        RoundError: a restart of a several-node job waited in vain for a node.
     """
     check_horovod_hosts(spec)
     import_torch_quietly(spec.verbose)
@@ -296,6 +301,8 @@ def launch(spec: LaunchSpec) -> int:
         return report.failed(exc.failures)
     except SignalException as exc:
         return report.signalled(int(exc.sigval))
+    except RoundError:
+        raise  # says itself which node a restart waited for
     except Exception as exc:  # noqa: BLE001 - anything else failed before a worker could run
         raise _start_error(exc, spec) from None
     finally:

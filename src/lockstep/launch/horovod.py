@@ -25,7 +25,6 @@ from pathlib import Path
 from lockstep._cluster import horovod_variables
 from lockstep.errors import ConfigError
 from lockstep.launch.spec import LaunchSpec
-from lockstep.strategies.horovod import loopback_rendezvous
 
 __all__ = ["horovod_rendezvous", "imports_horovod", "check_horovod_hosts"]
 
@@ -78,6 +77,8 @@ def horovod_rendezvous(spec: LaunchSpec) -> Iterator[dict[str, str]]:
         yield {}
         return
     from horovod.runner.common.util.hosts import HostInfo, get_host_assignments
+
+    from lockstep.strategies.horovod import loopback_rendezvous  # loads torch: only for a Horovod script
 
     hostname = socket.gethostname()
     plan = get_host_assignments([HostInfo(hostname, spec.nproc)], spec.nproc)

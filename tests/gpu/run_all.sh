@@ -14,8 +14,13 @@
 #   bench-compile    a 1-process compiled bench cell
 #   resnet50         the ResNet-50 throughput rows (lockstep vs a hand-written loop, compiled)
 #   checkpoint       a non-blocking save from CUDA tensors, timed against a blocking one
+#   project-convnet  `lockstep bench --project`: this GPU's profile of the bundled ConvNet projected
+#                    to an 8-GPU NVLink node and to 2 such nodes over InfiniBand HDR (project.json,
+#                    project.png in build/gpu/project-convnet/)
+#   project-resnet50 the same for ResNet-50 at 224 px, bf16-mixed (build/gpu/project-resnet50/)
 # and with 2 GPUs or more (skipped by name on one GPU): train-sync-bn, train-dp,
-# train-fp16-hook, train-powersgd, bench-ddp-variants.
+# train-fp16-hook, train-powersgd, bench-ddp-variants, and doctor-links (the allreduce bandwidth
+# between this node's GPUs, NVLink or PCIe, which `doctor` prints per size).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 BIN=.venv/bin
@@ -61,6 +66,12 @@ check bench-compile 90 $BIN/lockstep bench --model convnet --nproc 1 --strategie
 check resnet50 120 $BIN/python benchmarks/gpu_resnet50.py --steps 20 --rounds 2 --compile inductor \
     --ddp-variants bf16,fp16,powersgd,compile,zero
 check checkpoint 45 $BIN/python benchmarks/checkpoint.py --mb 400 --saves 2
+check project-convnet 60 $BIN/lockstep bench --project --model convnet --gpus-per-node 8 --intra nvlink \
+    --nodes 1,2 --link ib-hdr --out "$LOGS/project-convnet"
+check project-resnet50 120 $BIN/lockstep bench --project --model resnet50 --image-size 224 --batch-size 64 \
+    --precision bf16-mixed --gpus-per-node 8 --intra nvlink --nodes 1,2 --link ib-hdr --max-steps 20 \
+    --out "$LOGS/project-resnet50"
+two_gpus doctor-links 60 $BIN/lockstep doctor --nproc gpu --sizes 1M..256M --iters 20
 two_gpus train-sync-bn 90 $BIN/lockstep train --nproc gpu --sync-bn --epochs 1
 two_gpus train-dp 90 $BIN/lockstep train --nproc 1 --strategy dp --epochs 1
 two_gpus train-fp16-hook 90 $BIN/lockstep train --nproc 2 --grad-compression fp16 --epochs 1

@@ -411,23 +411,8 @@ def test_two_nodes_of_two_processes() -> None:
     assert "[rank0]: world_size 4 sum of ranks 6" in outs[1][0]
 
 
-# A plain DDP script (no lockstep inside): rank 1 kills itself in the first attempt's fourth step.
-RESTART_SCRIPT = textwrap.dedent(
-    """
-    import os, signal, torch, torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    dist.init_process_group("gloo")
-    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
-    model = DDP(torch.nn.Linear(4, 4))
-    for step in range(8):
-        model(torch.ones(2, 4)).sum().backward()
-        if step == 3 and attempt == "0" and dist.get_rank() == 1:
-            os.kill(os.getpid(), signal.SIGKILL)
-    print(f"rank {dist.get_rank()} finished attempt {attempt}", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
-    """
-)
+# A plain DDP script (no lockstep inside) whose rank 1 kills itself in the first attempt; the engines run it too.
+RESTART_SCRIPT = ROOT / "tests" / "engines" / "scripts" / "plain_ddp_restart.py"
 
 
 def _two_nodes(script: Path, restarts: tuple[int, int], join_timeout: int) -> list[tuple[int, str, str]]:
@@ -466,10 +451,8 @@ def _two_nodes(script: Path, restarts: tuple[int, int], join_timeout: int) -> li
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_two_nodes_restart_after_a_killed_rank(tmp_path: Path) -> None:
-    script = tmp_path / "ddp_restart.py"
-    script.write_text(RESTART_SCRIPT)
-    (rc0, out0, err0), (rc1, out1, err1) = _two_nodes(script, (1, 1), join_timeout=60)
+def test_two_nodes_restart_after_a_killed_rank() -> None:
+    (rc0, out0, err0), (rc1, out1, err1) = _two_nodes(RESTART_SCRIPT, (1, 1), join_timeout=60)
     assert (rc0, rc1) == (0, 0), (err0, err1)
     assert "rank 0 finished attempt 1" in out0 and "rank 1 finished attempt 1" in out1
     assert "rank 1 was killed by SIGKILL" in err1
@@ -477,10 +460,8 @@ def test_two_nodes_restart_after_a_killed_rank(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_a_restart_without_the_other_node_fails_in_one_line(tmp_path: Path) -> None:
-    script = tmp_path / "ddp_restart.py"
-    script.write_text(RESTART_SCRIPT)
-    (rc0, _, err0), (rc1, _, err1) = _two_nodes(script, (1, 0), join_timeout=5)  # node 1 does not restart
+def test_a_restart_without_the_other_node_fails_in_one_line() -> None:
+    (rc0, _, err0), (rc1, _, err1) = _two_nodes(RESTART_SCRIPT, (1, 0), join_timeout=5)  # node 1 does not restart
     assert rc0 == 1 and rc1 == 1, (err0, err1)
     assert "lockstep run: error: the job's restart (round 2) waited 5 s for node 1" in err0
     assert "finished" not in err0

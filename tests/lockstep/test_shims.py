@@ -102,23 +102,6 @@ def test_torch_amp_check_kernel() -> None:
     assert flag.item() == 1, _changed(torch_amp, "torch._amp_foreach_non_finite_check_and_unscale_")
 
 
-def test_torch_amp_fused_optimizer_protocol() -> None:
-    param = nn.Parameter(torch.ones(2))
-    param.grad = torch.ones(2)
-    fused = torch.optim.SGD([param], lr=0.5, fused=True)
-    assert torch_amp.steps_on_found_inf(fused), _changed(torch_amp, "Optimizer._step_supports_amp_scaling")
-    assert not torch_amp.steps_on_found_inf(torch.optim.SGD([param], lr=0.5))
-    assert not torch_amp.has_grad_scale(fused), _changed(torch_amp, "the fused optimizers' grad_scale")
-    flag = torch.ones(())
-    torch_amp.hand_found_inf(fused, flag)
-    fused.step()
-    assert torch.equal(param.detach(), torch.ones(2)), _changed(torch_amp, "the fused optimizers' found_inf")
-    torch_amp.take_found_inf(fused, flag)
-    assert not hasattr(fused, "found_inf")
-    fused.step()
-    assert torch.equal(param.detach(), torch.full((2,), 0.5)), _changed(torch_amp, "the fused optimizers' found_inf")
-
-
 def test_torch_amp_version_counter_and_batchnorm_types() -> None:
     t = torch.zeros(2)
     before = torch_amp.version_of(t)

@@ -13,10 +13,6 @@ from torch import nn
 __all__ = [
     "AgreedGradScaler",
     "check_and_unscale_",
-    "steps_on_found_inf",
-    "hand_found_inf",
-    "take_found_inf",
-    "has_grad_scale",
     "version_of",
     "BATCHNORM_TYPES",
 ]
@@ -68,27 +64,6 @@ class AgreedGradScaler(torch.amp.GradScaler):
 def check_and_unscale_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
     """Multiply ``grads`` by ``inv_scale`` in place; set ``found_inf`` (never cleared) if any holds inf/NaN."""
     torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
-
-
-def steps_on_found_inf(optimizer: torch.optim.Optimizer) -> bool:
-    """True when ``optimizer`` skips a step by itself while its ``found_inf`` is set (fused optimizers)."""
-    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
-
-
-def has_grad_scale(optimizer: torch.optim.Optimizer) -> bool:
-    """True when a GradScaler is driving ``optimizer``'s flag this step (its ``grad_scale`` is set)."""
-    return getattr(optimizer, "grad_scale", None) is not None
-
-
-def hand_found_inf(optimizer: torch.optim.Optimizer, flag: torch.Tensor) -> None:
-    """Give a fused optimizer the 0-dim flag its next ``step`` reads (1.0: skip the step)."""
-    optimizer.found_inf = flag  # type: ignore[attr-defined]
-
-
-def take_found_inf(optimizer: torch.optim.Optimizer, flag: torch.Tensor) -> None:
-    """Take back the flag :func:`hand_found_inf` gave (a later step outside lockstep must not see it)."""
-    if getattr(optimizer, "found_inf", None) is flag:
-        del optimizer.found_inf  # type: ignore[attr-defined]
 
 
 def version_of(tensor: torch.Tensor) -> int:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from lockstep.comm.group import Comm
-from lockstep.session.nonfinite import GO_AHEAD, LateSkips, NonFiniteLossError, NonFinitePolicy
+from lockstep.session.nonfinite import GO_AHEAD, NonFiniteLossError, NonFinitePolicy
 from lockstep.session.state import TrainState
 
 if TYPE_CHECKING:  # the session builds them; importing them here would only cost import time
@@ -194,7 +194,6 @@ class TrainStep:
         if took and counted:  # a loss scaler's own skip (an overflow while it calibrates) is neither taken nor counted
             state.count_step()
             self.skips_in_a_row = 0
-        self._note(self.finite.after_step())  # no-sync path: skipped steps reported late
         if self.timer is not None:  # after the counters: a window's end is logged at this step
             self.timer.after_step()
         return took
@@ -210,13 +209,3 @@ class TrainStep:
             )
         if n & (n - 1) == 0:
             self.say(message if n == 1 else f"{message} ({n} steps in a row)")
-
-    def count_late_skips(self, name_ranks: bool = True) -> None:
-        """Count the steps the optimizer skipped on the device; ``name_ranks`` gathers which ranks (a collective)."""
-        self._note(self.finite.count_late_skips(name_ranks))
-
-    def _note(self, late: LateSkips) -> None:
-        """The state counts the late skips; the warning is printed once."""
-        if late.steps:
-            self.state.count_late_skips(late.steps)
-            self.say(late.message)

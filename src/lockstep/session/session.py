@@ -263,7 +263,6 @@ class Session(Observing):
             self.state.start_epoch(epoch)  # a loader resumed mid-epoch keeps its position
             self._announce()
             yield epoch
-            self._steps.count_late_skips()  # counted before the loop looks at them
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate ``loss``, scaled for fp16 and for accumulation; :meth:`setup` must come first.
@@ -412,7 +411,6 @@ class Session(Observing):
             ConfigError: an optimizer named without the model it is bound to, or ``optimizer`` bound to
                 another model than ``model``.
         """
-        self._steps.count_late_skips()
         self._saves.wait()  # a save still being written ends (or fails) before the next one
         layers = model_wrappers(model, self._models, self.strategy)
         sorted_named = self._sort(named, layers, optimizer, "save")
@@ -514,7 +512,6 @@ class Session(Observing):
 
     def close(self) -> None:
         """Give up the checkpoint folders, end the job's communication (barrier + destroy). Safe to call twice."""
-        self._steps.count_late_skips(name_ranks=False)
         self._guard.uninstall()
         self._saves.wait()  # a save still being written (blocking=False) ends, or raises, here
         self._folders.release()

@@ -104,15 +104,6 @@ class TrainState:
         """Count one step skipped on every rank for a non-finite loss."""
         self.skipped_steps += 1
 
-    def count_late_skips(self, steps: int) -> None:
-        """Move ``steps`` steps counted as taken to the skipped ones (the optimizer skipped them on the device).
-
-        Args:
-            steps: how many of the steps counted as taken were skipped.
-        """
-        self.global_step -= steps
-        self.skipped_steps += steps
-
     def start_epoch(self, epoch: int) -> None:
         """Enter ``epoch``: every training loader follows (one resumed mid-epoch keeps its position).
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import re
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -152,9 +153,12 @@ def test_every_entry_point_builds_the_same_config(monkeypatch: pytest.MonkeyPatc
         compile={"backend": "aot_eager"},
         strategy_options={"powersgd_rank": 2, "powersgd_start_iter": 10},
     )
-    assert _train(*flags).session_config() == expected
-    assert _verify(*flags).session_config() == SessionConfig(
-        **{**vars_of(expected), "strategy_options": {"powersgd_rank": 2, "powersgd_start_iter": 2}}
+    assert _train(*flags).session_config().resolved == expected.resolved
+    assert (
+        _verify(*flags).session_config().resolved
+        == SessionConfig(
+            **{**vars_of(expected), "strategy_options": {"powersgd_rank": 2, "powersgd_start_iter": 2}}
+        ).resolved
     )
     bench = _bench("--strategies", "ddp+powersgd,fsdp", "--precision", "O1,bf16-mixed", "--compile", "none,aot_eager")
     cells = bench.cell_configs()
@@ -224,11 +228,15 @@ def test_session_takes_a_config_or_keywords_never_both() -> None:
 
 def test_values_are_kept_in_their_canonical_form(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOCKSTEP_TIMEOUT", "45")
-    config = SessionConfig(strategy=" FSDP", precision="o2", compile=True)
+    given = SessionConfig(strategy=" FSDP", precision="o2", compile=True)
+    assert (given.strategy, given.precision, given.compile) == (" FSDP", "o2", True)  # the user's values, untouched
+    config = given.resolved
     assert (config.strategy, config.precision, config.grad_compression) == ("fsdp", "fp16-o2", "none")
     assert config.timeout == timedelta(seconds=45) and config.backend in ("gloo", "nccl") and config.compile == {}
-    with pytest.raises(dataclasses_frozen()):
-        config.strategy = "ddp"  # type: ignore[misc]
+    assert dataclasses.replace(given, seed=1).resolved.strategy == "fsdp"  # a copy resolves its own values
+    for frozen in (given, config):
+        with pytest.raises(dataclasses_frozen()):
+            frozen.strategy = "ddp"  # type: ignore[misc]
 
 
 def dataclasses_frozen() -> type[Exception]:
@@ -267,9 +275,9 @@ def test_session_config_refusals_name_the_option(
 
 
 def test_dp_with_several_processes_is_refused_by_the_processes_check() -> None:
-    SessionConfig(strategy="dp").check_processes(1)
+    SessionConfig(strategy="dp").resolved.check_processes(1)
     with pytest.raises(ConfigError, match=re.escape("strategy='dp' (--strategy) drives every GPU from one process")):
-        SessionConfig(strategy="dp").check_processes(2)
+        SessionConfig(strategy="dp").resolved.check_processes(2)
 
 
 # -- the layout: one module refuses each option ------------------------------------------------------

@@ -73,11 +73,12 @@ def test_compression_names_and_knobs_are_checked() -> None:
 
 
 def test_session_options_refuse_before_any_process_group() -> None:
-    assert SessionConfig("ddp", grad_compression="fp16").strategy_kwargs(2) == {"grad_compression": "fp16"}
-    assert SessionConfig("auto", strategy_options={"bucket_cap_mb": 5}).strategy_kwargs(1) == {"bucket_cap_mb": 5}
+    assert SessionConfig("ddp", grad_compression="fp16").resolved.strategy_kwargs(2) == {"grad_compression": "fp16"}
+    auto = SessionConfig("auto", strategy_options={"bucket_cap_mb": 5}).resolved
+    assert auto.strategy_kwargs(1) == {"bucket_cap_mb": 5}
     # "none" (what train and verify pass when no flag is given) is no option for strategies without hooks
-    fsdp = SessionConfig("fsdp", grad_compression="none").strategy_kwargs(2)
-    assert fsdp == {} == SessionConfig("single", grad_compression="none").strategy_kwargs(1)
+    fsdp = SessionConfig("fsdp", grad_compression="none").resolved.strategy_kwargs(2)
+    assert fsdp == {} == SessionConfig("single", grad_compression="none").resolved.strategy_kwargs(1)
     with pytest.raises(ConfigError, match="strategy 'single'"):
         SessionConfig("single", grad_compression="bf16")
     with pytest.raises(ConfigError, match="powersgd_rank"):
@@ -90,9 +91,8 @@ def test_session_options_refuse_before_any_process_group() -> None:
 
 def test_ddp_strategy_options() -> None:
     comm = Comm(World())
-    options = SessionConfig("ddp", grad_compression="PowerSGD", strategy_options={"powersgd_rank": 2}).strategy_kwargs(
-        1
-    )
+    config = SessionConfig("ddp", grad_compression="PowerSGD", strategy_options={"powersgd_rank": 2})
+    options = config.resolved.strategy_kwargs(1)
     strategy = get_strategy("ddp", comm, CPU, **options)
     assert strategy.options["grad_compression"] == "powersgd" and strategy.options["powersgd_rank"] == 2
     assert strategy.options["gradient_as_bucket_view"] is True  # the default: no second copy of the gradients

@@ -216,8 +216,8 @@ def test_compile_flag_in_train_verify_and_bench() -> None:
     from lockstep.verify.config import VerifyConfig
     from lockstep.zoo.options import session_config
 
-    assert session_config(compile=None).compile_backend == "none"
-    assert session_config(compile="aot_eager").compile_backend == "aot_eager"
+    assert session_config(compile=None).resolved.compile_backend == "none"
+    assert session_config(compile="aot_eager").resolved.compile_backend == "aot_eager"
     with pytest.raises(
         ConfigError, match="--compile 'inductr': unknown torch.compile backend; choose one of.*inductor"
     ):

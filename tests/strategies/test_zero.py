@@ -88,9 +88,10 @@ def test_sharded_checkpoint_resumes_anywhere(tmp_path: Path) -> None:
 def test_shard_optimizer_is_ddps_option() -> None:
     from lockstep.session.config import SessionConfig
 
-    assert SessionConfig("ddp", shard_optimizer=True).strategy_kwargs(1) == {"shard_optimizer": True}
-    assert SessionConfig("auto", shard_optimizer=True).strategy_kwargs(2) == {"shard_optimizer": True}
-    assert SessionConfig("auto", shard_optimizer=True).strategy_kwargs(1) == {}  # one process: nothing to shard
+    assert SessionConfig("ddp", shard_optimizer=True).resolved.strategy_kwargs(1) == {"shard_optimizer": True}
+    assert SessionConfig("auto", shard_optimizer=True).resolved.strategy_kwargs(2) == {"shard_optimizer": True}
+    one = SessionConfig("auto", shard_optimizer=True).resolved.strategy_kwargs(1)
+    assert one == {}  # one process: nothing to shard
     with pytest.raises(ConfigError, match="strategy 'fsdp' has no such option"):
         lockstep.Session(strategy="fsdp", shard_optimizer=True)
     with pytest.raises(ConfigError, match="must be True or False"):

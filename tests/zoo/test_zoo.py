@@ -270,13 +270,13 @@ def not_a_module() -> str:
 
 
 def test_session_config_canonical_names_and_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
-    options = SessionConfig(strategy=" DDP", precision="O1")
+    options = SessionConfig(strategy=" DDP", precision="O1").resolved
     assert (options.strategy, options.precision) == ("ddp", "fp16-mixed")
     assert SessionConfig().strategy == "auto"
     with pytest.raises(ConfigError, match="strategy 'dp' cannot be used here; choose one of ddp, fsdp"):
         check_strategy("dp", ("ddp", "fsdp"))
     with pytest.raises(ConfigError, match=r"strategy='dp' \(--strategy\) drives every GPU from one process"):
-        SessionConfig(strategy="dp").check_processes(2)
+        SessionConfig(strategy="dp").resolved.check_processes(2)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match=r"sync_bn=True \(--sync-bn\) needs GPUs"):
         SessionConfig(sync_bn=True)

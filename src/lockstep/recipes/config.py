@@ -179,7 +179,7 @@ class TrainConfig:
             )
 
     def _check_strategy(self) -> None:
-        session = self.session_config()  # the Session's own checks, before any worker starts
+        session = self.session_config().resolved  # the Session's own checks, before any worker starts
         session.check_processes(self.world_size)
         object.__setattr__(self, "grad_compression", session.grad_compression)
         object.__setattr__(self, "compile", session.compile_backend)

@@ -112,7 +112,7 @@ def _run(session: lockstep.Session, config: TrainConfig, data: Any) -> None:
         session.print(f"lockstep train: resumed from {state.path} {_where(state, start, config.epochs)}")
         if state.world_size is not None and state.world_size != session.world_size:
             session.print(_world_changed(state.world_size, session.world_size, config, lr))
-    for logger in session.config.loggers or ():
+    for logger in session.config.resolved.loggers:
         logger.resume_at(session.global_step + 1)  # steps after the checkpoint are trained (and logged) again
     log = RunLog(out, session.is_main, start, say=session.print)
     # "resume": whether this run continued from a checkpoint (every worker is given --resume)

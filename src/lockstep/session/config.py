@@ -1,5 +1,9 @@
 """The Session's options as one frozen dataclass, each checked once, before any process group.
 
+:class:`SessionConfig` keeps the values as the user gave them; its :attr:`~SessionConfig.resolved`
+:class:`ResolvedConfig` (made once, at construction, where every check runs) holds their canonical
+spelling and what the session is built from.
+
 ``lockstep.Session``'s keywords and the flags of ``lockstep train``, ``bench`` and ``verify`` build
 the same :class:`SessionConfig`, so a bad value is refused with the same message wherever it was
 given. Each option's rules live in its owner module (:data:`OWNERS`); those needing the job's size
@@ -11,6 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 from datetime import timedelta
+from functools import cached_property
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -18,7 +24,7 @@ import torch
 from lockstep.errors import ConfigError
 from lockstep.session.nonfinite import NONFINITE_POLICIES
 
-__all__ = ["SessionConfig", "OWNERS", "PREEMPTION_MODES", "LOG_TIMINGS", "OPTION_NAMES"]
+__all__ = ["SessionConfig", "ResolvedConfig", "OWNERS", "PREEMPTION_MODES", "LOG_TIMINGS", "OPTION_NAMES"]
 
 PREEMPTION_MODES = ("save", "flag", "off")
 """What a stop signal does: save and exit 75, set ``should_stop``, or nothing (no handler)."""
@@ -86,11 +92,11 @@ def _check_bool(name: str, value: Any) -> None:
 
 @dataclass(frozen=True)
 class SessionConfig:
-    """Every option of a :class:`~lockstep.Session`, checked and spelled canonically at construction.
+    """Every option of a :class:`~lockstep.Session` as the user gave it, checked at construction.
 
-    Values are kept canonical: the strategy in lower case, the precision's name (apex aliases
-    resolved), the chosen backend (not ``"auto"``), the timeout as a ``timedelta``, the compression's
-    name (``"none"`` when none), ``compile`` as ``torch.compile``'s keywords (``None``: eager).
+    :attr:`resolved` spells them canonically: the strategy in lower case, the precision's name (apex
+    aliases resolved), the chosen backend (not ``"auto"``), the timeout as a ``timedelta``, the
+    compression's name (``"none"`` when none), ``compile`` as ``torch.compile``'s keywords (``None``: eager).
 
     Args:
         strategy: ``"auto"``, ``"single"``, ``"dp"``, ``"ddp"``, ``"fsdp"`` or ``"horovod"``.
@@ -125,8 +131,8 @@ class SessionConfig:
     Example::
 
         >>> config = SessionConfig(strategy="DDP", precision="O1", accumulate=2)
-        >>> config.strategy, config.precision
-        ('ddp', 'fp16-mixed')
+        >>> config.strategy, config.resolved.strategy, config.resolved.precision
+        ('DDP', 'ddp', 'fp16-mixed')
     """
 
     strategy: str = "auto"
@@ -177,162 +183,51 @@ class SessionConfig:
         return config
 
     def __post_init__(self) -> None:
-        """Check every option once, in an order where each rule sees the values it depends on."""
-        self._check_strategy()
-        self._check_numbers()
-        self._check_choices()
-        self._check_strategy_options()
-        self._check_lower_layers()
-        self._check_data()
-        self._check_observing()
+        self.resolved  # noqa: B018  # every option is checked here, once, before any process group
 
-    def _set(self, name: str, value: Any) -> None:
-        """Keep a checked value's canonical spelling (the dataclass is frozen for everyone else)."""
-        object.__setattr__(self, name, value)
+    @cached_property
+    def resolved(self) -> ResolvedConfig:
+        """The options spelled canonically: what the session is built from (made once, at construction).
 
-    def _check_strategy(self) -> None:
-        """The strategy first: the rules of sync_bn, shard_optimizer and compression depend on it."""
-        from lockstep.strategies import check_strategy
-        from lockstep.strategies.horovod import import_horovod
+        Raises:
+            ConfigError: naming the option, its flag and the fix.
+        """
+        values = SimpleNamespace(**{f.name: getattr(self, f.name) for f in fields(self)})
+        for check in _CHECKS:  # in an order where each rule sees the canonical values it depends on
+            check(values)
+        return ResolvedConfig(**vars(values))
 
-        self._set("strategy", check_strategy(self.strategy))
-        _check_bool("sync_bn", self.sync_bn)
-        if self.sync_bn and self.strategy == "dp":
-            raise ConfigError(
-                f"{_given('sync_bn', True)} needs strategy 'ddp' or 'fsdp': SyncBatchNorm does not "
-                "work inside nn.DataParallel replicas; drop it or use ddp"
-            )
-        if self.sync_bn and not torch.cuda.is_available():  # every rank's device is a GPU when one is visible
-            raise ConfigError(
-                f"{_given('sync_bn', True)} needs GPUs: SyncBatchNorm only works on CUDA devices, and "
-                "none is visible. Drop it (each rank then normalises over its own batch)."
-            )
-        if self.strategy == "horovod":
-            import_horovod()  # refuses a missing or broken Horovod with the fix, as the strategy would
 
-    def _check_numbers(self) -> None:
-        """The loop's numbers; NaN and infinity fail every comparison, so they are refused too."""
-        if isinstance(self.accumulate, bool) or not isinstance(self.accumulate, int) or self.accumulate < 1:
-            raise ConfigError(
-                f"{_given('accumulate', self.accumulate)} must be an integer >= 1 (micro-steps "
-                "per optimizer step; 1 accumulates nothing)"
-            )
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ConfigError(f"{_given('seed', self.seed)} must be an integer")
-        clip = self.clip_grad_norm
-        if clip is not None and (
-            isinstance(clip, bool) or not isinstance(clip, (int, float)) or not (math.isfinite(clip) and clip > 0)
-        ):
-            raise ConfigError(
-                f"{_given('clip_grad_norm', clip)} must be a positive, finite number, or None for no clipping"
-            )
-        wait = self.preempt_check_seconds
-        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not (math.isfinite(wait) and wait > 0):
-            raise ConfigError(f"{_given('preempt_check_seconds', wait)} must be a positive, finite number of seconds")
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """A :class:`SessionConfig`'s options spelled canonically (its :attr:`~SessionConfig.resolved`):
+    the strategy's and precision's own names, the chosen backend, the timeout as a ``timedelta``, the
+    compression's name (``"none"`` when none), ``compile`` as ``torch.compile``'s keywords (``None``:
+    eager), the strategy's options as a dict and the loggers as a tuple. Each field is the option of
+    the same name."""
 
-    def _check_choices(self) -> None:
-        """Options with a fixed set of values."""
-        if self.nonfinite not in NONFINITE_POLICIES:
-            raise ConfigError(f"{_given('nonfinite', self.nonfinite)}; choose one of {', '.join(NONFINITE_POLICIES)}")
-        if self.preemption not in PREEMPTION_MODES:
-            raise ConfigError(f"{_given('preemption', self.preemption)}; choose one of {', '.join(PREEMPTION_MODES)}")
-        _check_bool("quiet", self.quiet)
-        if self.init_method is not None and not (isinstance(self.init_method, str) and "://" in self.init_method):
-            raise ConfigError(
-                f"{_given('init_method', self.init_method)} must be a URL such as env://, "
-                "tcp://HOST:PORT or file:///PATH, or None for the launcher's"
-            )
-
-    def _check_strategy_options(self) -> None:
-        """Only the options' shape and ddp's ZeRO switch: the strategy checks the rest."""
-        options = self.strategy_options
-        if options is not None and not isinstance(options, dict):
-            raise ConfigError(f"{_given('strategy_options', options)} must be a dict of the strategy's options")
-        self._set("strategy_options", dict(options or {}))
-        _check_bool("shard_optimizer", self.shard_optimizer)
-        if self.shard_optimizer and self.strategy not in ("ddp", "auto"):
-            raise ConfigError(
-                f"{_given('shard_optimizer', True)} shards ddp's optimizer state (ZeRO-1); strategy "
-                f"{self.strategy!r} has no such option (fsdp shards it already); use strategy "
-                "'ddp' or drop it"
-            )
-
-    def _check_lower_layers(self) -> None:
-        """The rules owned by the layers below; what they return is the canonical value."""
-        from lockstep.comm.group import pick_backend
-        from lockstep.comm.store import resolve_timeout
-        from lockstep.precision import check_precision
-        from lockstep.strategies.comm_hooks import POWERSGD_DEFAULTS, check_grad_compression
-        from lockstep.strategies.compile import check_compile
-
-        self._set("precision", check_precision(self.precision))
-        self._set("timeout", resolve_timeout(self.timeout))
-        self._set("backend", pick_backend(self.backend))
-        options = self.strategy_options or {}
-        compression = self.grad_compression if self.grad_compression is not None else options.get("grad_compression")
-        knobs = {k: options.get(k, v) for k, v in POWERSGD_DEFAULTS.items()}
-        self._set(
-            "grad_compression",
-            check_grad_compression(
-                compression,
-                strategy=self.strategy,
-                backend=self.backend,
-                bucket_cap_mb=options.get("bucket_cap_mb"),
-                **knobs,
-            ),
-        )
-        self._set("compile", check_compile(self.compile))
-
-    def _check_data(self) -> None:
-        """The data order, and a global batch that plans the accumulation itself."""
-        from lockstep.data.samplers import check_order
-
-        check_order(self.order)
-        batch = self.global_batch
-        if batch is None:
-            return
-        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-            raise ConfigError(
-                f"{_given('global_batch', batch)} must be an integer >= 1 (samples per optimizer "
-                "step over all processes), or None"
-            )
-        if self.accumulate != 1:
-            raise ConfigError(
-                f"{_given('global_batch', batch)} plans the accumulation for the world size itself; "
-                f"drop accumulate={self.accumulate}"
-            )
-        if self.order != "lockstep":
-            raise ConfigError(
-                f"{_given('global_batch', batch)} needs the data order 'lockstep' (one global "
-                "cursor); the torch order pads each rank's share"
-            )
-        if self.strategy == "horovod":
-            raise ConfigError(
-                f"{_given('global_batch', batch)} re-plans the accumulation per world size, which "
-                "Horovod's optimizer fixes when it is built; use strategy 'ddp' or drop it"
-            )
-
-    def _check_observing(self) -> None:
-        """Loggers, the timings' choice and window length."""
-        from lockstep.loggers import Logger
-
-        loggers = self.loggers
-        if loggers is not None and (
-            not isinstance(loggers, (list, tuple)) or not all(isinstance(x, Logger) for x in loggers)
-        ):
-            raise ConfigError(
-                f"{_given('loggers', loggers)} must be a list of lockstep.loggers objects, e.g. "
-                "[lockstep.loggers.CSVLogger('runs/a'), lockstep.loggers.TensorBoardLogger('runs/a/tb')]"
-            )
-        self._set("loggers", tuple(loggers or ()))
-        if self.log_timings not in LOG_TIMINGS:
-            raise ConfigError(f"{_given('log_timings', self.log_timings)}; choose one of {', '.join(LOG_TIMINGS)}")
-        every = self.timings_every
-        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
-            raise ConfigError(
-                f"{_given('timings_every', every)} must be an integer >= 0 (steps per timing "
-                "window at least; 0 turns timings off)"
-            )
+    strategy: str
+    precision: str
+    sync_bn: bool
+    accumulate: int
+    clip_grad_norm: float | None
+    seed: int
+    nonfinite: str
+    timeout: timedelta
+    backend: str
+    init_method: str | None
+    grad_compression: str
+    shard_optimizer: bool
+    strategy_options: dict[str, Any]
+    compile: dict[str, Any] | None
+    quiet: bool
+    preemption: str
+    preempt_check_seconds: float
+    order: str
+    global_batch: int | None
+    loggers: tuple[Any, ...]
+    log_timings: str
+    timings_every: int
 
     @property
     def compile_backend(self) -> str:
@@ -397,6 +292,160 @@ class SessionConfig:
             out["shard_optimizer"] = True
         return out
 
+
+def _check_strategy(o: SimpleNamespace) -> None:
+    """The strategy first: the rules of sync_bn, shard_optimizer and compression depend on it."""
+    from lockstep.strategies import check_strategy
+    from lockstep.strategies.horovod import import_horovod
+
+    o.strategy = check_strategy(o.strategy)
+    _check_bool("sync_bn", o.sync_bn)
+    if o.sync_bn and o.strategy == "dp":
+        raise ConfigError(
+            f"{_given('sync_bn', True)} needs strategy 'ddp' or 'fsdp': SyncBatchNorm does not "
+            "work inside nn.DataParallel replicas; drop it or use ddp"
+        )
+    if o.sync_bn and not torch.cuda.is_available():  # every rank's device is a GPU when one is visible
+        raise ConfigError(
+            f"{_given('sync_bn', True)} needs GPUs: SyncBatchNorm only works on CUDA devices, and "
+            "none is visible. Drop it (each rank then normalises over its own batch)."
+        )
+    if o.strategy == "horovod":
+        import_horovod()  # refuses a missing or broken Horovod with the fix, as the strategy would
+
+
+def _check_numbers(o: SimpleNamespace) -> None:
+    """The loop's numbers; NaN and infinity fail every comparison, so they are refused too."""
+    if isinstance(o.accumulate, bool) or not isinstance(o.accumulate, int) or o.accumulate < 1:
+        raise ConfigError(
+            f"{_given('accumulate', o.accumulate)} must be an integer >= 1 (micro-steps "
+            "per optimizer step; 1 accumulates nothing)"
+        )
+    if isinstance(o.seed, bool) or not isinstance(o.seed, int):
+        raise ConfigError(f"{_given('seed', o.seed)} must be an integer")
+    clip = o.clip_grad_norm
+    if clip is not None and (
+        isinstance(clip, bool) or not isinstance(clip, (int, float)) or not (math.isfinite(clip) and clip > 0)
+    ):
+        raise ConfigError(
+            f"{_given('clip_grad_norm', clip)} must be a positive, finite number, or None for no clipping"
+        )
+    wait = o.preempt_check_seconds
+    if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not (math.isfinite(wait) and wait > 0):
+        raise ConfigError(f"{_given('preempt_check_seconds', wait)} must be a positive, finite number of seconds")
+
+
+def _check_choices(o: SimpleNamespace) -> None:
+    """Options with a fixed set of values."""
+    if o.nonfinite not in NONFINITE_POLICIES:
+        raise ConfigError(f"{_given('nonfinite', o.nonfinite)}; choose one of {', '.join(NONFINITE_POLICIES)}")
+    if o.preemption not in PREEMPTION_MODES:
+        raise ConfigError(f"{_given('preemption', o.preemption)}; choose one of {', '.join(PREEMPTION_MODES)}")
+    _check_bool("quiet", o.quiet)
+    if o.init_method is not None and not (isinstance(o.init_method, str) and "://" in o.init_method):
+        raise ConfigError(
+            f"{_given('init_method', o.init_method)} must be a URL such as env://, "
+            "tcp://HOST:PORT or file:///PATH, or None for the launcher's"
+        )
+
+
+def _check_strategy_options(o: SimpleNamespace) -> None:
+    """Only the options' shape and ddp's ZeRO switch: the strategy checks the rest."""
+    options = o.strategy_options
+    if options is not None and not isinstance(options, dict):
+        raise ConfigError(f"{_given('strategy_options', options)} must be a dict of the strategy's options")
+    o.strategy_options = dict(options or {})
+    _check_bool("shard_optimizer", o.shard_optimizer)
+    if o.shard_optimizer and o.strategy not in ("ddp", "auto"):
+        raise ConfigError(
+            f"{_given('shard_optimizer', True)} shards ddp's optimizer state (ZeRO-1); strategy "
+            f"{o.strategy!r} has no such option (fsdp shards it already); use strategy "
+            "'ddp' or drop it"
+        )
+
+
+def _check_lower_layers(o: SimpleNamespace) -> None:
+    """The rules owned by the layers below; what they return is the canonical value."""
+    from lockstep.comm.group import pick_backend
+    from lockstep.comm.store import resolve_timeout
+    from lockstep.precision import check_precision
+    from lockstep.strategies.comm_hooks import POWERSGD_DEFAULTS, check_grad_compression
+    from lockstep.strategies.compile import check_compile
+
+    o.precision = check_precision(o.precision)
+    o.timeout = resolve_timeout(o.timeout)
+    o.backend = pick_backend(o.backend)
+    options = o.strategy_options or {}
+    compression = o.grad_compression if o.grad_compression is not None else options.get("grad_compression")
+    knobs = {k: options.get(k, v) for k, v in POWERSGD_DEFAULTS.items()}
+    o.grad_compression = check_grad_compression(
+        compression, strategy=o.strategy, backend=o.backend, bucket_cap_mb=options.get("bucket_cap_mb"), **knobs
+    )
+    o.compile = check_compile(o.compile)
+
+
+def _check_data(o: SimpleNamespace) -> None:
+    """The data order, and a global batch that plans the accumulation itself."""
+    from lockstep.data.samplers import check_order
+
+    check_order(o.order)
+    batch = o.global_batch
+    if batch is None:
+        return
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ConfigError(
+            f"{_given('global_batch', batch)} must be an integer >= 1 (samples per optimizer "
+            "step over all processes), or None"
+        )
+    if o.accumulate != 1:
+        raise ConfigError(
+            f"{_given('global_batch', batch)} plans the accumulation for the world size itself; "
+            f"drop accumulate={o.accumulate}"
+        )
+    if o.order != "lockstep":
+        raise ConfigError(
+            f"{_given('global_batch', batch)} needs the data order 'lockstep' (one global "
+            "cursor); the torch order pads each rank's share"
+        )
+    if o.strategy == "horovod":
+        raise ConfigError(
+            f"{_given('global_batch', batch)} re-plans the accumulation per world size, which "
+            "Horovod's optimizer fixes when it is built; use strategy 'ddp' or drop it"
+        )
+
+
+def _check_observing(o: SimpleNamespace) -> None:
+    """Loggers, the timings' choice and window length."""
+    from lockstep.loggers import Logger
+
+    loggers = o.loggers
+    if loggers is not None and (
+        not isinstance(loggers, (list, tuple)) or not all(isinstance(x, Logger) for x in loggers)
+    ):
+        raise ConfigError(
+            f"{_given('loggers', loggers)} must be a list of lockstep.loggers objects, e.g. "
+            "[lockstep.loggers.CSVLogger('runs/a'), lockstep.loggers.TensorBoardLogger('runs/a/tb')]"
+        )
+    o.loggers = tuple(loggers or ())
+    if o.log_timings not in LOG_TIMINGS:
+        raise ConfigError(f"{_given('log_timings', o.log_timings)}; choose one of {', '.join(LOG_TIMINGS)}")
+    every = o.timings_every
+    if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+        raise ConfigError(
+            f"{_given('timings_every', every)} must be an integer >= 0 (steps per timing "
+            "window at least; 0 turns timings off)"
+        )
+
+
+_CHECKS = (
+    _check_strategy,
+    _check_numbers,
+    _check_choices,
+    _check_strategy_options,
+    _check_lower_layers,
+    _check_data,
+    _check_observing,
+)
 
 OPTION_NAMES = tuple(f.name for f in fields(SessionConfig))
 """The names of the options, in the order ``Session`` takes them."""

@@ -41,7 +41,7 @@ def options_under_nodes(config: SessionConfig) -> SessionConfig:
     nodes = read_settings().elastic_nodes
     if not nodes:
         return config
-    config.check_nodes(nodes)
+    config.resolved.check_nodes(nodes)
     return dataclasses.replace(config, preemption="off", timings_every=0)
 
 

@@ -14,7 +14,7 @@ import torch
 
 from lockstep.comm.group import Comm
 from lockstep.loggers import LoggerSet
-from lockstep.session.config import SessionConfig
+from lockstep.session.config import ResolvedConfig
 from lockstep.session.loaders import progress_bar
 from lockstep.session.position import Position
 from lockstep.session.slow_rank import PHASES, SlowRank, SlowRankDetector
@@ -38,12 +38,12 @@ class TimingReport:
         self,
         comm: Comm,
         device: torch.device,
-        config: SessionConfig,
+        config: ResolvedConfig,
         say: Callable[[str], None],
         step: Callable[[], int],
     ) -> None:
         self.comm, self.say, self._step = comm, say, step
-        self.loggers = LoggerSet(config.loggers or (), active=comm.is_main, say=say)
+        self.loggers = LoggerSet(config.loggers, active=comm.is_main, say=say)
         self.log_timings = config.log_timings
         self._device = device if comm.backend == "nccl" else torch.device("cpu")
         hosts = {int(p.get("rank", i)): str(p.get("host", "?")) for i, p in enumerate(comm.peers)}
@@ -101,7 +101,7 @@ class Observing(Position):
     _report: TimingReport
     device: torch.device
 
-    def _observe(self, config: SessionConfig) -> StepTimer | None:
+    def _observe(self, config: ResolvedConfig) -> StepTimer | None:
         """Build the session's timing report; return the timer the training step calls."""
         self._report = TimingReport(self.comm, self.device, config, say=self.print, step=lambda: self.state.global_step)
         return self._report.timer

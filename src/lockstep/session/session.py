@@ -117,21 +117,22 @@ class Session(Observing):
         keywords = {name: value for name, value in locals().items() if name in OPTION_NAMES}
         config = SessionConfig.from_keywords(keywords, config)  # every option checked once, before any group
         config = options_under_nodes(config)  # lockstep run --nodes: refused or adapted, before any group too
-        self.config = config
+        self.config = config  # the options as given
+        run = config.resolved  # and spelled canonically: what the session is built from
         world = detect_world()
-        config.check_processes(world.world_size)
-        self.seed, self.nonfinite, self.quiet = config.seed, config.nonfinite, config.quiet
-        self.timeout: timedelta = config.timeout  # type: ignore[assignment]  # resolved by SessionConfig
-        self._compile: dict[str, Any] | None = config.compile  # type: ignore[assignment]  # checked likewise
-        self._accum = Accumulator(config.accumulate)
+        run.check_processes(world.world_size)
+        self.seed, self.nonfinite, self.quiet = run.seed, run.nonfinite, run.quiet
+        self.timeout: timedelta = run.timeout
+        self._compile: dict[str, Any] | None = run.compile
+        self._accum = Accumulator(run.accumulate)
         self.device: torch.device = world.device
-        self.comm: Comm = form_comm(world, config.backend, config.init_method, self.timeout)
-        self._guard = StopGuard(self.comm, self.device, config.preemption, config.preempt_check_seconds)
-        self._finite = NonFinitePolicy(config.nonfinite, self.comm)
-        self.precision = build_precision(config.precision, self.device, comm=self.comm)
-        self.strategy = get_strategy(config.strategy, self.comm, self.device, **config.strategy_kwargs(self.world_size))
-        seed_everything(config.seed)
-        self.state = TrainState(self.rank, self.world_size, say=None if config.quiet else self.print)
+        self.comm: Comm = form_comm(world, run.backend, run.init_method, self.timeout)
+        self._guard = StopGuard(self.comm, self.device, run.preemption, run.preempt_check_seconds)
+        self._finite = NonFinitePolicy(run.nonfinite, self.comm)
+        self.precision = build_precision(run.precision, self.device, comm=self.comm)
+        self.strategy = get_strategy(run.strategy, self.comm, self.device, **run.strategy_kwargs(self.world_size))
+        seed_everything(run.seed)
+        self.state = TrainState(self.rank, self.world_size, say=None if run.quiet else self.print)
         self._steps = TrainStep(
             self.state,
             self._accum,
@@ -139,9 +140,9 @@ class Session(Observing):
             self.precision,
             self.strategy,
             self.comm,
-            config.clip_grad_norm,
+            run.clip_grad_norm,
             say=self.print,
-            timer=self._observe(config),
+            timer=self._observe(run),
         )
         self._checks = LoopChecks(self.comm)  # setup before backward before step; equal replicas
         self._elastic = ElasticTraining.of(self.comm, self.state, self._accum)  # only under --nodes
@@ -236,7 +237,7 @@ class Session(Observing):
             eval: an evaluation loader: every sample exactly once over all ranks, no padding.
             **options: passed to :func:`lockstep.data.loader.make_loader` (``num_workers``, ``drop_last``...).
         """
-        options = self.state.loaders.options(options, self.config, batch_size * self.world_size, eval)
+        options = self.state.loaders.options(options, self.config.resolved, batch_size * self.world_size, eval)
         loader = make_loader(
             dataset,
             batch_size,
@@ -362,9 +363,7 @@ class Session(Observing):
             precision=self.precision.name,
             backend=self.comm.backend,
             timeout=self.timeout,
-            compiled=compile_label(options)
-            if self.compiled and isinstance(options := self.config.compile, dict)
-            else None,
+            compiled=compile_label(options) if self.compiled and isinstance(options := self._compile, dict) else None,
             loaders=self.state.loaders.describe(self.world_size, self.accumulate, max_steps),
         )
 

@@ -99,7 +99,7 @@ class VerifyConfig:
         from lockstep.zoo.models import parse_model
 
         check_strategy(self.strategy, STRATEGIES)  # the parallel run spreads one model over N processes
-        session = self.session_config()  # the Session's own checks, before any process starts
+        session = self.session_config().resolved  # the Session's own checks, before any process starts
         object.__setattr__(self, "grad_compression", session.grad_compression)
         object.__setattr__(self, "compile", session.compile_backend)
         object.__setattr__(self, "strategy", session.strategy)

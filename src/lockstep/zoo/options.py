@@ -39,7 +39,7 @@ def session_config(
     Example::
 
         >>> config = session_config(strategy="DDP", precision="O1", grad_compression="fp16")
-        >>> config.strategy, config.precision
+        >>> config.resolved.strategy, config.resolved.precision
         ('ddp', 'fp16-mixed')
     """
     from lockstep.session.config import SessionConfig

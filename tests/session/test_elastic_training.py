@@ -138,13 +138,12 @@ def test_what_cannot_follow_the_membership_is_refused_in_one_line_before_any_gro
     assert named in str(info.value) and "\n" not in str(info.value)
 
 
-def test_under_nodes_preemption_and_timings_are_off(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_under_nodes_preemption_and_timings_are_off() -> None:
     from lockstep.session.config import SessionConfig
     from lockstep.session.elastic import options_under_nodes
 
-    assert options_under_nodes(SessionConfig(global_batch=24)) == SessionConfig(global_batch=24)  # not under --nodes
-    monkeypatch.setenv("LOCKSTEP_NODES", "1:3")
-    config = options_under_nodes(SessionConfig(global_batch=24))
+    assert options_under_nodes(SessionConfig(global_batch=24), "") == SessionConfig(global_batch=24)  # fixed nodes
+    config = options_under_nodes(SessionConfig(global_batch=24), "1:3")
     assert (config.preemption, config.timings_every, config.global_batch) == ("off", 0, 24)
 
 

@@ -89,8 +89,11 @@ def test_grace_is_read_once_and_bad_values_fall_back(monkeypatch: pytest.MonkeyP
     assert parse_grace("5") == 5.0 and parse_grace("0") == 0.0
     assert {parse_grace(bad) for bad in ("", "soon", "-1", "inf", "nan")} == {lockstep.errors.DEFAULT_GRACE}
     monkeypatch.setenv("LOCKSTEP_GRACE", "7")
+    session = lockstep.Session(quiet=True)  # the session reads the launcher's variables once, and passes them down
+    assert session._guard.grace == 7.0
+    session.close()
     comm, cpu = Comm(World()), torch.device("cpu")
-    assert StopGuard(comm, cpu).grace == 7.0 and StopGuard(comm, cpu, grace=2.0).grace == 2.0
+    assert StopGuard(comm, cpu).grace == lockstep.errors.DEFAULT_GRACE and StopGuard(comm, cpu, grace=2.0).grace == 2.0
 
 
 class _Watch(NullWatchdog):

@@ -214,12 +214,13 @@ def test_train_state_round_trip() -> None:
 
 
 def test_resumed_line_names_the_attempt(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lockstep.env import read_settings
     from lockstep.session.state import ResumeState, resumed_line
 
     state = ResumeState(epoch=1, step=6, path=Path("ckpt/step-000006"))
-    assert resumed_line(state) == "lockstep: resumed from ckpt/step-000006 at epoch 1, step 6"
+    assert resumed_line(state, None) == "lockstep: resumed from ckpt/step-000006 at epoch 1, step 6"
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    assert resumed_line(state).endswith("step 6 (attempt 2)")
+    assert resumed_line(state, read_settings().restart_count).endswith("step 6 (attempt 2)")
 
 
 def test_bad_options_refused_before_any_group() -> None:

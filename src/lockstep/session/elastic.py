@@ -20,7 +20,7 @@ from lockstep.comm.collectives import Comm
 from lockstep.comm.elastic import is_membership_failure
 from lockstep.comm.elastic_comm import ElasticComm
 from lockstep.data.steps import plan_batches
-from lockstep.env import World, read_settings
+from lockstep.env import World
 from lockstep.errors import ConfigError
 from lockstep.session.config import SessionConfig
 from lockstep.session.locks import FolderLocks
@@ -29,16 +29,16 @@ from lockstep.session.state import ResumeState, TrainState
 __all__ = ["ElasticTraining", "CommittedPosition", "options_under_nodes"]
 
 
-def options_under_nodes(config: SessionConfig) -> SessionConfig:
+def options_under_nodes(config: SessionConfig, nodes: str) -> SessionConfig:
     """``config`` as it runs under ``lockstep run --nodes MIN:MAX`` (unchanged elsewhere); refuse what cannot work.
 
     Args:
         config: the session's checked options.
+        nodes: the launch's ``MIN:MAX`` (``Settings.elastic_nodes``), empty when the job's nodes are fixed.
 
     Raises:
         ConfigError: an option a job whose membership changes cannot honour, named with the fix.
     """
-    nodes = read_settings().elastic_nodes
     if not nodes:
         return config
     config.resolved.check_nodes(nodes)

@@ -325,18 +325,19 @@ class TrainLoaders:
         return mid
 
 
-def progress_bar(iterable: Iterable[Any], show: bool, *, force: bool = False, **kwargs: Any) -> Iterable[Any]:
+def progress_bar(
+    iterable: Iterable[Any], show: bool, *, force: bool = False, terminal: str = "", **kwargs: Any
+) -> Iterable[Any]:
     """Wrap ``iterable`` in a tqdm bar where ``show`` is True and stderr is a terminal (or ``force``).
 
     Under ``lockstep run`` stderr is a log file the launcher relays line by line (a ``\\r`` ends a line
-    too); the bar draws there when the launcher's own stderr is a terminal, at its width.
+    too); the bar draws there when the launcher's own stderr is a terminal (``terminal``, its
+    ``COLUMNSxLINES`` as ``Settings.terminal`` reads it), at its width.
     """
     if not show:
         return iterable
     if not (force or sys.stderr.isatty()):
-        from lockstep.env import read_settings
-
-        columns = read_settings().terminal.partition("x")[0]
+        columns = terminal.partition("x")[0]
         if not columns.isdigit():
             return iterable
         kwargs.setdefault("ncols", max(20, int(columns) - len("[rank0]: ")))  # the relay prefixes each line

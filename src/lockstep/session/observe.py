@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from lockstep.comm.group import Comm
+from lockstep.env import Settings
 from lockstep.loggers import LoggerSet
 from lockstep.session.config import ResolvedConfig
 from lockstep.session.loaders import progress_bar
@@ -99,6 +100,7 @@ class Observing(Position):
     """The session's logging, timings, :meth:`print` and :meth:`progress` (``Session`` inherits them)."""
 
     _report: TimingReport
+    _settings: Settings
     device: torch.device
 
     def _observe(self, config: ResolvedConfig) -> StepTimer | None:
@@ -140,4 +142,4 @@ class Observing(Position):
             **kwargs: passed to tqdm (``desc`` defaults to the epoch).
         """
         kwargs.setdefault("desc", f"epoch {self.epoch}")
-        return progress_bar(iterable, self.is_main, **kwargs)
+        return progress_bar(iterable, self.is_main, terminal=self._settings.terminal, **kwargs)

@@ -22,7 +22,6 @@ from typing import Any
 import torch
 
 from lockstep.comm.group import Comm
-from lockstep.env import read_settings
 from lockstep.errors import DEFAULT_GRACE, EXIT_PREEMPTED, format_ranks, signal_name
 from lockstep.session.config import PREEMPTION_MODES
 
@@ -89,7 +88,8 @@ class StopGuard:
         device: this rank's device (nccl needs the agreement's tensor on the rank's GPU).
         mode: ``"save"``, ``"flag"`` or ``"off"`` (``preemption``).
         check_seconds: the target time between two agreements (``preempt_check_seconds``).
-        grace: seconds a signal may wait for agreement before it ends the process; default ``lockstep run --grace``.
+        grace: seconds a signal may wait for agreement before it ends the process (``lockstep run --grace``,
+            read by :func:`parse_grace` from ``LOCKSTEP_GRACE``).
     """
 
     def __init__(
@@ -98,10 +98,10 @@ class StopGuard:
         device: torch.device,
         mode: str = "save",
         check_seconds: float = 1.0,
-        grace: float | None = None,
+        grace: float = DEFAULT_GRACE,
     ) -> None:
         self.mode, self.check_seconds = mode, check_seconds
-        self.grace = parse_grace(read_settings().grace) if grace is None else grace
+        self.grace = grace
         self.comm, self.device = comm, device
         self.steps = 0
         self.next_check: float = math.inf if mode == "off" else 1

@@ -20,7 +20,7 @@ from torch import nn
 
 from lockstep.comm.group import Comm, form_comm
 from lockstep.data.loader import make_loader
-from lockstep.env import detect_world
+from lockstep.env import detect_world, read_settings
 from lockstep.precision import build_precision
 from lockstep.session.config import OPTION_NAMES, SessionConfig
 from lockstep.session.elastic import ElasticTraining, options_under_nodes
@@ -31,7 +31,7 @@ from lockstep.session.named import NamedState, sort_named
 from lockstep.session.nonfinite import NonFiniteLossError, NonFinitePolicy
 from lockstep.session.observe import Observing
 from lockstep.session.options import summary_line
-from lockstep.session.preempt import Preempted, StopGuard, stop_message
+from lockstep.session.preempt import Preempted, StopGuard, parse_grace, stop_message
 from lockstep.session.saves import SaveInFlight, SaveTarget
 from lockstep.session.state import ResumeState, TrainState, load_state, resumed_line, save_state, seed_everything
 from lockstep.session.usage import LoopChecks, SessionUsageError, check_bare
@@ -116,7 +116,8 @@ class Session(Observing):
     ) -> None:
         keywords = {name: value for name, value in locals().items() if name in OPTION_NAMES}
         config = SessionConfig.from_keywords(keywords, config)  # every option checked once, before any group
-        config = options_under_nodes(config)  # lockstep run --nodes: refused or adapted, before any group too
+        settings = self._settings = read_settings()  # the launcher's variables, read once for every part
+        config = options_under_nodes(config, settings.elastic_nodes)  # refused or adapted, before any group too
         self.config = config  # the options as given
         run = config.resolved  # and spelled canonically: what the session is built from
         world = detect_world()
@@ -127,7 +128,9 @@ class Session(Observing):
         self._accum = Accumulator(run.accumulate)
         self.device: torch.device = world.device
         self.comm: Comm = form_comm(world, run.backend, run.init_method, self.timeout)
-        self._guard = StopGuard(self.comm, self.device, run.preemption, run.preempt_check_seconds)
+        self._guard = StopGuard(
+            self.comm, self.device, run.preemption, run.preempt_check_seconds, grace=parse_grace(settings.grace)
+        )
         self._finite = NonFinitePolicy(run.nonfinite, self.comm)
         self.precision = build_precision(run.precision, self.device, comm=self.comm)
         self.strategy = get_strategy(run.strategy, self.comm, self.device, **run.strategy_kwargs(self.world_size))
@@ -492,7 +495,9 @@ class Session(Observing):
         self._ckpt = replace(self._ckpt, unusable=frozenset(resume.unusable))  # pruned first, never counted in keep
         if not self.quiet:
             self.print(
-                resumed_line(resume) if resume.resumed else f"lockstep: no checkpoint in {directory}: starting fresh"
+                resumed_line(resume, self._settings.restart_count)
+                if resume.resumed
+                else f"lockstep: no checkpoint in {directory}: starting fresh"
             )
         return resume
 

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lockstep.comm.group import Comm
-from lockstep.env import read_settings
 from lockstep.session.loaders import TrainLoaders
 from lockstep.session.rng import capture_rng, restore_rng, seed_everything
 
@@ -350,8 +349,8 @@ def load_state(
     )
 
 
-def resumed_line(state: ResumeState) -> str:
-    """What rank 0 prints after a resume; names the attempt when the launcher restarted the job."""
-    count = read_settings().restart_count
+def resumed_line(state: ResumeState, count: int | None) -> str:
+    """What rank 0 prints after a resume; names the attempt when the launcher restarted the job
+    (``count``: its restarts so far, ``Settings.restart_count``)."""
     attempt = f" (attempt {count + 1})" if count is not None else ""
     return f"lockstep: resumed from {state.path} at epoch {state.epoch}, step {state.step}{attempt}"

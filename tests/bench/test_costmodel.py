@@ -17,7 +17,7 @@ from lockstep.bench.costmodel import (
     parse_link,
     ring_allreduce,
 )
-from lockstep.doctor.links import LinkReport
+from lockstep.doctor.links import EXCHANGE_SIZE, LinkReport
 from lockstep.errors import ConfigError
 
 
@@ -72,6 +72,30 @@ def test_doctors_links_file_gives_the_slowest_link(tmp_path: Path) -> None:
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ConfigError, match=r"bad.json is not a links file of lockstep doctor --comm --links-out"):
         parse_link(str(tmp_path / "bad.json"))
+
+
+def test_a_collectives_step_costs_an_exchanges_extra_time(tmp_path: Path) -> None:
+    # a back-to-back exchange of EXCHANGE_SIZE bytes each way took 3 ms more than its bytes on (0, 1)
+    # (its ready-to-receive word waited behind data); (0, 2) none, so its idle latency stays
+    beta = 2e6
+    report = LinkReport(
+        units=[0, 1, 2],
+        names=["host a", "host b", "host c"],
+        size=4 << 20,
+        latency={(0, 1): 1e-4, (0, 2): 2e-4, (1, 2): 1e-4},
+        bandwidth={(0, 1): beta, (0, 2): beta, (1, 2): beta},
+        exchange={(0, 1): EXCHANGE_SIZE / beta + 3e-3, (0, 2): EXCHANGE_SIZE / beta},
+    )
+    assert report.exchange_latency((0, 1)) == pytest.approx(3e-3, rel=1e-9)
+    assert report.exchange_latency((0, 2)) == 2e-4 and report.exchange_latency((1, 2)) == 1e-4
+    doc = report.to_dict()
+    assert doc["exchange_latency_s"] == pytest.approx(3e-3, rel=1e-9) and doc["latency_s"] == 2e-4
+    path = tmp_path / "links.json"
+    path.write_text(json.dumps(doc))
+    assert parse_link(str(path)).alpha == pytest.approx(3e-3, rel=1e-9)  # collectives use the exchange's cost
+    del doc["exchange_latency_s"]  # a file written before exchanges were measured: the idle latency
+    path.write_text(json.dumps(doc))
+    assert parse_link(str(path)).alpha == 2e-4
 
 
 def test_ring_costs_follow_their_formulas() -> None:

@@ -78,6 +78,8 @@ def _links(slow: int | None) -> tuple[list[str], list[str], list[str], list[str]
     transport = _SlowRank(slow, 0.05) if slow is not None else None
     report = measure_links(comm, [0, 1, 2], ["rank 0", "rank 1", "rank 2"], size=1 << 16, iters=3, transport=transport)
     comm.shutdown()
+    if slow is None:  # torch's transport sends and receives at once: every pair's exchange is measured
+        assert sorted(report.exchange) == [(0, 1), (0, 2), (1, 2)], report.exchange
     return (*slow_parts(report), format_links(report))
 
 

@@ -153,7 +153,9 @@ def parse_link(text: str, what: str = "--link") -> Link:
 def _from_doctor(path: Path, what: str) -> Link:
     try:
         doc = json.loads(path.read_text())
-        alpha, beta = float(doc["latency_s"]), float(doc["bandwidth_bytes_per_s"])
+        # a collective's step waits as an exchange does (lockstep.doctor.links); older files: idle latency
+        alpha = float(doc.get("exchange_latency_s", doc["latency_s"]))
+        beta = float(doc["bandwidth_bytes_per_s"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ConfigError(
             f"{what}: {path} is not a links file of lockstep doctor --comm --links-out ({exc}); "

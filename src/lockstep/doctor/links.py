@@ -6,7 +6,12 @@ point-to-point ``send``/``recv`` while the others wait at a barrier:
 
 * latency: the fastest of ``iters`` round trips of one float, halved (one way);
 * bandwidth: the fastest of at most ``iters`` round trips of ``size`` bytes each way (as many as fit
-  in :data:`BUDGET_S` after the first, so that a slow link costs little), as ``2 * size / time``.
+  in :data:`BUDGET_S` after the first, so that a slow link costs little), as ``2 * size / time``;
+* exchange: :data:`EXCHANGES` back-to-back exchanges of :data:`EXCHANGE_SIZE` bytes, both ends sending
+  at once, as the steps of a ring collective do. gloo sends a message only once the receiver said it
+  is ready, and that word waits behind the data already queued on the link, so a step costs more
+  than one idle latency: its extra time over ``EXCHANGE_SIZE / bandwidth`` is the per-message cost
+  (``exchange_latency_s``) that ``lockstep bench --project`` uses for collectives.
 
 The fastest, not the median: on a busy machine the scheduler only ever adds time to a trip, while
 a slow link adds its delay to every one.
@@ -40,6 +45,8 @@ __all__ = [
     "ROUNDS",
     "BUDGET_S",
     "DEFAULT_LINK_SIZE",
+    "EXCHANGE_SIZE",
+    "EXCHANGES",
 ]
 
 SLOW_FACTOR = 4.0
@@ -47,6 +54,8 @@ JITTER_S = 2e-3  # a busy host delays a message by this much without any fault o
 ROUNDS = 3  # every pair is measured this often, spread out; its fastest figures count
 BUDGET_S = 0.3  # per pair and round, the large round trips after the first stop at this much time
 DEFAULT_LINK_SIZE = 4 << 20
+EXCHANGE_SIZE = 64 << 10  # bytes each way of an exchange: about a ring step's share of a DDP bucket
+EXCHANGES = 8  # back-to-back exchanges per measurement (each after the first waits as a ring's next step does)
 
 
 class Transport(Protocol):
@@ -68,6 +77,12 @@ class _Torch:
     def recv(self, tensor: torch.Tensor, src: int) -> None:
         torch.distributed.recv(tensor, src)
 
+    def exchange(self, out: torch.Tensor, into: torch.Tensor, peer: int) -> None:
+        """Send ``out`` to ``peer`` while receiving ``into`` from it."""
+        for work in (torch.distributed.irecv(into, peer), torch.distributed.isend(out, peer)):
+            if work is not None:  # None only for a rank outside the group
+                work.wait()
+
 
 @dataclass
 class LinkReport:
@@ -79,6 +94,8 @@ class LinkReport:
         size: bytes each way of a bandwidth round trip.
         latency: one-way seconds per pair ``(a, b)`` of units' indexes, ``a < b``.
         bandwidth: bytes per second per pair.
+        exchange: seconds per back-to-back exchange of :data:`EXCHANGE_SIZE` bytes each way, per pair
+            (none where the transport cannot send and receive at once).
     """
 
     units: list[int]
@@ -86,22 +103,32 @@ class LinkReport:
     size: int
     latency: dict[tuple[int, int], float] = field(default_factory=dict)
     bandwidth: dict[tuple[int, int], float] = field(default_factory=dict)
+    exchange: dict[tuple[int, int], float] = field(default_factory=dict)
+
+    def exchange_latency(self, pair: tuple[int, int]) -> float:
+        """Seconds per message of a collective's step on ``pair``: an exchange's time beyond its bytes'
+        (the idle latency where no exchange was measured, and never less)."""
+        spent = self.exchange.get(pair)
+        extra = spent - EXCHANGE_SIZE / self.bandwidth[pair] if spent is not None else 0.0
+        return max(self.latency[pair], extra)
 
     def to_dict(self) -> dict[str, Any]:
-        """The figures as JSON values, with the slowest link's (``latency_s``, ``bandwidth_bytes_per_s``)
-        first: what ``lockstep bench --project --link FILE`` reads."""
+        """The figures as JSON values, with the slowest link's (``latency_s``, ``bandwidth_bytes_per_s``,
+        ``exchange_latency_s``) first: what ``lockstep bench --project --link FILE`` reads."""
         pairs = [
             {
                 "a": self.names[a],
                 "b": self.names[b],
                 "latency_s": self.latency[(a, b)],
                 "bandwidth_bytes_per_s": self.bandwidth[(a, b)],
+                "exchange_latency_s": self.exchange_latency((a, b)),
             }
             for (a, b) in sorted(self.latency)
         ]
         return {
             "latency_s": max(self.latency.values(), default=0.0),
             "bandwidth_bytes_per_s": min(self.bandwidth.values(), default=0.0),
+            "exchange_latency_s": max((self.exchange_latency(pair) for pair in self.latency), default=0.0),
             "size": self.size,
             "pairs": pairs,
         }
@@ -152,6 +179,15 @@ def _big_trips(peer: int, first: bool, tensor: torch.Tensor, iters: int, transpo
     return min(best, _round_trips(peer, first, tensor, more, transport, warmup=False)) if more > 0 else best
 
 
+def _exchanges(peer: int, out: torch.Tensor, into: torch.Tensor, exchange: Any) -> float:
+    """Seconds per exchange over :data:`EXCHANGES` back-to-back exchanges with ``peer``, after a warm-up."""
+    exchange(out, into, peer)
+    start = time.perf_counter()
+    for _ in range(EXCHANGES):
+        exchange(out, into, peer)
+    return (time.perf_counter() - start) / EXCHANGES
+
+
 def measure_links(
     comm: Comm,
     units: list[int],
@@ -171,9 +207,11 @@ def measure_links(
         transport: how two ranks exchange tensors (``torch.distributed`` when omitted).
     """
     transport = transport or _Torch()
+    exchange = getattr(transport, "exchange", None)  # a transport that cannot send and receive at once: none
     report = LinkReport(units, names, size)
     small, big = torch.zeros(1), torch.zeros(max(1, size // 4))
-    mine: dict[tuple[int, int], tuple[float, float]] = {}
+    out, into = torch.zeros(EXCHANGE_SIZE // 4), torch.zeros(EXCHANGE_SIZE // 4)
+    mine: dict[tuple[int, int], tuple[float, float, float]] = {}
     pairs = [(a, b) for a in range(len(units)) for b in range(a + 1, len(units))]
     for _ in range(ROUNDS):
         for a, b in pairs:
@@ -181,13 +219,16 @@ def measure_links(
                 peer, first = (units[b], True) if comm.rank == units[a] else (units[a], False)
                 rtt = _round_trips(peer, first, small, iters, transport)
                 big_rtt = _big_trips(peer, first, big, iters, transport)
-                lat, bw = mine.get((a, b), (float("inf"), 0.0))
-                mine[(a, b)] = (min(lat, rtt / 2), max(bw, 2 * size / max(big_rtt, 1e-9)))
+                step = _exchanges(peer, out, into, exchange) if exchange is not None else float("inf")
+                lat, bw, ex = mine.get((a, b), (float("inf"), 0.0, float("inf")))
+                mine[(a, b)] = (min(lat, rtt / 2), max(bw, 2 * size / max(big_rtt, 1e-9)), min(ex, step))
             comm.barrier()  # one pair at a time: links do not share the wire with another pair's test
     for rank, part in enumerate(comm.all_gather_object(mine)):
-        for pair, (lat, bw) in part.items():
+        for pair, (lat, bw, ex) in part.items():
             if rank == units[pair[0]]:  # both ends measured it: every rank keeps the first end's figures
                 report.latency[pair], report.bandwidth[pair] = lat, bw
+                if ex != float("inf"):
+                    report.exchange[pair] = ex
     return report
 
 

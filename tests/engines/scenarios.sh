@@ -568,11 +568,18 @@ for rate in rates:
     for n in (2, 3):
         rows = {r["strategy"]: r for r in json.loads((w / f"project-{rate}-{n}/project.json").read_text())["projections"]}
         for strategy in ("ddp", "ddp+bf16"):
-            measured = json.loads((w / f"measured-{rate}-{strategy}-{n}.json").read_text())["step_s"]
-            projected = rows[strategy]["step_s"]
+            job = json.loads((w / f"measured-{rate}-{strategy}-{n}.json").read_text())
+            measured, row = job["step_s"], rows[strategy]
+            projected = row["step_s"]
             off = (projected - measured) / measured
             worst = max(worst, abs(off))
             print(f"{rate:>7} {strategy:<9} {n} nodes: measured {measured * 1e3:7.2f} ms, projected {projected * 1e3:7.2f} ms, {off * 100:+6.1f} %")
+            phases = job.get("timings") or []  # the job's last timing window, every rank's
+            if phases:  # where the gap is: the ranks' mean compute (forward to the last gradient) and wait in backward
+                compute = sum(r["compute"] for r in phases) / len(phases)
+                comm = sum(r["comm"] for r in phases) / len(phases)
+                print(f"{'':>7} {'':<9}   compute {compute * 1e3:6.2f} ms (projected {row['compute_s'] * 1e3:6.2f}),"
+                      f" comm after backward {comm * 1e3:6.2f} ms (projected {row['exposed_s'] * 1e3:6.2f})")
 print(f"worst: {worst * 100:.1f} %")
 sys.exit(0 if worst <= 0.15 else 1)
 PY

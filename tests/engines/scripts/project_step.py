@@ -28,10 +28,18 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--result", required=True)
+    parser.add_argument("--timings-every", type=int, default=5, help="Session(timings_every=...)")
+    parser.add_argument("--preemption", default="save", help="Session(preemption=...)")
     args = parser.parse_args()
     strategy, _, compression = args.strategy.partition("+")
     torch.set_num_threads(1)
-    session = lockstep.Session(strategy=strategy, grad_compression=compression or "none", quiet=True)
+    session = lockstep.Session(
+        strategy=strategy,
+        grad_compression=compression or "none",
+        quiet=True,
+        timings_every=args.timings_every,
+        preemption=args.preemption,
+    )
     torch.manual_seed(session.rank)
     images = torch.randn(args.batch_size, 1, 28, 28)
     labels = torch.randint(10, (args.batch_size,))
@@ -55,7 +63,11 @@ def main() -> None:
     if session.is_main:
         with open(args.result, "w") as out:
             step_s = statistics.median(windows)
-            json.dump({"strategy": args.strategy, "world": session.world_size, "step_s": step_s}, out)
+            timings = session.timings  # the last window's phases, every rank's
+            phases = [timings.of(r) for r in range(session.world_size)] if timings is not None else None
+            json.dump(
+                {"strategy": args.strategy, "world": session.world_size, "step_s": step_s, "timings": phases}, out
+            )
     session.close()
 
 

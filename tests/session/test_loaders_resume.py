@@ -175,6 +175,31 @@ def test_reading_the_batch_size_from_a_first_iterator_loses_no_batch(order: str)
     session.close()
 
 
+@pytest.mark.parametrize("order", ["lockstep", "torch"])
+def test_the_tutorials_order_reads_the_batch_size_before_set_epoch(order: str) -> None:
+    """The tutorial's ``_run_epoch``: ``b_sz = len(next(iter(train))[0])``, then ``set_epoch(epoch)``, then the
+    loop. From the second epoch on the first iterator starts on an epoch that ran out: as with a DataLoader
+    it goes over that epoch again (no StopIteration), and set_epoch then starts the new one whole."""
+    data = TensorDataset(torch.arange(12.0).unsqueeze(1), torch.zeros(12, 1))
+    session = lockstep.Session(quiet=True, order=order)
+    model, opt = session.setup(nn.Linear(1, 1), lambda p: torch.optim.SGD(p, lr=0.0))
+    train = session.loader(data, batch_size=3, shuffle=True)
+    seen: list[list[float]] = []
+    for epoch in range(3):
+        b_sz = len(next(iter(train))[0])
+        assert b_sz == 3
+        train.sampler.set_epoch(epoch)  # as the tutorial does, on the loader's sampler
+        samples: list[float] = []
+        for x, y in train:
+            samples += x.flatten().tolist()
+            session.backward(nn.functional.mse_loss(model(x), y))
+            session.step(opt)
+        seen.append(samples)
+    assert [sorted(e) for e in seen] == [[float(i) for i in range(12)]] * 3  # every sample once per epoch
+    assert seen[0] != seen[1] and session.global_step == 12  # a new order each epoch, 4 steps each
+    session.close()
+
+
 def test_a_new_iterator_after_a_load_starts_at_the_loaded_position(tmp_path: Path) -> None:
     """A position set from outside (a checkpoint) is where the next iterator starts, not an earlier pass's start."""
     data = TensorDataset(torch.arange(8.0).unsqueeze(1), torch.zeros(8, 1))

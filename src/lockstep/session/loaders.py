@@ -52,7 +52,9 @@ class DeviceLoader:
         self.share = 0  # samples of this rank in the batch last handed out (0: a zero-weight stand-in)
         self.boundary: Any = None  # under --nodes: asked at each step's first batch (session.elastic)
         self.before_batch: Callable[[], None] | None = None  # a training batch is about to be handed out
-        self._pass_start: tuple[int, dict[str, Any]] | None = None  # (steps so far, position) at the last iter()
+        self._pass_start: tuple[int, dict[str, Any], int | None] | None = (
+            None  # (steps so far, position, epoch) at the last iter()
+        )
 
     @property
     def steps(self) -> StepSampler | None:
@@ -118,12 +120,16 @@ class DeviceLoader:
     def _start_pass(self) -> None:
         """A new iterator starts where the last one did when no step was taken since (as a DataLoader's
         starts its epoch again): ``len(next(iter(loader))[0])`` then ``for batch in loader`` loses no batch."""
-        taken = self.tracker.steps_taken()
+        taken, epoch = self.tracker.steps_taken(), getattr(self.sampler, "epoch", None)
         last = self._pass_start
-        if last is not None and last[0] == taken:
+        if last is not None and last[0] == taken and last[2] == epoch:  # no step, and no set_epoch on the sampler
             self.sampler.load_state_dict(last[1])
-        else:
-            self._pass_start = (taken, self.sampler.state_dict())
+            return
+        if epoch is not None and self.remaining == 0:
+            # the epoch ran out and no set_epoch came (the tutorial reads the batch size before it):
+            # a DataLoader's new iterator goes over the same epoch again, and so does this one
+            self.sampler.set_epoch(epoch)
+        self._pass_start = (taken, self.sampler.state_dict(), epoch)
 
     def _iter_passes(self, steps: StepSampler) -> Iterator[Any]:
         """Under ``--nodes`` a change sets the position back; a new pass starts there with the new share."""

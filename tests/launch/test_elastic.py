@@ -305,6 +305,31 @@ def test_sigkill_on_rank_1(fault: str) -> None:
     assert "rank 0 was killed" not in proc.stderr
 
 
+PLAIN_STUCK = """
+import threading
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")  # no timeout=: torch's default, or lockstep run --timeout
+if dist.get_rank() == 1:
+    threading.Event().wait()  # stuck for good before the all_reduce
+dist.all_reduce(torch.ones(1))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_timeout_reaches_a_plain_scripts_own_group(tmp_path: Path) -> None:
+    """A plain script forms its group without ``timeout=``: ``--timeout 5`` is its collectives' limit too
+    (torch's gloo default would hold rank 0 for 30 minutes), and the stuck rank is pointed at."""
+    script = tmp_path / "stuck.py"
+    script.write_text(PLAIN_STUCK)
+    proc = _run(["--nproc", "2", "--timeout", "5", str(script)], timeout=100)
+    assert proc.returncode == 1, proc.stderr
+    assert "Timed out waiting 5000ms" in proc.stderr, proc.stderr
+    assert "rank 1 had not failed when it gave up" in proc.stderr and "it is the cause" in proc.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_sigterm_to_rank_1_names_rank_1(fault: str) -> None:

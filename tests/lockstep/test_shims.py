@@ -102,6 +102,21 @@ def test_torch_amp_check_kernel() -> None:
     assert flag.item() == 1, _changed(torch_amp, "torch._amp_foreach_non_finite_check_and_unscale_")
 
 
+def test_c10d_default_timeout_is_a_module_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    from datetime import timedelta
+
+    from torch.distributed import distributed_c10d
+
+    from lockstep.comm import group
+
+    for name in ("default_pg_timeout", "default_pg_nccl_timeout"):  # restored after the test
+        monkeypatch.setattr(distributed_c10d, name, getattr(distributed_c10d, name))
+    group.default_timeout_for_scripts(timedelta(seconds=7))
+    assert distributed_c10d._get_default_timeout("gloo") == timedelta(seconds=7), _changed(
+        group, "distributed_c10d.default_pg_timeout"
+    )
+
+
 def test_torch_amp_version_counter_and_batchnorm_types() -> None:
     t = torch.zeros(2)
     before = torch_amp.version_of(t)

@@ -30,6 +30,7 @@ from lockstep.env import Settings, World, detect_world, read_settings
 from lockstep.errors import ConfigError
 
 __all__ = [
+    "default_timeout_for_scripts",
     "Comm",
     "GroupComm",
     "CommError",
@@ -40,6 +41,22 @@ __all__ = [
     "Peer",
     "check_reachable_host",
 ]
+
+
+def default_timeout_for_scripts(timeout: timedelta) -> None:
+    """Make ``timeout`` the default of every process group this process forms without one.
+
+    ``lockstep run --timeout`` reaches a plain script that calls ``dist.init_process_group()`` itself:
+    torch's default (30 minutes for gloo, 10 for nccl) is a module value of ``distributed_c10d``,
+    read when a group without ``timeout=`` is made (``tests/lockstep/test_shims.py`` checks it).
+
+    Args:
+        timeout: how long a collective may wait.
+    """
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d.default_pg_timeout = timeout
+    distributed_c10d.default_pg_nccl_timeout = timeout
 
 
 def pick_backend(requested: str = "auto") -> str:

@@ -185,6 +185,11 @@ def main(argv: list[str]) -> int:
     faulthandler.enable(all_threads=True)  # a crash in native code still leaves a Python stack
     export_environment(horovod_rank_variables(environment()))  # this rank's place in the launcher's Horovod job
     error_file = settings.error_file
+    if settings.timeout:  # lockstep run --timeout: also for a group the script forms itself
+        from lockstep.comm.group import default_timeout_for_scripts
+        from lockstep.comm.store import resolve_timeout
+
+        default_timeout_for_scripts(resolve_timeout())
     rank = environment().get("RANK", "")
     if rank.isdigit():
         note_stop_signals(settings.postmortem_dir, int(rank))

@@ -184,6 +184,40 @@ def test_bootstrap_records_the_user_traceback(tmp_path: Path) -> None:
     assert json.loads(error_file.read_text())["lockstep"]["exit_code"] == 1
 
 
+CYCLE_THEN_RAISE = """
+import gc, sys
+gc.disable()  # no collection by chance: only the bootstrap's own
+
+
+class Held:  # stands for a Session or a DDP module that holds a gloo group, in a reference cycle
+    def __del__(self):
+        print("freed at the exit" if sys.is_finalizing() else "freed before the exit", flush=True)
+
+
+held = Held()
+held.cycle = held
+raise ValueError("boom")
+"""
+
+
+def test_a_failed_scripts_cycles_are_freed_before_the_exit(tmp_path: Path) -> None:
+    """What a failed script held in reference cycles (a Session holding its gloo group) is freed before
+    the interpreter's exit: gloo's threads torn down in the exit's teardown abort it now and then, and
+    the launcher then named the rank killed by SIGABRT instead of its error."""
+    script = tmp_path / "cycle.py"
+    script.write_text(CYCLE_THEN_RAISE)
+    env = {**os.environ, "TORCHELASTIC_ERROR_FILE": str(tmp_path / "error.json")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "lockstep.launch.bootstrap", str(script)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=30,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "freed before the exit" in proc.stdout, (proc.stdout, proc.stderr)
+
+
 # ---------- real launches ----------
 
 

@@ -193,14 +193,13 @@ def main(argv: list[str]) -> int:
     rank = environment().get("RANK", "")
     if rank.isdigit():
         note_stop_signals(settings.postmortem_dir, int(rank))
+    code = 0
     try:
         run_target(argv[0], argv[1:], module)
     except SystemExit as exc:
         code = _exit_code(exc.code)
         if code not in (0, EXIT_PREEMPTED) and error_file:
             record_failure(exc, code, error_file)
-            _release_group()
-        return code
     except KeyboardInterrupt:
         return 130  # interrupted, like any Python program: not a failure worth a traceback
     except BaseException as exc:  # noqa: BLE001 - every failure is reported to the launcher
@@ -210,11 +209,11 @@ def main(argv: list[str]) -> int:
         if not error_file:
             raise exc
         record_failure(exc, 1, error_file)
-        _release_group()
-        return 1
+        code = 1
+    # out of the except blocks, so that the failure's traceback no longer holds the script's frames
     _release_group()
-    gc.collect()  # a DDP module in a reference cycle holds its gloo group: freed now, not in the exit's teardown
-    return 0
+    gc.collect()  # a Session or DDP module in a reference cycle holds its gloo group: freed now, not at exit
+    return code
 
 
 def _release_group() -> None:

@@ -232,3 +232,12 @@ def test_stop_at_world_2_resume_at_worlds_1_2_3_4(tmp_path: Path, one_process: d
             assert (mine - theirs).abs().max().item() < 1e-6, f"resumed at world {world}"
     whole = run_distributed(_run, 2, str(tmp_path / "whole"), 2, None, timeout=120)
     assert all(torch.equal(a, b) for a, b in zip(results[0]["weights"], whole[0]["weights"]))  # bit-identical
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_exhausted_says_what_upcoming_says(drop_last: bool) -> None:
+    """``exhausted`` (no micro-step left) agrees with an empty ``upcoming()`` at every cursor, a short last step too."""
+    sampler = StepSampler(50, plan_batches(12, 2, 4), rank=0, drop_last=drop_last)
+    for cursor in range(0, 51):
+        sampler.cursor = cursor
+        assert sampler.exhausted == (not sampler.upcoming()), (cursor, drop_last)

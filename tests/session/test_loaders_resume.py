@@ -3,8 +3,11 @@ accumulation window open at an epoch's end (FAULTS 27); a session loader's ``len
 
 from __future__ import annotations
 
+import itertools
 import random
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -146,6 +149,16 @@ def test_loader_length_is_constant_and_remaining_counts_down() -> None:
     session.close()
 
 
+def _train_on(session: Any, model: nn.Module, opt: torch.optim.Optimizer, batches: Iterable[Any]) -> list[float]:
+    """One step per batch of ``batches``; the samples trained on, in order."""
+    samples: list[float] = []
+    for x, y in batches:
+        samples += x.flatten().tolist()
+        session.backward(nn.functional.mse_loss(model(x), y))
+        session.step(opt)
+    return samples
+
+
 @pytest.mark.parametrize("order", ["lockstep", "torch"])
 def test_reading_the_batch_size_from_a_first_iterator_loses_no_batch(order: str) -> None:
     """The tutorial's ``b_sz = len(next(iter(train))[0])`` before ``for x, y in train``: a DataLoader's
@@ -158,17 +171,8 @@ def test_reading_the_batch_size_from_a_first_iterator_loses_no_batch(order: str)
     for _ in session.epochs(2):
         b_sz = len(next(iter(train))[0])
         assert b_sz == 3
-        epoch: list[float] = []
-        for i, (x, y) in enumerate(train):
-            epoch += x.flatten().tolist()
-            session.backward(nn.functional.mse_loss(model(x), y))
-            session.step(opt)
-            if i == 1:
-                break  # two steps taken: a new iterator goes on after them
-        for x, y in train:
-            epoch += x.flatten().tolist()
-            session.backward(nn.functional.mse_loss(model(x), y))
-            session.step(opt)
+        epoch = _train_on(session, model, opt, itertools.islice(train, 2))  # two steps, then the iterator is dropped
+        epoch += _train_on(session, model, opt, train)  # a new iterator goes on after them
         seen.append(epoch)
     assert [sorted(e) for e in seen] == [[float(i) for i in range(12)]] * 2  # every sample once per epoch
     assert session.global_step == 8
@@ -189,12 +193,7 @@ def test_the_tutorials_order_reads_the_batch_size_before_set_epoch(order: str) -
         b_sz = len(next(iter(train))[0])
         assert b_sz == 3
         train.sampler.set_epoch(epoch)  # as the tutorial does, on the loader's sampler
-        samples: list[float] = []
-        for x, y in train:
-            samples += x.flatten().tolist()
-            session.backward(nn.functional.mse_loss(model(x), y))
-            session.step(opt)
-        seen.append(samples)
+        seen.append(_train_on(session, model, opt, train))
     assert [sorted(e) for e in seen] == [[float(i) for i in range(12)]] * 3  # every sample once per epoch
     assert seen[0] != seen[1] and session.global_step == 12  # a new order each epoch, 4 steps each
     session.close()

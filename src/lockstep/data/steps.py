@@ -281,6 +281,12 @@ class StepSampler(Sampler[list[Any]]):
         return micro_steps(self.dataset_len, self.cursor, self.plan, self.drop_last)
 
     @property
+    def exhausted(self) -> bool:
+        """True when no micro-step is left in the epoch (what ``not upcoming()`` says, without building them)."""
+        end = self.dataset_len - self.dataset_len % self.plan.global_batch if self.drop_last else self.dataset_len
+        return self.cursor >= end
+
+    @property
     def micro_per_epoch(self) -> int:
         """Micro-batches of a whole epoch (the same on every rank)."""
         return len(micro_steps(self.dataset_len, 0, self.plan, self.drop_last))

@@ -125,7 +125,8 @@ class DeviceLoader:
         if last is not None and last[0] == taken and last[2] == epoch:  # no step, and no set_epoch on the sampler
             self.sampler.load_state_dict(last[1])
             return
-        if epoch is not None and self.remaining == 0:
+        steps = self.steps  # its own test: len() would build the rest of the epoch's micro-steps
+        if epoch is not None and (steps.exhausted if steps is not None else self.remaining == 0):
             # the epoch ran out and no set_epoch came (the tutorial reads the batch size before it):
             # a DataLoader's new iterator goes over the same epoch again, and so does this one
             self.sampler.set_epoch(epoch)

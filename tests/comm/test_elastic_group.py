@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lockstep.comm.elastic import ElasticGroup, describe_change, is_membership_failure
+from lockstep.comm.elastic import ElasticGroup, Objects, describe_change, is_membership_failure
 from lockstep.comm.members import Member, Membership, RoundView
 
 pytestmark = pytest.mark.timeout(120)
@@ -29,14 +29,10 @@ def group() -> Any:
         return 5
 
     out = io.StringIO()
-    g = ElasticGroup(
-        membership,
-        {"model": model},
-        timeout=10,
-        out=out,
-        restore=restore,
-        plan=lambda world: f"micro-batch {24 // world} × accumulation 1",
+    handover = Objects(
+        {"model": model}, describe=lambda world: f"micro-batch {24 // world} × accumulation 1", from_disk=restore
     )
+    g = ElasticGroup(membership, handover, timeout=10, out=out)
     g.keep = store  # type: ignore[attr-defined]
     yield g, model, out
     if dist.is_initialized():

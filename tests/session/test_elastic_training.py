@@ -24,8 +24,8 @@ N, G, CAP = 40, 8, 4
 class _Group:
     """The membership: ``admit`` and ``recover`` move this worker to the world the test sets next."""
 
-    def __init__(self, comm: _Comm) -> None:
-        self.comm, self.stateful, self.plan, self.step, self.joined = comm, {}, None, 0, False
+    def __init__(self, comm: _Comm, handover: Any) -> None:
+        self.comm, self.handover, self.step, self.joined = comm, handover, 0, False
         self.waiting: tuple[int, int] | None = None  # (world, rank) a node joining would give
 
     def start(self) -> None:
@@ -48,15 +48,21 @@ class _Group:
 class _Comm:
     def __init__(self) -> None:
         self.world_size, self.rank = 1, 0
-        self.group = _Group(self)
+        self.group: _Group | None = None
 
-    def join(self) -> None:
+    @property
+    def joined(self) -> bool:
+        return self.group is not None and self.group.joined
+
+    def join(self, handover: Any) -> None:
+        self.group = _Group(self, handover)
         self.group.start()
 
 
 def _training(workers: int = 0) -> tuple[ElasticTraining, TrainState, Accumulator, Any]:
-    comm, state, accum = _Comm(), TrainState(), Accumulator(1)
-    elastic = ElasticTraining(comm, state, accum)  # type: ignore[arg-type]
+    comm, accum = _Comm(), Accumulator(1)
+    elastic = ElasticTraining(comm, accum, lambda boundary: TrainState(boundary=boundary))  # type: ignore[arg-type]
+    state = elastic.state
     loader = make_loader(TensorDataset(torch.arange(N)), CAP, world_size=1, rank=0, global_batch=G, num_workers=workers)
     train = state.loaders.wrap(loader, torch.device("cpu"), train=True, accum=accum)
     return elastic, state, accum, train
@@ -178,3 +184,21 @@ def test_elastic_ddp_averages_gradients_and_shares_buffers_as_ddp_does(sync_buff
     assert (mean0 == mean1) is sync_buffers  # rank 0's running statistics, as DDP broadcasts them
     # a wrapper's tuning has nothing to tune: accepted, left unused, and said so once
     assert ignored == ["bucket_cap_mb"] and "bucket_cap_mb unused under --nodes" in line
+
+
+def test_the_session_side_is_the_groups_handover_and_a_join_by_a_collective_first_is_refused() -> None:
+    from lockstep.comm.elastic import Objects
+
+    elastic, _, _, _ = _training()
+    model = torch.nn.Linear(2, 1)
+    elastic.watch(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.Identity())
+    elastic.start(0)
+    assert elastic.group.handover is elastic  # passed to the join, read at every change
+    assert list(elastic.objects()) == ["position", "model", "optimizer", "precision"]
+    assert elastic.plan(2) == "micro-batch 4 × accumulation 1"  # G 8 over 2 ranks, at most 4 a micro-batch
+    assert elastic.restore() is None  # no session.load yet: no checkpoint is read
+    comm = _Comm()
+    comm.join(Objects())  # a collective on the comm joined first, handing nothing over
+    late = ElasticTraining(comm, Accumulator(1), lambda boundary: TrainState(boundary=boundary))  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="before the session joined the job"):
+        late.start(0)

@@ -12,8 +12,9 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 import torch
 
@@ -21,7 +22,7 @@ from lockstep.comm.handover import broadcast_state
 from lockstep.comm.members import Member, Membership, RoundView
 from lockstep.env import detect_world, read_settings
 
-__all__ = ["ElasticGroup", "is_membership_failure", "describe_change"]
+__all__ = ["ElasticGroup", "Handover", "Objects", "membership_from_env", "is_membership_failure", "describe_change"]
 
 _MARKS = ("gloo", "connection", "timed out", "timeout", "nccl", "broken pipe", "reset by peer", "read error")
 
@@ -70,62 +71,114 @@ def describe_change(view: RoundView, step: int, plan: str, costs: dict[str, floa
     )
 
 
+class Handover(Protocol):
+    """The caller's side of a membership change: what is handed over, and what the change's line says."""
+
+    def objects(self) -> dict[str, Any]:
+        """Name to object with ``state_dict``/``load_state_dict`` (model, optimizer, data position), read at
+        each change."""
+        ...
+
+    def plan(self, world_size: int) -> str:
+        """The batch plan's text at ``world_size`` for the membership line (``""``: none)."""
+        ...
+
+    def restore(self) -> int | None:
+        """Load the disk checkpoint into :meth:`objects` when no member holds the state; its step count,
+        or ``None`` when there is none to load."""
+        ...
+
+
+@dataclass
+class Objects:
+    """A fixed :class:`Handover`: the same objects at every change.
+
+    Args:
+        stateful: name to object with ``state_dict``/``load_state_dict``.
+        describe: the batch plan's text at a world size, for the membership line.
+        from_disk: loads the disk checkpoint into ``stateful`` and returns its step count (first
+            start, or every node lost).
+    """
+
+    stateful: dict[str, Any] = field(default_factory=dict)
+    describe: Callable[[int], str] | None = None
+    from_disk: Callable[[], int] | None = None
+
+    def objects(self) -> dict[str, Any]:
+        """:attr:`stateful`."""
+        return self.stateful
+
+    def plan(self, world_size: int) -> str:
+        """:attr:`describe` at ``world_size``, or ``""``."""
+        return self.describe(world_size) if self.describe is not None else ""
+
+    def restore(self) -> int | None:
+        """:attr:`from_disk`'s step count, or ``None`` without one."""
+        return self.from_disk() if self.from_disk is not None else None
+
+
+def membership_from_env(timeout: float | None = None) -> tuple[Membership, float, Any]:
+    """This worker's rendezvous under ``lockstep run --nodes MIN:MAX`` (store, secret and node from it).
+
+    Args:
+        timeout: seconds a collective waits for a peer; ``$LOCKSTEP_TIMEOUT`` or 60 when ``None``.
+
+    Returns:
+        The membership, the timeout, and the store's client connection (keep it alive with the group).
+    """
+    settings, world = read_settings(), detect_world()
+    host, _, port = settings.elastic_store.rpartition(":")
+    low, _, high = settings.elastic_nodes.partition(":")
+    seconds = float(timeout if timeout is not None else settings.timeout or 60.0)
+    store = torch.distributed.TCPStore(
+        host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=max(seconds, 30.0))
+    )
+    prefixed = torch.distributed.PrefixStore("lockstep-elastic/", store)
+    me = Member.here(settings.node_id, world.local_rank, world.local_world_size)
+    return Membership(prefixed, settings.secret.encode(), me, (int(low), int(high))), seconds, store
+
+
 class ElasticGroup:
     """The process group of a job whose nodes may leave and join (see the module docstring).
 
     Args:
         membership: this worker's rendezvous.
-        stateful: name to object with ``state_dict``/``load_state_dict`` (model, optimizer, data
-            position): what a joiner or a survivor takes from the live peer.
+        handover: what a joiner or a survivor takes from the live peer at each change, the plan
+            the change's line names, and the disk fallback (:class:`Handover`; :class:`Objects`
+            for a fixed set).
         backend: ``"gloo"`` or ``"nccl"``.
         timeout: seconds a collective waits for a peer (how long a cut link takes to detect).
-        plan: the batch plan's text at a world size, for the membership line.
         out: where the membership line goes (rank 0 only); stdout when omitted.
-        restore: called on one member when no member holds a committed step (first start, or
-            every node lost): loads the disk checkpoint into ``stateful``, returns its step count.
+        store: the store's client connection behind ``membership``, kept open with the group.
     """
 
     def __init__(
         self,
         membership: Membership,
-        stateful: dict[str, Any],
+        handover: Handover,
         backend: str = "gloo",
         timeout: float = 60.0,
-        plan: Callable[[int], str] | None = None,
         out: TextIO | None = None,
-        restore: Callable[[], int] | None = None,
+        store: Any = None,
     ) -> None:
-        self.membership, self.stateful, self.backend = membership, dict(stateful), backend
-        self.timeout, self.plan, self.out, self.restore = timeout, plan, out, restore
+        self.membership, self.handover, self.backend = membership, handover, backend
+        self.timeout, self.out = timeout, out
         self.view: RoundView | None = None
         self.step = 0  # steps committed by the job, handed over with the state
         self.events: list[dict[str, Any]] = []
-        self.stateful["elastic"] = self
-        self._store: Any = None  # the store's client connection, kept open with the group
+        self._store = store
         self._restored = False
 
     @classmethod
-    def from_env(cls, stateful: dict[str, Any], **options: Any) -> ElasticGroup:
+    def from_env(cls, handover: Handover, **options: Any) -> ElasticGroup:
         """The group of a worker of ``lockstep run --nodes MIN:MAX`` (store, secret and node from it).
 
         Args:
-            stateful: see :class:`ElasticGroup`.
-            **options: ``backend``, ``timeout``, ``plan``, ``out``, ``restore``.
+            handover: see :class:`ElasticGroup`.
+            **options: ``backend``, ``timeout``, ``out``.
         """
-        settings, world = read_settings(), detect_world()
-        host, _, port = settings.elastic_store.rpartition(":")
-        low, _, high = settings.elastic_nodes.partition(":")
-        given = options.pop("timeout", None)
-        timeout = float(given if given is not None else settings.timeout or 60.0)
-        store = torch.distributed.TCPStore(
-            host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=max(timeout, 30.0))
-        )
-        prefixed = torch.distributed.PrefixStore("lockstep-elastic/", store)
-        me = Member.here(settings.node_id, world.local_rank, world.local_world_size)
-        membership = Membership(prefixed, settings.secret.encode(), me, (int(low), int(high)))
-        group = cls(membership, stateful, timeout=timeout, **options)
-        group._store = store  # kept alive with the group
-        return group
+        membership, timeout, store = membership_from_env(options.pop("timeout", None))
+        return cls(membership, handover, timeout=timeout, store=store, **options)
 
     @property
     def rank(self) -> int:
@@ -247,11 +300,11 @@ class ElasticGroup:
         self.view, formed = view, time.monotonic()
         steps = torch.tensor([m.step for m in view.members])
         src = int(torch.argmax(steps).item())  # the first member with the most committed steps
-        if int(steps[src]) < 0 and self.restore is not None and view.rank == src:
-            self.step, self._restored = self.restore(), True  # nobody holds it in memory: the disk
-        sent = broadcast_state(self.stateful, src)
+        if int(steps[src]) < 0 and view.rank == src and (restored := self.handover.restore()) is not None:
+            self.step, self._restored = restored, True  # nobody holds it in memory: the disk
+        sent = broadcast_state({**self.handover.objects(), "elastic": self}, src)
         costs = {"step lost": lost, "rendezvous": formed - began, "state": time.monotonic() - formed}
-        plan = self.plan(view.world_size) if self.plan else ""
+        plan = self.handover.plan(view.world_size)
         event = {
             "round": view.round,
             "world_size": view.world_size,

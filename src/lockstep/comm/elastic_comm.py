@@ -13,7 +13,7 @@ from datetime import timedelta
 from typing import Any
 
 from lockstep.comm.collectives import GroupComm
-from lockstep.comm.elastic import ElasticGroup
+from lockstep.comm.elastic import ElasticGroup, Handover, Objects, membership_from_env
 from lockstep.env import World
 
 __all__ = ["ElasticComm"]
@@ -22,33 +22,37 @@ __all__ = ["ElasticComm"]
 class ElasticComm(GroupComm):
     """Collectives over the current membership round; rank 0 of a world of 1 until it joins.
 
-    It joins at its first collective or at :meth:`join`, so that the objects handed over on a
-    change can be registered in :attr:`group`'s ``stateful`` first.
+    It joins at :meth:`join`, which is given what a change hands over (the session's model,
+    optimizer and data position), or at its first collective, handing nothing over.
 
     Args:
         here: this worker as its node's launcher described it (its local rank and node size).
-        group: the job's elastic group, not joined yet.
+        open_group: makes the job's :class:`~lockstep.comm.elastic.ElasticGroup` for a handover, at the join.
     """
 
-    def __init__(self, here: World, group: ElasticGroup) -> None:
+    def __init__(self, here: World, open_group: Callable[[Handover], ElasticGroup]) -> None:
         self._here = here
-        self.group = group
+        self._open_group = open_group
+        self.group: ElasticGroup | None = None  # made at the join
         super().__init__(here, "gloo", peers=[])
 
     @classmethod
     def from_env(cls, here: World, timeout: timedelta) -> ElasticComm:
         """The comm of a worker of ``lockstep run --nodes MIN:MAX`` (store, secret and node from the environment).
 
+        The rendezvous store is reached now; the group forms at the join.
+
         Args:
             here: this worker as its launcher described it.
             timeout: how long a collective waits for a peer (how long a cut link takes to detect).
         """
-        return cls(here, ElasticGroup.from_env({}, timeout=timeout.total_seconds()))
+        membership, seconds, store = membership_from_env(timeout.total_seconds())
+        return cls(here, lambda handover: ElasticGroup(membership, handover, timeout=seconds, store=store))
 
     @property  # the base class keeps a fixed world; this one follows the rounds
     def world(self) -> World:
         """The current round's world (rank 0 of 1 before :meth:`join`)."""
-        view = self.group.view
+        view = self.group.view if self.group is not None else None
         if view is None:
             return World(source="lockstep run --nodes")
         nodes = list(dict.fromkeys(m.node for m in view.members))
@@ -70,16 +74,27 @@ class ElasticComm(GroupComm):
     @property
     def round(self) -> int:
         """The membership round this worker is in (a new one after each change; ``-1`` before :meth:`join`)."""
-        return self.group.view.round if self.group.view is not None else -1
+        view = self.group.view if self.group is not None else None
+        return view.round if view is not None else -1
 
-    def join(self) -> bool:
+    @property
+    def joined(self) -> bool:
+        """True once this worker is in the job's group."""
+        return self.group is not None and self.group.joined
+
+    def join(self, handover: Handover | None = None) -> bool:
         """Enter the job, once: the first round's group forms and the state comes from a live peer.
+
+        Args:
+            handover: what this and every later change hands over (nothing when ``None``).
 
         Returns:
             True when this call joined (False: already in).
         """
-        if self.group.joined:
+        if self.joined:
             return False
+        if self.group is None:
+            self.group = self._open_group(handover if handover is not None else Objects())
         self.group.start()
         return True
 
@@ -88,7 +103,7 @@ class ElasticComm(GroupComm):
         return super()._call(name, fn, *args, **kwargs)
 
     def shutdown(self) -> None:
-        if not self.group.joined:
+        if not self.joined:
             self._alive = False
             return
         super().shutdown()

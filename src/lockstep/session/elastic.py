@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from lockstep.comm.collectives import Comm
-from lockstep.comm.elastic import is_membership_failure
+from lockstep.comm.elastic import ElasticGroup, is_membership_failure
 from lockstep.comm.elastic_comm import ElasticComm
 from lockstep.data.steps import plan_batches
 from lockstep.env import World
@@ -79,31 +79,45 @@ class CommittedPosition:
 class ElasticTraining:
     """What the session does at the step boundaries of a job whose nodes leave and join.
 
-    The training loaders ask it at each step's first batch (:meth:`at_boundary`) and restart from the
-    committed position when :attr:`generation` moved.
+    It is the training loaders' step boundary: they ask it at each step's first batch
+    (:meth:`at_boundary`) and restart from the committed position when :attr:`generation` moved.
+    It is also the group's :class:`~lockstep.comm.elastic.Handover`: what a change hands over
+    (:meth:`objects`), the plan its line names (:meth:`plan`) and the disk fallback (:meth:`restore`).
 
     Args:
-        comm: the session's :class:`~lockstep.comm.elastic_comm.ElasticComm`.
-        state: the session's counters and loaders.
+        comm: the session's :class:`~lockstep.comm.elastic_comm.ElasticComm`, not joined yet.
         accum: the session's :class:`~lockstep.session.loop.Accumulator` (re-planned after a change).
+        new_state: builds the session's :class:`~lockstep.session.state.TrainState` with the given
+            step boundary (this object) for its loaders.
     """
 
-    def __init__(self, comm: ElasticComm, state: TrainState, accum: Any) -> None:
-        self.comm, self.state, self.accum = comm, state, accum
-        self.group = comm.group
-        self.position = CommittedPosition(state)
+    def __init__(self, comm: ElasticComm, accum: Any, new_state: Callable[[ElasticTraining], TrainState]) -> None:
+        self.comm, self.accum = comm, accum
+        self.state = new_state(self)
+        self.position = CommittedPosition(self.state)
         self.generation = 0  # moves at every change: a loader then restarts from the committed position
         self._began = time.monotonic()  # the current step's start (its first batch): what a dropped step lost
         self._models: list[nn.Module] = []
         self._optimizers: list[torch.optim.Optimizer] = []
-        self.group.stateful["position"] = self.position
-        self.group.plan = self._plan
-        state.loaders.boundary = self
+        self._precision: Any = None
+        self._from_disk: Callable[[], int] | None = None  # session.load's: reads the newest checkpoint
 
     @classmethod
-    def of(cls, comm: Comm, state: TrainState, accum: Any) -> ElasticTraining | None:
-        """The session's elastic side when ``comm`` is an :class:`ElasticComm`, else ``None``."""
-        return cls(comm, state, accum) if isinstance(comm, ElasticComm) else None
+    def of(
+        cls, comm: Comm, accum: Any, new_state: Callable[[ElasticTraining | None], TrainState]
+    ) -> tuple[TrainState, ElasticTraining | None]:
+        """The session's state, and its elastic side when ``comm`` is an :class:`ElasticComm` (else ``None``)."""
+        if not isinstance(comm, ElasticComm):
+            return new_state(None), None
+        elastic = cls(comm, accum, new_state)
+        return elastic.state, elastic
+
+    @property
+    def group(self) -> ElasticGroup:
+        """The job's group (once joined)."""
+        if self.comm.group is None:
+            raise RuntimeError("the elastic group is made at the join: call start, at_boundary or load first")
+        return self.comm.group
 
     def folders(self) -> FolderLocks:
         """Checkpoint folders without a lock: the lock's holder, rank 0, changes with the membership."""
@@ -111,25 +125,33 @@ class ElasticTraining:
 
     def watch(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, precision: Any) -> None:
         """Hand ``model``, ``optimizer`` and the precision's state over at every change."""
-        n = len(self._models)
         self._models.append(model)
-        self.group.stateful[f"model{n or ''}"] = model
         if optimizer is not None:
-            self.group.stateful[f"optimizer{len(self._optimizers) or ''}"] = optimizer
             self._optimizers.append(optimizer)
-        self.group.stateful["precision"] = precision
+        self._precision = precision
+
+    def objects(self) -> dict[str, Any]:
+        """What a change hands over: the committed position, every model and optimizer, the precision's state."""
+        handed: dict[str, Any] = {"position": self.position}
+        handed.update({f"model{n or ''}": model for n, model in enumerate(self._models)})
+        handed.update({f"optimizer{n or ''}": opt for n, opt in enumerate(self._optimizers)})
+        if self._precision is not None:
+            handed["precision"] = self._precision
+        return handed
+
+    def restore(self) -> int | None:
+        """No member holds the state: read the newest checkpoint (once ``session.load`` asked for it)."""
+        return self._from_disk() if self._from_disk is not None else None
 
     def start(self, epoch: int) -> int:
         """Join the job if not in yet; returns the epoch to run (a running job's may be later)."""
-        if not self.group.joined:
-            self._join()
+        self._enter()
         # a running job's epoch wins over the script's start; a fresh job (every worker new) starts alike everywhere
         return self.state.epoch if self.group.step > 0 else max(epoch, self.state.epoch)
 
     def at_boundary(self) -> None:
         """A step is about to start: join, or let in a node that waits (every rank, same step)."""
-        if not self.group.joined:
-            self._join()
+        if self._enter():
             return
         self.position.commit()  # nothing is in flight here: the live position (maybe a new epoch's start) is the one
         if self.group.admit():
@@ -175,9 +197,8 @@ class ElasticTraining:
             self.position.commit()
             return self.state.global_step + self.state.skipped_steps
 
-        self.group.restore = from_disk
-        if not self.group.joined:
-            self._join()
+        self._from_disk = from_disk
+        self._enter()
         state = self.state
         mine = loaded[0] if loaded else ResumeState()
         return ResumeState(
@@ -189,10 +210,20 @@ class ElasticTraining:
             unusable=mine.unusable,
         )
 
-    def _join(self) -> None:
+    def _enter(self) -> bool:
+        """Join the job unless in already; True when this call joined."""
+        group = self.comm.group
+        if group is not None and group.handover is not self:  # a collective joined first, handing nothing over
+            raise RuntimeError(
+                "under lockstep run --nodes, a collective ran on the session's comm before the session joined "
+                "the job, so a change would hand over none of its state: run collectives after session.epochs starts"
+            )
+        if self.comm.joined:
+            return False
         self.position.commit()
-        self.comm.join()
+        self.comm.join(self)
         self._changed()
+        return True
 
     def _changed(self) -> None:
         """The group was rebuilt: the committed position back, gradients zeroed, batches re-planned."""
@@ -207,11 +238,11 @@ class ElasticTraining:
                 loader.steps.resize(world, rank)
         first = self.state.loaders.first
         if first is not None and first.steps is not None:
-            self.accum.k = first.steps.plan.accumulate
+            self.accum.resize(first.steps.plan.accumulate)
         self.accum.after_step()  # a fresh accumulation window
         self.generation += 1
 
-    def _plan(self, world_size: int) -> str:
+    def plan(self, world_size: int) -> str:
         """The membership line's batch plan at ``world_size`` (the first training loader's)."""
         first = self.state.loaders.first
         if first is None or first.steps is None:

@@ -29,6 +29,9 @@ class DeviceLoader:
         train: a training loader: its sampler position advances per batch.
         on_batch: told of each training batch before the model sees it (the accumulation window).
         timer: times each wait for a training batch (:mod:`lockstep.session.timings`), or ``None``.
+        tracker: the session's :class:`TrainLoaders`, told when a training batch goes out or the loader runs out.
+        boundary: under ``--nodes``, asked at each step's first batch (:mod:`lockstep.session.elastic`).
+        before_batch: called before a training batch is handed out (the session's agreed stop).
     """
 
     def __init__(
@@ -38,6 +41,10 @@ class DeviceLoader:
         train: bool,
         on_batch: Callable[..., None] | None = None,
         timer: Any = None,
+        *,
+        tracker: TrainLoaders | None = None,
+        boundary: Any = None,
+        before_batch: Callable[[], None] | None = None,
     ) -> None:
         from lockstep.data.loader import move_to_device
 
@@ -47,11 +54,11 @@ class DeviceLoader:
         self._move = move_to_device
         self._non_blocking = device.type == "cuda"
         self._on_batch = on_batch if train else None
-        self.tracker: Any = None  # the session's TrainLoaders, told when a batch goes out or the loader runs out
+        self.tracker = tracker if train else None
         self.timer = timer if train else None
         self.share = 0  # samples of this rank in the batch last handed out (0: a zero-weight stand-in)
-        self.boundary: Any = None  # under --nodes: asked at each step's first batch (session.elastic)
-        self.before_batch: Callable[[], None] | None = None  # a training batch is about to be handed out
+        self.boundary = boundary if train else None
+        self.before_batch = before_batch if train else None
         self._pass_start: tuple[int, dict[str, Any], int | None] | None = (
             None  # (steps so far, position, epoch) at the last iter()
         )
@@ -101,8 +108,8 @@ class DeviceLoader:
         return int(samples // size if self.loader.drop_last else -(-samples // size))
 
     def __iter__(self) -> Iterator[Any]:
-        if self.train and self.tracker is not None and self.boundary is None:
-            self._start_pass()
+        if self.tracker is not None and self.boundary is None:
+            self._start_pass(self.tracker)
         steps = self.steps  # one pass of the default order, unless under --nodes a change can start another
         batches = (
             self._iter_padded()
@@ -117,10 +124,10 @@ class DeviceLoader:
         """The sampler's position was set from outside (a new epoch, a checkpoint): a new iterator starts there."""
         self._pass_start = None
 
-    def _start_pass(self) -> None:
+    def _start_pass(self, tracker: TrainLoaders) -> None:
         """A new iterator starts where the last one did when no step was taken since (as a DataLoader's
         starts its epoch again): ``len(next(iter(loader))[0])`` then ``for batch in loader`` loses no batch."""
-        taken, epoch = self.tracker.steps_taken(), getattr(self.sampler, "epoch", None)
+        taken, epoch = tracker.steps_taken(), getattr(self.sampler, "epoch", None)
         last = self._pass_start
         if last is not None and last[0] == taken and last[2] == epoch:  # no step, and no set_epoch on the sampler
             self.sampler.load_state_dict(last[1])
@@ -216,15 +223,21 @@ class TrainLoaders:
     out its whole epoch.
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        steps_taken: Callable[[], int] = lambda: 0,
+        on_add: Callable[[], None] | None = None,
+        before_batch: Callable[[], None] | None = None,
+        boundary: Any = None,
+    ) -> None:
         self._refs: list[weakref.ref[DeviceLoader]] = []
         self._pending: list[dict[str, Any]] = []
         self._epoch = 0
         self.epoch_done = False  # written by the loaders: True once one ran out after the last batch
-        self.on_add: Callable[[], None] | None = None  # told when a training loader is made (TrainState's)
-        self.boundary: Any = None  # under --nodes: given to each training loader (session.elastic)
-        self.before_batch: Callable[[], None] | None = None  # given to each training loader (the session's stop)
-        self.steps_taken: Callable[[], int] = lambda: 0  # steps taken and skipped so far (TrainState's)
+        self.steps_taken = steps_taken
+        self.on_add = on_add
+        self.before_batch = before_batch
+        self.boundary = boundary
 
     @property
     def live(self) -> list[DeviceLoader]:
@@ -282,13 +295,17 @@ class TrainLoaders:
         timer: Any = None,
     ) -> DeviceLoader:
         """Return ``loader`` as a :class:`DeviceLoader` on ``device``; a training one is tracked (:meth:`add`)."""
-        wrapped = DeviceLoader(loader, device, train, accum.on_batch if accum is not None else on_batch, timer)
-        if train:
-            self.add(wrapped)
-            if accum is not None and wrapped.steps is not None and wrapped is self.first:
-                accum.k = wrapped.steps.plan.accumulate
-            if self.on_add is not None:
-                self.on_add()
+        on_batch = accum.on_batch if accum is not None else on_batch
+        if not train:
+            return DeviceLoader(loader, device, train, on_batch, timer)
+        wrapped = DeviceLoader(
+            loader, device, train, on_batch, timer, tracker=self, boundary=self.boundary, before_batch=self.before_batch
+        )
+        self.add(wrapped)
+        if accum is not None and wrapped.steps is not None and wrapped is self.first:
+            accum.resize(wrapped.steps.plan.accumulate)
+        if self.on_add is not None:
+            self.on_add()
         return wrapped
 
     def add(self, loader: DeviceLoader) -> None:
@@ -299,7 +316,6 @@ class TrainLoaders:
             self._pending = []
             loader.sampler.set_epoch(self._epoch)
         loader.position_set()
-        loader.tracker, loader.boundary, loader.before_batch = self, self.boundary, self.before_batch
         self._refs.append(weakref.ref(loader))
 
     def set_epoch(self, epoch: int) -> None:

@@ -50,6 +50,10 @@ class Accumulator:
         self._models: list[nn.Module] = []
         self._strategy: Any = None
 
+    def resize(self, k: int) -> None:
+        """Micro-steps per optimizer step from the next window on (a training loader's batch plan)."""
+        self.k = k
+
     def attach(self, strategy: Any, model: nn.Module) -> None:
         """Add a wrapped model to the accumulation (each model's gradient sync waits alike); open the window."""
         self._close()

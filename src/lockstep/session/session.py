@@ -135,7 +135,13 @@ class Session(Observing):
         self.precision = build_precision(run.precision, self.device, comm=self.comm)
         self.strategy = get_strategy(run.strategy, self.comm, self.device, **run.strategy_kwargs(self.world_size))
         seed_everything(run.seed)
-        self.state = TrainState(self.rank, self.world_size, say=None if run.quiet else self.print)
+
+        def new_state(boundary: ElasticTraining | None) -> TrainState:
+            say = None if run.quiet else self.print
+            return TrainState(self.rank, self.world_size, say, before_batch=self._stop_if_due, boundary=boundary)
+
+        # under --nodes, the elastic side is the loaders' step boundary and joins the job itself
+        self.state, self._elastic = ElasticTraining.of(self.comm, self._accum, new_state)
         self._steps = TrainStep(
             self.state,
             self._accum,
@@ -148,7 +154,6 @@ class Session(Observing):
             timer=self._observe(run),
         )
         self._checks = LoopChecks(self.comm)  # setup before backward before step; equal replicas
-        self._elastic = ElasticTraining.of(self.comm, self.state, self._accum)  # only under --nodes
         self._models: list[ModelWrappers] = []  # each setup's layers
         self._bound: dict[int, tuple[Optimizer, ModelWrappers]] = {}  # id(optimizer) -> (it, its model's layers)
         self._counted: Optimizer | None = None  # the optimizer whose steps global_step counts: the first one
@@ -158,7 +163,6 @@ class Session(Observing):
         self._folders = self._elastic.folders() if self._elastic else FolderLocks(self.comm)  # one live job each
         self._saves = SaveInFlight(self.comm)
         self._stop_due = False  # the ranks agreed to stop: at the next training batch, or the next epoch
-        self.state.loaders.before_batch = self._stop_if_due
 
     @classmethod
     def from_config(cls, config: SessionConfig) -> Session:

@@ -78,17 +78,31 @@ class TrainState:
         rank: this process's rank (picks its RNG state out of a checkpoint).
         world_size: ranks in the job (RNG states are restored only at the same world size).
         say: prints the line of a resume at another world size (:meth:`replan_line`); ``None``: quiet.
+        before_batch: called before each training batch is handed out (the session's agreed stop).
+        boundary: under ``--nodes``, asked at each step's first batch
+            (:class:`~lockstep.session.elastic.ElasticTraining`).
     """
 
-    def __init__(self, rank: int = 0, world_size: int = 1, say: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        rank: int = 0,
+        world_size: int = 1,
+        say: Callable[[str], None] | None = None,
+        *,
+        before_batch: Callable[[], None] | None = None,
+        boundary: Any = None,
+    ) -> None:
         self.rank, self.world_size, self.say = rank, world_size, say
         self.epoch = 0
         self.global_step = 0
         self.skipped_steps = 0
-        self.loaders = TrainLoaders()
         self._resumed_from: tuple[int, int | None] | None = None  # (world size, global batch) of a checkpoint
-        self.loaders.on_add = self._say_replan
-        self.loaders.steps_taken = lambda: self.global_step + self.skipped_steps
+        self.loaders = TrainLoaders(
+            steps_taken=lambda: self.global_step + self.skipped_steps,
+            on_add=self._say_replan,
+            before_batch=before_batch,
+            boundary=boundary,
+        )
 
     @property
     def epoch_done(self) -> bool:

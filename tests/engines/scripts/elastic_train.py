@@ -108,10 +108,10 @@ def main() -> None:
         torch.save(model.state_dict(), os.path.join(args.ledger, "reference.pt"))
         return
 
-    from lockstep.comm.elastic import ElasticGroup
+    from lockstep.comm.elastic import ElasticGroup, Objects
 
     group = ElasticGroup.from_env(
-        {"model": model, "optimizer": opt}, plan=lambda world: describe(args.global_batch, world)
+        Objects({"model": model, "optimizer": opt}, describe=lambda world: describe(args.global_batch, world))
     )
     group.start()
     me = f"{os.environ.get('LOCKSTEP_NODE_ID', 'node')}-{os.environ.get('LOCAL_RANK', '0')}"

@@ -24,6 +24,10 @@ CASES = {
         ["overhead.py", "--workload", "tiny", "--rounds", "1", "--seconds", "0.05"],
         r"lockstep/raw = [0-9.]+ \(median of paired rounds",
     ),
+    "step_costs": (
+        ["step_costs.py", "--rounds", "1", "--seconds", "0.05"],
+        r"\+finite +[0-9.]+ +[-+][0-9.]+ +[-+][0-9.]+%(.|\n)*defaults +[0-9.]+",
+    ),
     "checkpoint": (["checkpoint.py", "--mb", "2", "--saves", "1"], r"blocked time async / blocking: [0-9.]+"),
     "zero_memory": (["zero_memory.py", "--mb", "2"], r"largest optimizer state per rank: sharded / plain = [0-9.]+"),
     "launch": (["launch.py", "--runs", "1", "--no-first-step"], r"no-op job, wall +[0-9.]+ s +[0-9.]+ s"),

@@ -1,0 +1,118 @@
+"""What each feature of the Session's step costs, in microseconds of host time per step.
+
+Two ranks on gloo (``lockstep.spawn``, a ``file://`` rendezvous) train the same model with the
+same data in several arms, interleaved round by round (the order rotates), so that the machine's
+background load falls on every arm alike:
+
+* ``raw``: the seed tutorial's loop (``DistributedDataParallel``, ``DistributedSampler``, SGD);
+* ``all-off``: ``Session(strategy="ddp")`` with ``timings_every=0``, ``nonfinite="ignore"``,
+  ``preemption="off"`` and the collective record detached: the Session's bare step;
+* ``+timings``, ``+finite``, ``+preemption``, ``+record``: ``all-off`` with one feature back on
+  (step timings every 5 steps, the non-finite check, the preemption poll, the post-mortem
+  record of the backward's sync point);
+* ``defaults``: every feature on, as ``Session(strategy="ddp")`` runs.
+
+Each feature's cost is its arm's median microseconds per step minus ``all-off``'s, median over
+the paired rounds; the same figure is printed as a share of the step of the seed's ConvNet
+(batch 100) when ``--workload convnet`` is run. The replica check (steps 1, 2, 4, ... 1024, then
+every 1024) and the loader's per-batch shares are part of every Session arm.
+
+Run it on a quiet machine (the load average is printed with the figures)::
+
+    OMP_NUM_THREADS=1 python benchmarks/step_costs.py                      # Linear(10, 10), batch 4
+    OMP_NUM_THREADS=1 python benchmarks/step_costs.py --workload convnet
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import lockstep
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from overhead import WORKLOADS, _calibrate, _window, build_data, lockstep_arm, raw_arm  # noqa: E402
+
+FEATURES = {
+    "timings": {"timings_every": 5},
+    "finite": {"nonfinite": "skip"},
+    "preemption": {"preemption": "save"},
+}
+"""The Session options that switch a feature back on over ``all-off``."""
+ALL_OFF = {"timings_every": 0, "nonfinite": "ignore", "preemption": "off"}
+
+
+def _session(options: dict[str, Any], record: bool) -> Any:
+    session = lockstep.Session(strategy="ddp", seed=0, quiet=True, **options)
+    if not record:  # no public switch: the record is always on; detached here to price it
+        session.comm.watchdog.record = None
+    return session
+
+
+def rank_main(workload: str, rounds: int, seconds: float) -> dict[str, Any]:
+    """One rank: build every arm, warm them up, time them interleaved; rank 0 reports."""
+    torch.set_num_threads(1)
+    data = build_data(workload)
+    sessions = {
+        "all-off": _session(ALL_OFF, record=False),
+        **{f"+{name}": _session({**ALL_OFF, **option}, record=False) for name, option in FEATURES.items()},
+        "+record": _session(ALL_OFF, record=True),
+        "defaults": _session({}, record=True),
+    }
+    first = next(iter(sessions.values()))
+    steps_of: dict[str, Callable[[], None]] = {"raw": raw_arm(workload, data, first.rank, first.world_size)}
+    steps_of.update({arm: lockstep_arm(workload, data, session) for arm, session in sessions.items()})
+    arms = list(steps_of)
+    for arm in arms:
+        _window(steps_of[arm], 10)  # warm-up
+    steps = _calibrate(steps_of["raw"], seconds)
+    micros: dict[str, list[float]] = {arm: [] for arm in arms}
+    for r in range(rounds):
+        for arm in arms[r % len(arms) :] + arms[: r % len(arms)]:
+            micros[arm].append(1e6 / _window(steps_of[arm], steps))
+    for session in sessions.values():
+        session.close()
+    return {"micros": micros, "steps": steps}
+
+
+def summarize(workload: str, report: dict[str, Any]) -> str:
+    """Median µs per step per arm, and each feature's cost over ``all-off`` (median of paired rounds)."""
+    micros = report["micros"]
+    base = micros["all-off"]
+    raw = statistics.median(micros["raw"])
+    lines = [
+        f"{workload}: {len(base)} interleaved rounds of {report['steps']} steps at world 2 (gloo)",
+        f"  {'arm':12s} {'µs/step':>9s} {'over all-off':>13s} {'of the step':>12s}",
+    ]
+    for arm, values in micros.items():
+        extra = statistics.median(a - b for a, b in zip(values, base))
+        lines.append(f"  {arm:12s} {statistics.median(values):9.1f} {extra:+13.1f} {extra / raw:+12.2%}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    """Run the chosen workload and print the table."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", choices=tuple(WORKLOADS), default="tiny")
+    parser.add_argument("--rounds", type=int, default=21, help="interleaved rounds per arm (default 21)")
+    parser.add_argument("--seconds", type=float, default=0.5, help="length of one timed window (default 0.5)")
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, lockstep {lockstep.__version__}, load average {os.getloadavg()}")
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["LOCKSTEP_INIT_METHOD"] = f"file://{tmp}/rendezvous"
+        os.environ["OMP_NUM_THREADS"] = "1"
+        report = lockstep.spawn(rank_main, 2, args=(args.workload, args.rounds, args.seconds))[0]
+    print(summarize(args.workload, report))
+    print(f"load average after: {os.getloadavg()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -5,7 +5,8 @@
 # $STATE; every daemon runs under nsrun.sh, in its own PID namespace, so killing the recorded pid
 # ends it with all it started.
 #
-# Functions: hosts_up, munge_up, slurm_up, cluster_down (idempotent; safe after a partial start).
+# Functions: hosts_up, munge_up, slurm_up, cluster_down (idempotent; safe after a partial start),
+# cgroup_remove.
 
 NODES=(node0 node1 node2)
 ADDRS=(192.0.2.1 192.0.2.2 192.0.2.3)
@@ -151,12 +152,26 @@ kill_recorded() {  # kill_recorded NAME: end a process this script started, by i
     return 0
 }
 
+cgroup_remove() {  # cgroup_remove FILE: remove the cgroup FILE names (a host's CPU slice), and FILE
+    local dir pid
+    dir=$(cat "$1")
+    for _ in $(seq 50); do  # what still runs there (after a failure) is ended first, then the group goes
+        [ -d "$dir" ] || break
+        while read -r pid; do kill -KILL "$pid" 2>/dev/null; done 2>/dev/null <"$dir/cgroup.procs"
+        rmdir "$dir" 2>/dev/null && break
+        sleep 0.1
+    done
+    [ -d "$dir" ] && log "could not remove the cgroup $dir"
+    rm -f "$1"
+}
+
 cluster_down() {
     [ -n "${STATE:-}" ] && [ -d "$STATE" ] || return 0
-    local name
+    local name file
+    # a scenario's hosts' CPU slices where it was killed before it removed them
+    for file in "$STATE"/work/*/cgroup-d*; do [ -f "$file" ] && cgroup_remove "$file"; done
     # no scancel first: killing each slurmd's PID namespace ends every job step it started
     # the scenarios' own background processes, then the daemons (each in its own PID namespace)
-    local file
     for file in "$STATE"/pids/*; do
         name=${file##*/}
         case $name in slurm* | munged | "*") ;; *) kill_recorded "$name" ;; esac

@@ -9,11 +9,18 @@
 # a child of a small shell that is process 1 of a fresh PID namespace: when this script's process
 # (unshare, by then) is killed, the kernel kills everything inside. unshare blocks SIGTERM while it
 # waits for that shell: stop it with SIGKILL.
+#
+# Where STATE also holds `cgroup-NODE` (only where a scenario asked for it: comm_hosts_slices in
+# scenarios.sh), it names a cgroup directory, NODE's own share of the CPUs: this script moves itself
+# into it before it execs, so the command and everything it starts run there.
 set -euo pipefail
 state=$1 node=$2
 shift 2
 ns=$(cat "$state/netns-$node")
 hosts=${NSRUN_HOSTS:-$state/hosts}
+if [ -f "$state/cgroup-$node" ]; then
+    echo $$ >"$(cat "$state/cgroup-$node")/cgroup.procs"
+fi
 # shellcheck disable=SC2016  # the inner shell expands its own arguments
 exec nsenter --net="/run/netns/$ns" -- \
     unshare --uts --mount --pid --fork --kill-child --mount-proc -- \

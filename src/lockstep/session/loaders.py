@@ -296,11 +296,11 @@ class TrainLoaders:
     ) -> DeviceLoader:
         """Return ``loader`` as a :class:`DeviceLoader` on ``device``; a training one is tracked (:meth:`add`)."""
         on_batch = accum.on_batch if accum is not None else on_batch
-        if not train:
-            return DeviceLoader(loader, device, train, on_batch, timer)
         wrapped = DeviceLoader(
             loader, device, train, on_batch, timer, tracker=self, boundary=self.boundary, before_batch=self.before_batch
-        )
+        )  # an evaluation loader keeps none of the three
+        if not train:
+            return wrapped
         self.add(wrapped)
         if accum is not None and wrapped.steps is not None and wrapped is self.first:
             accum.resize(wrapped.steps.plan.accumulate)

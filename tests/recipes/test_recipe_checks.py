@@ -196,3 +196,28 @@ def test_only_node_0_probes_the_checkpoint_lock(tmp_path: Path) -> None:
             check_out(TrainConfig(out=str(tmp_path / "run"), nodes=2, node_rank=0, master="node0:29400"))
     finally:
         held.release()
+
+
+def test_a_run_started_together_is_named_by_its_out_not_its_checkpoints(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two runs started together on one --out: the other run's launcher takes --out just after this one's
+    look, and its rank 0 the checkpoints; the refusal names the --out that run holds."""
+    import lockstep.recipes.checks as checks
+    from lockstep.checkpoint import lock_folder
+
+    out, held = tmp_path / "run", []
+    probe = checks._try_lock
+
+    def the_other_run_starts_first(checkpoints: Any, folder: Any) -> None:
+        comm = Comm(World())
+        held.extend([lock_folder(out, comm), lock_folder(out / "checkpoints", comm)])  # its launcher, its rank 0
+        probe(checkpoints, folder)
+
+    monkeypatch.setattr(checks, "_try_lock", the_other_run_starts_first)
+    try:
+        with pytest.raises(ConfigError, match=rf"--out {re.escape(str(out))} is in use by another lockstep train"):
+            check_out(TrainConfig(out=str(out)))
+    finally:
+        for lock in held:
+            lock.release()

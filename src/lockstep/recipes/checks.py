@@ -45,7 +45,13 @@ def check_out(config: TrainConfig) -> None:
         return  # the folder is node 0's to lock (rank 0 holds it); on a shared file system the
         # other nodes' launchers would find each other's probes and refuse their own job
     refuse_if_in_use(out)  # a lockstep train's launcher holds it: named before its rank 0's hold below
-    _try_lock(out / CHECKPOINTS, out)
+    try:
+        _try_lock(out / CHECKPOINTS, out)
+    except ConfigError:
+        # a run started together with this one: its launcher took --out after the look above and its
+        # rank 0 the checkpoints since; the --out it holds is what to name
+        refuse_if_in_use(out)
+        raise
 
 
 def _holds_a_run(out: Path) -> bool:

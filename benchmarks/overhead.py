@@ -86,8 +86,8 @@ def build_data(workload: str) -> Dataset[Any]:
 
 
 def raw_arm(workload: str, data: Dataset[Any], rank: int, world_size: int) -> Callable[[], None]:
-    """The seed tutorial's DDP loop, one step per call."""
-    model = nn.parallel.DistributedDataParallel(build_model(workload))
+    """The seed tutorial's DDP loop, one step per call (one process: the bare model, as the Session's)."""
+    model = nn.parallel.DistributedDataParallel(build_model(workload)) if world_size > 1 else build_model(workload)
     criterion = nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(model.parameters(), 1e-4)
     sampler: Any = torch.utils.data.distributed.DistributedSampler(data, num_replicas=world_size, rank=rank)
@@ -208,12 +208,15 @@ def peer_arms(workload: str, data: Dataset[Any], world_size: int) -> tuple[dict[
 
 
 def _window(step: Callable[[], None], steps: int) -> float:
-    """Steps per second over ``steps`` steps, between barriers (rank 0's clock)."""
-    dist.barrier()
+    """Steps per second over ``steps`` steps, between barriers (rank 0's clock; one process: no barrier)."""
+    together = dist.is_initialized()
+    if together:
+        dist.barrier()
     began = time.perf_counter()
     for _ in range(steps):
         step()
-    dist.barrier()
+    if together:
+        dist.barrier()
     return steps / (time.perf_counter() - began)
 
 
@@ -221,7 +224,8 @@ def _calibrate(step: Callable[[], None], seconds: float) -> int:
     """Steps that take about ``seconds`` (the same count on every rank: rank 0's)."""
     rate = _window(step, 20)
     count = torch.tensor([max(20, int(rate * seconds))])
-    dist.broadcast(count, 0)
+    if dist.is_initialized():
+        dist.broadcast(count, 0)
     return int(count.item())
 
 

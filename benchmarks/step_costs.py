@@ -17,10 +17,14 @@ the paired rounds; the same figure is printed as a share of the step of the seed
 (batch 100) when ``--workload convnet`` is run. The replica check (steps 1, 2, 4, ... 1024, then
 every 1024) and the loader's per-batch shares are part of every Session arm.
 
+``--world 1`` runs one process: no all-reduce to wait for, so what is left is the host time each
+feature adds, with far less noise than two ranks sharing two cores (the record is not kept there).
+
 Run it on a quiet machine (the load average is printed with the figures)::
 
     OMP_NUM_THREADS=1 python benchmarks/step_costs.py                      # Linear(10, 10), batch 4
     OMP_NUM_THREADS=1 python benchmarks/step_costs.py --workload convnet
+    OMP_NUM_THREADS=1 python benchmarks/step_costs.py --world 1           # host time alone
 """
 
 from __future__ import annotations
@@ -79,7 +83,7 @@ def rank_main(workload: str, rounds: int, seconds: float) -> dict[str, Any]:
             micros[arm].append(1e6 / _window(steps_of[arm], steps))
     for session in sessions.values():
         session.close()
-    return {"micros": micros, "steps": steps}
+    return {"micros": micros, "steps": steps, "world": first.world_size}
 
 
 def summarize(workload: str, report: dict[str, Any]) -> str:
@@ -88,7 +92,8 @@ def summarize(workload: str, report: dict[str, Any]) -> str:
     base = micros["all-off"]
     raw = statistics.median(micros["raw"])
     lines = [
-        f"{workload}: {len(base)} interleaved rounds of {report['steps']} steps at world 2 (gloo)",
+        f"{workload}: {len(base)} interleaved rounds of {report['steps']} steps at world {report['world']}"
+        + (" (gloo)" if report["world"] > 1 else ": host time alone"),
         f"  {'arm':12s} {'µs/step':>9s} {'over all-off':>13s} {'of the step':>12s}",
     ]
     for arm, values in micros.items():
@@ -103,12 +108,19 @@ def main() -> int:
     parser.add_argument("--workload", choices=tuple(WORKLOADS), default="tiny")
     parser.add_argument("--rounds", type=int, default=21, help="interleaved rounds per arm (default 21)")
     parser.add_argument("--seconds", type=float, default=0.5, help="length of one timed window (default 0.5)")
+    parser.add_argument(
+        "--world",
+        type=int,
+        choices=(1, 2),
+        default=2,
+        help="ranks (default 2); 1 prices the host time alone, without the all-reduce's wait (no record there)",
+    )
     args = parser.parse_args()
     print(f"torch {torch.__version__}, lockstep {lockstep.__version__}, load average {os.getloadavg()}")
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["LOCKSTEP_INIT_METHOD"] = f"file://{tmp}/rendezvous"
         os.environ["OMP_NUM_THREADS"] = "1"
-        report = lockstep.spawn(rank_main, 2, args=(args.workload, args.rounds, args.seconds))[0]
+        report = lockstep.spawn(rank_main, args.world, args=(args.workload, args.rounds, args.seconds))[0]
     print(summarize(args.workload, report))
     print(f"load average after: {os.getloadavg()}")
     return 0

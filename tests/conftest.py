@@ -31,9 +31,24 @@ _DIST_VARS = (
 )
 
 
+LONG_RUN_S = 1000
+"""A ``@pytest.mark.timeout`` at least this long marks a test of many whole jobs: it is started first."""
+
+
+def _long(item: pytest.Item) -> bool:
+    mark = item.get_closest_marker("timeout")
+    return mark is not None and bool(mark.args) and float(mark.args[0]) >= LONG_RUN_S
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """``@pytest.mark.gpu`` (or ``gpu(count=2)``): skipped, by name, where fewer CUDA GPUs are visible."""
+    """``@pytest.mark.gpu`` (or ``gpu(count=2)``): skipped, by name, where fewer CUDA GPUs are visible.
+
+    Tests with a hang guard of :data:`LONG_RUN_S` or more (many whole jobs in a row) are started first: on
+    xdist workers a long one handed out last would keep the run waiting on it alone.
+    """
     import torch
+
+    items.sort(key=lambda item: not _long(item))  # stable: every other test keeps its place
 
     visible = torch.cuda.device_count()
     for item in items:

@@ -7,11 +7,14 @@ single-node jobs. Nothing here starts a process: the launcher is replaced by a r
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 import pytest
+from test_zoo import write_image_folder, write_mnist
 
 from lockstep.cli import train as train_cli
+from lockstep.cli.main import main
 from lockstep.errors import ConfigError
 
 SLURM_TWO_NODES = {
@@ -99,3 +102,47 @@ def test_workers_get_the_launchers_values_verbatim(
     again = train_cli.config_from_args(_args(*argv[1:]))  # what each worker parses
     assert (again.out, again.seed, again.nproc, again.epochs) == ("-run", -3, 2, 1)
     assert again.to_dict() == {**config.to_dict(), "resume": True, "progress": again.progress}
+
+
+def _bad_inputs(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
+    (tmp_path / "empty").mkdir()
+    write_image_folder(tmp_path / "broken", per_class=4, classes=2)
+    (tmp_path / "broken" / "train" / "digit1" / "000-bad.png").write_bytes(b"not a png")
+    (tmp_path / "a-file").write_text("")
+    cut = write_mnist(tmp_path / "cut", gz=True) / "train-images-idx3-ubyte.gz"
+    cut.write_bytes(cut.read_bytes()[:2000])
+    return {
+        "missing dir": (["--data", f"imagefolder:{tmp_path / 'nope'}"], "does not exist"),
+        "empty dir": (["--data", f"mnist:{tmp_path / 'empty'}"], "is empty"),
+        "unreadable image": (["--data", f"imagefolder:{tmp_path / 'broken'}"], "cannot read image"),
+        "unknown model": (["--model", "resnet19"], "unknown model 'resnet19'"),
+        "unknown strategy": (["--strategy", "zero3"], "choose one of auto, ddp, dp, fsdp, horovod, single"),
+        "nproc 0": (["--nproc", "0"], "--nproc must be at least 1"),
+        "fsdp with dp": (["--strategy", "fsdp+dp"], "cannot be combined"),
+        "batch over shard": (["--batch-size", "800", "--nproc", "2"], "larger than each process's share"),
+        "lr inf": (["--lr", "inf"], "--lr must be a positive, finite number, got inf"),
+        "momentum nan": (["--momentum", "nan"], "--momentum must be a finite number, at least 0, got nan"),
+        "weight decay inf": (["--weight-decay", "inf"], "--weight-decay must be a finite number"),
+        "out under a file": (["--out", str(tmp_path / "a-file" / "run")], "cannot write there (Not a directory)"),
+        "truncated gz": (["--data", f"mnist:{tmp_path / 'cut'}"], "is truncated or damaged"),
+    }
+
+
+@pytest.mark.timeout(120)
+def test_bad_input_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], launched: list[dict[str, Any]]
+) -> None:
+    """Each bad input: exit code 2 and one line naming it, before anything is launched (the whole command:
+    tests/e2e/test_train_cli.py)."""
+    for name, (flags, message) in _bad_inputs(tmp_path).items():
+        capsys.readouterr()
+        try:
+            code = main(["train", *flags])
+        except SystemExit as stop:  # the parser's own refusals
+            code = stop.code
+        out, err = capsys.readouterr()
+        lines = err.strip().splitlines()
+        assert code == 2, (name, err)
+        assert len(lines) == 1 and lines[0].startswith("lockstep train: error: "), (name, err)
+        assert message in lines[0], (name, lines[0])
+        assert "lockstep: world" not in out and not launched, name  # refused before any process group

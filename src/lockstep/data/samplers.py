@@ -207,6 +207,11 @@ def shard_bounds(dataset_len: int, world_size: int, rank: int) -> tuple[int, int
     """
     _check_len(dataset_len)
     _check_world(world_size, rank)
+    return shard_bounds_unchecked(dataset_len, world_size, rank)
+
+
+def shard_bounds_unchecked(dataset_len: int, world_size: int, rank: int) -> tuple[int, int]:
+    """:func:`shard_bounds` for arguments already checked (a planned step's share, at every batch)."""
     base, extra = divmod(dataset_len, world_size)
     start = rank * base + min(rank, extra)
     return start, start + base + (1 if rank < extra else 0)

@@ -9,7 +9,7 @@ from typing import Any
 
 from torch.utils.data import Sampler
 
-from lockstep.data.samplers import epoch_order, shard_bounds
+from lockstep.data.samplers import epoch_order, shard_bounds, shard_bounds_unchecked
 from lockstep.data.seeding import SampleKey, sample_seed
 from lockstep.errors import ConfigError
 
@@ -90,7 +90,7 @@ class MicroStep:
 
     def share(self, world_size: int, rank: int) -> tuple[int, int]:
         """``(start, stop)`` positions of ``rank``'s contiguous share (the first ranks get one more)."""
-        lo, hi = shard_bounds(self.stop - self.start, world_size, rank)
+        lo, hi = shard_bounds_unchecked(self.stop - self.start, world_size, rank)  # the sampler checked rank
         return self.start + lo, self.start + hi
 
     def weight(self, world_size: int, rank: int) -> Fraction:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import os
 import resource
-import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -170,9 +169,11 @@ class StepTimer:
     def _grad_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         """One parameter's hook: records when its gradient is ready."""
 
+        mark = self._mark if self._cuda else self._clock
+
         def hook(_: torch.Tensor) -> None:
             self._grad_last = index
-            self._grad = self._mark()
+            self._grad = mark()
 
         return hook
 
@@ -210,13 +211,24 @@ class StepTimer:
 
     def after_backward(self) -> None:
         """Backward returned: close the micro-step's ``compute`` and ``comm``."""
-        end = self._mark()
-        if self._start is not None:
-            if self._grad is not None:
-                self._span(1, self._start, self._grad)
-                self._span(2, self._grad, end)
-            else:
-                self._span(1, self._start, end)
+        start, grad = self._start, self._grad
+        if not self._cuda:  # the host clock: add the spans at once (this runs at every backward)
+            end = self._clock()
+            if start is not None:
+                acc = self._acc
+                if grad is not None:
+                    acc[1] += grad - start
+                    acc[2] += end - grad
+                else:
+                    acc[1] += end - start
+        else:
+            end = self._mark()
+            if start is not None:
+                if grad is not None:
+                    self._span(1, start, grad)
+                    self._span(2, grad, end)
+                else:
+                    self._span(1, start, end)
         self._grad, self._start = None, end
         if self._grad_target < 0:
             self._grad_target = self._grad_last
@@ -226,23 +238,26 @@ class StepTimer:
 
     def before_step(self) -> None:
         """``session.step`` begins: the ``optimizer`` phase starts."""
-        self._opt_began = self._mark()
+        self._opt_began = self._mark() if self._cuda else self._clock()
 
     def after_step(self) -> None:
         """``session.step`` ends: the step is recorded; at a window's end the ranks share their rows."""
-        end = self._mark()
         if self._flops is not None:  # backward never came: count nothing rather than the whole run
             counter, self._flops = self._flops, None
             counter.__exit__(None, None, None)
-        if self._opt_began is not None:
-            self._span(3, self._opt_began, end)
-        self._start, self._opt_began = end, None
+        began = self._opt_began
         if self._cuda:
+            end = self._mark()
+            if began is not None:
+                self._span(3, began, end)
             self._rows.append((self._data, self._pending))
             self._pending = []
         else:
-            self._rows.append((self._data, *self._acc[1:]))
+            end = self._clock()
+            acc = self._acc
+            self._rows.append((self._data, acc[1], acc[2], acc[3] + (end - began if began is not None else 0.0)))
             self._acc = [0.0, 0.0, 0.0, 0.0]
+        self._start, self._opt_began = end, None
         self._window_samples += self._samples
         self._data, self._samples = 0.0, 0
         self.step += 1
@@ -255,7 +270,7 @@ class StepTimer:
         steps = len(self._rows)
         seconds = max(self._clock() - self._window_began, 1e-9)
         phases = self._resolve()
-        row = [statistics.fmean(p[i] for p in phases) for i in range(len(PHASES))]
+        row = [sum(p[i] for p in phases) / len(phases) for i in range(len(PHASES))]
         per_s = self._window_samples / seconds
         mfu = per_s * self._flops_per_sample / self._peak if self._flops_per_sample and self._peak else math.nan
         row += [seconds / steps, per_s, _host_memory_gb(), self._device_memory_gb(), mfu]

@@ -148,11 +148,8 @@ class StepTimer:
         return event
 
     def _span(self, phase: int, began: Any, ended: Any) -> None:
-        """Add ``ended - began`` to a phase: at once on the host, when the window closes on a GPU."""
-        if self._cuda:
-            self._pending.append((phase, began, ended))
-        else:
-            self._acc[phase] += ended - began
+        """Keep a phase's two CUDA events, read when the window closes (the host clock's spans are added at once)."""
+        self._pending.append((phase, began, ended))
 
     # -- the model's gradients --------------------------------------------------------------------------------------
     def watch(self, model: nn.Module) -> None:

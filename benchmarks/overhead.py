@@ -31,6 +31,10 @@ Run (pick a quiet moment; the load average is printed with the figures)::
     OMP_NUM_THREADS=1 python benchmarks/overhead.py --workload tiny --rounds 9 --profile
     OMP_NUM_THREADS=1 python benchmarks/overhead.py --workload tiny --timings-every 0   # the step timings' cost
 
+Each run also prints, per rank and arm, what a step costs the CPU (the whole process, and its main
+thread alone, from ``getrusage``) and its context switches: where the wall-clock gap between two
+arms is not the main thread's work, it is waiting (on gloo's threads, or the other rank).
+
 The Session's step timings are on by default (``timings_every=5``); a run with ``--timings-every 0``
 beside a default run shows what they cost: the two lockstep/raw ratios should differ by less than
 each run's A/A control.
@@ -44,6 +48,7 @@ import io
 import os
 import pstats
 import random
+import resource
 import statistics
 import sys
 import tempfile
@@ -229,6 +234,13 @@ def _calibrate(step: Callable[[], None], seconds: float) -> int:
     return int(count.item())
 
 
+def _usage() -> tuple[float, float, int, int]:
+    """This process's CPU seconds, its main thread's, and its voluntary and involuntary context switches."""
+    proc = resource.getrusage(resource.RUSAGE_SELF)
+    main = resource.getrusage(getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF))
+    return proc.ru_utime + proc.ru_stime, main.ru_utime + main.ru_stime, proc.ru_nvcsw, proc.ru_nivcsw
+
+
 def rank_main(
     workload: str, rounds: int, seconds: float, profile: bool, timings_every: int, with_peers: bool = True
 ) -> dict[str, Any]:
@@ -249,12 +261,17 @@ def rank_main(
         _window(steps_of[arm], 10)  # warm-up
     steps = _calibrate(steps_of["raw"], seconds)
     rates: dict[str, list[float]] = {arm: [] for arm in arms}
+    usage = {arm: [0.0, 0.0, 0.0, 0.0] for arm in arms}
     for r in range(rounds):
         for arm in arms[r % len(arms) :] + arms[: r % len(arms)]:  # rotate: no arm always runs first
             session.nonfinite = "ignore" if arm == "lockstep-ignore" else "skip"
+            before = _usage()
             rates[arm].append(_window(steps_of[arm], steps))
+            for i, (a, b) in enumerate(zip(_usage(), before)):
+                usage[arm][i] += a - b
     session.nonfinite = "skip"
     report: dict[str, Any] = {"rates": rates, "steps": steps, "missing": missing}
+    report["usage"] = {arm: [u / (steps * rounds) for u in values] for arm, values in usage.items()}
     if profile:
         report["profile"] = _profile(steps_of, steps, session.rank)
     session.close()
@@ -289,7 +306,9 @@ def run_workload(
         os.environ["LOCKSTEP_INIT_METHOD"] = f"file://{tmp}/rendezvous"
         os.environ["OMP_NUM_THREADS"] = "1"
         try:
-            return lockstep.spawn(rank_main, 2, args=(workload, rounds, seconds, profile, timings_every, with_peers))[0]
+            reports = lockstep.spawn(rank_main, 2, args=(workload, rounds, seconds, profile, timings_every, with_peers))
+            reports[0]["usage_of_rank"] = [r["usage"] for r in reports]
+            return reports[0]
         finally:
             del os.environ["LOCKSTEP_INIT_METHOD"]
 
@@ -336,6 +355,14 @@ def summarize(workload: str, report: dict[str, Any], target: float) -> str:
     for peer in (p for p in PEERS if p in rates):
         ahead = statistics.median(a / b for a, b in zip(rates["lockstep"], rates[peer]))
         lines.append(f"  lockstep/{peer} = {ahead:.3f} (median of paired rounds)")
+    for rank, usage in enumerate(report.get("usage_of_rank", [])):
+        head = f"{'process CPU µs':>14s} {'main thread µs':>14s} {'vol. switches':>13s} {'invol.':>7s}"
+        lines.append(f"  per step on rank {rank}: {'':6s} {head}")
+        for arm, (cpu, main_cpu, vol, invol) in usage.items():
+            wall = 1e6 / statistics.median(rates[arm])
+            lines.append(
+                f"  {arm:16s} wall {wall:6.1f} {cpu * 1e6:14.1f} {main_cpu * 1e6:14.1f} {vol:13.2f} {invol:7.2f}"
+            )
     control = statistics.median(a / b for a, b in zip(rates["raw-again"], rates["raw"]))
     lines.append(
         f"  A/A control: two copies of the raw loop differ by {abs(1 - control):.1%} in this run; "

@@ -92,6 +92,50 @@ def test_an_injected_slow_rank_is_named_and_a_clean_run_names_none() -> None:
     assert (nodes, links) == ([], []), table
 
 
+class _Throttled:
+    """A link of ``rate`` bytes a second: every message waits its bytes' time first; the largest sent is kept."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate, self.largest = rate, 0
+
+    def send(self, tensor, dst: int) -> None:  # type: ignore[no-untyped-def]
+        import torch.distributed as dist
+
+        size = tensor.numel() * tensor.element_size()
+        self.largest = max(self.largest, size)
+        time.sleep(size / self.rate)
+        dist.send(tensor, dst)
+
+    def recv(self, tensor, src: int) -> None:  # type: ignore[no-untyped-def]
+        import torch.distributed as dist
+
+        dist.recv(tensor, src)
+
+
+def _slow_link(rate: float) -> tuple[float, int]:
+    from lockstep.comm.group import init_comm
+    from lockstep.doctor.links import measure_links
+
+    comm = init_comm(timeout=60)
+    transport = _Throttled(rate)
+    report = measure_links(comm, [0, 1], ["rank 0", "rank 1"], size=4 << 20, iters=3, transport=transport)
+    comm.shutdown()
+    return report.bandwidth[(0, 1)], transport.largest
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_slow_link_is_measured_with_fewer_bytes_than_a_fast_one() -> None:
+    """At 2 MB/s a 4 MiB trip would take 4 s: the trips are sized to the link (about BUDGET_S each), and the
+    bandwidth is still the link's (a trip only ever takes longer than its bytes' time, so never above it)."""
+    from lockstep.doctor.links import BUDGET_S, PROBE_SIZE
+
+    rate = 2e6
+    for bandwidth, largest in run_distributed(_slow_link, 2, rate):
+        assert PROBE_SIZE <= largest <= 2 * BUDGET_S * rate < 4 << 20, largest
+        assert rate / 2 < bandwidth <= rate, bandwidth
+
+
 def _doctor(strict: bool) -> int:
     from lockstep.doctor.checks import run_doctor
 

@@ -6,7 +6,10 @@ point-to-point ``send``/``recv`` while the others wait at a barrier:
 
 * latency: the fastest of ``iters`` round trips of one float, halved (one way);
 * bandwidth: the fastest of at most ``iters`` round trips of ``size`` bytes each way (as many as fit
-  in :data:`BUDGET_S` after the first, so that a slow link costs little), as ``2 * size / time``;
+  in :data:`BUDGET_S` after the first, so that a slow link costs little), as ``2 * size / time``. A
+  first trip of :data:`PROBE_SIZE` bytes sizes them to the link: where ``size`` would take longer than
+  :data:`BUDGET_S` a trip (a 4 MiB trip takes 7 s at 10 Mbit/s), fewer bytes are sent, as many as take
+  about that long, still far more time on the wire than the link's latency;
 * exchange: :data:`EXCHANGES` back-to-back exchanges of :data:`EXCHANGE_SIZE` bytes, both ends sending
   at once, as the steps of a ring collective do. gloo sends a message only once the receiver said it
   is ready, and that word waits behind the data already queued on the link, so a step costs more
@@ -45,6 +48,7 @@ __all__ = [
     "ROUNDS",
     "BUDGET_S",
     "DEFAULT_LINK_SIZE",
+    "PROBE_SIZE",
     "EXCHANGE_SIZE",
     "EXCHANGES",
 ]
@@ -54,6 +58,7 @@ JITTER_S = 2e-3  # a busy host delays a message by this much without any fault o
 ROUNDS = 3  # every pair is measured this often, spread out; its fastest figures count
 BUDGET_S = 0.3  # per pair and round, the large round trips after the first stop at this much time
 DEFAULT_LINK_SIZE = 4 << 20
+PROBE_SIZE = 256 << 10  # bytes each way of the first bandwidth trip, which sizes the others to the link
 EXCHANGE_SIZE = 64 << 10  # bytes each way of an exchange: about a ring step's share of a DDP bucket
 EXCHANGES = 8  # back-to-back exchanges per measurement (each after the first waits as a ring's next step does)
 
@@ -91,7 +96,7 @@ class LinkReport:
     Args:
         units: the measuring ranks, one per node.
         names: a name per unit (``host node1`` or ``rank 2``).
-        size: bytes each way of a bandwidth round trip.
+        size: bytes each way of a bandwidth round trip (at most: a slow link's are fewer).
         latency: one-way seconds per pair ``(a, b)`` of units' indexes, ``a < b``.
         bandwidth: bytes per second per pair.
         exchange: seconds per back-to-back exchange of :data:`EXCHANGE_SIZE` bytes each way, per pair
@@ -166,17 +171,37 @@ def _round_trips(
     return min(times[1:] if warmup else times)
 
 
-def _big_trips(peer: int, first: bool, tensor: torch.Tensor, iters: int, transport: Transport) -> float:
-    """Round trips of the large tensor: one, then as many more (up to ``iters``) as fit in
-    :data:`BUDGET_S`, a count the first end decides and tells the other (so neither waits forever)."""
-    best = _round_trips(peer, first, tensor, 1, transport, warmup=False)
-    count = torch.tensor([min(iters - 1, int(BUDGET_S / max(best, 1e-9)))], dtype=torch.int64)
+def _agree(value: int, peer: int, first: bool, transport: Transport) -> int:
+    """``value`` as the first end decided it (it sends, the other receives: neither waits forever)."""
+    box = torch.tensor([value], dtype=torch.int64)
     if first:
-        transport.send(count, peer)
+        transport.send(box, peer)
     else:
-        transport.recv(count, peer)
-    more = int(count.item())
-    return min(best, _round_trips(peer, first, tensor, more, transport, warmup=False)) if more > 0 else best
+        transport.recv(box, peer)
+    return int(box.item())
+
+
+def _big_trips(
+    peer: int, first: bool, tensor: torch.Tensor, iters: int, transport: Transport, idle_rtt: float
+) -> tuple[float, int]:
+    """The fastest bandwidth round trip and its bytes each way: a :data:`PROBE_SIZE` trip, then trips of
+    as much of ``tensor`` as takes about :data:`BUDGET_S` on this link (``idle_rtt``: its round trip of one
+    float), one and as many more (up to ``iters``) as fit in :data:`BUDGET_S`. The first end decides."""
+    elements = tensor.numel()
+    probe = min(elements, PROBE_SIZE // tensor.element_size())
+    best = _round_trips(peer, first, tensor[:probe], 1, transport, warmup=False)
+    if probe < elements:
+        # seconds per element beyond the latency, at the probe's rate
+        per_element = max(best - idle_rtt, 1e-9) / probe
+        fit = int(max(BUDGET_S - idle_rtt, 0.0) / per_element)
+        chosen = _agree(max(probe, min(elements, fit)), peer, first, transport)
+        if chosen > probe:
+            best = _round_trips(peer, first, tensor[:chosen], 1, transport, warmup=False)
+        probe = chosen
+    more = _agree(min(iters - 1, int(BUDGET_S / max(best, 1e-9))), peer, first, transport)
+    if more > 0:
+        best = min(best, _round_trips(peer, first, tensor[:probe], more, transport, warmup=False))
+    return best, probe * tensor.element_size()
 
 
 def _exchanges(peer: int, out: torch.Tensor, into: torch.Tensor, exchange: Any) -> float:
@@ -202,7 +227,8 @@ def measure_links(
         comm: the job's communicator.
         units: the measuring ranks (see :func:`node_leaders`).
         names: their names.
-        size: bytes each way of a bandwidth round trip.
+        size: bytes each way of a bandwidth round trip, at most (fewer on a link where they would
+            take over :data:`BUDGET_S`).
         iters: timed round trips per measurement.
         transport: how two ranks exchange tensors (``torch.distributed`` when omitted).
     """
@@ -218,10 +244,10 @@ def measure_links(
             if comm.rank in (units[a], units[b]):
                 peer, first = (units[b], True) if comm.rank == units[a] else (units[a], False)
                 rtt = _round_trips(peer, first, small, iters, transport)
-                big_rtt = _big_trips(peer, first, big, iters, transport)
+                big_rtt, sent = _big_trips(peer, first, big, iters, transport, rtt)
                 step = _exchanges(peer, out, into, exchange) if exchange is not None else float("inf")
                 lat, bw, ex = mine.get((a, b), (float("inf"), 0.0, float("inf")))
-                mine[(a, b)] = (min(lat, rtt / 2), max(bw, 2 * size / max(big_rtt, 1e-9)), min(ex, step))
+                mine[(a, b)] = (min(lat, rtt / 2), max(bw, 2 * sent / max(big_rtt, 1e-9)), min(ex, step))
             comm.barrier()  # one pair at a time: links do not share the wire with another pair's test
     for rank, part in enumerate(comm.all_gather_object(mine)):
         for pair, (lat, bw, ex) in part.items():
@@ -303,7 +329,8 @@ def format_links(report: LinkReport) -> list[str]:
     head = " " * (width + 2) + "".join(f"{name[:width]:>{width + 2}}" for name in report.names)
     between = "ranks" if report.names[0].startswith("rank") else "nodes"
     lines = [
-        f"links between {between} (point to point; latency one way, bandwidth of {report.size >> 10} KiB round trips):",
+        f"links between {between} (point to point; latency one way, "
+        f"bandwidth of round trips of up to {report.size >> 10} KiB):",
         "  latency",
         head,
     ]

@@ -540,8 +540,9 @@ project_shape() {  # project_shape RATE: every host's link sends at RATE
 project_measure() {  # project_measure RATE STRATEGY N PORT: the job's step time into $W/measured-RATE-STRATEGY-N.json
     local i pids=() rc=0 out="$W/measured-$1-$2-$3.json"
     for ((i = 0; i < $3; i++)); do
-        "$ENGINES_DIR/nsrun.sh" "$W" "d$i" lockstep run --nodes "$3" --node-rank $i --master "d0:$4" --nproc 1 \
-            --timeout 120 "$ENGINES_DIR/scripts/project_step.py" --strategy "$2" --result "$out" \
+        # the rank moves into its host's slice itself once set up: the start-up runs at the machine's speed
+        NSRUN_LATE_SLICE=1 "$ENGINES_DIR/nsrun.sh" "$W" "d$i" lockstep run --nodes "$3" --node-rank $i \
+            --master "d0:$4" --nproc 1 --timeout 120 "$ENGINES_DIR/scripts/project_step.py" --strategy "$2" --result "$out" \
             >"$W/job-$1-$2-$3.d$i.out" 2>&1 &
         pids+=($!)
     done

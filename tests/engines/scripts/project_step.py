@@ -2,6 +2,7 @@
 
 Run under `lockstep run --nodes N` (one rank per host): trains the ConvNet on one resident random
 batch per rank, as `lockstep bench --project` profiles it, with `--strategy` (ddp, ddp+bf16, ...);
+in the test host's CPU slice where nsrun.sh names one (ENGINES_CPU_SLICE: it moves there once set up),
 after `--warmup` steps, every rank times `--steps` steps between barriers, and rank 0 writes the
 median over `--repeats` windows of the slowest rank's seconds per step to `--result` as JSON.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -50,6 +52,10 @@ def main() -> None:
         session.backward(criterion(model(images), labels))
         session.step(optimizer)
 
+    slice_dir = os.environ.get("ENGINES_CPU_SLICE")
+    if slice_dir:  # this test host's share of the CPUs (nsrun.sh): the steps run there, the start-up did not
+        with open(os.path.join(slice_dir, "cgroup.procs"), "w") as procs:
+            procs.write(str(os.getpid()))
     for _ in range(args.warmup):
         step()
     windows = []

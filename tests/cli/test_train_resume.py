@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-from test_train_cli import assert_trained, lockstep_train
+import torch
+from test_train_cli import assert_trained, last_weights, lockstep_train, rows
 
 from lockstep.cli.main import main, parse_args
 from lockstep.cli.train import config_from_args
@@ -92,24 +93,16 @@ def test_the_refusal_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.Captu
 @pytest.mark.e2e
 @pytest.mark.timeout(600)
 def test_readme_resume_continues_and_refuses_a_conflict(tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    first = lockstep_train(
-        "--nproc",
-        "2",
-        "--epochs",
-        "1",
-        "--max-steps",
-        "3",
-        "--lr",
-        "0.05",
-        "--progress",
-        "off",
-        "--out",
-        str(out),
-        timeout=280,
-    )
+    """The README's commands: one epoch, then --resume to two, equal to an uninterrupted two-epoch run
+    (metrics and weights); the same command without --resume and a conflicting flag are refused."""
+    out, whole = tmp_path / "run", tmp_path / "whole"
+    common = ["--nproc", "2", "--max-steps", "3", "--lr", "0.05", "--progress", "off"]
+    assert_trained(lockstep_train(*common, "--epochs", "2", "--out", str(whole), timeout=280), 2)
+    first = lockstep_train(*common, "--epochs", "1", "--out", str(out), timeout=280)
     assert_trained(first, 2)
     assert json.loads((out / "config.json").read_text())["resume"] is False  # a fresh run
+    plain = lockstep_train(*common, "--epochs", "2", "--out", str(out))
+    assert plain.returncode == 2 and "pass --resume" in plain.stderr, plain.stderr
     began = time.monotonic()
     refused = lockstep_train("--out", str(out), "--resume", "--model", "resnet18")
     assert refused.returncode == 2 and time.monotonic() - began < 5, refused.stderr
@@ -118,6 +111,13 @@ def test_readme_resume_continues_and_refuses_a_conflict(tmp_path: Path) -> None:
     assert_trained(resumed, 2)
     assert "resumed from" in resumed.stdout and "lr 0.05" in resumed.stdout and "Epoch [2/2]" in resumed.stdout
     assert " after epoch 1/2\n" in resumed.stdout, resumed.stdout  # counted as the Epoch [i/N] lines count
+    assert "Epoch [1/2]" not in resumed.stdout
+    a, b = rows(whole), rows(out)
+    assert [r["epoch"] for r in b] == ["1", "2"]
+    for key in ("step", "train_loss", "test_loss", "test_accuracy"):
+        assert a[-1][key] == b[-1][key], key
+    final_a, final_b = last_weights(whole), last_weights(out)
+    assert final_a.keys() == final_b.keys() and all(torch.equal(final_a[k], final_b[k]) for k in final_a)
     config = json.loads((out / "config.json").read_text())
     assert (config["resume"], config["lr"], config["max_steps"], config["epochs"]) == (True, 0.05, 3, 2)
     finished = lockstep_train("--out", str(out), "--resume", "--progress", "off")

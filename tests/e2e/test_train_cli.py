@@ -28,6 +28,7 @@ from lockstep.checkpoint import load_checkpoint
 from lockstep.comm.group import Comm
 from lockstep.env import World
 from lockstep.errors import EXIT_PREEMPTED
+from lockstep.recipes.outputs import PREEMPTED_FILE
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]  # every test here runs lockstep train end to end
 
@@ -110,26 +111,6 @@ def test_image_folder_and_mnist(tmp_path: Path) -> None:
     assert "(597 samples)" in result.stdout
 
 
-@pytest.mark.timeout(240)
-def test_resume_matches_uninterrupted_run(tmp_path: Path) -> None:
-    common = ["--nproc", "2", "--max-steps", "4", "--progress", "off"]
-    whole, split = tmp_path / "whole", tmp_path / "split"
-    assert_trained(lockstep_train(*common, "--epochs", "2", "--out", str(whole)), 2)
-    assert_trained(lockstep_train(*common, "--epochs", "1", "--out", str(split)), 2)
-    refused = lockstep_train(*common, "--epochs", "2", "--out", str(split))
-    assert refused.returncode == 2 and "pass --resume" in refused.stderr
-    resumed = lockstep_train(*common, "--epochs", "2", "--out", str(split), "--resume")
-    assert_trained(resumed, 2)
-    assert "resumed from" in resumed.stdout and "Epoch [1/2]" not in resumed.stdout
-    a, b = rows(whole), rows(split)
-    assert [r["epoch"] for r in b] == ["1", "2"]
-    for key in ("step", "train_loss", "test_loss", "test_accuracy"):
-        assert a[-1][key] == b[-1][key], key
-    final_a, final_b = last_weights(whole), last_weights(split)
-    assert final_a.keys() == final_b.keys()
-    assert all(torch.equal(final_a[k], final_b[k]) for k in final_a)
-
-
 def _tensors(value: object, where: str = "") -> dict[str, torch.Tensor]:
     """Every tensor of a checkpoint's state, by its path (``model.bn1.running_var``, ``optimizer.state.0...``)."""
     if isinstance(value, torch.Tensor):
@@ -144,7 +125,9 @@ def _tensors(value: object, where: str = "") -> dict[str, torch.Tensor]:
 @pytest.mark.timeout(300)
 def test_preempted_mid_epoch_at_world_two_ends_bit_identical(tmp_path: Path) -> None:
     """SIGTERM to the launcher once the first epoch is saved (the ConvNet has BatchNorm), the same command
-    again: every tensor of the final checkpoint equals an uninterrupted run's, buffers included."""
+    again, as a scheduler's requeue runs it (FAULTS row 32): it continues from the preemption's checkpoint,
+    a command with other flags is refused, and every tensor of the final checkpoint equals an uninterrupted
+    run's, buffers included."""
     # short epochs: BatchNorm's running statistics forget a difference by 0.9 a step, so the signal must
     # land few steps before the end for mixed statistics in the preemption checkpoint to show at the end
     common = ["--nproc", "2", "--epochs", "5", "--max-steps", "20", "--batch-size", "4", "--progress", "off"]
@@ -159,8 +142,17 @@ def test_preempted_mid_epoch_at_world_two_ends_bit_identical(tmp_path: Path) -> 
     launcher.send_signal(signal.SIGTERM)
     stdout, stderr = launcher.communicate(timeout=120)
     assert launcher.returncode == EXIT_PREEMPTED, stdout + stderr
+    assert "every rank stopped after step" in stdout and "run the same command again" in stdout
+    marker = json.loads((cut / PREEMPTED_FILE).read_text())
+    assert marker["config"]["lr"] == 0.01 and Path(marker["checkpoint"]).is_dir()
+    # the same command continues (a scheduler's requeue); one with other flags is refused in one line
+    other = lockstep_train(*common, "--lr", "0.1", "--out", str(cut))
+    assert other.returncode == 2 and len(other.stderr.strip().splitlines()) == 1, other.stderr
+    assert "holds a preempted run with other flags (--lr 0.01 there, 0.1 here)" in other.stderr
     again = lockstep_train(*common, "--out", str(cut))
     assert_trained(again, 2)
+    assert f"lockstep train: resumed from {marker['checkpoint']}" in again.stdout
+    assert "Epoch [5/5]" in again.stdout and not (cut / PREEMPTED_FILE).exists()
     where = re.search(
         r"resumed from \S+ (in epoch ([1-5])/5 at step \d+: the epoch goes on with its remaining batches"
         r"|after epoch [1-4]/5)\n",
@@ -177,6 +169,7 @@ def test_preempted_mid_epoch_at_world_two_ends_bit_identical(tmp_path: Path) -> 
     differ = [k for k in a if not torch.equal(a[k], b[k])]
     assert not differ, differ
     assert [r["step"] for r in rows(whole)] == [r["step"] for r in rows(cut)]
+    assert [int(r["epoch"]) for r in rows(cut)] == [1, 2, 3, 4, 5]
 
 
 def last_weights(out: Path) -> dict[str, torch.Tensor]:

@@ -78,9 +78,11 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
-def _launch(tmp_path: Path, envs: list[dict[str, str]], args: list[str]) -> list[subprocess.CompletedProcess]:
+def _launch(
+    tmp_path: Path, envs: list[dict[str, str]], args: list[str], text: str = _SCRIPT
+) -> list[subprocess.CompletedProcess]:
     script = tmp_path / "s.py"
-    script.write_text(_SCRIPT)
+    script.write_text(text)
     procs = []
     for extra in envs:
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
@@ -112,6 +114,51 @@ def test_init_by_env_and_tcp(tmp_path: Path, scheme: str) -> None:
     for o in outs:
         assert o.returncode == 0, o.stdout
         assert "SUM 1" in o.stdout
+
+
+_TWO_GROUPS = textwrap.dedent("""
+    import os, pathlib, sys, time, torch
+    import lockstep.comm.group as group
+    marks, rank, kept, opened = pathlib.Path(sys.argv[2]), int(os.environ["RANK"]), [], [0]
+    real_open = group.open_store
+
+    def open_store(*args, **kwargs):
+        store = real_open(*args, **kwargs)
+        if rank == 0:
+            kept.append(store)  # rank 0's first store (and its server) lives on until released below
+        else:
+            opened[0] += 1
+            (marks / f"opened-{opened[0]}").touch()
+        return store
+
+    group.open_store = open_store
+    comm = group.init_comm(init_method=sys.argv[1], timeout=30)
+    comm.shutdown()
+    if rank == 0:  # rank 1 has reached the first group's store again, forming its second group
+        while not (marks / "opened-2").exists():
+            time.sleep(0.01)
+        kept.clear()
+    comm = group.init_comm(init_method=sys.argv[1], timeout=30)
+    print("SUM", int(comm.all_reduce(torch.ones(1)).item()), flush=True)
+    comm.shutdown()
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_second_group_never_joins_the_first_groups_store(tmp_path: Path) -> None:
+    """rank 0 hosts the store of each group: a rank that forms its next group while rank 0 still tears the
+    last one down reaches the old store (its own post there), and must wait for the next one, not fail
+    with "two processes claim rank 1" (seen once in make test)."""
+    port = _free_port()
+    base = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    envs = [{**base, "RANK": "0"}, {**base, "RANK": "1"}]
+    outs = _launch(tmp_path, envs, [f"tcp://127.0.0.1:{port}", str(marks)], _TWO_GROUPS)
+    for o in outs:
+        assert o.returncode == 0 and "SUM 2" in o.stdout, o.stdout
+    assert (marks / "opened-2").exists()  # rank 1 did reach the old store
 
 
 @pytest.mark.slow

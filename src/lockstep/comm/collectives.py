@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 import torch
 
 from lockstep.comm.record import CollectiveRecord
-from lockstep.comm.store import Peer, describe_self
+from lockstep.comm.store import CLOSED_KEY, Peer, describe_self
 from lockstep.comm.watchdog import NullWatchdog
 from lockstep.env import World, WorldView
 
@@ -120,9 +120,11 @@ class GroupComm(Comm):
         watchdog: NullWatchdog | None = None,
         owned: bool = True,
         record: CollectiveRecord | None = None,
+        closing: Any = None,
     ) -> None:
         super().__init__(world)
         self.backend, self.owned = backend, owned
+        self._closing = closing  # the group's store (signed): marked closed at shutdown
         self.peers = peers
         self.watchdog = watchdog or NullWatchdog()
         self.record = record
@@ -184,6 +186,7 @@ class GroupComm(Comm):
             if dist.is_initialized():
                 try:
                     self.barrier()
+                    self._mark_closed()
                 finally:
                     if self.owned:  # an adopted group belongs to whoever formed it
                         dist.destroy_process_group()
@@ -192,6 +195,16 @@ class GroupComm(Comm):
             self.watchdog.stop()
             if self.record is not None:
                 self.record.close()
+
+    def _mark_closed(self) -> None:
+        """Mark the group's store closed, so that this rank's next group never joins it (see form_comm)."""
+        closing, self._closing = self._closing, None
+        if closing is None:
+            return
+        try:
+            closing.set(CLOSED_KEY, "1")
+        except (RuntimeError, OSError):  # rank 0 closed it already: no later group can reach it either
+            pass
 
 
 def _check_op(op: str) -> None:

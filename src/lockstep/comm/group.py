@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+import time
 from datetime import timedelta
+from typing import Any
 
 import torch
 
@@ -17,11 +19,13 @@ from lockstep.comm.collectives import Comm, GroupComm
 from lockstep.comm.record import CollectiveRecord
 from lockstep.comm.signed import SignedStore
 from lockstep.comm.store import (
+    CLOSED_KEY,
     DEFAULT_TIMEOUT,
     CommError,
     Peer,
     describe_self,
     handshake,
+    hosted_per_group,
     open_store,
     resolve_timeout,
 )
@@ -111,10 +115,8 @@ def form_comm(world: World, backend: str, init_method: str | None, timeout: time
     if world.num_nodes > 1:
         check_reachable_host(chosen, settings, world.master_addr)
     init_method = init_method or settings.init_method or "env://"
-    store = open_store(world, init_method, timeout, settings)
-    attempt = settings.restart_count or 0
-    base = dist.PrefixStore(f"lockstep/{settings.run_id}/{attempt}/", store)
     secret = settings.secret.encode()
+    base = _open_base(world, init_method, timeout, settings, secret)
     peers = handshake(SignedStore(dist.PrefixStore("hs/", base), secret), describe_self(world), timeout)
     device_id = world.device if chosen == "nccl" else None
     if device_id is not None:
@@ -144,7 +146,34 @@ def form_comm(world: World, backend: str, init_method: str | None, timeout: time
     )
     watchdog.start()
     record.install()
-    return GroupComm(world, chosen, peers, watchdog, record=record)
+    return GroupComm(world, chosen, peers, watchdog, record=record, closing=SignedStore(base, secret))
+
+
+def _open_base(world: World, init_method: str, timeout: timedelta, settings: Settings, secret: bytes) -> Any:
+    """The job's store under this attempt's prefix, never a finished group's.
+
+    rank 0 hosts a new TCP store for each group it forms. A rank that forms its next group while rank 0
+    still tears the last one down would reach the old store, whose keys (this rank's own post among them)
+    belong to that group; every rank marks it closed as it shuts down, so it is left for the next one.
+    """
+    dist = torch.distributed
+    prefix = f"lockstep/{settings.run_id}/{settings.restart_count or 0}/"
+    per_group = hosted_per_group(world, init_method, settings)
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        base = dist.PrefixStore(prefix, open_store(world, init_method, timeout, settings))
+        try:
+            if not per_group or SignedStore(base, secret).get_if_set(CLOSED_KEY) is None:
+                return base
+        except (RuntimeError, OSError):  # the old store closed as this rank looked: the next one comes
+            pass
+        del base  # the old store: rank 0 closes it once its group is torn down, then hosts the next
+        if time.monotonic() > deadline:
+            raise CommError(
+                f"rank {world.rank}: the rendezvous store still belonged to the last group after "
+                f"{timeout.total_seconds():.0f} s (rank 0 did not finish shutting it down)"
+            )
+        time.sleep(0.05)
 
 
 def _adopt(world: World) -> Comm:

@@ -23,9 +23,21 @@ from lockstep.comm.signed import SignedStore
 from lockstep.env import Settings, World, read_settings
 from lockstep.errors import ConfigError, LockstepError
 
-__all__ = ["CommError", "Peer", "DEFAULT_TIMEOUT", "resolve_timeout", "open_store", "handshake", "describe_self"]
+__all__ = [
+    "CommError",
+    "Peer",
+    "DEFAULT_TIMEOUT",
+    "CLOSED_KEY",
+    "resolve_timeout",
+    "open_store",
+    "hosted_per_group",
+    "handshake",
+    "describe_self",
+]
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
+CLOSED_KEY = "closed"
+"""Written by every rank of a group as it shuts down: a store holding it belongs to a finished group."""
 Peer = dict[str, Any]
 
 
@@ -44,25 +56,43 @@ def describe_self(world: World) -> Peer:
     }
 
 
+def _tcp_address(world: World, init_method: str) -> tuple[str, int] | None:
+    """The TCP store's host and port for ``init_method`` (``None`` for a file store)."""
+    url = urlparse(init_method)
+    if url.scheme == "file":
+        return None
+    if url.scheme == "env":
+        if world.master_port is None:
+            raise CommError("env:// rendezvous needs MASTER_PORT; run under `lockstep run` or set it")
+        return world.master_addr, world.master_port
+    if url.scheme == "tcp":
+        if url.hostname is None or url.port is None:
+            raise CommError(f"init method {init_method!r} must look like tcp://HOST:PORT")
+        return url.hostname, url.port
+    raise CommError(f"unknown init method {init_method!r}; use env://, tcp://HOST:PORT or file://PATH")
+
+
+def _agent_hosts(settings: Settings, host: str, port: int) -> bool:
+    """Whether the launcher's agent hosts the store at ``host:port`` (it outlives every group of the attempt)."""
+    return bool(settings.agent_store) and settings.master_addr == host and settings.master_port == str(port)
+
+
+def hosted_per_group(world: World, init_method: str, settings: Settings) -> bool:
+    """Whether rank 0 hosts a new TCP store for each group it forms (neither a file store nor the agent's)."""
+    address = _tcp_address(world, init_method)
+    return address is not None and not _agent_hosts(settings, *address)
+
+
 def open_store(world: World, init_method: str, timeout: timedelta, settings: Settings | None = None) -> Any:
     """Open the rendezvous store of ``init_method`` (rank 0 hosts a TCP one unless the agent does)."""
     settings = read_settings() if settings is None else settings
     dist = torch.distributed
-    url = urlparse(init_method)
-    if url.scheme == "file":
-        path = url.path if not url.netloc else url.netloc + url.path
-        return dist.FileStore(path, -1)
-    if url.scheme == "env":
-        if world.master_port is None:
-            raise CommError("env:// rendezvous needs MASTER_PORT; run under `lockstep run` or set it")
-        host, port = world.master_addr, world.master_port
-    elif url.scheme == "tcp":
-        if url.hostname is None or url.port is None:
-            raise CommError(f"init method {init_method!r} must look like tcp://HOST:PORT")
-        host, port = url.hostname, url.port
-    else:
-        raise CommError(f"unknown init method {init_method!r}; use env://, tcp://HOST:PORT or file://PATH")
-    agent = settings.agent_store and settings.master_addr == host and settings.master_port == str(port)
+    address = _tcp_address(world, init_method)
+    if address is None:
+        url = urlparse(init_method)
+        return dist.FileStore(url.path if not url.netloc else url.netloc + url.path, -1)
+    host, port = address
+    agent = _agent_hosts(settings, host, port)
     hosting = world.rank == 0 and not agent
     try:
         if not hosting:

@@ -77,16 +77,32 @@ def _shapes(shapes: list[list[int]], kept: int) -> str:
     return "[" + ",".join("[" + ",".join(map(str, s)) + "]" for s in shapes[:kept]) + "]"
 
 
+_sites: dict[tuple[Any, int], str] = {}  # (code, line) -> "file:line in func": a loop calls from a few lines
+_own: dict[str, bool] = {}  # file name -> is_own(file name)
+
+
 def user_site(depth: int = 2) -> str:
     """The caller's innermost frame outside torch and lockstep (``depth`` frames up), as ``file:line in func``."""
     frame: Any = inspect.currentframe()
     for _ in range(depth):
         frame = frame.f_back if frame is not None else None
-    while frame is not None and is_own(frame.f_code.co_filename):
+    while frame is not None:
+        name = frame.f_code.co_filename
+        own = _own.get(name)
+        if own is None:
+            own = _own[name] = is_own(name)
+        if not own:
+            break
         frame = frame.f_back
     if frame is None:
         return ""
-    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
+    code, line = frame.f_code, frame.f_lineno
+    site = _sites.get((code, line))
+    if site is None:
+        if len(_sites) > 4096:  # generated code: many call sites
+            _sites.clear()
+        site = _sites[code, line] = f"{os.path.basename(code.co_filename)}:{line} in {code.co_name}"
+    return site
 
 
 def stacks() -> dict[str, list[str]]:

@@ -94,13 +94,14 @@ class StepBatches(Dataset[Any]):
 
     def __init__(self, dataset: Any, collate: Callable[[list[Any]], Any]) -> None:
         self.dataset, self.collate = dataset, collate
+        self._many = getattr(dataset, "__getitems__", None)  # SeededDataset seeds each sample there
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, indices: list[Any]) -> Any:
-        many = getattr(self.dataset, "__getitems__", None)  # SeededDataset seeds each sample there
-        return self.collate(many(indices) if many is not None else [self.dataset[i] for i in indices])
+        many, dataset = self._many, self.dataset
+        return self.collate(many(indices) if many is not None else [dataset[i] for i in indices])
 
 
 def _as_is(batch: Any) -> Any:

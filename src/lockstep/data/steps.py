@@ -66,8 +66,9 @@ def plan_batches(global_batch: int, world_size: int, micro_cap: int) -> BatchPla
     return BatchPlan(global_batch, world_size, micro, accumulate)
 
 
-_ONE = Fraction(1)
-"""The weight of every share when a step splits evenly (most steps): made once."""
+EVEN = Fraction(1)
+"""The weight of every share when a step splits evenly (most steps): made once, so that a loop can tell it by
+identity (``weight is EVEN``) without comparing fractions."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,11 @@ class MicroStep:
         lo, hi = shard_bounds_unchecked(self.stop - self.start, world_size, rank)  # the sampler checked rank
         return self.start + lo, self.start + hi
 
+    def share_size(self, world_size: int, rank: int) -> int:
+        """How many samples ``rank``'s share holds (:meth:`share`'s ``stop - start``), at every batch."""
+        base, extra = divmod(self.stop - self.start, world_size)
+        return base + 1 if rank < extra else base
+
     def weight(self, world_size: int, rank: int) -> Fraction:
         """The factor on ``rank``'s mean loss, ``world_size * n / step_samples``, that makes DDP's average exact."""
         lo, hi = self.share(world_size, rank)
@@ -101,7 +107,7 @@ class MicroStep:
     def weight_of(self, share: int, world_size: int) -> Fraction:
         """:meth:`weight` for a rank whose share (from :meth:`share`) holds ``share`` samples."""
         samples = world_size * share
-        return _ONE if samples == self.step_samples else Fraction(samples, self.step_samples)  # even shares: no gcd
+        return EVEN if samples == self.step_samples else Fraction(samples, self.step_samples)  # even shares: no gcd
 
 
 def micro_steps(dataset_len: int, cursor: int, plan: BatchPlan, drop_last: bool = False) -> list[MicroStep]:

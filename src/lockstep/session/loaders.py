@@ -163,8 +163,7 @@ class DeviceLoader:
                         boundary.at_boundary()  # a node that waits joins here, before the step's first forward
                     if boundary.generation != seen:
                         return True
-                lo, hi = micro.share(world, rank)
-                self.share = share = hi - lo
+                self.share = share = micro.share_size(world, rank)
                 steps.advance(micro.stop - micro.start)  # counted when handed out, as below
                 if tracker is not None:
                     tracker.epoch_done = False

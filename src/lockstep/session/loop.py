@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from lockstep.comm.group import Comm
+from lockstep.data.steps import EVEN
 from lockstep.session.nonfinite import GO_AHEAD, NonFiniteLossError, NonFinitePolicy
 from lockstep.session.state import TrainState
 
@@ -85,7 +86,7 @@ class Accumulator:
         weight = self.weight
         if weight is None:
             return loss / self.window if self.window > 1 else loss
-        if weight == 1:
+        if weight is EVEN or weight == 1:  # EVEN: most steps, told without comparing fractions
             return loss
         return loss / weight.denominator if weight.numerator == 1 else loss * weight.numerator / weight.denominator
 

@@ -70,6 +70,7 @@ def test_loss_weights_make_the_mean_over_the_step() -> None:
             sizes = [micro.share(world, r)[1] - micro.share(world, r)[0] for r in range(world)]
             assert [w * micro.step_samples for w in weights] == [world * n for n in sizes]
             assert [micro.weight_of(n, world) for n in sizes] == weights  # the loader's form
+            assert [micro.share_size(world, r) for r in range(world)] == sizes  # the loader's count
         last = micro_steps(N, 0, plan)[-1]
         assert last.step_samples == 1 and [last.weight(world, r) for r in range(world)][1:] == [Fraction(0)] * (
             world - 1

@@ -6,7 +6,7 @@ import pytest
 import torch.distributed as dist
 from torch import nn
 
-from lockstep.bench.profile import ddp_buckets, profile_step
+from lockstep.bench.profile import _spread, ddp_buckets, profile_step
 from lockstep.errors import ConfigError
 
 
@@ -37,6 +37,17 @@ def test_a_profile_covers_every_gradient_once_and_its_readiness_lies_inside_back
     assert prof.loader_samples_per_s is None and prof.compute_s == pytest.approx(
         prof.forward_s + prof.backward_s + prof.optimizer_s
     )
+    assert prof.compute_spread_s >= 0.0
+
+
+def test_the_spread_is_the_standard_deviation_of_whole_steps() -> None:
+    """Forward, backward and optimizer are summed per step first: a slow forward with a fast backward is
+    a steady step; one step has no spread."""
+    steady = {"forward": [0.010, 0.020], "backward": [0.020, 0.010], "optimizer": [0.001, 0.001]}
+    assert _spread(steady) == 0.0
+    uneven = {"forward": [0.010, 0.014], "backward": [0.020, 0.020], "optimizer": [0.001, 0.001]}
+    assert _spread(uneven) == pytest.approx(0.002)
+    assert _spread({"forward": [0.010], "backward": [0.020], "optimizer": [0.001]}) == 0.0
 
 
 @pytest.mark.slow

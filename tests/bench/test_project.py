@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
 import pytest
 
-from lockstep.bench.costmodel import Link, Topology, allreduce, gather_cost
+from lockstep.bench.costmodel import Link, Topology, allreduce, expected_max_normal, gather_cost
 from lockstep.bench.profile import Bucket, StepProfile
 from lockstep.bench.project import (
     advise,
@@ -69,6 +70,33 @@ def test_ddp_overlaps_each_bucket_from_when_it_is_ready() -> None:
     assert row.bound == "communication"  # over a second of exposed all-reduce against 32 ms of compute
 
 
+def test_every_step_waits_for_the_slowest_rank_by_the_expected_maximum_of_their_spread() -> None:
+    """A spread of sigma a step adds sigma * E[max of p standard normals]: 1/sqrt(pi) at 2 ranks and
+    3/(2 sqrt(pi)) at 3 (closed forms), nothing at 1; the wait is exposed time, not communication."""
+    assert expected_max_normal(1) == 0.0
+    assert expected_max_normal(2) == pytest.approx(1 / math.sqrt(math.pi), rel=1e-9)
+    assert expected_max_normal(3) == pytest.approx(3 / (2 * math.sqrt(math.pi)), rel=1e-9)
+    assert expected_max_normal(2) < expected_max_normal(8) < expected_max_normal(64)  # more ranks, longer waits
+    sigma = 0.004
+    for devices, factor in ((2, 1 / math.sqrt(math.pi)), (3, 3 / (2 * math.sqrt(math.pi)))):
+        steady = project(_profile(), "ddp", 1, devices, FAST, FAST)
+        noisy = project(_profile(compute_spread_s=sigma), "ddp", 1, devices, FAST, FAST)
+        assert noisy.wait_s == pytest.approx(sigma * factor, rel=1e-9) and steady.wait_s == 0.0
+        assert noisy.step_s == pytest.approx(steady.step_s + sigma * factor, rel=1e-12)
+        assert noisy.exposed_s == pytest.approx(steady.exposed_s + sigma * factor, rel=1e-9)
+        assert noisy.comm_s == steady.comm_s and noisy.bound == steady.bound == "compute"
+    alone = project(_profile(compute_spread_s=sigma), "ddp", 1, 1, LINK, LINK)
+    assert alone.wait_s == 0.0 and alone.step_s == pytest.approx(0.032)
+    fsdp = project(_profile(compute_spread_s=sigma), "fsdp", 1, 2, FAST, FAST)
+    assert fsdp.step_s == pytest.approx(
+        project(_profile(), "fsdp", 1, 2, FAST, FAST).step_s + sigma / math.sqrt(math.pi)
+    )
+    # a profile written before the spread was measured reads as steady
+    old = _profile(compute_spread_s=sigma).to_dict()
+    del old["compute_spread_s"]
+    assert StepProfile.from_dict(json.loads(json.dumps(old))).compute_spread_s == 0.0
+
+
 def test_bf16_compression_sends_half_the_bytes() -> None:
     topo = Topology(1, 2, LINK, LINK)
     row = project(_profile(), "ddp+bf16", 1, 2, LINK, LINK)
@@ -108,6 +136,8 @@ def test_a_larger_batch_scales_compute_and_readiness_but_not_the_bytes() -> None
     big = scaled(_profile(), 2.0)
     assert (big.batch_size, big.forward_s, big.backward_s, big.optimizer_s) == (64, 0.020, 0.040, 0.002)
     assert [b.ready_s for b in big.buckets] == [0.010, 0.040] and big.grad_bytes == 120_000
+    # the spread of a sum of independent parts grows as the square root of their number
+    assert scaled(_profile(compute_spread_s=0.004), 4.0).compute_spread_s == pytest.approx(0.008)
 
 
 def test_advice_names_what_is_faster_where_ddp_stops_scaling() -> None:

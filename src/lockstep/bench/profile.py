@@ -65,6 +65,8 @@ class StepProfile:
         fsdp_units: parameter bytes of each FSDP unit (blocks, then the root's own).
         loader_samples_per_s: the loader's rate on this machine (``None`` for synthetic data).
         steps: timed steps.
+        compute_spread_s: the standard deviation of a step's forward, backward and optimizer over the
+            timed steps (0 with one step): what makes ranks wait for the slowest one.
     """
 
     model: str
@@ -83,6 +85,7 @@ class StepProfile:
     steps: int = 0
     bucket_mb: float = 25.0
     notes: tuple[str, ...] = field(default_factory=tuple)
+    compute_spread_s: float = 0.0
 
     @property
     def compute_s(self) -> float:
@@ -309,4 +312,11 @@ def profile_step(
         loader_samples_per_s=loader_rate,
         steps=steps,
         bucket_mb=bucket_mb,
+        compute_spread_s=_spread(times),
     )
+
+
+def _spread(times: dict[str, list[float]]) -> float:
+    """The standard deviation of the timed steps' forward, backward and optimizer (0 with one step)."""
+    totals = [sum(parts) for parts in zip(times["forward"], times["backward"], times["optimizer"])]
+    return statistics.pstdev(totals) if len(totals) > 1 else 0.0

@@ -26,11 +26,12 @@ step, else ``compute``.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from lockstep.bench.costmodel import Link, Topology, allreduce, gather_cost
+from lockstep.bench.costmodel import Link, Topology, allreduce, expected_max_normal, gather_cost
 from lockstep.bench.profile import Bucket, StepProfile
 from lockstep.errors import ConfigError
 
@@ -67,10 +68,13 @@ class Projection:
         step_s: projected seconds per step.
         compute_s: one device's forward, backward and optimizer.
         comm_s: seconds the collectives take, overlapped or not.
-        exposed_s: seconds of the step beyond compute (communication not hidden, or waiting for data).
+        exposed_s: seconds of the step beyond compute (communication not hidden, the wait for the slowest
+            rank, or waiting for data).
         samples_per_s: every device's samples over the step.
         efficiency: one device's step over this step.
         bound: ``compute``, ``communication`` or ``data``.
+        wait_s: the expected wait for the slowest rank's compute (part of ``exposed_s``): the profile's
+            spread times the expected largest of ``devices`` standard normal values.
     """
 
     strategy: str
@@ -83,6 +87,7 @@ class Projection:
     samples_per_s: float
     efficiency: float
     bound: str
+    wait_s: float = 0.0
 
     @property
     def devices(self) -> int:
@@ -99,6 +104,7 @@ def scaled(profile: StepProfile, factor: float) -> StepProfile:
         forward_s=profile.forward_s * factor,
         backward_s=profile.backward_s * factor,
         buckets=tuple(replace(b, ready_s=b.ready_s * factor) for b in profile.buckets),
+        compute_spread_s=profile.compute_spread_s * math.sqrt(factor),  # a sum of independent parts
     )
 
 
@@ -160,6 +166,7 @@ def project(
         raise ConfigError(f"--project knows {', '.join(PROJECT_STRATEGIES)}, not {strategy!r}")
     topo = Topology(per_node=per_node, nodes=nodes, inter=inter, intra=intra)
     compute = profile.compute_s
+    wait = profile.compute_spread_s * expected_max_normal(topo.world)  # every step waits for the slowest rank
     if topo.world == 1:
         step, comm = compute, 0.0
     elif strategy == "fsdp":
@@ -167,11 +174,15 @@ def project(
     else:
         backward, comm = _ddp(profile, topo, strategy, powersgd_rank)
         step = profile.forward_s + backward + profile.optimizer_s
+    communicating = step  # what the bound is judged on: the wait is not communication
+    step += wait
     data_floor = 0.0
     if profile.loader_samples_per_s:
         data_floor = profile.batch_size * per_node / profile.loader_samples_per_s
     exposed = max(step, data_floor) - compute
-    bound = "data" if data_floor > step else ("communication" if step - compute > COMM_BOUND * step else "compute")
+    bound = (
+        "data" if data_floor > step else ("communication" if communicating - compute > COMM_BOUND * step else "compute")
+    )
     step = max(step, data_floor)
     return Projection(
         strategy=strategy,
@@ -184,6 +195,7 @@ def project(
         samples_per_s=topo.world * profile.batch_size / step,
         efficiency=compute / step,
         bound=bound,
+        wait_s=wait,
     )
 
 
@@ -297,6 +309,12 @@ def format_projection(doc: dict[str, Any]) -> str:
         f"{prof['device']}: forward {_ms(prof['forward_s'])} ms, backward {_ms(prof['backward_s'])} ms, optimizer "
         f"{_ms(prof['optimizer_s'])} ms; {prof['grad_bytes'] / 2**20:.2f} MiB of gradients in "
         f"{len(prof['buckets'])} bucket(s)"
+        + (
+            f"; a step varies by {_ms(prof['compute_spread_s'])} ms (standard deviation: the wait for the slowest "
+            "rank is in exposed ms)"
+            if prof.get("compute_spread_s")
+            else ""
+        )
         + (f"; loader {prof['loader_samples_per_s']:.0f} samples/s" if prof.get("loader_samples_per_s") else ""),
         f"links: between nodes {doc['links']['inter']['text']}, inside a node {doc['links']['intra']['text']}; "
         f"{doc['per_node']} device(s) per node",

@@ -86,7 +86,7 @@ class Accumulator:
         weight = self.weight
         if weight is None:
             return loss / self.window if self.window > 1 else loss
-        if weight is EVEN or weight == 1:  # EVEN: most steps, told without comparing fractions
+        if weight is EVEN:  # weight_of gives EVEN whenever the weight is 1: no fraction compared
             return loss
         return loss / weight.denominator if weight.numerator == 1 else loss * weight.numerator / weight.denominator
 

@@ -124,6 +124,12 @@ def test_fsdp_gathers_twice_and_reduce_scatters_once_behind_compute() -> None:
     row = project(_profile(), "fsdp", 1, 2, LINK, LINK)
     assert row.step_s == pytest.approx(forward + backward + 0.002 / 2, rel=1e-12)
     assert row.comm_s == pytest.approx(3 * sum(g), rel=1e-12)
+    # a device updates its shard alone: its compute, and what the step adds to it, count that shard
+    assert row.compute_s == pytest.approx(0.010 + 0.020 + 0.002 / 2, rel=1e-12)
+    assert row.exposed_s == pytest.approx(row.step_s - row.compute_s, rel=1e-12)
+    assert row.efficiency == pytest.approx(0.032 / row.step_s, rel=1e-12)
+    fast = project(_profile(), "fsdp", 1, 2, FAST, FAST)  # the gathers hide behind compute: nothing is exposed
+    assert 0.0 <= fast.exposed_s < 1e-3 and fast.bound == "compute"
 
 
 def test_a_slow_loader_bounds_the_step() -> None:

@@ -58,7 +58,6 @@ SCENARIOS=(
 # Scenarios that fail because of a known lockstep bug, not because of the harness: they are
 # reported as "xfail" and do not fail the run (one that passes is reported as "xpass").
 declare -A XFAIL=(
-    [bench_project_links]="bench --project is within 15 % on every row in most runs now that each host has its own half core, but one row came out 15-20 % off in 6 of 16 runs: the jobs compute up to a third slower or faster than the one-host profile (at 3 hosts three ranks share two cores, and a slice's speed drifts between the profile and the job; see its log and docs/tools.md)"
 )
 
 CANNOT_RUN=3  # exit status where the engines cannot run here (.ci/run tells it from a failure)

@@ -66,7 +66,7 @@ class Projection:
         per_node: devices per node.
         nodes: nodes.
         step_s: projected seconds per step.
-        compute_s: one device's forward, backward and optimizer.
+        compute_s: one device's forward, backward and optimizer (under fsdp, the optimizer of its shard).
         comm_s: seconds the collectives take, overlapped or not.
         exposed_s: seconds of the step beyond compute (communication not hidden, the wait for the slowest
             rank, or waiting for data).
@@ -171,6 +171,7 @@ def project(
         step, comm = compute, 0.0
     elif strategy == "fsdp":
         step, comm = _fsdp(profile, topo)
+        compute = profile.forward_s + profile.backward_s + profile.optimizer_s / topo.world  # its shard's update
     else:
         backward, comm = _ddp(profile, topo, strategy, powersgd_rank)
         step = profile.forward_s + backward + profile.optimizer_s
@@ -193,7 +194,7 @@ def project(
         comm_s=comm,
         exposed_s=exposed,
         samples_per_s=topo.world * profile.batch_size / step,
-        efficiency=compute / step,
+        efficiency=profile.compute_s / step,
         bound=bound,
         wait_s=wait,
     )

@@ -4,7 +4,9 @@ Run under `lockstep run --nodes N` (one rank per host): trains the ConvNet on on
 batch per rank, as `lockstep bench --project` profiles it, with `--strategy` (ddp, ddp+bf16, ...);
 in the test host's CPU slice where nsrun.sh names one (ENGINES_CPU_SLICE: it moves there once set up),
 after `--warmup` steps, every rank times `--steps` steps between barriers, and rank 0 writes the
-median over `--repeats` windows of the slowest rank's seconds per step to `--result` as JSON.
+median over `--repeats` windows of the slowest rank's seconds per step to `--result` as JSON, with
+every rank's step timings (data, compute, comm, optimizer) of that same window: the Session's timing
+windows are `--steps` steps long (`timings_every`), the first one the warm-up, so each timed window is one.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 
 import torch
@@ -27,10 +28,9 @@ def main() -> None:
     parser.add_argument("--strategy", default="ddp")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=12, help="a multiple of --steps: the timing windows line up")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--result", required=True)
-    parser.add_argument("--timings-every", type=int, default=5, help="Session(timings_every=...)")
     parser.add_argument("--preemption", default="save", help="Session(preemption=...)")
     args = parser.parse_args()
     strategy, _, compression = args.strategy.partition("+")
@@ -39,7 +39,7 @@ def main() -> None:
         strategy=strategy,
         grad_compression=compression or "none",
         quiet=True,
-        timings_every=args.timings_every,
+        timings_every=args.steps,
         preemption=args.preemption,
     )
     torch.manual_seed(session.rank)
@@ -65,12 +65,14 @@ def main() -> None:
         for _ in range(args.steps):
             step()
         mine = (time.perf_counter() - start) / args.steps
-        windows.append(float(session.all_reduce(mine, op="max")))
+        timings = session.timings  # the window of these steps, every rank's, when the windows lined up
+        lined_up = timings is not None and timings.steps == args.steps and timings.step == session.global_step
+        phases = [timings.of(r) for r in range(session.world_size)] if lined_up else None
+        windows.append((float(session.all_reduce(mine, op="max")), phases))
     if session.is_main:
         with open(args.result, "w") as out:
-            step_s = statistics.median(windows)
-            timings = session.timings  # the last window's phases, every rank's
-            phases = [timings.of(r) for r in range(session.world_size)] if timings is not None else None
+            windows.sort(key=lambda w: w[0])
+            step_s, phases = windows[(len(windows) - 1) // 2]  # the median window (the lower one of an even count)
             json.dump(
                 {"strategy": args.strategy, "world": session.world_size, "step_s": step_s, "timings": phases}, out
             )

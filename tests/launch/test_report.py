@@ -82,3 +82,16 @@ def test_when_every_rank_was_signalled_the_first_signalled_leads() -> None:
     summary = summarize([_signalled(0, at=3.0), _signalled(1, at=2.0), _signalled(2, at=2.5)])
     assert summary.root.rank == 1, summary
     assert [f.rank for f in summary.others] == [2, 0], summary
+
+
+def test_every_rank_of_a_one_node_job_losing_contact_points_at_their_collectives() -> None:
+    # a plain script where rank 1 skipped one all_reduce: both ranks time out in gloo, neither failed first
+    timeout = "RuntimeError: Timed out waiting 10000ms for recv operation to complete"
+    lost = [_raised(r, timeout, 1.0 + r) for r in (1, 0)]
+    summary = summarize(lost)
+    assert summary.root.kind == "peer" and summary.root.rank == 0
+    one_node = summary.text(whole_job=True)
+    assert "every rank lost contact with the others and none failed first" in one_node, one_node
+    assert "called different collectives" in one_node and "other nodes' output" not in one_node, one_node
+    # on a node of a larger job, the rank that failed first may be on another node
+    assert "look for the failing rank in the other nodes' output" in summary.text(), summary.text()

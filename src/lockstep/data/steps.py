@@ -13,7 +13,7 @@ from lockstep.data.samplers import epoch_order, shard_bounds, shard_bounds_unche
 from lockstep.data.seeding import SampleKey, sample_seed
 from lockstep.errors import ConfigError
 
-__all__ = ["BatchPlan", "MicroStep", "plan_batches", "micro_steps", "rank_batches", "StepSampler"]
+__all__ = ["BatchPlan", "MicroStep", "EVEN", "plan_batches", "micro_steps", "rank_batches", "StepSampler"]
 
 
 @dataclass(frozen=True)

@@ -223,8 +223,14 @@ class Summary:
             return [self.root]
         return [self.root, *(f for f in self.others if f.kind == "exception" and f.error == self.root.error)]
 
-    def text(self, prefix: str = PREFIX) -> str:
-        """The full summary: headline, the root's traceback, and who else stopped and why."""
+    def text(self, prefix: str = PREFIX, whole_job: bool = False) -> str:
+        """The full summary: headline, the root's traceback, and who else stopped and why.
+
+        Args:
+            prefix: put in front of the launcher's own lines.
+            whole_job: every rank of the job ran on this node (a one-node job): a rank that lost contact
+                lost it with ranks seen here, not with another node.
+        """
         if self.hang is not None:
             return self._hang_text(prefix)
         if self.preempted:
@@ -250,6 +256,13 @@ class Summary:
             lines.append(
                 f"{prefix}{_ranks(stopped)} had not failed when it gave up: if one of "
                 "them was stuck (a hang, or slow work outside the collectives), it is the cause."
+            )
+        elif self.root.kind == "peer" and whole_job:
+            lines.append(
+                f"{prefix}every rank lost contact with the others and none failed first: the ranks most likely "
+                "called different collectives (one skipped, added or reordered one); each rank's last collective "
+                "is where it waited (the traceback above, and the ranks' own output); collectives called through "
+                "lockstep.Session are named rank by rank."
             )
         elif self.root.kind == "peer":
             lines.append(

@@ -105,7 +105,7 @@ class JobReporter:
         summary = summarize(failures)
         says = self.spec.says
         verdict = None if summary.preempted else postmortem_text(self.postmortem_dir, failures, summary, says)
-        say(verdict or summary.text(says))
+        say(verdict or summary.text(says, whole_job=self.spec.nodes == 1 and not self.spec.elastic))
         if verdict and self.spec.log_dir:
             say(f"{says}the ranks' records are under {self.postmortem_dir} (lockstep postmortem DIR reads them)")
         if summary.preempted:

@@ -96,13 +96,14 @@ class _Throttled:
     """A link of ``rate`` bytes a second: every message waits its bytes' time first; the largest sent is kept."""
 
     def __init__(self, rate: float) -> None:
-        self.rate, self.largest = rate, 0
+        self.rate, self.largest, self.sizes = rate, 0, []  # type: ignore[var-annotated]
 
     def send(self, tensor, dst: int) -> None:  # type: ignore[no-untyped-def]
         import torch.distributed as dist
 
         size = tensor.numel() * tensor.element_size()
         self.largest = max(self.largest, size)
+        self.sizes.append(size)
         time.sleep(size / self.rate)
         dist.send(tensor, dst)
 
@@ -112,7 +113,7 @@ class _Throttled:
         dist.recv(tensor, src)
 
 
-def _slow_link(rate: float) -> tuple[float, int]:
+def _slow_link(rate: float) -> tuple[float, int, int]:
     from lockstep.comm.group import init_comm
     from lockstep.doctor.links import measure_links
 
@@ -120,20 +121,26 @@ def _slow_link(rate: float) -> tuple[float, int]:
     transport = _Throttled(rate)
     report = measure_links(comm, [0, 1], ["rank 0", "rank 1"], size=4 << 20, iters=3, transport=transport)
     comm.shutdown()
-    return report.bandwidth[(0, 1)], transport.largest
+    # the first end sends what the two ends agree on (8-byte ints): per round how many more trips, and in the
+    # round that sizes the trips that size too
+    return report.bandwidth[(0, 1)], transport.largest, transport.sizes.count(8)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_slow_link_is_measured_with_fewer_bytes_than_a_fast_one() -> None:
     """At 2 MB/s a 4 MiB trip would take 4 s: the trips are sized to the link (about BUDGET_S each), and the
-    bandwidth is still the link's (a trip only ever takes longer than its bytes' time, so never above it)."""
-    from lockstep.doctor.links import BUDGET_S, PROBE_SIZE
+    bandwidth is still the link's (a trip only ever takes longer than its bytes' time, so never above it).
+    The probe that sizes them is sent once, in the first of the ROUNDS rounds: the later ones reuse its size."""
+    from lockstep.doctor.links import BUDGET_S, PROBE_SIZE, ROUNDS
 
     rate = 2e6
-    for bandwidth, largest in run_distributed(_slow_link, 2, rate):
+    assert ROUNDS > 1
+    results = run_distributed(_slow_link, 2, rate)
+    for bandwidth, largest, _ in results:
         assert PROBE_SIZE <= largest <= 2 * BUDGET_S * rate < 4 << 20, largest
         assert rate / 2 < bandwidth <= rate, bandwidth
+    assert [agreed for *_, agreed in results] == [ROUNDS + 1, 0]  # sized once, not in every round
 
 
 def _doctor(strict: bool) -> int:

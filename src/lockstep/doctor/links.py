@@ -9,7 +9,8 @@ point-to-point ``send``/``recv`` while the others wait at a barrier:
   in :data:`BUDGET_S` after the first, so that a slow link costs little), as ``2 * size / time``. A
   first trip of :data:`PROBE_SIZE` bytes sizes them to the link: where ``size`` would take longer than
   :data:`BUDGET_S` a trip (a 4 MiB trip takes 7 s at 10 Mbit/s), fewer bytes are sent, as many as take
-  about that long, still far more time on the wire than the link's latency;
+  about that long, still far more time on the wire than the link's latency (sized in the first round,
+  the later rounds send that size at once);
 * exchange: :data:`EXCHANGES` back-to-back exchanges of :data:`EXCHANGE_SIZE` bytes, both ends sending
   at once, as the steps of a ring collective do. gloo sends a message only once the receiver said it
   is ready, and that word waits behind the data already queued on the link, so a step costs more
@@ -182,15 +183,22 @@ def _agree(value: int, peer: int, first: bool, transport: Transport) -> int:
 
 
 def _big_trips(
-    peer: int, first: bool, tensor: torch.Tensor, iters: int, transport: Transport, idle_rtt: float
+    peer: int,
+    first: bool,
+    tensor: torch.Tensor,
+    iters: int,
+    transport: Transport,
+    idle_rtt: float,
+    sized: int | None = None,
 ) -> tuple[float, int]:
     """The fastest bandwidth round trip and its bytes each way: a :data:`PROBE_SIZE` trip, then trips of
     as much of ``tensor`` as takes about :data:`BUDGET_S` on this link (``idle_rtt``: its round trip of one
-    float), one and as many more (up to ``iters``) as fit in :data:`BUDGET_S`. The first end decides."""
+    float), one and as many more (up to ``iters``) as fit in :data:`BUDGET_S`. The first end decides.
+    ``sized``: the elements an earlier round chose for this link (no probe trip then)."""
     elements = tensor.numel()
-    probe = min(elements, PROBE_SIZE // tensor.element_size())
+    probe = sized if sized is not None else min(elements, PROBE_SIZE // tensor.element_size())
     best = _round_trips(peer, first, tensor[:probe], 1, transport, warmup=False)
-    if probe < elements:
+    if sized is None and probe < elements:
         # seconds per element beyond the latency, at the probe's rate
         per_element = max(best - idle_rtt, 1e-9) / probe
         fit = int(max(BUDGET_S - idle_rtt, 0.0) / per_element)
@@ -238,13 +246,15 @@ def measure_links(
     small, big = torch.zeros(1), torch.zeros(max(1, size // 4))
     out, into = torch.zeros(EXCHANGE_SIZE // 4), torch.zeros(EXCHANGE_SIZE // 4)
     mine: dict[tuple[int, int], tuple[float, float, float]] = {}
+    sized: dict[tuple[int, int], int] = {}  # each link's bandwidth trip, in elements: sized in the first round
     pairs = [(a, b) for a in range(len(units)) for b in range(a + 1, len(units))]
     for _ in range(ROUNDS):
         for a, b in pairs:
             if comm.rank in (units[a], units[b]):
                 peer, first = (units[b], True) if comm.rank == units[a] else (units[a], False)
                 rtt = _round_trips(peer, first, small, iters, transport)
-                big_rtt, sent = _big_trips(peer, first, big, iters, transport, rtt)
+                big_rtt, sent = _big_trips(peer, first, big, iters, transport, rtt, sized.get((a, b)))
+                sized[(a, b)] = sent // big.element_size()
                 step = _exchanges(peer, out, into, exchange) if exchange is not None else float("inf")
                 lat, bw, ex = mine.get((a, b), (float("inf"), 0.0, float("inf")))
                 mine[(a, b)] = (min(lat, rtt / 2), max(bw, 2 * sent / max(big_rtt, 1e-9)), min(ex, step))

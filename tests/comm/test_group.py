@@ -162,6 +162,20 @@ def test_a_second_group_never_joins_the_first_groups_store(tmp_path: Path) -> No
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_second_group_on_a_store_that_outlives_the_first_reads_only_its_own_keys(tmp_path: Path) -> None:
+    """A file store (like the launcher's agent store) keeps the first group's keys while a rank still holds it:
+    the second group's handshake must not read them (it failed with "two processes claim rank 1", one pid twice)."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    envs = [{"RANK": "0", "WORLD_SIZE": "2"}, {"RANK": "1", "WORLD_SIZE": "2"}]
+    outs = _launch(tmp_path, envs, [f"file://{tmp_path}/rdzv", str(marks)], _TWO_GROUPS)
+    for o in outs:
+        assert o.returncode == 0 and "SUM 2" in o.stdout, o.stdout
+    assert (marks / "opened-2").exists()  # rank 1 opened the store again while rank 0 still held the first
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_world_size_mismatch_refused(tmp_path: Path) -> None:
     """FAULTS row 8: both ranks and both values are named."""

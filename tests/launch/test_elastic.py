@@ -436,9 +436,8 @@ def test_node_that_never_joins() -> None:
     assert "expected 2 nodes, 1 joined" in proc.stderr
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(90)
-def test_two_nodes_of_two_processes() -> None:
+def _two_node_job(script: Path) -> list[tuple[str, str]]:
+    """Run ``script`` as one job of two nodes of two processes on loopback; (stdout, stderr) of node 1, node 0."""
     master = f"127.0.0.1:{_free_port()}"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [
@@ -457,7 +456,7 @@ def test_two_nodes_of_two_processes() -> None:
     ]
     nodes = [
         subprocess.Popen(
-            [*cmd, "--node-rank", str(i), str(EXAMPLE)],
+            [*cmd, "--node-rank", str(i), str(script)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -467,7 +466,37 @@ def test_two_nodes_of_two_processes() -> None:
     ]
     outs = [node.communicate(timeout=80) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outs
+    return outs
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_two_nodes_of_two_processes() -> None:
+    outs = _two_node_job(EXAMPLE)
     assert "[rank0]: world_size 4 sum of ranks 6" in outs[1][0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_second_group_of_a_two_node_job_reads_only_its_own_keys(tmp_path: Path) -> None:
+    """The launcher's agent hosts the store of every group of an attempt: the second group's handshake must
+    not read the first one's posts (it failed with "two processes claim rank 1", naming one pid twice)."""
+    script = tmp_path / "two_groups.py"
+    script.write_text(
+        textwrap.dedent("""
+            import torch
+            from lockstep.comm.group import init_comm
+
+            for n in range(2):
+                comm = init_comm(timeout=30)
+                print("group", n, "sum", int(comm.all_reduce(torch.ones(1)).item()), flush=True)
+                comm.shutdown()
+        """)
+    )
+    outs = _two_node_job(script)
+    for n in range(2):
+        assert f"[rank0]: group {n} sum 4" in outs[1][0], outs
+        assert f"[rank2]: group {n} sum 4" in outs[0][0], outs
 
 
 # A plain DDP script (no lockstep inside) whose rank 1 kills itself in the first attempt; the engines run it too.

@@ -11,6 +11,7 @@ import ipaddress
 import socket
 import time
 from datetime import timedelta
+from itertools import count
 from typing import Any
 
 import torch
@@ -45,6 +46,9 @@ __all__ = [
     "Peer",
     "check_reachable_host",
 ]
+
+_FORMED = count()
+"""Groups this process has formed: the n-th has its keys under ``group-n/`` in the attempt's store."""
 
 
 def default_timeout_for_scripts(timeout: timedelta) -> None:
@@ -116,7 +120,10 @@ def form_comm(world: World, backend: str, init_method: str | None, timeout: time
         check_reachable_host(chosen, settings, world.master_addr)
     init_method = init_method or settings.init_method or "env://"
     secret = settings.secret.encode()
-    base = _open_base(world, init_method, timeout, settings, secret)
+    attempt = _open_base(world, init_method, timeout, settings, secret)
+    # every group this process forms has its own keys: a file store or the launcher's agent store outlives a
+    # group, and the next one must not read its handshake (every rank forms the same groups, in the same order)
+    base = dist.PrefixStore(f"group-{next(_FORMED)}/", attempt)
     peers = handshake(SignedStore(dist.PrefixStore("hs/", base), secret), describe_self(world), timeout)
     device_id = world.device if chosen == "nccl" else None
     if device_id is not None:
@@ -146,7 +153,7 @@ def form_comm(world: World, backend: str, init_method: str | None, timeout: time
     )
     watchdog.start()
     record.install()
-    return GroupComm(world, chosen, peers, watchdog, record=record, closing=SignedStore(base, secret))
+    return GroupComm(world, chosen, peers, watchdog, record=record, closing=SignedStore(attempt, secret))
 
 
 def _open_base(world: World, init_method: str, timeout: timedelta, settings: Settings, secret: bytes) -> Any:

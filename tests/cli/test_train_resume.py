@@ -155,5 +155,15 @@ def test_resume_of_a_finished_run_says_so_before_any_worker(
     said = capsys.readouterr().out
     assert "lockstep train: nothing to train: the checkpoint already covers 2 of 2 epochs" in said, said
 
+    # the last checkpoint truncated after it was written: the run is not finished, the workers go on
+    newest = out / "checkpoints" / "step-000004"
+    damaged = next(f for f in sorted(newest.rglob("*")) if f.is_file() and f.name != "manifest.json")
+    damaged.write_bytes(damaged.read_bytes()[:-1])
+    with pytest.raises(AssertionError, match="workers started for a finished run"):
+        main(["train", "--out", str(out), "--resume"])
+    captured = capsys.readouterr()
+    assert "nothing to train" not in captured.out, captured.out
+    assert f"lockstep train: warning: checkpoint file {damaged} is corrupt" in captured.err, captured.err
+
     save_checkpoint(out / "checkpoints", {"step": 5}, Comm(World()), step=5)  # a mid-epoch save after it
     assert epochs_done(out) is None  # only loading it tells: the workers decide

@@ -228,7 +228,7 @@ def main(args: argparse.Namespace) -> int:
     from lockstep.errors import ConfigError, LockstepError
     from lockstep.launch.relaunch import launched_as_worker, relaunch
     from lockstep.recipes.checks import check_data, check_out
-    from lockstep.recipes.outputs import epochs_done, hold_out
+    from lockstep.recipes.outputs import epochs_done, hold_out, newest_intact
     from lockstep.recipes.train import train
 
     # asked for processes or nodes: e.g. one `srun` task per node running the launcher
@@ -240,7 +240,8 @@ def main(args: argparse.Namespace) -> int:
     check_out(config)
     if config.resume and config.out is not None and not is_url(config.out):
         done = epochs_done(Path(config.out))
-        if done is not None and done >= config.epochs:  # said before any worker starts
+        # said before any worker starts; a corrupt last checkpoint: the workers train its epoch again
+        if done is not None and done >= config.epochs and newest_intact(Path(config.out)):
             print(
                 f"lockstep train: nothing to train: the checkpoint already covers {done} of "
                 f"{config.epochs} epochs (raise --epochs to train more)",

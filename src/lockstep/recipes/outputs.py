@@ -7,6 +7,7 @@ epoch is trained again). A run stopped for preemption leaves ``preempted.json``;
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ __all__ = [
     "RunLog",
     "read_preempted",
     "epochs_done",
+    "newest_intact",
     "hold_out",
     "refuse_if_in_use",
     "tensorboard_logger",
@@ -144,6 +146,25 @@ def epochs_done(out: Path) -> int | None:
     except (OSError, ValueError, KeyError, TypeError, CheckpointError):
         return None
     return done
+
+
+def newest_intact(out: Path) -> bool:
+    """Whether every file of the newest checkpoint in ``out`` matches its manifest (size and sha256).
+
+    A finished run's newest checkpoint is checked before ``--resume`` says there is nothing to train:
+    when it is corrupt, the workers resume from the one before and train its epoch again.
+    """
+    from lockstep.checkpoint import CheckpointError, latest_checkpoint, verify_checkpoint
+
+    newest = latest_checkpoint(out / CHECKPOINTS)
+    if newest is None:
+        return False
+    try:
+        verify_checkpoint(newest)
+    except CheckpointError as exc:
+        print(f"lockstep train: warning: {exc}", file=sys.stderr, flush=True)
+        return False
+    return True
 
 
 def refuse_if_in_use(out: Path) -> None:

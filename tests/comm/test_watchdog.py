@@ -271,3 +271,35 @@ def test_backend_timeout_outside_lockstep_is_explained(tmp_path: Path) -> None:
         proc.stderr,
     ), proc.stderr
     assert "rank 0 raised" not in proc.stderr
+
+
+def test_a_timeout_explained_shows_the_users_frames_not_the_backends_dump() -> None:
+    """The launcher prints a failed rank's traceback: for a collective's timeout that lockstep explained, the
+    user's line and the explanation, not lockstep's frames below it nor gloo's error it replaced."""
+    from types import SimpleNamespace
+
+    from lockstep.comm.collectives import GroupComm
+    from lockstep.comm.failure import user_traceback
+    from lockstep.comm.hang_report import CollectiveTimeoutError
+
+    def gloo_times_out() -> None:
+        raise RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms for recv")
+
+    explained = CollectiveTimeoutError("ranks wait in different collectives: rank 0 in all_reduce #20")
+    watch = SimpleNamespace(enter=lambda *a, **k: None, leave=lambda: None, explain=lambda exc: explained)
+    try:
+        GroupComm._call(SimpleNamespace(_calls=0, watchdog=watch), "all_reduce", gloo_times_out)  # type: ignore[arg-type]
+    except CollectiveTimeoutError as exc:
+        text = user_traceback(exc)
+    lines = text.splitlines()
+    assert lines[0] == "Traceback (most recent call last):" and __file__ in lines[1], text
+    assert lines[-1] == f"lockstep.comm.hang_report.CollectiveTimeoutError: {explained}", text
+    assert "collectives.py" not in text and "RuntimeError" not in text and "direct cause" not in text, text
+    try:  # any other error keeps its whole chain
+        try:
+            gloo_times_out()
+        except RuntimeError as cause:
+            raise ValueError("bad") from cause
+    except ValueError as exc:
+        other = user_traceback(exc)
+    assert "RuntimeError" in other and "direct cause" in other and "ValueError: bad" in other, other

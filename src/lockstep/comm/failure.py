@@ -22,6 +22,7 @@ Explainer = Callable[[BaseException], "BaseException | None"]
 
 
 _explainers: list[Explainer] = []
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # lockstep's own files
 
 
 def add_explainer(explain: Explainer) -> Callable[[], None]:
@@ -46,14 +47,26 @@ def explain(exc: BaseException) -> BaseException:
 
 
 def user_traceback(exc: BaseException, skip: Collection[str] = ()) -> str:
-    """The traceback of ``exc`` without its leading frames from the files (paths, ``<frozen ...>``) in ``skip``."""
+    """The traceback of ``exc`` without its leading frames from the files (paths, ``<frozen ...>``) in ``skip``.
+
+    An error of lockstep's that explains the backend's (``explains_cause``, a collective's timeout) shows the
+    frames up to the user's last one and its own message: not lockstep's frames below them, nor the backend's
+    error it was raised from.
+    """
     tb: TracebackType | None = exc.__traceback__
     while tb is not None:
         name = tb.tb_frame.f_code.co_filename
         if name not in skip and os.path.abspath(name) not in skip:
             break
         tb = tb.tb_next
-    return "".join(traceback.format_exception(type(exc), exc, tb))
+    if not getattr(exc, "explains_cause", False):
+        return "".join(traceback.format_exception(type(exc), exc, tb))
+    frames = traceback.extract_tb(tb)
+    while len(frames) > 1 and os.path.abspath(frames[-1].filename).startswith(_PACKAGE):
+        frames.pop()
+    return "".join(
+        ["Traceback (most recent call last):\n", *frames.format(), *traceback.format_exception_only(type(exc), exc)]
+    )
 
 
 def record_failure(exc: BaseException, exit_code: int, path: str, callstack: str | None = None) -> None:

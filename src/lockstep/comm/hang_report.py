@@ -28,6 +28,10 @@ class CollectiveTimeoutError(LockstepError):
         waiting: the ranks that waited in it (kept as ``waiting``).
     """
 
+    explains_cause = True
+    """It replaces the backend's error it was raised from: a failure report shows the user's frames and this
+    message, not the backend's dump (:func:`lockstep.comm.failure.user_traceback`)."""
+
     def __init__(self, message: str, blame: tuple[int, ...] = (), waiting: tuple[int, ...] = ()) -> None:
         super().__init__(message)
         self.blame = blame

@@ -291,6 +291,8 @@ def test_a_timeout_explained_shows_the_users_frames_not_the_backends_dump() -> N
         GroupComm._call(SimpleNamespace(_calls=0, watchdog=watch), "all_reduce", gloo_times_out)  # type: ignore[arg-type]
     except CollectiveTimeoutError as exc:
         text = user_traceback(exc)
+        ours = user_traceback(exc, skip={__file__})  # as in lockstep's own programs: no user's frame at all
+    assert "collectives.py" in ours and "RuntimeError" not in ours, ours  # then lockstep's frames are the trace
     lines = text.splitlines()
     assert lines[0] == "Traceback (most recent call last):" and __file__ in lines[1], text
     assert lines[-1] == f"lockstep.comm.hang_report.CollectiveTimeoutError: {explained}", text

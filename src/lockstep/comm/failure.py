@@ -50,8 +50,8 @@ def user_traceback(exc: BaseException, skip: Collection[str] = ()) -> str:
     """The traceback of ``exc`` without its leading frames from the files (paths, ``<frozen ...>``) in ``skip``.
 
     An error of lockstep's that explains the backend's (``explains_cause``, a collective's timeout) shows the
-    frames up to the user's last one and its own message: not lockstep's frames below them, nor the backend's
-    error it was raised from.
+    frames up to the user's last one (all of them in lockstep's own programs) and its own message: not
+    lockstep's frames below them, nor the backend's error it was raised from.
     """
     tb: TracebackType | None = exc.__traceback__
     while tb is not None:
@@ -62,8 +62,9 @@ def user_traceback(exc: BaseException, skip: Collection[str] = ()) -> str:
     if not getattr(exc, "explains_cause", False):
         return "".join(traceback.format_exception(type(exc), exc, tb))
     frames = traceback.extract_tb(tb)
-    while len(frames) > 1 and os.path.abspath(frames[-1].filename).startswith(_PACKAGE):
-        frames.pop()
+    users = [i for i, f in enumerate(frames) if not os.path.abspath(f.filename).startswith(_PACKAGE)]
+    if users:  # else lockstep's own program (lockstep train): every frame is its
+        del frames[users[-1] + 1 :]
     return "".join(
         ["Traceback (most recent call last):\n", *frames.format(), *traceback.format_exception_only(type(exc), exc)]
     )

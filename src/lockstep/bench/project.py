@@ -133,12 +133,12 @@ def _ddp(profile: StepProfile, topo: Topology, strategy: str, powersgd_rank: int
     return max(profile.backward_s, end), total
 
 
-def _fsdp(profile: StepProfile, topo: Topology) -> tuple[float, float]:
-    """(forward, backward and optimizer phases with their gathers and reduce-scatters, the collectives' time)."""
+def _fsdp(profile: StepProfile, topo: Topology) -> tuple[float, float, float]:
+    """(the forward and the backward phase with their gathers and reduce-scatters, the collectives' time)."""
     gathers = [gather_cost(n, topo) for n in profile.fsdp_units]
     forward = gathers[0] + max(profile.forward_s, sum(gathers))
     backward = max(profile.backward_s, 2 * sum(gathers)) + gathers[-1]
-    return forward + backward + profile.optimizer_s / topo.world, 3 * sum(gathers)
+    return forward, backward, 3 * sum(gathers)
 
 
 def project(
@@ -170,8 +170,10 @@ def project(
     if topo.world == 1:
         step, comm = compute, 0.0
     elif strategy == "fsdp":
-        step, comm = _fsdp(profile, topo)
-        compute = profile.forward_s + profile.backward_s + profile.optimizer_s / topo.world  # its shard's update
+        optimizer = profile.optimizer_s / topo.world  # each device updates its shard alone
+        forward, backward, comm = _fsdp(profile, topo)
+        step = forward + backward + optimizer
+        compute = profile.forward_s + profile.backward_s + optimizer
     else:
         backward, comm = _ddp(profile, topo, strategy, powersgd_rank)
         step = profile.forward_s + backward + profile.optimizer_s

@@ -23,13 +23,12 @@ def _step(
     policy: NonFinitePolicy, opt: torch.optim.Optimizer, counts: TrainState, step: int, warnings: list[str]
 ) -> None:
     """What Session.step does with the policy's decision."""
-    decision = policy.decide(opt, step, 0)
-    if decision.take:
+    if policy.gradients_finite(opt):
         opt.step()
         counts.count_step()
     else:
         counts.count_skipped()
-        warnings.append(decision.message)
+        warnings.append(policy.skip_message(step, 0))
     opt.zero_grad(set_to_none=True)
 
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any
+from typing import Any, overload
 
 from torch.utils.data import Sampler
 
@@ -13,7 +13,7 @@ from lockstep.data.samplers import epoch_order, shard_bounds, shard_bounds_unche
 from lockstep.data.seeding import SampleKey, sample_seed
 from lockstep.errors import ConfigError
 
-__all__ = ["BatchPlan", "MicroStep", "EVEN", "plan_batches", "micro_steps", "rank_batches", "StepSampler"]
+__all__ = ["BatchPlan", "MicroStep", "EVEN", "plan_batches", "micro_steps", "MicroSteps", "rank_batches", "StepSampler"]
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,83 @@ class MicroStep:
         return EVEN if samples == self.step_samples else Fraction(samples, self.step_samples)  # even shares: no gcd
 
 
-def micro_steps(dataset_len: int, cursor: int, plan: BatchPlan, drop_last: bool = False) -> list[MicroStep]:
+class MicroSteps(Sequence[MicroStep]):
+    """The job's micro-steps from a cursor to the epoch's end, each worked out when asked.
+
+    An epoch of small batches holds thousands of micro-steps; every full step has the same layout, so
+    the sequence keeps one step's layout (and the last, shorter one's) and shifts it: ``len()`` and
+    indexing cost the same at any epoch size, and iterating builds nothing ahead.
+
+    Args:
+        cursor: samples of the epoch already consumed (a step boundary).
+        end: where the epoch's steps end (its length, or before a short last step that is dropped).
+        plan: the batch plan.
+    """
+
+    def __init__(self, cursor: int, end: int, plan: BatchPlan) -> None:
+        self.cursor, self.end, self.plan = cursor, end, plan
+        per_micro = plan.micro * plan.world_size
+        self._full, rest = divmod(max(end - cursor, 0), plan.global_batch)
+        self._step = _layout(plan.global_batch, per_micro)
+        self._last = _layout(rest, per_micro) if rest else []
+        self._len = self._full * len(self._step) + len(self._last)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def layout(self, i: int) -> MicroStep:
+        """Micro-step ``i`` with positions from its step's start: all that a share's size and weight need."""
+        per_step = len(self._step)
+        return self._step[i % per_step] if i < self._full * per_step else self._last[i - self._full * per_step]
+
+    def step_start(self, i: int) -> int:
+        """The epoch position where micro-step ``i``'s optimizer step starts."""
+        return self.cursor + min(i // len(self._step), self._full) * self.plan.global_batch
+
+    @overload
+    def __getitem__(self, i: int) -> MicroStep: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[MicroStep]: ...
+
+    def __getitem__(self, i: int | slice) -> MicroStep | list[MicroStep]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self._len))]
+        if i < 0:
+            i += self._len
+        if not 0 <= i < self._len:
+            raise IndexError(f"micro-step {i} of {self._len}")
+        micro, base = self.layout(i), self.step_start(i)
+        return MicroStep(base + micro.start, base + micro.stop, micro.step_samples, micro.index, micro.count)
+
+    def __iter__(self) -> Iterator[MicroStep]:
+        return (self[i] for i in range(self._len))
+
+    def shares(self, world_size: int, rank: int) -> Iterator[tuple[int, int, int]]:
+        """For each micro-step in order, ``rank``'s share as epoch positions ``(start, stop)`` (what
+        :meth:`MicroStep.share` gives) and the micro-step's own start, without building the micro-steps."""
+        gb, base = self.plan.global_batch, self.cursor
+        step = [(*m.share(world_size, rank), m.start) for m in self._step]
+        for _ in range(self._full):
+            for lo, hi, first in step:
+                yield base + lo, base + hi, base + first
+            base += gb
+        for micro in self._last:
+            lo, hi = micro.share(world_size, rank)
+            yield base + lo, base + hi, base + micro.start
+
+
+def _layout(size: int, per_micro: int) -> list[MicroStep]:
+    """The micro-steps of one step of ``size`` samples, positions from the step's start."""
+    count = -(-size // per_micro)
+    out = []
+    for index in range(count):
+        lo, hi = shard_bounds(size, count, index)
+        out.append(MicroStep(lo, hi, size, index, count))
+    return out
+
+
+def micro_steps(dataset_len: int, cursor: int, plan: BatchPlan, drop_last: bool = False) -> MicroSteps:
     """The job's micro-steps from ``cursor`` to the end of the epoch (its last step takes the rest).
 
     Args:
@@ -120,17 +196,8 @@ def micro_steps(dataset_len: int, cursor: int, plan: BatchPlan, drop_last: bool 
         drop_last: leave out the epoch's last step when it is short.
 
     """
-    out: list[MicroStep] = []
     end = dataset_len - dataset_len % plan.global_batch if drop_last else dataset_len
-    per_micro = plan.micro * plan.world_size
-    while cursor < end:
-        size = min(plan.global_batch, end - cursor)
-        count = -(-size // per_micro)
-        for index in range(count):
-            lo, hi = shard_bounds(size, count, index)
-            out.append(MicroStep(cursor + lo, cursor + hi, size, index, count))
-        cursor += size
-    return out
+    return MicroSteps(cursor, end, plan)
 
 
 def rank_batches(
@@ -154,8 +221,7 @@ def rank_batches(
     _check_step_order(position)
     order = epoch_order(dataset_len, int(position["seed"]), int(position["epoch"]), shuffle)
     out = []
-    for micro in micro_steps(dataset_len, int(position["cursor"]), plan, drop_last):
-        lo, hi = micro.share(plan.world_size, rank)
+    for lo, hi, _ in micro_steps(dataset_len, int(position["cursor"]), plan, drop_last).shares(plan.world_size, rank):
         out.append(order[lo:hi])
     return out
 
@@ -282,7 +348,7 @@ class StepSampler(Sampler[list[Any]]):
         self.epoch, self.cursor = epoch, min(cursor, self.dataset_len)
         self._resume_epoch = epoch
 
-    def upcoming(self) -> list[MicroStep]:
+    def upcoming(self) -> MicroSteps:
         """The job's micro-steps from the cursor to the epoch's end."""
         return micro_steps(self.dataset_len, self.cursor, self.plan, self.drop_last)
 
@@ -309,9 +375,8 @@ class StepSampler(Sampler[list[Any]]):
     def __iter__(self) -> Iterator[list[Any]]:
         self._resume_epoch = None  # being consumed: a later set_epoch() of this epoch starts it over
         order = epoch_order(self.dataset_len, self.seed, self.epoch, self.shuffle)
-        for micro in self.upcoming():
-            lo, hi = micro.share(self.world_size, self.rank)
-            mine = order[lo:hi] if hi > lo else [order[micro.start]]  # read, weighted zero
+        for lo, hi, first in self.upcoming().shares(self.world_size, self.rank):
+            mine = order[lo:hi] if hi > lo else [order[first]]  # read, weighted zero
             if self.sample_seeds:
                 yield [SampleKey(i, sample_seed(self.seed, self.epoch, i)) for i in mine]
             else:

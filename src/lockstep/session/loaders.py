@@ -149,26 +149,32 @@ class DeviceLoader:
         """The default order from the sampler's position; True when the membership moved the position meanwhile."""
         on_host, tracker, on_batch = self.device.type == "cpu", self.tracker, self._on_batch
         world, rank = steps.world_size, steps.rank
-        upcoming = steps.upcoming() if self.train else []
+        upcoming = steps.upcoming()
+        left = len(upcoming)
         boundary = self.boundary if self.train else None
         seen = boundary.generation if boundary is not None else 0
         before = self.before_batch if self.train else None
+        sized: dict[int, tuple[int, int, Any]] = {}  # id(layout) -> (share, samples, weight): a few layouts an epoch
         for i, batch in enumerate(self.loader):
             if before is not None:
                 before()  # before the position moves: a stop here resumes with this batch
             if self.train:
-                micro = upcoming[i]
+                micro = upcoming.layout(i)  # positions from its step's start: sizes and weight only
                 if boundary is not None:
                     if micro.index == 0:
                         boundary.at_boundary()  # a node that waits joins here, before the step's first forward
                     if boundary.generation != seen:
                         return True
-                self.share = share = micro.share_size(world, rank)
-                steps.advance(micro.stop - micro.start)  # counted when handed out, as below
+                known = sized.get(id(micro))
+                if known is None:
+                    share = micro.share_size(world, rank)
+                    known = sized[id(micro)] = (share, micro.stop - micro.start, micro.weight_of(share, world))
+                self.share = known[0]
+                steps.advance(known[1])  # counted when handed out, as below
                 if tracker is not None:
                     tracker.epoch_done = False
                 if on_batch is not None:
-                    on_batch(len(upcoming) - i, micro.count, micro.weight_of(share, world))
+                    on_batch(left - i, micro.count, known[2])
             yield batch if on_host else self._move(batch, self.device, self._non_blocking)
         if boundary is not None and boundary.generation != seen:
             return True

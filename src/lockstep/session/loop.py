@@ -15,13 +15,14 @@ from torch import nn
 
 from lockstep.comm.group import Comm
 from lockstep.data.steps import EVEN
-from lockstep.session.nonfinite import GO_AHEAD, NonFiniteLossError, NonFinitePolicy
+from lockstep.session.nonfinite import NonFiniteLossError, NonFinitePolicy
 from lockstep.session.state import TrainState
+
+from lockstep.strategies.base import Strategy
 
 if TYPE_CHECKING:  # the session builds them; importing them here would only cost import time
     from lockstep.precision.base import Precision
     from lockstep.session.timings import StepTimer
-    from lockstep.strategies.base import Strategy
 
 __all__ = ["Accumulator", "TrainStep", "MAX_SKIPS_IN_A_ROW"]
 
@@ -147,6 +148,9 @@ class TrainStep:
         self.precision, self.strategy, self.comm = precision, strategy, comm
         self.clip, self.say, self.timer = clip, say, timer
         self.skips_in_a_row = 0
+        # one process has no sync point to watch (its watchdog does nothing): backward is called bare
+        self._watched = comm.world_size > 1
+        self._syncs = type(strategy).sync_gradients is not Strategy.sync_gradients  # backward does not average
 
     def attach(self, model: nn.Module) -> None:
         """Bind the accumulation to the wrapped ``model`` and time its gradients."""
@@ -156,10 +160,22 @@ class TrainStep:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate ``loss``, scaled for fp16 and for the accumulation window."""
+        accum = self.accum
         self.finite.record(loss)
-        loss = self.accum.scale(loss)
+        if accum.window > 1 or accum.weight is not None:
+            loss = accum.scale(loss)
+        if self._watched:
+            self._watched_backward(loss)
+        else:
+            self.precision.backward(loss)
+        if self.timer is not None:
+            self.timer.after_backward()
+        accum.after_backward()
+
+    def _watched_backward(self, loss: torch.Tensor) -> None:
+        """Backward as a sync point of the collective record: DDP's gradient all_reduce is in here."""
         watch = self.comm.watchdog
-        watch.enter("backward of step {}", self.state.global_step + 1)  # DDP's gradient all_reduce is in here
+        watch.enter("backward of step {}", self.state.global_step + 1)
         try:
             self.precision.backward(loss)
         except RuntimeError as exc:
@@ -169,38 +185,37 @@ class TrainStep:
             raise explained from exc
         finally:
             watch.leave()
-        if self.timer is not None:
-            self.timer.after_backward()
-        self.accum.after_backward()
 
     def step(self, optimizer: torch.optim.Optimizer, model: nn.Module | None, counted: bool = True) -> bool:
-        """Decide, unscale, clip, step, zero the gradients and count (``counted``: the session's own
-        step count, the first optimizer's); False when no step was taken."""
-        state = self.state
-        if self.timer is not None:
-            self.timer.before_step()
-        if model is not None:
-            self.strategy.sync_gradients(model)  # a no-op where backward averaged them (ddp, fsdp)
+        """Sync, decide, unscale, clip, step, zero the gradients and count; False when no step was taken.
+
+        ``counted``: the session's own step count (the first optimizer's). The counters are final when it returns.
+        """
+        state, timer = self.state, self.timer
+        if timer is not None:
+            timer.before_step()
+        if self._syncs and model is not None:
+            self.strategy.sync_gradients(model)  # where backward did not average them (under --nodes)
         # a loss-scaling precision skips a non-finite step itself (and every rank sees the same grads)
-        attempt = state.global_step + state.skipped_steps + 1  # the step's number counts skipped ones too
-        decision = GO_AHEAD if self.precision.scales_loss else self.finite.decide(optimizer, attempt, state.epoch)
-        took = False
-        if not decision.take:
+        finite = self.precision.scaler is not None or self.finite.gradients_finite(optimizer)
+        if not finite:
+            took = False
+            attempt = state.global_step + state.skipped_steps + 1  # the step's number counts skipped ones too
+            message = self.finite.skip_message(attempt, state.epoch)  # raises under nonfinite="stop"
             if counted:
                 state.count_skipped()
-            self._skipped(decision.message)
+            self._skipped(message)
+        elif self.clip is not None and model is not None:
+            took = self.precision.step(optimizer, partial(self.strategy.clip_grad_norm, model, self.clip))
         else:
-            clip = None
-            if self.clip is not None and model is not None:
-                clip = partial(self.strategy.clip_grad_norm, model, self.clip)
-            took = self.precision.step(optimizer, clip)
+            took = self.precision.step(optimizer)
         optimizer.zero_grad(set_to_none=True)
         self.accum.after_step()
         if took and counted:  # a loss scaler's own skip (an overflow while it calibrates) is neither taken nor counted
             state.count_step()
             self.skips_in_a_row = 0
-        if self.timer is not None:  # after the counters: a window's end is logged at this step
-            self.timer.after_step()
+        if timer is not None:  # after the counters: a window's end is logged at this step
+            timer.after_step()
         return took
 
     def _skipped(self, message: str) -> None:

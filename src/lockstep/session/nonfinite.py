@@ -9,7 +9,6 @@ host sync, as ``GradScaler.step`` costs). The policy counts nothing: the session
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,8 +21,6 @@ __all__ = [
     "FiniteCheck",
     "NonFinitePolicy",
     "NonFiniteLossError",
-    "StepDecision",
-    "GO_AHEAD",
     "NONFINITE_POLICIES",
     "name_nonfinite_ranks",
 ]
@@ -35,18 +32,6 @@ class NonFiniteLossError(LockstepError):
     """The loss became NaN or infinite and the session was told to stop (``nonfinite="stop"``), or it was
     non-finite ``MAX_SKIPS_IN_A_ROW`` (20) steps in a row under ``"skip"``: the run diverged. Raised on
     every rank; ``lockstep train`` and ``lockstep run`` exit with code 1 (``EXIT_FAILURE``)."""
-
-
-@dataclass(frozen=True)
-class StepDecision:
-    """Whether an optimizer step goes ahead (``take``), and the warning (``message``) when it was skipped everywhere."""
-
-    take: bool = True
-    message: str = ""
-
-
-GO_AHEAD = StepDecision()
-"""The decision of a step that goes ahead."""
 
 
 class NonFinitePolicy:
@@ -69,15 +54,24 @@ class NonFinitePolicy:
         if self.active:
             self.loss = loss.detach()
 
-    def decide(self, optimizer: torch.optim.Optimizer, step: int, epoch: int) -> StepDecision:
-        """Whether the step goes ahead (final); raises :class:`NonFiniteLossError` under ``"stop"``."""
-        if not self.active or self.check(optimizer):
-            return GO_AHEAD
+    def gradients_finite(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the step goes ahead: every gradient ``optimizer`` applies is finite, or the policy is ``"ignore"``.
+
+        The same answer on every rank, and final: the caller skips the step when it is False.
+        """
+        return not self.active or self.check(optimizer)
+
+    def skip_message(self, step: int, epoch: int) -> str:
+        """The warning for a step skipped on every rank (it names the ranks: every rank must call it).
+
+        Raises:
+            NonFiniteLossError: under ``"stop"``.
+        """
         ranks = name_nonfinite_ranks(self.comm, self.loss) if self.comm is not None else []
         text = f"non-finite loss on {format_ranks(ranks) if ranks else 'a rank'} at step {step} (epoch {epoch})"
         if self.policy == "stop":
             raise NonFiniteLossError(f"{text}; stopping every rank (nonfinite='stop')")
-        return StepDecision(False, f"lockstep: warning: {text}; the step was skipped on every rank")
+        return f"lockstep: warning: {text}; the step was skipped on every rank"
 
 
 class FiniteCheck:
@@ -89,22 +83,34 @@ class FiniteCheck:
 
     def __init__(self, comm: Comm | None = None) -> None:
         self.comm = comm
-        self._plans: weakref.WeakKeyDictionary[Any, _Plan] = weakref.WeakKeyDictionary()
+        # id(optimizer) -> (a weak reference to it, its plan): a dict read per step, the entry dropped with it
+        self._plans: dict[int, tuple[weakref.ref[Any], _Plan]] = {}
 
     def plan(self, optimizer: torch.optim.Optimizer) -> _Plan:
         """The check's plan for ``optimizer``, remade when its groups change size."""
         param_groups = optimizer.param_groups
-        size = tuple(len(g["params"]) for g in param_groups)
-        plan = self._plans.get(optimizer)
-        if plan is None or plan.size != size:
-            # every parameter, frozen ones too: one unfrozen later has its gradient checked
-            plan = _Plan(size, [p for g in param_groups for p in g["params"]], self.comm)
-            self._plans[optimizer] = plan
+        size = [len(g["params"]) for g in param_groups]
+        key = id(optimizer)
+        entry = self._plans.get(key)
+        if entry is not None and entry[0]() is optimizer and entry[1].size == size:
+            return entry[1]
+        # every parameter, frozen ones too: one unfrozen later has its gradient checked
+        plan = _Plan(size, [p for g in param_groups for p in g["params"]], self.comm)
+        self._plans[key] = (weakref.ref(optimizer, lambda _: self._plans.pop(key, None)), plan)
         return plan
 
     def __call__(self, optimizer: torch.optim.Optimizer) -> bool:
         """True when every gradient of ``optimizer``'s parameters is finite (``None`` ones are skipped)."""
         plan = self.plan(optimizer)
+        host = plan.host_group
+        if host is not None:  # one group of gradients in host memory (most CPU jobs): its flag read in place
+            grads = [p.grad for p in host.params if p.grad is not None]
+            if grads:
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, host.flag, host.one)
+                if host.host[0]:  # type: ignore[index]
+                    host.flag.zero_()  # the kernel only ever sets a flag: clear it for the next step
+                    return False
+            return True
         checked = plan.run()
         if plan.agree is not None:
             # a shard holds only its part of each gradient: a non-finite element is seen by the
@@ -116,7 +122,7 @@ class FiniteCheck:
         elif not checked:
             return True
         elif plan.on_host:  # read the flags' memory: no tensor op, no sync
-            bad = any(g.host[0] for g in checked)  # type: ignore[index]
+            bad = any([g.host[0] for g in checked])  # type: ignore[index]
         else:
             total = checked[0].flag
             for group in checked[1:]:
@@ -131,12 +137,14 @@ class FiniteCheck:
 class _Plan:
     """What one optimizer's check needs: groups, where the flags are read, the comm for sharded parameters."""
 
-    def __init__(self, size: tuple[int, ...], params: list[torch.Tensor], comm: Comm | None) -> None:
+    def __init__(self, size: list[int], params: list[torch.Tensor], comm: Comm | None) -> None:
         self.size = size
         self.groups = _plan(params)
         self.on_host = all(g.host is not None for g in self.groups)
         sharded = any(g.sharded for g in self.groups)
         self.agree = comm if sharded and comm is not None and comm.world_size > 1 else None
+        single = self.groups[0] if len(self.groups) == 1 else None
+        self.host_group = single if single is not None and self.on_host and not sharded else None
 
     def run(self) -> list[_Group]:
         """Run the check kernel on every group that has gradients; the groups checked."""

@@ -278,8 +278,10 @@ class Session(Observing):
         Args:
             loss: this micro-batch's loss.
         """
-        self._checks.before_backward(bool(self._models))
-        self._announce()
+        if not self._models:
+            self._checks.before_backward(False)  # refused: nothing is wrapped
+        if not self._announced:
+            self._announce()
         self._steps.backward(loss)
 
     def step(self, optimizer: Optimizer) -> bool:
@@ -300,12 +302,14 @@ class Session(Observing):
                 after each optimizer's first step and again at steps 2, 4, 8, ... 1024, then every 1024),
                 or an optimizer that holds none of the set-up models' parameters.
         """
-        self._checks.before_step(self._accum.micro)
-        if not self._accum.ready:
+        accum = self._accum
+        if accum.micro < accum.window:
+            self._checks.before_step(accum.micro)  # none since the last step: refused
             return False
         layers = self._model_of(optimizer)
         model = layers.wrapped if layers is not None else None
-        self._counted = self._counted or optimizer
+        if self._counted is None:
+            self._counted = optimizer
         counted = optimizer is self._counted
         if self._elastic is not None:  # no replica check, no preemption: a peer's death drops the step
             return self._elastic.step(lambda: self._steps.step(optimizer, model, counted))

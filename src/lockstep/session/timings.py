@@ -132,9 +132,10 @@ class StepTimer:
 
     def _reset_window(self) -> None:
         """A new window: no steps yet, its clock started now."""
-        self._rows: list[Any] = []
+        self._rows: list[Any] = []  # a GPU's steps: (data seconds, their phases' events), read at the window's end
+        self._steps = 0  # steps in the window
         self._data, self._samples, self._window_samples = 0.0, 0, 0
-        self._acc = [0.0, 0.0, 0.0, 0.0]
+        self._acc = [0.0, 0.0, 0.0, 0.0]  # the host clock's phases, summed over the window's steps
         self._pending: list[tuple[int, Any, Any]] = []
         self._opt_began: Any = None
         self._window_began = self._clock()
@@ -252,22 +253,23 @@ class StepTimer:
         else:
             end = self._clock()
             acc = self._acc
-            self._rows.append((self._data, acc[1], acc[2], acc[3] + (end - began if began is not None else 0.0)))
-            self._acc = [0.0, 0.0, 0.0, 0.0]
+            acc[0] += self._data
+            if began is not None:
+                acc[3] += end - began
         self._start, self._opt_began = end, None
         self._window_samples += self._samples
         self._data, self._samples = 0.0, 0
         self.step += 1
-        if len(self._rows) >= self._due:
+        self._steps += 1
+        if self._steps >= self._due:
             self._close_window()
 
     # -- windows ----------------------------------------------------------------------------------------------------
     def _close_window(self) -> None:
         """Share this rank's means, pick the next window's length from everyone's step time, report."""
-        steps = len(self._rows)
+        steps = self._steps
         seconds = max(self._clock() - self._window_began, 1e-9)
-        phases = self._resolve()
-        row = [sum(p[i] for p in phases) / len(phases) for i in range(len(PHASES))]
+        row = [total / steps for total in self._phase_sums()]
         per_s = self._window_samples / seconds
         mfu = per_s * self._flops_per_sample / self._peak if self._flops_per_sample and self._peak else math.nan
         row += [seconds / steps, per_s, _host_memory_gb(), self._device_memory_gb(), mfu]
@@ -279,19 +281,18 @@ class StepTimer:
         self._on_window(TimingWindow(step=self.step, steps=steps, table=table))
         self._reset_window()
 
-    def _resolve(self) -> list[tuple[float, float, float, float]]:
-        """Every step's four phases in seconds (on a GPU the window's events are read now: one sync)."""
+    def _phase_sums(self) -> list[float]:
+        """The four phases in seconds, summed over the window's steps (on a GPU its events are read now: one sync)."""
         if not self._cuda:
-            return self._rows
+            return self._acc
         if self._rows and self._rows[-1][1]:
             self._rows[-1][1][-1][2].synchronize()
-        out = []
+        sums = [0.0, 0.0, 0.0, 0.0]
         for data, spans in self._rows:
-            acc = [data, 0.0, 0.0, 0.0]
+            sums[0] += data
             for phase, began, ended in spans:
-                acc[phase] += began.elapsed_time(ended) / 1e3
-            out.append((acc[0], acc[1], acc[2], acc[3]))
-        return out
+                sums[phase] += began.elapsed_time(ended) / 1e3
+        return sums
 
     def _device_memory_gb(self) -> float:
         """Peak device memory since the last window (NaN on CPU)."""

@@ -75,6 +75,7 @@ class LoopChecks:
 
     def __init__(self, comm: Comm) -> None:
         self.comm = comm
+        self._replicas = comm.world_size > 1  # one process has no replica to compare (a fixed world: not --nodes)
         self._steps: dict[int, int] = {}  # id(optimizer) -> its steps taken
 
     def before_backward(self, models_set_up: bool) -> None:
@@ -90,7 +91,7 @@ class LoopChecks:
     def after_step(self, optimizer: torch.optim.Optimizer, replicated: bool) -> None:
         """At ``optimizer``'s steps 1, 2, 4, ... (then every :data:`RECHECK_CAP`), check that every rank holds
         the same parameters (``replicated`` only): one fingerprint gathered, a few milliseconds each time."""
-        if self.comm.world_size == 1 or not replicated:
+        if not (self._replicas and replicated):
             return
         step = self._steps[id(optimizer)] = self._steps.get(id(optimizer), 0) + 1
         if step & (step - 1) if step < RECHECK_CAP else step % RECHECK_CAP:

@@ -17,7 +17,6 @@ from lockstep.comm.group import Comm
 from lockstep.data.steps import EVEN
 from lockstep.session.nonfinite import NonFiniteLossError, NonFinitePolicy
 from lockstep.session.state import TrainState
-
 from lockstep.strategies.base import Strategy
 
 if TYPE_CHECKING:  # the session builds them; importing them here would only cost import time

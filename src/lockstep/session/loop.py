@@ -76,10 +76,10 @@ class Accumulator:
         self.weight = weight
         if self.micro == 0:
             self.window = max(1, min(self.k, left)) if window is None else window
-            if self.window == 1:
-                self._close()  # this forward is the window's last: it syncs
-            else:
+            if self.window > 1:
                 self._open()
+            elif self._ctxs is not None:
+                self._close()  # this forward is the window's last: it syncs
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` over the window's size, or times the batch's weight: the step applies the mean."""
@@ -101,7 +101,8 @@ class Accumulator:
         self.micro = 0
         self.window = self.k
         self.weight = None
-        self._open()
+        if self.k > 1:
+            self._open()
 
     def _open(self) -> None:
         if max(self.k, self.window) > 1 and self._models and self._ctxs is None:
@@ -161,7 +162,7 @@ class TrainStep:
         """Backpropagate ``loss``, scaled for fp16 and for the accumulation window."""
         accum = self.accum
         self.finite.record(loss)
-        if accum.window > 1 or accum.weight is not None:
+        if accum.window > 1 or (accum.weight is not None and accum.weight is not EVEN):
             loss = accum.scale(loss)
         if self._watched:
             self._watched_backward(loss)

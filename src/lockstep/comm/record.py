@@ -10,7 +10,6 @@ written out only at a failure this process sees. :mod:`lockstep.comm.postmortem`
 from __future__ import annotations
 
 import functools
-import inspect
 import json
 import mmap
 import os
@@ -83,9 +82,10 @@ _own: dict[str, bool] = {}  # file name -> is_own(file name)
 
 def user_site(depth: int = 2) -> str:
     """The caller's innermost frame outside torch and lockstep (``depth`` frames up), as ``file:line in func``."""
-    frame: Any = inspect.currentframe()
-    for _ in range(depth):
-        frame = frame.f_back if frame is not None else None
+    try:
+        frame: Any = sys._getframe(depth)
+    except ValueError:  # fewer frames than that: no caller to name
+        return ""
     while frame is not None:
         name = frame.f_code.co_filename
         own = _own.get(name)
@@ -201,18 +201,25 @@ class CollectiveRecord:
     # -- the wrapped calls' side ----------------------------------------------------------------
     def begin(self, op: str, shapes: list[list[int]], dtype: str, group: str, detail: str, where: str) -> int:
         """Write a running entry; returns its sequence number (``detail``: arguments that must agree, ``src=0``)."""
-        self.seq += 1
+        seq = self.seq = self.seq + 1
         # formatted by hand, not json.dumps of a dict: this runs at every backward (see benchmarks/overhead.py)
-        head = f'{{"seq":{self.seq},"op":{_str(op)},"shapes":'
+        head = f'{{"seq":{seq},"op":{_str(op)},"shapes":'
         tail = (
             f',"dtype":{_str(dtype)},"group":{_str(group)},"detail":{_str(detail)},"where":{_str(where)},'
-            f'"t":{time.time():.3f}}}'
+            f'"t":{time.time():.3f}}}\n'
         )
-        kept = len(shapes)
-        while len(text := head + _shapes(shapes, kept) + tail) > SLOT_BYTES - 2 and kept:
-            kept -= 1  # many tensors: keep the first ones
-        self._put(1 + (self.seq - 1) % SLOTS, RUNNING, text)
-        return self.seq
+        if not shapes:  # Session.backward's entry
+            text = head + "[]" + tail
+        else:
+            kept = len(shapes)
+            while len(text := head + _shapes(shapes, kept) + tail) > SLOT_BYTES - 1 and kept:
+                kept -= 1  # many tensors: keep the first ones
+        data = RUNNING + text.encode()
+        if len(data) > SLOT_BYTES:  # a reader stops at the newline: keep it
+            data = data[: SLOT_BYTES - 1] + b"\n"
+        at = (seq - 1) % SLOTS * SLOT_BYTES + SLOT_BYTES
+        self._ring[at : at + len(data)] = data
+        return seq
 
     def end(self, seq: int, state: bytes = DONE) -> None:
         """Mark entry ``seq`` (from :meth:`begin`) done, or ``state`` (:data:`FAILED`, :data:`ISSUED`)."""

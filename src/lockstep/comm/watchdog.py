@@ -34,6 +34,7 @@ __all__ = ["CollectiveTimeoutError", "Post", "Watchdog", "NullWatchdog", "diagno
 _TIMEOUT = re.compile(r"timed out|timeout|deadline", re.IGNORECASE)
 _VERDICT = "verdict"  # store keys: the first explanation posted, and how many ranks saw it
 _SEEN = "seen"
+_SPLIT: dict[str, tuple[str, str]] = {}  # a sync point's text -> (op, detail) for the collective record
 
 
 class NullWatchdog:
@@ -105,8 +106,13 @@ class Watchdog(NullWatchdog):
         self.seq += 1
         self._what, self._number = what, number
         if record and self.record is not None:
-            op, _, detail = what.format(number).partition(" of ")
-            self._entry = self.record.begin(op, [], "", "world", detail, user_site())
+            split = _SPLIT.get(what)
+            if split is None:  # a few kinds of sync point: each split once ("backward of step {}")
+                op, _, detail = what.partition(" of ")
+                split = _SPLIT[what] = (op, detail)
+            self._entry = self.record.begin(
+                split[0].format(number), [], "", "world", split[1].format(number), user_site()
+            )
         self.entered = time.monotonic()
         self.inside = True
 

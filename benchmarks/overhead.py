@@ -1,7 +1,7 @@
 """What lockstep's Session costs per step, against the seed tutorial's hand-written DDP loop.
 
 Two ranks on gloo (``lockstep.spawn`` with a ``file://`` rendezvous) run three arms of the same
-model, data, seed and optimizer, interleaved round by round (the order rotates every round), so
+model, data, seed and optimizer, interleaved round by round (in a new order every round), so
 that the machine's background load falls on every arm alike:
 
 * ``raw``: the seed's loop: ``DistributedDataParallel``, ``DistributedSampler`` + ``set_epoch``,
@@ -10,7 +10,8 @@ that the machine's background load falls on every arm alike:
   one finiteness flag per step: a host sync), ``session.loader``, ``session.backward``,
   ``session.step``; this is the headline number;
 * ``lockstep-ignore``: the same loop on a second Session made with ``nonfinite="ignore"`` (no
-  per-step check), so the cost of the check shows;
+  per-step check); a process keeps one collective record, the first session's, so this one writes
+  none either: the gap to ``lockstep`` is the check's and the record's cost together;
 * ``raw-again``: a second, identical copy of the raw loop: an A/A control. Its ratio to ``raw``
   is what this machine's noise alone produces; a lockstep ratio within that distance of 1.0
   cannot be told apart from the raw loop by this run;
@@ -234,6 +235,17 @@ def _calibrate(step: Callable[[], None], seconds: float) -> int:
     return int(count.item())
 
 
+def round_order(arms: tuple[str, ...] | list[str], round_number: int) -> list[str]:
+    """The arms in round ``round_number``'s order: shuffled with the round as the seed (the same on every rank).
+
+    A rotation would keep each arm behind the same one in every round, and what an arm leaves behind
+    (its threads, caches, allocations) would weigh on its follower alone; a shuffle gives every arm many.
+    """
+    order = list(arms)
+    random.Random(round_number).shuffle(order)
+    return order
+
+
 def _usage() -> tuple[float, float, int, int]:
     """This process's CPU seconds, its main thread's, and its voluntary and involuntary context switches."""
     proc = resource.getrusage(resource.RUSAGE_SELF)
@@ -265,7 +277,7 @@ def rank_main(
     rates: dict[str, list[float]] = {arm: [] for arm in arms}
     usage = {arm: [0.0, 0.0, 0.0, 0.0] for arm in arms}
     for r in range(rounds):
-        for arm in arms[r % len(arms) :] + arms[: r % len(arms)]:  # rotate: no arm always runs first
+        for arm in round_order(arms, r):
             before = _usage()
             rates[arm].append(_window(steps_of[arm], steps))
             for i, (a, b) in enumerate(zip(_usage(), before)):

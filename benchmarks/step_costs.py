@@ -1,12 +1,14 @@
 """What each feature of the Session's step costs, in microseconds of host time per step.
 
 Two ranks on gloo (``lockstep.spawn``, a ``file://`` rendezvous) train the same model with the
-same data in several arms, interleaved round by round (the order rotates), so that the machine's
+same data in several arms, interleaved round by round (in a new order every round), so that the machine's
 background load falls on every arm alike:
 
 * ``raw``: the seed tutorial's loop (``DistributedDataParallel``, ``DistributedSampler``, SGD);
 * ``all-off``: ``Session(strategy="ddp")`` with ``timings_every=0``, ``nonfinite="ignore"``,
-  ``preemption="off"`` and the collective record detached: the Session's bare step;
+  ``preemption="off"`` and the collective record detached: the Session's bare step (a process
+  keeps one record, the first session's: every arm runs its watchdog, the record attached for
+  ``+record`` and ``defaults`` alone);
 * ``+timings``, ``+finite``, ``+preemption``, ``+record``: ``all-off`` with one feature back on
   (step timings every 5 steps, the non-finite check, the preemption poll, the post-mortem
   record of the backward's sync point);
@@ -42,7 +44,7 @@ import torch
 import lockstep
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from overhead import WORKLOADS, _calibrate, _window, build_data, lockstep_arm, raw_arm  # noqa: E402
+from overhead import WORKLOADS, _calibrate, _window, build_data, lockstep_arm, raw_arm, round_order  # noqa: E402
 
 FEATURES = {
     "timings": {"timings_every": 5},
@@ -53,11 +55,32 @@ FEATURES = {
 ALL_OFF = {"timings_every": 0, "nonfinite": "ignore", "preemption": "off"}
 
 
-def _session(options: dict[str, Any], record: bool) -> Any:
-    session = lockstep.Session(strategy="ddp", seed=0, quiet=True, **options)
-    if not record:  # no public switch: the record is always on; detached here to price it
-        session.comm.watchdog.record = None
-    return session
+def _session(options: dict[str, Any]) -> Any:
+    return lockstep.Session(strategy="ddp", seed=0, quiet=True, **options)
+
+
+RECORDING = ("+record", "defaults")
+"""The arms whose backward writes the collective record."""
+
+
+def _share_watchdog(sessions: dict[str, Any]) -> Callable[[str], None]:
+    """Give every session the first one's watchdog; return what attaches its record for an arm, or detaches it.
+
+    A process keeps one collective record, the first session's (the others join its process group and
+    watch nothing), and the record has no public switch: so every arm runs the first session's watchdog,
+    with the record attached only for the arms of :data:`RECORDING`.
+    """
+    first = next(iter(sessions.values()))
+    watchdog = first.comm.watchdog
+    record = getattr(watchdog, "record", None)
+    for session in sessions.values():
+        session.comm.watchdog = watchdog
+
+    def attach(arm: str) -> None:
+        if record is not None:
+            watchdog.record = record if arm in RECORDING else None
+
+    return attach
 
 
 def rank_main(workload: str, rounds: int, seconds: float) -> dict[str, Any]:
@@ -65,11 +88,12 @@ def rank_main(workload: str, rounds: int, seconds: float) -> dict[str, Any]:
     torch.set_num_threads(1)
     data = build_data(workload)
     sessions = {
-        "all-off": _session(ALL_OFF, record=False),
-        **{f"+{name}": _session({**ALL_OFF, **option}, record=False) for name, option in FEATURES.items()},
-        "+record": _session(ALL_OFF, record=True),
-        "defaults": _session({}, record=True),
+        "all-off": _session(ALL_OFF),
+        **{f"+{name}": _session({**ALL_OFF, **option}) for name, option in FEATURES.items()},
+        "+record": _session(ALL_OFF),
+        "defaults": _session({}),
     }
+    attach = _share_watchdog(sessions)
     first = next(iter(sessions.values()))
     steps_of: dict[str, Callable[[], None]] = {"raw": raw_arm(workload, data, first.rank, first.world_size)}
     steps_of.update({arm: lockstep_arm(workload, data, session) for arm, session in sessions.items()})
@@ -79,7 +103,8 @@ def rank_main(workload: str, rounds: int, seconds: float) -> dict[str, Any]:
     steps = _calibrate(steps_of["raw"], seconds)
     micros: dict[str, list[float]] = {arm: [] for arm in arms}
     for r in range(rounds):
-        for arm in arms[r % len(arms) :] + arms[: r % len(arms)]:
+        for arm in round_order(arms, r):
+            attach(arm)
             micros[arm].append(1e6 / _window(steps_of[arm], steps))
     for session in sessions.values():
         session.close()

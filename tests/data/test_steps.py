@@ -21,8 +21,8 @@ from torch.utils.data import TensorDataset
 
 import lockstep
 from lockstep.data.loader import make_loader
-from lockstep.data.samplers import TrainSampler, epoch_order
-from lockstep.data.steps import StepSampler, micro_steps, plan_batches, rank_batches
+from lockstep.data.samplers import TrainSampler, epoch_order, shard_bounds
+from lockstep.data.steps import BatchPlan, MicroStep, StepSampler, micro_steps, plan_batches, rank_batches
 from lockstep.errors import ConfigError
 from support.dist import run_distributed
 
@@ -58,6 +58,46 @@ def test_shares_cover_the_rest_of_the_epoch_exactly_once(world: int, cursor: int
     read = [i for share in shares for batch in share for i in batch]
     assert sorted(read) == sorted(epoch_order(N, 5, 2)[cursor:])
     assert all(len(batch) <= plan.micro for share in shares for batch in share)
+
+
+def _built_ahead(dataset_len: int, cursor: int, plan: BatchPlan, drop_last: bool) -> list[MicroStep]:
+    """Every micro-step from ``cursor``, built one by one: the layout :class:`MicroSteps` works out when asked."""
+    out = []
+    end = dataset_len - dataset_len % plan.global_batch if drop_last else dataset_len
+    while cursor < end:
+        size = min(plan.global_batch, end - cursor)
+        count = -(-size // (plan.micro * plan.world_size))
+        for index in range(count):
+            lo, hi = shard_bounds(size, count, index)
+            out.append(MicroStep(cursor + lo, cursor + hi, size, index, count))
+        cursor += size
+    return out
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("world", [1, 3, 4])
+def test_micro_steps_worked_out_when_asked_are_those_built_ahead(world: int, drop_last: bool) -> None:
+    """Length, each item (negative indices and slices too), iteration, each rank's shares and each layout agree
+    with the micro-steps built one by one, from every step boundary, a short last step included."""
+    for global_batch, cap in ((GLOBAL, CAP), (33, 4), (7, 8)):
+        plan = plan_batches(global_batch, world, cap)
+        for cursor in range(0, N + 1, global_batch):
+            lazy, ahead = micro_steps(N, cursor, plan, drop_last), _built_ahead(N, cursor, plan, drop_last)
+            assert len(lazy) == len(ahead) and list(lazy) == ahead and lazy[:] == ahead
+            assert [lazy[i] for i in range(-len(ahead), 0)] == ahead
+            assert lazy[1:5] == ahead[1:5]
+            for rank in range(world):
+                assert list(lazy.shares(world, rank)) == [(*m.share(world, rank), m.start) for m in ahead]
+            for i, micro in enumerate(ahead):
+                layout, base = lazy.layout(i), lazy.step_start(i)
+                assert (base + layout.start, base + layout.stop) == (micro.start, micro.stop)
+                assert (layout.index, layout.count, layout.step_samples) == (
+                    micro.index,
+                    micro.count,
+                    micro.step_samples,
+                )
+            with pytest.raises(IndexError):
+                lazy[len(ahead)]
 
 
 def test_loss_weights_make_the_mean_over_the_step() -> None:

@@ -57,6 +57,29 @@ def test_every_groups_flag_is_folded_off_the_host(bad: int) -> None:
     assert check(opt) is True
 
 
+def test_one_group_of_host_gradients_reads_its_flag_in_place() -> None:
+    """CPU gradients of one dtype: one kernel call and the flag's memory read, no tensor op more. A NaN or an inf
+    in any gradient skips the step, a missing gradient is left out, and the flag is clear for the next step."""
+    params = [
+        torch.nn.Parameter(torch.ones(3)),
+        torch.nn.Parameter(torch.ones(2, 2)),
+        torch.nn.Parameter(torch.ones(1)),
+    ]
+    opt = torch.optim.SGD(params, lr=0.1)
+    check = FiniteCheck()
+    assert check.plan(opt).host_group is not None
+    for bad in (math.nan, math.inf, -math.inf, None):
+        for p in params[:2]:
+            p.grad = torch.zeros_like(p)
+        params[2].grad = None
+        if bad is not None:
+            params[1].grad[1, 0] = bad
+        assert check(opt) is (bad is None), bad
+        assert float(check.plan(opt).host_group.flag[0]) == 0.0  # type: ignore[union-attr]
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2, dtype=torch.float64))]})
+    assert check.plan(opt).host_group is None  # two dtypes: the groups' flags are folded instead
+
+
 def _ranks() -> dict[str, Any]:
     """DDP with a NaN loss on rank 1 only at step 3: every rank skips it, and says so at that step."""
     from lockstep.comm.group import init_comm

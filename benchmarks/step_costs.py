@@ -17,7 +17,9 @@ background load falls on every arm alike:
 Each feature's cost is its arm's median microseconds per step minus ``all-off``'s, median over
 the paired rounds; the same figure is printed as a share of the step of the seed's ConvNet
 (batch 100) when ``--workload convnet`` is run. The replica check (steps 1, 2, 4, ... 1024, then
-every 1024) and the loader's per-batch shares are part of every Session arm.
+every 1024) and the loader's per-batch shares are part of every Session arm; two more arms price
+the loader alone, a batch per call: ``session.loader`` (its shares, loss weights, position and
+accumulation window) against a ``DataLoader`` over ``DistributedSampler``.
 
 ``--world 1`` runs one process: no all-reduce to wait for, so what is left is the host time each
 feature adds, with far less noise than two ranks sharing two cores (the record is not kept there).
@@ -97,6 +99,9 @@ def rank_main(workload: str, rounds: int, seconds: float) -> dict[str, Any]:
     first = next(iter(sessions.values()))
     steps_of: dict[str, Callable[[], None]] = {"raw": raw_arm(workload, data, first.rank, first.world_size)}
     steps_of.update({arm: lockstep_arm(workload, data, session) for arm, session in sessions.items()})
+    loading = _session({})  # its loader alone: no step is taken on it
+    steps_of["batch:raw"] = raw_batches(workload, data, first.rank, first.world_size)
+    steps_of["batch:session"] = session_batches(workload, data, loading)
     arms = list(steps_of)
     for arm in arms:
         _window(steps_of[arm], 10)  # warm-up
@@ -106,9 +111,38 @@ def rank_main(workload: str, rounds: int, seconds: float) -> dict[str, Any]:
         for arm in round_order(arms, r):
             attach(arm)
             micros[arm].append(1e6 / _window(steps_of[arm], steps))
-    for session in sessions.values():
+    for session in (*sessions.values(), loading):
         session.close()
     return {"micros": micros, "steps": steps, "world": first.world_size}
+
+
+def raw_batches(workload: str, data: Any, rank: int, world_size: int) -> Callable[[], None]:
+    """The raw loop's batches alone, one per call: ``DataLoader`` over ``DistributedSampler`` with ``set_epoch``."""
+    sampler: Any = torch.utils.data.distributed.DistributedSampler(data, num_replicas=world_size, rank=rank)
+    loader = torch.utils.data.DataLoader(data, batch_size=WORKLOADS[workload]["batch"], sampler=sampler)
+
+    def batches() -> Any:
+        epoch = 0
+        while True:
+            sampler.set_epoch(epoch)
+            yield from loader
+            epoch += 1
+
+    stream = batches()
+    return lambda: next(stream)
+
+
+def session_batches(workload: str, data: Any, session: Any) -> Callable[[], None]:
+    """``session.loader``'s batches alone, one per call, over ``session.epochs``: each batch's share of the
+    step, its loss weight, the sampler's position and the accumulation window (and the timings' data wait)."""
+    loader = session.loader(data, batch_size=WORKLOADS[workload]["batch"], shuffle=True)
+
+    def batches() -> Any:
+        for _ in session.epochs(sys.maxsize):
+            yield from loader
+
+    stream = batches()
+    return lambda: next(stream)
 
 
 def summarize(workload: str, report: dict[str, Any]) -> str:
@@ -122,8 +156,16 @@ def summarize(workload: str, report: dict[str, Any]) -> str:
         f"  {'arm':12s} {'µs/step':>9s} {'over all-off':>13s} {'of the step':>12s}",
     ]
     for arm, values in micros.items():
+        if arm.startswith("batch:"):
+            continue
         extra = statistics.median(a - b for a, b in zip(values, base))
         lines.append(f"  {arm:12s} {statistics.median(values):9.1f} {extra:+13.1f} {extra / raw:+12.2%}")
+    own, plain = micros["batch:session"], micros["batch:raw"]
+    extra = statistics.median(a - b for a, b in zip(own, plain))
+    lines.append(
+        f"  a batch alone: session.loader {statistics.median(own):.1f} µs, DataLoader + DistributedSampler "
+        f"{statistics.median(plain):.1f} µs: {extra:+.1f} µs ({extra / raw:+.2%} of the raw step)"
+    )
     return "\n".join(lines)
 
 

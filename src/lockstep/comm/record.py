@@ -10,6 +10,7 @@ written out only at a failure this process sees. :mod:`lockstep.comm.postmortem`
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import mmap
 import os
@@ -82,10 +83,9 @@ _own: dict[str, bool] = {}  # file name -> is_own(file name)
 
 def user_site(depth: int = 2) -> str:
     """The caller's innermost frame outside torch and lockstep (``depth`` frames up), as ``file:line in func``."""
-    try:
-        frame: Any = sys._getframe(depth)
-    except ValueError:  # fewer frames than that: no caller to name
-        return ""
+    frame: Any = inspect.currentframe()
+    for _ in range(depth):
+        frame = frame.f_back if frame is not None else None
     while frame is not None:
         name = frame.f_code.co_filename
         own = _own.get(name)

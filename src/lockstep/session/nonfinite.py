@@ -106,7 +106,7 @@ class FiniteCheck:
         if host is not None:  # one group of gradients in host memory (most CPU jobs): its flag read in place
             grads = [p.grad for p in host.params if p.grad is not None]
             if grads:
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, host.flag, host.one)
+                check_and_unscale_(grads, host.flag, host.one)
                 if host.host[0]:  # type: ignore[index]
                     host.flag.zero_()  # the kernel only ever sets a flag: clear it for the next step
                     return False

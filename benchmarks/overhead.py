@@ -91,11 +91,8 @@ def build_data(workload: str) -> Dataset[Any]:
     return TensorDataset(inputs, torch.randint(10, (spec["samples"],), generator=gen))
 
 
-def raw_arm(workload: str, data: Dataset[Any], rank: int, world_size: int) -> Callable[[], None]:
-    """The seed tutorial's DDP loop, one step per call (one process: the bare model, as the Session's)."""
-    model = nn.parallel.DistributedDataParallel(build_model(workload)) if world_size > 1 else build_model(workload)
-    criterion = nn.CrossEntropyLoss()
-    optimizer = torch.optim.SGD(model.parameters(), 1e-4)
+def raw_batches(workload: str, data: Dataset[Any], rank: int, world_size: int) -> Iterator[Any]:
+    """The seed's batches, epoch after epoch: ``DataLoader`` over ``DistributedSampler`` with ``set_epoch``."""
     sampler: Any = torch.utils.data.distributed.DistributedSampler(data, num_replicas=world_size, rank=rank)
     loader = DataLoader(
         dataset=data,
@@ -105,15 +102,19 @@ def raw_arm(workload: str, data: Dataset[Any], rank: int, world_size: int) -> Ca
         pin_memory=torch.cuda.is_available(),
         sampler=sampler,
     )
+    epoch = 0
+    while True:
+        sampler.set_epoch(epoch)
+        yield from loader
+        epoch += 1
 
-    def batches() -> Iterator[Any]:
-        epoch = 0
-        while True:
-            sampler.set_epoch(epoch)
-            yield from loader
-            epoch += 1
 
-    stream = batches()
+def raw_arm(workload: str, data: Dataset[Any], rank: int, world_size: int) -> Callable[[], None]:
+    """The seed tutorial's DDP loop, one step per call (one process: the bare model, as the Session's)."""
+    model = nn.parallel.DistributedDataParallel(build_model(workload)) if world_size > 1 else build_model(workload)
+    criterion = nn.CrossEntropyLoss()
+    optimizer = torch.optim.SGD(model.parameters(), 1e-4)
+    stream = raw_batches(workload, data, rank, world_size)
 
     def step() -> None:
         images, labels = next(stream)

@@ -46,7 +46,16 @@ import torch
 import lockstep
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from overhead import WORKLOADS, _calibrate, _window, build_data, lockstep_arm, raw_arm, round_order  # noqa: E402
+from overhead import (  # noqa: E402
+    WORKLOADS,
+    _calibrate,
+    _window,
+    build_data,
+    lockstep_arm,
+    raw_arm,
+    raw_batches,
+    round_order,
+)
 
 FEATURES = {
     "timings": {"timings_every": 5},
@@ -100,7 +109,7 @@ def rank_main(workload: str, rounds: int, seconds: float) -> dict[str, Any]:
     steps_of: dict[str, Callable[[], None]] = {"raw": raw_arm(workload, data, first.rank, first.world_size)}
     steps_of.update({arm: lockstep_arm(workload, data, session) for arm, session in sessions.items()})
     loading = _session({})  # its loader alone: no step is taken on it
-    steps_of["batch:raw"] = raw_batches(workload, data, first.rank, first.world_size)
+    steps_of["batch:raw"] = batch_stream(workload, data, first.rank, first.world_size)
     steps_of["batch:session"] = session_batches(workload, data, loading)
     arms = list(steps_of)
     for arm in arms:
@@ -116,19 +125,9 @@ def rank_main(workload: str, rounds: int, seconds: float) -> dict[str, Any]:
     return {"micros": micros, "steps": steps, "world": first.world_size}
 
 
-def raw_batches(workload: str, data: Any, rank: int, world_size: int) -> Callable[[], None]:
-    """The raw loop's batches alone, one per call: ``DataLoader`` over ``DistributedSampler`` with ``set_epoch``."""
-    sampler: Any = torch.utils.data.distributed.DistributedSampler(data, num_replicas=world_size, rank=rank)
-    loader = torch.utils.data.DataLoader(data, batch_size=WORKLOADS[workload]["batch"], sampler=sampler)
-
-    def batches() -> Any:
-        epoch = 0
-        while True:
-            sampler.set_epoch(epoch)
-            yield from loader
-            epoch += 1
-
-    stream = batches()
+def batch_stream(workload: str, data: Any, rank: int, world_size: int) -> Callable[[], None]:
+    """The raw loop's batches alone, one per call (:func:`overhead.raw_batches`)."""
+    stream = raw_batches(workload, data, rank, world_size)
     return lambda: next(stream)
 
 

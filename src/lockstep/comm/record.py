@@ -206,19 +206,15 @@ class CollectiveRecord:
         head = f'{{"seq":{seq},"op":{_str(op)},"shapes":'
         tail = (
             f',"dtype":{_str(dtype)},"group":{_str(group)},"detail":{_str(detail)},"where":{_str(where)},'
-            f'"t":{time.time():.3f}}}\n'
+            f'"t":{time.time():.3f}}}'
         )
         if not shapes:  # Session.backward's entry
             text = head + "[]" + tail
         else:
             kept = len(shapes)
-            while len(text := head + _shapes(shapes, kept) + tail) > SLOT_BYTES - 1 and kept:
+            while len(text := head + _shapes(shapes, kept) + tail) > SLOT_BYTES - 2 and kept:
                 kept -= 1  # many tensors: keep the first ones
-        data = RUNNING + text.encode()
-        if len(data) > SLOT_BYTES:  # a reader stops at the newline: keep it
-            data = data[: SLOT_BYTES - 1] + b"\n"
-        at = (seq - 1) % SLOTS * SLOT_BYTES + SLOT_BYTES
-        self._ring[at : at + len(data)] = data
+        self._put(1 + (seq - 1) % SLOTS, RUNNING, text)
         return seq
 
     def end(self, seq: int, state: bytes = DONE) -> None:

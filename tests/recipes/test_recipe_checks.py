@@ -59,7 +59,9 @@ def test_out_that_cannot_be_written(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     with pytest.raises(ConfigError, match=r"cannot write there \(Read-only file system\)"):
         check_out(TrainConfig(out=str(tmp_path / "ro")))
     monkeypatch.undo()
-    check_out(TrainConfig(out=str(tmp_path / "fine")))
+    held = check_out(TrainConfig(out=str(tmp_path / "fine")))
+    assert held is not None and held.held  # --out held by this command until the job ends
+    held.release()
     assert [p.name for p in (tmp_path / "fine").iterdir()] == ["checkpoints"]  # no probe or lock left
 
 
@@ -198,26 +200,60 @@ def test_only_node_0_probes_the_checkpoint_lock(tmp_path: Path) -> None:
         held.release()
 
 
-def test_a_run_started_together_is_named_by_its_out_not_its_checkpoints(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Two runs started together on one --out: the other run's launcher takes --out just after this one's
-    look, and its rank 0 the checkpoints; the refusal names the --out that run holds."""
-    import lockstep.recipes.checks as checks
+def test_a_run_started_together_is_named_by_its_out_not_its_checkpoints(tmp_path: Path) -> None:
+    """Two runs started together on one --out: the one that holds --out goes on, and the other is told
+    so by its --out, not by the checkpoints the first one's probe (or rank 0) holds at that moment."""
     from lockstep.checkpoint import lock_folder
 
-    out, held = tmp_path / "run", []
-    probe = checks._try_lock
-
-    def the_other_run_starts_first(checkpoints: Any, folder: Any) -> None:
-        comm = Comm(World())
-        held.extend([lock_folder(out, comm), lock_folder(out / "checkpoints", comm)])  # its launcher, its rank 0
-        probe(checkpoints, folder)
-
-    monkeypatch.setattr(checks, "_try_lock", the_other_run_starts_first)
+    out = tmp_path / "run"
+    comm = Comm(World())
+    held = [lock_folder(out, comm), lock_folder(out / "checkpoints", comm)]  # the other run: launcher, rank 0
     try:
-        with pytest.raises(ConfigError, match=rf"--out {re.escape(str(out))} is in use by another lockstep train"):
+        with pytest.raises(
+            ConfigError, match=rf"--out {re.escape(str(out))} is in use by another lockstep train \(host .*, pid "
+        ):
             check_out(TrainConfig(out=str(out)))
     finally:
         for lock in held:
             lock.release()
+    mine = check_out(TrainConfig(out=str(out)))  # free again: this command holds --out until it releases it
+    try:
+        assert mine is not None and mine.held
+        with pytest.raises(ConfigError, match="is in use by another lockstep train"):
+            check_out(TrainConfig(out=str(out)))
+        with lock_folder(out / "checkpoints", comm):  # the checkpoints stay free for this command's rank 0
+            pass
+    finally:
+        mine.release()
+
+
+def test_a_holder_that_has_locked_but_not_yet_written_its_name_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job takes the lock, then writes its name: a look in between reads again until the name is there."""
+    import fcntl
+    import json
+    import os
+
+    import lockstep.checkpoint.lock as lock
+
+    path = tmp_path / lock.LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # locked, no name yet
+    read, looks = lock._read_holder, []
+
+    def name_written_after_the_first_look(seen: int) -> str:
+        looks.append(seen)
+        if len(looks) == 1:
+            os.pwrite(fd, json.dumps({"host": "node7", "pid": 4242, "since": "then"}).encode(), 0)
+            return lock._UNNAMED
+        return read(seen)
+
+    monkeypatch.setattr(lock, "_read_holder", name_written_after_the_first_look)
+    try:
+        assert lock.holder(tmp_path) == "host node7, pid 4242, since then"
+        assert len(looks) == 2
+    finally:
+        os.close(fd)
+    looks.clear()
+    assert lock.holder(tmp_path) is None and looks == []  # released: nobody holds it

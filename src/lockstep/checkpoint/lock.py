@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import socket
+import time
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -33,6 +34,8 @@ logger = logging.getLogger("lockstep.checkpoint.core")
 LOCK_FILE = ".lockstep.lock"
 _UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 _TRIES = 5
+_UNNAMED = "holder not yet recorded"
+_STAMP_WAIT = 10.0  # seconds a look waits for a holder that has locked to write its name
 
 
 class FolderLock:
@@ -125,7 +128,7 @@ def holder(directory: str | Path) -> str | None:
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
-        return _read_holder(fd)
+        return _named_holder(fd)
     except OSError:
         return None  # locks unsupported: lock_folder warns when it is taken
     finally:
@@ -157,7 +160,7 @@ def _acquire(root: Path) -> FolderLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = _read_holder(fd)
+                holder = _named_holder(fd)
                 os.close(fd)
                 raise FolderInUseError(
                     f"checkpoint folder {root} is in use by another job ({holder}); "
@@ -187,6 +190,33 @@ def _acquire(root: Path) -> FolderLock:
     raise CheckpointError(f"cannot lock checkpoint folder {root}: {path} keeps being replaced")
 
 
+def _named_holder(fd: int) -> str:
+    """The holder of the lock on ``fd``, waiting a moment for a holder that has locked but not yet stamped.
+
+    A job takes the lock, then writes its name: a command started together with it can find the
+    lock taken and the body still empty. It reads again while the lock stays held, up to
+    ``_STAMP_WAIT`` seconds, and stops early once the holder is gone.
+    """
+    import fcntl
+
+    deadline = time.monotonic() + _STAMP_WAIT
+    delay = 0.001
+    while True:
+        found = _read_holder(fd)
+        if found != _UNNAMED or time.monotonic() >= deadline:
+            return found
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            time.sleep(delay)  # still held: its name is being written
+            delay = min(delay * 2, 0.05)
+            continue
+        except OSError:
+            return found
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return found  # the holder is gone without a name
+
+
 def _read_holder(fd: int) -> str:
     """Describe the holder from the lock file's body: ``host node7, pid 4242, since ...``."""
     try:
@@ -194,7 +224,7 @@ def _read_holder(fd: int) -> str:
     except (OSError, ValueError):
         body = {}
     if not isinstance(body, dict) or "pid" not in body:
-        return "holder not yet recorded"
+        return _UNNAMED
     same = body.get("host") == socket.gethostname() and body.get("pid") == os.getpid()
     return f"host {body.get('host')}, pid {body.get('pid')}, since {body.get('since')}" + (
         ": this process, which already holds it" if same else ""
@@ -204,7 +234,7 @@ def _read_holder(fd: int) -> str:
 def _stamp(fd: int, path: Path) -> None:
     """Write who holds the lock, over what a dead holder left."""
     previous = _read_holder(fd)
-    if previous != "holder not yet recorded":
+    if previous != _UNNAMED:
         logger.info("taking over %s: its holder (%s) is gone", path, previous)
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     body = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": now}).encode()

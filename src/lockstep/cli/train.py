@@ -228,7 +228,7 @@ def main(args: argparse.Namespace) -> int:
     from lockstep.errors import ConfigError, LockstepError
     from lockstep.launch.relaunch import launched_as_worker, relaunch
     from lockstep.recipes.checks import check_data, check_out
-    from lockstep.recipes.outputs import epochs_done, hold_out, newest_intact
+    from lockstep.recipes.outputs import epochs_done, newest_intact
     from lockstep.recipes.train import train
 
     # asked for processes or nodes: e.g. one `srun` task per node running the launcher
@@ -237,24 +237,18 @@ def main(args: argparse.Namespace) -> int:
     data = check_data(config, config.world_size)
     for note in data.notes:
         print(f"lockstep train: warning: {note}", file=sys.stderr, flush=True)
-    check_out(config)
-    if config.resume and config.out is not None and not is_url(config.out):
-        done = epochs_done(Path(config.out))
-        # said before any worker starts; a corrupt last checkpoint: the workers train its epoch again
-        if done is not None and done >= config.epochs and newest_intact(Path(config.out)):
-            print(
-                f"lockstep train: nothing to train: the checkpoint already covers {done} of "
-                f"{config.epochs} epochs (raise --epochs to train more)",
-                flush=True,
-            )
-            return 0
-    # the launcher holds --out for the whole job (restarts too): of two runs started together, one is refused
-    held = (
-        hold_out(Path(config.out))
-        if config.out is not None and not is_url(config.out) and config.node_rank == 0
-        else None
-    )
+    held = check_out(config)  # node 0's launcher holds --out for the whole job, restarts too
     try:
+        if config.resume and config.out is not None and not is_url(config.out):
+            done = epochs_done(Path(config.out))
+            # said before any worker starts; a corrupt last checkpoint: the workers train its epoch again
+            if done is not None and done >= config.epochs and newest_intact(Path(config.out)):
+                print(
+                    f"lockstep train: nothing to train: the checkpoint already covers {done} of "
+                    f"{config.epochs} epochs (raise --epochs to train more)",
+                    flush=True,
+                )
+                return 0
         if config.world_size == 1:
             return train(config, data)
         return relaunch(

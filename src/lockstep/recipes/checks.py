@@ -16,16 +16,31 @@ from lockstep.recipes.config import CHECKPOINTS, TrainConfig, is_url
 __all__ = ["check_out", "check_data"]
 
 
-def check_out(config: TrainConfig) -> None:
-    """Check that ``--out`` can be written (a probe file) and, on node 0, that no live job holds it."""
-    from lockstep.recipes.outputs import refuse_if_in_use
+def check_out(config: TrainConfig) -> Any | None:
+    """Check that ``--out`` can be written (a probe file) and, on node 0, hold it for this command.
+
+    Node 0's launcher takes ``--out`` first, then looks whether a live job that is not a
+    ``lockstep train`` (a Session loop, say) holds its checkpoints. Of two commands started together,
+    one takes ``--out`` and the other is told so; their looks at the checkpoints cannot meet.
+
+    Args:
+        config: the run's configuration.
+
+    Returns:
+        The held ``--out`` lock (release it when the job ends), or ``None`` where this command holds
+        nothing: an object-store ``--out``, no ``--out``, or a node other than 0.
+
+    Raises:
+        ConfigError: ``--resume`` on a folder with no run, a folder that cannot be written, or one in use.
+    """
+    from lockstep.recipes.outputs import hold_out
 
     if config.out is None:
-        return
+        return None
     if is_url(config.out):
         if config.node_rank == 0:
             _try_lock(f"{config.out}/{CHECKPOINTS}", config.out)
-        return
+        return None
     out = Path(config.out)
     if config.resume and not _holds_a_run(out):
         raise ConfigError(
@@ -42,16 +57,15 @@ def check_out(config: TrainConfig) -> None:
             f"--out {out}: cannot write there ({exc.strerror or exc}); choose a writable folder"
         ) from None
     if config.node_rank != 0:
-        return  # the folder is node 0's to lock (rank 0 holds it); on a shared file system the
-        # other nodes' launchers would find each other's probes and refuse their own job
-    refuse_if_in_use(out)  # a lockstep train's launcher holds it: named before its rank 0's hold below
+        return None  # the folder is node 0's to hold; on a shared file system the other nodes'
+        # launchers would find node 0's hold and refuse their own job
+    held = hold_out(out)  # another lockstep train's launcher holds it: named by its --out
     try:
         _try_lock(out / CHECKPOINTS, out)
-    except ConfigError:
-        # a run started together with this one: its launcher took --out after the look above and its
-        # rank 0 the checkpoints since; the --out it holds is what to name
-        refuse_if_in_use(out)
+    except BaseException:
+        held.release()
         raise
+    return held
 
 
 def _holds_a_run(out: Path) -> bool:

@@ -15,11 +15,13 @@ background load falls on every arm alike:
 * ``defaults``: every feature on, as ``Session(strategy="ddp")`` runs.
 
 Each feature's cost is its arm's median microseconds per step minus ``all-off``'s, median over
-the paired rounds; the same figure is printed as a share of the step of the seed's ConvNet
-(batch 100) when ``--workload convnet`` is run. The replica check (steps 1, 2, 4, ... 1024, then
-every 1024) and the loader's per-batch shares are part of every Session arm; two more arms price
-the loader alone, a batch per call: ``session.loader`` (its shares, loss weights, position and
-accumulation window) against a ``DataLoader`` over ``DistributedSampler``.
+the paired rounds, in wall-clock time (also printed as a share of the raw step; run ``--workload
+convnet`` for the seed's ConvNet at batch 100) and in the main thread's CPU time (``getrusage``;
+at two ranks far steadier than the wall clock, which waits on the other rank and gloo's threads).
+The replica check (steps 1, 2, 4, ... 1024, then every 1024) and the loader's per-batch shares are
+part of every Session arm; two more arms price the loader alone, a batch per call: ``session.loader``
+(its shares, loss weights, position and accumulation window) against a ``DataLoader`` over
+``DistributedSampler``.
 
 ``--world 1`` runs one process: no all-reduce to wait for, so what is left is the host time each
 feature adds, with far less noise than two ranks sharing two cores (the record is not kept there).
@@ -49,6 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from overhead import (  # noqa: E402
     WORKLOADS,
     _calibrate,
+    _usage,
     _window,
     build_data,
     lockstep_arm,
@@ -116,13 +119,16 @@ def rank_main(workload: str, rounds: int, seconds: float) -> dict[str, Any]:
         _window(steps_of[arm], 10)  # warm-up
     steps = _calibrate(steps_of["raw"], seconds)
     micros: dict[str, list[float]] = {arm: [] for arm in arms}
+    main: dict[str, list[float]] = {arm: [] for arm in arms}  # the main thread's CPU µs a step
     for r in range(rounds):
         for arm in round_order(arms, r):
             attach(arm)
+            before = _usage()[1]
             micros[arm].append(1e6 / _window(steps_of[arm], steps))
+            main[arm].append((_usage()[1] - before) * 1e6 / steps)
     for session in (*sessions.values(), loading):
         session.close()
-    return {"micros": micros, "steps": steps, "world": first.world_size}
+    return {"micros": micros, "main": main, "steps": steps, "world": first.world_size}
 
 
 def batch_stream(workload: str, data: Any, rank: int, world_size: int) -> Callable[[], None]:
@@ -146,19 +152,24 @@ def session_batches(workload: str, data: Any, session: Any) -> Callable[[], None
 
 def summarize(workload: str, report: dict[str, Any]) -> str:
     """Median µs per step per arm, and each feature's cost over ``all-off`` (median of paired rounds)."""
-    micros = report["micros"]
+    micros, main = report["micros"], report["main"]
     base = micros["all-off"]
     raw = statistics.median(micros["raw"])
     lines = [
         f"{workload}: {len(base)} interleaved rounds of {report['steps']} steps at world {report['world']}"
         + (" (gloo)" if report["world"] > 1 else ": host time alone"),
-        f"  {'arm':12s} {'µs/step':>9s} {'over all-off':>13s} {'of the step':>12s}",
+        f"  {'arm':12s} {'µs/step':>9s} {'over all-off':>13s} {'of the step':>12s}"
+        f" {'main thread µs':>15s} {'over all-off':>13s}",
     ]
     for arm, values in micros.items():
         if arm.startswith("batch:"):
             continue
         extra = statistics.median(a - b for a, b in zip(values, base))
-        lines.append(f"  {arm:12s} {statistics.median(values):9.1f} {extra:+13.1f} {extra / raw:+12.2%}")
+        cpu = statistics.median(a - b for a, b in zip(main[arm], main["all-off"]))
+        lines.append(
+            f"  {arm:12s} {statistics.median(values):9.1f} {extra:+13.1f} {extra / raw:+12.2%}"
+            f" {statistics.median(main[arm]):15.1f} {cpu:+13.1f}"
+        )
     own, plain = micros["batch:session"], micros["batch:raw"]
     extra = statistics.median(a - b for a, b in zip(own, plain))
     lines.append(

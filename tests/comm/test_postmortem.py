@@ -62,6 +62,32 @@ def test_the_ring_keeps_the_last_collectives_in_its_file(tmp_path: Path) -> None
     assert read_ring((tmp_path / "rank1.ring").read_bytes())[0]["closed"]
 
 
+def test_a_sync_point_entry_reads_as_the_general_entry_would(tmp_path: Path) -> None:
+    """``begin_sync_point`` keeps each (what, where)'s fixed text and formats only the numbers and the time:
+    what it writes parses to what ``begin`` writes, for the usual form, an odd one and a very long ``where``."""
+    fast, general = CollectiveRecord(0, 2, str(tmp_path / "fast")), CollectiveRecord(0, 2, str(tmp_path / "general"))
+    odd = 'odd "name"\\é.py:7 in f'
+    cases = [
+        ("backward of step {}", 12, "train.py:18 in main", "backward", "step 12"),
+        ("backward of step {}", 13, "train.py:18 in main", "backward", "step 13"),  # the kept text again
+        ("backward of step {}", 14, odd, "backward", "step 14"),
+        ("barrier #{}", 3, "train.py:20 in main", "barrier #3", ""),  # no " of ": the general entry
+        ("backward of step {}", 15, "x" * 400 + ".py:1 in f", "backward", "step 15"),  # cut to fit its slot
+    ]
+    for what, number, where, op, detail in cases:
+        before = time.time()
+        fast.end(fast.begin_sync_point(what, number, where))
+        general.end(general.begin(op, [], "", "world", detail, where))
+        mine, theirs = (read_ring((tmp_path / name / "rank0.ring").read_bytes())[1][-1] for name in ("fast", "general"))
+        if len(where) < 300:
+            assert mine | {"t": 0} == theirs | {"t": 0}, (mine, theirs)
+            assert before - 0.001 <= mine["t"] <= time.time() + 0.001  # seconds, to the millisecond
+        else:  # too long for a slot: not valid JSON, so the reader skips it, as it skips the general one
+            assert mine["seq"] < fast.seq and theirs["seq"] < general.seq
+    fast.close()
+    general.close()
+
+
 def test_an_entry_too_long_for_its_slot_keeps_its_first_shapes_and_every_field(tmp_path: Path) -> None:
     record = CollectiveRecord(0, 2, str(tmp_path))
     shapes = [[i, 2] for i in range(100)]

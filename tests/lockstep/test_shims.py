@@ -232,6 +232,19 @@ def test_py_frames_sees_another_thread() -> None:
     assert py_frames.thread_frame(None) is None
 
 
+def test_py_frames_reaches_a_frame_further_up() -> None:
+    def inner() -> Any:
+        return py_frames.caller_frame(1)
+
+    def middle() -> Any:
+        return inner(), py_frames.caller_frame(0), py_frames.caller_frame(10**6)
+
+    up_one, here, too_far = middle()
+    assert up_one is not None and up_one.f_code.co_name == "middle", _changed(py_frames, "sys._getframe")
+    assert here is not None and here.f_code.co_name == "middle", _changed(py_frames, "sys._getframe")
+    assert too_far is None
+
+
 def test_py_atexit_runs_handlers_early() -> None:
     script = textwrap.dedent("""
         import atexit

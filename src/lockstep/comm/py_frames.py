@@ -1,8 +1,10 @@
-"""The one CPython-private call of the comm layer: another thread's current frame.
+"""The CPython-private calls of the comm layer: another thread's current frame, and a frame further up.
 
-Only ``sys._current_frames()`` gives it ("for internal and specialized purposes only";
-``faulthandler`` prints stacks but returns none). Kept here so that a Python without it, or one
-that changes it, breaks this module and its test (``tests/lockstep/test_shims.py``). Checked on CPython 3.11.
+Only ``sys._current_frames()`` gives another thread's frame ("for internal and specialized
+purposes only"; ``faulthandler`` prints stacks but returns none). ``sys._getframe(n)`` reaches a
+frame ``n`` calls up without building a frame object for each call between, as ``f_back`` does
+(``inspect.currentframe`` is ``sys._getframe(1)``). Kept here so that a Python without them, or one
+that changes them, breaks this module and its test (``tests/lockstep/test_shims.py``). Checked on CPython 3.11.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import sys
 from types import FrameType
 
-__all__ = ["thread_frame"]
+__all__ = ["caller_frame", "thread_frame"]
 
 
 def thread_frame(ident: int | None) -> FrameType | None:
@@ -19,4 +21,16 @@ def thread_frame(ident: int | None) -> FrameType | None:
     if current is None or ident is None:
         return None
     frame: FrameType | None = current().get(ident)
+    return frame
+
+
+def caller_frame(depth: int) -> FrameType | None:
+    """The frame ``depth`` calls above the caller of this function (1: the caller's caller), or ``None``."""
+    get = getattr(sys, "_getframe", None)
+    if get is None:
+        return None
+    try:
+        frame: FrameType = get(depth + 1)
+    except ValueError:  # the stack is not that deep
+        return None
     return frame

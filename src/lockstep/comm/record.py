@@ -10,7 +10,6 @@ written out only at a failure this process sees. :mod:`lockstep.comm.postmortem`
 from __future__ import annotations
 
 import functools
-import inspect
 import json
 import mmap
 import os
@@ -22,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lockstep.comm.hang_report import is_own
-from lockstep.comm.py_frames import thread_frame
+from lockstep.comm.py_frames import caller_frame, thread_frame
 
 __all__ = [
     "CollectiveRecord",
@@ -65,6 +64,7 @@ WRAPPED = (
 )
 """The ``torch.distributed`` functions the record wraps."""
 RUNNING, DONE, FAILED, ISSUED = b"R", b"D", b"F", b"I"  # an entry's state byte (ISSUED: async_op=True)
+_RUNNING = RUNNING.decode()
 _DETAIL_KEYS = ("src", "dst", "op")
 _tls = threading.local()
 
@@ -83,9 +83,7 @@ _own: dict[str, bool] = {}  # file name -> is_own(file name)
 
 def user_site(depth: int = 2) -> str:
     """The caller's innermost frame outside torch and lockstep (``depth`` frames up), as ``file:line in func``."""
-    frame: Any = inspect.currentframe()
-    for _ in range(depth):
-        frame = frame.f_back if frame is not None else None
+    frame: Any = caller_frame(depth)
     while frame is not None:
         name = frame.f_code.co_filename
         own = _own.get(name)
@@ -161,6 +159,7 @@ class CollectiveRecord:
         self.rank, self.world_size, self.folder = rank, world_size, folder
         self.seq = 0
         self._saved: dict[str, Callable[..., Any]] = {}
+        self._points: dict[tuple[str, str], tuple[str, str]] = {}  # begin_sync_point's fixed text
         self._dumped = False
         self._file: Any = None
         self._ring: Any = bytearray(SLOT_BYTES * (SLOTS + 1))
@@ -202,19 +201,47 @@ class CollectiveRecord:
     def begin(self, op: str, shapes: list[list[int]], dtype: str, group: str, detail: str, where: str) -> int:
         """Write a running entry; returns its sequence number (``detail``: arguments that must agree, ``src=0``)."""
         seq = self.seq = self.seq + 1
-        # formatted by hand, not json.dumps of a dict: this runs at every backward (see benchmarks/overhead.py)
         head = f'{{"seq":{seq},"op":{_str(op)},"shapes":'
         tail = (
             f',"dtype":{_str(dtype)},"group":{_str(group)},"detail":{_str(detail)},"where":{_str(where)},'
             f'"t":{time.time():.3f}}}'
         )
-        if not shapes:  # Session.backward's entry
-            text = head + "[]" + tail
-        else:
-            kept = len(shapes)
-            while len(text := head + _shapes(shapes, kept) + tail) > SLOT_BYTES - 2 and kept:
-                kept -= 1  # many tensors: keep the first ones
+        kept = len(shapes)
+        while len(text := head + _shapes(shapes, kept) + tail) > SLOT_BYTES - 2 and kept:
+            kept -= 1  # many tensors: keep the first ones
         self._put(1 + (seq - 1) % SLOTS, RUNNING, text)
+        return seq
+
+    def begin_sync_point(self, what: str, number: int, where: str) -> int:
+        """Write a running entry for one of lockstep's own sync points, which carry no tensors.
+
+        ``what`` reads ``"backward of step {}"``: the op before `` of ``, the detail after it, with
+        ``number`` in place of ``{}``. Every backward writes one, so the entry's fixed text is
+        kept per ``(what, where)`` and only the sequence number, ``number`` and the time are
+        formatted (see ``benchmarks/step_costs.py``). Returns the sequence number, as :meth:`begin`.
+        """
+        parts = self._points.get((what, where))
+        if parts is None:
+            if len(self._points) > 4096:  # generated code: many call sites
+                self._points.clear()
+            op, _, detail = what.partition(" of ")
+            if "{}" in op or detail.count("{}") != 1:  # not of the usual form: the general entry
+                return self.begin(op.format(number), [], "", "world", detail.format(number), where)
+            head, tail = _str(detail).split("{}")
+            parts = self._points[what, where] = (
+                f',"op":{_str(op)},"shapes":[],"dtype":"","group":"world","detail":{head}',
+                f'{tail},"where":{_str(where)},"t":',
+            )
+        seq = self.seq = self.seq + 1
+        # written in one go, the state byte and the newline included; the time in milliseconds, as a
+        # JSON number (``1733500000123e-3``), which costs one integer's formatting and not a float's
+        text = f'{{"seq":{seq}{parts[0]}{number}{parts[1]}{time.time_ns() // 1_000_000}e-3}}'
+        data = f"{_RUNNING}{text}\n".encode()
+        if len(data) > SLOT_BYTES:
+            self._put(1 + (seq - 1) % SLOTS, RUNNING, text)  # a very long ``where``: cut to fit
+        else:
+            at = (1 + (seq - 1) % SLOTS) * SLOT_BYTES
+            self._ring[at : at + len(data)] = data
         return seq
 
     def end(self, seq: int, state: bytes = DONE) -> None:

@@ -34,7 +34,6 @@ __all__ = ["CollectiveTimeoutError", "Post", "Watchdog", "NullWatchdog", "diagno
 _TIMEOUT = re.compile(r"timed out|timeout|deadline", re.IGNORECASE)
 _VERDICT = "verdict"  # store keys: the first explanation posted, and how many ranks saw it
 _SEEN = "seen"
-_SPLIT: dict[str, tuple[str, str]] = {}  # a sync point's text -> (op, detail) for the collective record
 
 
 class NullWatchdog:
@@ -45,8 +44,12 @@ class NullWatchdog:
     def on_job_failed(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` once, from the watchdog's thread, when the job is found failed."""
 
-    def enter(self, what: str, number: int, record: bool = True) -> None:
-        """Mark the start of sync point ``what.format(number)``; ``record``: add it to the collective record."""
+    def enter(self, what: str, number: int, record: bool = True, own_frames: int = 0) -> None:
+        """Mark the start of sync point ``what.format(number)``; ``record``: add it to the collective record.
+
+        ``own_frames``: how many frames up from here, the caller's included, are lockstep's own for
+        sure; the record's ``where`` (the user's line) is looked for above them.
+        """
 
     def leave(self) -> None:
         """Mark its end."""
@@ -102,17 +105,11 @@ class Watchdog(NullWatchdog):
         self._on_failed.append(callback)
 
     # -- the main thread's side (hot path: keep it to attribute writes) ------------------------
-    def enter(self, what: str, number: int, record: bool = True) -> None:
+    def enter(self, what: str, number: int, record: bool = True, own_frames: int = 0) -> None:
         self.seq += 1
         self._what, self._number = what, number
         if record and self.record is not None:
-            split = _SPLIT.get(what)
-            if split is None:  # a few kinds of sync point: each split once ("backward of step {}")
-                op, _, detail = what.partition(" of ")
-                split = _SPLIT[what] = (op, detail)
-            self._entry = self.record.begin(
-                split[0].format(number), [], "", "world", split[1].format(number), user_site()
-            )
+            self._entry = self.record.begin_sync_point(what, number, user_site(2 + own_frames))
         self.entered = time.monotonic()
         self.inside = True
 

@@ -175,7 +175,8 @@ class TrainStep:
     def _watched_backward(self, loss: torch.Tensor) -> None:
         """Backward as a sync point of the collective record: DDP's gradient all_reduce is in here."""
         watch = self.comm.watchdog
-        watch.enter("backward of step {}", self.state.global_step + 1)
+        # the user's line is above this method, TrainStep.backward and Session.backward
+        watch.enter("backward of step {}", self.state.global_step + 1, own_frames=3)
         try:
             self.precision.backward(loss)
         except RuntimeError as exc:

@@ -47,6 +47,7 @@ class Accumulator:
         self.micro = 0
         self.window = k  # micro-steps of the current window
         self.weight: Fraction | None = None  # the current batch's loss factor, when its loader gives one
+        self.scales = k > 1  # whether scale() changes the loss: read before each backward, kept with the above
         self._ctxs: list[AbstractContextManager[Any]] | None = None  # open no-sync contexts, one per model
         self._models: list[nn.Module] = []
         self._strategy: Any = None
@@ -80,14 +81,19 @@ class Accumulator:
                 self._open()
             elif self._ctxs is not None:
                 self._close()  # this forward is the window's last: it syncs
+        # EVEN: weight_of gives it whenever the weight is 1, so no fraction is compared
+        self.scales = weight is not EVEN and (weight is not None or self.window > 1)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss`` over the window's size, or times the batch's weight: the step applies the mean."""
+        """``loss`` over the window's size, or times the batch's weight: the step applies the mean.
+
+        The loss itself when :attr:`scales` is False (a window of one, or an even share).
+        """
+        if not self.scales:
+            return loss
         weight = self.weight
         if weight is None:
-            return loss / self.window if self.window > 1 else loss
-        if weight is EVEN:  # weight_of gives EVEN whenever the weight is 1: no fraction compared
-            return loss
+            return loss / self.window
         return loss / weight.denominator if weight.numerator == 1 else loss * weight.numerator / weight.denominator
 
     def after_backward(self) -> None:
@@ -101,6 +107,7 @@ class Accumulator:
         self.micro = 0
         self.window = self.k
         self.weight = None
+        self.scales = self.k > 1
         if self.k > 1:
             self._open()
 
@@ -162,7 +169,7 @@ class TrainStep:
         """Backpropagate ``loss``, scaled for fp16 and for the accumulation window."""
         accum = self.accum
         self.finite.record(loss)
-        if accum.window > 1 or (accum.weight is not None and accum.weight is not EVEN):
+        if accum.scales:
             loss = accum.scale(loss)
         if self._watched:
             self._watched_backward(loss)

@@ -165,8 +165,9 @@ class _Group:
 
     def __init__(self, params: list[torch.Tensor], device: torch.device, sharded: bool) -> None:
         self.params, self.sharded = params, sharded
-        self.flag = torch.zeros(1, device=device)  # stays 0 until a non-finite value is found
-        self.one = torch.ones(1, device=device)
+        # float32 whatever the default dtype (torch.set_default_dtype(torch.float64)): the kernel wants it
+        self.flag = torch.zeros(1, device=device, dtype=torch.float32)  # stays 0 until a non-finite value is found
+        self.one = torch.ones(1, device=device, dtype=torch.float32)
         self.host = self.flag.numpy() if self.flag.device.type == "cpu" else None  # a view of the flag
 
 

@@ -88,6 +88,11 @@ def test_micro_steps_worked_out_when_asked_are_those_built_ahead(world: int, dro
             assert lazy[1:5] == ahead[1:5]
             for rank in range(world):
                 assert list(lazy.shares(world, rank)) == [(*m.share(world, rank), m.start) for m in ahead]
+                for i, m in enumerate(ahead):  # twice each: the second answer is the kept one
+                    for _ in range(2):
+                        layout, share, samples, weight = lazy.portion(i, world, rank)
+                        assert layout is lazy.layout(i) and share == m.share_size(world, rank)
+                        assert samples == m.stop - m.start and weight == m.weight(world, rank)
             for i, micro in enumerate(ahead):
                 layout, base = lazy.layout(i), lazy.step_start(i)
                 assert (base + layout.start, base + layout.stop) == (micro.start, micro.stop)

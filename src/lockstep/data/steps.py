@@ -130,6 +130,8 @@ class MicroSteps(Sequence[MicroStep]):
         self._step = _layout(plan.global_batch, per_micro)
         self._last = _layout(rest, per_micro) if rest else []
         self._len = self._full * len(self._step) + len(self._last)
+        # (id(layout), world_size, rank) -> portion(): a few layouts an epoch, each worked out once
+        self._portions: dict[tuple[int, int, int], tuple[MicroStep, int, int, Fraction]] = {}
 
     def __len__(self) -> int:
         return self._len
@@ -138,6 +140,18 @@ class MicroSteps(Sequence[MicroStep]):
         """Micro-step ``i`` with positions from its step's start: all that a share's size and weight need."""
         per_step = len(self._step)
         return self._step[i % per_step] if i < self._full * per_step else self._last[i - self._full * per_step]
+
+    def portion(self, i: int, world_size: int, rank: int) -> tuple[MicroStep, int, int, Fraction]:
+        """Micro-step ``i``'s layout (:meth:`layout`), ``rank``'s share of it in samples
+        (:meth:`MicroStep.share_size`), the micro-step's samples, and the factor on ``rank``'s mean
+        loss (:meth:`MicroStep.weight_of`). Worked out once per layout: a loader asks at every batch."""
+        micro = self.layout(i)
+        key = (id(micro), world_size, rank)
+        known = self._portions.get(key)
+        if known is None:
+            share = micro.share_size(world_size, rank)
+            known = self._portions[key] = (micro, share, micro.stop - micro.start, micro.weight_of(share, world_size))
+        return known
 
     def step_start(self, i: int) -> int:
         """The epoch position where micro-step ``i``'s optimizer step starts."""

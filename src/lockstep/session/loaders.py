@@ -154,27 +154,22 @@ class DeviceLoader:
         boundary = self.boundary if self.train else None
         seen = boundary.generation if boundary is not None else 0
         before = self.before_batch if self.train else None
-        sized: dict[int, tuple[int, int, Any]] = {}  # id(layout) -> (share, samples, weight): a few layouts an epoch
         for i, batch in enumerate(self.loader):
             if before is not None:
                 before()  # before the position moves: a stop here resumes with this batch
             if self.train:
-                micro = upcoming.layout(i)  # positions from its step's start: sizes and weight only
+                micro, share, samples, weight = upcoming.portion(i, world, rank)
                 if boundary is not None:
                     if micro.index == 0:
                         boundary.at_boundary()  # a node that waits joins here, before the step's first forward
                     if boundary.generation != seen:
                         return True
-                known = sized.get(id(micro))
-                if known is None:
-                    share = micro.share_size(world, rank)
-                    known = sized[id(micro)] = (share, micro.stop - micro.start, micro.weight_of(share, world))
-                self.share = known[0]
-                steps.advance(known[1])  # counted when handed out, as below
+                self.share = share
+                steps.advance(samples)  # counted when handed out, as below
                 if tracker is not None:
                     tracker.epoch_done = False
                 if on_batch is not None:
-                    on_batch(left - i, micro.count, known[2])
+                    on_batch(left - i, micro.count, weight)
             yield batch if on_host else self._move(batch, self.device, self._non_blocking)
         if boundary is not None and boundary.generation != seen:
             return True

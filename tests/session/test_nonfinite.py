@@ -57,9 +57,10 @@ def test_every_groups_flag_is_folded_off_the_host(bad: int) -> None:
     assert check(opt) is True
 
 
-def test_one_group_of_host_gradients_reads_its_flag_in_place() -> None:
-    """CPU gradients of one dtype: one kernel call and the flag's memory read, no tensor op more. A NaN or an inf
-    in any gradient skips the step, a missing gradient is left out, and the flag is clear for the next step."""
+def test_host_gradients_read_their_flags_in_place() -> None:
+    """CPU gradients: one kernel call per dtype and each flag's memory read, no tensor op more. A NaN or an inf
+    in any gradient of any group skips the step, a missing gradient is left out, and the flags are clear for
+    the next step."""
     params = [
         torch.nn.Parameter(torch.ones(3)),
         torch.nn.Parameter(torch.ones(2, 2)),
@@ -67,7 +68,8 @@ def test_one_group_of_host_gradients_reads_its_flag_in_place() -> None:
     ]
     opt = torch.optim.SGD(params, lr=0.1)
     check = FiniteCheck()
-    assert check.plan(opt).host_group is not None
+    plan = check.plan(opt)
+    assert plan.on_host and plan.agree is None and len(plan.groups) == 1
     for bad in (math.nan, math.inf, -math.inf, None):
         for p in params[:2]:
             p.grad = torch.zeros_like(p)
@@ -75,9 +77,17 @@ def test_one_group_of_host_gradients_reads_its_flag_in_place() -> None:
         if bad is not None:
             params[1].grad[1, 0] = bad
         assert check(opt) is (bad is None), bad
-        assert float(check.plan(opt).host_group.flag[0]) == 0.0  # type: ignore[union-attr]
-    opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2, dtype=torch.float64))]})
-    assert check.plan(opt).host_group is None  # two dtypes: the groups' flags are folded instead
+        assert float(check.plan(opt).groups[0].flag[0]) == 0.0
+    wide = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
+    opt.add_param_group({"params": [wide]})
+    assert len(check.plan(opt).groups) == 2  # two dtypes: two kernel calls, both flags read in place
+    for bad in (math.nan, None):
+        for p in (*params[:2], wide):
+            p.grad = torch.zeros_like(p)
+        if bad is not None:
+            wide.grad[1] = bad  # the second group's alone
+        assert check(opt) is (bad is None), bad
+        assert all(float(g.flag[0]) == 0.0 for g in check.plan(opt).groups)
 
 
 def _ranks() -> dict[str, Any]:

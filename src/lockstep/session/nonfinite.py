@@ -102,15 +102,16 @@ class FiniteCheck:
     def __call__(self, optimizer: torch.optim.Optimizer) -> bool:
         """True when every gradient of ``optimizer``'s parameters is finite (``None`` ones are skipped)."""
         plan = self.plan(optimizer)
-        host = plan.host_group
-        if host is not None:  # one group of gradients in host memory (most CPU jobs): its flag read in place
-            grads = [p.grad for p in host.params if p.grad is not None]
-            if grads:
-                check_and_unscale_(grads, host.flag, host.one)
-                if host.host[0]:  # type: ignore[index]
-                    host.flag.zero_()  # the kernel only ever sets a flag: clear it for the next step
-                    return False
-            return True
+        if plan.agree is None and plan.on_host:  # most CPU jobs: each flag's memory read in place, no tensor op
+            finite = True
+            for group in plan.groups:
+                grads = group.grads()
+                if grads:
+                    check_and_unscale_(grads, group.flag, group.one)
+                    if group.host[0]:  # type: ignore[index]
+                        group.flag.zero_()  # the kernel only ever sets a flag: clear it for the next step
+                        finite = False
+            return finite
         checked = plan.run()
         if plan.agree is not None:
             # a shard holds only its part of each gradient: a non-finite element is seen by the
@@ -121,8 +122,6 @@ class FiniteCheck:
             bad = bool(plan.agree.all_reduce(total, "max").item())
         elif not checked:
             return True
-        elif plan.on_host:  # read the flags' memory: no tensor op, no sync
-            bad = any([g.host[0] for g in checked])  # type: ignore[index]
         else:
             total = checked[0].flag
             for group in checked[1:]:
@@ -143,17 +142,12 @@ class _Plan:
         self.on_host = all(g.host is not None for g in self.groups)
         sharded = any(g.sharded for g in self.groups)
         self.agree = comm if sharded and comm is not None and comm.world_size > 1 else None
-        single = self.groups[0] if len(self.groups) == 1 else None
-        self.host_group = single if single is not None and self.on_host and not sharded else None
 
     def run(self) -> list[_Group]:
         """Run the check kernel on every group that has gradients; the groups checked."""
         checked = []
         for group in self.groups:
-            if group.sharded:
-                grads = [_local(p.grad) for p in group.params if p.grad is not None]
-            else:
-                grads = [p.grad for p in group.params if p.grad is not None]
+            grads = group.grads()
             if grads:
                 check_and_unscale_(grads, group.flag, group.one)
                 checked.append(group)
@@ -169,6 +163,12 @@ class _Group:
         self.flag = torch.zeros(1, device=device, dtype=torch.float32)  # stays 0 until a non-finite value is found
         self.one = torch.ones(1, device=device, dtype=torch.float32)
         self.host = self.flag.numpy() if self.flag.device.type == "cpu" else None  # a view of the flag
+
+    def grads(self) -> list[torch.Tensor]:
+        """The gradients there are (this rank's shard of each, for sharded parameters)."""
+        if self.sharded:
+            return [_local(p.grad) for p in self.params if p.grad is not None]
+        return [p.grad for p in self.params if p.grad is not None]
 
 
 def _plan(params: list[torch.Tensor]) -> list[_Group]:

@@ -56,7 +56,19 @@ class DiskFullError(CheckpointError):
 
 
 class FolderInUseError(CheckpointError):
-    """Another live job holds the checkpoint folder (or URL prefix); the message names it."""
+    """Another live job holds the checkpoint folder (or URL prefix); the message names it.
+
+    Args:
+        message: the whole message.
+        holder: the holder alone (``host H, pid P, since T``), for a caller that words its own message.
+    """
+
+    def __init__(self, message: str, holder: str = "") -> None:
+        super().__init__(message, holder)  # both in args: the error crosses ranks pickled
+        self.holder = holder
+
+    def __str__(self) -> str:
+        return str(self.args[0])
 
 
 class UnsafeCheckpointError(CheckpointError):

@@ -164,7 +164,8 @@ def _acquire(root: Path) -> FolderLock:
                 os.close(fd)
                 raise FolderInUseError(
                     f"checkpoint folder {root} is in use by another job ({holder}); "
-                    "wait for it to end, or give this job another folder"
+                    "wait for it to end, or give this job another folder",
+                    holder,
                 ) from None
             except OSError as exc:
                 os.close(fd)

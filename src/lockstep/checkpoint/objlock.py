@@ -165,7 +165,8 @@ def _acquire(storage: Storage, ttl: float) -> ObjectLock:
         if name and not _gone(holder, ttl):
             raise FolderInUseError(
                 f"checkpoint prefix {storage.url} is in use by another job ({_describe(holder)}); "
-                "wait for it to end, or give this job another prefix"
+                "wait for it to end, or give this job another prefix",
+                _describe(holder),
             )
         if name and not holder.get("released"):
             logger.info("taking over %s: its holder (%s) is gone", storage.where(LOCK_FILE), _describe(holder))

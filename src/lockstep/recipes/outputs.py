@@ -190,14 +190,14 @@ def hold_out(out: Path) -> Any:
         ConfigError: another ``lockstep train`` holds it.
     """
     from lockstep.checkpoint.files import FolderInUseError
-    from lockstep.checkpoint.lock import holder, lock_folder
+    from lockstep.checkpoint.lock import lock_folder
     from lockstep.comm.group import Comm
     from lockstep.env import World
 
     try:
         return lock_folder(out, Comm(World()))
-    except FolderInUseError:
-        raise _in_use(out, holder(out) or "holder not yet recorded") from None
+    except FolderInUseError as exc:
+        raise _in_use(out, exc.holder) from None
 
 
 def _in_use(out: Path, who: str) -> ConfigError:

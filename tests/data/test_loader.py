@@ -9,10 +9,11 @@ import random
 
 import pytest
 import torch
-from torch.utils.data import Dataset, IterableDataset, TensorDataset
+from torch.utils.data import Dataset, IterableDataset, TensorDataset, default_collate
 
 from lockstep.data.loader import (
     EvalSampler,
+    TensorRows,
     TrainSampler,
     default_num_workers,
     epoch_order,
@@ -200,6 +201,52 @@ def test_make_loader_defaults_and_samplers() -> None:
     assert len(train) == 2  # 5 samples on this rank in batches of 4
 
 
+def _collated_by_torch(loader: torch.utils.data.DataLoader, dataset: Dataset) -> list:
+    """The loader's batches as DataLoader's fetcher makes them: each sample read, then ``default_collate``."""
+    order = loader.sampler if loader.batch_sampler is None else loader.batch_sampler
+    return [default_collate([dataset[i] for i in indices]) for indices in list(order)]
+
+
+@pytest.mark.parametrize("kind", ["lockstep", "torch", "eval"])
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_tensor_dataset_is_read_a_batch_at_a_time_as_default_collate_reads_it(kind: str, num_workers: int) -> None:
+    """Values, dtypes, shapes and strides, also from tensors that are not contiguous and hold several dtypes."""
+    gen = torch.Generator().manual_seed(0)
+    data = TensorDataset(
+        torch.randn(3, 23, generator=gen).t(),  # a transposed view: rows are strided
+        torch.randint(100, (23, 2, 2), generator=gen, dtype=torch.int32),
+        torch.arange(23),
+        torch.rand(23, generator=gen, dtype=torch.float64) > 0.5,
+    )
+    options = {"eval": True} if kind == "eval" else {"order": kind}
+    loader = make_loader(data, 4, world_size=2, rank=1, seed=3, num_workers=num_workers, **options)
+    if num_workers == 0:
+        assert loader.pin_memory or isinstance(loader._read, TensorRows)  # read here, not by DataLoader's iterator
+    expected = _collated_by_torch(loader, data)
+    got = list(loader)
+    assert len(got) == len(expected) > 2
+    for batch, want in zip(got, expected):
+        assert isinstance(batch, list) and len(batch) == len(want) == 4
+        for tensor, reference in zip(batch, want):
+            assert tensor.dtype == reference.dtype and tensor.shape == reference.shape
+            assert tensor.stride() == reference.stride() and torch.equal(tensor, reference)
+
+
+def test_a_dataset_that_is_not_a_plain_tensor_dataset_keeps_its_own_reading() -> None:
+    """A subclass may read its items its own way, and a collate_fn of the user's is used as given."""
+
+    class Doubled(TensorDataset):
+        def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
+            return tuple(2 * t[i] for t in self.tensors)
+
+    doubled = make_loader(Doubled(torch.arange(8.0)), 4, world_size=1, rank=0, shuffle=False, seed_samples=False)
+    assert [b[0].tolist() for b in doubled] == [[0.0, 2.0, 4.0, 6.0], [8.0, 10.0, 12.0, 14.0]]
+    summed = make_loader(
+        _tensors(8), 4, world_size=1, rank=0, shuffle=False, collate_fn=lambda rows: sum(r[1] for r in rows)
+    )
+    assert [int(b) for b in summed] == [6, 22]
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_loader_follows_the_sampler_position(num_workers: int) -> None:
     """Also with persistent workers, whose iterator is reset rather than rebuilt each epoch."""
@@ -315,7 +362,9 @@ def test_move_to_device_recurses_and_keeps_types() -> None:
 def test_pinned_loader_and_non_blocking_copy_on_cuda() -> None:
     loader = make_loader(_tensors(8), 4, world_size=1, rank=0, eval=True)
     assert loader.pin_memory
-    x, y = move_to_device(next(iter(loader)), torch.device("cuda", 0))
+    batch = next(iter(loader))
+    assert all(t.is_pinned() for t in batch)  # a TensorDataset's batch is pinned where it is read
+    x, y = move_to_device(batch, torch.device("cuda", 0))
     assert x.is_cuda and y.is_cuda and y.tolist() == [0, 1, 2, 3]
 
 

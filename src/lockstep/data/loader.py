@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
-from collections.abc import Callable, Iterator, Mapping, Sized
+from collections.abc import Callable, Iterator, Mapping, Sequence, Sized
 from typing import Any
 
 import torch
@@ -19,6 +19,9 @@ __all__ = [
     "TrainSampler",
     "EvalSampler",
     "StepBatches",
+    "TensorRows",
+    "Collated",
+    "batch_reader",
     "epoch_order",
     "shard_bounds",
     "make_loader",
@@ -59,15 +62,32 @@ def _worker_base_seed(seed: int, rank: int, epoch: int) -> int:
 
 
 class _Loader(DataLoader):  # type: ignore[type-arg]  # any item type
-    """A DataLoader whose worker seeds are a function of (seed, rank, epoch) only."""
+    """A DataLoader whose worker seeds are a function of (seed, rank, epoch) only.
 
-    def __init__(self, *args: Any, lockstep_seed: int, lockstep_rank: int, **kwargs: Any) -> None:
+    With no workers and a ``read`` (:func:`batch_reader`), each batch is read in this process
+    straight from the sampler's indices: what DataLoader's own iterator would do, without its
+    per-batch machinery.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        lockstep_seed: int,
+        lockstep_rank: int,
+        lockstep_read: Callable[[Any], Any] | None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self._lockstep_seed = lockstep_seed
         self._lockstep_rank = lockstep_rank
+        self._read = lockstep_read
         self._workers_started = False  # persistent workers fork once, at the first epoch
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        if self._read is not None and self.num_workers == 0:
+            # the order is drawn now, as DataLoader's iterator draws it when made
+            order = iter(self.sampler if self.batch_sampler is None else self.batch_sampler)
+            return map(self._read, order)
         epoch = int(getattr(self.sampler, "epoch", 0))
         if self.generator is not None:
             self.generator.manual_seed(_worker_base_seed(self._lockstep_seed, self._lockstep_rank, epoch))
@@ -80,6 +100,46 @@ class _Loader(DataLoader):  # type: ignore[type-arg]  # any item type
         return super().__iter__()
 
 
+class TensorRows:
+    """A CPU ``TensorDataset``'s batch in one ``index_select`` per tensor.
+
+    The same values, dtypes and layout as ``default_collate`` of the rows one by one (a list, one
+    tensor per field), without a Python call per sample.
+
+    Args:
+        tensors: a ``TensorDataset``'s tensors, in host memory.
+        pin: return the batch in page-locked memory (``pin_memory``).
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor], pin: bool = False) -> None:
+        self.tensors, self.pin = tensors, pin
+
+    def __call__(self, indices: Sequence[int]) -> list[torch.Tensor]:
+        index = torch.as_tensor(indices, dtype=torch.long)
+        rows = [tensor.index_select(0, index) for tensor in self.tensors]
+        return [row.pin_memory() for row in rows] if self.pin else rows
+
+
+class Collated:
+    """A batch as DataLoader's fetcher makes it: the samples (``__getitems__`` where the dataset has it), collated."""
+
+    def __init__(self, dataset: Any, collate: Callable[[list[Any]], Any]) -> None:
+        self.dataset, self.collate = dataset, collate
+        self._many = getattr(dataset, "__getitems__", None)  # SeededDataset seeds each sample there
+
+    def __call__(self, indices: Sequence[Any]) -> Any:
+        many, dataset = self._many, self.dataset
+        return self.collate(many(indices) if many is not None else [dataset[i] for i in indices])
+
+
+def batch_reader(dataset: Any, collate_fn: Callable[[list[Any]], Any] | None) -> TensorRows | Collated:
+    """How a list of indices becomes a batch: :class:`TensorRows` for a plain host ``TensorDataset``
+    with the default collation, else :class:`Collated`."""
+    if collate_fn is None and type(dataset) is TensorDataset and all(t.device.type == "cpu" for t in dataset.tensors):
+        return TensorRows(dataset.tensors)
+    return Collated(dataset, collate_fn or default_collate)
+
+
 def _dataset_len(dataset: Dataset[Any]) -> int:
     if isinstance(dataset, IterableDataset) or not isinstance(dataset, Sized):
         raise ConfigError(
@@ -90,18 +150,16 @@ def _dataset_len(dataset: Dataset[Any]) -> int:
 
 
 class StepBatches(Dataset[Any]):
-    """A dataset whose item at a :class:`~lockstep.data.steps.StepSampler` list is that collated micro-batch."""
+    """A dataset whose item at a :class:`~lockstep.data.steps.StepSampler` list is that micro-batch (``read``)."""
 
-    def __init__(self, dataset: Any, collate: Callable[[list[Any]], Any]) -> None:
-        self.dataset, self.collate = dataset, collate
-        self._many = getattr(dataset, "__getitems__", None)  # SeededDataset seeds each sample there
+    def __init__(self, dataset: Any, collate: Callable[[list[Any]], Any], read: Callable[[Any], Any]) -> None:
+        self.dataset, self.collate, self.read = dataset, collate, read
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, indices: list[Any]) -> Any:
-        many, dataset = self._many, self.dataset
-        return self.collate(many(indices) if many is not None else [dataset[i] for i in indices])
+        return self.read(indices)
 
 
 def _as_is(batch: Any) -> Any:
@@ -240,8 +298,14 @@ def make_loader(
     generator = torch.Generator()
     generator.manual_seed(_worker_base_seed(seed, rank, 0))
     data: Any = SeededDataset(dataset) if seed_samples else dataset
+    read = batch_reader(data, collate_fn)
+    here: Callable[[Any], Any] | None = None  # with no workers: batches read here, not by DataLoader's iterator
+    if num_workers == 0 and not pin_memory:
+        here = read
+    elif num_workers == 0 and isinstance(read, TensorRows):  # any other batch DataLoader pins in its own way
+        here = TensorRows(read.tensors, pin=True)
     if steps:  # batches of varying size: the sampler yields each one's indices
-        data, collate_fn = StepBatches(data, collate_fn or default_collate), _as_is
+        data, collate_fn = StepBatches(data, collate_fn or default_collate, read), _as_is
     return _Loader(
         data,
         batch_size=None if steps else batch_size,
@@ -255,6 +319,7 @@ def make_loader(
         persistent_workers=persistent_workers and num_workers > 0,
         lockstep_seed=seed,
         lockstep_rank=rank,
+        lockstep_read=here,
     )
 
 

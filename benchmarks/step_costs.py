@@ -19,9 +19,12 @@ the paired rounds, in wall-clock time (also printed as a share of the raw step; 
 convnet`` for the seed's ConvNet at batch 100) and in the main thread's CPU time (``getrusage``;
 at two ranks far steadier than the wall clock, which waits on the other rank and gloo's threads).
 The replica check (steps 1, 2, 4, ... 1024, then every 1024) and the loader's per-batch shares are
-part of every Session arm; two more arms price the loader alone, a batch per call: ``session.loader``
+part of every Session arm; more arms price the loader alone, a batch per call: ``session.loader``
 (its shares, loss weights, position and accumulation window) against a ``DataLoader`` over
-``DistributedSampler``.
+``DistributedSampler``, on the ``TensorDataset`` (which ``session.loader`` reads a batch at a time)
+and on the same samples behind a plain ``Dataset`` read one at a time (in the rank's own process:
+each sample seeded, and training's random generators put back after each batch, or with
+``seed_samples=False`` neither).
 
 ``--world 1`` runs one process: no all-reduce to wait for, so what is left is the host time each
 feature adds, with far less noise than two ranks sharing two cores (the record is not kept there).
@@ -44,6 +47,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils.data import Dataset
 
 import lockstep
 
@@ -114,6 +118,12 @@ def rank_main(workload: str, rounds: int, seconds: float) -> dict[str, Any]:
     loading = _session({})  # its loader alone: no step is taken on it
     steps_of["batch:raw"] = batch_stream(workload, data, first.rank, first.world_size)
     steps_of["batch:session"] = session_batches(workload, data, loading)
+    rows = Rows(data)  # read a sample at a time, as an image folder is
+    steps_of["batch:raw rows"] = batch_stream(workload, rows, first.rank, first.world_size)
+    steps_of["batch:session rows"] = session_batches(workload, rows, loading, num_workers=0)
+    steps_of["batch:session rows unseeded"] = session_batches(
+        workload, rows, loading, num_workers=0, seed_samples=False
+    )
     arms = list(steps_of)
     for arm in arms:
         _window(steps_of[arm], 10)  # warm-up
@@ -137,10 +147,25 @@ def batch_stream(workload: str, data: Any, rank: int, world_size: int) -> Callab
     return lambda: next(stream)
 
 
-def session_batches(workload: str, data: Any, session: Any) -> Callable[[], None]:
+class Rows(Dataset[Any]):
+    """A ``TensorDataset``'s samples behind a plain ``Dataset``: read one at a time, as most datasets are."""
+
+    def __init__(self, data: Dataset[Any]) -> None:
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)  # type: ignore[arg-type]  # a TensorDataset: sized
+
+    def __getitem__(self, index: int) -> Any:
+        return self.data[index]
+
+
+def session_batches(workload: str, data: Any, session: Any, **options: Any) -> Callable[[], None]:
     """``session.loader``'s batches alone, one per call, over ``session.epochs``: each batch's share of the
-    step, its loss weight, the sampler's position and the accumulation window (and the timings' data wait)."""
-    loader = session.loader(data, batch_size=WORKLOADS[workload]["batch"], shuffle=True)
+    step, its loss weight, the sampler's position and the accumulation window (and the timings' data wait).
+
+    ``options``: more of ``session.loader``'s (``seed_samples``, ``num_workers``)."""
+    loader = session.loader(data, batch_size=WORKLOADS[workload]["batch"], shuffle=True, **options)
 
     def batches() -> Any:
         for _ in session.epochs(sys.maxsize):
@@ -170,12 +195,18 @@ def summarize(workload: str, report: dict[str, Any]) -> str:
             f"  {arm:12s} {statistics.median(values):9.1f} {extra:+13.1f} {extra / raw:+12.2%}"
             f" {statistics.median(main[arm]):15.1f} {cpu:+13.1f}"
         )
-    own, plain = micros["batch:session"], micros["batch:raw"]
-    extra = statistics.median(a - b for a, b in zip(own, plain))
-    lines.append(
-        f"  a batch alone: session.loader {statistics.median(own):.1f} µs, DataLoader + DistributedSampler "
-        f"{statistics.median(plain):.1f} µs: {extra:+.1f} µs ({extra / raw:+.2%} of the raw step)"
-    )
+    for what, own_arm, plain_arm in (
+        ("a TensorDataset", "batch:session", "batch:raw"),
+        ("a Dataset read per sample, seeded per sample", "batch:session rows", "batch:raw rows"),
+        ("the same, seed_samples=False", "batch:session rows unseeded", "batch:raw rows"),
+    ):
+        own, plain = micros[own_arm], micros[plain_arm]
+        extra = statistics.median(a - b for a, b in zip(own, plain))
+        lines.append(
+            f"  a batch alone of {what}: session.loader {statistics.median(own):.1f} µs, DataLoader + "
+            f"DistributedSampler {statistics.median(plain):.1f} µs: {extra:+.1f} µs"
+            f" ({extra / raw:+.2%} of the raw step)"
+        )
     return "\n".join(lines)
 
 

@@ -26,7 +26,8 @@ CASES = {
     ),
     "step_costs": (
         ["step_costs.py", "--rounds", "1", "--seconds", "0.05"],
-        r"\+finite +[0-9.]+ +[-+][0-9.]+ +[-+][0-9.]+% +[0-9.]+ +[-+][0-9.]+\n(.|\n)*defaults +[0-9.]+",
+        r"\+finite +[0-9.]+ +[-+][0-9.]+ +[-+][0-9.]+% +[0-9.]+ +[-+][0-9.]+\n(.|\n)*defaults +[0-9.]+"
+        r"(.|\n)*a batch alone of a Dataset read per sample, seeded per sample: session.loader [0-9.]+ µs",
     ),
     "checkpoint": (["checkpoint.py", "--mb", "2", "--saves", "1"], r"blocked time async / blocking: [0-9.]+"),
     "zero_memory": (["zero_memory.py", "--mb", "2"], r"largest optimizer state per rank: sharded / plain = [0-9.]+"),

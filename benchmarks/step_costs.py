@@ -115,14 +115,14 @@ def rank_main(workload: str, rounds: int, seconds: float) -> dict[str, Any]:
     first = next(iter(sessions.values()))
     steps_of: dict[str, Callable[[], None]] = {"raw": raw_arm(workload, data, first.rank, first.world_size)}
     steps_of.update({arm: lockstep_arm(workload, data, session) for arm, session in sessions.items()})
-    loading = _session({})  # its loader alone: no step is taken on it
-    steps_of["batch:raw"] = batch_stream(workload, data, first.rank, first.world_size)
-    steps_of["batch:session"] = session_batches(workload, data, loading)
+    loading = [_session({}) for _ in range(3)]  # a loader alone on each: no step is taken on them
     rows = Rows(data)  # read a sample at a time, as an image folder is
+    steps_of["batch:raw"] = batch_stream(workload, data, first.rank, first.world_size)
+    steps_of["batch:session"] = session_batches(workload, data, loading[0])
     steps_of["batch:raw rows"] = batch_stream(workload, rows, first.rank, first.world_size)
-    steps_of["batch:session rows"] = session_batches(workload, rows, loading, num_workers=0)
+    steps_of["batch:session rows"] = session_batches(workload, rows, loading[1], num_workers=0)
     steps_of["batch:session rows unseeded"] = session_batches(
-        workload, rows, loading, num_workers=0, seed_samples=False
+        workload, rows, loading[2], num_workers=0, seed_samples=False
     )
     arms = list(steps_of)
     for arm in arms:
@@ -136,7 +136,7 @@ def rank_main(workload: str, rounds: int, seconds: float) -> dict[str, Any]:
             before = _usage()[1]
             micros[arm].append(1e6 / _window(steps_of[arm], steps))
             main[arm].append((_usage()[1] - before) * 1e6 / steps)
-    for session in (*sessions.values(), loading):
+    for session in (*sessions.values(), *loading):
         session.close()
     return {"micros": micros, "main": main, "steps": steps, "world": first.world_size}
 

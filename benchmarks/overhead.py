@@ -1,8 +1,10 @@
 """What lockstep's Session costs per step, against the seed tutorial's hand-written DDP loop.
 
-Two ranks on gloo (``lockstep.spawn`` with a ``file://`` rendezvous) run three arms of the same
-model, data, seed and optimizer, interleaved round by round (in a new order every round), so
-that the machine's background load falls on every arm alike:
+Two ranks on gloo (``lockstep.spawn`` with a ``file://`` rendezvous) run several arms of the same
+model, data, seed and optimizer. In each round the arms take turns step by step (each turn in a
+new shuffled order) and every step is timed alone, so that the machine's background load, which
+on a shared machine changes from one tenth of a second to the next, falls on every arm alike
+(``--interleave window``: each arm's steps of a round at once, in a new order every round):
 
 * ``raw``: the seed's loop: ``DistributedDataParallel``, ``DistributedSampler`` + ``set_epoch``,
   SGD, ``zero_grad`` / ``backward`` / ``step``;
@@ -23,8 +25,14 @@ that the machine's background load falls on every arm alike:
 Workloads: (a) the seed's ConvNet, batch 100 of 28x28 synthetic images; (b) a tiny model
 (``Linear(10, 10)``, batch 4), where the per-step overhead dominates. Targets: lockstep/raw
 >= 0.99 on the ConvNet, >= 0.97 on the tiny model, judged on the median of the per-round
-ratios (each round's arms run back to back, so the ratio cancels slow changes of the machine's
-load); the median and best steps/s of every arm are printed too.
+ratios (each round's arms run side by side, so the ratio cancels changes of the machine's load);
+the median and best steps/s of every arm are printed too.
+
+``--slowed-us 30`` adds a copy of the raw loop slowed by a 30 µs busy wait per step (2 % of the
+tiny step): a control of the difference a run can resolve. Why step by step: on a 2-core machine
+that slowed loop read 0.954-0.980 of raw over three 21-round runs interleaved step by step, and
+0.953-1.081 over three runs interleaved window by window (one of them ranked it 8 % *faster*):
+windows up to a round apart see different loads.
 
 Run (pick a quiet moment; the load average is printed with the figures)::
 
@@ -33,8 +41,10 @@ Run (pick a quiet moment; the load average is printed with the figures)::
     OMP_NUM_THREADS=1 python benchmarks/overhead.py --workload tiny --timings-every 0   # the step timings' cost
 
 Each run also prints, per rank and arm, what a step costs the CPU (the whole process, and its main
-thread alone, from ``getrusage``) and its context switches: where the wall-clock gap between two
-arms is not the main thread's work, it is waiting (on gloo's threads, or the other rank).
+thread alone, from ``getrusage``) and its context switches, measured after the timed rounds in
+three windows per arm (so that the timed steps make no system call of the benchmark's): where the
+wall-clock gap between two arms is not the main thread's work, it is waiting (on gloo's threads,
+or the other rank).
 
 The Session's step timings are on by default (``timings_every=5``); a run with ``--timings-every 0``
 beside a default run shows what they cost: the two lockstep/raw ratios should differ by less than
@@ -123,6 +133,20 @@ def raw_arm(workload: str, data: Dataset[Any], rank: int, world_size: int) -> Ca
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+
+    return step
+
+
+def slowed_arm(workload: str, data: Dataset[Any], rank: int, world_size: int, micros: float) -> Callable[[], None]:
+    """The raw loop with a busy wait of ``micros`` µs before each step: a difference the run should resolve."""
+    raw = raw_arm(workload, data, rank, world_size)
+    clock = time.perf_counter
+
+    def step() -> None:
+        until = clock() + micros * 1e-6
+        while clock() < until:
+            pass
+        raw()
 
     return step
 
@@ -247,6 +271,87 @@ def round_order(arms: tuple[str, ...] | list[str], round_number: int) -> list[st
     return order
 
 
+INTERLEAVES = ("step", "window")
+"""How a round interleaves the arms (:func:`timed_round`)."""
+
+
+def timed_round(
+    steps_of: dict[str, Callable[[], None]],
+    arms: tuple[str, ...] | list[str],
+    steps: int,
+    round_number: int,
+    interleave: str = "step",
+    before: Callable[[str], None] | None = None,
+    cpu: dict[str, float] | None = None,
+) -> dict[str, float]:
+    """One round: each arm's steps per second over ``steps`` of its steps (this rank's clock; rank 0's is reported).
+
+    ``"step"``: the arms take turns step by step, each turn in a new shuffled order (the same on
+    every rank), and each step is timed alone, so the steps of any two arms are a few milliseconds
+    apart and the machine's load, which on a shared machine changes from one tenth of a second to
+    the next, falls on every arm alike. ``"window"``: each arm runs its ``steps`` in one window
+    between barriers, the arms in a shuffled order (:func:`round_order`); two arms' windows are then
+    up to a round apart.
+
+    ``before(arm)`` runs ahead of each of an arm's steps (each window), untimed. ``cpu``: the main
+    thread's CPU seconds of each arm's steps are added to it (read only when asked for: a system call).
+    """
+    if interleave == "window":
+        rates = {}
+        for arm in round_order(arms, round_number):
+            if before is not None:
+                before(arm)
+            began = time.thread_time() if cpu is not None else 0.0
+            rates[arm] = _window(steps_of[arm], steps)
+            if cpu is not None:
+                cpu[arm] += time.thread_time() - began
+        return rates
+    together = dist.is_initialized()
+    if together:
+        dist.barrier()
+    clock = time.perf_counter
+    spent = dict.fromkeys(arms, 0.0)
+    order = list(arms)
+    shuffle = random.Random(round_number).shuffle
+    for _ in range(steps):
+        shuffle(order)
+        for arm in order:
+            step = steps_of[arm]
+            if before is not None:
+                before(arm)
+            if cpu is None:
+                began = clock()
+                step()
+                spent[arm] += clock() - began
+            else:
+                used = time.thread_time()
+                began = clock()
+                step()
+                spent[arm] += clock() - began
+                cpu[arm] += time.thread_time() - used
+    if together:
+        dist.barrier()
+    return {arm: steps / spent[arm] for arm in arms}
+
+
+def cpu_usage(
+    steps_of: dict[str, Callable[[], None]], arms: tuple[str, ...] | list[str], steps: int
+) -> dict[str, list[float]]:
+    """Per arm and step: process CPU seconds, its main thread's, voluntary and involuntary context switches.
+
+    Measured apart from the timed rounds (three windows of ``steps`` steps per arm, in shuffled
+    orders), so that the timed steps make no system call of the benchmark's own.
+    """
+    usage = {arm: [0.0, 0.0, 0.0, 0.0] for arm in arms}
+    for r in range(3):
+        for arm in round_order(arms, r):
+            before = _usage()
+            _window(steps_of[arm], steps)
+            for i, (a, b) in enumerate(zip(_usage(), before)):
+                usage[arm][i] += a - b
+    return {arm: [u / (3 * steps) for u in values] for arm, values in usage.items()}
+
+
 def _usage() -> tuple[float, float, int, int]:
     """This process's CPU seconds, its main thread's, and its voluntary and involuntary context switches."""
     proc = resource.getrusage(resource.RUSAGE_SELF)
@@ -255,7 +360,14 @@ def _usage() -> tuple[float, float, int, int]:
 
 
 def rank_main(
-    workload: str, rounds: int, seconds: float, profile: bool, timings_every: int, with_peers: bool = True
+    workload: str,
+    rounds: int,
+    seconds: float,
+    profile: bool,
+    timings_every: int,
+    with_peers: bool = True,
+    interleave: str = "step",
+    slowed_us: float = 0.0,
 ) -> dict[str, Any]:
     """One rank: build the arms, warm them up, time them interleaved; rank 0 reports."""
     torch.set_num_threads(1)
@@ -269,22 +381,20 @@ def rank_main(
         "lockstep": lockstep_arm(workload, data, session),
         "lockstep-ignore": lockstep_arm(workload, data, ignoring),
     }
+    if slowed_us > 0:
+        steps_of[f"raw+{slowed_us:g}us"] = slowed_arm(workload, data, session.rank, session.world_size, slowed_us)
     peers, missing = peer_arms(workload, data, session.world_size) if with_peers else ({}, [])
     steps_of.update(peers)
-    arms = (*ARMS, *peers)
+    arms = tuple(steps_of)
     for arm in arms:
         _window(steps_of[arm], 10)  # warm-up
     steps = _calibrate(steps_of["raw"], seconds)
     rates: dict[str, list[float]] = {arm: [] for arm in arms}
-    usage = {arm: [0.0, 0.0, 0.0, 0.0] for arm in arms}
     for r in range(rounds):
-        for arm in round_order(arms, r):
-            before = _usage()
-            rates[arm].append(_window(steps_of[arm], steps))
-            for i, (a, b) in enumerate(zip(_usage(), before)):
-                usage[arm][i] += a - b
-    report: dict[str, Any] = {"rates": rates, "steps": steps, "missing": missing}
-    report["usage"] = {arm: [u / (steps * rounds) for u in values] for arm, values in usage.items()}
+        for arm, rate in timed_round(steps_of, arms, steps, r, interleave).items():
+            rates[arm].append(rate)
+    report: dict[str, Any] = {"rates": rates, "steps": steps, "interleave": interleave, "missing": missing}
+    report["usage"] = cpu_usage(steps_of, arms, steps)
     if profile:
         report["profile"] = _profile(steps_of, steps, session.rank)
     ignoring.close()
@@ -313,14 +423,22 @@ def _profile(steps_of: dict[str, Callable[[], None]], steps: int, rank: int) -> 
 
 
 def run_workload(
-    workload: str, rounds: int, seconds: float, profile: bool, timings_every: int = 5, with_peers: bool = True
+    workload: str,
+    rounds: int,
+    seconds: float,
+    profile: bool,
+    timings_every: int = 5,
+    with_peers: bool = True,
+    interleave: str = "step",
+    slowed_us: float = 0.0,
 ) -> dict[str, Any]:
     """Start the 2-rank job for ``workload`` and return rank 0's report."""
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["LOCKSTEP_INIT_METHOD"] = f"file://{tmp}/rendezvous"
         os.environ["OMP_NUM_THREADS"] = "1"
         try:
-            reports = lockstep.spawn(rank_main, 2, args=(workload, rounds, seconds, profile, timings_every, with_peers))
+            args = (workload, rounds, seconds, profile, timings_every, with_peers, interleave, slowed_us)
+            reports = lockstep.spawn(rank_main, 2, args=args)
             reports[0]["usage_of_rank"] = [r["usage"] for r in reports]
             return reports[0]
         finally:
@@ -347,7 +465,8 @@ def summarize(workload: str, report: dict[str, Any], target: float) -> str:
     """
     rates = report["rates"]
     lines = [
-        f"{workload}: {len(rates['raw'])} interleaved rounds of {report['steps']} steps at world 2 (gloo)",
+        f"{workload}: {len(rates['raw'])} rounds of {report['steps']} steps per arm at world 2 (gloo), "
+        f"the arms interleaved {'step by step' if report.get('interleave') == 'step' else 'window by window'}",
         f"  {'':16s} {'median steps/s':>15s} {'best steps/s':>13s}",
     ]
     for arm in rates:
@@ -391,6 +510,18 @@ def main() -> int:
     parser.add_argument("--workload", choices=("all", *WORKLOADS), default="all")
     parser.add_argument("--rounds", type=int, default=21, help="interleaved rounds per arm (default 21)")
     parser.add_argument("--seconds", type=float, default=0.5, help="length of one timed window (default 0.5)")
+    parser.add_argument(
+        "--interleave",
+        choices=INTERLEAVES,
+        default="step",
+        help="step: the arms take turns step by step, each step timed (default); window: each arm's steps at once",
+    )
+    parser.add_argument(
+        "--slowed-us",
+        type=float,
+        default=0.0,
+        help="add a copy of the raw loop slowed by this many µs a step: a control of what the run resolves",
+    )
     parser.add_argument("--profile", action="store_true", help="cProfile one window per arm on rank 0")
     parser.add_argument(
         "--timings-every",
@@ -407,7 +538,16 @@ def main() -> int:
         f"load average {os.getloadavg()}"
     )
     for name in names:
-        report = run_workload(name, args.rounds, args.seconds, args.profile, args.timings_every, not args.no_peers)
+        report = run_workload(
+            name,
+            args.rounds,
+            args.seconds,
+            args.profile,
+            args.timings_every,
+            not args.no_peers,
+            args.interleave,
+            args.slowed_us,
+        )
         print(summarize(name, report, targets[name]), flush=True)
         if "profile" in report:
             print(report["profile"])

@@ -1,8 +1,9 @@
 """What each feature of the Session's step costs, in microseconds of host time per step.
 
 Two ranks on gloo (``lockstep.spawn``, a ``file://`` rendezvous) train the same model with the
-same data in several arms, interleaved round by round (in a new order every round), so that the machine's
-background load falls on every arm alike:
+same data in several arms, which take turns step by step (each turn in a new order; ``--interleave
+window`` runs each arm's steps of a round at once instead), so that the machine's background load
+falls on every arm alike:
 
 * ``raw``: the seed tutorial's loop (``DistributedDataParallel``, ``DistributedSampler``, SGD);
 * ``all-off``: ``Session(strategy="ddp")`` with ``timings_every=0``, ``nonfinite="ignore"``,
@@ -16,8 +17,9 @@ background load falls on every arm alike:
 
 Each feature's cost is its arm's median microseconds per step minus ``all-off``'s, median over
 the paired rounds, in wall-clock time (also printed as a share of the raw step; run ``--workload
-convnet`` for the seed's ConvNet at batch 100) and in the main thread's CPU time (``getrusage``;
-at two ranks far steadier than the wall clock, which waits on the other rank and gloo's threads).
+convnet`` for the seed's ConvNet at batch 100) and in the main thread's CPU time (``time.thread_time``
+around each step; at two ranks far steadier than the wall clock, which waits on the other rank and
+gloo's threads).
 The replica check (steps 1, 2, 4, ... 1024, then every 1024) and the loader's per-batch shares are
 part of every Session arm; more arms price the loader alone, a batch per call: ``session.loader``
 (its shares, loss weights, position and accumulation window) against a ``DataLoader`` over
@@ -53,15 +55,15 @@ import lockstep
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from overhead import (  # noqa: E402
+    INTERLEAVES,
     WORKLOADS,
     _calibrate,
-    _usage,
     _window,
     build_data,
     lockstep_arm,
     raw_arm,
     raw_batches,
-    round_order,
+    timed_round,
 )
 
 FEATURES = {
@@ -101,7 +103,7 @@ def _share_watchdog(sessions: dict[str, Any]) -> Callable[[str], None]:
     return attach
 
 
-def rank_main(workload: str, rounds: int, seconds: float) -> dict[str, Any]:
+def rank_main(workload: str, rounds: int, seconds: float, interleave: str = "step") -> dict[str, Any]:
     """One rank: build every arm, warm them up, time them interleaved; rank 0 reports."""
     torch.set_num_threads(1)
     data = build_data(workload)
@@ -131,14 +133,13 @@ def rank_main(workload: str, rounds: int, seconds: float) -> dict[str, Any]:
     micros: dict[str, list[float]] = {arm: [] for arm in arms}
     main: dict[str, list[float]] = {arm: [] for arm in arms}  # the main thread's CPU µs a step
     for r in range(rounds):
-        for arm in round_order(arms, r):
-            attach(arm)
-            before = _usage()[1]
-            micros[arm].append(1e6 / _window(steps_of[arm], steps))
-            main[arm].append((_usage()[1] - before) * 1e6 / steps)
+        cpu = dict.fromkeys(arms, 0.0)
+        for arm, rate in timed_round(steps_of, arms, steps, r, interleave, before=attach, cpu=cpu).items():
+            micros[arm].append(1e6 / rate)
+            main[arm].append(cpu[arm] * 1e6 / steps)
     for session in (*sessions.values(), *loading):
         session.close()
-    return {"micros": micros, "main": main, "steps": steps, "world": first.world_size}
+    return {"micros": micros, "main": main, "steps": steps, "world": first.world_size, "interleave": interleave}
 
 
 def batch_stream(workload: str, data: Any, rank: int, world_size: int) -> Callable[[], None]:
@@ -181,7 +182,8 @@ def summarize(workload: str, report: dict[str, Any]) -> str:
     base = micros["all-off"]
     raw = statistics.median(micros["raw"])
     lines = [
-        f"{workload}: {len(base)} interleaved rounds of {report['steps']} steps at world {report['world']}"
+        f"{workload}: {len(base)} rounds of {report['steps']} steps per arm at world {report['world']}, "
+        f"the arms interleaved {'step by step' if report.get('interleave') == 'step' else 'window by window'}"
         + (" (gloo)" if report["world"] > 1 else ": host time alone"),
         f"  {'arm':12s} {'µs/step':>9s} {'over all-off':>13s} {'of the step':>12s}"
         f" {'main thread µs':>15s} {'over all-off':>13s}",
@@ -217,6 +219,12 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=21, help="interleaved rounds per arm (default 21)")
     parser.add_argument("--seconds", type=float, default=0.5, help="length of one timed window (default 0.5)")
     parser.add_argument(
+        "--interleave",
+        choices=INTERLEAVES,
+        default="step",
+        help="step: the arms take turns step by step, each step timed (default); window: each arm's steps at once",
+    )
+    parser.add_argument(
         "--world",
         type=int,
         choices=(1, 2),
@@ -228,7 +236,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["LOCKSTEP_INIT_METHOD"] = f"file://{tmp}/rendezvous"
         os.environ["OMP_NUM_THREADS"] = "1"
-        report = lockstep.spawn(rank_main, args.world, args=(args.workload, args.rounds, args.seconds))[0]
+        run = (args.workload, args.rounds, args.seconds, args.interleave)
+        report = lockstep.spawn(rank_main, args.world, args=run)[0]
     print(summarize(args.workload, report))
     print(f"load average after: {os.getloadavg()}")
     return 0

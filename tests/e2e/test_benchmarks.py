@@ -22,7 +22,11 @@ ROOT = Path(__file__).resolve().parents[2]
 CASES = {
     "overhead": (
         ["overhead.py", "--workload", "tiny", "--rounds", "1", "--seconds", "0.05"],
-        r"lockstep/raw = [0-9.]+ \(median of paired rounds",
+        r"the arms interleaved step by step\n(.|\n)*lockstep/raw = [0-9.]+ \(median of paired rounds",
+    ),
+    "overhead_windows": (
+        ["overhead.py", "--workload", "tiny", "--rounds", "1", "--seconds", "0.05", "--interleave", "window"],
+        r"the arms interleaved window by window\n(.|\n)*lockstep/raw = [0-9.]+ \(median of paired rounds",
     ),
     "step_costs": (
         ["step_costs.py", "--rounds", "1", "--seconds", "0.05"],

@@ -47,6 +47,13 @@ def _collectives() -> dict:
         "peers": [p["rank"] for p in comm.peers],
         "backend": comm.backend,
     }
+    # started, then a blocking collective issued after it, then read: the two do not mix up
+    started = comm.all_reduce_async(torch.tensor([float(r), -float(r)]), "max")
+    meaned = comm.all_reduce_async(torch.tensor([float(r + 1)]), "mean")
+    out["between"] = comm.all_reduce(torch.tensor([1])).item()
+    out["async_max"] = started.wait().tolist()
+    out["async_mean"] = meaned.wait().item()
+    out["waited_twice"] = meaned.wait().item()  # the result again, no second wait
     comm.shutdown()
     return out
 
@@ -66,6 +73,9 @@ def test_collectives_file_init(world_size: int) -> None:
         assert res["bobj"] == "from0"
         assert res["peers"] == list(range(world_size))
         assert res["backend"] == "gloo"
+        assert res["between"] == world_size
+        assert res["async_max"] == [world_size - 1, 0.0]
+        assert res["async_mean"] == res["waited_twice"] == pytest.approx((world_size + 1) / 2)
 
 
 _SCRIPT = textwrap.dedent("""

@@ -20,6 +20,7 @@ from torch import nn
 
 import lockstep
 from lockstep.cli.run import add_arguments
+from lockstep.comm.collectives import Reduction
 from lockstep.comm.group import Comm
 from lockstep.comm.watchdog import NullWatchdog
 from lockstep.env import World
@@ -43,12 +44,13 @@ def _loop(session: lockstep.Session, directory: Path, steps: int, signal_at: int
 
 def test_signal_saves_and_exits_75(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     before = signal.getsignal(signal.SIGUSR1)
-    session = lockstep.Session(quiet=True, preempt_check_seconds=60)  # intervals 1, 4, 16...: checks at 2, 6
+    # intervals 1, 4, 16...: votes posted at steps 2 and 7, counted at 3 and 8
+    session = lockstep.Session(quiet=True, preempt_check_seconds=60)
     with pytest.raises(Preempted) as stop:
         _loop(session, tmp_path, 20, signal_at=3, signum=signal.SIGUSR1)
-    assert stop.value.code == EXIT_PREEMPTED and stop.value.step == 6
-    assert stop.value.path == tmp_path / "step-000006" and stop.value.path.is_dir()
-    assert "lockstep: SIGUSR1 on rank 0: every rank stopped after step 6; saved" in capsys.readouterr().out
+    assert stop.value.code == EXIT_PREEMPTED and stop.value.step == 8
+    assert stop.value.path == tmp_path / "step-000008" and stop.value.path.is_dir()
+    assert "lockstep: SIGUSR1 on rank 0: every rank stopped after step 8; saved" in capsys.readouterr().out
     assert signal.getsignal(signal.SIGUSR1) == before  # the handlers are given back
 
 
@@ -69,20 +71,33 @@ def test_bad_preemption_options() -> None:
     assert not torch.distributed.is_initialized()
 
 
+class _Posts(Comm):
+    """A one-process comm that notes the step of each vote posted (``all_reduce_async``)."""
+
+    def __init__(self, guard_steps: Callable[[], int]) -> None:
+        super().__init__(World())
+        self.posted: list[int] = []
+        self._steps = guard_steps
+
+    def all_reduce_async(self, tensor: torch.Tensor, op: str = "sum") -> Reduction:
+        self.posted.append(self._steps())
+        return super().all_reduce_async(tensor, op)
+
+
 def test_check_interval_adapts_identically(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Steps of 10 ms and a 1 s target: checks at steps 1 (arm), 2, 6, 22, 86, then every 100."""
+    """Steps of 10 ms and a 1 s target: armed at step 1, votes posted at 2, 7, 24, 89, 190, each counted a
+    step later (the next interval, 4x the last at most, starts where they are counted), then every 100."""
     now = [0.0]
     monkeypatch.setattr("lockstep.session.preempt.time.monotonic", lambda: now[0])
-    guard = StopGuard(Comm(World()), torch.device("cpu"), check_seconds=1.0)
+    holder: list[StopGuard] = []
+    comm = _Posts(lambda: holder[0].steps)
+    guard = StopGuard(comm, torch.device("cpu"), check_seconds=1.0)
+    holder.append(guard)
     guard.install = lambda: None  # type: ignore[method-assign]  # no handlers in the test process
-    checks = []
-    for _ in range(300):
+    for _ in range(400):
         now[0] += 0.01
-        guard.steps += 1
-        if guard.steps >= guard.next_check:
-            assert not guard.check()
-            checks.append(guard.steps)
-    assert checks[:6] == [1, 2, 6, 22, 86, 186]
+        assert not guard.poll()
+    assert comm.posted[:7] == [2, 7, 24, 89, 190, 291, 392]
 
 
 def test_grace_is_read_once_and_bad_values_fall_back(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -120,7 +135,8 @@ def test_poll_and_a_failed_job_resending_the_recorded_signal(monkeypatch: pytest
     guard.requested = signal.SIGTERM  # what the handler records
     on_failed()
     assert sent == [(os.getpid(), signal.SIGTERM)]  # the handler, seeing it twice, ends the process
-    assert guard.poll() and guard.agreed and guard.signals() == [signal.SIGTERM]
+    assert not guard.poll() and not guard.agreed  # the votes are posted at this step...
+    assert guard.poll() and guard.agreed and guard.signals() == [signal.SIGTERM]  # ...and counted at the next
     on_failed()
     assert len(sent) == 1  # agreed: the stop goes ahead, nothing is sent
 

@@ -72,7 +72,7 @@ def test_usr1_then_term_is_one_preemption_and_the_grace_still_ends_it(tmp_path: 
         print("still running", flush=True)
         if sys.argv[1] == "steps":
             for _ in range(5):
-                step()                            # the ranks agree: exit 75
+                step()                            # the ranks agree (votes posted at step 2, counted at 3): exit 75
             print("not reached", flush=True)
         time.sleep(30)                            # no step: the grace (1 s) ends the process
         print("not reached", flush=True)
@@ -81,7 +81,7 @@ def test_usr1_then_term_is_one_preemption_and_the_grace_still_ends_it(tmp_path: 
     env = {**os.environ, "LOCKSTEP_GRACE": "1"}
     agreed = subprocess.run([sys.executable, str(script), "steps"], capture_output=True, text=True, timeout=50, env=env)
     assert agreed.returncode == 75 and agreed.stdout.startswith("still running\n"), agreed.stderr
-    assert "SIGUSR1 on rank 0: every rank stopped after step 2" in agreed.stdout
+    assert "SIGUSR1 on rank 0: every rank stopped after step 3" in agreed.stdout  # votes posted at 2, counted at 3
     assert "not reached" not in agreed.stdout
     stalled = subprocess.run(
         [sys.executable, str(script), "sleep"], capture_output=True, text=True, timeout=50, env=env

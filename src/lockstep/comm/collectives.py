@@ -12,10 +12,30 @@ from lockstep.comm.store import CLOSED_KEY, Peer, describe_self
 from lockstep.comm.watchdog import NullWatchdog
 from lockstep.env import World, WorldView
 
-__all__ = ["Comm", "GroupComm"]
+__all__ = ["Comm", "GroupComm", "Reduction"]
 
 T = TypeVar("T")
 _OPS = {"sum", "mean", "max", "min"}
+
+
+class Reduction:
+    """An all-reduce started by :meth:`Comm.all_reduce_async`: :meth:`wait` returns the reduced tensor.
+
+    Args:
+        tensor: the tensor being reduced in place.
+        finish: waits for the reduction and completes it (``None``: already complete).
+    """
+
+    def __init__(self, tensor: torch.Tensor, finish: Callable[[], None] | None = None) -> None:
+        self.tensor = tensor
+        self._finish = finish
+
+    def wait(self) -> torch.Tensor:
+        """Wait until every rank's part is in (a sync point of the watchdog) and return the reduced tensor."""
+        finish, self._finish = self._finish, None
+        if finish is not None:
+            finish()
+        return self.tensor
 
 
 class Comm(WorldView):
@@ -54,6 +74,18 @@ class Comm(WorldView):
         """
         _check_op(op)
         return self._all_reduce(tensor, op)
+
+    def all_reduce_async(self, tensor: torch.Tensor, op: str = "sum") -> Reduction:
+        """Start reducing ``tensor`` over all ranks in place; the result is read from the returned :class:`Reduction`.
+
+        Every rank must start it at the same point of its sequence of collectives, as any collective;
+        what runs between the start and :meth:`Reduction.wait` overlaps the exchange.
+
+        Args:
+            tensor: the local value; after :meth:`Reduction.wait` it holds the reduced value on every rank.
+            op: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``.
+        """
+        return Reduction(self.all_reduce(tensor, op))
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Copy rank ``src``'s ``tensor`` into every rank's ``tensor`` and return it.
@@ -150,11 +182,24 @@ class GroupComm(Comm):
         self._call("barrier", torch.distributed.barrier)
 
     def _all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
-        dist = torch.distributed
-        red = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[
-            op
-        ]
-        self._call("all_reduce", dist.all_reduce, tensor, op=red)
+        self._call("all_reduce", torch.distributed.all_reduce, tensor, op=_reduce_op(op))
+        return self._finish_reduce(tensor, op)
+
+    def all_reduce_async(self, tensor: torch.Tensor, op: str = "sum") -> Reduction:
+        _check_op(op)
+        work = self._call("all_reduce", torch.distributed.all_reduce, tensor, op=_reduce_op(op), async_op=True)
+
+        def finish() -> None:
+            # not a sync point of its own: a rank that started it has moved on, and a hang report names
+            # the last sync point the user wrote; a backend timeout here is still explained
+            # (:meth:`~lockstep.comm.watchdog.Watchdog.explain_escaped`)
+            work.wait()
+            self._finish_reduce(tensor, op)
+
+        return Reduction(tensor, finish)
+
+    def _finish_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        """``"mean"``: the sum over the world's size (floor division for integer tensors)."""
         if op == "mean":
             if tensor.is_floating_point() or tensor.is_complex():
                 tensor.div_(self.world_size)
@@ -205,6 +250,12 @@ class GroupComm(Comm):
             closing.set(CLOSED_KEY, "1")
         except (RuntimeError, OSError):  # rank 0 closed it already: no later group can reach it either
             pass
+
+
+def _reduce_op(op: str) -> Any:
+    """The ``torch.distributed.ReduceOp`` of ``op`` (``"mean"``: a sum, divided afterwards)."""
+    ops = torch.distributed.ReduceOp
+    return {"sum": ops.SUM, "mean": ops.SUM, "max": ops.MAX, "min": ops.MIN}[op]
 
 
 def _check_op(op: str) -> None:

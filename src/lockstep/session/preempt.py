@@ -3,7 +3,8 @@
 A signal handler cannot save a distributed checkpoint (a save is a collective, and the other ranks
 may have seen no signal), so the SIGTERM/SIGUSR1 handler only records the signal, and
 :class:`StopGuard` makes the ranks agree on it inside ``Session.step``: one small all_reduce about
-every ``check_seconds``, after which every rank stops at that step (docs/troubleshooting.md).
+every ``check_seconds``, started at one step and read at the next (the exchange overlaps that step),
+after which every rank stops at that step (docs/troubleshooting.md).
 Signals arriving while the ranks agree are one request; one after the grace (``$LOCKSTEP_GRACE``,
 ``lockstep run --grace``) or after the job failed ends the process at once.
 """
@@ -21,6 +22,7 @@ from typing import Any
 
 import torch
 
+from lockstep.comm.collectives import Reduction
 from lockstep.comm.group import Comm
 from lockstep.errors import DEFAULT_GRACE, EXIT_PREEMPTED, format_ranks, signal_name
 from lockstep.session.config import PREEMPTION_MODES
@@ -113,6 +115,7 @@ class StopGuard:
         self._last = 0
         self._saved: dict[int, Any] = {}
         self._overdue = False  # the grace is over (or the job failed): a signal now ends the process
+        self._votes: Reduction | None = None  # the votes posted at the last step, counted at this one
         comm.watchdog.on_job_failed(self._resend)
 
     def install(self) -> None:
@@ -153,32 +156,56 @@ class StopGuard:
             os.kill(os.getpid(), signum)
 
     def poll(self) -> bool:
-        """Count one optimizer step; True on every rank at once when the ranks agreed to stop here."""
+        """Count one optimizer step; True on every rank at once when the ranks agreed to stop here.
+
+        The ranks' votes are posted at a check's step and counted at the next step's poll, so the
+        exchange overlaps that step instead of holding up the loop for a round trip.
+        """
         self.steps += 1
-        return self.steps >= self.next_check and self.check()
+        votes = self._votes
+        if votes is not None:
+            self._votes = None
+            return self._count_votes(votes)
+        if self.steps >= self.next_check:
+            self.check()
+        return False
 
     def signals(self) -> list[int | None]:
         """The signal each rank recorded (``None``: none), by rank; every rank must call it."""
         return self.comm.all_gather_object(self.requested)
 
-    def check(self) -> bool:
-        """Agree with every rank on whether to stop now; returns True on every rank, or on none."""
+    def check(self) -> None:
+        """Post this rank's vote (a recorded signal, the time a step took); :meth:`poll` counts the votes next step.
+
+        The first check only arms the handlers and starts the clock.
+        """
         if not self._armed:  # the first step: arm the handlers and start the clock
             self._armed = True
             self.install()
             self._clock, self._last = time.monotonic(), self.steps
             self.next_check = self.steps + self._interval
-            return False
-        per_step = (time.monotonic() - self._clock) / max(self.steps - self._last, 1)
+            return
+        now = time.monotonic()
+        per_step = (now - self._clock) / max(self.steps - self._last, 1)
         votes = torch.tensor([float(self.requested is not None), per_step], dtype=torch.float64, device=self.device)
-        stop, slowest = self.comm.all_reduce(votes, "max").tolist()
-        self._clock, self._last = time.monotonic(), self.steps
+        self._votes = self.comm.all_reduce_async(votes, "max")
+        self._clock, self._last = now, self.steps
+        self.next_check = math.inf  # set when the votes are counted
+
+    def _count_votes(self, votes: Reduction) -> bool:
+        """Read the votes posted at the last step: True on every rank when any rank asked to stop."""
+        stop, slowest = votes.wait().tolist()
         if stop:
             self.agreed = True
-            self.next_check = math.inf
-            return True
+            return True  # next_check stays infinite: no more checks
         # the same numbers on every rank give the same next interval; grow at most 4x at a time
         wanted = round(self.check_seconds / max(slowest, 1e-9))
         self._interval = max(1, min(wanted, 4 * self._interval, _MAX_INTERVAL))
         self.next_check = self.steps + self._interval
         return False
+
+    def settle(self) -> None:
+        """Wait for votes still being exchanged (before the group is torn down); they are dropped."""
+        votes, self._votes = self._votes, None
+        if votes is not None:
+            votes.wait()

@@ -525,6 +525,7 @@ class Session(Observing):
     def close(self) -> None:
         """Give up the checkpoint folders, end the job's communication (barrier + destroy). Safe to call twice."""
         self._guard.uninstall()
+        self._guard.settle()  # votes posted at the last step: every rank posted them, every rank waits
         self._saves.wait()  # a save still being written (blocking=False) ends, or raises, here
         self._folders.release()
         self._saves.close()

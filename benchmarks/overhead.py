@@ -504,18 +504,25 @@ def summarize(workload: str, report: dict[str, Any], target: float) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    """Run the chosen workloads and print the table."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workload", choices=("all", *WORKLOADS), default="all")
+def add_round_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--rounds``, ``--seconds`` and ``--interleave``: how the arms are timed (shared with ``step_costs.py``)."""
     parser.add_argument("--rounds", type=int, default=21, help="interleaved rounds per arm (default 21)")
-    parser.add_argument("--seconds", type=float, default=0.5, help="length of one timed window (default 0.5)")
+    parser.add_argument(
+        "--seconds", type=float, default=0.5, help="about how long one arm's steps of a round take (default 0.5)"
+    )
     parser.add_argument(
         "--interleave",
         choices=INTERLEAVES,
         default="step",
         help="step: the arms take turns step by step, each step timed (default); window: each arm's steps at once",
     )
+
+
+def main() -> int:
+    """Run the chosen workloads and print the table."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", choices=("all", *WORKLOADS), default="all")
+    add_round_arguments(parser)
     parser.add_argument(
         "--slowed-us",
         type=float,

@@ -55,10 +55,10 @@ import lockstep
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from overhead import (  # noqa: E402
-    INTERLEAVES,
     WORKLOADS,
     _calibrate,
     _window,
+    add_round_arguments,
     build_data,
     lockstep_arm,
     raw_arm,
@@ -216,14 +216,7 @@ def main() -> int:
     """Run the chosen workload and print the table."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", choices=tuple(WORKLOADS), default="tiny")
-    parser.add_argument("--rounds", type=int, default=21, help="interleaved rounds per arm (default 21)")
-    parser.add_argument("--seconds", type=float, default=0.5, help="length of one timed window (default 0.5)")
-    parser.add_argument(
-        "--interleave",
-        choices=INTERLEAVES,
-        default="step",
-        help="step: the arms take turns step by step, each step timed (default); window: each arm's steps at once",
-    )
+    add_round_arguments(parser)
     parser.add_argument(
         "--world",
         type=int,

@@ -74,7 +74,6 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import lockstep
 
-ARMS = ("raw", "raw-again", "lockstep", "lockstep-ignore")
 PEERS = ("fabric", "accelerate")
 """Arms of other libraries, run where they import."""
 WORKLOADS: dict[str, dict[str, Any]] = {
@@ -319,15 +318,11 @@ def timed_round(
             step = steps_of[arm]
             if before is not None:
                 before(arm)
-            if cpu is None:
-                began = clock()
-                step()
-                spent[arm] += clock() - began
-            else:
-                used = time.thread_time()
-                began = clock()
-                step()
-                spent[arm] += clock() - began
+            used = time.thread_time() if cpu is not None else 0.0
+            began = clock()
+            step()
+            spent[arm] += clock() - began
+            if cpu is not None:
                 cpu[arm] += time.thread_time() - used
     if together:
         dist.barrier()

@@ -31,7 +31,7 @@ class Reduction:
         self._finish = finish
 
     def wait(self) -> torch.Tensor:
-        """Wait until every rank's part is in (a sync point of the watchdog) and return the reduced tensor."""
+        """Wait until every rank's part is in and return the reduced tensor (again at once on later calls)."""
         finish, self._finish = self._finish, None
         if finish is not None:
             finish()

@@ -17,7 +17,7 @@ import pytest
 
 from lockstep.cli.main import main as cli_main
 from lockstep.comm.postmortem import analyze, load
-from lockstep.comm.record import SLOTS, CollectiveRecord, read_ring
+from lockstep.comm.record import SITES, SLOT_BYTES, SLOTS, CollectiveRecord, read_ring, user_site
 from lockstep.launch.postmortem import postmortem_text
 from lockstep.launch.report import Failure, summarize
 from support.dist import run_distributed
@@ -86,6 +86,40 @@ def test_a_sync_point_entry_reads_as_the_general_entry_would(tmp_path: Path) -> 
             assert mine["seq"] < fast.seq and theirs["seq"] < general.seq
     fast.close()
     general.close()
+
+
+def test_sync_points_beyond_the_site_slots_and_a_torn_entry(tmp_path: Path) -> None:
+    """More ``(what, where)`` pairs than :data:`SITES`: the later ones take the general entry and read the same;
+    a binary entry whose write a kill cut short (its state byte not yet set) is skipped, as a torn text entry is."""
+    record = CollectiveRecord(0, 2, str(tmp_path))
+    for i in range(SITES + 3):
+        record.end(record.begin_sync_point("backward of step {}", i, f"train.py:{i} in main"))
+    entries = read_ring((tmp_path / "rank0.ring").read_bytes())[1]
+    assert [(e["op"], e["detail"], e["where"], e["state"]) for e in entries] == [
+        ("backward", f"step {i}", f"train.py:{i} in main", "done") for i in range(SITES + 3)
+    ]
+    assert [e["seq"] for e in entries] == list(range(1, SITES + 4))
+    seq = record.begin_sync_point("backward of step {}", 99, "train.py:0 in main")  # a site written before
+    data = bytearray((tmp_path / "rank0.ring").read_bytes())
+    assert read_ring(bytes(data))[1][-1]["detail"] == "step 99"
+    data[seq * SLOT_BYTES] = ord("?")  # what a kill between the entry's numbers and its state byte leaves
+    assert read_ring(bytes(data))[1][-1]["seq"] == seq - 1
+    record.close()
+
+
+def user_site_of_two_lines() -> tuple[str, str, str]:
+    first = user_site(1)
+    second = user_site(1)
+    return first, second, user_site(1)
+
+
+def test_user_site_names_each_line_of_one_function() -> None:
+    """The site is kept per instruction of the caller's code, and names the caller's line."""
+    line = user_site_of_two_lines.__code__.co_firstlineno
+    for _ in range(2):  # the second time from the kept sites
+        assert user_site_of_two_lines() == tuple(
+            f"test_postmortem.py:{line + k} in user_site_of_two_lines" for k in (1, 2, 3)
+        )
 
 
 def test_an_entry_too_long_for_its_slot_keeps_its_first_shapes_and_every_field(tmp_path: Path) -> None:

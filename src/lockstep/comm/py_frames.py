@@ -24,13 +24,15 @@ def thread_frame(ident: int | None) -> FrameType | None:
     return frame
 
 
+_getframe = getattr(sys, "_getframe", None)
+
+
 def caller_frame(depth: int) -> FrameType | None:
     """The frame ``depth`` calls above the caller of this function (1: the caller's caller), or ``None``."""
-    get = getattr(sys, "_getframe", None)
-    if get is None:
+    if _getframe is None:
         return None
     try:
-        frame: FrameType = get(depth + 1)
+        frame: FrameType = _getframe(depth + 1)
     except ValueError:  # the stack is not that deep
         return None
     return frame

@@ -5,6 +5,12 @@ and ``Session.backward`` write an entry (seq, op, shapes, dtype, group, detail, 
 ``file:line``), marked running, done or failed. The ring is a memory-mapped ``rank<N>.ring`` in
 ``$LOCKSTEP_POSTMORTEM_DIR`` so that it survives a kill; without a folder it is in memory and
 written out only at a failure this process sees. :mod:`lockstep.comm.postmortem` reads it back.
+
+The file is slots of :data:`SLOT_BYTES`: a header, the :data:`SLOTS` entries of the ring, then
+:data:`SITES` slots that hold the fixed text of lockstep's own sync points (a backward's op, detail
+and ``where``), each written once. An entry is a state byte and either one line of JSON or, for
+such a sync point, its numbers in binary (sequence, step, time) and the index of its text, so a
+backward writes 32 bytes and formats no text.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import json
 import mmap
 import os
 import socket
+import struct
 import sys
 import threading
 import time
@@ -31,6 +38,7 @@ __all__ = [
     "ISSUED",
     "SLOTS",
     "SLOT_BYTES",
+    "SITES",
     "WRAPPED",
     "read_ring",
     "stacks",
@@ -39,6 +47,8 @@ __all__ = [
 
 SLOTS = 256
 SLOT_BYTES = 320
+SITES = 64
+"""Slots after the ring for the fixed text of sync points (one per ``(what, where)``; more are written as text)."""
 WRAPPED = (
     "all_reduce",
     "broadcast",
@@ -64,7 +74,12 @@ WRAPPED = (
 )
 """The ``torch.distributed`` functions the record wraps."""
 RUNNING, DONE, FAILED, ISSUED = b"R", b"D", b"F", b"I"  # an entry's state byte (ISSUED: async_op=True)
-_RUNNING = RUNNING.decode()
+_RUNNING = RUNNING[0]
+_STATES = {ord("R"): "running", ord("D"): "done", ord("F"): "failed", ord("I"): "issued"}
+_SITE = b"S"  # the state byte of a slot that holds a sync point's fixed text
+_TORN = ord("?")  # the state byte while a binary entry is written: a kill then leaves an entry the reader skips
+_BINARY = ord("B")  # the byte after the state byte of a binary entry (a JSON one has "{" there)
+_SYNC = struct.Struct("<BxxIqqq")  # after the state byte: _BINARY, the site's index, seq, number, time (ms)
 _DETAIL_KEYS = ("src", "dst", "op")
 _tls = threading.local()
 
@@ -77,7 +92,7 @@ def _shapes(shapes: list[list[int]], kept: int) -> str:
     return "[" + ",".join("[" + ",".join(map(str, s)) + "]" for s in shapes[:kept]) + "]"
 
 
-_sites: dict[tuple[Any, int], str] = {}  # (code, line) -> "file:line in func": a loop calls from a few lines
+_sites: dict[tuple[Any, int], str] = {}  # (code, instruction) -> "file:line in func": a loop calls from a few places
 _own: dict[str, bool] = {}  # file name -> is_own(file name)
 
 
@@ -94,12 +109,14 @@ def user_site(depth: int = 2) -> str:
         frame = frame.f_back
     if frame is None:
         return ""
-    code, line = frame.f_code, frame.f_lineno
-    site = _sites.get((code, line))
+    # keyed by the instruction: the line number is worked out from the code's line table, a walk
+    # over the function's lines up to it, and a training loop is often one long function
+    code, at = frame.f_code, frame.f_lasti
+    site = _sites.get((code, at))
     if site is None:
         if len(_sites) > 4096:  # generated code: many call sites
             _sites.clear()
-        site = _sites[code, line] = f"{os.path.basename(code.co_filename)}:{line} in {code.co_name}"
+        site = _sites[code, at] = f"{os.path.basename(code.co_filename)}:{frame.f_lineno} in {code.co_name}"
     return site
 
 
@@ -159,16 +176,18 @@ class CollectiveRecord:
         self.rank, self.world_size, self.folder = rank, world_size, folder
         self.seq = 0
         self._saved: dict[str, Callable[..., Any]] = {}
-        self._points: dict[tuple[str, str], tuple[str, str]] = {}  # begin_sync_point's fixed text
+        self._points: dict[tuple[str, str], int] = {}  # begin_sync_point's site index per (what, where); -1: text
+        self._sites = 0  # site slots written
         self._dumped = False
         self._file: Any = None
-        self._ring: Any = bytearray(SLOT_BYTES * (SLOTS + 1))
+        size = SLOT_BYTES * (SLOTS + 1 + SITES)
+        self._ring: Any = bytearray(size)
         if folder:
             try:
                 os.makedirs(folder, exist_ok=True)
                 self._file = open(self.path("ring"), "w+b")  # noqa: SIM115 - mapped for the process's life
-                self._file.truncate(SLOT_BYTES * (SLOTS + 1))
-                self._ring = mmap.mmap(self._file.fileno(), SLOT_BYTES * (SLOTS + 1))
+                self._file.truncate(size)
+                self._ring = mmap.mmap(self._file.fileno(), size)
             except OSError:
                 self._file = None  # an unwritable folder: keep the record in memory
             try:
@@ -188,6 +207,7 @@ class CollectiveRecord:
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "slots": SLOTS,
+            "sites": SITES,
             "closed": closed,
         }
         self._put(0, DONE, json.dumps(head))
@@ -216,38 +236,44 @@ class CollectiveRecord:
         """Write a running entry for one of lockstep's own sync points, which carry no tensors.
 
         ``what`` reads ``"backward of step {}"``: the op before `` of ``, the detail after it, with
-        ``number`` in place of ``{}``. Every backward writes one, so the entry's fixed text is
-        kept per ``(what, where)`` and only the sequence number, ``number`` and the time are
-        formatted (see ``benchmarks/step_costs.py``). Returns the sequence number, as :meth:`begin`.
+        ``number`` in place of ``{}``. Every backward writes one, so each ``(what, where)``'s fixed
+        text is written once, to a site slot, and the entry holds only numbers (see
+        ``benchmarks/step_costs.py``); it reads back as :meth:`begin`'s entry would. Another form of
+        ``what``, a ``where`` too long for a slot, or more sites than :data:`SITES`: :meth:`begin`'s
+        entry. Returns the sequence number, as :meth:`begin`.
         """
-        parts = self._points.get((what, where))
-        if parts is None:
-            if len(self._points) > 4096:  # generated code: many call sites
-                self._points.clear()
+        site = self._points.get((what, where))
+        if site is None:
+            site = self._site(what, where)
+        if site < 0:
             op, _, detail = what.partition(" of ")
-            if "{}" in op or detail.count("{}") != 1:  # not of the usual form: the general entry
-                return self.begin(op.format(number), [], "", "world", detail.format(number), where)
-            head, tail = _str(detail).split("{}")
-            parts = self._points[what, where] = (
-                f',"op":{_str(op)},"shapes":[],"dtype":"","group":"world","detail":{head}',
-                f'{tail},"where":{_str(where)},"t":',
-            )
+            return self.begin(op.format(number), [], "", "world", detail.replace("{}", str(number), 1), where)
         seq = self.seq = self.seq + 1
-        # written in one go, the state byte and the newline included; the time in milliseconds, as a
-        # JSON number (``1733500000123e-3``), which costs one integer's formatting and not a float's
-        text = f'{{"seq":{seq}{parts[0]}{number}{parts[1]}{time.time_ns() // 1_000_000}e-3}}'
-        data = f"{_RUNNING}{text}\n".encode()
-        if len(data) > SLOT_BYTES:
-            self._put(1 + (seq - 1) % SLOTS, RUNNING, text)  # a very long ``where``: cut to fit
-        else:
-            at = (1 + (seq - 1) % SLOTS) * SLOT_BYTES
-            self._ring[at : at + len(data)] = data
+        at = (1 + (seq - 1) % SLOTS) * SLOT_BYTES
+        ring = self._ring
+        ring[at] = _TORN  # the state byte last: a kill in between leaves an entry the reader skips
+        _SYNC.pack_into(ring, at + 1, _BINARY, site, seq, number, time.time_ns() // 1_000_000)
+        ring[at] = _RUNNING
         return seq
+
+    def _site(self, what: str, where: str) -> int:
+        """Write ``(what, where)``'s fixed text to the next site slot; its index, or -1 when it takes a text entry."""
+        if len(self._points) > 4096:  # generated code: many call sites (those written keep their index)
+            self._points = {key: site for key, site in self._points.items() if site >= 0}
+        op, _, detail = what.partition(" of ")
+        text = json.dumps({"site": self._sites, "op": op, "detail": detail, "where": where})
+        if "{}" in op or detail.count("{}") != 1 or self._sites >= SITES or len(text) > SLOT_BYTES - 2:
+            site = -1
+        else:
+            site = self._sites
+            self._put(1 + SLOTS + site, _SITE, text)
+            self._sites += 1
+        self._points[what, where] = site
+        return site
 
     def end(self, seq: int, state: bytes = DONE) -> None:
         """Mark entry ``seq`` (from :meth:`begin`) done, or ``state`` (:data:`FAILED`, :data:`ISSUED`)."""
-        at = (1 + (seq - 1) % SLOTS) * SLOT_BYTES
-        self._ring[at : at + 1] = state
+        self._ring[(1 + (seq - 1) % SLOTS) * SLOT_BYTES] = state[0]
 
     def entries(self) -> list[dict[str, Any]]:
         """The entries still in the ring, oldest first, each with its ``state``."""
@@ -335,7 +361,12 @@ def read_ring(data: bytes) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     slots = [data[i : i + SLOT_BYTES] for i in range(0, len(data) - SLOT_BYTES + 1, SLOT_BYTES)]
     header: dict[str, Any] = {}
     entries = []
+    sites: dict[int, dict[str, Any]] = {}
+    binary = []
     for i, slot in enumerate(slots):
+        if slot[1] == _BINARY:
+            binary.append(slot)  # read once every site is known
+            continue
         text = slot[1:].split(b"\n", 1)[0]
         try:
             value = json.loads(text)
@@ -343,7 +374,29 @@ def read_ring(data: bytes) -> tuple[dict[str, Any], list[dict[str, Any]]]:
             continue  # never written, or torn by a kill mid-write
         if i == 0:
             header = value
-        elif isinstance(value, dict) and "seq" in value:
-            value["state"] = {"R": "running", "D": "done", "F": "failed", "I": "issued"}.get(chr(slot[0]), "?")
+        elif not isinstance(value, dict):
+            continue
+        elif slot[:1] == _SITE:
+            sites[value.get("site", -1)] = value
+        elif "seq" in value:
+            value["state"] = _STATES.get(slot[0], "?")
             entries.append(value)
+    for slot in binary:
+        _, site, seq, number, ms = _SYNC.unpack_from(slot, 1)
+        fixed, state = sites.get(site), _STATES.get(slot[0])
+        if fixed is None or state is None:
+            continue  # torn by a kill mid-write
+        entries.append(
+            {
+                "seq": seq,
+                "op": fixed["op"],
+                "shapes": [],
+                "dtype": "",
+                "group": "world",
+                "detail": fixed["detail"].replace("{}", str(number), 1),
+                "where": fixed["where"],
+                "t": ms / 1000,
+                "state": state,
+            }
+        )
     return header, sorted(entries, key=lambda e: e["seq"])

@@ -50,9 +50,13 @@ class NonFinitePolicy:
         self.check = FiniteCheck(comm)
 
     def record(self, loss: torch.Tensor) -> None:
-        """Keep this micro-step's loss, to tell which ranks saw a non-finite one."""
+        """Keep this micro-step's loss, to tell which ranks saw a non-finite one.
+
+        The tensor itself, not a detached copy (a tensor op each step): after backward its graph holds
+        no saved tensors, and the loop's own ``loss`` variable keeps the same until the next step.
+        """
         if self.active:
-            self.loss = loss.detach()
+            self.loss = loss
 
     def gradients_finite(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether the step goes ahead: every gradient ``optimizer`` applies is finite, or the policy is ``"ignore"``.
@@ -88,28 +92,35 @@ class FiniteCheck:
 
     def plan(self, optimizer: torch.optim.Optimizer) -> _Plan:
         """The check's plan for ``optimizer``, remade when its groups change size."""
-        param_groups = optimizer.param_groups
-        size = [len(g["params"]) for g in param_groups]
-        key = id(optimizer)
-        entry = self._plans.get(key)
-        if entry is not None and entry[0]() is optimizer and entry[1].size == size:
+        entry = self._plans.get(id(optimizer))
+        if entry is not None and entry[0]() is optimizer and entry[1].fits(optimizer.param_groups):
             return entry[1]
         # every parameter, frozen ones too: one unfrozen later has its gradient checked
+        param_groups = optimizer.param_groups
+        size = [len(g["params"]) for g in param_groups]
         plan = _Plan(size, [p for g in param_groups for p in g["params"]], self.comm)
+        key = id(optimizer)
         self._plans[key] = (weakref.ref(optimizer, lambda _: self._plans.pop(key, None)), plan)
         return plan
 
     def __call__(self, optimizer: torch.optim.Optimizer) -> bool:
         """True when every gradient of ``optimizer``'s parameters is finite (``None`` ones are skipped)."""
-        plan = self.plan(optimizer)
-        checked = plan.run()
-        if plan.agree is None and plan.on_host:  # most CPU jobs: each flag's memory read in place, no tensor op
+        entry = self._plans.get(id(optimizer))  # the plan, as plan() finds it: this runs at every step
+        if entry is not None and entry[0]() is optimizer and entry[1].fits(optimizer.param_groups):
+            plan = entry[1]
+        else:
+            plan = self.plan(optimizer)
+        if plan.in_place:  # most CPU jobs: each flag's memory read in place, no tensor op
             finite = True
-            for group in checked:
-                if group.host[0]:  # type: ignore[index]
-                    group.flag.zero_()  # the kernel only ever sets a flag: clear it for the next step
-                    finite = False
+            for group in plan.groups:
+                grads = group.grads() if group.sharded else [p.grad for p in group.params if p.grad is not None]
+                if grads:
+                    check_and_unscale_(grads, group.flag, group.one)
+                    if group.host[0]:  # type: ignore[index]
+                        group.flag.zero_()  # the kernel only ever sets a flag: clear it for the next step
+                        finite = False
             return finite
+        checked = plan.run()
         if plan.agree is not None:
             # a shard holds only its part of each gradient: a non-finite element is seen by the
             # rank that owns it alone, so the ranks agree on the flag (one small all_reduce)
@@ -139,6 +150,17 @@ class _Plan:
         self.on_host = all(g.host is not None for g in self.groups)
         sharded = any(g.sharded for g in self.groups)
         self.agree = comm if sharded and comm is not None and comm.world_size > 1 else None
+        self.in_place = self.on_host and self.agree is None  # every flag read from memory, no rank to agree with
+
+    def fits(self, param_groups: list[dict[str, Any]]) -> bool:
+        """Whether ``param_groups`` still hold as many parameters each as when the plan was made."""
+        size = self.size
+        if len(param_groups) != len(size):
+            return False
+        for group, n in zip(param_groups, size):
+            if len(group["params"]) != n:
+                return False
+        return True
 
     def run(self) -> list[_Group]:
         """Run the check kernel on every group that has gradients; the groups checked."""

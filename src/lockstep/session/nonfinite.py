@@ -110,17 +110,14 @@ class FiniteCheck:
             plan = entry[1]
         else:
             plan = self.plan(optimizer)
+        checked = plan.run()
         if plan.in_place:  # most CPU jobs: each flag's memory read in place, no tensor op
             finite = True
-            for group in plan.groups:
-                grads = group.grads() if group.sharded else [p.grad for p in group.params if p.grad is not None]
-                if grads:
-                    check_and_unscale_(grads, group.flag, group.one)
-                    if group.host[0]:  # type: ignore[index]
-                        group.flag.zero_()  # the kernel only ever sets a flag: clear it for the next step
-                        finite = False
+            for group in checked:
+                if group.host[0]:  # type: ignore[index]
+                    group.flag.zero_()  # the kernel only ever sets a flag: clear it for the next step
+                    finite = False
             return finite
-        checked = plan.run()
         if plan.agree is not None:
             # a shard holds only its part of each gradient: a non-finite element is seen by the
             # rank that owns it alone, so the ranks agree on the flag (one small all_reduce)

@@ -42,7 +42,7 @@ def test_every_groups_flag_is_folded_off_the_host(bad: int) -> None:
     check = FiniteCheck()
     plan = check.plan(opt)
     assert len(plan.groups) == 2
-    plan.on_host = False  # as for CUDA gradients: fold on the device, one read
+    plan.in_place = False  # as for CUDA gradients: fold on the device, one read
 
     def grads(nan_in: int | None) -> None:
         for i, p in enumerate(params):
@@ -69,7 +69,7 @@ def test_host_gradients_read_their_flags_in_place() -> None:
     opt = torch.optim.SGD(params, lr=0.1)
     check = FiniteCheck()
     plan = check.plan(opt)
-    assert plan.on_host and plan.agree is None and len(plan.groups) == 1
+    assert plan.in_place and plan.agree is None and len(plan.groups) == 1
     for bad in (math.nan, math.inf, -math.inf, None):
         for p in params[:2]:
             p.grad = torch.zeros_like(p)

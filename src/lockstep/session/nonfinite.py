@@ -144,10 +144,10 @@ class _Plan:
     def __init__(self, size: list[int], params: list[torch.Tensor], comm: Comm | None) -> None:
         self.size = size
         self.groups = _plan(params)
-        self.on_host = all(g.host is not None for g in self.groups)
         sharded = any(g.sharded for g in self.groups)
         self.agree = comm if sharded and comm is not None and comm.world_size > 1 else None
-        self.in_place = self.on_host and self.agree is None  # every flag read from memory, no rank to agree with
+        # every flag read from memory (host gradients), and no rank to agree with
+        self.in_place = all(g.host is not None for g in self.groups) and self.agree is None
 
     def fits(self, param_groups: list[dict[str, Any]]) -> bool:
         """Whether ``param_groups`` still hold as many parameters each as when the plan was made."""

@@ -105,11 +105,7 @@ class FiniteCheck:
 
     def __call__(self, optimizer: torch.optim.Optimizer) -> bool:
         """True when every gradient of ``optimizer``'s parameters is finite (``None`` ones are skipped)."""
-        entry = self._plans.get(id(optimizer))  # the plan, as plan() finds it: this runs at every step
-        if entry is not None and entry[0]() is optimizer and entry[1].fits(optimizer.param_groups):
-            plan = entry[1]
-        else:
-            plan = self.plan(optimizer)
+        plan = self.plan(optimizer)
         checked = plan.run()
         if plan.in_place:  # most CPU jobs: each flag's memory read in place, no tensor op
             finite = True

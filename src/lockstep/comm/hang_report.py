@@ -1,7 +1,8 @@
 """What a rank that waited in a collective past the timeout says: who never came, and where it was.
 
 :func:`diagnose` compares the positions the ranks posted (:class:`Post`); :mod:`lockstep.comm.watchdog`
-collects the posts and raises the result.
+collects the posts and raises the result. :func:`stacks` gives every thread's stack, for the rank's
+post-mortem report (:mod:`lockstep.comm.record`).
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from lockstep.comm.py_frames import thread_frame
 from lockstep.errors import LockstepError, format_ranks
 
-__all__ = ["CollectiveTimeoutError", "Post", "diagnose", "is_own", "where_of"]
+__all__ = ["CollectiveTimeoutError", "Post", "diagnose", "is_own", "stacks", "where_of"]
 
 
 class CollectiveTimeoutError(LockstepError):
@@ -179,3 +181,17 @@ def where_of(frame: Any) -> tuple[str, bool]:
         return "", in_torch
     code = frame.f_code
     return f"{os.path.basename(code.co_filename)}:{frame.f_lineno} in {code.co_name}", in_torch
+
+
+def stacks() -> dict[str, list[str]]:
+    """Every thread's Python stack, by thread name, innermost frame last, as ``file:line in func`` lines."""
+    out: dict[str, list[str]] = {}
+    for thread in threading.enumerate():
+        frame: Any = thread_frame(thread.ident)
+        lines = []
+        while frame is not None:
+            code = frame.f_code
+            lines.append(f"{code.co_filename}:{frame.f_lineno} in {code.co_name}")
+            frame = frame.f_back
+        out[thread.name] = lines[::-1]
+    return out

@@ -27,8 +27,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from lockstep.comm.hang_report import is_own
-from lockstep.comm.py_frames import caller_frame, thread_frame
+from lockstep.comm.hang_report import is_own, stacks
+from lockstep.comm.py_frames import caller_frame
 
 __all__ = [
     "CollectiveRecord",
@@ -41,7 +41,6 @@ __all__ = [
     "SITES",
     "WRAPPED",
     "read_ring",
-    "stacks",
     "user_site",
 ]
 
@@ -118,20 +117,6 @@ def user_site(depth: int = 2) -> str:
             _sites.clear()
         site = _sites[code, at] = f"{os.path.basename(code.co_filename)}:{frame.f_lineno} in {code.co_name}"
     return site
-
-
-def stacks() -> dict[str, list[str]]:
-    """Every thread's Python stack, by thread name, innermost frame last, as ``file:line in func`` lines."""
-    out: dict[str, list[str]] = {}
-    for thread in threading.enumerate():
-        frame: Any = thread_frame(thread.ident)
-        lines = []
-        while frame is not None:
-            code = frame.f_code
-            lines.append(f"{code.co_filename}:{frame.f_lineno} in {code.co_name}")
-            frame = frame.f_back
-        out[thread.name] = lines[::-1]
-    return out
 
 
 def _describe(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[list[int]], str, str]:

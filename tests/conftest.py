@@ -57,8 +57,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=f"needs {need} CUDA GPU(s), {visible} visible"))
 
 
+UNSEEDED = 2**40 + 1
+"""The seed each test starts from: as large as the random one torch picks in a new process, so a Session takes
+the generators as a script's that did not seed them (a seed under 2**32 set before it is kept as the script's)."""
+
+
 @pytest.fixture(autouse=True)
 def _clean_dist_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    import torch
+
+    torch.manual_seed(UNSEEDED)  # each test starts as a new process would, whatever the last one seeded
     for key in list(os.environ):
         if key in _DIST_VARS or key.startswith(("SLURM_", "OMPI_COMM_WORLD_")):
             monkeypatch.delenv(key, raising=False)

@@ -81,6 +81,7 @@ def _run_step(elastic: ElasticTraining, batches: Any, accum: Accumulator, fail: 
     def step() -> bool:
         if fail:
             raise RuntimeError("[gloo/transport/tcp/pair.cc:598] Connection closed by peer")
+        elastic.state.loaders.trained(accum.window)  # as TrainStep.step: the window's batches are trained
         accum.after_step()
         elastic.state.count_step()
         return True

@@ -100,6 +100,8 @@ def test_ddp_strategy_options() -> None:
         get_strategy("fsdp", comm, CPU, grad_compression="bf16")
     with pytest.raises(ConfigError, match="bucket_cap_mb must be a positive number"):
         get_strategy("ddp", comm, CPU, bucket_cap_mb=float("nan"))
+    with pytest.raises(ConfigError, match="unknown grad_compression 'bogus'; choose one of none, bf16"):
+        get_strategy("ddp", comm, CPU, grad_compression="bogus")  # never applied as PowerSGD
     # one process: nothing is all-reduced, the model stays bare and compression is a no-op
     assert isinstance(strategy.setup_module(_model()), nn.Sequential)
     assert get_strategy("auto", comm, CPU, grad_compression="bf16").name == "single"

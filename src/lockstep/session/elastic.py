@@ -206,7 +206,7 @@ class ElasticTraining:
             step=state.global_step,
             path=mine.path,
             extras=mine.extras,
-            mid_epoch=bool(state.loaders.live) and not state.loaders.epoch_done,
+            mid_epoch=bool(state.loaders.live) and not state.loaders.finished,
             unusable=mine.unusable,
         )
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import weakref
+from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any
 
@@ -16,8 +17,18 @@ from lockstep.data.steps import StepSampler
 __all__ = ["DeviceLoader", "TrainLoaders", "progress_bar"]
 
 
+MAX_UNTRAINED = 1024
+"""Batches a loader keeps as handed out and not trained; older ones count as trained (a loop that never steps)."""
+
+
 class DeviceLoader:
-    """Iterate a DataLoader, moving each batch to the device, and count what training consumed.
+    """Iterate a DataLoader, moving each batch to the device, and record what was handed out and what was trained.
+
+    A training loader only loads: each batch handed out is recorded with the position before it and
+    its plan (:attr:`untrained`) until the session's step says it was trained (:meth:`trained`).
+    The position it reports (:meth:`trained_state`) is what was trained, so a loop that fetches its
+    next batch before the step (``X, Y = next(it)`` after the forward) resumes with that batch; a
+    new iterator starts at the first batch not trained.
 
     ``len()`` is the batches of a whole epoch on this rank and does not change while iterating;
     :attr:`remaining` counts those of the current epoch not handed out yet; ``share`` is this rank's
@@ -27,11 +38,12 @@ class DeviceLoader:
         loader: the DataLoader of :func:`lockstep.data.loader.make_loader`.
         device: where batches go (``non_blocking`` copies on CUDA).
         train: a training loader: its sampler position advances per batch.
-        on_batch: told of each training batch before the model sees it (the accumulation window).
+        on_batch: told of each training batch's plan when it is the next to be backpropagated (the
+            accumulation window): ``on_batch(index, left, window, weight)``, ``index`` counting the
+            batches handed out and not trained before it.
         timer: times each wait for a training batch (:mod:`lockstep.session.timings`), or ``None``.
         tracker: the session's :class:`TrainLoaders`, told when a training batch goes out or the loader runs out.
         boundary: under ``--nodes``, asked at each step's first batch (:mod:`lockstep.session.elastic`).
-        before_batch: called before a training batch is handed out (the session's agreed stop).
     """
 
     def __init__(
@@ -44,7 +56,6 @@ class DeviceLoader:
         *,
         tracker: TrainLoaders | None = None,
         boundary: Any = None,
-        before_batch: Callable[[], None] | None = None,
     ) -> None:
         from lockstep.data.loader import move_to_device
 
@@ -58,10 +69,8 @@ class DeviceLoader:
         self.timer = timer if train else None
         self.share = 0  # samples of this rank in the batch last handed out (0: a zero-weight stand-in)
         self.boundary = boundary if train else None
-        self.before_batch = before_batch if train else None
-        self._pass_start: tuple[int, dict[str, Any], int | None] | None = (
-            None  # (steps so far, position, epoch) at the last iter()
-        )
+        # handed out, not trained yet, oldest first: (the sampler's position before it, its plan for on_batch)
+        self.untrained: deque[tuple[int, tuple[Any, ...]]] = deque()
 
     @property
     def steps(self) -> StepSampler | None:
@@ -109,7 +118,7 @@ class DeviceLoader:
 
     def __iter__(self) -> Iterator[Any]:
         if self.tracker is not None and self.boundary is None:
-            self._start_pass(self.tracker)
+            self._start_pass()
         steps = self.steps  # one pass of the default order, unless under --nodes a change can start another
         batches = (
             self._iter_padded()
@@ -121,23 +130,44 @@ class DeviceLoader:
         return batches if self.timer is None else self.timer.data(batches, self, _batch_len)
 
     def position_set(self) -> None:
-        """The sampler's position was set from outside (a new epoch, a checkpoint): a new iterator starts there."""
-        self._pass_start = None
+        """The sampler's position was set from outside (a new epoch, a checkpoint): nothing handed out is pending."""
+        self.untrained.clear()
 
-    def _start_pass(self, tracker: TrainLoaders) -> None:
-        """A new iterator starts where the last one did when no step was taken since (as a DataLoader's
-        starts its epoch again): ``len(next(iter(loader))[0])`` then ``for batch in loader`` loses no batch."""
-        taken, epoch = tracker.steps_taken(), getattr(self.sampler, "epoch", None)
-        last = self._pass_start
-        if last is not None and last[0] == taken and last[2] == epoch:  # no step, and no set_epoch on the sampler
-            self.sampler.load_state_dict(last[1])
+    def trained(self, batches: int) -> None:
+        """The session's step trained the oldest ``batches`` handed out (a step's micro-batches)."""
+        untrained = self.untrained
+        for _ in range(min(batches, len(untrained))):
+            untrained.popleft()
+
+    def trained_state(self) -> dict[str, Any]:
+        """The sampler's position after the last batch trained: what a checkpoint saves."""
+        state: dict[str, Any] = self.sampler.state_dict()
+        if self.untrained:
+            _set_seen(state, self.untrained[0][0])
+        return state
+
+    def planned(self, index: int) -> tuple[Any, ...] | None:
+        """The plan of the ``index``-th batch handed out and not trained yet, or ``None``."""
+        untrained = self.untrained
+        return untrained[index][1] if index < len(untrained) else None
+
+    def _start_pass(self) -> None:
+        """A new iterator starts at the first batch not trained (as a DataLoader's starts its epoch again):
+        ``len(next(iter(loader))[0])`` then ``for batch in loader`` loses no batch, nor does a loop that broke
+        out after fetching a batch it did not train."""
+        sampler = self.sampler
+        if self.untrained:
+            state = sampler.state_dict()
+            _set_seen(state, self.untrained[0][0])
+            self.untrained.clear()
+            sampler.load_state_dict(state)
             return
+        epoch = getattr(sampler, "epoch", None)
         steps = self.steps  # its own test: len() would build the rest of the epoch's micro-steps
         if epoch is not None and (steps.exhausted if steps is not None else self.remaining == 0):
             # the epoch ran out and no set_epoch came (the tutorial reads the batch size before it):
             # a DataLoader's new iterator goes over the same epoch again, and so does this one
-            self.sampler.set_epoch(epoch)
-        self._pass_start = (taken, self.sampler.state_dict(), epoch)
+            sampler.set_epoch(epoch)
 
     def _iter_passes(self, steps: StepSampler) -> Iterator[Any]:
         """Under ``--nodes`` a change sets the position back; a new pass starts there with the new share."""
@@ -153,10 +183,8 @@ class DeviceLoader:
         left = len(upcoming)
         boundary = self.boundary if self.train else None
         seen = boundary.generation if boundary is not None else 0
-        before = self.before_batch if self.train else None
+        untrained = self.untrained
         for i, batch in enumerate(self.loader):
-            if before is not None:
-                before()  # before the position moves: a stop here resumes with this batch
             if self.train:
                 micro, share, samples, weight = upcoming.portion(i, world, rank)
                 if boundary is not None:
@@ -165,11 +193,9 @@ class DeviceLoader:
                     if boundary.generation != seen:
                         return True
                 self.share = share
-                steps.advance(samples)  # counted when handed out, as below
-                if tracker is not None:
-                    tracker.epoch_done = False
-                if on_batch is not None:
-                    on_batch(left - i, micro.count, weight)
+                plan = (left - i, micro.count, weight)
+                self._hand_out(untrained, steps.cursor, plan, tracker, on_batch)
+                steps.advance(samples)
             yield batch if on_host else self._move(batch, self.device, self._non_blocking)
         if boundary is not None and boundary.generation != seen:
             return True
@@ -185,24 +211,42 @@ class DeviceLoader:
         world = getattr(self.sampler, "world_size", 1)
         full = self.loader.batch_size  # every batch but an epoch's last has it on every rank
         tracker, on_batch = self.tracker, self._on_batch
-        before = self.before_batch if self.train else None
+        untrained = self.untrained
         for batch in self.loader:
-            if before is not None:
-                before()  # before the position moves: a stop here resumes with this batch
-            left = self.remaining if on_batch is not None else 0  # this batch and those after it
-            if advance is not None:
-                # counted when handed out: a checkpoint taken after this batch's step resumes
-                # with the next one. The sampler clamps the position at the epoch's end, which
-                # is where a last, smaller batch takes it.
-                advance((full or _batch_len(batch)) * world)
-            if tracker is not None:
-                tracker.epoch_done = False
             self.share = _batch_len(batch)
-            if on_batch is not None:
-                on_batch(left)
+            if advance is not None:
+                left = self.remaining  # this batch and those after it
+                self._hand_out(untrained, self.sampler.seen, (left, None, None), tracker, on_batch)
+                # the sampler clamps the position at the epoch's end, which is where a last, smaller batch takes it
+                advance((full or self.share) * world)
             yield batch if on_host else move(batch, device, nb)
         if tracker is not None:
             tracker.epoch_done = True
+
+    def _hand_out(
+        self,
+        untrained: deque[tuple[int, tuple[Any, ...]]],
+        before: int,
+        plan: tuple[Any, ...],
+        tracker: TrainLoaders | None,
+        on_batch: Callable[..., None] | None,
+    ) -> None:
+        """Record a training batch going out (its position before it and its plan), before its forward."""
+        if len(untrained) >= MAX_UNTRAINED:
+            untrained.popleft()
+        untrained.append((before, plan))
+        if tracker is not None:
+            tracker.handed += 1
+            tracker.epoch_done = False
+        if on_batch is not None:
+            on_batch(len(untrained) - 1, *plan)
+
+
+def _set_seen(state: dict[str, Any], seen: int) -> None:
+    """Set a sampler state's position (``seen``, and ``cursor`` in the default order) to ``seen``."""
+    state["seen"] = seen
+    if "cursor" in state:
+        state["cursor"] = seen
 
 
 def _batch_len(batch: Any) -> int:
@@ -219,24 +263,16 @@ class TrainLoaders:
     """The session's training loaders, held weakly in creation order: each one's epoch is set, saved and restored.
 
     A state loaded before its loader exists waits here and is applied when the loader is made. An
-    epoch is finished once a loader ran out after the last batch handed out, or every loader handed
-    out its whole epoch.
+    epoch is finished once a loader ran out and the batches handed out are trained (:attr:`finished`).
     """
 
-    def __init__(
-        self,
-        steps_taken: Callable[[], int] = lambda: 0,
-        on_add: Callable[[], None] | None = None,
-        before_batch: Callable[[], None] | None = None,
-        boundary: Any = None,
-    ) -> None:
+    def __init__(self, on_add: Callable[[], None] | None = None, boundary: Any = None) -> None:
         self._refs: list[weakref.ref[DeviceLoader]] = []
         self._pending: list[dict[str, Any]] = []
         self._epoch = 0
         self.epoch_done = False  # written by the loaders: True once one ran out after the last batch
-        self.steps_taken = steps_taken
+        self.handed = 0  # training batches handed out so far, by every loader (the loop's iterations show in it)
         self.on_add = on_add
-        self.before_batch = before_batch
         self.boundary = boundary
 
     @property
@@ -297,7 +333,7 @@ class TrainLoaders:
         """Return ``loader`` as a :class:`DeviceLoader` on ``device``; a training one is tracked (:meth:`add`)."""
         on_batch = accum.on_batch if accum is not None else on_batch
         wrapped = DeviceLoader(
-            loader, device, train, on_batch, timer, tracker=self, boundary=self.boundary, before_batch=self.before_batch
+            loader, device, train, on_batch, timer, tracker=self, boundary=self.boundary
         )  # an evaluation loader keeps none of the three
         if not train:
             return wrapped
@@ -326,9 +362,34 @@ class TrainLoaders:
             loader.sampler.set_epoch(epoch)
             loader.position_set()
 
+    @property
+    def finished(self) -> bool:
+        """True once a loader ran out and a loader has every batch it handed out trained.
+
+        A loop that fetched the next batch before the step has the epoch's last batch untrained after its
+        loader ran out; a zip of two loaders stops with one batch of the longer one handed out for nothing.
+        """
+        live = self.live
+        return self.epoch_done and (not live or any(not loader.untrained for loader in live))
+
+    def trained(self, batches: int) -> None:
+        """A step trained ``batches`` micro-batches of every loader (the oldest handed out)."""
+        for ref in self._refs:  # at every step: no list is built
+            loader = ref()
+            if loader is not None and loader.untrained:
+                loader.trained(batches)
+
+    def planned(self, index: int) -> tuple[Any, ...] | None:
+        """The plan of the ``index``-th batch handed out and not trained, of the first loader with one, or ``None``."""
+        for ref in self._refs:  # at every backward: no list is built
+            loader = ref()
+            if loader is not None and loader.untrained:
+                return loader.planned(index)
+        return None
+
     def state_dicts(self) -> list[dict[str, Any]]:
-        """Every loader's sampler position, in creation order."""
-        return [loader.sampler.state_dict() for loader in self.live]
+        """Every loader's position after what was trained, in creation order."""
+        return [loader.trained_state() for loader in self.live]
 
     def restore(self, states: list[dict[str, Any]], epoch: int, epoch_done: bool) -> bool:
         """Load saved sampler ``states``, paired with the loaders in creation order; True when taken mid-``epoch``."""

@@ -35,8 +35,9 @@ class Accumulator:
     A window closes early at the end of a training loader's epoch, so no micro-batch is carried into
     the next epoch; each loss is divided by its window's size, so every step applies the mean.
     DDP decides whether to sync at *forward* time, so the no-sync state is entered before the
-    window's first forward and left before its last one; the window is sized at its first batch
-    (:meth:`on_batch`).
+    window's first forward and left before its last one; the window is sized by its first batch's
+    plan (:meth:`on_batch`), once that batch is handed out and the last window has stepped,
+    whichever comes last (a loop may fetch its next batch before the step).
 
     Args:
         k: micro-steps per optimizer step (1 disables accumulation).
@@ -68,12 +69,15 @@ class Accumulator:
         """True when the window's micro-steps have run since the last optimizer step."""
         return self.micro >= self.window
 
-    def on_batch(self, left: int, window: int | None = None, weight: Fraction | None = None) -> None:
-        """A training loader handed out a batch, ``left`` of its epoch remaining (this one included).
+    def on_batch(self, index: int, left: int, window: int | None = None, weight: Fraction | None = None) -> None:
+        """The plan of a batch handed out, ``index`` batches before it handed out and not backpropagated yet,
+        ``left`` of its epoch remaining (this one included); only the next batch to backpropagate counts.
 
         At a window's first batch this sizes the window: ``k``, fewer at the epoch's end, or ``window``
         when the loader plans its steps; ``weight`` replaces ``1 / window`` on the loss (:mod:`lockstep.data.steps`).
         """
+        if index != self.micro:
+            return  # fetched ahead of the backward of an earlier batch: planned when its turn comes
         self.weight = weight
         if self.micro == 0:
             self.window = max(1, min(self.k, left)) if window is None else window
@@ -178,6 +182,13 @@ class TrainStep:
         if self.timer is not None:
             self.timer.after_backward()
         accum.after_backward()
+        self._plan_next()
+
+    def _plan_next(self) -> None:
+        """The next batch to backpropagate may be out already (fetched ahead): its plan sizes or weighs it now."""
+        plan = self.state.loaders.planned(self.accum.micro)
+        if plan is not None:
+            self.accum.on_batch(self.accum.micro, *plan)
 
     def _watched_backward(self, loss: torch.Tensor) -> None:
         """Backward as a sync point of the collective record: DDP's gradient all_reduce is in here."""
@@ -218,7 +229,10 @@ class TrainStep:
         else:
             took = self.precision.step(optimizer)
         optimizer.zero_grad(set_to_none=True)
+        if counted:  # its window's micro-batches are trained (or skipped): the position a checkpoint saves moves
+            state.loaders.trained(self.accum.window)
         self.accum.after_step()
+        self._plan_next()
         if took and counted:  # a loss scaler's own skip (an overflow while it calibrates) is neither taken nor counted
             state.count_step()
             self.skips_in_a_row = 0

@@ -26,8 +26,9 @@ from lockstep.comm.collectives import Reduction
 from lockstep.comm.group import Comm
 from lockstep.errors import DEFAULT_GRACE, EXIT_PREEMPTED, format_ranks, signal_name
 from lockstep.session.config import PREEMPTION_MODES
+from lockstep.session.rng import capture_rng, restore_rng
 
-__all__ = ["Preempted", "StopGuard", "PREEMPTION_MODES", "stop_message", "parse_grace"]
+__all__ = ["Preempted", "StopGuard", "StopPoint", "PREEMPTION_MODES", "stop_message", "parse_grace"]
 
 _SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name))
 _FIRST_INTERVAL = 1  # then at most 4x longer each time: 1, 4, 16... steps until checks are ~1 s apart
@@ -49,6 +50,30 @@ class Preempted(SystemExit):
 
     def __str__(self) -> str:
         return self.message
+
+
+class StopPoint:
+    """Where an agreed stop puts the job back before it saves: the end of the iteration whose step agreed.
+
+    The ranks agree inside ``step``, before the loop's own work after it (``scheduler.step()``, an EMA
+    update), so the save comes at the next ``backward`` (or the next epoch). By then the next batch's
+    forward ran: it moved BatchNorm's statistics and drew from the RNG. This records both at the step
+    and :meth:`restore` puts them back, so the checkpoint holds the state after that iteration exactly.
+
+    Args:
+        buffers: the set-up models' buffers (running statistics), recorded as they are now.
+    """
+
+    def __init__(self, buffers: list[torch.Tensor]) -> None:
+        self.rng = capture_rng()
+        self.buffers = [(live, live.detach().clone()) for live in buffers]
+
+    def restore(self) -> None:
+        """Put the RNG and the buffers back as they were at the step (the process stops after the save)."""
+        restore_rng(self.rng)
+        with torch.no_grad():
+            for live, kept in self.buffers:
+                live.copy_(kept)
 
 
 def parse_grace(text: str) -> float:

@@ -1,5 +1,6 @@
 """Every random number generator of a process (Python, NumPy, torch CPU and CUDA): seeded alike on
-every rank, captured into a checkpoint as plain lists, put back on resume.
+every rank until the model's weights are broadcast, then one stream per rank; captured into a
+checkpoint as plain lists, put back on resume.
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["seed_everything", "capture_rng", "restore_rng"]
+__all__ = ["seed_everything", "capture_rng", "restore_rng", "rank_seed", "seeded_by_script"]
+
+_SCRIPT_SEEDS = 2**32  # torch seeds itself with a random 64-bit number; a seed a script picks is smaller
 
 
 def seed_everything(seed: int) -> None:
@@ -18,6 +21,19 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """The seed of ``rank``'s own stream after ``Session.setup``: ``seed`` itself on rank 0, a spread-out
+    function of ``(seed, rank)`` elsewhere (the same on every run)."""
+    return seed if rank == 0 else (seed + 0x9E3779B97F4A7C15 * rank) % 2**63
+
+
+def seeded_by_script(seed: int) -> bool:
+    """True when the script seeded torch itself (``torch.manual_seed(1337 + rank)``) with another seed than
+    ``seed``: its generators are then its own and the session leaves them as they are."""
+    initial = torch.initial_seed()
+    return initial < _SCRIPT_SEEDS and initial != seed % 2**64
 
 
 def capture_rng() -> dict[str, Any]:

@@ -31,7 +31,8 @@ from lockstep.session.named import NamedState, sort_named
 from lockstep.session.nonfinite import NonFiniteLossError, NonFinitePolicy
 from lockstep.session.observe import Observing
 from lockstep.session.options import summary_line
-from lockstep.session.preempt import Preempted, StopGuard, parse_grace, stop_message
+from lockstep.session.preempt import Preempted, StopGuard, StopPoint, parse_grace, stop_message
+from lockstep.session.rng import rank_seed, seeded_by_script
 from lockstep.session.saves import SaveInFlight, SaveTarget
 from lockstep.session.state import ResumeState, TrainState, load_state, resumed_line, save_state, seed_everything
 from lockstep.session.usage import LoopChecks, SessionUsageError, check_bare
@@ -61,7 +62,11 @@ class Session(Observing):
         sync_bn: convert BatchNorm layers to SyncBatchNorm (GPU only; ddp or fsdp).
         accumulate: micro-steps per optimizer step; an epoch ends with a step on its shorter last window.
         clip_grad_norm: clip the global gradient norm to this positive, finite value in ``step``.
-        seed: seed of every rank's RNG (the same on every rank) and of the data order.
+        seed: seed of the data order and of every rank's RNG: the same on every rank until :meth:`setup` has
+            broadcast the first model's weights, then each rank's own stream (``rank_seed(seed, rank)``:
+            ``seed`` on rank 0), so random draws in the loop differ between ranks and repeat run to run. A
+            script that seeded torch itself before ``Session()`` (``torch.manual_seed(1337 + rank)``) keeps
+            its generators as it set them.
         nonfinite: a NaN/inf loss on any rank: ``"skip"`` the step on every rank (warn, naming the
             rank), ``"stop"`` every rank with an error, or ``"ignore"`` (no check).
         timeout: how long a collective waits for a missing rank (seconds or timedelta); default
@@ -134,11 +139,14 @@ class Session(Observing):
         self._finite = NonFinitePolicy(run.nonfinite, self.comm)
         self.precision = build_precision(run.precision, self.device, comm=self.comm)
         self.strategy = get_strategy(run.strategy, self.comm, self.device, **run.strategy_kwargs(self.world_size))
-        seed_everything(run.seed)
+        # the script's own seed (set before the session) is kept, with its per-rank streams, if any
+        self._rank_streams = not seeded_by_script(run.seed)
+        if self._rank_streams:
+            seed_everything(run.seed)
 
         def new_state(boundary: ElasticTraining | None) -> TrainState:
             say = None if run.quiet else self.print
-            return TrainState(self.rank, self.world_size, say, before_batch=self._stop_if_due, boundary=boundary)
+            return TrainState(self.rank, self.world_size, say, boundary=boundary)
 
         # under --nodes, the elastic side is the loaders' step boundary and joins the job itself
         self.state, self._elastic = ElasticTraining.of(self.comm, self._accum, new_state)
@@ -162,7 +170,10 @@ class Session(Observing):
         self._ckpt: SaveTarget | None = None  # where a preemption saves
         self._folders = self._elastic.folders() if self._elastic else FolderLocks(self.comm)  # one live job each
         self._saves = SaveInFlight(self.comm)
-        self._stop_due = False  # the ranks agreed to stop: at the next training batch, or the next epoch
+        self._stop_due = False  # the ranks agreed to stop: at the iteration's last optimizer step, or the next epoch
+        self._stop_point: StopPoint | None = None  # that step was taken: the job stops at the next backward
+        self._last_in_iteration: Optimizer | None = None  # the optimizer that stepped last before a batch went out
+        self._previous: tuple[Optimizer | None, int] = (None, 0)  # the last step's optimizer, batches handed out then
 
     @classmethod
     def from_config(cls, config: SessionConfig) -> Session:
@@ -227,7 +238,15 @@ class Session(Observing):
             self._elastic.watch(wrapped, opt, self.precision)
         self.compiled = layers.is_compiled
         self._models.append(layers)
+        self._split_streams()
         return layers.trained if opt is None else (layers.trained, opt)
+
+    def _split_streams(self) -> None:
+        """After the first model's broadcast: each rank its own RNG stream (unless the script seeded since)."""
+        if self._rank_streams:
+            self._rank_streams = False
+            if self.rank > 0 and torch.initial_seed() == self.seed % 2**64:
+                seed_everything(rank_seed(self.seed, self.rank))
 
     def loader(
         self, dataset: Any, batch_size: int, shuffle: bool = True, *, eval: bool = False, **options: Any
@@ -282,6 +301,8 @@ class Session(Observing):
             self._checks.before_backward(False)  # refused: nothing is wrapped
         if not self._announced:
             self._announce()
+        if self._stop_point is not None:  # the iteration that agreed to stop is over: the loop's own work included
+            self._stop_every_rank()
         self._steps.backward(loss)
 
     def step(self, optimizer: Optimizer) -> bool:
@@ -315,15 +336,22 @@ class Session(Observing):
             return self._elastic.step(lambda: self._steps.step(optimizer, model, counted))
         if took := self._steps.step(optimizer, model, counted):
             self._checks.after_step(optimizer, replicated=not self.strategy.sharded)
+        last, handed = self._previous
+        if handed != self.state.loaders.handed:  # a batch went out since the last step: that step ended an iteration
+            self._last_in_iteration = last
+        self._previous = (optimizer, self.state.loaders.handed)
         if self._guard.poll() and self._guard.mode == "save":
             self._stop_due = True  # every rank agreed at this same step
-            if self.state.loaders.first is None:  # no loader of the session's: the loop's batches are unknown
-                self._stop_every_rank()
+        if self._stop_due and (self._last_in_iteration is None or optimizer is self._last_in_iteration):
+            # every optimizer of this iteration has stepped (a GAN's critic and generator); the loop's work after
+            # the step (a scheduler) is still to come, so the stop comes at the next backward, put back to here
+            self._stop_due = False
+            self._stop_point = StopPoint([b for layers in self._models for b in layers.bare.buffers()])
         return took
 
     def _stop_if_due(self) -> None:
-        """Stop between two iterations: every optimizer of the last batch has stepped (a GAN's critic and generator)."""
-        if self._stop_due:
+        """Stop between two epochs when the ranks agreed (the iteration's last optimizer may not have stepped)."""
+        if self._stop_due or self._stop_point is not None:
             self._stop_every_rank()
 
     def _model_of(self, optimizer: Optimizer) -> ModelWrappers | None:
@@ -346,6 +374,9 @@ class Session(Observing):
     def _stop_every_rank(self) -> NoReturn:
         """The ranks agreed to stop: save the objects of the last save or load where it was, tear down, exit 75."""
         self._stop_due = False
+        if self._stop_point is not None:
+            self._stop_point.restore()  # as at the step that agreed: the next batch's forward undone
+            self._stop_point = None
         signals = self._guard.signals()
         path = None
         target = self._ckpt

@@ -78,7 +78,6 @@ class TrainState:
         rank: this process's rank (picks its RNG state out of a checkpoint).
         world_size: ranks in the job (RNG states are restored only at the same world size).
         say: prints the line of a resume at another world size (:meth:`replan_line`); ``None``: quiet.
-        before_batch: called before each training batch is handed out (the session's agreed stop).
         boundary: under ``--nodes``, asked at each step's first batch
             (:class:`~lockstep.session.elastic.ElasticTraining`).
     """
@@ -89,7 +88,6 @@ class TrainState:
         world_size: int = 1,
         say: Callable[[str], None] | None = None,
         *,
-        before_batch: Callable[[], None] | None = None,
         boundary: Any = None,
     ) -> None:
         self.rank, self.world_size, self.say = rank, world_size, say
@@ -97,17 +95,12 @@ class TrainState:
         self.global_step = 0
         self.skipped_steps = 0
         self._resumed_from: tuple[int, int | None] | None = None  # (world size, global batch) of a checkpoint
-        self.loaders = TrainLoaders(
-            steps_taken=lambda: self.global_step + self.skipped_steps,
-            on_add=self._say_replan,
-            before_batch=before_batch,
-            boundary=boundary,
-        )
+        self.loaders = TrainLoaders(on_add=self._say_replan, boundary=boundary)
 
     @property
     def epoch_done(self) -> bool:
-        """True once a training loader ran out after the epoch's last batch."""
-        return self.loaders.epoch_done
+        """True once a training loader ran out and every batch it handed out was trained."""
+        return self.loaders.finished
 
     def count_step(self) -> None:
         """Count one optimizer step taken."""
@@ -133,7 +126,7 @@ class TrainState:
             "step": self.global_step,
             "skipped": self.skipped_steps,
             "samplers": self.loaders.state_dicts(),
-            "epoch_done": self.loaders.epoch_done,
+            "epoch_done": self.loaders.finished,
         }
 
     def load_position(self, position: dict[str, Any], rank: int, world_size: int) -> None:
@@ -160,7 +153,7 @@ class TrainState:
             "skipped_steps": self.skipped_steps,
             "world_size": self.world_size,
             "samplers": samplers,
-            "epoch_done": self.loaders.epoch_done,
+            "epoch_done": self.loaders.finished,
             "rng": capture_rng(),
         }
 

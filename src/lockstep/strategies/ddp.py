@@ -21,6 +21,7 @@ from lockstep.comm.group import Comm
 from lockstep.errors import ConfigError, LockstepError
 from lockstep.strategies.base import Strategy, broadcast_module_state, unwrap_module
 from lockstep.strategies.comm_hooks import (
+    GRAD_COMPRESSIONS,
     ONE_BUCKET_MB,
     POWERSGD_DEFAULTS,
     CommHook,
@@ -197,7 +198,10 @@ class DDPStrategy(Strategy):
         cap = checked["bucket_cap_mb"]
         if not isinstance(cap, (int, float)) or isinstance(cap, bool) or not cap > 0:
             raise ConfigError(f"bucket_cap_mb must be a positive number, got {cap!r}")
-        return checked  # grad_compression and PowerSGD's knobs: checked by SessionConfig
+        compression = checked["grad_compression"]
+        if compression not in GRAD_COMPRESSIONS:  # get_strategy("ddp", ...) is public: refused here too
+            raise ConfigError(f"unknown grad_compression {compression!r}; choose one of {', '.join(GRAD_COMPRESSIONS)}")
+        return checked  # the compression's fit with the backend and PowerSGD's knobs: checked by SessionConfig
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         if self.comm.world_size == 1:

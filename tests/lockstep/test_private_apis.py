@@ -22,7 +22,7 @@ SHIMS = {
     "launch/torch_agent.py",  # torch's elastic agent
     "launch/py_atexit.py",  # atexit._run_exitfuncs, atexit._ncallbacks
     "comm/py_frames.py",  # sys._current_frames
-    "precision/torch_amp.py",  # GradScaler._unscale_grads_, the fused optimizers' found_inf, ...
+    "precision/torch_amp.py",  # the fused unscale-and-check kernel, Tensor._version, BatchNorm classes
     "strategies/torch_internals.py",  # DDP's reducer, PowerSGD's rule, torch.compile, autograd engine
     "checkpoint/torch_dcp.py",  # torch.distributed.checkpoint._traverse
     "cli/py_argparse.py",  # ArgumentParser._actions

@@ -48,52 +48,6 @@ def test_py_argparse_lists_every_action() -> None:
 # -- lockstep.precision.torch_amp ----------------------------------------------------------------
 
 
-def test_torch_amp_grad_scaler_hook() -> None:
-    assert _params(torch.amp.GradScaler._unscale_grads_) == [
-        "self",
-        "optimizer",
-        "inv_scale",
-        "found_inf",
-        "allow_fp16",
-    ], _changed(torch_amp, "GradScaler._unscale_grads_")
-
-    class Always(torch_amp.AgreedGradScaler):
-        def agree_found_inf(self, local: torch.Tensor) -> bool:
-            return True  # another rank overflowed
-
-    for scaler_type, grad, skipped in (
-        (torch_amp.AgreedGradScaler, 1.0, False),
-        (torch_amp.AgreedGradScaler, float("inf"), True),
-        (Always, 1.0, True),
-    ):
-        param = nn.Parameter(torch.ones(2))
-        optimizer = torch.optim.SGD([param], lr=0.1)
-        scaler = scaler_type("cpu")
-        scaler.scale(param.sum()).backward()
-        param.grad.fill_(grad)  # type: ignore[union-attr]
-        scaler.unscale_(optimizer)
-        scaler.step(optimizer)
-        scaler.update()
-        assert scaler.found_inf is skipped, _changed(torch_amp, "GradScaler's use of _unscale_grads_'s flags")
-        assert torch.equal(param.detach(), torch.ones(2)) is skipped, _changed(torch_amp, "GradScaler.step's skip")
-
-
-def test_torch_amp_scaler_without_gradients_still_agrees() -> None:
-    seen = []
-
-    class Recording(torch_amp.AgreedGradScaler):
-        def agree_found_inf(self, local: torch.Tensor) -> bool:
-            seen.append(float(local))
-            return False
-
-    param = nn.Parameter(torch.ones(2))
-    optimizer = torch.optim.SGD([param], lr=0.1)
-    scaler = Recording("cpu")
-    scaler.scale(torch.ones(()))  # a scale exists, no gradient does
-    scaler.unscale_(optimizer)
-    assert seen == [0.0], _changed(torch_amp, "GradScaler._unscale_grads_ without gradients")
-
-
 def test_torch_amp_check_kernel() -> None:
     flag, grads = torch.zeros(1), [torch.tensor([2.0, 4.0]), torch.tensor([1.0])]
     torch_amp.check_and_unscale_(grads, flag, torch.full((1,), 0.5))

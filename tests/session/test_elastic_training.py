@@ -61,7 +61,7 @@ class _Comm:
 
 def _training(workers: int = 0) -> tuple[ElasticTraining, TrainState, Accumulator, Any]:
     comm, accum = _Comm(), Accumulator(1)
-    elastic = ElasticTraining(comm, accum, lambda boundary: TrainState(boundary=boundary))  # type: ignore[arg-type]
+    elastic = ElasticTraining(comm, accum, lambda boundary: TrainState(comm, boundary=boundary))  # type: ignore[arg-type]
     state = elastic.state
     loader = make_loader(TensorDataset(torch.arange(N)), CAP, world_size=1, rank=0, global_batch=G, num_workers=workers)
     train = state.loaders.wrap(loader, torch.device("cpu"), train=True, accum=accum)
@@ -78,7 +78,7 @@ def _run_step(elastic: ElasticTraining, batches: Any, accum: Accumulator, fail: 
         if accum.ready:
             break
 
-    def step() -> bool:
+    def step(optimizer: Any, model: Any, counted: bool) -> bool:
         if fail:
             raise RuntimeError("[gloo/transport/tcp/pair.cc:598] Connection closed by peer")
         elastic.state.loaders.trained(accum.window)  # as TrainStep.step: the window's batches are trained
@@ -86,7 +86,7 @@ def _run_step(elastic: ElasticTraining, batches: Any, accum: Accumulator, fail: 
         elastic.state.count_step()
         return True
 
-    elastic.step(step)
+    elastic.step(step, lambda optimizer: None, None, None, True)  # type: ignore[arg-type]
     return seen
 
 
@@ -200,6 +200,6 @@ def test_the_session_side_is_the_groups_handover_and_a_join_by_a_collective_firs
     assert elastic.restore() is None  # no session.load yet: no checkpoint is read
     comm = _Comm()
     comm.join(Objects())  # a collective on the comm joined first, handing nothing over
-    late = ElasticTraining(comm, Accumulator(1), lambda boundary: TrainState(boundary=boundary))  # type: ignore[arg-type]
+    late = ElasticTraining(comm, Accumulator(1), lambda boundary: TrainState(comm, boundary=boundary))  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match="before the session joined the job"):
         late.start(0)

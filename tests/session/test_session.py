@@ -228,7 +228,7 @@ def test_summary_and_world_one() -> None:
 def test_train_state_round_trip() -> None:
     from lockstep.session.state import TrainState
 
-    state = TrainState(rank=0, world_size=1)
+    state = TrainState()
     state.global_step, state.skipped_steps = 7, 2
     saved = state.state_dict()
     assert {"epoch", "step", "skipped_steps", "world_size", "samplers", "epoch_done", "rng"} <= set(saved)

@@ -57,6 +57,8 @@ class Comm(WorldView):
 
     backend = "none"
     watchdog: NullWatchdog = NullWatchdog()
+    membership = "fixed"
+    """``"fixed"``, or ``"elastic"`` where the group is rebuilt between steps as nodes leave and join."""
 
     def __init__(self, world: World) -> None:
         self.world = world

@@ -30,6 +30,8 @@ class ElasticComm(GroupComm):
         open_group: makes the job's :class:`~lockstep.comm.elastic.ElasticGroup` for a handover, at the join.
     """
 
+    membership = "elastic"
+
     def __init__(self, here: World, open_group: Callable[[Handover], ElasticGroup]) -> None:
         self._here = here
         self._open_group = open_group

@@ -19,7 +19,7 @@ class MixedPrecision(Precision):
     Args:
         device: this rank's device.
         dtype: ``torch.bfloat16``, or ``torch.float16``, which scales the loss and skips steps that overflow.
-        comm: the job's collectives (to agree on skipped fp16 steps).
+        comm: the job's collectives.
     """
 
     def __init__(self, device: torch.device, dtype: torch.dtype, comm: Comm | None = None) -> None:
@@ -27,7 +27,7 @@ class MixedPrecision(Precision):
         self.autocast_dtype = dtype
         self.name = "fp16-mixed" if dtype == torch.float16 else "bf16-mixed"
         if dtype == torch.float16:
-            self.scaler = LossScaler(self.device, comm)
+            self.scaler = LossScaler(self.device)
 
     def forward_context(self) -> AbstractContextManager[Any]:
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)

@@ -1,9 +1,13 @@
-"""The :class:`Precision` plugin interface (plain fp32: every hook does nothing) and the agreed loss scaler."""
+"""The :class:`Precision` plugin interface (plain fp32: every hook does nothing) and the dynamic loss scale.
+
+The order of a step is written once, in :class:`lockstep.session.loop.TrainStep`: sync, :meth:`Precision.unscale`
+(and the one non-finite decision), clip :meth:`Precision.main_parameters`, :meth:`Precision.optimizer_step`,
+:meth:`Precision.update`. A plugin says what each of those means for its format and takes no callbacks.
+"""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, ClassVar
 
@@ -11,36 +15,79 @@ import torch
 from torch import nn
 
 from lockstep.comm.group import Comm
-from lockstep.precision.torch_amp import AgreedGradScaler
 
 __all__ = ["Precision", "LossScaler"]
 
 
-class LossScaler(AgreedGradScaler):
-    """A dynamic loss scaler that skips the same steps on every rank, also when each holds only gradient shards (fsdp).
+class LossScaler:
+    """A dynamic loss scale (``torch.amp.GradScaler``'s rule): halve it after a step whose gradients overflowed,
+    double it after ``growth_interval`` steps that did not.
+
+    It only holds the scale: the session's step unscales the gradients and checks them in one kernel
+    (:class:`~lockstep.session.nonfinite.FiniteCheck`), decides once for every rank, and reports the
+    decision to :meth:`update`. Its state dict has ``GradScaler``'s keys, so either loads the other's.
 
     Args:
         device: the device the loss lives on.
-        comm: the job's collectives; ``None``: the default process group, if one exists.
-        allow_fp16_grads: unscale fp16 gradients in place (pure fp16 models), which ``GradScaler`` refuses.
+        init_scale: the first scale.
+        growth_factor: the scale's factor after ``growth_interval`` steps without overflow.
+        backoff_factor: the scale's factor after an overflow.
+        growth_interval: steps without overflow before the scale grows.
     """
 
-    def __init__(self, device: torch.device, comm: Comm | None = None, allow_fp16_grads: bool = False) -> None:
-        super().__init__(torch.device(device).type, allow_fp16_grads)
-        self._comm = comm
+    def __init__(
+        self,
+        device: torch.device,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+    ) -> None:
+        self.device = torch.device(device)
+        self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
+        self._scale = torch.full((), init_scale, dtype=torch.float32, device=self.device)
+        self._growth_tracker = 0
 
-    def agree_found_inf(self, local: torch.Tensor) -> bool:
-        """True when any rank counted a non-finite flag (a maximum over the ranks)."""
-        return bool(_max_over_ranks(local, self._comm).item() > 0)
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the scale."""
+        return loss * self._scale.to(device=loss.device, non_blocking=True)
 
+    def inv_scale(self) -> torch.Tensor:
+        """``1 / scale`` as a one-element float32 tensor on the scale's device (computed in float64, as torch does)."""
+        return self._scale.double().reciprocal().float().reshape(1)
 
-def _max_over_ranks(tensor: torch.Tensor, comm: Comm | None) -> torch.Tensor:
-    if comm is not None:
-        return comm.all_reduce(tensor, "max")
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor
+    def update(self, overflowed: bool) -> None:
+        """Back off after an overflow; grow after ``growth_interval`` steps in a row without one."""
+        if overflowed:
+            self._scale.mul_(self.backoff_factor)
+            self._growth_tracker = 0
+            return
+        self._growth_tracker += 1
+        if self._growth_tracker == self.growth_interval:
+            self._scale.mul_(self.growth_factor)
+            self._growth_tracker = 0
+
+    def get_scale(self) -> float:
+        """The current scale."""
+        return float(self._scale.item())
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scale, its rule and its growth count (``GradScaler.state_dict``'s keys)."""
+        return {
+            "scale": self.get_scale(),
+            "growth_factor": self.growth_factor,
+            "backoff_factor": self.backoff_factor,
+            "growth_interval": self.growth_interval,
+            "_growth_tracker": self._growth_tracker,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (or a ``GradScaler``'s)."""
+        self._scale.fill_(float(state["scale"]))
+        self.growth_factor = float(state.get("growth_factor", self.growth_factor))
+        self.backoff_factor = float(state.get("backoff_factor", self.backoff_factor))
+        self.growth_interval = int(state.get("growth_interval", self.growth_interval))
+        self._growth_tracker = int(state.get("_growth_tracker", 0))
 
 
 class Precision:
@@ -48,7 +95,7 @@ class Precision:
 
     Args:
         device: this rank's device (autocast and the loss scaler use its type).
-        comm: the job's collectives, used to agree on skipped steps when loss scaling.
+        comm: the job's collectives (for plugins that need them; the step's decision is the session's).
     """
 
     name: str = "fp32"
@@ -99,27 +146,26 @@ class Precision:
         else:
             self.scaler.scale(loss).backward()
 
-    def step(self, optimizer: torch.optim.Optimizer, clip: Callable[[], object] | None = None) -> bool:
-        """Unscale the gradients, call ``clip``, and step the optimizer unless they overflowed.
+    def unscale(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+        """Make the gradients of :meth:`main_parameters` ready to check; the factor they still need, or ``None``.
 
-        Args:
-            optimizer: the optimizer returned by :meth:`setup_optimizer`.
-            clip: called once the gradients are unscaled, e.g. ``lambda: strategy.clip_grad_norm(model, 1.0)``.
-
-        Returns:
-            ``False`` when the step was skipped because of inf/NaN gradients (the same on every rank), else ``True``.
+        The caller multiplies them by the factor and checks them for non-finite values in one kernel
+        (:class:`~lockstep.session.nonfinite.FiniteCheck`). The base's gradients are ready as they are.
         """
-        if self.scaler is None:
-            if clip is not None:
-                clip()
-            optimizer.step()
-            return True
-        self.scaler.unscale_(optimizer)
-        if clip is not None:
-            clip()
-        self.scaler.step(optimizer)
-        self.scaler.update()
-        return not self.scaler.found_inf
+        return None if self.scaler is None else self.scaler.inv_scale()
+
+    def main_parameters(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        """The parameters ``optimizer`` steps, whose gradients are clipped: the model's, or fp16-o2's fp32 masters."""
+        return [p for group in optimizer.param_groups for p in group["params"]]
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Step ``optimizer`` on unscaled, finite gradients (the step's decision was taken before)."""
+        optimizer.step()
+
+    def update(self, overflowed: bool) -> None:
+        """After a step's decision: the loss scale backs off when the gradients overflowed, or may grow."""
+        if self.scaler is not None:
+            self.scaler.update(overflowed)
 
     def state_dict(self) -> dict[str, Any]:
         """The loss scaler's state (empty when there is none)."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -24,7 +24,7 @@ class HalfPrecision(Precision):
     Args:
         device: this rank's device.
         dtype: ``torch.bfloat16`` or ``torch.float16``; fp16 also scales the loss.
-        comm: the job's collectives (to agree on skipped fp16 steps).
+        comm: the job's collectives.
     """
 
     def __init__(self, device: torch.device, dtype: torch.dtype, comm: Comm | None = None) -> None:
@@ -32,7 +32,7 @@ class HalfPrecision(Precision):
         self.half_dtype = dtype
         self.name = "fp16" if dtype == torch.float16 else "bf16"
         if dtype == torch.float16:
-            self.scaler = LossScaler(self.device, comm, allow_fp16_grads=True)
+            self.scaler = LossScaler(self.device)
 
     def convert_module(self, model: nn.Module) -> nn.Module:
         return model.to(dtype=self.half_dtype)
@@ -64,19 +64,20 @@ _Pair = tuple[nn.Parameter, torch.Tensor]
 class MasterWeightPrecision(Precision):
     """apex O2: fp16 model (BatchNorm fp32), fp32 master weights in the optimizer, loss scaling.
 
-    :meth:`setup_optimizer` puts fp32 masters in place of the optimizer's fp16 parameters; :meth:`step` steps them
-    on the unscaled fp32 gradients and copies them back into the model (they follow weights loaded from outside).
+    :meth:`setup_optimizer` puts fp32 masters in place of the optimizer's fp16 parameters (so they are the
+    :meth:`main_parameters` a clip sees); :meth:`unscale` moves the fp16 gradients onto them as fp32, and
+    :meth:`optimizer_step` steps them and copies them back into the model. They follow weights loaded from outside.
 
     Args:
         device: this rank's device.
-        comm: the job's collectives (to agree on skipped steps).
+        comm: the job's collectives.
     """
 
     name = "fp16-o2"
 
     def __init__(self, device: torch.device, comm: Comm | None = None) -> None:
         super().__init__(device, comm)
-        self.scaler = LossScaler(self.device, comm)
+        self.scaler = LossScaler(self.device)
         self._pairs: dict[int, list[_Pair]] = {}
         self._versions: dict[int, int] = {}
 
@@ -117,41 +118,32 @@ class MasterWeightPrecision(Precision):
         self._remember_versions(pairs)
         return optimizer
 
-    def step(self, optimizer: torch.optim.Optimizer, clip: Callable[[], object] | None = None) -> bool:
-        pairs = self._pairs.get(id(optimizer))
-        if pairs is None:
-            raise ConfigError("fp16-o2 needs precision.setup_optimizer(optimizer, model) before step()")
+    def unscale(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
         with torch.no_grad():
-            for param, master in pairs:
+            for param, master in self._pairs_of(optimizer):
                 if version_of(param) != self._versions[id(param)]:
                     master.copy_(param)  # the model was loaded or edited: follow it
                 master.grad = None if param.grad is None else param.grad.float()
                 param.grad = None
-        stepped = super().step(optimizer, None if clip is None else lambda: _with_masters(pairs, clip))
-        if stepped:
-            with torch.no_grad():
-                for param, master in pairs:
-                    param.copy_(master)
+        return super().unscale(optimizer)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
+        pairs = self._pairs_of(optimizer)
+        with torch.no_grad():
+            for param, master in pairs:
+                param.copy_(master)
         self._remember_versions(pairs)
-        return stepped
+
+    def _pairs_of(self, optimizer: torch.optim.Optimizer) -> list[_Pair]:
+        pairs = self._pairs.get(id(optimizer))
+        if pairs is None:
+            raise ConfigError("fp16-o2 needs precision.setup_optimizer(optimizer, model) before the step")
+        return pairs
 
     def _remember_versions(self, pairs: list[_Pair]) -> None:
         for param, _ in pairs:
             self._versions[id(param)] = version_of(param)
-
-
-def _with_masters(pairs: list[_Pair], clip: Callable[[], object]) -> object:
-    """Call ``clip`` while the fp16 parameters show the masters' data and grads: under O2 those are the ones to clip."""
-    saved = [param.data for param, _ in pairs]
-    for param, master in pairs:
-        param.data = master.data
-        param.grad = master.grad
-    try:
-        return clip()
-    finally:
-        for (param, _), data in zip(pairs, saved):
-            param.grad = None
-            param.data = data
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:

@@ -71,9 +71,9 @@ class CommittedPosition:
         """Take a peer's committed position (applied by :meth:`rollback`)."""
         self.committed = state
 
-    def rollback(self, rank: int, world_size: int) -> None:
-        """Put the committed position back into the counters and loaders, as ``rank`` of ``world_size``."""
-        self.state.load_position(self.committed, rank, world_size)
+    def rollback(self) -> None:
+        """Put the committed position back into the counters and loaders."""
+        self.state.load_position(self.committed)
 
 
 class ElasticTraining:
@@ -101,16 +101,6 @@ class ElasticTraining:
         self._optimizers: list[torch.optim.Optimizer] = []
         self._precision: Any = None
         self._from_disk: Callable[[], int] | None = None  # session.load's: reads the newest checkpoint
-
-    @classmethod
-    def of(
-        cls, comm: Comm, accum: Any, new_state: Callable[[ElasticTraining | None], TrainState]
-    ) -> tuple[TrainState, ElasticTraining | None]:
-        """The session's state, and its elastic side when ``comm`` is an :class:`ElasticComm` (else ``None``)."""
-        if not isinstance(comm, ElasticComm):
-            return new_state(None), None
-        elastic = cls(comm, accum, new_state)
-        return elastic.state, elastic
 
     @property
     def group(self) -> ElasticGroup:
@@ -158,14 +148,27 @@ class ElasticTraining:
             self._changed()
         self._began = time.monotonic()
 
-    def step(self, train_step: Callable[[], bool]) -> bool:
+    def step(
+        self,
+        train_step: Callable[[torch.optim.Optimizer, nn.Module | None, bool], bool],
+        after: Callable[[torch.optim.Optimizer], None],
+        optimizer: torch.optim.Optimizer,
+        model: nn.Module | None,
+        counted: bool,
+    ) -> bool:
         """Run the session's step; count it committed, or drop it (False) when a peer died in it.
 
         Args:
-            train_step: averages the gradients, decides, clips and steps (``TrainStep.step``).
+            train_step: averages the gradients, decides, clips and steps (``TrainStep.step``), given
+                ``optimizer``, ``model`` and ``counted``.
+            after: what follows a step taken with fixed members (the replica check): left out here, where a
+                collective outside the step would not be recovered.
+            optimizer: the optimizer to step.
+            model: its model.
+            counted: whether the session counts this optimizer's steps.
         """
         try:
-            took = train_step()
+            took = train_step(optimizer, model, counted)
         except Exception as exc:  # noqa: BLE001 - only a peer's death is handled; the rest is raised
             if not is_membership_failure(exc):
                 raise
@@ -228,7 +231,7 @@ class ElasticTraining:
     def _changed(self) -> None:
         """The group was rebuilt: the committed position back, gradients zeroed, batches re-planned."""
         world, rank = self.comm.world_size, self.comm.rank
-        self.position.rollback(rank, world)
+        self.position.rollback()
         for optimizer in self._optimizers:
             optimizer.zero_grad(set_to_none=True)
         for model in self._models:

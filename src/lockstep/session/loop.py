@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from fractions import Fraction
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -161,7 +160,7 @@ class TrainStep:
         self.skips_in_a_row = 0
         # one process has no sync point to watch (its watchdog does nothing): backward is called bare
         self._watched = comm.world_size > 1
-        self._syncs = type(strategy).sync_gradients is not Strategy.sync_gradients  # backward does not average
+        self._syncs = strategy.syncs_at_step  # backward does not average (under --nodes)
 
     def attach(self, model: nn.Module) -> None:
         """Bind the accumulation to the wrapped ``model`` and time its gradients."""
@@ -193,8 +192,7 @@ class TrainStep:
     def _watched_backward(self, loss: torch.Tensor) -> None:
         """Backward as a sync point of the collective record: DDP's gradient all_reduce is in here."""
         watch = self.comm.watchdog
-        # the user's line is above this method, TrainStep.backward and Session.backward
-        watch.enter("backward of step {}", self.state.global_step + 1, own_frames=3)
+        watch.enter("backward of step {}", self.state.global_step + 1)  # the record names the first frame not ours
         try:
             self.precision.backward(loss)
         except RuntimeError as exc:
@@ -206,39 +204,40 @@ class TrainStep:
             watch.leave()
 
     def step(self, optimizer: torch.optim.Optimizer, model: nn.Module | None, counted: bool = True) -> bool:
-        """Sync, decide, unscale, clip, step, zero the gradients and count; False when no step was taken.
+        """Sync, unscale, decide, clip, step, zero the gradients and count; False when no step was taken.
 
         ``counted``: the session's own step count (the first optimizer's). The counters are final when it returns.
         """
-        state, timer = self.state, self.timer
+        state, timer, precision = self.state, self.timer, self.precision
         if timer is not None:
             timer.before_step()
         if self._syncs and model is not None:
             self.strategy.sync_gradients(model)  # where backward did not average them (under --nodes)
-        # a loss-scaling precision skips a non-finite step itself (and every rank sees the same grads)
-        finite = self.precision.scaler is not None or self.finite.gradients_finite(optimizer)
-        if not finite:
-            took = False
+        inv_scale = precision.unscale(optimizer)  # fp16-o2: the gradients move onto the fp32 masters
+        # the one decision, the same on every rank (replicated gradients are equal; shards agree): finite or not
+        finite = self.finite.gradients_finite(optimizer, inv_scale)  # unscales by inv_scale in the same kernel
+        if finite:
+            if self.clip is not None:
+                self.strategy.clip_gradients(precision.main_parameters(optimizer), self.clip)
+            precision.optimizer_step(optimizer)
+        elif inv_scale is None:  # a loss scale's overflow is its calibration: neither taken nor counted, no warning
             attempt = state.global_step + state.skipped_steps + 1  # the step's number counts skipped ones too
             message = self.finite.skip_message(attempt, state.epoch)  # raises under nonfinite="stop"
             if counted:
                 state.count_skipped()
             self._skipped(message)
-        elif self.clip is not None and model is not None:
-            took = self.precision.step(optimizer, partial(self.strategy.clip_grad_norm, model, self.clip))
-        else:
-            took = self.precision.step(optimizer)
+        precision.update(overflowed=not finite)
         optimizer.zero_grad(set_to_none=True)
         if counted:  # its window's micro-batches are trained (or skipped): the position a checkpoint saves moves
             state.loaders.trained(self.accum.window)
         self.accum.after_step()
         self._plan_next()
-        if took and counted:  # a loss scaler's own skip (an overflow while it calibrates) is neither taken nor counted
+        if finite and counted:
             state.count_step()
             self.skips_in_a_row = 0
         if timer is not None:  # after the counters: a window's end is logged at this step
             timer.after_step()
-        return took
+        return finite
 
     def _skipped(self, message: str) -> None:
         """One warning line for the 1st, 2nd, 4th, 8th... skip in a row; the run ends at :data:`MAX_SKIPS_IN_A_ROW`."""

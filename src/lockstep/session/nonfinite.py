@@ -58,12 +58,16 @@ class NonFinitePolicy:
         if self.active:
             self.loss = loss
 
-    def gradients_finite(self, optimizer: torch.optim.Optimizer) -> bool:
+    def gradients_finite(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor | None = None) -> bool:
         """Whether the step goes ahead: every gradient ``optimizer`` applies is finite, or the policy is ``"ignore"``.
 
+        ``inv_scale``: a loss scale's inverse, multiplied into the gradients by the same kernel; they are then
+        always checked (an overflow must back the scale off whatever the policy).
         The same answer on every rank, and final: the caller skips the step when it is False.
         """
-        return not self.active or self.check(optimizer)
+        if inv_scale is None and not self.active:
+            return True
+        return self.check(optimizer, inv_scale)
 
     def skip_message(self, step: int, epoch: int) -> str:
         """The warning for a step skipped on every rank (it names the ranks: every rank must call it).
@@ -103,10 +107,13 @@ class FiniteCheck:
         self._plans[key] = (weakref.ref(optimizer, lambda _: self._plans.pop(key, None)), plan)
         return plan
 
-    def __call__(self, optimizer: torch.optim.Optimizer) -> bool:
-        """True when every gradient of ``optimizer``'s parameters is finite (``None`` ones are skipped)."""
+    def __call__(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor | None = None) -> bool:
+        """True when every gradient of ``optimizer``'s parameters is finite (``None`` ones are skipped).
+
+        ``inv_scale``: multiply the gradients by it in the same kernel (unscale a loss-scaled step).
+        """
         plan = self.plan(optimizer)
-        checked = plan.run()
+        checked = plan.run(inv_scale)
         if plan.in_place:  # most CPU jobs: each flag's memory read in place, no tensor op
             finite = True
             for group in checked:
@@ -155,13 +162,14 @@ class _Plan:
                 return False
         return True
 
-    def run(self) -> list[_Group]:
-        """Run the check kernel on every group that has gradients; the groups checked."""
+    def run(self, inv_scale: torch.Tensor | None = None) -> list[_Group]:
+        """Run the check kernel on every group that has gradients (times ``inv_scale``); the groups checked."""
         checked = []
         for group in self.groups:
             grads = group.grads()
             if grads:
-                check_and_unscale_(grads, group.flag, group.one)
+                factor = group.one if inv_scale is None else inv_scale.to(group.flag.device)
+                check_and_unscale_(grads, group.flag, factor)
                 checked.append(group)
         return checked
 

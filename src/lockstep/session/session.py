@@ -25,8 +25,8 @@ from lockstep.precision import build_precision
 from lockstep.session.config import OPTION_NAMES, SessionConfig
 from lockstep.session.elastic import ElasticTraining, options_under_nodes
 from lockstep.session.loaders import DeviceLoader
-from lockstep.session.locks import FolderLocks
 from lockstep.session.loop import Accumulator, TrainStep
+from lockstep.session.membership import form_membership
 from lockstep.session.named import NamedState, sort_named
 from lockstep.session.nonfinite import NonFiniteLossError, NonFinitePolicy
 from lockstep.session.observe import Observing
@@ -146,10 +146,10 @@ class Session(Observing):
 
         def new_state(boundary: ElasticTraining | None) -> TrainState:
             say = None if run.quiet else self.print
-            return TrainState(self.rank, self.world_size, say, boundary=boundary)
+            return TrainState(self.comm, say, boundary=boundary)
 
-        # under --nodes, the elastic side is the loaders' step boundary and joins the job itself
-        self.state, self._elastic = ElasticTraining.of(self.comm, self._accum, new_state)
+        # fixed nodes, or --nodes: then the membership is the loaders' step boundary and joins the job itself
+        self.state, self._members = form_membership(self.comm, self._accum, new_state)
         self._steps = TrainStep(
             self.state,
             self._accum,
@@ -168,7 +168,7 @@ class Session(Observing):
         self.compiled = False  # set by setup: True once torch.compile wrapped the model
         self._announced = False
         self._ckpt: SaveTarget | None = None  # where a preemption saves
-        self._folders = self._elastic.folders() if self._elastic else FolderLocks(self.comm)  # one live job each
+        self._folders = self._members.folders()  # one live job each
         self._saves = SaveInFlight(self.comm)
         self._stop_due = False  # the ranks agreed to stop: at the iteration's last optimizer step, or the next epoch
         self._stop_point: StopPoint | None = None  # that step was taken: the job stops at the next backward
@@ -234,8 +234,7 @@ class Session(Observing):
             self._bound[id(opt)] = (opt, layers)
             self._counted = self._counted or opt
         self._steps.attach(wrapped)  # no_sync needs the strategy's own wrapper; the timings hook its parameters
-        if self._elastic is not None:  # handed over when nodes leave or join
-            self._elastic.watch(wrapped, opt, self.precision)
+        self._members.watch(wrapped, opt, self.precision)  # handed over when nodes leave or join
         self.compiled = layers.is_compiled
         self._models.append(layers)
         self._split_streams()
@@ -284,7 +283,7 @@ class Session(Observing):
             n: the number of epochs.
             start: the first epoch (``ResumeState.epoch``); an epoch resumed mid-way continues from its position.
         """
-        start = self._elastic.start(start) if self._elastic else start  # joins a running job: maybe a later epoch
+        start = self._members.start(start)  # joins a running job under --nodes: maybe a later epoch
         for epoch in range(start, n):
             self._stop_if_due()
             self.state.start_epoch(epoch)  # a loader resumed mid-epoch keeps its position
@@ -332,10 +331,8 @@ class Session(Observing):
         if self._counted is None:
             self._counted = optimizer
         counted = optimizer is self._counted
-        if self._elastic is not None:  # no replica check, no preemption: a peer's death drops the step
-            return self._elastic.step(lambda: self._steps.step(optimizer, model, counted))
-        if took := self._steps.step(optimizer, model, counted):
-            self._checks.after_step(optimizer, replicated=not self.strategy.sharded)
+        # under --nodes a peer's death drops the step (False); with fixed nodes the replicas are checked after it
+        took = self._members.step(self._steps.step, self._check_replicas, optimizer, model, counted)
         last, handed = self._previous
         if handed != self.state.loaders.handed:  # a batch went out since the last step: that step ended an iteration
             self._last_in_iteration = last
@@ -348,6 +345,9 @@ class Session(Observing):
             self._stop_due = False
             self._stop_point = StopPoint([b for layers in self._models for b in layers.bare.buffers()])
         return took
+
+    def _check_replicas(self, optimizer: Optimizer) -> None:
+        self._checks.after_step(optimizer, replicated=not self.strategy.sharded)
 
     def _stop_if_due(self) -> None:
         """Stop between two epochs when the ranks agreed (the iteration's last optimizer may not have stepped)."""
@@ -530,7 +530,7 @@ class Session(Observing):
             named=sorted_named,
             say=None if self.quiet else self.print,
         )
-        resume = self._elastic.load(restore) if self._elastic else restore(comm=self.comm)  # under --nodes: joins
+        resume = self._members.load(restore)  # under --nodes: joins, and reads the disk only if no member holds it
         self._ckpt = replace(self._ckpt, unusable=frozenset(resume.unusable))  # pruned first, never counted in keep
         if not self.quiet:
             self.print(

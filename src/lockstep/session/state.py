@@ -12,11 +12,12 @@ import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from lockstep.comm.group import Comm
+from lockstep.env import World
 from lockstep.session.loaders import TrainLoaders
 from lockstep.session.rng import capture_rng, restore_rng, seed_everything
 
@@ -37,6 +38,17 @@ __all__ = [
     "restore_rng",
     "seed_everything",
 ]  # the last three live in lockstep.session.rng
+
+
+class Where(Protocol):
+    """Whatever knows this process's rank and the world size (the job's ``Comm``, or a ``World``)."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
 
 FORMAT = 1
 """The layout of a session checkpoint's state (``state["format"]``); a load refuses a newer one."""
@@ -75,27 +87,33 @@ class TrainState:
     """The training loop's own state: counters, loader positions, the epoch's end, every rank's RNG.
 
     Args:
-        rank: this process's rank (picks its RNG state out of a checkpoint).
-        world_size: ranks in the job (RNG states are restored only at the same world size).
+        where: the job's collectives, which own this rank and the world size (a checkpoint's RNG states
+            are picked by rank, and restored only at the same world size); one process when ``None``.
         say: prints the line of a resume at another world size (:meth:`replan_line`); ``None``: quiet.
         boundary: under ``--nodes``, asked at each step's first batch
             (:class:`~lockstep.session.elastic.ElasticTraining`).
     """
 
     def __init__(
-        self,
-        rank: int = 0,
-        world_size: int = 1,
-        say: Callable[[str], None] | None = None,
-        *,
-        boundary: Any = None,
+        self, where: Where | None = None, say: Callable[[str], None] | None = None, *, boundary: Any = None
     ) -> None:
-        self.rank, self.world_size, self.say = rank, world_size, say
+        self.where = where if where is not None else World()
+        self.say = say
         self.epoch = 0
         self.global_step = 0
         self.skipped_steps = 0
         self._resumed_from: tuple[int, int | None] | None = None  # (world size, global batch) of a checkpoint
         self.loaders = TrainLoaders(on_add=self._say_replan, boundary=boundary)
+
+    @property
+    def rank(self) -> int:
+        """This process's rank, as the job's collectives say."""
+        return self.where.rank
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the job, as the job's collectives say."""
+        return self.where.world_size
 
     @property
     def epoch_done(self) -> bool:
@@ -129,20 +147,17 @@ class TrainState:
             "epoch_done": self.loaders.finished,
         }
 
-    def load_position(self, position: dict[str, Any], rank: int, world_size: int) -> None:
-        """Go back to (or take a peer's) :meth:`position`, as ``rank`` of ``world_size`` from now on.
+    def load_position(self, position: dict[str, Any]) -> None:
+        """Go back to (or take a peer's) :meth:`position`.
 
         Args:
             position: what :meth:`position` returned, here or on a peer.
-            rank: this process's rank now.
-            world_size: ranks in the job now.
         """
         self.epoch, self.global_step, self.skipped_steps = position["epoch"], position["step"], position["skipped"]
         for loader, sampler in zip(self.loaders.live, position["samplers"]):
             loader.sampler.load_state_dict(sampler)
             loader.position_set()
         self.loaders.epoch_done = bool(position["epoch_done"])
-        self.rank, self.world_size = rank, world_size
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's part of a checkpoint (``"rng"`` is this rank's; the save gathers every rank's)."""

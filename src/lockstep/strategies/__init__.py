@@ -12,7 +12,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from lockstep.comm.elastic_comm import ElasticComm
 from lockstep.comm.group import Comm
 from lockstep.errors import ConfigError
 from lockstep.strategies.base import Strategy, apply_sync_bn, broadcast_module_state, unwrap_module
@@ -54,6 +53,8 @@ __all__ = [
 ]
 
 _REGISTRY: dict[str, type[Strategy]] = {}
+_ELASTIC: dict[str, type[Strategy]] = {"ddp": ElasticDDPStrategy, "auto": ElasticDDPStrategy}
+"""Under ``lockstep run --nodes`` (``Comm.membership == "elastic"``): ddp without a wrapper bound to one group."""
 
 
 def register_strategy(name: str) -> Callable[[type[Strategy]], type[Strategy]]:
@@ -197,10 +198,10 @@ def get_strategy(name: str, comm: Comm, device: torch.device, **options: Any) ->
         SingleStrategy(device=cpu)
     """
     key = name if name == "auto" or name in _REGISTRY else check_strategy(name)  # a checked name is canonical
-    if isinstance(comm, ElasticComm):  # lockstep run --nodes: ddp without a wrapper bound to one group
-        check_nodes(key, "MIN:MAX")
-        return ElasticDDPStrategy(comm, device, **options)
-    if key == "auto":
+    registry = {"fixed": _REGISTRY, "elastic": _ELASTIC}[comm.membership]
+    if key not in registry:
+        check_nodes(key, "MIN:MAX")  # refused: only ddp runs while nodes leave and join
+    if key == "auto" and registry is _REGISTRY:
         key = resolve_auto(comm, device)
         known = set().union(*(cls.defaults for cls in _REGISTRY.values()))
         unknown = sorted(set(options) - known)
@@ -209,7 +210,7 @@ def get_strategy(name: str, comm: Comm, device: torch.device, **options: Any) ->
                 f"no strategy has the option {', '.join(map(repr, unknown))}; options are: {', '.join(sorted(known))}"
             )
         options = {k: v for k, v in options.items() if k in _REGISTRY[key].defaults}
-    return _REGISTRY[key](comm, device, **options)
+    return registry[key](comm, device, **options)
 
 
 # horovod is registered whether or not Horovod is installed: it is imported when the strategy is built

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from typing import Any, ClassVar
 
@@ -34,6 +35,8 @@ class Strategy(StateDicts):
 
     name: ClassVar[str] = "base"
     sharded: ClassVar[bool] = False
+    syncs_at_step: ClassVar[bool] = False
+    """True when the gradients are averaged by :meth:`sync_gradients` at the step, not during backward."""
     defaults: ClassVar[dict[str, Any]] = {"sync_bn": False}
 
     def __init__(self, comm: Comm, device: torch.device, **options: Any) -> None:
@@ -133,8 +136,9 @@ class Strategy(StateDicts):
         ``lockstep run --nodes``, whose process group may be rebuilt between steps, they are reduced here.
         """
 
-    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        """Scale the gradients of ``model`` so that their global 2-norm is at most ``max_norm``.
+    def clip_grad_norm(self, model: nn.Module | Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """Scale the gradients of ``model`` (or of the parameters given) so that their global 2-norm is at most
+        ``max_norm``.
 
         Returns:
             The total norm before clipping (the same on every rank).
@@ -144,11 +148,13 @@ class Strategy(StateDicts):
         """
         if not (math.isfinite(max_norm) and max_norm > 0):
             raise ConfigError(f"max_norm must be a positive, finite number, got {max_norm}")
-        return self._clip_grad_norm(model, max_norm)
+        params = list(model.parameters() if isinstance(model, nn.Module) else model)
+        return self.clip_gradients(params, max_norm)
 
-    def _clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        """Clip over the module's own parameters (override where they are sharded)."""
-        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    def clip_gradients(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """Clip ``params``' gradients to a global 2-norm of ``max_norm``, checked by the caller (the session's
+        config, once); returns the norm before. Override where the gradients are sharded."""
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Refuse an optimizer built on the bare model when the wrapping replaces its parameters.

@@ -21,11 +21,11 @@ from lockstep.comm.group import Comm
 from lockstep.errors import ConfigError, LockstepError
 from lockstep.strategies.base import Strategy, broadcast_module_state, unwrap_module
 from lockstep.strategies.comm_hooks import (
-    GRAD_COMPRESSIONS,
     ONE_BUCKET_MB,
     POWERSGD_DEFAULTS,
     CommHook,
     apply_comm_hook,
+    check_grad_compression,
 )
 from lockstep.strategies.torch_internals import release_ddp
 from lockstep.strategies.zero import apply_zero, is_zero, zero_state_dict
@@ -198,10 +198,15 @@ class DDPStrategy(Strategy):
         cap = checked["bucket_cap_mb"]
         if not isinstance(cap, (int, float)) or isinstance(cap, bool) or not cap > 0:
             raise ConfigError(f"bucket_cap_mb must be a positive number, got {cap!r}")
-        compression = checked["grad_compression"]
-        if compression not in GRAD_COMPRESSIONS:  # get_strategy("ddp", ...) is public: refused here too
-            raise ConfigError(f"unknown grad_compression {compression!r}; choose one of {', '.join(GRAD_COMPRESSIONS)}")
-        return checked  # the compression's fit with the backend and PowerSGD's knobs: checked by SessionConfig
+        # get_strategy("ddp", ...) is public: the compression and its knobs are checked by their owner here too
+        # (its fit with the backend, known once a group exists, by SessionConfig)
+        checked["grad_compression"] = check_grad_compression(
+            checked["grad_compression"],
+            backend="none",
+            powersgd_rank=checked["powersgd_rank"],
+            powersgd_start_iter=checked["powersgd_start_iter"],
+        )
+        return checked
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         if self.comm.world_size == 1:

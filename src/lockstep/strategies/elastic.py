@@ -57,6 +57,7 @@ class ElasticDDPStrategy(Strategy):
     """
 
     name: ClassVar[str] = "ddp"
+    syncs_at_step: ClassVar[bool] = True
     defaults: ClassVar[dict[str, Any]] = {"sync_bn": False, "sync_buffers": True}
 
     def __init__(self, comm: Any, device: torch.device, **options: Any) -> None:

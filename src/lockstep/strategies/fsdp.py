@@ -123,8 +123,7 @@ class FSDPStrategy(Strategy):
             return _no_gradient_sync(model)
         return super().no_backward_sync(model)
 
-    def _clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        params = list(model.parameters())
+    def clip_gradients(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         grads = [p.grad for p in params if p.grad is not None]
         total = torch.nn.utils.get_total_norm(grads, 2.0)
         from torch.distributed.tensor import DTensor

@@ -1,0 +1,125 @@
+"""Who is in the job, as the session sees it: one collaborator, whatever the launch.
+
+:class:`FixedMembership` is the null form, for a job whose nodes are fixed (every launch but
+``lockstep run --nodes MIN:MAX``): the session's step runs as it is, nobody joins, a load reads the
+disk. Under ``--nodes`` the collaborator is :class:`~lockstep.session.elastic.ElasticTraining`,
+which joins the job, hands the state over and drops a step a peer died in. :func:`form_membership`
+picks one, as :func:`~lockstep.comm.group.form_comm` picks the null ``Comm`` for one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol, cast
+
+import torch
+from torch import nn
+
+from lockstep.comm.elastic_comm import ElasticComm
+from lockstep.comm.group import Comm
+from lockstep.session.elastic import ElasticTraining
+from lockstep.session.locks import FolderLocks
+from lockstep.session.state import ResumeState, TrainState
+
+__all__ = ["Membership", "FixedMembership", "form_membership"]
+
+TrainStepFn = Callable[[torch.optim.Optimizer, "nn.Module | None", bool], bool]
+
+
+class Membership(Protocol):
+    """What the session asks of the job's membership."""
+
+    def folders(self) -> FolderLocks:
+        """The session's checkpoint folder locks."""
+        ...
+
+    def watch(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, precision: Any) -> None:
+        """A model (and its optimizer) the job's state includes."""
+        ...
+
+    def start(self, epoch: int) -> int:
+        """The epoch the loop starts from."""
+        ...
+
+    def step(
+        self,
+        train_step: TrainStepFn,
+        after: Callable[[torch.optim.Optimizer], None],
+        optimizer: torch.optim.Optimizer,
+        model: nn.Module | None,
+        counted: bool,
+    ) -> bool:
+        """Run ``train_step(optimizer, model, counted)``, then ``after(optimizer)`` when a step was taken."""
+        ...
+
+    def load(self, restore: Callable[..., ResumeState]) -> ResumeState:
+        """``session.load``: ``restore(comm=...)`` reads the newest checkpoint into the session's objects."""
+        ...
+
+
+class FixedMembership:
+    """The membership of a job whose nodes are fixed: nobody joins or leaves, every hook does nothing more.
+
+    Args:
+        comm: the job's collectives.
+    """
+
+    def __init__(self, comm: Comm) -> None:
+        self.comm = comm
+
+    def folders(self) -> FolderLocks:
+        """Folders locked for the whole job (one live job per checkpoint folder)."""
+        return FolderLocks(self.comm)
+
+    def watch(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, precision: Any) -> None:
+        """Nothing is handed over: the members never change."""
+
+    def start(self, epoch: int) -> int:
+        """The script's own start."""
+        return epoch
+
+    def step(
+        self,
+        train_step: TrainStepFn,
+        after: Callable[[torch.optim.Optimizer], None],
+        optimizer: torch.optim.Optimizer,
+        model: nn.Module | None,
+        counted: bool,
+    ) -> bool:
+        """The step as it is; ``after`` (the replica check) follows a step taken."""
+        took = train_step(optimizer, model, counted)
+        if took:
+            after(optimizer)
+        return took
+
+    def load(self, restore: Callable[..., ResumeState]) -> ResumeState:
+        """Every rank reads the newest checkpoint."""
+        return restore(comm=self.comm)
+
+
+def form_membership(
+    comm: Comm, accum: Any, new_state: Callable[[ElasticTraining | None], TrainState]
+) -> tuple[TrainState, Membership]:
+    """The session's state and its membership: :class:`ElasticTraining` over an
+    :class:`~lockstep.comm.elastic_comm.ElasticComm` (``--nodes``), else :class:`FixedMembership`.
+
+    Args:
+        comm: the session's collectives.
+        accum: the session's accumulation (re-planned after a change of members).
+        new_state: builds the session's :class:`TrainState` with the loaders' step boundary (``None``: fixed).
+    """
+    form = {"fixed": _fixed, "elastic": _elastic}[comm.membership]  # as the strategies' registry picks
+    return form(comm, accum, new_state)
+
+
+def _fixed(
+    comm: Comm, accum: Any, new_state: Callable[[ElasticTraining | None], TrainState]
+) -> tuple[TrainState, Membership]:
+    return new_state(None), FixedMembership(comm)
+
+
+def _elastic(
+    comm: Comm, accum: Any, new_state: Callable[[ElasticTraining | None], TrainState]
+) -> tuple[TrainState, Membership]:
+    elastic = ElasticTraining(cast(ElasticComm, comm), accum, new_state)
+    return elastic.state, elastic

@@ -249,7 +249,7 @@ def test_verify_refuses_compression_outside_ddp() -> None:
 
     with pytest.raises(ConfigError, match="needs strategy 'ddp'"):
         VerifyConfig(model="test_verify:mlp", shape=(16,), strategy="fsdp", grad_compression="fp16")
-    assert VerifyConfig(model="test_verify:mlp", shape=(16,), grad_compression="FP16").grad_compression == "fp16"
+    assert VerifyConfig(model="test_verify:mlp", shape=(16,), grad_compression="FP16").resolved.grad_compression == "fp16"
 
 
 @pytest.mark.slow

@@ -110,7 +110,7 @@ def test_bad_config_refused(changes: dict, text: str) -> None:
 
 def test_tolerance_follows_precision() -> None:
     assert VerifyConfig(model="convnet").effective_tolerance == 1e-5
-    assert VerifyConfig(model="convnet", precision="O0").precision == "fp32"
+    assert VerifyConfig(model="convnet", precision="O0").resolved.precision == "fp32"
     assert VerifyConfig(model="convnet", precision="bf16-mixed").effective_tolerance == 1e-2
     assert VerifyConfig(model="convnet", precision="fp16-mixed", tolerance=0.1).effective_tolerance == 0.1
 

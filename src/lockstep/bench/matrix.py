@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from lockstep.errors import ConfigError
@@ -154,19 +155,11 @@ class BenchConfig:
     compile: str = "none"
 
     def __post_init__(self) -> None:
-        from lockstep.precision import canonical_precision
-        from lockstep.strategies.compile import compile_from_flag
         from lockstep.zoo.datasets import parse_data
         from lockstep.zoo.models import parse_model
 
-        strategies = [_strategy_label(name) for name in self.strategies]
-        precisions = [canonical_precision(name) for name in self.precisions]
-        object.__setattr__(self, "strategies", tuple(dict.fromkeys(strategies)))
-        object.__setattr__(self, "precisions", tuple(dict.fromkeys(precisions)))
-        compiles = [compile_from_flag(name) for name in parse_list(self.compile, "--compile")]
-        object.__setattr__(
-            self, "compile", ",".join(dict.fromkeys("none" if c is None else c["backend"] for c in compiles))
-        )
+        # spelled canonically once, here (each refused with its flag); the fields keep what was given
+        self.strategy_labels, self.precision_names, self.compiles  # noqa: B018
         limits = (
             ("--nproc", min(self.nprocs, default=0), 1),
             ("--max-steps", self.steps, 1),
@@ -197,10 +190,10 @@ class BenchConfig:
 
         bf16_unusable = torch.cuda.is_available() and not torch.cuda.is_bf16_supported()
         configs = {}
-        for strategy in self.strategies:
+        for strategy in self.strategy_labels:
             if split_strategy(strategy)[0] == "horovod" and horovod_unavailable() is not None:
                 continue
-            for precision in self.precisions:
+            for precision in self.precision_names:
                 if precision.startswith("bf16") and bf16_unusable:
                     continue
                 for compile in self.compiles:
@@ -209,10 +202,25 @@ class BenchConfig:
                     )
         return configs
 
-    @property
+    @cached_property
+    def strategy_labels(self) -> tuple[str, ...]:
+        """The strategies measured, spelled canonically, each once (``ddp+zero1`` for ddp with ZeRO-1)."""
+        return tuple(dict.fromkeys(_strategy_label(name) for name in self.strategies))
+
+    @cached_property
+    def precision_names(self) -> tuple[str, ...]:
+        """The precisions measured, by their canonical names (apex aliases resolved), each once."""
+        from lockstep.precision import canonical_precision
+
+        return tuple(dict.fromkeys(canonical_precision(name) for name in self.precisions))
+
+    @cached_property
     def compiles(self) -> tuple[str, ...]:
         """The compile settings every cell is measured with: ``("none",)``, ``("none", "inductor")``..."""
-        return tuple(self.compile.split(","))
+        from lockstep.strategies.compile import compile_from_flag
+
+        chosen = (compile_from_flag(name) for name in parse_list(self.compile, "--compile"))
+        return tuple(dict.fromkeys("none" if c is None else c["backend"] for c in chosen))
 
     @property
     def per_device_batch(self) -> int:
@@ -328,8 +336,8 @@ def plan_cells(config: BenchConfig, gpus: int, bf16_supported: bool = True) -> l
         bf16_supported: whether those GPUs compute in bf16.
     """
     cells = []
-    for strategy in config.strategies:
-        for precision in config.precisions:
+    for strategy in config.strategy_labels:
+        for precision in config.precision_names:
             for nproc in sorted(config.nprocs):
                 reason = skip_reason(strategy, precision, nproc, gpus, bf16_supported)
                 for compile in config.compiles:

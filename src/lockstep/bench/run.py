@@ -313,7 +313,7 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict[str, Any]:
             "nonfinite": config.nonfinite,
             "seed": config.seed,
             "threads": config.threads,
-            "compile": config.compile,
+            "compile": ",".join(config.compiles),
         },
         "cpu_threads": _cpu_threads(config, gpus),
         "winner": verdict.winner,

@@ -179,10 +179,8 @@ class TrainConfig:
             )
 
     def _check_strategy(self) -> None:
-        session = self.session_config().resolved  # the Session's own checks, before any worker starts
-        session.check_processes(self.world_size)
-        object.__setattr__(self, "grad_compression", session.grad_compression)
-        object.__setattr__(self, "compile", session.compile_backend)
+        # the Session's own checks, before any worker starts; the fields keep what was given (the workers' flags)
+        self.session_config().resolved.check_processes(self.world_size)
 
     def session_config(self) -> SessionConfig:
         """The :class:`~lockstep.SessionConfig` every worker's Session is built from."""

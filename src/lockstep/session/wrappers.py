@@ -30,8 +30,7 @@ class PrecisionModule(nn.Module):
         super().__init__()
         self.module = module
         self._precision = precision
-        self._bare: nn.Module
-        object.__setattr__(self, "_bare", bare)  # not a submodule: its parameters are module's
+        self._bare = (bare,)  # not a submodule (a tuple is not registered): its parameters are module's
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         precision = self._precision
@@ -41,10 +40,10 @@ class PrecisionModule(nn.Module):
         return precision.convert_output(out)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        return self._bare.state_dict(*args, **kwargs)
+        return self._bare[0].state_dict(*args, **kwargs)
 
     def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        return self._bare.load_state_dict(*args, **kwargs)
+        return self._bare[0].load_state_dict(*args, **kwargs)
 
 
 @dataclass(frozen=True)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from lockstep.errors import ConfigError
 
 if TYPE_CHECKING:  # the session's modules load when a config is built, not when the CLI starts
-    from lockstep.session.config import SessionConfig
+    from lockstep.session.config import ResolvedConfig, SessionConfig
 
 __all__ = ["VerifyConfig", "TOLERANCES", "STRATEGIES", "DROPOUT_MODES", "parse_shape"]
 
@@ -99,11 +100,7 @@ class VerifyConfig:
         from lockstep.zoo.models import parse_model
 
         check_strategy(self.strategy, STRATEGIES)  # the parallel run spreads one model over N processes
-        session = self.session_config().resolved  # the Session's own checks, before any process starts
-        object.__setattr__(self, "grad_compression", session.grad_compression)
-        object.__setattr__(self, "compile", session.compile_backend)
-        object.__setattr__(self, "strategy", session.strategy)
-        object.__setattr__(self, "precision", session.precision)  # "O0" -> "fp32"
+        self.resolved  # noqa: B018  # the Session's own checks, before any process starts
         for name, flag in (("steps", "--max-steps"), ("batch", "--global-batch"), ("classes", "--num-classes")):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{flag} must be at least 1, got {getattr(self, name)}")
@@ -142,6 +139,12 @@ class VerifyConfig:
             compile=self.compile,
         )
 
+    @cached_property
+    def resolved(self) -> ResolvedConfig:
+        """The parallel run's Session options spelled canonically (``"O0"`` -> ``"fp32"``, ``"FP16"`` -> ``"fp16"``);
+        the fields keep what was given."""
+        return self.session_config().resolved
+
     @property
     def per_device_batch(self) -> int:
         """Samples per rank and optimizer step in the parallel run."""
@@ -157,7 +160,7 @@ class VerifyConfig:
         """The tolerance in force: the given one, or the precision's default."""
         if self.tolerance is not None:
             return self.tolerance
-        return TOLERANCES.get(self.precision, LOW_PRECISION_TOLERANCE)
+        return TOLERANCES.get(self.resolved.precision, LOW_PRECISION_TOLERANCE)
 
     @property
     def sample_shape(self) -> tuple[int, ...]:

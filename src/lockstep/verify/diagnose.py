@@ -165,9 +165,9 @@ def _weight_cause(comparison: Comparison, facts: ModelFacts, config: VerifyConfi
     differing = comparison.differing
     modules = list(dict.fromkeys(t.module for t in differing))
     worst = max((t.rel for t in differing), default=0.0)
-    if config.precision != "fp32" and worst < 10 * comparison.tolerance:
+    if config.resolved.precision != "fp32" and worst < 10 * comparison.tolerance:
         return (
-            f"small differences (at most {worst:.1e}) in {config.precision}: rounding of a reduced "
+            f"small differences (at most {worst:.1e}) in {config.resolved.precision}: rounding of a reduced "
             "precision over different batch shapes; pass a larger --tolerance if they are acceptable"
         )
     if not differing:
@@ -217,8 +217,8 @@ def diagnose(comparison: Comparison, facts: ModelFacts, config: VerifyConfig) ->
     """Turn a comparison into a verdict and its likely causes."""
     tol = comparison.tolerance
     worst = max([t.rel for t in comparison.tensors] + [d.rel for d in comparison.losses], default=0.0)
-    if config.grad_compression != "none" and comparison.first_forward_difference is None:
-        return _lossy_verdict(config.grad_compression, worst, tol)  # else the forward's cause comes first
+    if config.resolved.grad_compression != "none" and comparison.first_forward_difference is None:
+        return _lossy_verdict(config.resolved.grad_compression, worst, tol)  # else the forward's cause comes first
     if comparison.equivalent:
         return Diagnosis(
             True,
@@ -237,9 +237,10 @@ def diagnose(comparison: Comparison, facts: ModelFacts, config: VerifyConfig) ->
         causes.append(_forward_cause(first, facts, config))
     else:
         causes.append(_scale_cause(comparison, config) or _weight_cause(comparison, facts, config))
-    if config.compile not in ("none", "eager", "aot_eager"):  # generated kernels may sum in another order
+    backend = config.resolved.compile_backend
+    if backend not in ("none", "eager", "aot_eager"):  # generated kernels may sum in another order
         causes.append(
-            f"the parallel run is compiled ({config.compile}) and the reference is eager: compiled "
+            f"the parallel run is compiled ({backend}) and the reference is eager: compiled "
             "kernels may round differently; run without --compile to check the rest of the setup"
         )
     return Diagnosis(

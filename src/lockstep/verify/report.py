@@ -18,13 +18,14 @@ def _heading(config: VerifyConfig, facts: ModelFacts) -> list[str]:
     if a > 1:
         split += f" ({a} micro-batches of {config.micro_batch})"
     data = config.data or f"synthetic {tuple(config.sample_shape)}"
+    compression, backend = config.resolved.grad_compression, config.resolved.compile_backend
     lines = [
         f"lockstep verify: {config.model}, {config.steps} steps of SGD (lr {config.lr:g}, no momentum), "
-        f"global batch {config.batch}, precision {config.precision}, data {data}, loss {config.loss}",
-        f"  single process: 1 x {config.batch} samples;  parallel: {split}, strategy {config.strategy}"
+        f"global batch {config.batch}, precision {config.resolved.precision}, data {data}, loss {config.loss}",
+        f"  single process: 1 x {config.batch} samples;  parallel: {split}, strategy {config.resolved.strategy}"
         + (", sync_bn" if config.sync_bn else "")
-        + (f", grad compression {config.grad_compression}" if config.grad_compression != "none" else "")
-        + (f", compiled ({config.compile}; the reference runs eager)" if config.compile != "none" else ""),
+        + (f", grad compression {compression}" if compression != "none" else "")
+        + (f", compiled ({backend}; the reference runs eager)" if backend != "none" else ""),
     ]
     if facts.disabled:
         lines.append(f"  dropout disabled for the comparison in: {', '.join(facts.disabled)}")

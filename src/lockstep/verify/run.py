@@ -44,7 +44,7 @@ def train(
     session: Any, config: VerifyConfig, init: dict[str, torch.Tensor], steps: list[list[Batch]], reference: bool = False
 ) -> RunResult:
     """Train the config's model under ``session`` on ``steps``, this rank's micro-batches of each step."""
-    if config.precision == "fp32" and session.device.type == "cuda":
+    if config.resolved.precision == "fp32" and session.device.type == "cuda":
         # TF32 convolutions/matmuls round to 10 bits, differently for different batch shapes:
         # an fp32 comparison must compute in fp32
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -88,7 +88,7 @@ def run_reference(config: VerifyConfig, init: dict[str, torch.Tensor], batches: 
     """Train in this process, world size 1, each global batch whole."""
     from lockstep.session.session import Session
 
-    with Session(strategy="single", precision=config.precision, seed=config.seed, quiet=True) as session:
+    with Session(strategy="single", precision=config.resolved.precision, seed=config.seed, quiet=True) as session:
         return train(session, config, init, [[batch] for batch in batches], reference=True)
 
 

@@ -20,7 +20,7 @@ import torch
 
 from lockstep.comm.handover import broadcast_state
 from lockstep.comm.members import Member, Membership, RoundView
-from lockstep.env import detect_world, read_settings
+from lockstep.env import Settings, World, detect_world, read_settings
 
 __all__ = ["ElasticGroup", "Handover", "Objects", "membership_from_env", "is_membership_failure", "describe_change"]
 
@@ -117,16 +117,21 @@ class Objects:
         return self.from_disk() if self.from_disk is not None else None
 
 
-def membership_from_env(timeout: float | None = None) -> tuple[Membership, float, Any]:
+def membership_from_env(
+    timeout: float | None = None, settings: Settings | None = None, world: World | None = None
+) -> tuple[Membership, float, Any]:
     """This worker's rendezvous under ``lockstep run --nodes MIN:MAX`` (store, secret and node from it).
 
     Args:
         timeout: seconds a collective waits for a peer; ``$LOCKSTEP_TIMEOUT`` or 60 when ``None``.
+        settings: the launcher's variables, already read; read here when ``None``.
+        world: this worker as its launcher described it; read here when ``None``.
 
     Returns:
         The membership, the timeout, and the store's client connection (keep it alive with the group).
     """
-    settings, world = read_settings(), detect_world()
+    settings = read_settings() if settings is None else settings
+    world = detect_world() if world is None else world
     host, _, port = settings.elastic_store.rpartition(":")
     low, _, high = settings.elastic_nodes.partition(":")
     seconds = float(timeout if timeout is not None else settings.timeout or 60.0)

@@ -14,7 +14,7 @@ from typing import Any
 
 from lockstep.comm.collectives import GroupComm
 from lockstep.comm.elastic import ElasticGroup, Handover, Objects, membership_from_env
-from lockstep.env import World
+from lockstep.env import Settings, World
 
 __all__ = ["ElasticComm"]
 
@@ -39,16 +39,17 @@ class ElasticComm(GroupComm):
         super().__init__(here, "gloo", peers=[])
 
     @classmethod
-    def from_env(cls, here: World, timeout: timedelta) -> ElasticComm:
-        """The comm of a worker of ``lockstep run --nodes MIN:MAX`` (store, secret and node from the environment).
+    def from_settings(cls, here: World, timeout: timedelta, settings: Settings) -> ElasticComm:
+        """The comm of a worker of ``lockstep run --nodes MIN:MAX`` (store, secret and node from its launcher).
 
         The rendezvous store is reached now; the group forms at the join.
 
         Args:
             here: this worker as its launcher described it.
             timeout: how long a collective waits for a peer (how long a cut link takes to detect).
+            settings: the launcher's variables (:func:`~lockstep.env.read_settings`).
         """
-        membership, seconds, store = membership_from_env(timeout.total_seconds())
+        membership, seconds, store = membership_from_env(timeout.total_seconds(), settings, here)
         return cls(here, lambda handover: ElasticGroup(membership, handover, timeout=seconds, store=store))
 
     @property  # the base class keeps a fixed world; this one follows the rounds

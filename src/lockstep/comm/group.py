@@ -103,16 +103,19 @@ def init_comm(
     return form_comm(world, chosen, init_method, resolve_timeout(timeout))
 
 
-def form_comm(world: World, backend: str, init_method: str | None, timeout: timedelta) -> Comm:
-    """:func:`init_comm` with its arguments already checked (the Session calls it directly)."""
+def form_comm(
+    world: World, backend: str, init_method: str | None, timeout: timedelta, settings: Settings | None = None
+) -> Comm:
+    """:func:`init_comm` with its arguments already checked (the Session calls it directly, with the
+    ``settings`` it read: the environment is read once)."""
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
         return _adopt(world)  # formed by the framework that started us (Ray Train, a user's own code)
-    settings = read_settings()
+    settings = read_settings() if settings is None else settings
     if settings.elastic_nodes:  # lockstep run --nodes MIN:MAX: the group of the current membership round
         from lockstep.comm.elastic_comm import ElasticComm
 
-        return ElasticComm.from_env(world, timeout)
+        return ElasticComm.from_settings(world, timeout, settings)
     if world.world_size == 1:
         return Comm(world)
     chosen = backend

@@ -132,7 +132,7 @@ class Session(Observing):
         self._compile: dict[str, Any] | None = run.compile
         self._accum = Accumulator(run.accumulate)
         self.device: torch.device = world.device
-        self.comm: Comm = form_comm(world, run.backend, run.init_method, self.timeout)
+        self.comm: Comm = form_comm(world, run.backend, run.init_method, self.timeout, settings)
         self._guard = StopGuard(
             self.comm, self.device, run.preemption, run.preempt_check_seconds, grace=parse_grace(settings.grace)
         )
@@ -268,6 +268,7 @@ class Session(Observing):
             batch_size,
             world_size=self.world_size,
             rank=self.rank,
+            local_world_size=self.world.local_world_size,
             shuffle=shuffle and not eval,
             eval=eval,
             seed=self.seed,

@@ -113,9 +113,9 @@ def _graphs_compiled(task: CellTask) -> int:
     """Graphs ``torch.compile`` has compiled in this process so far (0 for an eager cell)."""
     if task.compile == "none":
         return 0
-    from lockstep.strategies.torch_internals import graphs_compiled
+    from lockstep.strategies.compile import compiled_graphs
 
-    return graphs_compiled()
+    return compiled_graphs()
 
 
 def _batches(session: Any, task: CellTask, batch_size: int) -> tuple[Iterator[Any], int]:

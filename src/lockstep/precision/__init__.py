@@ -12,6 +12,7 @@ from lockstep.errors import ConfigError
 from lockstep.precision.amp import MixedPrecision
 from lockstep.precision.base import LossScaler, Precision
 from lockstep.precision.half import HalfPrecision, MasterWeightPrecision
+from lockstep.precision.torch_amp import BATCHNORM_TYPES
 
 __all__ = [
     "Precision",
@@ -24,6 +25,7 @@ __all__ = [
     "available_precisions",
     "canonical_precision",
     "check_precision",
+    "BATCHNORM_TYPES",
 ]
 
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "fp16-o2", "bf16", "fp16")

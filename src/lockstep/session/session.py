@@ -240,6 +240,26 @@ class Session(Observing):
         self._split_streams()
         return layers.trained if opt is None else (layers.trained, opt)
 
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The user's own module inside what :meth:`setup` returned, whatever the strategy and precision.
+
+        Its ``state_dict()`` has the module's own keys (no ``module.`` prefix); under fsdp its tensors are
+        shards: :meth:`model_state_dict` gathers them.
+
+        Args:
+            model: what :meth:`setup` returned (or any layer of it).
+        """
+        return model_wrappers(model, self._models, self.strategy).bare
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The user's module's full state dict as CPU tensors, on every rank (every rank must call it: fsdp
+        gathers its shards); what ``torch.save`` or an export writes, and ``load_state_dict`` of the bare module reads.
+
+        Args:
+            model: what :meth:`setup` returned.
+        """
+        return self.strategy.model_state_dict(model_wrappers(model, self._models, self.strategy).wrapped)
+
     def _split_streams(self) -> None:
         """After the first model's broadcast: each rank its own RNG stream (unless the script seeded since)."""
         if self._rank_streams:

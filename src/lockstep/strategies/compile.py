@@ -15,7 +15,7 @@ from torch import nn
 
 from lockstep.errors import ConfigError
 
-__all__ = ["apply_compile", "check_compile", "compile_from_flag", "compile_label"]
+__all__ = ["apply_compile", "check_compile", "compile_from_flag", "compile_label", "compiled_graphs"]
 
 
 def _compile_keys() -> list[str]:
@@ -74,3 +74,10 @@ def compile_from_flag(backend: str | None) -> dict[str, Any] | None:
     if backend not in known:
         raise ConfigError(f"--compile {backend!r}: unknown torch.compile backend; choose one of {', '.join(known)}")
     return {"backend": backend}
+
+
+def compiled_graphs() -> int:
+    """Graphs ``torch.compile`` has compiled in this process so far (a benchmark tells warm-up from steady state)."""
+    from lockstep.strategies.torch_internals import graphs_compiled
+
+    return graphs_compiled()

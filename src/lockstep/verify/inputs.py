@@ -16,7 +16,7 @@ from torch import nn
 
 from lockstep._imports import load_object
 from lockstep.errors import ConfigError
-from lockstep.precision.torch_amp import BATCHNORM_TYPES
+from lockstep.precision import BATCHNORM_TYPES
 from lockstep.verify.config import VerifyConfig
 from lockstep.zoo.models import ModelSpec
 

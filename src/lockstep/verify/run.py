@@ -70,10 +70,10 @@ def train(
             total += loss.detach().double()
         session.step(optimizer)
         if step == 0:
-            first_state = session.strategy.model_state_dict(model)
+            first_state = session.model_state_dict(model)
         # equal micro-batches on every rank: the mean of the means is the global mean
         losses.append(float(session.all_reduce(total / len(micro_batches), "mean").item()))
-    state = session.strategy.model_state_dict(model)
+    state = session.model_state_dict(model)
     activations = session.comm.all_gather_object(recorder.outputs)
     return RunResult(losses, state, activations, recorder.order, first_state)
 

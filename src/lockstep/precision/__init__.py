@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import torch
 
-from lockstep.comm.group import Comm
 from lockstep.errors import ConfigError
 from lockstep.precision.amp import MixedPrecision
 from lockstep.precision.base import LossScaler, Precision
@@ -74,35 +73,32 @@ def check_precision(name: str, device: torch.device | None = None) -> str:
     return key
 
 
-def get_precision(name: str, device: torch.device, comm: Comm | None = None) -> Precision:
+def get_precision(name: str, device: torch.device) -> Precision:
     """Build the precision plugin called ``name`` for ``device``.
 
     Args:
         name: a name from :func:`available_precisions` or an apex alias ``O0``-``O3``.
         device: this rank's device (``cpu`` or ``cuda:N``).
-        comm: the job's collectives, so that every rank skips the same overflowing fp16 steps (default:
-            the default process group).
 
     Raises:
         ConfigError: an unknown name, or bf16 on a GPU without bf16 support.
     """
-    return build_precision(check_precision(name, device), device, comm)
+    return build_precision(check_precision(name, device), device)
 
 
-def build_precision(key: str, device: torch.device, comm: Comm | None = None) -> Precision:
+def build_precision(key: str, device: torch.device) -> Precision:
     """Build the plugin of a precision :func:`check_precision` already accepted (as ``SessionConfig`` does).
 
     Args:
         key: a canonical name from :func:`available_precisions`.
         device: this rank's device.
-        comm: the job's collectives (see :func:`get_precision`).
     """
     device = torch.device(device)
     if key == "fp32":
-        return Precision(device, comm)
+        return Precision(device)
     if key == "fp16-o2":
-        return MasterWeightPrecision(device, comm)
+        return MasterWeightPrecision(device)
     dtype = torch.bfloat16 if key.startswith("bf16") else torch.float16
     if key.endswith("-mixed"):
-        return MixedPrecision(device, dtype, comm)
-    return HalfPrecision(device, dtype, comm)
+        return MixedPrecision(device, dtype)
+    return HalfPrecision(device, dtype)

@@ -7,7 +7,6 @@ from typing import Any
 
 import torch
 
-from lockstep.comm.group import Comm
 from lockstep.precision.base import LossScaler, Precision
 
 __all__ = ["MixedPrecision"]
@@ -19,11 +18,10 @@ class MixedPrecision(Precision):
     Args:
         device: this rank's device.
         dtype: ``torch.bfloat16``, or ``torch.float16``, which scales the loss and skips steps that overflow.
-        comm: the job's collectives.
     """
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, comm: Comm | None = None) -> None:
-        super().__init__(device, comm)
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__(device)
         self.autocast_dtype = dtype
         self.name = "fp16-mixed" if dtype == torch.float16 else "bf16-mixed"
         if dtype == torch.float16:

@@ -14,8 +14,6 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from lockstep.comm.group import Comm
-
 __all__ = ["Precision", "LossScaler"]
 
 
@@ -95,15 +93,13 @@ class Precision:
 
     Args:
         device: this rank's device (autocast and the loss scaler use its type).
-        comm: the job's collectives (for plugins that need them; the step's decision is the session's).
     """
 
     name: str = "fp32"
     param_dtype: ClassVar[torch.dtype] = torch.float32
 
-    def __init__(self, device: torch.device, comm: Comm | None = None) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
-        self.comm = comm
         self.scaler: LossScaler | None = None
 
     def __repr__(self) -> str:

@@ -10,7 +10,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from lockstep.comm.group import Comm
 from lockstep.errors import ConfigError
 from lockstep.precision.base import LossScaler, Precision, is_float
 from lockstep.precision.torch_amp import BATCHNORM_TYPES, version_of
@@ -24,11 +23,10 @@ class HalfPrecision(Precision):
     Args:
         device: this rank's device.
         dtype: ``torch.bfloat16`` or ``torch.float16``; fp16 also scales the loss.
-        comm: the job's collectives.
     """
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, comm: Comm | None = None) -> None:
-        super().__init__(device, comm)
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__(device)
         self.half_dtype = dtype
         self.name = "fp16" if dtype == torch.float16 else "bf16"
         if dtype == torch.float16:
@@ -70,13 +68,12 @@ class MasterWeightPrecision(Precision):
 
     Args:
         device: this rank's device.
-        comm: the job's collectives.
     """
 
     name = "fp16-o2"
 
-    def __init__(self, device: torch.device, comm: Comm | None = None) -> None:
-        super().__init__(device, comm)
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
         self.scaler = LossScaler(self.device)
         self._pairs: dict[int, list[_Pair]] = {}
         self._versions: dict[int, int] = {}

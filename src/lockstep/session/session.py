@@ -137,7 +137,7 @@ class Session(Observing):
             self.comm, self.device, run.preemption, run.preempt_check_seconds, grace=parse_grace(settings.grace)
         )
         self._finite = NonFinitePolicy(run.nonfinite, self.comm)
-        self.precision = build_precision(run.precision, self.device, comm=self.comm)
+        self.precision = build_precision(run.precision, self.device)
         self.strategy = get_strategy(run.strategy, self.comm, self.device, **run.strategy_kwargs(self.world_size))
         # the script's own seed (set before the session) is kept, with its per-rank streams, if any
         self._rank_streams = not seeded_by_script(run.seed)

@@ -86,7 +86,12 @@ def _run_step(elastic: ElasticTraining, batches: Any, accum: Accumulator, fail: 
         elastic.state.count_step()
         return True
 
-    elastic.step(step, lambda optimizer: None, None, None, True)  # type: ignore[arg-type]
+    try:  # as Session.step runs TrainStep.step
+        took = step(None, None, True)
+    except RuntimeError as exc:
+        elastic.step_failed(exc)
+    else:
+        elastic.step_done(took, None)  # type: ignore[arg-type]
     return seen
 
 

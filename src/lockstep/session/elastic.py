@@ -148,36 +148,22 @@ class ElasticTraining:
             self._changed()
         self._began = time.monotonic()
 
-    def step(
-        self,
-        train_step: Callable[[torch.optim.Optimizer, nn.Module | None, bool], bool],
-        after: Callable[[torch.optim.Optimizer], None],
-        optimizer: torch.optim.Optimizer,
-        model: nn.Module | None,
-        counted: bool,
-    ) -> bool:
-        """Run the session's step; count it committed, or drop it (False) when a peer died in it.
+    def step_failed(self, exc: Exception) -> bool:
+        """The session's step raised ``exc``: a peer's death drops the step (False); anything else is raised.
 
-        Args:
-            train_step: averages the gradients, decides, clips and steps (``TrainStep.step``), given
-                ``optimizer``, ``model`` and ``counted``.
-            after: what follows a step taken with fixed members (the replica check): left out here, where a
-                collective outside the step would not be recovered.
-            optimizer: the optimizer to step.
-            model: its model.
-            counted: whether the session counts this optimizer's steps.
+        The step's batches and its all-reduce are what is lost; the committed position comes back.
         """
-        try:
-            took = train_step(optimizer, model, counted)
-        except Exception as exc:  # noqa: BLE001 - only a peer's death is handled; the rest is raised
-            if not is_membership_failure(exc):
-                raise
-            self.group.recover(time.monotonic() - self._began)  # the step's batches and its all-reduce
-            self._changed()
-            return False
+        if not is_membership_failure(exc):
+            raise exc
+        self.group.recover(time.monotonic() - self._began)
+        self._changed()
+        return False
+
+    def step_done(self, took: bool, optimizer: torch.optim.Optimizer) -> None:
+        """The step ended on every member: its position is committed. No replica check follows: a collective
+        outside the step would not be recovered."""
         self.position.commit()
         self.group.commit()
-        return took
 
     def load(self, restore: Callable[..., ResumeState]) -> ResumeState:
         """``session.load``: join; the disk is read only when no member holds the state.

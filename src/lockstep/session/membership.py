@@ -23,9 +23,6 @@ from lockstep.session.state import ResumeState, TrainState
 
 __all__ = ["Membership", "FixedMembership", "form_membership"]
 
-TrainStepFn = Callable[[torch.optim.Optimizer, "nn.Module | None", bool], bool]
-
-
 class Membership(Protocol):
     """What the session asks of the job's membership."""
 
@@ -41,15 +38,12 @@ class Membership(Protocol):
         """The epoch the loop starts from."""
         ...
 
-    def step(
-        self,
-        train_step: TrainStepFn,
-        after: Callable[[torch.optim.Optimizer], None],
-        optimizer: torch.optim.Optimizer,
-        model: nn.Module | None,
-        counted: bool,
-    ) -> bool:
-        """Run ``train_step(optimizer, model, counted)``, then ``after(optimizer)`` when a step was taken."""
+    def step_failed(self, exc: Exception) -> bool:
+        """The session's step raised ``exc``: raise it, or return False when the step was dropped and may go on."""
+        ...
+
+    def step_done(self, took: bool, optimizer: torch.optim.Optimizer) -> None:
+        """The session's step ended (``took``: an optimizer step was taken)."""
         ...
 
     def load(self, restore: Callable[..., ResumeState]) -> ResumeState:
@@ -62,10 +56,11 @@ class FixedMembership:
 
     Args:
         comm: the job's collectives.
+        after: what follows a step taken (the session's replica check), given its optimizer.
     """
 
-    def __init__(self, comm: Comm) -> None:
-        self.comm = comm
+    def __init__(self, comm: Comm, after: Callable[[torch.optim.Optimizer], None] = lambda optimizer: None) -> None:
+        self.comm, self.after = comm, after
 
     def folders(self) -> FolderLocks:
         """Folders locked for the whole job (one live job per checkpoint folder)."""
@@ -78,19 +73,14 @@ class FixedMembership:
         """The script's own start."""
         return epoch
 
-    def step(
-        self,
-        train_step: TrainStepFn,
-        after: Callable[[torch.optim.Optimizer], None],
-        optimizer: torch.optim.Optimizer,
-        model: nn.Module | None,
-        counted: bool,
-    ) -> bool:
-        """The step as it is; ``after`` (the replica check) follows a step taken."""
-        took = train_step(optimizer, model, counted)
+    def step_failed(self, exc: Exception) -> bool:
+        """A step that raised is over for every rank: ``exc`` is raised."""
+        raise exc
+
+    def step_done(self, took: bool, optimizer: torch.optim.Optimizer) -> None:
+        """The replicas are checked after a step taken (they stay equal while the members do)."""
         if took:
-            after(optimizer)
-        return took
+            self.after(optimizer)
 
     def load(self, restore: Callable[..., ResumeState]) -> ResumeState:
         """Every rank reads the newest checkpoint."""
@@ -98,7 +88,10 @@ class FixedMembership:
 
 
 def form_membership(
-    comm: Comm, accum: Any, new_state: Callable[[ElasticTraining | None], TrainState]
+    comm: Comm,
+    accum: Any,
+    new_state: Callable[[ElasticTraining | None], TrainState],
+    after_step: Callable[[torch.optim.Optimizer], None],
 ) -> tuple[TrainState, Membership]:
     """The session's state and its membership: :class:`ElasticTraining` over an
     :class:`~lockstep.comm.elastic_comm.ElasticComm` (``--nodes``), else :class:`FixedMembership`.
@@ -107,19 +100,20 @@ def form_membership(
         comm: the session's collectives.
         accum: the session's accumulation (re-planned after a change of members).
         new_state: builds the session's :class:`TrainState` with the loaders' step boundary (``None``: fixed).
+        after_step: the replica check that follows a step taken while the members are fixed.
     """
     form = {"fixed": _fixed, "elastic": _elastic}[comm.membership]  # as the strategies' registry picks
-    return form(comm, accum, new_state)
+    return form(comm, accum, new_state, after_step)
 
 
 def _fixed(
-    comm: Comm, accum: Any, new_state: Callable[[ElasticTraining | None], TrainState]
+    comm: Comm, accum: Any, new_state: Callable[[ElasticTraining | None], TrainState], after_step: Any
 ) -> tuple[TrainState, Membership]:
-    return new_state(None), FixedMembership(comm)
+    return new_state(None), FixedMembership(comm, after_step)
 
 
 def _elastic(
-    comm: Comm, accum: Any, new_state: Callable[[ElasticTraining | None], TrainState]
+    comm: Comm, accum: Any, new_state: Callable[[ElasticTraining | None], TrainState], after_step: Any
 ) -> tuple[TrainState, Membership]:
     elastic = ElasticTraining(cast(ElasticComm, comm), accum, new_state)
     return elastic.state, elastic

@@ -149,7 +149,7 @@ class Session(Observing):
             return TrainState(self.comm, say, boundary=boundary)
 
         # fixed nodes, or --nodes: then the membership is the loaders' step boundary and joins the job itself
-        self.state, self._members = form_membership(self.comm, self._accum, new_state)
+        self.state, self._members = form_membership(self.comm, self._accum, new_state, self._check_replicas)
         self._steps = TrainStep(
             self.state,
             self._accum,
@@ -352,8 +352,11 @@ class Session(Observing):
         if self._counted is None:
             self._counted = optimizer
         counted = optimizer is self._counted
-        # under --nodes a peer's death drops the step (False); with fixed nodes the replicas are checked after it
-        took = self._members.step(self._steps.step, self._check_replicas, optimizer, model, counted)
+        try:
+            took = self._steps.step(optimizer, model, counted)
+        except Exception as exc:  # noqa: BLE001 - under --nodes a peer's death drops the step (False); else raised
+            return self._members.step_failed(exc)
+        self._members.step_done(took, optimizer)  # fixed nodes: the replicas checked; --nodes: the step committed
         last, handed = self._previous
         if handed != self.state.loaders.handed:  # a batch went out since the last step: that step ended an iteration
             self._last_in_iteration = last

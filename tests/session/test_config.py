@@ -440,3 +440,10 @@ def test_the_scan_would_see_a_second_check() -> None:
     assert _subject("grad_compression='powersgd' needs one bucket; drop bucket_cap_mb") == "grad_compression"
     assert _subject("unknown strategy 'x'") == "strategy" and _subject("--sync-bn needs GPUs") == "sync_bn"
     assert _subject("strategy 'fsdp' has no option 'x'") is None  # the strategy's options, not the option itself
+
+
+def test_grad_compression_has_one_spelling() -> None:
+    with pytest.raises(ConfigError, match=r"pass it as grad_compression=\.\.\., and keep PowerSGD's knobs"):
+        SessionConfig("ddp", strategy_options={"grad_compression": "powersgd"})
+    options = SessionConfig("ddp", grad_compression="PowerSGD", strategy_options={"powersgd_rank": 2}).resolved
+    assert options.strategy_kwargs(2) == {"powersgd_rank": 2, "grad_compression": "powersgd"}

@@ -283,7 +283,6 @@ class ResolvedConfig:
             world_size: processes of the job (``"auto"`` in one process has no ddp optimizer to shard).
         """
         out = dict(self.strategy_options or {})
-        out.pop("grad_compression", None)
         if self.sync_bn:
             out["sync_bn"] = True
         if self.grad_compression != "none":  # "none" is no option at all: fsdp and horovod have none to take
@@ -355,6 +354,11 @@ def _check_strategy_options(o: SimpleNamespace) -> None:
     if options is not None and not isinstance(options, dict):
         raise ConfigError(f"{_given('strategy_options', options)} must be a dict of the strategy's options")
     o.strategy_options = dict(options or {})
+    if "grad_compression" in o.strategy_options:  # one spelling per option: the Session's own
+        raise ConfigError(
+            f"{_given('strategy_options', options)} holds the compression, a Session option of its own: "
+            "pass it as grad_compression=..., and keep PowerSGD's knobs in strategy_options"
+        )
     _check_bool("shard_optimizer", o.shard_optimizer)
     if o.shard_optimizer and o.strategy not in ("ddp", "auto"):
         raise ConfigError(
@@ -376,7 +380,7 @@ def _check_lower_layers(o: SimpleNamespace) -> None:
     o.timeout = resolve_timeout(o.timeout)
     o.backend = pick_backend(o.backend)
     options = o.strategy_options or {}
-    compression = o.grad_compression if o.grad_compression is not None else options.get("grad_compression")
+    compression = o.grad_compression
     knobs = {k: options.get(k, v) for k, v in POWERSGD_DEFAULTS.items()}
     o.grad_compression = check_grad_compression(
         compression, strategy=o.strategy, backend=o.backend, bucket_cap_mb=options.get("bucket_cap_mb"), **knobs

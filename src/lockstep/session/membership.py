@@ -23,6 +23,7 @@ from lockstep.session.state import ResumeState, TrainState
 
 __all__ = ["Membership", "FixedMembership", "form_membership"]
 
+
 class Membership(Protocol):
     """What the session asks of the job's membership."""
 

@@ -5,6 +5,7 @@ peels the wrappers off again.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +24,8 @@ __all__ = ["ModelWrappers", "PrecisionModule", "wrap_model", "model_wrappers", "
 class PrecisionModule(nn.Module):
     """Run the wrapped model's forward under the precision plugin's autocast / input casting.
 
-    State dicts go to the user's ``bare`` module, so saving never adds a ``module.`` prefix.
+    State dicts go to the user's ``bare`` module, so saving never adds a ``module.`` prefix, and a deep
+    copy (an EMA, a teacher) is a copy of that module: a plain one, in the precision's storage format.
     """
 
     def __init__(self, module: nn.Module, precision: Any, bare: nn.Module) -> None:
@@ -41,6 +43,9 @@ class PrecisionModule(nn.Module):
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         return self._bare[0].state_dict(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> nn.Module:
+        return copy.deepcopy(self._bare[0], memo)
 
     def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
         return self._bare[0].load_state_dict(*args, **kwargs)

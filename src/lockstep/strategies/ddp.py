@@ -7,6 +7,7 @@ With one process there is nothing to synchronise and the model is left unwrapped
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import re
 from collections.abc import Iterator
@@ -60,9 +61,17 @@ class UnusedParametersError(LockstepError):
 
 
 class _LockstepDDP(DistributedDataParallel):
-    """DistributedDataParallel whose forward reports unused parameters by name (and holds its comm hook)."""
+    """DistributedDataParallel whose forward reports unused parameters by name (and holds its comm hook).
+
+    A deep copy (an EMA, a teacher, a frozen reference) is a copy of the user's module: a plain module
+    that holds no process group and syncs nothing.
+    """
 
     comm_hook: CommHook | None = None
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> nn.Module:
+        module: nn.Module = copy.deepcopy(self.module, memo)
+        return module
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         try:

@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# Test modules are named uniquely across tests/<package>/ and import each other's helpers by name
-# (``from test_zoo import write_mnist``), and model factories are given as ``test_verify:mlp``: every
-# test folder is on the import path, here and in the processes the tests start.
-_TESTS = Path(__file__).resolve().parent
-_FOLDERS = [str(d) for d in sorted(_TESTS.iterdir()) if d.is_dir() and any(d.glob("test_*.py"))]
-sys.path[:0] = [f for f in _FOLDERS if f not in sys.path]
-os.environ["PYTHONPATH"] = os.pathsep.join([*_FOLDERS, *filter(None, [os.environ.get("PYTHONPATH")])])
+# Shared helpers live in tests/support/ and are imported as ``support.<module>``; model factories are
+# given as ``support.models:mlp``: the tests/ folder itself is on the import path, here and in the
+# processes the tests start (test modules never import each other).
+_TESTS = str(Path(__file__).resolve().parent)
+if _TESTS not in sys.path:
+    sys.path.insert(0, _TESTS)
+os.environ["PYTHONPATH"] = os.pathsep.join([_TESTS, *filter(None, [os.environ.get("PYTHONPATH")])])
+pytest.register_assert_rewrite("support")  # the helpers' asserts report as the tests' own do
 _DIST_VARS = (
     "RANK",
     "WORLD_SIZE",

@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
 
 from lockstep.bench import BenchConfig, Cell, CellTask, add_efficiency, format_table, plan_cells, skip_reason
 from lockstep.bench.matrix import parse_list
@@ -18,6 +17,7 @@ from lockstep.bench.report import threads_line, write_outputs
 from lockstep.bench.run import SCHEMA_VERSION, aggregate, percentile, threads_per_rank
 from lockstep.cli.main import main as cli_main
 from lockstep.errors import ConfigError
+from support.bench import run_bench
 
 CELL_KEYS = {
     "id",
@@ -48,15 +48,6 @@ FIGURES = (
     "step_ms_p90",
     "peak_mem_mb",
 )
-
-
-def tiny_model() -> nn.Module:
-    """A factory for ``--model test_run:tiny_model``: 1x4x4 images, 10 classes."""
-    return nn.Sequential(nn.Flatten(), nn.Linear(16, 10))
-
-
-def broken_model() -> nn.Module:
-    raise RuntimeError("factory exploded on purpose")
 
 
 # -- skip reasons and planning ---------------------------------------------------------------
@@ -145,7 +136,7 @@ def test_config_validation() -> None:
     with pytest.raises(ConfigError, match="cannot import"):
         BenchConfig(model="no_such_module_here:make")
     with pytest.raises(ConfigError, match="no callable 'nothing'"):
-        BenchConfig(model=f"{__name__}:nothing")
+        BenchConfig(model="support.models:nothing")
     with pytest.raises(ConfigError, match="comma-separated list of int"):
         parse_list("1,two", "--nproc", int)
 
@@ -290,7 +281,7 @@ def test_time_window_times_each_step() -> None:
 
 @pytest.mark.slow
 def test_measure_cell_in_this_process() -> None:
-    task = CellTask(model=f"{__name__}:tiny_model", steps=3, warmup=1, image_size=4, channels=1, batch_size=4)
+    task = CellTask(model="support.models:tiny_model", steps=3, warmup=1, image_size=4, channels=1, batch_size=4)
     result = measure_cell(task)
     assert result["batch_size"] == 4 and len(result["step_ms"]) == 3 and result["device"] == "cpu"
     assert result["elapsed_s"] > 0 and result["peak_mem_mb"] >= result["base_mem_mb"] > 0
@@ -298,7 +289,7 @@ def test_measure_cell_in_this_process() -> None:
 
 @pytest.mark.gpu
 def test_measure_cell_on_cuda_reports_allocated_memory() -> None:
-    task = CellTask(model=f"{__name__}:tiny_model", steps=3, warmup=1, image_size=4, channels=1, batch_size=4)
+    task = CellTask(model="support.models:tiny_model", steps=3, warmup=1, image_size=4, channels=1, batch_size=4)
     result = measure_cell(task)
     assert result["device"].startswith("cuda") and len(result["step_ms"]) == 3
     assert result["peak_mem_mb"] > 0 and result["base_mem_mb"] == 0.0
@@ -307,37 +298,11 @@ def test_measure_cell_on_cuda_reports_allocated_memory() -> None:
 # -- the command, end to end -------------------------------------------------------------------
 
 
-def _bench(tmp_path: Path, *flags: str) -> tuple[int, dict[str, Any]]:
-    argv = [
-        "bench",
-        "--model",
-        f"{__name__}:tiny_model",
-        "--image-size",
-        "4",
-        "--channels",
-        "1",
-        "--batch-size",
-        "4",
-        "--max-steps",
-        "2",
-        "--warmup",
-        "1",
-        "--out",
-        str(tmp_path),
-        "--progress",
-        "off",
-        *flags,
-    ]
-    code = cli_main(argv)
-    doc = json.loads((tmp_path / "results.json").read_text()) if (tmp_path / "results.json").exists() else {}
-    return code, doc
-
-
 @pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(240)
 def test_bench_command_schema_and_skips(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, doc = _bench(tmp_path, "--strategies", "single,dp,ddp", "--precision", "fp32", "--nproc", "1,2")
+    code, doc = run_bench(tmp_path, "--strategies", "single,dp,ddp", "--precision", "fp32", "--nproc", "1,2")
     assert code == 0
     assert doc["schema"] == "lockstep-bench" and doc["version"] == SCHEMA_VERSION
     assert {"host", "torch", "device", "config", "winner", "cells", "created", "lockstep"} <= set(doc)
@@ -376,7 +341,7 @@ def test_bench_command_schema_and_skips(tmp_path: Path, capsys: pytest.CaptureFi
 @pytest.mark.e2e
 @pytest.mark.timeout(240)
 def test_compressed_ddp_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, doc = _bench(
+    code, doc = run_bench(
         tmp_path, "--strategies", "ddp,ddp+fp16,ddp+powersgd,ddp+zero", "--precision", "fp32", "--nproc", "2"
     )
     assert code == 0
@@ -391,7 +356,7 @@ def test_compressed_ddp_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str])
 @pytest.mark.e2e  # make test keeps the --compile flag's checks (strategies/test_compile.py) and bench's eager cells
 @pytest.mark.timeout(240)
 def test_eager_and_compiled_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, doc = _bench(
+    code, doc = run_bench(
         tmp_path, "--strategies", "single", "--precision", "fp32", "--nproc", "1", "--compile", "none,aot_eager"
     )
     assert code == 0 and doc["config"]["compile"] == "none,aot_eager"
@@ -407,7 +372,7 @@ def test_eager_and_compiled_rows(tmp_path: Path, capsys: pytest.CaptureFixture[s
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_failing_cell_is_reported_not_raised(tmp_path: Path) -> None:
-    argv_model = ["--model", f"{__name__}:broken_model"]
+    argv_model = ["--model", "support.models:broken_model"]
     code = cli_main(
         [
             "bench",

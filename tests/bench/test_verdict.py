@@ -8,12 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_zoo import write_image_folder
 
 from lockstep.bench import BenchConfig, Cell, format_table
 from lockstep.bench.run import aggregate
 from lockstep.cli.main import main as cli_main
 from lockstep.errors import ConfigError
+from support.data_files import write_image_folder
 
 
 def _ran(cid: str, median: float, low: float, high: float, repeats: int = 3) -> Cell:

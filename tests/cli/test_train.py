@@ -11,11 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_zoo import write_image_folder, write_mnist
 
 from lockstep.cli import train as train_cli
 from lockstep.cli.main import main
 from lockstep.errors import ConfigError
+from support.data_files import write_image_folder, write_mnist
 
 SLURM_TWO_NODES = {
     "SLURM_PROCID": "1",

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train_cli import assert_trained, last_weights, lockstep_train, rows
 
 from lockstep.cli.main import main, parse_args
 from lockstep.cli.train import config_from_args
 from lockstep.errors import ConfigError
 from lockstep.recipes.config import TrainConfig
+from support.train_cli import assert_trained, last_weights, lockstep_train, rows
 
 
 def _run_folder(tmp_path: Path, **flags: object) -> Path:

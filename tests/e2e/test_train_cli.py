@@ -6,7 +6,6 @@ workers and the exit codes are the ones a user gets.
 
 from __future__ import annotations
 
-import csv
 import fcntl
 import json
 import os
@@ -22,41 +21,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_zoo import write_image_folder, write_mnist
 
 from lockstep.checkpoint import load_checkpoint
 from lockstep.comm.group import Comm
 from lockstep.env import World
 from lockstep.errors import EXIT_PREEMPTED
 from lockstep.recipes.outputs import PREEMPTED_FILE
+from support.data_files import write_image_folder, write_mnist
+from support.train_cli import FAST, assert_trained, lockstep_train, rows
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]  # every test here runs lockstep train end to end
-
-FAST = ["--epochs", "1", "--max-steps", "3", "--progress", "off"]
-
-
-def lockstep_train(*args: str, timeout: float = 150, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "lockstep", "train", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=cwd,
-    )
-
-
-def rows(out: Path) -> list[dict[str, str]]:
-    with open(out / "metrics.csv") as f:
-        return list(csv.DictReader(f))
-
-
-def assert_trained(result: subprocess.CompletedProcess, world: int) -> None:
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert f"lockstep: world {world}," in result.stdout
-    assert "Epoch [" in result.stdout and "test accuracy" in result.stdout
-    assert "Training complete in" in result.stdout
 
 
 @pytest.mark.timeout(180)
@@ -170,12 +144,6 @@ def test_preempted_mid_epoch_at_world_two_ends_bit_identical(tmp_path: Path) -> 
     assert not differ, differ
     assert [r["step"] for r in rows(whole)] == [r["step"] for r in rows(cut)]
     assert [int(r["epoch"]) for r in rows(cut)] == [1, 2, 3, 4, 5]
-
-
-def last_weights(out: Path) -> dict[str, torch.Tensor]:
-    state = load_checkpoint(out / "checkpoints", Comm(World()))  # the newest
-    assert state is not None
-    return state["model"]
 
 
 @pytest.mark.timeout(240)

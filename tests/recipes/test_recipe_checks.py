@@ -14,7 +14,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from test_zoo import write_image_folder, write_mnist
 
 import lockstep
 import lockstep.checkpoint.files as cio
@@ -29,6 +28,7 @@ from lockstep.recipes.config import TrainConfig
 from lockstep.recipes.train import DivergedError, train
 from lockstep.zoo.datasets import open_data, parse_data
 from lockstep.zoo.idx import read_idx, write_idx
+from support.data_files import write_image_folder, write_mnist
 
 
 @pytest.mark.parametrize(

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_relaunch import TRAIN, _checkpoints, _finish, _start_slow
 
 from lockstep.comm.group import Comm
 from lockstep.env import World
 from lockstep.session.preempt import StopGuard
+from support.relaunch import TRAIN, checkpoints, finish, start_slow
 
 
 @pytest.fixture
@@ -94,13 +94,13 @@ def test_usr1_then_term_is_one_preemption_and_the_grace_still_ends_it(tmp_path: 
 def test_signal_to_a_rank_then_to_the_launcher_is_one_preemption(tmp_path: Path) -> None:
     """What Slurm does: the rank gets SIGUSR1 directly, then again from the launcher."""
     (tmp_path / "train.py").write_text(TRAIN)
-    launcher = _start_slow(tmp_path)
+    launcher = start_slow(tmp_path)
     os.kill(int((tmp_path / "pid1").read_text()), signal.SIGUSR1)
     time.sleep(0.3)
     launcher.send_signal(signal.SIGUSR1)
-    out, err, step = _finish(launcher)  # exit 75, every rank stopped at one step
+    out, err, step = finish(launcher)  # exit 75, every rank stopped at one step
     assert "every rank stopped after step" in out and "SIGUSR1 on rank" in out
-    assert f"step-{step:06d}" in _checkpoints(tmp_path)
+    assert f"step-{step:06d}" in checkpoints(tmp_path)
     assert "killed" not in err
 
 
@@ -109,14 +109,14 @@ def test_signal_to_a_rank_then_to_the_launcher_is_one_preemption(tmp_path: Path)
 def test_usr1_then_term_to_every_process_is_one_preemption(tmp_path: Path) -> None:
     """``scancel --signal=USR1`` then ``scancel``: each rank and the launcher get both signals."""
     (tmp_path / "train.py").write_text(TRAIN)
-    launcher = _start_slow(tmp_path)
+    launcher = start_slow(tmp_path)
     ranks = [int((tmp_path / f"pid{r}").read_text()) for r in (0, 1)]
     for signum in (signal.SIGUSR1, signal.SIGTERM):
         for pid in ranks:
             os.kill(pid, signum)
         launcher.send_signal(signum)
         time.sleep(0.3)
-    out, err, step = _finish(launcher)  # exit 75, every rank stopped at one step
+    out, err, step = finish(launcher)  # exit 75, every rank stopped at one step
     assert "SIGUSR1 on ranks 0, 1: every rank stopped after step" in out
-    assert f"step-{step:06d}" in _checkpoints(tmp_path)
+    assert f"step-{step:06d}" in checkpoints(tmp_path)
     assert "killed" not in err

@@ -11,27 +11,14 @@ from torch import nn
 
 import lockstep
 from support.dist import run_distributed
-
-N_SAMPLES = 240  # divisible by 2 x 3 x 8 x 5: every world size sees whole global batches
-
-
-def _data(n: int = N_SAMPLES) -> torch.utils.data.TensorDataset:
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(n, 6, generator=g)
-    y = (x[:, :3].sum(1, keepdim=True) - x[:, 3:4]).tanh()
-    return torch.utils.data.TensorDataset(x, y)
-
-
-def _model(dropout: float = 0.0) -> nn.Module:
-    torch.manual_seed(123)
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(dropout), nn.Linear(16, 1))
+from support.regression import N_SAMPLES, max_rel, regression_data, regression_model
 
 
 def _train(strategy: str, global_batch: int, steps: int, accumulate: int = 1) -> dict[str, torch.Tensor]:
     session = lockstep.Session(strategy=strategy, quiet=True, accumulate=accumulate, timeout=60)
-    model, opt = session.setup(_model(), lambda p: torch.optim.SGD(p, lr=0.1))
+    model, opt = session.setup(regression_model(), lambda p: torch.optim.SGD(p, lr=0.1))
     per_device = global_batch // (session.world_size * accumulate)
-    train = session.loader(_data(), batch_size=per_device, shuffle=True)
+    train = session.loader(regression_data(), batch_size=per_device, shuffle=True)
     done = 0
     for _ in session.epochs(100):
         for x, y in train:
@@ -47,11 +34,6 @@ def _train(strategy: str, global_batch: int, steps: int, accumulate: int = 1) ->
     return {k: v.detach().cpu().clone() for k, v in state.items()}
 
 
-def _max_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)).item() for k in a)
-
-
 @pytest.fixture(scope="module")
 def reference() -> dict[str, torch.Tensor]:
     return _train("single", global_batch=24, steps=50)
@@ -63,21 +45,21 @@ def reference() -> dict[str, torch.Tensor]:
 def test_parity_with_one_process(reference: dict, strategy: str, world_size: int) -> None:
     results = run_distributed(_train, world_size, strategy, 24, 50, timeout=150)
     for weights in results:
-        assert _max_rel(weights, reference) <= 1e-5
+        assert max_rel(weights, reference) <= 1e-5
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_accumulation_equals_bigger_batch(reference: dict) -> None:
     results = run_distributed(_train, 2, "ddp", 24, 50, 2, timeout=100)
-    assert _max_rel(results[0], reference) <= 1e-5
+    assert max_rel(results[0], reference) <= 1e-5
 
 
 def _resumable(directory: str, stop_at: int | None, epochs: int = 2) -> dict[str, torch.Tensor]:
     """Train `epochs` epochs; with stop_at, save after that many steps and return early."""
     session = lockstep.Session(strategy="auto", quiet=True, timeout=60)
-    model, opt = session.setup(_model(dropout=0.2), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
-    train = session.loader(_data(), batch_size=8, shuffle=True)
+    model, opt = session.setup(regression_model(dropout=0.2), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    train = session.loader(regression_data(), batch_size=8, shuffle=True)
     state = session.load(directory, model=model, optimizer=opt)
     for _ in session.epochs(epochs, start=state.epoch):
         for x, y in train:
@@ -109,8 +91,8 @@ def test_resume_mid_epoch_is_bit_identical(tmp_path: Path, world_size: int) -> N
 def _save_at(directory: str, saves: list[int], keep: int | None) -> int:
     """Resume from ``directory``, train on and save after each step in ``saves``; the step resumed at."""
     session = lockstep.Session(quiet=True, timeout=60)
-    model, opt = session.setup(_model(), lambda p: torch.optim.SGD(p, lr=0.1))
-    train = session.loader(_data(), batch_size=8, shuffle=True)
+    model, opt = session.setup(regression_model(), lambda p: torch.optim.SGD(p, lr=0.1))
+    train = session.loader(regression_data(), batch_size=8, shuffle=True)
     resumed = session.load(directory, model=model, optimizer=opt).step
     for _ in session.epochs(1):
         for x, y in train:
@@ -145,8 +127,8 @@ def test_keep_after_a_fallback_keeps_the_checkpoint_resumed_from(tmp_path: Path)
 
 def _nan_on_rank1(policy: str) -> dict:
     session = lockstep.Session(strategy="ddp", quiet=True, nonfinite=policy, timeout=60)
-    model, opt = session.setup(_model(), lambda p: torch.optim.SGD(p, lr=0.1))
-    train = session.loader(_data(), batch_size=8)
+    model, opt = session.setup(regression_model(), lambda p: torch.optim.SGD(p, lr=0.1))
+    train = session.loader(regression_data(), batch_size=8)
     taken: list[bool] = []
     try:
         for _ in session.epochs(1):
@@ -191,15 +173,15 @@ def test_accumulation_over_the_users_own_loader_divides_each_loss_by_its_window(
     micro-batches of 4 step as one batch of 8 (plain SGD on the mean loss, in float64)."""
     torch.set_default_dtype(torch.float64)
     try:
-        data = _data(48)
+        data = regression_data(48)
         session = lockstep.Session(quiet=True, accumulate=2)
-        model, opt = session.setup(_model(), lambda p: torch.optim.SGD(p, lr=0.1))
+        model, opt = session.setup(regression_model(), lambda p: torch.optim.SGD(p, lr=0.1))
         for x, y in torch.utils.data.DataLoader(data, batch_size=4):
             session.backward(nn.functional.mse_loss(model(x), y))
             session.step(opt)
         assert session.global_step == 6
         session.close()
-        plain = _model()
+        plain = regression_model()
         plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
         for x, y in torch.utils.data.DataLoader(data, batch_size=8):
             plain_opt.zero_grad()
@@ -214,9 +196,9 @@ def test_accumulation_over_the_users_own_loader_divides_each_loss_by_its_window(
 
 def test_summary_and_world_one() -> None:
     session = lockstep.Session(quiet=True, accumulate=2)
-    model, opt = session.setup(_model(), lambda p: torch.optim.SGD(p, lr=0.1))
+    model, opt = session.setup(regression_model(), lambda p: torch.optim.SGD(p, lr=0.1))
     assert "batch" not in session.summary()  # no training loader yet
-    train = session.loader(_data(), batch_size=10)  # the summary describes the loaders in use
+    train = session.loader(regression_data(), batch_size=10)  # the summary describes the loaders in use
     text = session.summary()
     assert "world 1" in text and "strategy single" in text and "precision fp32" in text
     assert "global batch 20 (10 x 1 x 2)" in text and "12 steps per epoch" in text
@@ -299,9 +281,9 @@ def test_finite_check_groups_by_dtype() -> None:
 def _two_loaders(directory: str, stop_at: int | None, load_first: bool) -> list[tuple[int, ...]]:
     """Two training sets read side by side (e.g. two tasks); returns the label ids each step saw."""
     session = lockstep.Session(quiet=True)
-    model, opt = session.setup(_model(), lambda p: torch.optim.SGD(p, lr=0.1))
-    ids_a = torch.utils.data.TensorDataset(_data(40).tensors[0], torch.arange(40))
-    ids_b = torch.utils.data.TensorDataset(_data(24).tensors[0], torch.arange(100, 124))
+    model, opt = session.setup(regression_model(), lambda p: torch.optim.SGD(p, lr=0.1))
+    ids_a = torch.utils.data.TensorDataset(regression_data(40).tensors[0], torch.arange(40))
+    ids_b = torch.utils.data.TensorDataset(regression_data(24).tensors[0], torch.arange(100, 124))
     state = session.load(directory, model=model, optimizer=opt) if load_first else None
     a = session.loader(ids_a, batch_size=4)
     b = session.loader(ids_b, batch_size=4)
@@ -353,8 +335,9 @@ def _epoch_end_save(directory: str, inside: bool, epochs: int) -> tuple[int, lis
     """Train with a checkpoint at the end of every epoch; returns (start epoch, steps per epoch).
     ``inside``: the loaders are made inside the epoch loop, else once before it (two, zipped)."""
     session = lockstep.Session(quiet=True)
-    model, opt = session.setup(_model(), lambda p: torch.optim.SGD(p, lr=0.1))
-    long_set, short_set = _data(40), _data(24)  # zip stops with the short one: the long one is part-read
+    model, opt = session.setup(regression_model(), lambda p: torch.optim.SGD(p, lr=0.1))
+    # zip stops with the short one: the long one is part-read
+    long_set, short_set = regression_data(40), regression_data(24)
     made = None if inside else (session.loader(long_set, batch_size=4), session.loader(short_set, batch_size=4))
     state = session.load(directory, model=model, optimizer=opt)
     steps = []
@@ -379,8 +362,8 @@ def test_a_checkpoint_at_the_end_of_an_epoch_resumes_with_the_next_one(tmp_path:
 
 def _nan_in_one_shard() -> list[bool]:
     session = lockstep.Session(strategy="fsdp", quiet=True, timeout=60)
-    model, opt = session.setup(_model(), lambda p: torch.optim.SGD(p, lr=0.1))
-    x, y = _data(16).tensors
+    model, opt = session.setup(regression_model(), lambda p: torch.optim.SGD(p, lr=0.1))
+    x, y = regression_data(16).tensors
     taken = []
     for i in range(3):
         session.backward(nn.functional.mse_loss(model(x), y))

@@ -248,8 +248,11 @@ def test_verify_refuses_compression_outside_ddp() -> None:
     from lockstep.verify.config import VerifyConfig
 
     with pytest.raises(ConfigError, match="needs strategy 'ddp'"):
-        VerifyConfig(model="test_verify:mlp", shape=(16,), strategy="fsdp", grad_compression="fp16")
-    assert VerifyConfig(model="test_verify:mlp", shape=(16,), grad_compression="FP16").resolved.grad_compression == "fp16"
+        VerifyConfig(model="support.models:mlp", shape=(16,), strategy="fsdp", grad_compression="fp16")
+    assert (
+        VerifyConfig(model="support.models:mlp", shape=(16,), grad_compression="FP16").resolved.grad_compression
+        == "fp16"
+    )
 
 
 @pytest.mark.slow
@@ -261,7 +264,7 @@ def test_verify_reports_lossy_hook_with_its_difference(compression: str, capsys:
     code = cli(
         [
             "verify",
-            "test_verify:mlp",
+            "support.models:mlp",
             "--shape",
             "16",
             "--classes",

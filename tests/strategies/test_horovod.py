@@ -18,12 +18,6 @@ from typing import Any
 
 import pytest
 import torch
-from test_elastic import _free_port
-from test_run import _bench
-from test_session import _data, _max_rel, _model
-from test_strategies import _null_comm
-from test_train_cli import FAST, assert_trained, lockstep_train
-from test_verify import _FLAGS
 from torch import nn
 
 import lockstep
@@ -31,7 +25,13 @@ from lockstep.bench import skip_reason
 from lockstep.errors import ConfigError
 from lockstep.recipes.config import TrainConfig
 from lockstep.strategies import HorovodUnavailableError, get_strategy, horovod_unavailable
+from support.bench import run_bench
+from support.comm import null_comm
 from support.dist import run_distributed
+from support.elastic import free_port
+from support.models import VERIFY_FLAGS
+from support.regression import max_rel, regression_data, regression_model
+from support.train_cli import FAST, assert_trained, lockstep_train
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")
@@ -59,7 +59,7 @@ def test_missing_horovod_is_refused_with_the_fix(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setitem(sys.modules, "horovod", None)  # import horovod now fails as if it were absent
     assert horovod_unavailable() == MISSING
     with pytest.raises(HorovodUnavailableError, match="strategy horovod: horovod not installed: make horovod"):
-        get_strategy("horovod", _null_comm(), CPU)
+        get_strategy("horovod", null_comm(), CPU)
     assert skip_reason("horovod", "fp32", 2, gpus=0) == MISSING
     assert skip_reason("ddp", "fp32", 2, gpus=0) is None
     with pytest.raises(ConfigError, match="strategy horovod: horovod not installed: make horovod"):
@@ -94,8 +94,8 @@ def _train(
     whether it was taken.
     """
     session = lockstep.Session(strategy=strategy, quiet=True, accumulate=accumulate, clip_grad_norm=clip, timeout=60)
-    model, opt = session.setup(_model(), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
-    train = session.loader(_data(), batch_size=24 // (session.world_size * accumulate), shuffle=True)
+    model, opt = session.setup(regression_model(), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    train = session.loader(regression_data(), batch_size=24 // (session.world_size * accumulate), shuffle=True)
     taken: list[bool] = []
     for _ in session.epochs(100):
         for x, y in train:
@@ -128,7 +128,7 @@ def reference() -> dict[str, torch.Tensor]:
 def test_parity_with_one_process(hvd: Any, reference: dict, world_size: int) -> None:
     for result in run_distributed(_train, world_size, "horovod", timeout=150):
         assert result["taken"] == [True] * 50
-        assert _max_rel(result["weights"], reference) <= 1e-5
+        assert max_rel(result["weights"], reference) <= 1e-5
 
 
 @pytest.mark.horovod
@@ -138,7 +138,7 @@ def test_accumulation_and_clipping_match_one_process(hvd: Any) -> None:
     """backward_passes_per_step = accumulate; the norm is clipped on the averaged gradients."""
     clipped = _train("single", steps=30, clip=0.05)["weights"]
     for result in run_distributed(_train, 2, "horovod", 30, 2, 0.05, timeout=150):
-        assert _max_rel(result["weights"], clipped) <= 1e-5
+        assert max_rel(result["weights"], clipped) <= 1e-5
 
 
 @pytest.mark.horovod
@@ -155,8 +155,8 @@ def test_nonfinite_loss_on_one_rank_is_skipped_on_every_rank(hvd: Any, capfd: py
 def _resumable(directory: str, strategy: str, stop_at: int | None) -> dict[str, torch.Tensor]:
     """Two epochs on a global batch of 16, resuming from ``directory``; with ``stop_at``, save there and stop."""
     session = lockstep.Session(strategy=strategy, quiet=True, timeout=60)
-    model, opt = session.setup(_model(), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
-    train = session.loader(_data(), batch_size=16 // session.world_size, shuffle=True)
+    model, opt = session.setup(regression_model(), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    train = session.loader(regression_data(), batch_size=16 // session.world_size, shuffle=True)
     state = session.load(directory, model=model, optimizer=opt)
     for _ in session.epochs(2, start=state.epoch):
         for x, y in train:
@@ -181,7 +181,7 @@ def test_checkpoints_resume_from_horovod_under_ddp_and_back(hvd: Any, tmp_path: 
     run_distributed(_resumable, 2, folder, "horovod", 20)  # 15 steps an epoch: mid-epoch, momentum held
     run_distributed(_resumable, 2, folder, "ddp", 25)
     resumed = run_distributed(_resumable, 2, folder, "horovod", None)[0]
-    assert _max_rel(resumed, _resumable(str(tmp_path / "single"), "single", None)) <= 1e-5
+    assert max_rel(resumed, _resumable(str(tmp_path / "single"), "single", None)) <= 1e-5
 
 
 # -- launchers and apps ----------------------------------------------------------------------------
@@ -204,7 +204,7 @@ _LINE = re.compile(r"rank (\d)/2 horovod (\d)/2 local (\d) sum 1 weight (\S+)")
 
 def _env() -> dict[str, str]:
     # lockstep's own store under horovodrun: rank 0's host, this port (never the fixed default)
-    return {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(_free_port())}
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
 
 
 def _horovodrun(*args: str) -> subprocess.CompletedProcess:
@@ -253,7 +253,7 @@ def test_same_script_under_horovodrun_and_lockstep_run(hvd: Any, tmp_path: Path)
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_bench_runs_horovod_cells(hvd: Any, tmp_path: Path) -> None:
-    code, doc = _bench(tmp_path, "--strategies", "ddp,horovod", "--precision", "fp32", "--nproc", "2")
+    code, doc = run_bench(tmp_path, "--strategies", "ddp,horovod", "--precision", "fp32", "--nproc", "2")
     cells = {c["id"]: c for c in doc["cells"]}
     assert code == 0 and list(cells) == ["ddp/fp32/2", "horovod/fp32/2"]
     assert all(cell["status"] == "ran" for cell in cells.values()), cells
@@ -269,7 +269,7 @@ def test_lockstep_train_and_verify_with_horovod(hvd: Any, capsys: pytest.Capture
     result = lockstep_train("--strategy", "horovod", "--nproc", "2", *FAST)
     assert_trained(result, 2)
     assert "strategy horovod" in result.stdout
-    code = cli(["verify", "test_verify:mlp", *_FLAGS, "--strategy", "horovod"])
+    code = cli(["verify", "support.models:mlp", *VERIFY_FLAGS, "--strategy", "horovod"])
     out = capsys.readouterr().out
     assert code == 0 and "verdict: EQUIVALENT within tolerance 1e-05" in out, out
 

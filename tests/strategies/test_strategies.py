@@ -17,8 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lockstep.comm.group import Comm, init_comm
-from lockstep.env import World
+from lockstep.comm.group import init_comm
 from lockstep.errors import ConfigError
 from lockstep.session.config import SessionConfig
 from lockstep.strategies import (
@@ -35,16 +34,13 @@ from lockstep.strategies import (
 )
 from lockstep.strategies.ddp import reducer_parameter_names
 from lockstep.strategies.fsdp import fsdp_blocks
+from support.comm import null_comm
 from support.dist import run_distributed
 
 CPU = torch.device("cpu")
 GLOBAL_BATCH = 12
 STEPS = 50
 ACCUM_STEPS = 10
-
-
-def _null_comm() -> Comm:
-    return Comm(World())
 
 
 def _make_model(seed: int) -> nn.Module:
@@ -113,28 +109,28 @@ def _reference(steps: int) -> dict[str, Any]:
 def test_registry_lists_and_refuses_unknown() -> None:
     assert available_strategies() == ["auto", "ddp", "dp", "fsdp", "horovod", "single"]
     with pytest.raises(ConfigError) as info:
-        get_strategy("horovodd", _null_comm(), CPU)
+        get_strategy("horovodd", null_comm(), CPU)
     for name in available_strategies():
         assert name in str(info.value)
-    assert isinstance(get_strategy("DDP", _null_comm(), CPU), DDPStrategy)
+    assert isinstance(get_strategy("DDP", null_comm(), CPU), DDPStrategy)
 
 
 def test_unknown_or_mistyped_option_is_refused() -> None:
     with pytest.raises(ConfigError, match="find_unused_parameters") as info:
-        get_strategy("ddp", _null_comm(), CPU, find_unused=True)
+        get_strategy("ddp", null_comm(), CPU, find_unused=True)
     assert "'find_unused'" in str(info.value) and "bucket_cap_mb" in str(info.value)
     with pytest.raises(ConfigError, match="True or False"):
-        get_strategy("single", _null_comm(), CPU, sync_bn=1)
+        get_strategy("single", null_comm(), CPU, sync_bn=1)
     with pytest.raises(ConfigError, match="bucket_cap_mb"):
-        get_strategy("ddp", _null_comm(), CPU, bucket_cap_mb=-1).validate(nn.Linear(1, 1))
+        get_strategy("ddp", null_comm(), CPU, bucket_cap_mb=-1).validate(nn.Linear(1, 1))
 
 
 def test_auto_resolves_and_filters_options() -> None:
-    strategy = get_strategy("auto", _null_comm(), CPU, find_unused_parameters=True, sync_bn=False)
+    strategy = get_strategy("auto", null_comm(), CPU, find_unused_parameters=True, sync_bn=False)
     assert isinstance(strategy, SingleStrategy)
     assert "find_unused_parameters" not in strategy.options
     with pytest.raises(ConfigError, match="no strategy has the option 'nope'"):
-        get_strategy("auto", _null_comm(), CPU, nope=1)
+        get_strategy("auto", null_comm(), CPU, nope=1)
 
 
 def test_register_custom_strategy(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -147,7 +143,7 @@ def test_register_custom_strategy(monkeypatch: pytest.MonkeyPatch) -> None:
         name = "mine"
 
     assert "mine" in available_strategies()
-    assert type(get_strategy("mine", _null_comm(), CPU)) is Mine
+    assert type(get_strategy("mine", null_comm(), CPU)) is Mine
     with pytest.raises(TypeError):
         register_strategy("bad")(int)  # type: ignore[arg-type]
 
@@ -155,7 +151,7 @@ def test_register_custom_strategy(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_dp_without_cuda_is_refused() -> None:
     with pytest.raises(ConfigError, match="dp.*needs CUDA GPUs") as info:
-        get_strategy("dp", _null_comm(), CPU)
+        get_strategy("dp", null_comm(), CPU)
     assert "'ddp'" in str(info.value)
 
 
@@ -171,7 +167,7 @@ def test_sync_bn_on_cpu_is_refused_before_training(monkeypatch: pytest.MonkeyPat
 
 
 def test_single_state_dicts_round_trip() -> None:
-    strategy = get_strategy("single", _null_comm(), CPU)
+    strategy = get_strategy("single", null_comm(), CPU)
     model = strategy.setup_module(_make_model(0))
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     x, y = _data()
@@ -195,7 +191,7 @@ def test_single_state_dicts_round_trip() -> None:
 
 
 def test_checkpoint_eval_and_optimizer_hooks() -> None:
-    strategy = get_strategy("single", _null_comm(), CPU)
+    strategy = get_strategy("single", null_comm(), CPU)
     model = strategy.setup_module(_make_model(0))
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     x, y = _data()
@@ -213,15 +209,15 @@ def test_checkpoint_eval_and_optimizer_hooks() -> None:
     with strategy.eval_context(model):
         model(x)
     assert strategy.extra_eval_forwards(model, 3) == 0
-    assert strategy_for_model(model, _null_comm(), CPU).name == "single"
+    assert strategy_for_model(model, null_comm(), CPU).name == "single"
     # an optimizer built on the bare model is fine unless the strategy replaces the parameters
     strategy.check_optimizer(opt)
     with pytest.raises(ConfigError, match="replaces the model's parameters: pass an optimizer factory"):
-        get_strategy("fsdp", _null_comm(), CPU).check_optimizer(opt)
+        get_strategy("fsdp", null_comm(), CPU).check_optimizer(opt)
 
 
 def test_load_refuses_mismatched_keys() -> None:
-    strategy = get_strategy("single", _null_comm(), CPU)
+    strategy = get_strategy("single", null_comm(), CPU)
     model = strategy.setup_module(_make_model(0))
     prefixed = {f"module.{k}": v for k, v in model.state_dict().items()}
     with pytest.raises(ConfigError, match="no 'module.' prefix"):
@@ -236,7 +232,7 @@ def test_unwrap_strips_wrappers_and_clip_matches_torch() -> None:
     bare = _make_model(0)
     assert unwrap_module(nn.DataParallel(bare)) is bare  # without GPUs DataParallel is a shell
     assert unwrap_module(torch.compile(nn.DataParallel(bare))) is bare
-    strategy = get_strategy("single", _null_comm(), CPU)
+    strategy = get_strategy("single", null_comm(), CPU)
     model = strategy.setup_module(bare)
     x, y = _data()
     F.mse_loss(model(x), y).backward()
@@ -251,7 +247,7 @@ def test_unwrap_strips_wrappers_and_clip_matches_torch() -> None:
 
 @pytest.mark.parametrize("name", ["ddp", "fsdp"])
 def test_ddp_and_fsdp_with_one_process_leave_model_unwrapped(name: str) -> None:
-    strategy = get_strategy(name, _null_comm(), CPU)
+    strategy = get_strategy(name, null_comm(), CPU)
     model = _make_model(0)
     assert strategy.setup_module(model) is model
     with strategy.no_backward_sync(model):
@@ -317,12 +313,12 @@ def test_fsdp_blocks_choose_units() -> None:
 @pytest.mark.gpu
 def test_gpu_sync_bn_and_dp() -> None:
     device = torch.device("cuda", 0)
-    model = get_strategy("single", _null_comm(), device, sync_bn=True).setup_module(
+    model = get_strategy("single", null_comm(), device, sync_bn=True).setup_module(
         nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
     )
     assert isinstance(model[1], nn.SyncBatchNorm)
     assert model(torch.randn(8, 4, device=device)).shape == (8, 4)
-    strategy = get_strategy("dp", _null_comm(), device)
+    strategy = get_strategy("dp", null_comm(), device)
     wrapped = strategy.setup_module(_make_model(0))
     assert isinstance(wrapped, nn.DataParallel) and strategy.unwrap(wrapped) is wrapped.module
     out = wrapped(torch.randn(8, 6, device=device))

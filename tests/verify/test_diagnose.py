@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from lockstep.cli.main import main as cli
 from lockstep.verify.compare import compare_runs
@@ -13,18 +12,13 @@ from lockstep.verify.diagnose import ModelFacts, diagnose
 from lockstep.verify.run import RunResult
 
 
-def summed_cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """A common mistake: the loss summed over the batch (each rank's sum is then averaged)."""
-    return F.cross_entropy(output, target, reduction="sum")
-
-
 def _result(final: list[float], first: list[float]) -> RunResult:
     return RunResult([1.0], {"w": torch.tensor(final)}, [{}], [], {"w": torch.tensor(first)})
 
 
 def test_the_ratio_comes_from_the_first_step() -> None:
     """After several steps the final weights no longer differ by a constant factor; the first step does."""
-    config = VerifyConfig(model="test_verify:mlp", shape=(16,), steps=5)
+    config = VerifyConfig(model="support.models:mlp", shape=(16,), steps=5)
     model = torch.nn.Module()
     model.register_parameter("w", torch.nn.Parameter(torch.zeros(2)))
     init = {"w": torch.tensor([1.0, 1.0])}
@@ -43,7 +37,7 @@ def test_summed_loss_is_diagnosed_at_the_default_steps(capsys: pytest.CaptureFix
     code = cli(
         [
             "verify",
-            "test_verify:mlp",
+            "support.models:mlp",
             "--shape",
             "16",
             "--classes",
@@ -51,7 +45,7 @@ def test_summed_loss_is_diagnosed_at_the_default_steps(capsys: pytest.CaptureFix
             "--batch",
             "16",
             "--loss",
-            "test_diagnose:summed_cross_entropy",
+            "support.models:summed_cross_entropy",
         ]
     )
     out, err = capsys.readouterr()

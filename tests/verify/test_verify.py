@@ -1,18 +1,15 @@
 """verify: batches and slices, comparisons, diagnosis rules, and real 2-process comparisons.
 
-The model factories below are what the multi-process tests pass as ``test_verify:NAME``; the
-workers import this module to build them.
+The model factories the multi-process tests pass are ``support.models:NAME`` (tests/support/models.py);
+the workers import that module to build them.
 """
 
 from __future__ import annotations
 
-import os
 import re
-from collections import OrderedDict
 
 import pytest
 import torch
-from torch import nn
 
 from lockstep.cli.main import main as cli
 from lockstep.errors import ConfigError
@@ -21,53 +18,13 @@ from lockstep.verify.config import VerifyConfig
 from lockstep.verify.diagnose import ModelFacts, diagnose, random_modules
 from lockstep.verify.inputs import apply_dropout_mode, make_batches, shard
 from lockstep.verify.record import ActivationRecorder, recorded_rows
-
-
-def mlp() -> nn.Module:
-    """BatchNorm-free: Linear-Tanh-Dropout-Linear (dropout is disabled by default in verify)."""
-    return nn.Sequential(
-        OrderedDict(hidden=nn.Linear(16, 32), act=nn.Tanh(), drop=nn.Dropout(0.2), out=nn.Linear(32, 4))
-    )
-
-
-def bn_mlp() -> nn.Module:
-    return nn.Sequential(
-        OrderedDict(hidden=nn.Linear(16, 32), bn=nn.BatchNorm1d(32), act=nn.Tanh(), out=nn.Linear(32, 4))
-    )
-
-
-class RankScaledLinear(nn.Linear):
-    """A deliberate bug: the output is multiplied by (1 + rank) on every rank but 0."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x) * (1 + int(os.environ.get("RANK", "0")))
-
-
-def broken() -> nn.Module:
-    return nn.Sequential(
-        OrderedDict(
-            hidden=nn.Linear(16, 32),
-            act=nn.Tanh(),
-            middle=RankScaledLinear(32, 32),
-            act2=nn.Tanh(),
-            out=nn.Linear(32, 4),
-        )
-    )
-
-
-def dataset() -> torch.utils.data.Dataset:
-    gen = torch.Generator().manual_seed(1)
-    return torch.utils.data.TensorDataset(torch.randn(40, 16, generator=gen), torch.arange(40))
-
-
-_FLAGS = ["--shape", "16", "--classes", "4", "--steps", "3", "--batch", "16"]
-
+from support.models import VERIFY_FLAGS, mlp
 
 # -- fast, single-process -------------------------------------------------------------------
 
 
 def test_batches_are_fixed_and_slices_contiguous() -> None:
-    config = VerifyConfig(model="test_verify:mlp", shape=(16,), classes=4, steps=3, batch=8)
+    config = VerifyConfig(model="support.models:mlp", shape=(16,), classes=4, steps=3, batch=8)
     first, again = make_batches(config), make_batches(config)
     assert len(first) == 3 and all(torch.equal(a[0], b[0]) for a, b in zip(first, again))
     assert first[0][0].shape == (8, 16) and first[0][1].shape == (8,)
@@ -77,7 +34,7 @@ def test_batches_are_fixed_and_slices_contiguous() -> None:
 
 
 def test_dataset_batches_cover_every_sample_before_repeating() -> None:
-    config = VerifyConfig(model="test_verify:mlp", data="test_verify:dataset", steps=3, batch=16)
+    config = VerifyConfig(model="support.models:mlp", data="support.models:dataset", steps=3, batch=16)
     batches = make_batches(config)
     labels = torch.cat([y for _, y in batches]).tolist()
     assert len(labels) == 48 and sorted(labels[:40]) == list(range(40))  # one full epoch first
@@ -103,7 +60,7 @@ def test_dataset_batches_cover_every_sample_before_repeating() -> None:
     ],
 )
 def test_bad_config_refused(changes: dict, text: str) -> None:
-    values = {"model": "test_verify:mlp", "shape": (16,), **changes}
+    values = {"model": "support.models:mlp", "shape": (16,), **changes}
     with pytest.raises(ConfigError, match=text):
         VerifyConfig(**values)
 
@@ -126,7 +83,7 @@ def test_relative_difference_and_update_ratio() -> None:
 
 
 def test_recorder_keeps_the_same_samples_in_both_runs() -> None:
-    config = VerifyConfig(model="test_verify:mlp", shape=(16,), batch=24, nproc=3, accumulate=2)
+    config = VerifyConfig(model="support.models:mlp", shape=(16,), batch=24, nproc=3, accumulate=2)
     assert recorded_rows(config, reference=False) == ([0, 1, 2, 3], 4)
     assert recorded_rows(config, reference=True) == ([0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19], 24)
     model = mlp()
@@ -170,33 +127,33 @@ def _facts() -> ModelFacts:
     ],
 )
 def test_diagnosis_of_scaled_updates(ratios: list, text: str) -> None:
-    config = VerifyConfig(model="test_verify:mlp", shape=(16,))
+    config = VerifyConfig(model="support.models:mlp", shape=(16,))
     diagnosis = diagnose(_comparison(ratios), _facts(), config)
     assert not diagnosis.equivalent and text in diagnosis.causes[0]
     assert "first differing layers in module order: l0 (Linear), l1 (BatchNorm1d), l2 (Linear)" in diagnosis.verdict
 
 
 def test_diagnosis_prefers_first_forward_difference() -> None:
-    config = VerifyConfig(model="test_verify:mlp", shape=(16,))
+    config = VerifyConfig(model="support.models:mlp", shape=(16,))
     forward = [ForwardDiff("l0", 0, 0.0), ForwardDiff("l1", 1, 0.2), ForwardDiff("l2", 1, 0.3)]
     diagnosis = diagnose(_comparison([1.0, 1.0, 1.0], forward), _facts(), config)
     assert diagnosis.causes[0].startswith("BatchNorm statistics are computed per rank: l1 (BatchNorm1d)")
 
 
 def test_cli_refuses_bad_flags_with_exit_2() -> None:
-    assert cli(["verify", "test_verify:mlp", "--shape", "16", "--batch", "15"]) == 2
-    assert cli(["verify", "test_verify:nothing", "--shape", "16"]) == 2
+    assert cli(["verify", "support.models:mlp", "--shape", "16", "--batch", "15"]) == 2
+    assert cli(["verify", "support.models:nothing", "--shape", "16"]) == 2
 
 
 def test_flags_after_the_model_are_verifys_own_and_never_guessed(capsys: pytest.CaptureFixture) -> None:
     from lockstep.cli.main import parse_args
     from lockstep.cli.verify import config_from_args
 
-    config = config_from_args(parse_args(["verify", "test_verify:mlp", "--nproc", "2", "--shape", "16"]))
-    assert (config.model, config.nproc, config.shape) == ("test_verify:mlp", 2, (16,))
+    config = config_from_args(parse_args(["verify", "support.models:mlp", "--nproc", "2", "--shape", "16"]))
+    assert (config.model, config.nproc, config.shape) == ("support.models:mlp", 2, (16,))
     for abbreviated in (["--n", "2"], ["--step=3"]):  # once taken for --nproc / --steps
         with pytest.raises(SystemExit) as exit_info:
-            cli(["verify", "test_verify:mlp", *abbreviated])
+            cli(["verify", "support.models:mlp", *abbreviated])
         assert exit_info.value.code == 2
         flag = abbreviated[0].split("=")[0]
         assert capsys.readouterr().err.startswith(f"lockstep verify: unknown option {flag}; ")
@@ -209,7 +166,7 @@ def test_flags_after_the_model_are_verifys_own_and_never_guessed(capsys: pytest.
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("strategy, accumulate", [("ddp", 1), ("fsdp", 1), ("ddp", 2)])
 def test_batchnorm_free_model_is_equivalent(strategy: str, accumulate: int, capsys: pytest.CaptureFixture) -> None:
-    code = cli(["verify", "test_verify:mlp", *_FLAGS, "--strategy", strategy, "--accumulate", str(accumulate)])
+    code = cli(["verify", "support.models:mlp", *VERIFY_FLAGS, "--strategy", strategy, "--accumulate", str(accumulate)])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "verdict: EQUIVALENT within tolerance 1e-05" in out
@@ -220,7 +177,7 @@ def test_batchnorm_free_model_is_equivalent(strategy: str, accumulate: int, caps
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_batchnorm_without_sync_bn_is_named(capsys: pytest.CaptureFixture) -> None:
-    code = cli(["verify", "test_verify:bn_mlp", *_FLAGS])
+    code = cli(["verify", "support.models:bn_mlp", *VERIFY_FLAGS])
     out = capsys.readouterr().out
     assert code == 1, out
     assert "verdict: NOT EQUIVALENT (tolerance 1e-05" in out
@@ -231,7 +188,7 @@ def test_batchnorm_without_sync_bn_is_named(capsys: pytest.CaptureFixture) -> No
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_rank_dependent_layer_is_named(capsys: pytest.CaptureFixture) -> None:
-    code = cli(["verify", "test_verify:broken", *_FLAGS])
+    code = cli(["verify", "support.models:broken", *VERIFY_FLAGS])
     out = capsys.readouterr().out
     assert code == 1, out
     assert "likely cause: middle (RankScaledLinear) computes a different output on rank 1" in out
@@ -240,7 +197,7 @@ def test_rank_dependent_layer_is_named(capsys: pytest.CaptureFixture) -> None:
 
 
 def test_diagnosis_of_randomness_suggests_dropout_modes() -> None:
-    config = VerifyConfig(model="test_verify:mlp", shape=(16,), dropout="align")
+    config = VerifyConfig(model="support.models:mlp", shape=(16,), dropout="align")
     facts = ModelFacts({"": "Net", "l0": "Linear", "l1": "MyNoise", "l2": "Linear"}, random=["l1"])
     forward = [ForwardDiff("l0", 0, 0.0), ForwardDiff("l1", 1, 0.5)]
     diagnosis = diagnose(_comparison([1.0, 1.0, 1.0], forward), facts, config)
@@ -250,7 +207,7 @@ def test_diagnosis_of_randomness_suggests_dropout_modes() -> None:
 
 
 def test_equivalent_verdict_states_tolerance() -> None:
-    config = VerifyConfig(model="test_verify:mlp", shape=(16,), precision="bf16-mixed")
+    config = VerifyConfig(model="support.models:mlp", shape=(16,), precision="bf16-mixed")
     comparison = Comparison(
         1e-2, [LossDiff(0, 1.0, 1.001, 1e-3)], [TensorDiff("l0.weight", "parameter", "l0", 4e-3, 1.0)], []
     )
@@ -263,7 +220,7 @@ def test_equivalent_verdict_states_tolerance() -> None:
 @pytest.mark.timeout(300)
 @pytest.mark.gpu(count=2)
 def test_sync_bn_makes_batchnorm_equivalent_on_gpus(capsys: pytest.CaptureFixture) -> None:
-    code = cli(["verify", "test_verify:bn_mlp", *_FLAGS, "--sync-bn"])
+    code = cli(["verify", "support.models:bn_mlp", *VERIFY_FLAGS, "--sync-bn"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "verdict: EQUIVALENT within tolerance 1e-05" in out

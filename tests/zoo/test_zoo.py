@@ -21,47 +21,7 @@ from lockstep.zoo.datasets import ImageTensors, SyntheticImages, open_data, pars
 from lockstep.zoo.folders import CHECK_PER_CLASS
 from lockstep.zoo.idx import read_idx, read_mnist, write_idx
 from lockstep.zoo.models import ConvNet, build_model, input_channels, load_weights, parse_model
-
-
-def digits_uint8() -> tuple[np.ndarray, np.ndarray]:
-    """scikit-learn's digits as uint8 images 0..255 (8x8) and labels."""
-    from sklearn.datasets import load_digits
-
-    bunch = load_digits()
-    return (bunch.images * 255 / 16).round().astype(np.uint8), bunch.target.astype(np.uint8)
-
-
-def write_mnist(folder: Path, gz: bool = False, train: int = 1200) -> Path:
-    """Write digits as the four MNIST IDX files (``train`` for training, the rest for testing)."""
-    images, labels = digits_uint8()
-    folder.mkdir(parents=True, exist_ok=True)
-    suffix = ".gz" if gz else ""
-    write_idx(folder / f"train-images-idx3-ubyte{suffix}", images[:train])
-    write_idx(folder / f"train-labels-idx1-ubyte{suffix}", labels[:train])
-    write_idx(folder / f"t10k-images-idx3-ubyte{suffix}", images[train:])
-    write_idx(folder / f"t10k-labels-idx1-ubyte{suffix}", labels[train:])
-    return folder
-
-
-def write_image_folder(root: Path, per_class: int = 12, classes: int = 3, split: bool = True) -> Path:
-    """Write digits as PNG files: ``root/train/<class>/`` and ``root/val/<class>/`` (or one tree)."""
-    from PIL import Image
-
-    images, labels = digits_uint8()
-    count: dict[tuple[str, int], int] = {}
-    for image, label in zip(images, labels):
-        if label >= classes:
-            continue
-        n = count.get(("all", label), 0)
-        if n >= per_class:
-            continue
-        count[("all", label)] = n + 1
-        part = ("val" if n % 4 == 0 else "train") if split else ""
-        folder = root / part / f"digit{label}"
-        folder.mkdir(parents=True, exist_ok=True)
-        Image.fromarray(image).convert("RGB").save(folder / f"{n:03d}.png")
-    return root
-
+from support.data_files import write_image_folder, write_mnist
 
 # -- models --------------------------------------------------------------------------------------
 
@@ -260,15 +220,6 @@ def test_config_refuses(kwargs: dict, message: str) -> None:
         TrainConfig(**kwargs)
 
 
-def tiny_factory() -> nn.Module:
-    """A factory for ``--model test_zoo:tiny_factory``."""
-    return nn.Linear(4, 2)
-
-
-def not_a_module() -> str:
-    return "a string"
-
-
 def test_session_config_canonical_names_and_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
     options = SessionConfig(strategy=" DDP", precision="O1").resolved
     assert (options.strategy, options.precision) == ("ddp", "fp16-mixed")
@@ -290,13 +241,13 @@ def test_model_spec_names_and_factories() -> None:
         2,
         3,
     )
-    assert isinstance(parse_model("test_zoo:tiny_factory").build(), nn.Linear)
+    assert isinstance(parse_model("support.models:tiny_factory").build(), nn.Linear)
     with pytest.raises(ConfigError, match="unknown model 'resnet19'"):
         parse_model("resnet19")
     with pytest.raises(ConfigError, match="no callable 'nothing'"):
-        parse_model("test_zoo:nothing")
+        parse_model("support.models:nothing")
     with pytest.raises(ConfigError, match="returned str, not a torch.nn.Module"):
-        parse_model("test_zoo:not_a_module").build()
+        parse_model("support.models:not_a_module").build()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")

@@ -200,7 +200,7 @@ class DeviceLoader:
         if boundary is not None and boundary.generation != seen:
             return True
         if tracker is not None:
-            tracker.epoch_done = True
+            tracker.ran_out()
         return False
 
     def _iter_padded(self) -> Iterator[Any]:
@@ -221,7 +221,7 @@ class DeviceLoader:
                 advance((full or self.share) * world)
             yield batch if on_host else move(batch, device, nb)
         if tracker is not None:
-            tracker.epoch_done = True
+            tracker.ran_out()
 
     def _hand_out(
         self,
@@ -236,8 +236,7 @@ class DeviceLoader:
             untrained.popleft()
         untrained.append((before, plan))
         if tracker is not None:
-            tracker.handed += 1
-            tracker.epoch_done = False
+            tracker.handed_out()
         if on_batch is not None:
             on_batch(len(untrained) - 1, *plan)
 
@@ -361,6 +360,22 @@ class TrainLoaders:
         for loader in self.live:
             loader.sampler.set_epoch(epoch)
             loader.position_set()
+
+    def handed_out(self) -> None:
+        """A loader handed a training batch out: the epoch goes on."""
+        self.handed += 1
+        self.epoch_done = False
+
+    def ran_out(self) -> None:
+        """A loader ran out of the epoch's batches."""
+        self.epoch_done = True
+
+    def load_positions(self, states: list[dict[str, Any]], epoch_done: bool) -> None:
+        """Go back to (or take a peer's) positions, paired with the loaders in creation order."""
+        for loader, state in zip(self.live, states):
+            loader.sampler.load_state_dict(state)
+            loader.position_set()
+        self.epoch_done = epoch_done
 
     @property
     def finished(self) -> bool:

@@ -154,10 +154,7 @@ class TrainState:
             position: what :meth:`position` returned, here or on a peer.
         """
         self.epoch, self.global_step, self.skipped_steps = position["epoch"], position["step"], position["skipped"]
-        for loader, sampler in zip(self.loaders.live, position["samplers"]):
-            loader.sampler.load_state_dict(sampler)
-            loader.position_set()
-        self.loaders.epoch_done = bool(position["epoch_done"])
+        self.loaders.load_positions(position["samplers"], bool(position["epoch_done"]))
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's part of a checkpoint (``"rng"`` is this rank's; the save gathers every rank's)."""

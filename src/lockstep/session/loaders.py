@@ -387,12 +387,17 @@ class TrainLoaders:
         live = self.live
         return self.epoch_done and (not live or any(not loader.untrained for loader in live))
 
-    def trained(self, batches: int) -> None:
-        """A step trained ``batches`` micro-batches of every loader (the oldest handed out)."""
+    def trained(self, batches: int) -> tuple[Any, ...] | None:
+        """A step trained ``batches`` micro-batches of every loader (the oldest handed out); returns the plan of
+        the next batch out already (fetched ahead of the step), as :meth:`planned` does, or ``None``."""
+        ahead = None
         for ref in self._refs:  # at every step: no list is built
             loader = ref()
             if loader is not None and loader.untrained:
                 loader.trained(batches)
+                if ahead is None:
+                    ahead = loader.planned(0)
+        return ahead
 
     def planned(self, index: int) -> tuple[Any, ...] | None:
         """The plan of the ``index``-th batch handed out and not trained, of the first loader with one, or ``None``."""

@@ -181,7 +181,8 @@ class TrainStep:
         if self.timer is not None:
             self.timer.after_backward()
         accum.after_backward()
-        self._plan_next()
+        if accum.micro < accum.window:  # more micro-batches to come: the next may be out already
+            self._plan_next()
 
     def _plan_next(self) -> None:
         """The next batch to backpropagate may be out already (fetched ahead): its plan sizes or weighs it now."""
@@ -226,12 +227,14 @@ class TrainStep:
             if counted:
                 state.count_skipped()
             self._skipped(message)
-        precision.update(overflowed=not finite)
+        precision.update(not finite)
         optimizer.zero_grad(set_to_none=True)
-        if counted:  # its window's micro-batches are trained (or skipped): the position a checkpoint saves moves
-            state.loaders.trained(self.accum.window)
+        # the counted optimizer's window of micro-batches is trained (or skipped): the position a checkpoint saves
+        # moves; a batch fetched ahead of this step sizes the next window
+        ahead = state.loaders.trained(self.accum.window) if counted else state.loaders.planned(0)
         self.accum.after_step()
-        self._plan_next()
+        if ahead is not None:
+            self.accum.on_batch(0, *ahead)
         if finite and counted:
             state.count_step()
             self.skips_in_a_row = 0

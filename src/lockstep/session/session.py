@@ -149,7 +149,9 @@ class Session(Observing):
             return TrainState(self.comm, say, boundary=boundary)
 
         # fixed nodes, or --nodes: then the membership is the loaders' step boundary and joins the job itself
-        self.state, self._members = form_membership(self.comm, self._accum, new_state, self._check_replicas)
+        self._checks = LoopChecks(self.comm)  # setup before backward before step; equal replicas
+        replicas = partial(self._checks.after_step, replicated=not self.strategy.sharded)
+        self.state, self._members = form_membership(self.comm, self._accum, new_state, replicas)
         self._steps = TrainStep(
             self.state,
             self._accum,
@@ -161,7 +163,6 @@ class Session(Observing):
             say=self.print,
             timer=self._observe(run),
         )
-        self._checks = LoopChecks(self.comm)  # setup before backward before step; equal replicas
         self._models: list[ModelWrappers] = []  # each setup's layers
         self._bound: dict[int, tuple[Optimizer, ModelWrappers]] = {}  # id(optimizer) -> (it, its model's layers)
         self._counted: Optimizer | None = None  # the optimizer whose steps global_step counts: the first one
@@ -173,7 +174,8 @@ class Session(Observing):
         self._stop_due = False  # the ranks agreed to stop: at the iteration's last optimizer step, or the next epoch
         self._stop_point: StopPoint | None = None  # that step was taken: the job stops at the next backward
         self._last_in_iteration: Optimizer | None = None  # the optimizer that stepped last before a batch went out
-        self._previous: tuple[Optimizer | None, int] = (None, 0)  # the last step's optimizer, batches handed out then
+        self._last_stepped: Optimizer | None = None  # the optimizer of the last step
+        self._handed_at_step = 0  # training batches handed out at the last step
 
     @classmethod
     def from_config(cls, config: SessionConfig) -> Session:
@@ -357,10 +359,10 @@ class Session(Observing):
         except Exception as exc:  # noqa: BLE001 - under --nodes a peer's death drops the step (False); else raised
             return self._members.step_failed(exc)
         self._members.step_done(took, optimizer)  # fixed nodes: the replicas checked; --nodes: the step committed
-        last, handed = self._previous
-        if handed != self.state.loaders.handed:  # a batch went out since the last step: that step ended an iteration
-            self._last_in_iteration = last
-        self._previous = (optimizer, self.state.loaders.handed)
+        handed = self.state.loaders.handed
+        if handed != self._handed_at_step:  # a batch went out since the last step: that step ended an iteration
+            self._last_in_iteration, self._handed_at_step = self._last_stepped, handed
+        self._last_stepped = optimizer
         if self._guard.poll() and self._guard.mode == "save":
             self._stop_due = True  # every rank agreed at this same step
         if self._stop_due and (self._last_in_iteration is None or optimizer is self._last_in_iteration):
@@ -369,9 +371,6 @@ class Session(Observing):
             self._stop_due = False
             self._stop_point = StopPoint([b for layers in self._models for b in layers.bare.buffers()])
         return took
-
-    def _check_replicas(self, optimizer: Optimizer) -> None:
-        self._checks.after_step(optimizer, replicated=not self.strategy.sharded)
 
     def _stop_if_due(self) -> None:
         """Stop between two epochs when the ranks agreed (the iteration's last optimizer may not have stepped)."""

@@ -8,6 +8,7 @@ precision, data, metrics, checkpoint).
 from __future__ import annotations
 
 import gc
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from datetime import timedelta
@@ -164,7 +165,7 @@ class Session(Observing):
             timer=self._observe(run),
         )
         self._models: list[ModelWrappers] = []  # each setup's layers
-        self._bound: dict[int, tuple[Optimizer, ModelWrappers]] = {}  # id(optimizer) -> (it, its model's layers)
+        self._bound: weakref.WeakKeyDictionary[Optimizer, ModelWrappers] = weakref.WeakKeyDictionary()  # its model
         self._counted: Optimizer | None = None  # the optimizer whose steps global_step counts: the first one
         self.compiled = False  # set by setup: True once torch.compile wrapped the model
         self._announced = False
@@ -233,7 +234,7 @@ class Session(Observing):
                 opt = optimizer(wrapped.parameters())
             opt = self.strategy.setup_optimizer(opt, wrapped, self.accumulate)
             opt = self.precision.setup_optimizer(opt, wrapped)
-            self._bound[id(opt)] = (opt, layers)
+            self._bound[opt] = layers
             self._counted = self._counted or opt
         self._steps.attach(wrapped)  # no_sync needs the strategy's own wrapper; the timings hook its parameters
         self._members.watch(wrapped, opt, self.precision)  # handed over when nodes leave or join
@@ -379,9 +380,9 @@ class Session(Observing):
 
     def _model_of(self, optimizer: Optimizer) -> ModelWrappers | None:
         """The layers of the model ``optimizer`` is bound to; found by its parameters (then bound) when set up later."""
-        bound = self._bound.get(id(optimizer))
-        if bound is not None and bound[0] is optimizer:
-            return bound[1]
+        bound = self._bound.get(optimizer)
+        if bound is not None:
+            return bound
         layers = optimizer_model(optimizer, self._models)
         if layers is None and len(self._models) == 1:
             layers = self._models[0]  # e.g. fp16-o2's master copies: not the module's own parameters
@@ -391,7 +392,7 @@ class Session(Observing):
                 "returned: build it on a set-up model's parameters, or pass it to session.setup(model, optimizer)"
             )
         if layers is not None:
-            self._bound[id(optimizer)] = (optimizer, layers)
+            self._bound[optimizer] = layers
         return layers
 
     def _stop_every_rank(self) -> NoReturn:
@@ -570,7 +571,7 @@ class Session(Observing):
         return sort_named(
             named,
             set_up=lambda module: next((m for m in self._models if m.holds(module)), None),
-            model_of=lambda opt: self._bound[id(opt)][1] if id(opt) in self._bound else None,
+            model_of=self._bound.get,
             primary=layers,
             primary_optimizer=optimizer,
             what=what,

@@ -71,8 +71,10 @@ test-stress: install
 docs: install
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir build/docs
 
+# The fast tier on FAST_WORKERS pytest-xdist workers (2, one per core here: its tests compute, they do not wait).
+FAST_WORKERS ?= 2
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow" tests
+	$(BIN)/python -m pytest -q -n $(FAST_WORKERS) -m "not slow" tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -129,6 +129,7 @@ def test_one_timed_window_is_one_window() -> None:
     assert "* fastest: ddp fp32 x2, 1,992.0 samples/s (median of 1 window, min" in format_table(doc)
 
 
+@pytest.mark.slow  # starts processes (ranks, loader workers, a launcher) or waits on a membership timeout
 def test_a_one_class_folder_is_refused_before_any_cell(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     write_image_folder(tmp_path / "one", per_class=8, classes=1)
     began = time.monotonic()

@@ -105,6 +105,7 @@ def _ddp_save(directory: str) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow  # starts processes (ranks, loader workers, a launcher) or waits on a membership timeout
 def test_every_ddp_rank_writes_a_part_and_one_process_reads_it_all(tmp_path: Path) -> None:
     saved = run_distributed(_ddp_save, 2, str(tmp_path), timeout=100)[0]
     files = verify_checkpoint(saved["path"])["files"]

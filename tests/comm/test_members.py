@@ -71,6 +71,7 @@ def test_first_round_takes_every_node_up_to_max(store: Any) -> None:
         assert [m.local_rank for m in v.members[0:2]] == [0, 1]
 
 
+@pytest.mark.slow  # starts processes (ranks, loader workers, a launcher) or waits on a membership timeout
 def test_a_node_that_never_comes_back_is_dropped(store: Any) -> None:
     # last_call far above the moment between c's arrival and a's: both are in the second round
     ms = {n: _membership(store, n, last_call=3.0) for n in "abc"}
@@ -141,6 +142,7 @@ def test_an_outsiders_pickles_run_no_code_and_forged_posts_are_ignored(store: An
     assert not marker.exists()
 
 
+@pytest.mark.slow  # starts processes (ranks, loader workers, a launcher) or waits on a membership timeout
 def test_a_node_whose_workers_arrive_apart_joins_whole_and_no_round_forms_without_the_group(store: Any) -> None:
     group = [_membership(store, "a", lr, nproc=2) for lr in (0, 1)]
     views = _join_all([m.join for m in group])

@@ -271,6 +271,7 @@ class _Collecting(Dataset):
         return torch.tensor([float(i)]), i
 
 
+@pytest.mark.slow  # starts processes (ranks, loader workers, a launcher) or waits on a membership timeout
 def test_workers_survive_a_dropped_store_left_in_garbage() -> None:
     """A TCPStore (it owns a server thread) dropped inside a reference cycle before the workers fork:
     collected in a worker, its destructor would join a thread that process does not have and abort it."""
@@ -308,6 +309,7 @@ class _Noisy(Dataset):
 
 
 @pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.slow  # starts processes (ranks, loader workers, a launcher) or waits on a membership timeout
 def test_worker_seeds_are_reproducible_and_differ_by_rank_and_epoch(persistent: bool) -> None:
     def draw(rank: int, epoch: int) -> torch.Tensor:
         loader = make_loader(

@@ -60,6 +60,7 @@ def test_persistent_workers_draw_the_same_numbers_after_a_resume() -> None:
     assert epoch_one(False) == epoch_one(True)
 
 
+@pytest.mark.slow  # starts processes (ranks, loader workers, a launcher) or waits on a membership timeout
 def test_randomness_is_independent_of_workers_and_world_size() -> None:
     reference = None
     setups = [(1, 0, False), (1, 1, True), (1, 2, False), (2, 2, True), (3, 0, False)]
@@ -231,6 +232,7 @@ def test_a_loader_worker_ignores_the_job_stop_signals() -> None:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow  # starts processes (ranks, loader workers, a launcher) or waits on a membership timeout
 def test_a_rank_with_live_persistent_workers_still_exits() -> None:
     """At exit multiprocessing terminates its workers with SIGTERM and waits for them: the rank's
     own SIGTERM still ends a worker, quietly."""

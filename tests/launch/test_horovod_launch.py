@@ -105,6 +105,7 @@ def test_no_horovod_no_variables(monkeypatch: pytest.MonkeyPatch) -> None:
         assert variables == {}
 
 
+@pytest.mark.slow  # starts processes (ranks, loader workers, a launcher) or waits on a membership timeout
 def test_a_horovod_script_on_several_nodes_is_refused_in_one_line(tmp_path: Path) -> None:
     plain = tmp_path / "plain.py"
     plain.write_text("import torch\n")

@@ -158,6 +158,7 @@ def _in_a_terminal(argv: list[str], cwd: Path, guard_s: float = 120) -> tuple[in
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.slow  # starts processes (ranks, loader workers, a launcher) or waits on a membership timeout
 def test_a_progress_bar_draws_under_lockstep_run_in_a_terminal(tmp_path: Path) -> None:
     """The worker's stderr is a log file, but the launcher's is a terminal: rank 0's bar is relayed there."""
     script = tmp_path / "bar.py"

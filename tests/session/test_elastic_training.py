@@ -182,6 +182,7 @@ def _elastic_ddp_step(sync_buffers: bool) -> tuple[list[str], list[float], list[
 
 
 @pytest.mark.parametrize("sync_buffers", [True, False])
+@pytest.mark.slow  # starts processes (ranks, loader workers, a launcher) or waits on a membership timeout
 def test_elastic_ddp_averages_gradients_and_shares_buffers_as_ddp_does(sync_buffers: bool) -> None:
     from support.dist import run_distributed
 

@@ -325,7 +325,7 @@ class Session(Observing):
         if not self._announced:
             self._announce()
         if self._stop_point is not None:  # the iteration that agreed to stop is over: the loop's own work included
-            self._stop_every_rank()
+            self._stop_every_rank(rewind=True)  # the next batch's forward ran: put back what it moved
         self._steps.backward(loss)
 
     def step(self, optimizer: Optimizer) -> bool:
@@ -374,9 +374,10 @@ class Session(Observing):
         return took
 
     def _stop_if_due(self) -> None:
-        """Stop between two epochs when the ranks agreed (the iteration's last optimizer may not have stepped)."""
+        """Stop between two epochs when the ranks agreed: the epoch's end is a state of its own (its evaluation,
+        its save ran), kept as it is."""
         if self._stop_due or self._stop_point is not None:
-            self._stop_every_rank()
+            self._stop_every_rank(rewind=False)
 
     def _model_of(self, optimizer: Optimizer) -> ModelWrappers | None:
         """The layers of the model ``optimizer`` is bound to; found by its parameters (then bound) when set up later."""
@@ -395,12 +396,15 @@ class Session(Observing):
             self._bound[optimizer] = layers
         return layers
 
-    def _stop_every_rank(self) -> NoReturn:
-        """The ranks agreed to stop: save the objects of the last save or load where it was, tear down, exit 75."""
+    def _stop_every_rank(self, rewind: bool) -> NoReturn:
+        """The ranks agreed to stop: save the objects of the last save or load where it was, tear down, exit 75.
+
+        ``rewind``: put back the RNG and buffers as they were at the step that agreed (:class:`StopPoint`).
+        """
         self._stop_due = False
-        if self._stop_point is not None:
+        if self._stop_point is not None and rewind:
             self._stop_point.restore()  # as at the step that agreed: the next batch's forward undone
-            self._stop_point = None
+        self._stop_point = None
         signals = self._guard.signals()
         path = None
         target = self._ckpt

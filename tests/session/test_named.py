@@ -21,6 +21,7 @@ import lockstep
 from lockstep.errors import ConfigError
 from lockstep.session.preempt import Preempted
 from lockstep.session.usage import SessionUsageError
+from support.compare import assert_equal
 from support.dist import run_distributed
 
 N = 96  # 12 steps an epoch of 8 samples at every world size here
@@ -57,21 +58,6 @@ def _snapshot(*objects: Any) -> list[Any]:
         return value
 
     return [copy(obj.state_dict()) for obj in objects]
-
-
-def _assert_equal(a: Any, b: Any, where: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and torch.equal(a, b), f"{where} differs"
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), f"{where}: {sorted(a)} != {sorted(b)}"
-        for k in a:
-            _assert_equal(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_equal(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 def _gan(
@@ -151,7 +137,7 @@ def _generator_alone_or_not(second: bool) -> list[Any]:
 
 def test_a_second_model_leaves_the_first_models_training_unchanged() -> None:
     """The clip of ``step(gen_opt)`` takes the generator's gradients, whatever was set up after it."""
-    _assert_equal(_generator_alone_or_not(True), _generator_alone_or_not(False), "generator")
+    assert_equal(_generator_alone_or_not(True), _generator_alone_or_not(False), "generator")
 
 
 @pytest.mark.slow
@@ -166,7 +152,7 @@ def test_two_models_at_world_two_match_one_process() -> None:
     assert one["states"][1]["last_epoch"] == one["step"]  # the StepLR stepped only when step() said it stepped
     for rank in two:
         assert (rank["step"], rank["skipped"]) == (one["step"], one["skipped"])
-    _assert_equal(two[0]["states"], two[1]["states"], "rank 1 against rank 0")
+    assert_equal(two[0]["states"], two[1]["states"], "rank 1 against rank 0")
     assert _max_rel(two[0]["states"], one["states"]) < 1e-11
 
 
@@ -182,7 +168,7 @@ def test_preempted_at_world_two_resumes_bit_identical(tmp_path: Path) -> None:
     again = run_distributed(_gan, 2, 3, True, str(tmp_path / "cut"), None, True, timeout=150)
     for rank in range(2):
         assert (again[rank]["step"], again[rank]["skipped"]) == (whole[rank]["step"], whole[rank]["skipped"])
-        _assert_equal(again[rank]["states"], whole[rank]["states"], f"rank {rank}")
+        assert_equal(again[rank]["states"], whole[rank]["states"], f"rank {rank}")
 
 
 def test_save_and_load_by_name_restore_in_place(tmp_path: Path) -> None:
@@ -207,7 +193,7 @@ def test_save_and_load_by_name_restore_in_place(tmp_path: Path) -> None:
     sched = torch.optim.lr_scheduler.StepLR(gen_opt, step_size=1, gamma=0.5)
     state = fresh.load(tmp_path, model=gen, optimizer=gen_opt, scheduler=sched, critic=crit, critic_opt=crit_opt)
     assert state.extras == {"best": 0.5} and state.step == 3  # the first optimizer's steps
-    _assert_equal(_snapshot(gen, gen_opt, crit, crit_opt, sched), saved, "restored")
+    assert_equal(_snapshot(gen, gen_opt, crit, crit_opt, sched), saved, "restored")
     assert gen_opt.param_groups[0]["lr"] == 0.1 * 0.5**3
     with pytest.raises(ConfigError, match=r"best have no load_state_dict|best has no load_state_dict"):
         fresh.load(tmp_path, model=gen, best=0.5)

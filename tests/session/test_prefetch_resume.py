@@ -22,6 +22,7 @@ from lockstep.checkpoint.core import load_checkpoint
 from lockstep.comm.group import Comm
 from lockstep.env import World
 from lockstep.session.preempt import Preempted
+from support.compare import assert_equal
 from support.dist import run_distributed
 
 N = 120  # samples: 15 steps an epoch at a global batch of 8, 20 at 6
@@ -70,21 +71,6 @@ def _prefetching(
     return out
 
 
-def _assert_equal(a: Any, b: Any, where: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), f"{where} differs"
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            _assert_equal(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_equal(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
-
-
 def _cursor(folder: Path) -> int:
     state = load_checkpoint(folder, Comm(World()))
     assert state is not None
@@ -104,7 +90,7 @@ def test_one_process_prefetching_loop_resumes_bit_identical(tmp_path: Path, accu
     again = _prefetching(str(tmp_path / "cut"), 2, None, batch, accumulate, check=60)
     assert cut["trained"] + again["trained"] == whole["trained"]  # every sample once, in the same order
     assert again["step"] == whole["step"]
-    _assert_equal(again["states"], whole["states"], "states")
+    assert_equal(again["states"], whole["states"], "states")
     assert again["sched"] == whole["sched"]
 
 
@@ -123,5 +109,5 @@ def test_prefetching_loop_preempted_at_world_two_resumes_bit_identical(tmp_path:
     for rank in range(2):
         assert cut[rank]["trained"] + again[rank]["trained"] == whole[rank]["trained"], f"rank {rank}"
         assert again[rank]["step"] == whole[rank]["step"]
-        _assert_equal(again[rank]["states"], whole[rank]["states"], f"rank {rank}")
+        assert_equal(again[rank]["states"], whole[rank]["states"], f"rank {rank}")
         assert again[rank]["sched"] == whole[rank]["sched"]

@@ -1,6 +1,7 @@
 """The session's side of ``--nodes`` in one process: a dropped step goes back to the committed position, the
-loader restarts there with the new world's share, accumulation is re-planned; a change found at a new
-epoch's first batch keeps that epoch (a stand-in group plays the membership). Options that cannot follow
+loader restarts there with the new world's share, accumulation is re-planned; a node let in at an epoch's
+last step trains the next epoch with the new shares; a loop that fetches ahead is refused at its first step
+(a stand-in group plays the membership). Options that cannot follow
 the membership are refused before any group."""
 
 from __future__ import annotations
@@ -61,8 +62,10 @@ class _Comm:
 
 def _training(workers: int = 0) -> tuple[ElasticTraining, TrainState, Accumulator, Any]:
     comm, accum = _Comm(), Accumulator(1)
-    elastic = ElasticTraining(comm, accum, lambda boundary: TrainState(comm, boundary=boundary))  # type: ignore[arg-type]
-    state = elastic.state
+    joins: list[ElasticTraining] = []
+    state = TrainState(comm, on_pass=lambda: joins[0].before_pass())  # type: ignore[arg-type]
+    elastic = ElasticTraining(comm, accum, state)  # type: ignore[arg-type]
+    joins.append(elastic)
     loader = make_loader(TensorDataset(torch.arange(N)), CAP, world_size=1, rank=0, global_batch=G, num_workers=workers)
     train = state.loaders.wrap(loader, torch.device("cpu"), train=True, accum=accum)
     return elastic, state, accum, train
@@ -113,18 +116,43 @@ def test_a_dropped_step_is_trained_again_from_the_committed_cursor_with_the_new_
     assert state.loaders.epoch_done
 
 
-def test_a_node_let_in_at_a_new_epochs_first_batch_keeps_that_epoch() -> None:
+def test_a_node_let_in_at_an_epochs_last_step_trains_the_next_epoch_with_the_new_shares() -> None:
     elastic, state, accum, train = _training()
     elastic.start(0)
+    steps = N // G
     for epoch in range(2):
         state.start_epoch(epoch)
-        if epoch == 1:
-            elastic.group.waiting = (2, 0)  # let in at epoch 1's first batch
-        handed = [i for (index,) in train for i in index.tolist()]  # no step fails: the boundaries commit
-        if epoch == 1:
+        batches = iter(train)
+        handed = []
+        for step in range(steps):
+            if epoch == 0 and step == steps - 1:
+                elastic.group.waiting = (2, 0)  # let in after epoch 0's last step
+            handed += _run_step(elastic, batches, accum)
+        assert next(batches, None) is None  # the epoch ran out (a new pass after the change has nothing left)
+        if epoch == 0:
+            assert sorted(handed) == list(range(N)) and elastic.changes == 2  # the join, then the admission
+            assert state.loaders.finished and train.sampler.world_size == 2
+        else:
             plan = plan_batches(G, 2, CAP)
-            assert handed == [i for b in rank_batches({"seed": 0, "epoch": 1, "cursor": 0}, N, plan, 0) for i in b]
-            assert state.epoch == 1 and elastic.generation == 2
+            expected = rank_batches({"seed": 0, "epoch": 1, "cursor": 0}, N, plan, 0)
+            assert handed == [i for b in expected[: len(handed) // CAP] for i in b] and len(handed) == N // 2
+            assert state.epoch == 1 and elastic.changes == 2
+
+
+def test_a_loop_that_fetches_its_next_batch_before_the_step_is_refused_at_its_first_step() -> None:
+    from lockstep.session.usage import SessionUsageError
+
+    elastic, state, accum, train = _training()
+    elastic.start(0)
+    state.start_epoch(0)
+    batches = iter(train)
+    for _ in range(accum.window):  # the step's micro-batches
+        next(batches)
+        accum.after_backward()
+    next(batches)  # the next step's first batch, fetched before this step
+    state.loaders.trained(accum.window)
+    with pytest.raises(SessionUsageError, match="fetch the next batch after session.step"):
+        elastic.step_done(True, None)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -206,6 +234,6 @@ def test_the_session_side_is_the_groups_handover_and_a_join_by_a_collective_firs
     assert elastic.restore() is None  # no session.load yet: no checkpoint is read
     comm = _Comm()
     comm.join(Objects())  # a collective on the comm joined first, handing nothing over
-    late = ElasticTraining(comm, Accumulator(1), lambda boundary: TrainState(comm, boundary=boundary))  # type: ignore[arg-type]
+    late = ElasticTraining(comm, Accumulator(1), TrainState(comm))  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match="before the session joined the job"):
         late.start(0)

@@ -25,6 +25,7 @@ from lockstep.errors import ConfigError
 from lockstep.session.config import SessionConfig
 from lockstep.session.locks import FolderLocks
 from lockstep.session.state import ResumeState, TrainState
+from lockstep.session.usage import SessionUsageError
 
 __all__ = ["ElasticTraining", "CommittedPosition", "options_under_nodes"]
 
@@ -77,26 +78,26 @@ class CommittedPosition:
 
 
 class ElasticTraining:
-    """What the session does at the step boundaries of a job whose nodes leave and join.
+    """What the session does between the steps of a job whose nodes leave and join.
 
-    It is the training loaders' step boundary: they ask it at each step's first batch
-    (:meth:`at_boundary`) and restart from the committed position when :attr:`generation` moved.
-    It is also the group's :class:`~lockstep.comm.elastic.Handover`: what a change hands over
-    (:meth:`objects`), the plan its line names (:meth:`plan`) and the disk fallback (:meth:`restore`).
+    The session asks it at a training pass's start (:meth:`before_pass`: the join) and after every
+    step (:meth:`step_done`: the step committed, a node that waits let in; :meth:`step_failed`: a
+    step a peer died in dropped). A change puts the committed position back into the loaders and
+    re-plans their shares; a loader's running pass restarts there by itself. It is also the
+    group's :class:`~lockstep.comm.elastic.Handover`: what a change hands over (:meth:`objects`),
+    the plan its line names (:meth:`plan`) and the disk fallback (:meth:`restore`).
 
     Args:
         comm: the session's :class:`~lockstep.comm.elastic_comm.ElasticComm`, not joined yet.
         accum: the session's :class:`~lockstep.session.loop.Accumulator` (re-planned after a change).
-        new_state: builds the session's :class:`~lockstep.session.state.TrainState` with the given
-            step boundary (this object) for its loaders.
+        state: the session's :class:`~lockstep.session.state.TrainState`.
     """
 
-    def __init__(self, comm: ElasticComm, accum: Any, new_state: Callable[[ElasticTraining], TrainState]) -> None:
-        self.comm, self.accum = comm, accum
-        self.state = new_state(self)
-        self.position = CommittedPosition(self.state)
-        self.generation = 0  # moves at every change: a loader then restarts from the committed position
-        self._began = time.monotonic()  # the current step's start (its first batch): what a dropped step lost
+    def __init__(self, comm: ElasticComm, accum: Any, state: TrainState) -> None:
+        self.comm, self.accum, self.state = comm, accum, state
+        self.position = CommittedPosition(state)
+        self.changes = 0  # changes of members this worker went through (its own join included)
+        self._began = time.monotonic()  # the current step's start (the last one's end): what a dropped step lost
         self._models: list[nn.Module] = []
         self._optimizers: list[torch.optim.Optimizer] = []
         self._precision: Any = None
@@ -106,7 +107,7 @@ class ElasticTraining:
     def group(self) -> ElasticGroup:
         """The job's group (once joined)."""
         if self.comm.group is None:
-            raise RuntimeError("the elastic group is made at the join: call start, at_boundary or load first")
+            raise RuntimeError("the elastic group is made at the join: call start, before_pass or load first")
         return self.comm.group
 
     def folders(self) -> FolderLocks:
@@ -139,14 +140,9 @@ class ElasticTraining:
         # a running job's epoch wins over the script's start; a fresh job (every worker new) starts alike everywhere
         return self.state.epoch if self.group.step > 0 else max(epoch, self.state.epoch)
 
-    def at_boundary(self) -> None:
-        """A step is about to start: join, or let in a node that waits (every rank, same step)."""
-        if self._enter():
-            return
-        self.position.commit()  # nothing is in flight here: the live position (maybe a new epoch's start) is the one
-        if self.group.admit():
-            self._changed()
-        self._began = time.monotonic()
+    def before_pass(self) -> None:
+        """A training loader's pass starts: join the job if not in yet (a loop without ``session.epochs``)."""
+        self._enter()
 
     def step_failed(self, exc: Exception) -> bool:
         """The session's step raised ``exc``: a peer's death drops the step (False); anything else is raised.
@@ -159,11 +155,25 @@ class ElasticTraining:
         self._changed()
         return False
 
-    def step_done(self, took: bool, optimizer: torch.optim.Optimizer) -> None:
-        """The step ended on every member: its position is committed. No replica check follows: a collective
-        outside the step would not be recovered."""
+    def step_done(self, took: bool, optimizer: torch.optim.Optimizer, ends_iteration: bool = True) -> None:
+        """The step ended on every member: its position is committed; at an iteration's end (its last optimizer
+        stepped) a node that waits is let in, every member at the same step. No replica check follows: a
+        collective outside the step would not be recovered.
+
+        Raises:
+            SessionUsageError: the loop fetched its next batch before this step: that batch was planned for
+                the members before a change, so it is refused at the first step, before any change.
+        """
+        if self.state.loaders.planned(0) is not None:
+            raise SessionUsageError(
+                "under lockstep run --nodes, fetch the next batch after session.step, not before it: a batch "
+                "fetched ahead was planned for the members of before a node left or joined"
+            )
         self.position.commit()
         self.group.commit()
+        if ends_iteration and self.group.admit():
+            self._changed()
+        self._began = time.monotonic()
 
     def load(self, restore: Callable[..., ResumeState]) -> ResumeState:
         """``session.load``: join; the disk is read only when no member holds the state.
@@ -212,6 +222,7 @@ class ElasticTraining:
         self.position.commit()
         self.comm.join(self)
         self._changed()
+        self._began = time.monotonic()
         return True
 
     def _changed(self) -> None:
@@ -229,7 +240,7 @@ class ElasticTraining:
         if first is not None and first.steps is not None:
             self.accum.resize(first.steps.plan.accumulate)
         self.accum.after_step()  # a fresh accumulation window
-        self.generation += 1
+        self.changes += 1
 
     def plan(self, world_size: int) -> str:
         """The membership line's batch plan at ``world_size`` (the first training loader's)."""

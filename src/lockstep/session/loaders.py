@@ -42,8 +42,12 @@ class DeviceLoader:
             accumulation window): ``on_batch(index, left, window, weight)``, ``index`` counting the
             batches handed out and not trained before it.
         timer: times each wait for a training batch (:mod:`lockstep.session.timings`), or ``None``.
-        tracker: the session's :class:`TrainLoaders`, told when a training batch goes out or the loader runs out.
-        boundary: under ``--nodes``, asked at each step's first batch (:mod:`lockstep.session.elastic`).
+        tracker: the session's :class:`TrainLoaders`, told when a training pass starts, a training batch goes
+            out or the loader runs out.
+
+    A pass of the default order restarts from the sampler's position when that position is set from
+    outside while it runs (:meth:`position_set`: under ``--nodes``, a change of members puts back the
+    committed position and re-plans the shares between two steps).
     """
 
     def __init__(
@@ -55,7 +59,6 @@ class DeviceLoader:
         timer: Any = None,
         *,
         tracker: TrainLoaders | None = None,
-        boundary: Any = None,
     ) -> None:
         from lockstep.data.loader import move_to_device
 
@@ -68,7 +71,7 @@ class DeviceLoader:
         self.tracker = tracker if train else None
         self.timer = timer if train else None
         self.share = 0  # samples of this rank in the batch last handed out (0: a zero-weight stand-in)
-        self.boundary = boundary if train else None
+        self._moves = 0  # the position set from outside: a running pass restarts there
         # handed out, not trained yet, oldest first: (the sampler's position before it, its plan for on_batch)
         self.untrained: deque[tuple[int, tuple[Any, ...]]] = deque()
 
@@ -117,21 +120,20 @@ class DeviceLoader:
         return int(samples // size if self.loader.drop_last else -(-samples // size))
 
     def __iter__(self) -> Iterator[Any]:
-        if self.tracker is not None and self.boundary is None:
+        if self.tracker is not None:
+            self.tracker.pass_starting()  # the session's own business first (under --nodes: the join)
             self._start_pass()
-        steps = self.steps  # one pass of the default order, unless under --nodes a change can start another
+        steps = self.steps
         batches = (
-            self._iter_padded()
-            if steps is None
-            else self._iter_passes(steps)
-            if self.boundary is not None and self.train
-            else self._pass(steps)
+            self._iter_padded() if steps is None else self._iter_passes(steps) if self.train else self._pass(steps)
         )
         return batches if self.timer is None else self.timer.data(batches, self, _batch_len)
 
     def position_set(self) -> None:
-        """The sampler's position was set from outside (a new epoch, a checkpoint): nothing handed out is pending."""
+        """The sampler's position was set from outside (a new epoch, a checkpoint, a change of members): nothing
+        handed out is pending, and a pass that runs restarts there."""
         self.untrained.clear()
+        self._moves += 1
 
     def trained(self, batches: int) -> None:
         """The session's step trained the oldest ``batches`` handed out (a step's micro-batches)."""
@@ -170,34 +172,31 @@ class DeviceLoader:
             sampler.set_epoch(epoch)
 
     def _iter_passes(self, steps: StepSampler) -> Iterator[Any]:
-        """Under ``--nodes`` a change sets the position back; a new pass starts there with the new share."""
+        """Passes of one epoch: when the position is set from outside meanwhile, a new pass starts there (with
+        the sampler's shares as they are now)."""
         epoch = steps.epoch
         while (yield from self._pass(steps)) and steps.epoch == epoch:
             pass
 
     def _pass(self, steps: StepSampler) -> Generator[Any, None, bool]:
-        """The default order from the sampler's position; True when the membership moved the position meanwhile."""
+        """The default order from the sampler's position; True when the position was set from outside meanwhile."""
         on_host, tracker, on_batch = self.device.type == "cpu", self.tracker, self._on_batch
         world, rank = steps.world_size, steps.rank
         upcoming = steps.upcoming()
         left = len(upcoming)
-        boundary = self.boundary if self.train else None
-        seen = boundary.generation if boundary is not None else 0
+        train, seen = self.train, self._moves
         untrained = self.untrained
         for i, batch in enumerate(self.loader):
-            if self.train:
+            if train:
+                if self._moves != seen:
+                    return True  # this batch was planned from the position before
                 micro, share, samples, weight = upcoming.portion(i, world, rank)
-                if boundary is not None:
-                    if micro.index == 0:
-                        boundary.at_boundary()  # a node that waits joins here, before the step's first forward
-                    if boundary.generation != seen:
-                        return True
                 self.share = share
                 plan = (left - i, micro.count, weight)
                 self._hand_out(untrained, steps.cursor, plan, tracker, on_batch)
                 steps.advance(samples)
             yield batch if on_host else self._move(batch, self.device, self._non_blocking)
-        if boundary is not None and boundary.generation != seen:
+        if self._moves != seen:
             return True
         if tracker is not None:
             tracker.ran_out()
@@ -265,14 +264,14 @@ class TrainLoaders:
     epoch is finished once a loader ran out and the batches handed out are trained (:attr:`finished`).
     """
 
-    def __init__(self, on_add: Callable[[], None] | None = None, boundary: Any = None) -> None:
+    def __init__(self, on_add: Callable[[], None] | None = None, on_pass: Callable[[], None] | None = None) -> None:
         self._refs: list[weakref.ref[DeviceLoader]] = []
         self._pending: list[dict[str, Any]] = []
         self._epoch = 0
         self.epoch_done = False  # written by the loaders: True once one ran out after the last batch
         self.handed = 0  # training batches handed out so far, by every loader (the loop's iterations show in it)
         self.on_add = on_add
-        self.boundary = boundary
+        self.on_pass = on_pass
 
     @property
     def live(self) -> list[DeviceLoader]:
@@ -331,9 +330,7 @@ class TrainLoaders:
     ) -> DeviceLoader:
         """Return ``loader`` as a :class:`DeviceLoader` on ``device``; a training one is tracked (:meth:`add`)."""
         on_batch = accum.on_batch if accum is not None else on_batch
-        wrapped = DeviceLoader(
-            loader, device, train, on_batch, timer, tracker=self, boundary=self.boundary
-        )  # an evaluation loader keeps none of the three
+        wrapped = DeviceLoader(loader, device, train, on_batch, timer, tracker=self)  # an evaluation one keeps none
         if not train:
             return wrapped
         self.add(wrapped)
@@ -360,6 +357,11 @@ class TrainLoaders:
         for loader in self.live:
             loader.sampler.set_epoch(epoch)
             loader.position_set()
+
+    def pass_starting(self) -> None:
+        """A training loader's iterator is made: the session's own business at a pass's start (``on_pass``)."""
+        if self.on_pass is not None:
+            self.on_pass()
 
     def handed_out(self) -> None:
         """A loader handed a training batch out: the epoch goes on."""

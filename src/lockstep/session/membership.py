@@ -43,8 +43,13 @@ class Membership(Protocol):
         """The session's step raised ``exc``: raise it, or return False when the step was dropped and may go on."""
         ...
 
-    def step_done(self, took: bool, optimizer: torch.optim.Optimizer) -> None:
-        """The session's step ended (``took``: an optimizer step was taken)."""
+    def before_pass(self) -> None:
+        """A training loader's pass starts (its iterator is made)."""
+        ...
+
+    def step_done(self, took: bool, optimizer: torch.optim.Optimizer, ends_iteration: bool = True) -> None:
+        """The session's step ended (``took``: an optimizer step was taken; ``ends_iteration``: the iteration's
+        last optimizer, as far as the session knows)."""
         ...
 
     def load(self, restore: Callable[..., ResumeState]) -> ResumeState:
@@ -78,7 +83,10 @@ class FixedMembership:
         """A step that raised is over for every rank: ``exc`` is raised."""
         raise exc
 
-    def step_done(self, took: bool, optimizer: torch.optim.Optimizer) -> None:
+    def before_pass(self) -> None:
+        """Nobody joins: the members were all there from the start."""
+
+    def step_done(self, took: bool, optimizer: torch.optim.Optimizer, ends_iteration: bool = True) -> None:
         """The replicas are checked after a step taken (they stay equal while the members do)."""
         if took:
             self.after(optimizer)
@@ -89,32 +97,27 @@ class FixedMembership:
 
 
 def form_membership(
-    comm: Comm,
-    accum: Any,
-    new_state: Callable[[ElasticTraining | None], TrainState],
-    after_step: Callable[[torch.optim.Optimizer], None],
-) -> tuple[TrainState, Membership]:
-    """The session's state and its membership: :class:`ElasticTraining` over an
+    comm: Comm, accum: Any, state: TrainState, after_step: Callable[[torch.optim.Optimizer], None]
+) -> Membership:
+    """The session's membership: :class:`ElasticTraining` over an
     :class:`~lockstep.comm.elastic_comm.ElasticComm` (``--nodes``), else :class:`FixedMembership`.
 
     Args:
         comm: the session's collectives.
         accum: the session's accumulation (re-planned after a change of members).
-        new_state: builds the session's :class:`TrainState` with the loaders' step boundary (``None``: fixed).
+        state: the session's :class:`TrainState` (its position handed over and rolled back).
         after_step: the replica check that follows a step taken while the members are fixed.
     """
-    form = {"fixed": _fixed, "elastic": _elastic}[comm.membership]  # as the strategies' registry picks
-    return form(comm, accum, new_state, after_step)
+    form = _FORMS[comm.membership]  # the comm says which, as the strategies' registry picks
+    return form(comm, accum, state, after_step)
 
 
-def _fixed(
-    comm: Comm, accum: Any, new_state: Callable[[ElasticTraining | None], TrainState], after_step: Any
-) -> tuple[TrainState, Membership]:
-    return new_state(None), FixedMembership(comm, after_step)
+def _fixed(comm: Comm, accum: Any, state: TrainState, after_step: Any) -> Membership:
+    return FixedMembership(comm, after_step)
 
 
-def _elastic(
-    comm: Comm, accum: Any, new_state: Callable[[ElasticTraining | None], TrainState], after_step: Any
-) -> tuple[TrainState, Membership]:
-    elastic = ElasticTraining(cast(ElasticComm, comm), accum, new_state)
-    return elastic.state, elastic
+def _elastic(comm: Comm, accum: Any, state: TrainState, after_step: Any) -> Membership:
+    return ElasticTraining(cast(ElasticComm, comm), accum, state)
+
+
+_FORMS: dict[str, Callable[[Comm, Any, TrainState, Any], Membership]] = {"fixed": _fixed, "elastic": _elastic}

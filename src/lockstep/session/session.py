@@ -24,7 +24,7 @@ from lockstep.data.loader import make_loader
 from lockstep.env import detect_world, read_settings
 from lockstep.precision import build_precision
 from lockstep.session.config import OPTION_NAMES, SessionConfig
-from lockstep.session.elastic import ElasticTraining, options_under_nodes
+from lockstep.session.elastic import options_under_nodes
 from lockstep.session.loaders import DeviceLoader
 from lockstep.session.loop import Accumulator, TrainStep
 from lockstep.session.membership import form_membership
@@ -145,14 +145,11 @@ class Session(Observing):
         if self._rank_streams:
             seed_everything(run.seed)
 
-        def new_state(boundary: ElasticTraining | None) -> TrainState:
-            say = None if run.quiet else self.print
-            return TrainState(self.comm, say, boundary=boundary)
-
-        # fixed nodes, or --nodes: then the membership is the loaders' step boundary and joins the job itself
+        # a training pass's start is the membership's to act on (under --nodes: the join), not the loader's
+        self.state = TrainState(self.comm, None if run.quiet else self.print, on_pass=self._pass_starting)
         self._checks = LoopChecks(self.comm)  # setup before backward before step; equal replicas
         replicas = partial(self._checks.after_step, replicated=not self.strategy.sharded)
-        self.state, self._members = form_membership(self.comm, self._accum, new_state, replicas)
+        self._members = form_membership(self.comm, self._accum, self.state, replicas)  # fixed nodes, or --nodes
         self._steps = TrainStep(
             self.state,
             self._accum,
@@ -359,19 +356,25 @@ class Session(Observing):
             took = self._steps.step(optimizer, model, counted)
         except Exception as exc:  # noqa: BLE001 - under --nodes a peer's death drops the step (False); else raised
             return self._members.step_failed(exc)
-        self._members.step_done(took, optimizer)  # fixed nodes: the replicas checked; --nodes: the step committed
         handed = self.state.loaders.handed
         if handed != self._handed_at_step:  # a batch went out since the last step: that step ended an iteration
             self._last_in_iteration, self._handed_at_step = self._last_stepped, handed
         self._last_stepped = optimizer
+        ends_iteration = self._last_in_iteration is None or optimizer is self._last_in_iteration
+        # fixed nodes: the replicas checked; --nodes: the step committed, and at an iteration's end a node let in
+        self._members.step_done(took, optimizer, ends_iteration)
         if self._guard.poll() and self._guard.mode == "save":
             self._stop_due = True  # every rank agreed at this same step
-        if self._stop_due and (self._last_in_iteration is None or optimizer is self._last_in_iteration):
+        if self._stop_due and ends_iteration:
             # every optimizer of this iteration has stepped (a GAN's critic and generator); the loop's work after
             # the step (a scheduler) is still to come, so the stop comes at the next backward, put back to here
             self._stop_due = False
             self._stop_point = StopPoint([b for layers in self._models for b in layers.bare.buffers()])
         return took
+
+    def _pass_starting(self) -> None:
+        """A training loader's iterator is made: the membership's turn (under ``--nodes``, a join)."""
+        self._members.before_pass()
 
     def _stop_if_due(self) -> None:
         """Stop between two epochs when the ranks agreed: the epoch's end is a state of its own (its evaluation,

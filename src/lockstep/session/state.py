@@ -90,12 +90,15 @@ class TrainState:
         where: the job's collectives, which own this rank and the world size (a checkpoint's RNG states
             are picked by rank, and restored only at the same world size); one process when ``None``.
         say: prints the line of a resume at another world size (:meth:`replan_line`); ``None``: quiet.
-        boundary: under ``--nodes``, asked at each step's first batch
-            (:class:`~lockstep.session.elastic.ElasticTraining`).
+        on_pass: called when a training loader's iterator is made (the session's membership joins there).
     """
 
     def __init__(
-        self, where: Where | None = None, say: Callable[[str], None] | None = None, *, boundary: Any = None
+        self,
+        where: Where | None = None,
+        say: Callable[[str], None] | None = None,
+        *,
+        on_pass: Callable[[], None] | None = None,
     ) -> None:
         self.where = where if where is not None else World()
         self.say = say
@@ -103,7 +106,7 @@ class TrainState:
         self.global_step = 0
         self.skipped_steps = 0
         self._resumed_from: tuple[int, int | None] | None = None  # (world size, global batch) of a checkpoint
-        self.loaders = TrainLoaders(on_add=self._say_replan, boundary=boundary)
+        self.loaders = TrainLoaders(on_add=self._say_replan, on_pass=on_pass)
 
     @property
     def rank(self) -> int:

@@ -114,3 +114,27 @@ def test_table_lists_every_flag_of_every_subcommand() -> None:
             for option in action.option_strings:
                 if option not in ("-h", "--help", "--result-file"):  # --result-file: doctor's own, hidden
                     assert f"`{option}`" in page, (command, option)
+
+
+def test_the_session_flags_are_declared_once_from_the_session_config() -> None:
+    import dataclasses
+
+    from lockstep.cli.flags import LAUNCH_FLAGS, SESSION_FLAGS
+    from lockstep.session.config import _FLAGS, SessionConfig
+    from lockstep.session.nonfinite import NONFINITE_POLICIES
+
+    fields = {f.name: f for f in dataclasses.fields(SessionConfig)}
+    strategy_options = {"powersgd_rank", "powersgd_start_iter"}  # PowerSGD's knobs: ddp's strategy_options
+    assert set(SESSION_FLAGS) <= set(fields) | strategy_options
+    assert set(_FLAGS) <= set(SESSION_FLAGS) | set(LAUNCH_FLAGS)  # a message names a flag that exists
+    assert SESSION_FLAGS["nonfinite"]["metavar"] == "|".join(NONFINITE_POLICIES)
+    for name, declared in SESSION_FLAGS.items():  # each app's flag is the declared one: same type and metavar
+        for command in COMMANDS:
+            action = next(
+                (a for a in command_parser(command)._actions if f"--{name.replace('_', '-')}" in a.option_strings),
+                None,
+            )
+            if action is None or (command == "bench" and name in ("strategy", "precision", "compile")):
+                continue  # bench sweeps comma-separated lists of them: an option of its own
+            assert action.type == declared.get("type") and action.metavar == declared.get("metavar"), (command, name)
+            assert str(action.help).startswith(declared["help"]), (command, name)

@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 
 from lockstep.bench.matrix import DEFAULT_REPEATS, DEFAULT_STEPS, DEFAULT_WARMUP, BenchConfig, parse_list
-from lockstep.cli.flags import NPROC_PER_GPU, add_deprecated, add_launch_flags, describe_command
+from lockstep.cli.flags import NPROC_PER_GPU, add_deprecated, add_launch_flags, add_session_flags, describe_command
 
 __all__ = ["add_arguments", "main", "project_main", "config_from_args", "default_nprocs"]
 
@@ -69,8 +69,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
         add_arguments(argparse.ArgumentParser(prog="lockstep bench"))
     """
-    from lockstep.session.nonfinite import NONFINITE_POLICIES
-
     describe_command(parser, __doc__)
     add = parser.add_argument
     add(
@@ -150,12 +148,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="input channels (default: the data's for convnet, 3 otherwise)",
     )
     add("--num-classes", type=int, default=10, metavar="K", help="classes of synthetic labels (default 10)")
-    add(
-        "--nonfinite",
-        default="skip",
-        metavar="|".join(NONFINITE_POLICIES),
-        help="the Session's non-finite loss policy; skip (its default) reads one flag per step (default skip)",
-    )
+    add_session_flags(parser, ["nonfinite"], {"nonfinite": "skip"}, {"nonfinite": "skip reads one flag per step"})
     add(
         "--threads",
         type=int,
@@ -241,12 +234,8 @@ def _add_project_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --project: the link between the devices of one node, as --link (default pcie4 with more "
         "than one device per node)",
     )
-    add(
-        "--powersgd-rank",
-        type=int,
-        default=1,
-        metavar="R",
-        help="with --project: PowerSGD's matrix rank for ddp+powersgd (default 1, as lockstep train's)",
+    add_session_flags(
+        group, ["powersgd_rank"], {"powersgd_rank": 1}, {"powersgd_rank": "with --project, for ddp+powersgd"}
     )
     add(
         "--measured",

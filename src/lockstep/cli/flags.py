@@ -6,6 +6,11 @@ only the flags it honours. ``--nproc`` defaults to one process per GPU, or 2 on 
 without GPUs, in every command (``bench`` sweeps 1, 2, 4... up to that count): a data-parallel
 command uses every device unless told otherwise, and runs parallel on a CPU machine too.
 
+The Session's options that the apps take as flags (``--strategy``, ``--precision``,
+``--accumulate``...) are declared once too, from :class:`~lockstep.SessionConfig`
+(:func:`add_session_flags`): each app gives its own default and says what the option applies to
+(``lockstep verify``: the parallel run), never its own spelling, type or help.
+
 An old spelling of a flag stays accepted through :func:`add_deprecated`: hidden from the help,
 it sets the same value and leaves one deprecation line (:func:`deprecation_notes`).
 """
@@ -19,6 +24,8 @@ from typing import Any
 __all__ = [
     "describe_command",
     "add_launch_flags",
+    "add_session_flags",
+    "SESSION_FLAGS",
     "launch_options",
     "value_flags",
     "flag_strings",
@@ -134,6 +141,70 @@ _DECLARATIONS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "verbose": ("--verbose", dict(action="store_true", help="show torch's own agent logging")),
 }
+
+
+SESSION_FLAGS: dict[str, dict[str, Any]] = {
+    "strategy": dict(metavar="NAME", help="auto, single, dp, ddp, fsdp or horovod (make horovod installs it)"),
+    "precision": dict(metavar="NAME", help="fp32, bf16-mixed, fp16-mixed, fp16-o2, bf16, fp16 or apex's O0-O3"),
+    "grad_compression": dict(
+        metavar="none|bf16|fp16|powersgd",
+        help="ddp only: none, bf16, fp16 or powersgd (torch's DDP communication hooks; lossy)",
+    ),
+    "powersgd_rank": dict(type=int, metavar="R", help="rank of PowerSGD's gradient approximation"),
+    "powersgd_start_iter": dict(type=int, metavar="STEPS", help="plain all-reduce steps before PowerSGD starts"),
+    "compile": dict(
+        nargs="?",
+        const="inductor",
+        metavar="BACKEND",
+        help="torch.compile the model after the strategy wraps it: --compile alone uses inductor, "
+        "--compile aot_eager another backend; if torch cannot compile, one warning and eager",
+    ),
+    "sync_bn": dict(action="store_true", help="synchronise BatchNorm statistics across processes (GPU only)"),
+    "accumulate": dict(type=int, metavar="K", help="micro-batches per optimizer step (gradient accumulation)"),
+    "seed": dict(type=int, metavar="SEED", help="seed of weights, data order and augmentation"),
+    "order": dict(
+        metavar="lockstep|torch",
+        help="training data order: lockstep (every sample once per epoch, never padded) or torch "
+        "(DistributedSampler's order and padding)",
+    ),
+    "nonfinite": dict(
+        metavar="skip|stop|ignore", help="what a non-finite loss or gradient does: skip the step, stop, or ignore it"
+    ),
+}
+"""The Session options the apps take as flags, by :class:`~lockstep.SessionConfig` field (PowerSGD's two
+knobs: its ``strategy_options``), each declared once: type, metavar and help. The values are checked by
+``SessionConfig`` itself, so a bad one is refused with the same line as ``lockstep.Session``'s."""
+
+
+def add_session_flags(
+    parser: argparse.ArgumentParser | Any,
+    names: Sequence[str],
+    defaults: Mapping[str, Any],
+    applies: Mapping[str, str] | None = None,
+) -> None:
+    """Declare the Session options ``names`` as flags, from :data:`SESSION_FLAGS`.
+
+    Args:
+        parser: the subcommand's parser (or an argument group).
+        names: options of :data:`SESSION_FLAGS`, in the order the help lists them.
+        defaults: each flag's default in this app (its config's field).
+        applies: a few words per option on what it applies to in this app (``"the parallel run only"``),
+            added to the help.
+
+    Example::
+
+        add_session_flags(parser, ["strategy", "accumulate"], {"strategy": "ddp", "accumulate": 1})
+    """
+    for name in names:
+        options = dict(SESSION_FLAGS[name])
+        default = defaults[name]
+        note = (applies or {}).get(name)
+        text = options.pop("help") + (f"; {note}" if note else "")
+        if options.get("action") != "store_true":
+            options["default"] = default
+            if default is not None:
+                text += f" (default {default})"
+        parser.add_argument("--" + name.replace("_", "-"), help=text, **options)
 
 
 def describe_command(parser: argparse.ArgumentParser, doc: str | None) -> None:

@@ -32,20 +32,20 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lockstep.cli.flags import NPROC_PER_GPU, add_launch_flags, describe_command, launch_options
+from lockstep.cli.flags import (
+    NPROC_PER_GPU,
+    SESSION_FLAGS,
+    add_launch_flags,
+    add_session_flags,
+    describe_command,
+    launch_options,
+)
 
 __all__ = ["add_arguments", "main", "config_from_args", "worker_argv", "LAUNCH"]
 
 _HELP = {
     "model": "convnet, resnet18, resnet50 or any torchvision classification model",
     "data": "digits (bundled with scikit-learn), mnist:DIR (IDX files), imagefolder:DIR, or synthetic",
-    "strategy": "auto, single, dp, ddp, fsdp or horovod (make horovod installs it)",
-    "precision": "fp32, bf16-mixed, fp16-mixed, fp16-o2, bf16, fp16 or apex's O0-O3",
-    "grad_compression": "ddp only: none, bf16, fp16 or powersgd (torch's DDP communication hooks; lossy)",
-    "powersgd_rank": "rank of PowerSGD's gradient approximation",
-    "powersgd_start_iter": "plain all-reduce steps before PowerSGD starts",
-    "compile": "torch.compile the model after the strategy wraps it: --compile alone uses inductor, "
-    "--compile aot_eager another backend; if torch cannot compile, one warning and eager",
     "epochs": "epochs to train in total",
     "batch_size": "samples per batch per device",
     "lr": "learning rate (SGD with momentum)",
@@ -54,9 +54,6 @@ _HELP = {
     "momentum": "SGD momentum",
     "weight_decay": "SGD weight decay",
     "workers": "data-loader workers per process (default: lockstep's choice)",
-    "sync_bn": "synchronise BatchNorm statistics across processes (GPU only)",
-    "accumulate": "micro-batches per optimizer step (gradient accumulation)",
-    "seed": "seed of weights, data order and augmentation",
     "out": "folder for checkpoints, metrics.csv, config.json, TensorBoard events (nothing is written without it)",
     "resume": "continue the run in --out from its newest checkpoint, with the run's own flags (config.json); "
     "only --epochs, --keep and how and where it runs may change",
@@ -67,21 +64,15 @@ _HELP = {
     "pretrained": "start from pretrained weights (needs --weights FILE; nothing is downloaded)",
     "val_fraction": "held-out share of an image folder without train/ and val/",
     "progress": "progress bar: auto (when the terminal shows one), on or off",
-    "order": "training data order: lockstep (every sample once per epoch, never padded) or torch "
-    "(DistributedSampler's order and padding)",
 }
 
 
 _METAVARS = {
-    "grad_compression": "none|bf16|fp16|powersgd",
-    "powersgd_rank": "R",
-    "powersgd_start_iter": "STEPS",
     "data": "SPEC",
     "epochs": "E",
     "batch_size": "B",
     "base_batch": "B",
     "workers": "N",
-    "accumulate": "K",
     "out": "DIR",
     "keep": "K",
     "image_size": "PIXELS",
@@ -89,7 +80,6 @@ _METAVARS = {
     "weights": "FILE",
     "val_fraction": "F",
     "progress": "auto|on|off",
-    "order": "lockstep|torch",
 }
 LAUNCH = ("nproc", "nodes", "node_rank", "master", "max_restarts", "timeout")
 """The launch flags ``lockstep train`` honours (declared by :func:`~lockstep.cli.flags.add_launch_flags`);
@@ -115,8 +105,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """
     describe_command(parser, __doc__)
     types = {
-        "powersgd_rank": int,
-        "powersgd_start_iter": int,
         "epochs": int,
         "batch_size": int,
         "lr": float,
@@ -124,8 +112,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "momentum": float,
         "weight_decay": float,
         "workers": int,
-        "accumulate": int,
-        "seed": int,
         "keep": int,
         "image_size": int,
         "max_steps": int,
@@ -136,13 +122,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             add_launch_flags(parser, LAUNCH, nproc_default=None, nproc_default_text=NPROC_PER_GPU, slurm=True)
         if name in LAUNCH:
             continue
+        if name in SESSION_FLAGS:  # the Session's own options: declared once, for every app
+            add_session_flags(parser, [name], {name: field.default})
+            continue
         flag = "--" + name.replace("_", "-")
         default = field.default
         text = _HELP[name] + ("" if default is None or default is False else f" (default {default})")
         if isinstance(default, bool):
             parser.add_argument(flag, action="store_true", help=_HELP[name])
-        elif name == "compile":  # a bare --compile means torch's default backend
-            parser.add_argument(flag, nargs="?", const="inductor", default=default, help=text, metavar="BACKEND")
         else:
             parser.add_argument(
                 flag, type=types.get(name, str), default=default, help=text, metavar=_METAVARS.get(name, name.upper())

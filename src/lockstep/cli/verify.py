@@ -21,7 +21,14 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from lockstep.cli.flags import NPROC_PER_GPU, add_deprecated, add_launch_flags, describe_command, launch_options
+from lockstep.cli.flags import (
+    NPROC_PER_GPU,
+    add_deprecated,
+    add_launch_flags,
+    add_session_flags,
+    describe_command,
+    launch_options,
+)
 from lockstep.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -69,11 +76,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="samples per optimizer step in both runs: the 1-process run takes them all, each of "
         f"the N processes 1/N of them (default {d['batch'].default})",
     )
-    parser.add_argument(
-        "--strategy", default="ddp", help=f"strategy of the parallel run: {' or '.join(STRATEGIES)} (default ddp)"
+    add_session_flags(
+        parser,
+        ["strategy", "precision", "accumulate"],
+        {"strategy": "ddp", "precision": "fp32", "accumulate": 1},
+        {
+            "strategy": f"the parallel run's: {' or '.join(STRATEGIES)}",
+            "precision": "both runs'",
+            "accumulate": "the parallel run's",
+        },
     )
-    parser.add_argument("--precision", default="fp32", help="precision of both runs (default fp32)")
-    parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per step in the parallel run")
     parser.add_argument(
         "--shape", default=None, metavar="C,H,W", help="one synthetic sample's shape (default: the named model's input)"
     )
@@ -103,37 +115,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=DROPOUT_MODES,
         help="disable: dropout p=0 in both runs (default); align: same RNG seed on every rank",
     )
-    parser.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm in the parallel run (GPU only)")
-    parser.add_argument(
-        "--grad-compression",
-        default="none",
-        metavar="none|bf16|fp16|powersgd",
-        help="ddp's gradient compression in the parallel run; lossy by design, so the verdict "
-        "is NOT EQUIVALENT with the measured difference (default none)",
-    )
-    parser.add_argument(
-        "--powersgd-rank",
-        type=int,
-        default=d["powersgd_rank"].default,
-        help="rank of PowerSGD's approximation (default 1)",
-    )
-    parser.add_argument(
-        "--powersgd-start-iter",
-        type=int,
-        default=d["powersgd_start_iter"].default,
-        help="plain all-reduce steps before PowerSGD starts (default 2)",
-    )
-    parser.add_argument(
-        "--compile",
-        nargs="?",
-        const="inductor",
-        default="none",
-        metavar="BACKEND",
-        help="torch.compile the parallel run's model (--compile alone: inductor; or e.g. "
-        "--compile aot_eager); the 1-process reference stays eager (default none)",
+    add_session_flags(
+        parser,
+        ["sync_bn", "grad_compression", "powersgd_rank", "powersgd_start_iter", "compile"],
+        {
+            "sync_bn": False,
+            "grad_compression": "none",
+            "powersgd_rank": d["powersgd_rank"].default,
+            "powersgd_start_iter": d["powersgd_start_iter"].default,
+            "compile": "none",
+        },
+        {
+            "sync_bn": "the parallel run's",
+            "grad_compression": "the parallel run's; lossy by design, so the verdict is NOT EQUIVALENT "
+            "with the measured difference",
+            "compile": "the parallel run's model; the 1-process reference stays eager",
+        },
     )
     parser.add_argument("--lr", type=float, default=d["lr"].default, help="SGD learning rate (default 0.01)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the data")
+    add_session_flags(parser, ["seed"], {"seed": 0})
     parser.add_argument(
         "--tolerance", type=float, default=None, help="relative tolerance (default 1e-5 for fp32, 1e-2 otherwise)"
     )

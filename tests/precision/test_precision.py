@@ -21,6 +21,7 @@ from lockstep.precision import (
     get_precision,
 )
 from lockstep.session.nonfinite import FiniteCheck
+from support.comm import null_comm
 from support.dist import run_distributed
 
 CPU = torch.device("cpu")
@@ -55,7 +56,7 @@ def _step(
 ) -> bool:
     """The session's order with the plugin's hooks (``TrainStep.step``): unscale and check, clip, step, update."""
     inv_scale = precision.unscale(opt)
-    finite = inv_scale is None or FiniteCheck()(opt, inv_scale)
+    finite = inv_scale is None or FiniteCheck(null_comm())(opt, inv_scale)
     if finite:
         if clip is not None:
             clip(precision.main_parameters(opt))

@@ -16,6 +16,7 @@ import torch
 import lockstep
 from lockstep.session.nonfinite import FiniteCheck, NonFiniteLossError, NonFinitePolicy
 from lockstep.session.state import TrainState
+from support.comm import null_comm
 from support.dist import run_distributed
 
 
@@ -39,7 +40,7 @@ def test_every_groups_flag_is_folded_off_the_host(bad: int) -> None:
     once. A NaN in either group skips the step."""
     params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3, dtype=torch.float64))]
     opt = torch.optim.SGD(params, lr=0.1, fused=True)
-    check = FiniteCheck()
+    check = FiniteCheck(null_comm())
     plan = check.plan(opt)
     assert len(plan.groups) == 2
     plan.in_place = False  # as for CUDA gradients: fold on the device, one read
@@ -67,7 +68,7 @@ def test_host_gradients_read_their_flags_in_place() -> None:
         torch.nn.Parameter(torch.ones(1)),
     ]
     opt = torch.optim.SGD(params, lr=0.1)
-    check = FiniteCheck()
+    check = FiniteCheck(null_comm())
     plan = check.plan(opt)
     assert plan.in_place and plan.agree is None and len(plan.groups) == 1
     for bad in (math.nan, math.inf, -math.inf, None):

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import lockstep
+from support.comm import null_comm
 from support.dist import run_distributed
 from support.regression import N_SAMPLES, max_rel, regression_data, regression_model
 
@@ -267,7 +268,7 @@ def test_finite_check_groups_by_dtype() -> None:
 
     a, b = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(3, dtype=torch.float64))
     opt = torch.optim.SGD([a, b], lr=0.1)
-    check = FiniteCheck()
+    check = FiniteCheck(null_comm())
     assert check(opt)  # no gradients yet
     a.grad, b.grad = torch.ones(3), torch.ones(3, dtype=torch.float64)
     assert check(opt)

@@ -39,10 +39,11 @@ class NonFinitePolicy:
 
     Args:
         policy: ``"skip"``, ``"stop"`` or ``"ignore"``.
-        comm: the job's collectives (to name the ranks, and to agree on sharded gradients).
+        comm: the job's collectives (to name the ranks, and to agree on sharded gradients); one process's
+            ``Comm`` where there is no job.
     """
 
-    def __init__(self, policy: str, comm: Comm | None = None) -> None:
+    def __init__(self, policy: str, comm: Comm) -> None:
         self.policy = policy
         self.active = policy != "ignore"
         self.loss: torch.Tensor | None = None
@@ -75,7 +76,7 @@ class NonFinitePolicy:
         Raises:
             NonFiniteLossError: under ``"stop"``.
         """
-        ranks = name_nonfinite_ranks(self.comm, self.loss) if self.comm is not None else []
+        ranks = name_nonfinite_ranks(self.comm, self.loss)
         text = f"non-finite loss on {format_ranks(ranks) if ranks else 'a rank'} at step {step} (epoch {epoch})"
         if self.policy == "stop":
             raise NonFiniteLossError(f"{text}; stopping every rank (nonfinite='stop')")
@@ -87,9 +88,12 @@ class FiniteCheck:
 
     Runs GradScaler's fused kernel (unscaling by 1) per device and dtype, on the optimizer's
     parameters (so every model a session set up is covered); the grouping and flags are kept between steps.
+
+    Args:
+        comm: the job's collectives: sharded gradients' ranks agree on one flag over it.
     """
 
-    def __init__(self, comm: Comm | None = None) -> None:
+    def __init__(self, comm: Comm) -> None:
         self.comm = comm
         # id(optimizer) -> (a weak reference to it, its plan): a dict read per step, the entry dropped with it
         self._plans: dict[int, tuple[weakref.ref[Any], _Plan]] = {}
@@ -144,11 +148,11 @@ class FiniteCheck:
 class _Plan:
     """What one optimizer's check needs: groups, where the flags are read, the comm for sharded parameters."""
 
-    def __init__(self, size: list[int], params: list[torch.Tensor], comm: Comm | None) -> None:
+    def __init__(self, size: list[int], params: list[torch.Tensor], comm: Comm) -> None:
         self.size = size
         self.groups = _plan(params)
         sharded = any(g.sharded for g in self.groups)
-        self.agree = comm if sharded and comm is not None and comm.world_size > 1 else None
+        self.agree = comm if sharded and comm.world_size > 1 else None
         # every flag read from memory (host gradients), and no rank to agree with
         self.in_place = all(g.host is not None for g in self.groups) and self.agree is None
 

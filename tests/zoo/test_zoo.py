@@ -55,6 +55,20 @@ def test_unknown_model_refused() -> None:
         build_model("resnet19", 3, 10, 32)
 
 
+def test_a_near_miss_gets_the_name_and_a_script_gets_the_form_that_works() -> None:
+    from lockstep.zoo.models import check_model, parse_model
+
+    with pytest.raises(ConfigError, match="did you mean 'resnet50'"):
+        check_model("resnet5")
+    with pytest.raises(ConfigError, match="unknown model 'qwertyuiop'; choose") as far:
+        check_model("qwertyuiop")
+    assert "did you mean" not in str(far.value) and "module:function" not in str(far.value)  # train takes names only
+    with pytest.raises(ConfigError, match=r"--model digits_cnn:build_model, where digits_cnn.py has def build_model"):
+        parse_model("digits_cnn.py")  # verify and bench: the user's own factory
+    with pytest.raises(ConfigError, match="run your own script with lockstep run scripts/digits_cnn.py"):
+        check_model("scripts/digits_cnn.py")  # train
+
+
 def test_load_weights_skips_the_other_head(tmp_path: Path) -> None:
     source = ConvNet(5, 1, 28)
     torch.save({"model": {f"module.{k}": v for k, v in source.state_dict().items()}}, tmp_path / "w.pt")

@@ -6,6 +6,8 @@ file). ``bench`` and ``verify`` also take the user's own ``pkg.module:factory`` 
 
 from __future__ import annotations
 
+import difflib
+
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,13 +78,35 @@ def model_names() -> list[str]:
     return ["convnet", *models.list_models(module=models)]
 
 
-def check_model(name: str) -> None:
-    """Refuse an unknown model name, listing the common ones."""
-    # convnet is checked without importing torchvision (seconds of start-up time)
-    if name != "convnet" and name not in model_names():
+def check_model(name: str, factories: bool = False) -> None:
+    """Refuse an unknown model name: a close name is suggested, a script's path gets the form that works.
+
+    Args:
+        name: the ``--model`` value.
+        factories: the command also takes the user's ``module:function`` (``bench``, ``verify``).
+    """
+    if name.endswith(".py") or "/" in name or "\\" in name:
+        module = Path(name).stem or "train"
         raise ConfigError(
-            f"unknown model {name!r}; choose convnet, resnet18, resnet50 or any torchvision "
-            "classification model (e.g. mobilenet_v3_small, vit_b_16)"
+            f"--model {name!r} is a file, not a model: give the function that builds your model as "
+            f"module:function, run from the script's folder (e.g. --model {module}:build_model, where "
+            f"{module}.py has def build_model(): return MyNet()); a model built inline in a script needs "
+            "such a function first"
+            if factories
+            else f"--model {name!r} is a file, not a model: lockstep train trains the models it names; "
+            f"run your own script with lockstep run {name}"
+        )
+    # convnet is checked without importing torchvision (seconds of start-up time)
+    if name == "convnet":
+        return
+    names = model_names()
+    if name not in names:
+        close = difflib.get_close_matches(name, names, n=1, cutoff=0.75)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        own = ", or your own as module:function" if factories else ""
+        raise ConfigError(
+            f"unknown model {name!r}; {hint}choose convnet, resnet18, resnet50 or any torchvision "
+            f"classification model (e.g. mobilenet_v3_small, vit_b_16){own}"
         )
 
 
@@ -137,7 +161,7 @@ def parse_model(text: str) -> ModelSpec:
     if spec.is_factory:
         load_object(text, "model factory")
     else:
-        check_model(text)
+        check_model(text, factories=True)
     return spec
 
 

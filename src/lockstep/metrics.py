@@ -20,10 +20,10 @@ from torch.utils.data import default_collate
 
 from lockstep.comm.group import Comm
 from lockstep.data.loader import move_to_device
-from lockstep.errors import ConfigError
+from lockstep.errors import ConfigError, LockstepError
 from lockstep.strategies import Strategy, strategy_for_model
 
-__all__ = ["SumCount", "accuracy", "evaluate", "SessionView", "Job"]
+__all__ = ["SumCount", "accuracy", "evaluate", "SessionView", "Job", "NotAClassifierError"]
 
 Forward = Callable[[torch.nn.Module, Any], Any]
 
@@ -202,8 +202,11 @@ def _totals(
     loss_fn: Callable[..., torch.Tensor] | None,
     device: torch.device | None,
     forward: Forward | None,
-) -> tuple[float, float, int]:
-    """Run the evaluation; return (loss sum, correct, count) summed over all ranks."""
+) -> tuple[float, float | None, int]:
+    """Run the evaluation; return (loss sum, correct, count) summed over all ranks.
+
+    ``correct`` is ``None`` when a batch on any rank was not a classification (:func:`_classifies`).
+    """
     device = device or _model_device(model)
     comm, strategy = _job(job)
     if strategy is None:  # a plain Comm: the model's wrappers show the strategy
@@ -211,7 +214,7 @@ def _totals(
     run: Forward = forward or (lambda m, x: m(x))
     summed = _LossSum(loss_fn) if loss_fn is not None else None
     extra = strategy.extra_eval_forwards(model, _batches(loader))
-    acc = torch.zeros(2, dtype=_acc_dtype(device), device=device)  # loss sum, correct
+    acc = torch.zeros(3, dtype=_acc_dtype(device), device=device)  # loss sum, correct, batches not classified
     count, first = 0, None
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
@@ -222,8 +225,11 @@ def _totals(
                 outputs = run(model, inputs)
                 if summed is not None:
                     acc[0] += summed(outputs.float(), targets, acc.dtype)
-                labels = targets.argmax(-1) if targets.dim() == outputs.dim() else targets
-                acc[1] += (outputs.argmax(1) == labels).sum().to(acc.dtype)
+                if _classifies(outputs, targets):
+                    labels = targets.argmax(-1) if targets.dim() == outputs.dim() else targets
+                    acc[1] += (outputs.argmax(1) == labels).sum().to(acc.dtype)
+                else:
+                    acc[2] += 1
                 count += int(targets.shape[0])
                 first = inputs if first is None else first
             for _ in range(extra):  # outputs discarded: they only keep the strategy's collectives matched
@@ -233,8 +239,20 @@ def _totals(
             module.training = mode
     result = torch.cat([acc, torch.tensor([count], dtype=acc.dtype, device=device)])
     comm.all_reduce(result, "sum")
-    loss_sum, correct, total = result.tolist()
-    return loss_sum, correct, int(round(total))
+    loss_sum, correct, unclassified, total = result.tolist()
+    return loss_sum, (correct if not unclassified else None), int(round(total))
+
+
+def _classifies(outputs: torch.Tensor, targets: torch.Tensor) -> bool:
+    """Whether a batch is a classification: scores over two or more classes, and class indices or one-hot
+    (or soft) targets of the scores' shape. A regression (``Linear(8, 1)`` against float targets) is not."""
+    if outputs.dim() < 2 or outputs.shape[1] < 2:
+        return False
+    return targets.shape == outputs.shape or (not targets.is_floating_point() and targets.dim() == outputs.dim() - 1)
+
+
+class NotAClassifierError(LockstepError, ValueError):
+    """:func:`accuracy` was asked of a model that does not classify (its outputs are not class scores)."""
 
 
 def accuracy(
@@ -256,9 +274,19 @@ def accuracy(
         comm: the job's :class:`~lockstep.comm.Comm` or Session (whose strategy knows the wrapping).
         device: where to run; default: the device of the model's parameters.
         forward: ``forward(model, inputs) -> outputs``, for autocast or unusual signatures.
+
+    Raises:
+        NotAClassifierError: the outputs are not class scores (on every rank alike).
     """
     _, correct, count = _totals(model, loader, comm, None, device, forward)
-    return correct / count if count else math.nan
+    if not count:
+        return math.nan
+    if correct is None:  # the same on every rank: the flag was all-reduced with the counts
+        raise NotAClassifierError(
+            "metrics.accuracy needs class scores [batch, classes] with 2 or more classes, and class-index or "
+            "one-hot targets; this model's outputs are not that (a regression?): use metrics.evaluate's loss"
+        )
+    return correct / count
 
 
 def evaluate(
@@ -271,6 +299,9 @@ def evaluate(
     forward: Forward | None = None,
 ) -> dict[str, float]:
     """Return ``{"loss", "accuracy", "count"}`` over the whole (distributed) evaluation set.
+
+    ``"accuracy"`` is there only for a classifier (scores over 2 or more classes, class-index or one-hot
+    targets); a regression gets ``{"loss", "count"}``.
 
     ``loss`` is the mean of the per-sample losses, summed in float64 over all ranks: it does not
     depend on the batch size or the number of ranks. Wrapped models are run as in :func:`accuracy`.
@@ -287,4 +318,6 @@ def evaluate(
     loss_sum, correct, count = _totals(model, loader, comm, loss_fn, device, forward)
     if not count:
         return {"loss": math.nan, "accuracy": math.nan, "count": 0}
+    if correct is None:  # not a classifier: an accuracy would mean nothing
+        return {"loss": loss_sum / count, "count": count}
     return {"loss": loss_sum / count, "accuracy": correct / count, "count": count}

@@ -263,3 +263,20 @@ def test_digits_on_three_ranks() -> None:
     assert sum(r["shard"] for r in results) == 1797
     for res in results:
         _check(res["plain"], ref)
+
+
+def test_a_regression_gets_a_loss_and_no_accuracy() -> None:
+    from lockstep.metrics import NotAClassifierError
+
+    torch.manual_seed(0)
+    x = torch.randn(20, 8)
+    data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))  # the README's regression
+    model = torch.nn.Linear(8, 1)
+    got = evaluate(model, DataLoader(data, batch_size=6), SOLO, loss_fn=F.mse_loss)
+    assert set(got) == {"loss", "count"} and got["count"] == 20
+    want = F.mse_loss(model(x).double(), x.sum(1, keepdim=True).double()).item()
+    # the same float32 outputs; each per-sample loss is a float32 subtraction and square (2 roundings, <= 2**-23
+    # relative), summed in float64: the mean is within 2**-22 of the float64 reference
+    assert abs(got["loss"] - want) <= 2**-22 * want
+    with pytest.raises(NotAClassifierError, match="needs class scores"):
+        accuracy(model, DataLoader(data, batch_size=6), SOLO)

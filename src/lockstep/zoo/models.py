@@ -7,7 +7,6 @@ file). ``bench`` and ``verify`` also take the user's own ``pkg.module:factory`` 
 from __future__ import annotations
 
 import difflib
-
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any

@@ -259,3 +259,30 @@ def test_run_starts_one_process_per_gpu_or_two_when_not_told(monkeypatch: pytest
         monkeypatch.delenv(key, raising=False)
     assert main(["run", "s.py"]) == 0
     assert launched[0].nproc == DEFAULT_NPROC_CPU == 2
+
+
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["--nproc", "0", "SCRIPT"], "--nproc must be at least 1, got 0"),
+        (["--nproc", "-1", "SCRIPT"], "--nproc '-1' is not a number"),
+        (["--nproc", "2", "missing.py"], "script 'missing.py' does not exist"),
+        (["missing.py"], "script 'missing.py' does not exist"),  # before the default count's GPU probe
+    ],
+)
+def test_a_bad_count_or_a_missing_script_is_refused_before_torch_is_imported(
+    tmp_path: Path, argv: list[str], said: str
+) -> None:
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text("print('ran')\n")
+    argv = [str(script) if a == "SCRIPT" else a for a in argv]
+    code = (
+        "import sys\nfrom lockstep.cli.main import main\n"
+        f"rc = main(['run', *{argv!r}])\nprint('torch imported' if 'torch' in sys.modules else 'no torch', rc)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert said in out.stderr
+    assert out.stdout.split() == ["no", "torch", "2"], out.stdout

@@ -134,12 +134,16 @@ def main(args: argparse.Namespace) -> int:
         main(parser.parse_args(["--nproc", "2", "train.py"]))
     """
     from lockstep.env import environment
-    from lockstep.launch.elastic import LaunchSpec, import_torch_quietly, launch, slurm_defaults
-    from lockstep.launch.relaunch import default_nproc
+    from lockstep.launch.spec import LaunchSpec, check_script, import_torch_quietly, slurm_defaults
 
     _warn_misplaced(args)
-    import_torch_quietly(args.verbose)
+    # what can be refused without torch is refused first: its import takes seconds, tens on a busy machine
+    check_script(args.target, args.module)
     options = launch_options(args, slurm=slurm_defaults(environment()), elastic=True)
+    import_torch_quietly(args.verbose)
+    from lockstep.launch.elastic import launch
+    from lockstep.launch.relaunch import default_nproc
+
     if options.get("nproc") is None:  # neither --nproc nor the engine (PET_NPROC_PER_NODE...) said
         options["nproc"] = default_nproc()
     spec = LaunchSpec(target=args.target, args=tuple(args.script_args), module=args.module, **options)

@@ -25,6 +25,7 @@ __all__ = [
     "exposure_warning",
     "oversubscription_warning",
     "resolve_nproc",
+    "check_script",
     "slurm_defaults",
     "check_seconds",
     "import_torch_quietly",
@@ -125,8 +126,7 @@ class LaunchSpec:
                 "--master needs a real port, the same on every node; on one node, leave "
                 "out --master and a free port is picked"
             )
-        if not self.module and not os.path.isfile(self.target):
-            raise ConfigError(f"script {self.target!r} does not exist (use -m to run a module)")
+        check_script(self.target, self.module)
 
     def _check_elastic(self) -> None:
         if not 1 <= self.nodes <= int(self.max_nodes or 0):
@@ -278,6 +278,20 @@ def oversubscription_warning(
     return None
 
 
+def check_script(target: str, module: bool) -> None:
+    """Refuse a script that is not there (a module is found by the workers' own import).
+
+    Args:
+        target: the script's path, or the module's name with ``module``.
+        module: ``target`` is run with ``-m``.
+
+    Raises:
+        ConfigError: no such file.
+    """
+    if not module and not os.path.isfile(target):
+        raise ConfigError(f"script {target!r} does not exist (use -m to run a module)")
+
+
 def resolve_nproc(value: str | int) -> int:
     """Turn ``--nproc`` (``N``, ``auto``, ``gpu`` or ``cpu``, as torchrun means them) into a count.
 
@@ -286,9 +300,12 @@ def resolve_nproc(value: str | int) -> int:
     """
     text = str(value).strip()
     if text.isdigit():
+        if int(text) < 1:
+            raise ConfigError(f"--nproc must be at least 1, got {int(text)}")
         return int(text)
     if text not in ("auto", "gpu", "cpu"):
         raise ConfigError(f"--nproc {text!r} is not a number or one of auto, gpu, cpu")
+    import_torch_quietly()
     from torch.distributed.run import determine_local_world_size  # torch only when asked
 
     try:

@@ -422,3 +422,14 @@ def test_uneven_dataset_trains_with_equal_step_counts(world_size: int, n: int) -
     # The ranks computed the same epoch order in separate processes: together they cover range(n).
     flat = _interleave([res["epoch0"] for res in results])
     assert flat[:n] == epoch_order(n, seed=3, epoch=0, order="torch")
+
+
+def test_one_process_with_a_batch_larger_than_its_data_gets_one_smaller_batch_as_a_dataloader_does() -> None:
+    data = TensorDataset(torch.arange(10))
+    loader = make_loader(data, 32, world_size=1, rank=0, seed=0)
+    (batch,) = list(loader)
+    assert sorted(batch[0].tolist()) == list(range(10))  # every sample, once
+    with pytest.raises(ConfigError, match=r"\(16 per device x 2 processes\) is more than the 10 samples"):
+        make_loader(data, 16, world_size=2, rank=0)  # each process's share would be less than one batch
+    with pytest.raises(ConfigError, match="a global batch of 32 samples is more than the 10 samples"):
+        make_loader(data, 32, world_size=1, rank=0, global_batch=32)  # a global batch asked for is held

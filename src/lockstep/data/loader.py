@@ -167,11 +167,13 @@ def _as_is(batch: Any) -> Any:
 
 
 def _check_global(n: int, batch_size: int, world_size: int, global_batch: int | None) -> None:
-    # a step larger than the dataset would make the start line describe a batch that never happens
+    # a step larger than the dataset would make the start line describe a batch that never happens; one
+    # process with a batch larger than its data gets one smaller batch per epoch, as a DataLoader gives
     wanted = global_batch if global_batch is not None else batch_size * world_size
-    if wanted <= n:
+    if wanted <= n or (world_size == 1 and global_batch is None):
         return
-    how = "" if global_batch is not None else f" ({batch_size} per device x {world_size} processes)"
+    processes = "process" if world_size == 1 else "processes"
+    how = "" if global_batch is not None else f" ({batch_size} per device x {world_size} {processes})"
     fix = (
         f"a global batch of {n} or less"
         if global_batch is not None

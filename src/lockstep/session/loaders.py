@@ -298,6 +298,13 @@ class TrainLoaders:
             b, g = plan.micro, plan.global_batch
             shape = f"{up_to}{plan.micro} x {plan.world_size} x {plan.accumulate}"
             steps = planned.steps_per_epoch
+            if g > planned.dataset_len:  # one process, a batch larger than its data: one smaller batch per epoch
+                n = planned.dataset_len
+                return [
+                    f"batch {n} per device (the whole training set; {b} asked)",
+                    f"global batch {n}",
+                    f"{steps} step per epoch",
+                ]
         else:
             b, g = first.batch_size, first.batch_size * world_size * accumulate
             shape = f"{b} x {world_size} x {accumulate}"

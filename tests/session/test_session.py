@@ -212,6 +212,7 @@ def test_train_state_round_trip() -> None:
     from lockstep.session.state import TrainState
 
     state = TrainState()
+    state.start_epoch(0)  # session.epochs counts them; no session.loader: a save is taken to end its epoch
     state.global_step, state.skipped_steps = 7, 2
     saved = state.state_dict()
     assert {"epoch", "step", "skipped_steps", "world_size", "samplers", "epoch_done", "rng"} <= set(saved)
@@ -220,6 +221,18 @@ def test_train_state_round_trip() -> None:
     assert again.load_state_dict({**saved, "rng": [saved["rng"]]}) is False  # no loader: not mid-epoch
     assert torch.equal(torch.rand(3), want)  # this rank's RNG is back
     assert (again.epoch, again.global_step, again.skipped_steps) == (1, 7, 2)
+
+
+def test_a_loop_that_counts_no_epochs_stays_in_its_epoch_at_every_resume() -> None:
+    from lockstep.session.state import TrainState
+
+    state = TrainState()  # nanoGPT's shape: no session.epochs, no session.loader, saves every few steps
+    for resumes in range(3):
+        state.global_step += 100
+        saved = state.state_dict()
+        state = TrainState()
+        state.load_state_dict({**saved, "rng": [saved["rng"]]})
+        assert (state.epoch, state.global_step) == (0, 100 * (resumes + 1))
 
 
 def test_resumed_line_names_the_attempt(monkeypatch: pytest.MonkeyPatch) -> None:

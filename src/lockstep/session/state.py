@@ -105,6 +105,7 @@ class TrainState:
         self.epoch = 0
         self.global_step = 0
         self.skipped_steps = 0
+        self.epochs_counted = False  # True once session.epochs started one: a loop without epochs stays in epoch 0
         self._resumed_from: tuple[int, int | None] | None = None  # (world size, global batch) of a checkpoint
         self.loaders = TrainLoaders(on_add=self._say_replan, on_pass=on_pass)
 
@@ -138,6 +139,7 @@ class TrainState:
             epoch: the epoch number.
         """
         self.epoch = epoch
+        self.epochs_counted = True
         self.loaders.set_epoch(epoch)
 
     def position(self) -> dict[str, Any]:
@@ -169,6 +171,7 @@ class TrainState:
             "world_size": self.world_size,
             "samplers": samplers,
             "epoch_done": self.loaders.finished,
+            "epochs_counted": self.epochs_counted,
             "rng": capture_rng(),
         }
 
@@ -190,7 +193,10 @@ class TrainState:
         saved = [s for s in states if s] or [{}]
         self._resumed_from = (int(state["world_size"]), saved[0].get("global_batch"))
         mid = self.loaders.restore(states, epoch, bool(state["epoch_done"]))
-        self.epoch = epoch if mid else epoch + 1
+        # a loop that counts no epochs (no session.epochs, its own batches: nanoGPT's) stays in its epoch
+        counted = bool(state.get("epochs_counted", True)) or any(states)
+        self.epochs_counted = self.epochs_counted or counted
+        self.epoch = epoch if mid or not counted else epoch + 1
         self._say_replan()
         return mid
 

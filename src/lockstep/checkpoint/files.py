@@ -17,13 +17,14 @@ from typing import IO, Any
 
 import torch
 
-from lockstep.errors import LockstepError
+from lockstep.errors import ConfigError, LockstepError
 
 __all__ = [
     "CheckpointError",
     "CorruptCheckpointError",
     "UnsafeCheckpointError",
     "DiskFullError",
+    "CheckpointFolderError",
     "FolderInUseError",
     "STATE_FILE",
     "SHARDED_DIR",
@@ -49,6 +50,11 @@ class CheckpointError(LockstepError):
 
 class CorruptCheckpointError(CheckpointError):
     """A checkpoint's files do not match its manifest (truncated, bit-flipped, missing)."""
+
+
+class CheckpointFolderError(ConfigError):
+    """The checkpoint folder given cannot be one: a file, one checkpoint of a folder (``.../step-000008``), a
+    bucket that does not exist; said on every rank before the first step."""
 
 
 class DiskFullError(CheckpointError):

@@ -19,7 +19,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from lockstep.checkpoint.files import CheckpointError, FolderInUseError, io_error
+from lockstep.checkpoint.files import STATE_FILE, CheckpointError, CheckpointFolderError, FolderInUseError, io_error
+from lockstep.checkpoint.layout import step_of
+from lockstep.checkpoint.manifest import MANIFEST_FILE
 from lockstep.checkpoint.storage import is_url, local_path
 from lockstep.checkpoint.write import agree
 from lockstep.comm.group import Comm
@@ -27,7 +29,15 @@ from lockstep.comm.group import Comm
 if TYPE_CHECKING:
     from lockstep.checkpoint.objlock import ObjectLock
 
-__all__ = ["LOCK_FILE", "FolderInUseError", "FolderLock", "lock_folder", "holder"]
+__all__ = [
+    "LOCK_FILE",
+    "FolderInUseError",
+    "FolderLock",
+    "lock_folder",
+    "holder",
+    "check_folder",
+    "CheckpointFolderError",
+]
 
 logger = logging.getLogger("lockstep.checkpoint.core")
 
@@ -99,14 +109,37 @@ def lock_folder(directory: str | Path, comm: Comm) -> FolderLock | ObjectLock:
         from lockstep.checkpoint.objlock import lock_objects
 
         return lock_objects(str(directory), comm)
-    lock, error = FolderLock(), None
+    lock = FolderLock()
+    error: Exception | None = None
     if comm.is_main:
         try:
+            check_folder(local_path(directory))  # refused on every rank, before the first step
             lock = _acquire(local_path(directory))
-        except CheckpointError as exc:
+        except (CheckpointError, CheckpointFolderError) as exc:
             error = exc
     agree(comm, error, on_error=lock.release)
     return lock
+
+
+def check_folder(root: Path) -> None:
+    """Refuse a checkpoint folder that is a file, or one ``step-N`` checkpoint inside a folder of them.
+
+    Args:
+        root: the folder given to ``session.save``/``load`` (missing is fine: it is made).
+
+    Raises:
+        CheckpointFolderError: naming the path and what to give instead.
+    """
+    if root.exists() and not root.is_dir():
+        raise CheckpointFolderError(
+            f"checkpoint folder {root} is a file: give a folder (it is made when missing), e.g. {root.parent / 'ckpt'}"
+        )
+    step = step_of(root.name)
+    if step is not None and ((root / MANIFEST_FILE).is_file() or (root / STATE_FILE).is_file()):
+        raise CheckpointFolderError(
+            f"{root} is one checkpoint (step {step}) of the folder {root.parent}: give {root.parent}, which "
+            "session.load reads its newest good checkpoint from (and session.save writes the next one to)"
+        )
 
 
 def holder(directory: str | Path) -> str | None:

@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Any
 
-from lockstep.checkpoint.files import CheckpointError, FolderInUseError
+from lockstep.checkpoint.files import CheckpointError, CheckpointFolderError, FolderInUseError
 from lockstep.checkpoint.storage import Storage, open_storage
 from lockstep.checkpoint.write import agree
 from lockstep.comm.group import Comm
@@ -192,11 +192,20 @@ def _forget(storage: Storage, names: list[str]) -> None:
 def lock_objects(url: str, comm: Comm, ttl: float | None = None, storage: Storage | None = None) -> ObjectLock:
     """:func:`~lockstep.checkpoint.lock.lock_folder` for a URL (``ttl`` default :data:`DEFAULT_TTL`)."""
     ttl = DEFAULT_TTL if ttl is None else ttl
-    lock, error = ObjectLock(), None
+    lock = ObjectLock()
+    error: Exception | None = None
     if comm.is_main:
         try:
             lock = _acquire(storage or open_storage(url), ttl)
         except CheckpointError as exc:
             error = exc
+        except FileNotFoundError as exc:  # the bucket (or the store's root) is not there: said on every rank
+            error = CheckpointFolderError(
+                f"checkpoint folder {url} cannot be used: {exc}; create the bucket first, or fix the URL"
+            )
+        except PermissionError as exc:
+            error = CheckpointFolderError(
+                f"checkpoint folder {url} cannot be used: {exc}; check the credentials' rights on it, or fix the URL"
+            )
     agree(comm, error, on_error=lock.release)
     return lock

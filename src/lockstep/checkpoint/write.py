@@ -14,7 +14,7 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from lockstep.checkpoint.files import (
     SHARDED_DIR,
@@ -71,11 +71,12 @@ class Parts:
 
 
 def agree(
-    comm: Comm, error: CheckpointError | None, payload: Any = None, on_error: Callable[[], None] | None = None
+    comm: Comm, error: Exception | None, payload: Any = None, on_error: Callable[[], None] | None = None
 ) -> list[Any]:
     """Exchange (payload, error) between all ranks, a barrier; every rank's payload, or raise on every rank."""
     gathered = comm.all_gather_object((payload, error))
-    failure = first_failure([exc for _, exc in gathered], comm.rank)
+    # a CheckpointError, or a ConfigError about the folder (CheckpointFolderError): raised alike
+    failure = first_failure([cast(CheckpointError | None, exc) for _, exc in gathered], comm.rank)
     if failure is not None:
         if on_error is not None:
             on_error()

@@ -339,14 +339,31 @@ def test_keep_after_a_fallback_prunes_the_corrupt_checkpoint_not_the_good_one(tm
     _flip_a_byte(tmp_path / "step-000003")
     loaded = load_checkpoint(tmp_path, COMM)
     assert loaded is not None and loaded["step"] == 2 and loaded["unusable"] == [3]
-    # the run goes on from step 2 and next saves at step 4: keep=2 keeps 2 and 4, the corrupt 3 goes
+    corrupt = (tmp_path / "step-000003" / "state.pt").read_bytes()
+    # the run goes on from step 2 and next saves at step 4: keep=2 keeps 2 and 4, the corrupt 3 is moved aside
     save_checkpoint(tmp_path, {"step": 4, "w": torch.full((8,), 4.0)}, COMM, step=4, keep=2, unusable=[3])
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000002", "step-000004"]
     assert _leftovers(tmp_path) == []
+    (aside,) = tmp_path.glob("unusable-step-000003-*")  # never deleted: what is left in it may be recovered
+    assert (aside / "state.pt").read_bytes() == corrupt
     _flip_a_byte(tmp_path / "step-000004")  # one more corruption: step 2 is still there to resume from
     again = load_checkpoint(tmp_path, COMM)
     assert again is not None and again["step"] == 2 and torch.equal(again["w"], torch.full((8,), 2.0))
     assert again["unusable"] == [4]
+
+
+def test_a_fallback_with_nothing_older_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    save_checkpoint(tmp_path, {"step": 1, "w": torch.zeros(8)}, COMM, step=1)
+    save_checkpoint(tmp_path, {"step": 2, "w": torch.ones(8)}, COMM, step=2)
+    _flip_a_byte(tmp_path / "step-000002")
+    with caplog.at_level("WARNING"):
+        assert load_checkpoint(tmp_path, COMM)["step"] == 1  # type: ignore[index]
+    assert "step-000002 is unusable, falling back to the previous one" in caplog.text
+    caplog.clear()
+    _flip_a_byte(tmp_path / "step-000001")
+    with caplog.at_level("WARNING"), pytest.raises(CorruptCheckpointError, match="no usable checkpoint"):
+        load_checkpoint(tmp_path, COMM)
+    assert "step-000001 is unusable, and no older checkpoint is left" in caplog.text
 
 
 @pytest.mark.parametrize(

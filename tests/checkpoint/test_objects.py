@@ -165,7 +165,10 @@ def test_keep_after_a_fallback_prunes_the_corrupt_checkpoint(s3: Any) -> None:
     loaded = load_objects(url, comm)
     assert loaded is not None and loaded["step"] == 2 and loaded["unusable"] == [3]
     save_objects(url, {"step": 4}, comm, step=4, keep=2, unusable=loaded["unusable"])
-    assert committed_steps(open_storage(url)) == [2, 4]  # the corrupt 3 went, not the good 2
+    storage = open_storage(url)
+    assert committed_steps(storage) == [2, 4]  # the corrupt 3 went, not the good 2
+    (aside,) = {name.split("/")[0] for name in storage.list() if name.startswith("unusable-step-000003-")}
+    assert storage.get(f"{aside}/state.pt") == b"not the saved bytes"  # moved aside, not deleted
 
 
 @pytest.mark.slow

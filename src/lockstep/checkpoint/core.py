@@ -34,7 +34,7 @@ from lockstep.checkpoint.files import (
     UnsafeCheckpointError,
     discard,
 )
-from lockstep.checkpoint.layout import Retention, latest_checkpoint, list_checkpoints, step_of
+from lockstep.checkpoint.layout import Retention, fallback_line, latest_checkpoint, list_checkpoints, step_of
 from lockstep.checkpoint.manifest import read_manifest, verify_checkpoint
 from lockstep.checkpoint.read import read_chosen
 from lockstep.checkpoint.safety import UnsupportedStateError
@@ -182,7 +182,8 @@ def _choose(root: Path, fallback: bool) -> tuple[str, dict[str, Any], list[int]]
     """Rank 0: the newest checkpoint that verifies, its manifest and the steps skipped; ``None`` if none exist."""
     bad: list[str] = []
     skipped: list[int] = []
-    for path in reversed(list_checkpoints(root)):
+    found = list_checkpoints(root)
+    for left, path in reversed(list(enumerate(found))):
         try:
             return str(path), verify_checkpoint(path), skipped
         except UnsafeCheckpointError:
@@ -190,7 +191,7 @@ def _choose(root: Path, fallback: bool) -> tuple[str, dict[str, Any], list[int]]
         except CheckpointError as exc:
             if not fallback:
                 raise
-            logger.warning("checkpoint %s is unusable, falling back to the previous one. %s", path, exc)
+            logger.warning("%s", fallback_line(str(path), exc, older=left > 0))
             bad.append(str(exc))
             skipped.append(step_of(path.name) or 0)
     if bad:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,18 @@ _LEFTOVER = (".tmp-step-", ".trash-step-")
 def step_name(step: int) -> str:
     """The folder name of the checkpoint of ``step``: ``step-000123`` (wider past a million)."""
     return f"step-{step:06d}"
+
+
+def quarantine_name(name: str) -> str:
+    """Where an unusable checkpoint ``step-N`` is moved aside (never listed, pruned or deleted): ``unusable-step-N-T``,
+    ``T`` the time in seconds."""
+    return f"unusable-{name}-{int(time.time())}"
+
+
+def fallback_line(where: str, exc: BaseException, older: bool) -> str:
+    """The warning of a load that skips the unusable checkpoint ``where``."""
+    then = "falling back to the previous one" if older else "and no older checkpoint is left"
+    return f"checkpoint {where} is unusable, {then}. {exc}"
 
 
 def temp_name(step: int) -> str:
@@ -139,8 +152,14 @@ def prune(root: Path, retention: Retention, protect: Path) -> None:
     for old in found:
         if old == protect or step_of(old.name) not in doomed:
             continue
-        if step_of(old.name) in retention.unusable:
-            logger.info("removing %s: it failed verification at the last load", old)
+        if step_of(old.name) in retention.unusable:  # kept aside, never deleted: what is left in it may be recovered
+            aside = old.with_name(quarantine_name(old.name))
+            try:
+                os.replace(old, aside)
+                logger.warning("moved %s aside to %s: it failed verification at the last load", old, aside.name)
+            except OSError as exc:
+                logger.warning("could not move the unusable checkpoint %s aside: %s", old, exc)
+            continue
         # renamed before deletion: a crash mid-delete never leaves a half-deleted folder that looks committed
         trash = old.with_name(f".trash-{old.name}-{os.getpid()}")
         try:

@@ -33,7 +33,7 @@ import torch
 
 from lockstep.checkpoint.confine import check_name
 from lockstep.checkpoint.files import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError, io_error
-from lockstep.checkpoint.layout import Retention, step_name
+from lockstep.checkpoint.layout import Retention, fallback_line, quarantine_name, step_name
 from lockstep.checkpoint.manifest import MANIFEST_FILE, check_manifest, check_record, manifest_bytes
 from lockstep.checkpoint.read import read_chosen
 from lockstep.checkpoint.storage import Storage, open_storage
@@ -75,6 +75,19 @@ def _remove_step(storage: Storage, step: int) -> None:
     manifest = prefix + MANIFEST_FILE
     storage.delete([manifest])
     storage.delete([name for name in storage.list(prefix) if name != manifest])
+
+
+def _quarantine_step(storage: Storage, step: int) -> None:
+    """Move an unusable checkpoint aside (copied under :func:`~lockstep.checkpoint.layout.quarantine_name`, then
+    removed, manifest first): never listed, pruned or deleted again."""
+    prefix = step_name(step) + "/"
+    aside = quarantine_name(step_name(step)) + "/"
+    for name in sorted(storage.list(prefix)):
+        storage.put(aside + name[len(prefix) :], storage.get(name))
+    _remove_step(storage, step)
+    logger.warning(
+        "moved %s aside to %s: it failed verification at the last load", storage.where(prefix), storage.where(aside)
+    )
 
 
 def begin_objects(
@@ -190,7 +203,10 @@ def prune_objects(storage: Storage, retention: Retention, step: int) -> None:
         doomed = set(retention.doomed(done, step))
         doomed |= {s for s in _steps_present(names) - set(done) if s < step}  # partial uploads of killed saves
         for old in sorted(doomed):
-            _remove_step(storage, old)
+            if old in retention.unusable and old in done:  # kept aside, never deleted
+                _quarantine_step(storage, old)
+            else:
+                _remove_step(storage, old)
     except CheckpointError as exc:
         logger.warning("could not prune old checkpoints in %s: %s", storage.url, exc)
 
@@ -280,9 +296,7 @@ def _next_choice(
         except CheckpointError as exc:
             if not fallback:
                 raise
-            logger.warning(
-                "checkpoint %s is unusable, falling back to the previous one. %s", storage.where(step_name(step)), exc
-            )
+            logger.warning("%s", fallback_line(storage.where(step_name(step)), exc, older=bool(steps)))
             bad.append((step, str(exc)))
     return None
 
@@ -335,9 +349,7 @@ def load_objects(
             if not fallback:
                 raise
             if comm.is_main:
-                logger.warning(
-                    "checkpoint %s is unusable, falling back to the previous one. %s", storage.where(prefix), exc
-                )
+                logger.warning("%s", fallback_line(storage.where(prefix), exc, older=bool(steps)))
             bad.append((step, str(exc)))
             continue
         state["unusable"] = [skipped for skipped, _ in bad]

@@ -6,12 +6,14 @@ The sharded part and the multi-process cases (world size change, FSDP2) are in
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -500,3 +502,32 @@ def test_a_folder_not_shared_by_every_rank_is_refused_at_the_save(tmp_path: Path
         assert "a shared file system" in message and "s3://bucket/run" in message, message
     assert list((tmp_path / "node0" / "snapshots").iterdir()) == []  # rank 0's unfinished save is gone
     assert not (tmp_path / "node1" / "snapshots").exists()  # nothing half-written where rank 1 runs
+
+
+@pytest.fixture
+def full_disk(tmp_path: Path) -> Iterator[Path]:
+    """A real file system with no space left: a 1 MiB tmpfs filled up (needs root to mount)."""
+    mount = tmp_path / "full"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)]).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        with open(mount / "filler", "wb") as out:
+            with contextlib.suppress(OSError):
+                while True:
+                    out.write(b"\0" * 65536)
+                    out.flush()
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_stream_writers_unexpected_pos_on_a_full_disk_is_said_as_no_space(full_disk: Path) -> None:
+    from lockstep.checkpoint.files import DiskFullError
+    from lockstep.checkpoint.sharded import sharded_error
+
+    torch_text = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    said = sharded_error(torch_text, full_disk / ".tmp-step-000008-1" / "sharded", "write")
+    assert isinstance(said, DiskFullError) and "no space left on device" in str(said)
+    elsewhere = sharded_error(torch_text, Path(os.getcwd()) / "ckpt" / "sharded", "write")  # space there: as it is
+    assert not isinstance(elsewhere, DiskFullError) and "unexpected pos 704 vs 598" in str(elsewhere)

@@ -8,8 +8,10 @@ lists (never outside the folder), and non-tensor values with ``weights_only=True
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import os
+import shutil
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -129,5 +131,23 @@ def sharded_error(exc: BaseException, target: Path, action: str) -> CheckpointEr
     for cause in causes:
         if isinstance(cause, OSError):
             return io_error(cause, target, action)
+    if action == "write" and any("unexpected pos" in str(cause) for cause in causes) and _full(target):
+        # torch.save's stream writer turns a failed write(2) into "unexpected pos N vs M", the ENOSPC lost
+        return io_error(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), target, action)
     lines = str(exc).strip().splitlines()
     return CheckpointError(f"cannot {action} the sharded state {target}: {lines[-1] if lines else type(exc).__name__}")
+
+
+_NEARLY_FULL = 1 << 20
+"""Bytes free below which a write that failed without its ``OSError`` is taken to have run out of space."""
+
+
+def _full(target: Path) -> bool:
+    """Whether the file system of ``target`` (or of its nearest existing folder) has next to no space left."""
+    folder = target
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        return shutil.disk_usage(folder).free < _NEARLY_FULL
+    except OSError:
+        return False

@@ -44,12 +44,22 @@ def _long(item: pytest.Item) -> bool:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """``@pytest.mark.gpu`` (or ``gpu(count=2)``): skipped, by name, where fewer CUDA GPUs are visible.
 
+    Every test's hang guard (its ``timeout`` mark, or the suite's) is scaled by :mod:`support.deadlines`.
+
     Tests with a hang guard of :data:`LONG_RUN_S` or more (many whole jobs in a row) are started first: on
     xdist workers a long one handed out last would keep the run waiting on it alone.
     """
     import torch
 
+    from support.deadlines import deadline
+
     items.sort(key=lambda item: not _long(item))  # stable: every other test keeps its place
+    default = float(config.getini("timeout") or 0)
+    for item in items:  # every hang guard scaled alike: a busy machine fails no test that an idle one passes
+        mark = item.get_closest_marker("timeout")
+        seconds = float(mark.args[0]) if mark is not None and mark.args else default
+        if seconds > 0:
+            item.add_marker(pytest.mark.timeout(deadline(seconds)), append=False)
 
     visible = torch.cuda.device_count()
     for item in items:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lockstep.launch.spawn import SpawnError, spawn
+from support.deadlines import deadline
 
 # ranks forked from one server that imported torch once: each job starts in a fraction of a second
 START_METHOD = os.environ.get("LOCKSTEP_TEST_START_METHOD", "forkserver")
@@ -33,14 +34,17 @@ def _rank_body(fn: Callable[..., Any], init: str, args: tuple[Any, ...]) -> Any:
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60) -> list[Any]:
-    """Run ``fn(*args)`` on ``world_size`` processes and return their results by rank."""
+    """Run ``fn(*args)`` on ``world_size`` processes and return their results by rank.
+
+    ``timeout``: the job's hang guard on an idle machine (scaled by :func:`~support.deadlines.deadline`).
+    """
     with tempfile.TemporaryDirectory() as tmp:
         try:
             results = spawn(
                 _rank_body,
                 world_size,
                 args=(fn, f"file://{tmp}/rdzv", args),
-                timeout=timeout,
+                timeout=deadline(timeout),
                 start_method=START_METHOD,
             )
         except SpawnError as exc:

@@ -1,7 +1,8 @@
 """checkpoint: complete, crash-safe, verified training state, in a folder or on an object store.
 
 :func:`save_checkpoint` / :func:`load_checkpoint` (:mod:`~lockstep.checkpoint.core`, every rank) save
-and resume; :func:`lock_folder` keeps one live job per folder or URL. The other modules are the steps
+and resume; :func:`lock_folder` keeps one live job per folder or URL; :func:`export_model` writes a
+checkpoint's model as one plain ``state_dict`` file. The other modules are the steps
 of a save and a load (:mod:`~lockstep.checkpoint.write`, :mod:`~lockstep.checkpoint.manifest`,
 :mod:`~lockstep.checkpoint.safety`, :mod:`~lockstep.checkpoint.objects`...), each naming its job.
 
@@ -11,6 +12,7 @@ May import: ``lockstep.errors``, ``lockstep.comm``.
 from __future__ import annotations
 
 from lockstep.checkpoint.core import load_checkpoint, save_checkpoint
+from lockstep.checkpoint.export import ExportError, export_model
 from lockstep.checkpoint.files import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 from lockstep.checkpoint.layout import latest_checkpoint, list_checkpoints
 from lockstep.checkpoint.lock import FolderInUseError, FolderLock, lock_folder
@@ -21,6 +23,8 @@ from lockstep.checkpoint.storage import FsspecStorage, LocalStorage, ObjectStore
 __all__ = [
     "save_checkpoint",
     "load_checkpoint",
+    "export_model",
+    "ExportError",
     "CheckpointError",
     "CorruptCheckpointError",
     "UnsafeCheckpointError",

@@ -178,6 +178,18 @@ def load_checkpoint(
     return state
 
 
+def choose_checkpoint(root: Path) -> tuple[str, dict[str, Any], list[int]] | None:
+    """The newest checkpoint in ``root`` that verifies, its manifest and the steps of the newer ones skipped.
+
+    Args:
+        root: a local checkpoint folder.
+
+    Raises:
+        CorruptCheckpointError: every checkpoint fails verification.
+    """
+    return _choose(root, fallback=True)
+
+
 def _choose(root: Path, fallback: bool) -> tuple[str, dict[str, Any], list[int]] | None:
     """Rank 0: the newest checkpoint that verifies, its manifest and the steps skipped; ``None`` if none exist."""
     bad: list[str] = []

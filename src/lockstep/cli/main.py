@@ -1,4 +1,4 @@
-"""The ``lockstep`` command: ``lockstep run | train | bench | verify | doctor | postmortem``.
+"""The ``lockstep`` command: ``lockstep run | train | bench | verify | doctor | postmortem | export``.
 
 Each subcommand lives in ``lockstep/cli/<name>.py`` with two functions,
 ``add_arguments(parser)`` and ``main(args) -> int``; it is imported only when used, so that
@@ -28,6 +28,7 @@ COMMANDS = {
     "verify": "check that N-process training equals 1-process training for a model",
     "doctor": "check versions, devices and allreduce bandwidth on every rank",
     "postmortem": "name the cause of a hang or desync from the ranks' collective records",
+    "export": "write a checkpoint's model as one plain state_dict file (torch.load + load_state_dict)",
 }
 
 

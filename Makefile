@@ -2,29 +2,43 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+USER_STAMP := $(VENV)/.installed-user
 STAMP := $(VENV)/.installed
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install demo test test-fast typecheck lint docs clean
+.PHONY: install dev peers demo test test-fast typecheck lint docs clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
+# Two installs: `make install` is a user's (lockstep and the packages it needs to run: torch,
+# torchvision, numpy, scikit-learn, tqdm); `make dev` adds the test, plot and docs extras (pytest,
+# mypy, ruff, a real S3 server, TensorBoard, MLflow, W&B, matplotlib, MkDocs), which every check
+# below needs; `make peers` adds Lightning and Accelerate, the peers benchmarks/overhead.py measures.
+$(USER_STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q -e .
+	touch $(USER_STAMP)
+
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q -e '.[test,plot,docs]'
-	touch $(STAMP)
+	touch $(USER_STAMP) $(STAMP)
 
-install: $(STAMP)
+install: $(USER_STAMP)
+
+dev: $(STAMP)
+
+peers: dev
+	$(BIN)/pip install -q -e '.[peers]'
 
 demo: install
 	$(BIN)/lockstep train
 
-typecheck: install
+typecheck: dev
 	$(BIN)/mypy
 
 # ruff's lint and format checks (settings in pyproject.toml); `ruff format .` applies the format.
-lint: install
+lint: dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
@@ -48,11 +62,11 @@ test: lint
 # mutation and the total; exits non-zero unless every one was caught. Not part of `make test`
 # (tens of minutes); `make test` only checks that every patch still applies.
 .PHONY: test-mutations
-test-mutations: install
+test-mutations: dev
 	$(BIN)/python tests/mutations/run.py
 
 .PHONY: test-e2e
-test-e2e: install
+test-e2e: dev
 	$(BIN)/python -m pytest -q -n $(E2E_WORKERS) -m e2e --durations=20 tests
 
 # The multi-process tests STRESS_RUNS times in a row (5 by default) while a CPU hog keeps both cores
@@ -62,18 +76,18 @@ test-e2e: install
 STRESS_RUNS ?= 5
 STRESS_TESTS ?= -m "slow and not e2e" tests
 .PHONY: test-stress
-test-stress: install
+test-stress: dev
 	tools/stress.sh $(BIN)/python $(STRESS_RUNS) $(STRESS_TESTS)
 
 # The documentation site (MkDocs, Material theme, API reference by mkdocstrings) into build/docs;
 # --strict: a broken link, a missing page or an unresolved reference fails it. tests/lockstep/test_docs.py
 # runs the same build in `make test`, and runs the docs' marked examples.
-docs: install
+docs: dev
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir build/docs
 
 # The fast tier on FAST_WORKERS pytest-xdist workers (2, one per core here: its tests compute, they do not wait).
 FAST_WORKERS ?= 2
-test-fast: install
+test-fast: dev
 	$(BIN)/python -m pytest -q -n $(FAST_WORKERS) -m "not slow" tests
 
 clean:
@@ -83,7 +97,7 @@ clean:
 # where nvcc, nccl.h and a GPU are present). The wheel is cached in ~/.cache/lockstep/horovod per
 # torch version: the first build takes minutes, later ones seconds. Not part of `make demo`.
 .PHONY: horovod
-horovod: install
+horovod: dev
 	tools/build_horovod.sh $(BIN)/python
 
 # lockstep under the real engines, on two network-namespace hosts: Slurm (srun, sbatch, scancel and

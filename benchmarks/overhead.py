@@ -20,7 +20,7 @@ on a shared machine changes from one tenth of a second to the next, falls on eve
 * ``fabric`` and ``accelerate``: the same loop written the way Lightning Fabric's and Hugging
   Face Accelerate's documentation write it (``fabric.setup``/``setup_dataloaders``/``backward``,
   ``accelerator.prepare``/``backward``), on the same process group; each arm runs where its
-  package imports (``pip install lightning accelerate``) and is left out with one line otherwise.
+  package imports (``make peers`` installs both) and is left out with one line otherwise.
 
 Workloads: (a) the seed's ConvNet, batch 100 of 28x28 synthetic images; (b) a tiny model
 (``Linear(10, 10)``, batch 4), where the per-step overhead dominates; (c) torchvision's ResNet-18,
@@ -241,7 +241,7 @@ def peer_arms(workload: str, data: Dataset[Any], world_size: int) -> tuple[dict[
         try:
             arms[name] = build()
         except ImportError as err:
-            missing.append(f"{name}: left out ({err.name or err} does not import here)")
+            missing.append(f"{name}: left out ({err.name or err} does not import here; make peers installs it)")
     return arms, missing
 
 

@@ -179,3 +179,20 @@ def test_no_progress_bar_in_logs(
     monkeypatch.setattr("lockstep.bench.report.write_outputs", lambda doc, out: {"json": out, "png": None})
     cli_main(["bench", "--strategy", "single", "--nproc", "1", "--out", str(tmp_path), *flags])
     assert seen == [shown]
+
+
+def test_a_busy_machine_crowns_no_winner_and_says_why() -> None:
+    from lockstep.bench.verdict import busy_reason, pick_winner
+
+    cells = [_ran("single/fp32/1", 1900, 1850, 1950), _ran("ddp/fp32/2", 1500, 1400, 1600)]  # a clear lead
+    assert busy_reason(0.4, 2.3, cores=2, ranks=2) is None  # the run's own 2 ranks are no other work
+    said = busy_reason(7.9, 9.0, cores=2, ranks=2)
+    assert said is not None and said.startswith("the machine was busy with other work (load 7.9 on 2 cores)")
+    assert busy_reason(0.5, 5.0, cores=2, ranks=2) is not None  # load that came during the run counts too
+    verdict = pick_winner(cells, said)
+    assert (verdict.fastest, verdict.winner, verdict.within_noise, verdict.reason) == (
+        "single/fp32/1",
+        None,
+        ("ddp/fp32/2",),
+        said,
+    )

@@ -18,7 +18,7 @@ import torch
 
 from lockstep.bench.matrix import BenchConfig, Cell, plan_cells
 from lockstep.bench.measure import CellTask, measure_cell
-from lockstep.bench.verdict import pick_winner
+from lockstep.bench.verdict import busy_reason, pick_winner
 
 __all__ = [
     "run_bench",
@@ -294,7 +294,12 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict[str, Any]:
             run_cell(config, cell, gpus)
     bar.close()
     add_efficiency(cells)
-    verdict = pick_winner(cells)
+    busy = None
+    if not gpus and hasattr(os, "getloadavg"):  # on CPU the cells share the cores with whatever else runs
+        before = (info["host"]["load_average"] or [None])[0]
+        last = next((c.nproc for c in reversed(cells) if c.status == "ran"), 0)
+        busy = busy_reason(before, os.getloadavg()[0], _cores(), last)
+    verdict = pick_winner(cells, busy)
     return {
         "schema": "lockstep-bench",
         "version": SCHEMA_VERSION,

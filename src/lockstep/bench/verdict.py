@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from lockstep.bench.matrix import Cell
 
-__all__ = ["Verdict", "pick_winner"]
+__all__ = ["busy_reason", "Verdict", "pick_winner"]
 
 
 @dataclass(frozen=True)
@@ -40,12 +40,19 @@ def _range(cell: Cell) -> tuple[float, float, int]:
     return result.get("samples_per_s_min", median), result.get("samples_per_s_max", median), result.get("repeats", 1)
 
 
-def pick_winner(cells: list[Cell]) -> Verdict:
-    """Name the fastest ran cell, and call it the winner only when its lead exceeds the spread."""
+def pick_winner(cells: list[Cell], busy: str | None = None) -> Verdict:
+    """Name the fastest ran cell, and call it the winner only when its lead exceeds the spread.
+
+    Args:
+        cells: the run's cells.
+        busy: why the machine's figures cannot be trusted (:func:`busy_reason`), or ``None``: no winner then.
+    """
     ran = sorted((c for c in cells if c.status == "ran"), key=lambda c: c.result["samples_per_s"], reverse=True)
     if not ran:
         return Verdict(None, None, (), None)
     best, others = ran[0], ran[1:]
+    if busy is not None:
+        return Verdict(best.id, None, tuple(c.id for c in others), busy)
     if not others:
         return Verdict(best.id, best.id, (), None)
     low, _, repeats = _range(best)
@@ -60,3 +67,21 @@ def pick_winner(cells: list[Cell]) -> Verdict:
     if close:
         return Verdict(best.id, None, close, "their min-max ranges overlap the fastest cell's")
     return Verdict(best.id, best.id, (), None)
+
+
+def busy_reason(load_before: float | None, load_after: float | None, cores: int, ranks: int) -> str | None:
+    """Why a CPU run's figures cannot be trusted, or ``None``: other work kept more than the cores busy.
+
+    Args:
+        load_before: the 1-minute load average before the first cell (other work alone).
+        load_after: the same after the last cell, which counts that cell's ``ranks`` busy processes too.
+        cores: the machine's cores.
+        ranks: the processes of the last cell.
+    """
+    others = max(load_before or 0.0, (load_after or 0.0) - ranks)
+    if others <= cores:
+        return None
+    return (
+        f"the machine was busy with other work (load {others:.1f} on {cores} cores): the cells competed with it "
+        "for the cores, so these figures cannot be trusted; run it again on a quiet machine"
+    )

@@ -443,9 +443,10 @@ def progress_bar(
 ) -> Iterable[Any]:
     """Wrap ``iterable`` in a tqdm bar where ``show`` is True and stderr is a terminal (or ``force``).
 
-    Under ``lockstep run`` stderr is a log file the launcher relays line by line (a ``\\r`` ends a line
-    too); the bar draws there when the launcher's own stderr is a terminal (``terminal``, its
-    ``COLUMNSxLINES`` as ``Settings.terminal`` reads it), at its width.
+    Under ``lockstep run`` stdout and stderr are log files the launcher relays line by line (a
+    ``\\r`` ends a line too); the bar draws on stdout, in order with the loop's prints, when the
+    launcher's own stderr is a terminal (``terminal``, its ``COLUMNSxLINES`` as ``Settings.terminal``
+    reads it), at its width.
     """
     if not show:
         return iterable
@@ -454,6 +455,9 @@ def progress_bar(
         if not columns.isdigit():
             return iterable
         kwargs.setdefault("ncols", max(20, int(columns) - len("[rank0]: ")))  # the relay prefixes each line
+        # one stream with the loop's prints (session.print): the launcher relays stdout and stderr apart,
+        # so a bar on stderr could be drawn after a line printed once it was gone
+        kwargs.setdefault("file", sys.stdout)
     from tqdm.auto import tqdm
 
     kwargs.setdefault("leave", False)

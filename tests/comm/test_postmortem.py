@@ -416,6 +416,11 @@ def test_a_real_desync_or_stuck_rank_is_named(tmp_path: Path, mode: str, world: 
     for rank in range(world):
         assert re.search(rf"rank {rank} \(host \S+, pid \d+\): .* at fault\.py:\d+ in <module>", where), where
     assert "rank 0 raised" not in err and "rank 2 raised" not in err
+    # before the summary, at most one line per rank stands for a native crash report (gloo's abort and its
+    # thread dump); the report itself comes after the summary
+    before = err[: err.index(first)].splitlines()
+    assert all("(a native crash report: it follows the summary)" in line for line in before), err
+    assert "Extension modules" not in "\n".join(before) and "Fatal Python error" not in "\n".join(before), err
     again = subprocess.run(
         [sys.executable, "-m", "lockstep", "postmortem", str(logs)], capture_output=True, text=True, timeout=60
     )

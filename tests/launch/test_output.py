@@ -176,3 +176,34 @@ def test_a_progress_bar_draws_under_lockstep_run_in_a_terminal(tmp_path: Path) -
     drawn = [line for line in out.replace("\r", "\n").splitlines() if line.startswith("[rank0]: counting:")]
     assert drawn, out
     assert any("100%|" in line and "3/3" in line for line in drawn), out
+
+
+def test_a_native_crash_report_is_held_for_after_the_summary(tmp_path: Path) -> None:
+    from lockstep.launch.output import CrashReports
+
+    log = tmp_path / "err.log"
+    crash = [
+        "terminate called after throwing an instance of 'gloo::EnforceNotMet'\n",
+        "  what():  [enforce fail at pair.cc:464] op.preamble.length <= op.nbytes. 8 vs 4.\n",
+        "Fatal Python error: Aborted\n",
+        "\n",
+        "Thread 0x00007fb01900f6c0 (most recent call first):\n",
+        '  File "train.py", line 7 in <module>\n',
+        "\n",
+        "Extension modules: numpy.core, torch._C\n",
+    ]
+    log.write_text("before\n" + "".join(crash) + "after\n")
+    out, crashes = io.StringIO(), CrashReports()
+    source = Source(str(log), out, "[rank0]: ", crashes)
+    relay = OutputRelay([source]).start()
+    relay.stop()
+    assert out.getvalue().splitlines() == [
+        "[rank0]: before",
+        "[rank0]: terminate called after throwing an instance of 'gloo::EnforceNotMet' "
+        "(a native crash report: it follows the summary)",
+        "[rank0]: after",  # what the rank wrote after the report is shown again
+    ]
+    assert crashes.text("lockstep run: ") == [
+        "lockstep run: rank 0's native crash report (8 lines):",
+        *("[rank0]: " + line.rstrip("\n") for line in crash),
+    ]

@@ -5,6 +5,11 @@ Every worker writes its stdout and stderr to its own log file (torch's agent red
 launcher's stdout or stderr as ``[rankN]: line``. A line ends at ``\\n`` or at ``\\r``, so a
 progress bar that redraws itself with ``\\r`` keeps redrawing one prefixed line.
 
+A rank's native crash report (a C++ ``terminate``, Python's ``Fatal Python error`` with every
+thread's stack and the extension modules: forty lines of gloo's abort on a desync) is held back:
+one line stands for it where it happened, and the launcher prints it after its own summary, which
+names the cause (:class:`CrashReports`).
+
 Why not torch's own ``tee``: its tail threads sleep 0.1 s between reads and cannot be woken, and
 the agent stops the stdout and the stderr tailer one after the other, so every job (and every
 restart) ended 0.1-0.2 s after its last rank did. :meth:`OutputRelay.stop` wakes the thread at
@@ -20,13 +25,42 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Any, TextIO
 
-__all__ = ["OutputRelay", "Source", "relay_for"]
+__all__ = ["OutputRelay", "Source", "relay_for", "CrashReports"]
 
 _LINE = re.compile(rb"[^\r\n]*(?:\r\n|\n|\r)")
 # a line still without its ending after this long is shown as it is (a prompt, a slow printer)
 _HOLD_PARTIAL_S = 0.5
 _FINAL_DRAIN_S = 5.0  # past what the files held at stop, at most this long for a writer still going
 _CHUNK = 1 << 20  # read at most this much per file and pass: a flood of output stays bounded in memory
+
+
+_CRASH_STARTS = (b"terminate called after throwing", b"terminate called without", b"Fatal Python error: ")
+_CRASH_ENDS = b"Extension modules: "  # faulthandler's last line
+
+
+class CrashReports:
+    """The native crash reports the relay held back, by rank prefix, for after the launcher's summary."""
+
+    def __init__(self) -> None:
+        self.reports: list[tuple[str, list[str]]] = []
+        self._lock = threading.Lock()
+
+    def start(self, prefix: str, line: str) -> list[str]:
+        """A report begins with ``line``; returns the list its lines go to."""
+        lines = [line]
+        with self._lock:
+            self.reports.append((prefix, lines))
+        return lines
+
+    def text(self, says: str = "") -> list[str]:
+        """Each report's lines, prefixed, after a line that says whose it is (``says``: the launcher's prefix)."""
+        out = []
+        with self._lock:
+            for prefix, lines in self.reports:
+                who = prefix.strip().strip("[]:").replace("rank", "rank ") or "a rank"
+                out.append(f"{says}{who}'s native crash report ({len(lines)} lines):")
+                out += [prefix + line.rstrip("\r\n") for line in lines]
+        return out
 
 
 @dataclass
@@ -37,11 +71,14 @@ class Source:
         path: the file the worker writes (it may not exist yet when the relay starts).
         dst: where its lines go (the launcher's ``sys.stdout`` or ``sys.stderr``).
         prefix: put in front of every line, e.g. ``"[rank3]: "``.
+        crashes: where a native crash report goes instead of the terminal (``None``: shown as it comes).
     """
 
     path: str
     dst: TextIO
     prefix: str
+    crashes: CrashReports | None = None
+    _held: list[str] | None = field(default=None, repr=False)
     _file: IO[bytes] | None = field(default=None, repr=False)
     _partial: bytes = field(default=b"", repr=False)
     _partial_since: float = field(default=0.0, repr=False)
@@ -71,7 +108,7 @@ class Source:
         at_end = final and len(new) < _CHUNK  # the worker is gone and the file is read to its end
         if lines and not rest and lines[-1].endswith(b"\r") and not at_end:
             rest = lines.pop()  # perhaps the first half of "\r\n": wait for the next read
-        out = [self._render(line, partial=False) for line in lines]
+        out = [text for line in lines if (text := self._show(line))]
         if rest and at_end:
             out.append(self._render(rest + b"\n", partial=False))
             rest = b""
@@ -89,6 +126,20 @@ class Source:
             except (OSError, ValueError):
                 pass  # the terminal went away: the log file still has every line
         return bool(new)
+
+    def _show(self, line: bytes) -> str:
+        """A complete line as the terminal gets it; a native crash report's lines are held (one line instead)."""
+        if self.crashes is not None:
+            if self._held is not None:
+                self._held.append(line.decode(errors="replace"))
+                if line.startswith(_CRASH_ENDS):
+                    self._held = None
+                return ""
+            if line.startswith(_CRASH_STARTS):
+                self._held = self.crashes.start(self.prefix, line.decode(errors="replace"))
+                text = line.decode(errors="replace").rstrip("\r\n")
+                return self._render(f"{text} (a native crash report: it follows the summary)\n".encode(), partial=False)
+        return self._render(line, partial=False)
 
     def _render(self, line: bytes, partial: bool) -> str:
         # a bare "\r" (a progress bar about to redraw) and the rest of a line already shown
@@ -174,7 +225,14 @@ class OutputRelay:
                 source.close()
 
 
-def relay_for(pcontext: Any, workers: list[Any], stdout: TextIO, stderr: TextIO, shown: set[int] | None) -> OutputRelay:
+def relay_for(
+    pcontext: Any,
+    workers: list[Any],
+    stdout: TextIO,
+    stderr: TextIO,
+    shown: set[int] | None,
+    crashes: CrashReports | None = None,
+) -> OutputRelay:
     """An :class:`OutputRelay` for the log files of torch's process context ``pcontext``.
 
     Args:
@@ -183,14 +241,15 @@ def relay_for(pcontext: Any, workers: list[Any], stdout: TextIO, stderr: TextIO,
         stdout: where the ranks' stdout lines go.
         stderr: where the ranks' stderr lines go.
         shown: the local ranks to show; ``None`` shows all.
+        crashes: where the ranks' native crash reports (on stderr) are held for after the summary.
     """
     sources = []
     for worker in sorted(workers, key=lambda w: w.local_rank):
         if shown is not None and worker.local_rank not in shown:
             continue
         prefix = f"[rank{worker.global_rank}]: "
-        for paths, dst in ((pcontext.stdouts, stdout), (pcontext.stderrs, stderr)):
+        for paths, dst, held in ((pcontext.stdouts, stdout, None), (pcontext.stderrs, stderr, crashes)):
             path = paths.get(worker.local_rank)
             if path:
-                sources.append(Source(path, dst, prefix))
+                sources.append(Source(path, dst, prefix, held))
     return OutputRelay(sources)

@@ -13,6 +13,7 @@ from typing import Any
 
 from lockstep.errors import EXIT_FAILURE, EXIT_PREEMPTED, signal_name
 from lockstep.launch.bootstrap import signal_record
+from lockstep.launch.output import CrashReports
 from lockstep.launch.postmortem import postmortem_text
 from lockstep.launch.report import Failure, say, summarize
 from lockstep.launch.spec import LaunchSpec
@@ -43,6 +44,7 @@ class JobReporter:
         self.exit_codes: dict[int, int | None] = {}
         self._shown_traceback = ""
         self._stopping_ns: int | None = None
+        self.crashes = CrashReports()  # the ranks' native crash reports, shown after the summary
 
     def shown_local_ranks(self) -> set[int] | None:
         """The local ranks whose output is shown on this node (``None``: all)."""
@@ -99,6 +101,13 @@ class JobReporter:
             lines += ["  " + line for line in summary.root.traceback.rstrip().splitlines()]
             self._shown_traceback = summary.root.traceback
         say("\n".join(lines))
+        self._say_crashes()
+
+    def _say_crashes(self) -> None:
+        """The native crash reports the relay held back, after the summary that names the cause; then forgotten."""
+        for line in self.crashes.text(self.spec.says):
+            say(line)
+        self.crashes.reports.clear()
 
     def failed(self, raw: Mapping[int, Any]) -> int:
         failures = self.failures(raw)
@@ -108,6 +117,7 @@ class JobReporter:
         say(verdict or summary.text(says, whole_job=self.spec.nodes == 1 and not self.spec.elastic))
         if verdict and self.spec.log_dir:
             say(f"{says}the ranks' records are under {self.postmortem_dir} (lockstep postmortem DIR reads them)")
+        self._say_crashes()  # after the summary that names the cause: the raw detail, for the curious
         if summary.preempted:
             return EXIT_PREEMPTED
         if self.spec.max_restarts:

@@ -101,7 +101,12 @@ def reporting_agent(report: JobReporter) -> Iterator[None]:
             if report.spec.relayed:
                 relay.stop()
                 relay = relay_for(
-                    self._pcontext, worker_group.workers, sys.stdout, sys.stderr, report.shown_local_ranks()
+                    self._pcontext,
+                    worker_group.workers,
+                    sys.stdout,
+                    sys.stderr,
+                    report.shown_local_ranks(),
+                    report.crashes,
                 ).start()
             return pids
 

@@ -13,10 +13,14 @@ Example::
 
 from __future__ import annotations
 
+import time as _time
 from importlib import metadata as _metadata
 from typing import Any
 
 from lockstep.errors import EXIT_PREEMPTED, ConfigError, LockstepError
+
+IMPORTED_AT = _time.monotonic()
+"""When this process imported lockstep (before torch): a command's whole time counts from here."""
 
 try:  # the version lives in pyproject.toml only
     __version__ = _metadata.version("lockstep")

@@ -162,7 +162,11 @@ def _run(session: lockstep.Session, config: TrainConfig, data: Any) -> None:
             f"lockstep train: nothing to train: the checkpoint already covers {start} of "
             f"{config.epochs} epochs (raise --epochs to train more)"
         )
-    session.print(f"Training complete in {time.perf_counter() - began:.1f} s")
+    whole = time.monotonic() - lockstep.IMPORTED_AT
+    session.print(
+        f"Training complete in {time.perf_counter() - began:.1f} s "
+        f"({whole:.1f} s since this process started: imports, data and set-up included)"
+    )
 
 
 def _epoch(

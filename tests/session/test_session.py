@@ -119,9 +119,11 @@ def test_keep_after_a_fallback_keeps_the_checkpoint_resumed_from(tmp_path: Path)
     root = tmp_path / "ckpt"
     assert run_distributed(_save_at, 2, str(root), [1, 2, 3], None, timeout=100) == [0, 0]
     _flip_a_byte(root / "step-000003" / "state.pt")
-    # the resume falls back to step 2; its save at step 4 with keep=2 prunes the corrupt step 3, not step 2
+    # the resume falls back to step 2; its save at step 4 with keep=2 moves the corrupt step 3 aside, keeps step 2
     assert run_distributed(_save_at, 2, str(root), [4], 2, timeout=100) == [2, 2]
-    assert sorted(p.name for p in root.iterdir()) == ["step-000002", "step-000004"]
+    names = sorted(p.name for p in root.iterdir())
+    assert names[:2] == ["step-000002", "step-000004"] and len(names) == 3
+    assert names[2].startswith("unusable-step-000003-")  # never deleted
     _flip_a_byte(root / "step-000004" / "state.pt")  # one more corruption: step 2 is still there
     assert run_distributed(_save_at, 2, str(root), [], None, timeout=100) == [2, 2]
 

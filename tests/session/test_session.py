@@ -396,3 +396,14 @@ def _nan_in_one_shard() -> list[bool]:
 def test_fsdp_ranks_agree_on_a_non_finite_value_in_one_shard() -> None:
     """The shard holding the NaN is on one rank; every rank must skip that step (no split decision, no hang)."""
     assert run_distributed(_nan_in_one_shard, 2, timeout=60) == [[True, False, True]] * 2
+
+
+def test_threads_that_outnumber_the_cores_are_said_after_the_start_line() -> None:
+    from lockstep.session.options import threads_warning
+
+    assert threads_warning(1, 4, 2, 15.0) is None  # one thread each: nothing to oversubscribe
+    assert threads_warning(2, 1, 2, 0.7) is None  # one process, an idle machine: its threads fit
+    busy = threads_warning(2, 1, 2, 7.9)
+    assert busy is not None and "2 torch threads on 2 cores already busy (load 7.9)" in busy
+    many = threads_warning(2, 2, 2, None)
+    assert many is not None and "2 processes x 2 torch threads on 2 cores" in many and "OMP_NUM_THREADS=1" in many

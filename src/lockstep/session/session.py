@@ -8,6 +8,7 @@ precision, data, metrics, checkpoint).
 from __future__ import annotations
 
 import gc
+import os
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
@@ -31,7 +32,7 @@ from lockstep.session.membership import form_membership
 from lockstep.session.named import NamedState, sort_named
 from lockstep.session.nonfinite import NonFiniteLossError, NonFinitePolicy
 from lockstep.session.observe import Observing
-from lockstep.session.options import summary_line
+from lockstep.session.options import summary_line, threads_warning
 from lockstep.session.preempt import Preempted, StopGuard, StopPoint, parse_grace, stop_message
 from lockstep.session.rng import rank_seed, seeded_by_script
 from lockstep.session.saves import SaveInFlight, SaveTarget
@@ -445,6 +446,12 @@ class Session(Observing):
             self._announced = True
             if not self.quiet:
                 self.print(self.summary())
+                if self.device.type == "cpu":  # where torch's threads do the work
+                    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+                    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+                    warning = threads_warning(torch.get_num_threads(), self.world.local_world_size, cores, load)
+                    if warning is not None:
+                        self.print(warning)
 
     # -- checkpoints -------------------------------------------------------------------------
     def save(

@@ -406,7 +406,7 @@ def test_bad_flags_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert cli_main(["bench", "--nproc", "0", "--out", str(tmp_path)]) == 2
     assert cli_main(["bench", "--strategies", "single,horde", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert "--nproc must be >= 1" in err and "unknown strategy 'horde'" in err
+    assert "--nproc must be at least 1, got 0" in err and "unknown strategy 'horde'" in err
     assert not (tmp_path / "results.json").exists()
 
 

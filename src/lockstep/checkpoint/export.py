@@ -46,10 +46,7 @@ def export_model(directory: str | Path, out: str | Path, name: str = "model") ->
         ExportError: no checkpoint there, a URL, or no model ``name`` in the checkpoint (the names it has listed).
         CorruptCheckpointError: every checkpoint fails verification.
 
-    Example::
-
-        path, step = export_model("checkpoints", "model.pt")
-        net.load_state_dict(torch.load("model.pt"))
+    ``export_model("checkpoints", "model.pt")``, then, anywhere: ``net.load_state_dict(torch.load("model.pt"))``.
     """
     if is_url(directory):
         raise ExportError(

@@ -193,7 +193,10 @@ def add_session_flags(
 
     Example::
 
-        add_session_flags(parser, ["strategy", "accumulate"], {"strategy": "ddp", "accumulate": 1})
+        >>> parser = argparse.ArgumentParser()
+        >>> add_session_flags(parser, ["strategy", "accumulate"], {"strategy": "ddp", "accumulate": 1})
+        >>> vars(parser.parse_args(["--accumulate", "2"]))
+        {'strategy': 'ddp', 'accumulate': 2}
     """
     for name in names:
         options = dict(SESSION_FLAGS[name])

@@ -571,7 +571,8 @@ class Session(Observing):
         resume = self._members.load(restore)  # under --nodes: joins, and reads the disk only if no member holds it
         self._ckpt = replace(self._ckpt, unusable=frozenset(resume.unusable))  # pruned first, never counted in keep
         if not self.quiet:
-            self._announce()  # the start line first, then where the run starts from
+            if self.state.loaders.live:  # the start line first, then where the run starts from (its batches known)
+                self._announce()
             self.print(
                 resumed_line(resume, self._settings.restart_count)
                 if resume.resumed

@@ -47,3 +47,17 @@ def test_a_failed_job_names_its_log_folder_once(tmp_path: Path) -> None:
     assert done.returncode == 1, done.stderr
     [line] = [x for x in done.stderr.splitlines() if "every rank's output is under" in x]
     assert line.startswith(f"lockstep run: every rank's output is under {logs.resolve()}/"), line
+
+
+def test_the_log_folders_of_launchers_killed_before_their_clean_up_are_removed(tmp_path: Path) -> None:
+    from lockstep.launch.elastic import remove_stale_run_folders
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a launcher killed with SIGKILL: its pid no longer exists
+    stale = tmp_path / f"lockstep-run-{gone.pid}-abc123"
+    live = tmp_path / f"lockstep-run-{os.getpid()}-def456"  # a launcher still running
+    other = tmp_path / "lockstep-run-notapid"  # not one of ours
+    for folder in (stale, live, other):
+        (folder / "attempt_0").mkdir(parents=True)
+    assert remove_stale_run_folders(str(tmp_path)) == [str(stale)]
+    assert not stale.exists() and live.exists() and other.exists()

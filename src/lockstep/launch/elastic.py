@@ -77,6 +77,7 @@ __all__ = [
     "parse_master",
     "exposure_warning",
     "slurm_defaults",
+    "remove_stale_run_folders",
     "import_torch_quietly",
     "DEFAULT_JOIN_TIMEOUT",
     "DEFAULT_GRACE",
@@ -256,6 +257,53 @@ def _start_error(exc: Exception, spec: LaunchSpec) -> LaunchError:
     return LaunchError(f"the job could not start: {text}")
 
 
+RUN_FOLDER_PREFIX = "lockstep-run-"
+"""The temporary log folder of a launch without ``--log-dir``: ``lockstep-run-<launcher pid>-<random>``."""
+
+
+def remove_stale_run_folders(parent: str | None = None) -> list[str]:
+    """Remove the temporary log folders of launchers that are gone (killed before their clean-up).
+
+    Only folders of this user, named after a process that no longer exists, are removed.
+
+    Args:
+        parent: where they are (default: the temporary directory).
+
+    Returns:
+        The folders removed.
+    """
+    parent = parent or tempfile.gettempdir()
+    removed = []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(RUN_FOLDER_PREFIX):
+            continue
+        pid_text = name[len(RUN_FOLDER_PREFIX) :].partition("-")[0]
+        path = os.path.join(parent, name)
+        try:
+            if not pid_text.isdigit() or os.stat(path).st_uid != os.getuid() or _alive(int(pid_text)):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (another user's counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def launch(spec: LaunchSpec) -> int:
     """Run the job described by ``spec`` on this node and return the exit code for the launcher.
 
@@ -284,7 +332,8 @@ def launch(spec: LaunchSpec) -> int:
     for warning in warnings:
         if warning:
             say(warning)
-    log_dir = spec.log_dir or tempfile.mkdtemp(prefix="lockstep-run-")
+    remove_stale_run_folders()  # those of launchers killed with SIGKILL, which cleaned up nothing
+    log_dir = spec.log_dir or tempfile.mkdtemp(prefix=f"{RUN_FOLDER_PREFIX}{os.getpid()}-")
     report = JobReporter(spec, postmortem_dir=os.path.join(log_dir, "postmortem"))
     config: Any = None
     try:

@@ -273,7 +273,7 @@ def remove_stale_run_folders(parent: str | None = None) -> list[str]:
         The folders removed.
     """
     parent = parent or tempfile.gettempdir()
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(parent)
     except OSError:

@@ -26,9 +26,20 @@ __all__ = [
     "environment",
     "export_environment",
     "first_slurm_host",
+    "usable_cores",
 ]
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on: its affinity mask (Slurm, taskset, containers), where the
+    platform has one; else every core of the machine."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
 
 # The one value kept outside os.environ: the job's secret, once a worker took it out of its environment
 # (withhold_secret, before the script runs) so that the processes the script starts do not inherit it.

@@ -203,7 +203,8 @@ def test_a_native_crash_report_is_held_for_after_the_summary(tmp_path: Path) -> 
         "(a native crash report: it follows the summary)",
         "[rank0]: after",  # what the rank wrote after the report is shown again
     ]
-    assert crashes.text("lockstep run: ") == [
+    assert crashes.take("lockstep run: ") == [
         "lockstep run: rank 0's native crash report (8 lines):",
         *("[rank0]: " + line.rstrip("\n") for line in crash),
     ]
+    assert crashes.take() == []  # said once

@@ -19,6 +19,7 @@ import torch
 from lockstep.bench.matrix import BenchConfig, Cell, plan_cells
 from lockstep.bench.measure import CellTask, measure_cell
 from lockstep.bench.verdict import busy_reason, pick_winner
+from lockstep.env import usable_cores
 
 __all__ = [
     "run_bench",
@@ -49,13 +50,6 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
 def _cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as info:
@@ -79,7 +73,7 @@ def host_info() -> dict[str, Any]:
             "hostname": platform.node(),
             "platform": platform.platform(),
             "python": platform.python_version(),
-            "cpu_cores": _cores(),
+            "cpu_cores": usable_cores(),
             "load_average": load,
         },
         "torch": torch.__version__,
@@ -95,14 +89,14 @@ def threads_per_rank(config: BenchConfig, nproc: int, gpus: int, cores: int | No
         return config.threads
     if gpus:
         return 0
-    return max(1, (cores or _cores()) // nproc)
+    return max(1, (cores or usable_cores()) // nproc)
 
 
 def _cpu_threads(config: BenchConfig, gpus: int) -> list[dict[str, int]] | None:
     """Threads per rank and in all at each process count (CPU runs only), for the table's header."""
     if gpus:
         return None
-    cores = _cores()
+    cores = usable_cores()
     rows = [(n, threads_per_rank(config, n, gpus, cores)) for n in sorted(config.nprocs)]
     return [{"nproc": n, "per_rank": t, "total": n * t, "cores": cores} for n, t in rows]
 
@@ -164,7 +158,7 @@ def aggregate(cell: Cell, ranks: list[dict[str, Any]], steps: int, cores: int | 
         "skipped_steps": ranks[0]["skipped_steps"],
         # more threads than cores (oversubscribed) still busy only the cores
         "cpu_threads": threads if on_cpu else None,
-        "cores_used": min(threads, cores or _cores()) if on_cpu else None,
+        "cores_used": min(threads, cores or usable_cores()) if on_cpu else None,
         # torch.compile compilations inside the timed window (0 unless a shape or guard changed there)
         "compiles_in_window": max(r.get("compiles_in_window", 0) for r in ranks),
     }
@@ -298,7 +292,7 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict[str, Any]:
     if not gpus and hasattr(os, "getloadavg"):  # on CPU the cells share the cores with whatever else runs
         before = (info["host"]["load_average"] or [None])[0]
         last = next((c.nproc for c in reversed(cells) if c.status == "ran"), 0)
-        busy = busy_reason(before, os.getloadavg()[0], _cores(), last)
+        busy = busy_reason(before, os.getloadavg()[0], usable_cores(), last)
     verdict = pick_winner(cells, busy)
     return {
         "schema": "lockstep-bench",

@@ -18,8 +18,6 @@ from typing import Any
 import torch
 
 from lockstep.checkpoint.files import CheckpointError
-from lockstep.checkpoint.layout import step_of
-from lockstep.checkpoint.manifest import MANIFEST_FILE
 from lockstep.checkpoint.storage import is_url, local_path
 from lockstep.errors import ConfigError
 
@@ -55,23 +53,23 @@ def export_model(directory: str | Path, out: str | Path, name: str = "model") ->
         )
     path, manifest = _checkpoint(local_path(directory))
     from lockstep.checkpoint.read import read_chosen
-    from lockstep.checkpoint.safety import load_state_file, read_dcp_metadata
+    from lockstep.checkpoint.safety import read_dcp_metadata
     from lockstep.comm.group import Comm
     from lockstep.env import World
 
     files = manifest["files"]
     comm = Comm(World())  # this process alone: no process group
-    skeleton = load_state_file(path, files, "cpu")
-    where = _where(skeleton, name)
-    if where is not None:  # a replicated model (or a plain module saved by name): whole tensors
-        state = read_chosen(path, files, comm, "cpu", None)
+    saved = read_chosen(path, files, comm, "cpu", None)  # state.pt, its replicated tensors joined whole
+    where = _where(saved, name)
+    if where is not None:  # a replicated model (or a plain module saved by name)
+        state = saved
         for key in where:
             state = state[key]
     else:  # an FSDP model: its shards, put together here at their saved sizes
         metadata = read_dcp_metadata(path, files) if any(n.startswith("sharded/") for n in files) else None
         shapes = {} if metadata is None else _sharded_shapes(metadata, name)
         if not shapes:
-            raise ExportError(f"checkpoint {path} holds no model named {name!r}; it holds {_names(skeleton, metadata)}")
+            raise ExportError(f"checkpoint {path} holds no model named {name!r}; it holds {_names(saved, metadata)}")
         state = {key: torch.empty(size, dtype=dtype) for key, (size, dtype) in shapes.items()}
         read_chosen(path, files, comm, "cpu", {name: state})
     plain = {key: value for key, value in state.items() if isinstance(value, torch.Tensor)}
@@ -82,9 +80,9 @@ def export_model(directory: str | Path, out: str | Path, name: str = "model") ->
 def _checkpoint(root: Path) -> tuple[Path, dict[str, Any]]:
     """The ``step-N`` folder to read and its verified manifest."""
     from lockstep.checkpoint.core import choose_checkpoint
-    from lockstep.checkpoint.manifest import verify_checkpoint
+    from lockstep.checkpoint.manifest import is_step_folder, verify_checkpoint
 
-    if step_of(root.name) is not None and (root / MANIFEST_FILE).is_file():
+    if is_step_folder(root):
         return root, verify_checkpoint(root)
     if not root.is_dir():
         raise ExportError(f"no checkpoint folder at {root}")
@@ -95,7 +93,7 @@ def _checkpoint(root: Path) -> tuple[Path, dict[str, Any]]:
 
 
 def _where(skeleton: Any, name: str) -> tuple[str, ...] | None:
-    """Where model ``name`` is in a checkpoint's ``state.pt``: a set-up model at the top, a module saved by name
+    """Where model ``name`` is in a checkpoint's saved state: a set-up model at the top, a module saved by name
     under ``objects``; ``None`` when it is in neither (an FSDP model's shards are in the DCP part only)."""
     if not isinstance(skeleton, dict):
         return None
@@ -124,7 +122,11 @@ def _names(skeleton: Any, metadata: Any) -> str:
         found = {k for k, v in skeleton.items() if isinstance(v, dict)} - {"precision", "extras", "objects"}
         objects = skeleton.get("objects")
         if isinstance(objects, dict):
-            found |= {k for k, v in objects.items() if isinstance(v, dict) and _tensors(v)}
+            found |= {
+                k
+                for k, v in objects.items()
+                if isinstance(v, dict) and any(isinstance(t, torch.Tensor) for t in v.values())
+            }
     if metadata is not None:
         found |= {key.split(".", 1)[0] for key in metadata.state_dict_metadata if not key.startswith("full/")}
         found |= {key.split("/")[1] for key in metadata.state_dict_metadata if key.startswith("full/")}
@@ -132,9 +134,9 @@ def _names(skeleton: Any, metadata: Any) -> str:
     return ", ".join(repr(n) for n in sorted(found)) or "no model"
 
 
-def _tensors(state: dict[str, Any]) -> bool:
-    """Whether ``state`` looks like a module's state dict (it holds tensors, or marks of tensors stored apart)."""
-    return any(isinstance(v, torch.Tensor) or (isinstance(v, dict) and "__lockstep_dcp__" in v) for v in state.values())
+def _holds_tensors(state: dict[str, Any]) -> bool:
+    """Whether ``state`` looks like a module's state dict rather than another saved object's."""
+    return any(isinstance(value, torch.Tensor) for value in state.values())
 
 
 def _write(state: dict[str, torch.Tensor], out: Path) -> None:

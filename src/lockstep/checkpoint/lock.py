@@ -19,9 +19,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from lockstep.checkpoint.files import STATE_FILE, CheckpointError, CheckpointFolderError, FolderInUseError, io_error
+from lockstep.checkpoint.files import CheckpointError, CheckpointFolderError, FolderInUseError, io_error
 from lockstep.checkpoint.layout import step_of
-from lockstep.checkpoint.manifest import MANIFEST_FILE
+from lockstep.checkpoint.manifest import is_step_folder
 from lockstep.checkpoint.storage import is_url, local_path
 from lockstep.checkpoint.write import agree
 from lockstep.comm.group import Comm
@@ -113,8 +113,9 @@ def lock_folder(directory: str | Path, comm: Comm) -> FolderLock | ObjectLock:
     error: Exception | None = None
     if comm.is_main:
         try:
-            check_folder(local_path(directory))  # refused on every rank, before the first step
-            lock = _acquire(local_path(directory))
+            root = local_path(directory)
+            check_folder(root)  # refused on every rank, before the first step
+            lock = _acquire(root)
         except (CheckpointError, CheckpointFolderError) as exc:
             error = exc
     agree(comm, error, on_error=lock.release)
@@ -134,11 +135,11 @@ def check_folder(root: Path) -> None:
         raise CheckpointFolderError(
             f"checkpoint folder {root} is a file: give a folder (it is made when missing), e.g. {root.parent / 'ckpt'}"
         )
-    step = step_of(root.name)
-    if step is not None and ((root / MANIFEST_FILE).is_file() or (root / STATE_FILE).is_file()):
+    if is_step_folder(root):
         raise CheckpointFolderError(
-            f"{root} is one checkpoint (step {step}) of the folder {root.parent}: give {root.parent}, which "
-            "session.load reads its newest good checkpoint from (and session.save writes the next one to)"
+            f"{root} is one checkpoint (step {step_of(root.name)}) of the folder {root.parent}: give "
+            f"{root.parent}, which session.load reads its newest good checkpoint from (and session.save writes "
+            "the next one to)"
         )
 
 

@@ -39,9 +39,17 @@ __all__ = [
     "check_record",
     "verify_checkpoint",
     "read_verified",
+    "is_step_folder",
 ]
 
 MANIFEST_FILE = "manifest.json"
+
+
+def is_step_folder(path: Path) -> bool:
+    """Whether ``path`` is one checkpoint: a ``step-N`` folder holding a manifest (or an older ``state.pt``)."""
+    return step_of(path.name) is not None and ((path / MANIFEST_FILE).is_file() or (path / STATE_FILE).is_file())
+
+
 FORMAT = "lockstep-checkpoint/1"
 _MANIFEST_LIMIT = 64 << 20
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import os
 from collections.abc import Callable, Iterator, Mapping, Sequence, Sized
 from typing import Any
 
@@ -13,6 +12,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 from lockstep.data.samplers import EvalSampler, TrainSampler, check_order, epoch_order, shard_bounds
 from lockstep.data.seeding import SeededDataset, derive_seed, init_worker, seed_worker
 from lockstep.data.steps import StepSampler, plan_batches
+from lockstep.env import usable_cores
 from lockstep.errors import ConfigError
 
 __all__ = [
@@ -33,15 +33,6 @@ __all__ = [
 ]
 
 
-def _cpu_count() -> int:
-    # The affinity mask is what this process may use (Slurm, taskset, containers); cpu_count()
-    # counts the whole machine.
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS, Windows
-        return os.cpu_count() or 1
-
-
 def default_num_workers(device: torch.device, world_size_on_node: int) -> int:
     """Return a sensible number of loader worker processes per rank.
 
@@ -51,7 +42,7 @@ def default_num_workers(device: torch.device, world_size_on_node: int) -> int:
     """
     # on CPU the rank's own compute wants the cores; on an accelerator the main process only feeds
     # the device, and workers (one core kept for it) overlap decoding with compute
-    per_rank = _cpu_count() // max(world_size_on_node, 1)
+    per_rank = usable_cores() // max(world_size_on_node, 1)
     if device.type == "cpu":
         return min(2, per_rank // 4)
     return max(0, min(4, per_rank - 1))

@@ -52,11 +52,13 @@ class CrashReports:
             self.reports.append((prefix, lines))
         return lines
 
-    def text(self, says: str = "") -> list[str]:
-        """Each report's lines, prefixed, after a line that says whose it is (``says``: the launcher's prefix)."""
+    def take(self, says: str = "") -> list[str]:
+        """Each report's lines, prefixed, after a line that says whose it is (``says``: the launcher's prefix);
+        the reports are then forgotten (a restarted attempt's are its own)."""
         out = []
         with self._lock:
-            for prefix, lines in self.reports:
+            reports, self.reports = self.reports, []
+            for prefix, lines in reports:
                 who = prefix.strip().strip("[]:").replace("rank", "rank ") or "a rank"
                 out.append(f"{says}{who}'s native crash report ({len(lines)} lines):")
                 out += [prefix + line.rstrip("\r\n") for line in lines]
@@ -136,9 +138,11 @@ class Source:
                     self._held = None
                 return ""
             if line.startswith(_CRASH_STARTS):
-                self._held = self.crashes.start(self.prefix, line.decode(errors="replace"))
-                text = line.decode(errors="replace").rstrip("\r\n")
-                return self._render(f"{text} (a native crash report: it follows the summary)\n".encode(), partial=False)
+                text = line.decode(errors="replace")
+                self._held = self.crashes.start(self.prefix, text)
+                return self._render(
+                    f"{text.rstrip()} (a native crash report: it follows the summary)\n".encode(), partial=False
+                )
         return self._render(line, partial=False)
 
     def _render(self, line: bytes, partial: bool) -> str:

@@ -105,9 +105,8 @@ class JobReporter:
 
     def _say_crashes(self) -> None:
         """The native crash reports the relay held back, after the summary that names the cause; then forgotten."""
-        for line in self.crashes.text(self.spec.says):
+        for line in self.crashes.take(self.spec.says):
             say(line)
-        self.crashes.reports.clear()
 
     def failed(self, raw: Mapping[int, Any]) -> int:
         failures = self.failures(raw)

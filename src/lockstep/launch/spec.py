@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from lockstep.env import usable_cores
 from lockstep.errors import DEFAULT_GRACE, ConfigError
 
 __all__ = [
@@ -100,8 +101,7 @@ class LaunchSpec:
         return f"{self.label}: "
 
     def __post_init__(self) -> None:
-        if self.nproc < 1:
-            raise ConfigError(f"--nproc must be at least 1, got {self.nproc}")
+        check_nproc(self.nproc)
         if self.nodes < 1:
             raise ConfigError(f"--nodes must be at least 1, got {self.nodes}")
         if self.max_nodes is not None:
@@ -260,7 +260,7 @@ def oversubscription_warning(
         prefix: how the line starts (:attr:`LaunchSpec.says`).
     """
     if cpus is None:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cpus = usable_cores()
     if gpus is None:
         import torch
 
@@ -292,6 +292,13 @@ def check_script(target: str, module: bool) -> None:
         raise ConfigError(f"script {target!r} does not exist (use -m to run a module)")
 
 
+def check_nproc(count: int) -> int:
+    """``count`` as a number of processes per node; refused when it is under 1."""
+    if count < 1:
+        raise ConfigError(f"--nproc must be at least 1, got {count}")
+    return count
+
+
 def resolve_nproc(value: str | int) -> int:
     """Turn ``--nproc`` (``N``, ``auto``, ``gpu`` or ``cpu``, as torchrun means them) into a count.
 
@@ -300,9 +307,7 @@ def resolve_nproc(value: str | int) -> int:
     """
     text = str(value).strip()
     if text.isdigit():
-        if int(text) < 1:
-            raise ConfigError(f"--nproc must be at least 1, got {int(text)}")
-        return int(text)
+        return check_nproc(int(text))  # refused here, before torch is imported for a device count
     if text not in ("auto", "gpu", "cpu"):
         raise ConfigError(f"--nproc {text!r} is not a number or one of auto, gpu, cpu")
     import_torch_quietly()

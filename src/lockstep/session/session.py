@@ -22,7 +22,7 @@ from torch import nn
 
 from lockstep.comm.group import Comm, form_comm
 from lockstep.data.loader import make_loader
-from lockstep.env import detect_world, read_settings
+from lockstep.env import detect_world, read_settings, usable_cores
 from lockstep.precision import build_precision
 from lockstep.session.config import OPTION_NAMES, SessionConfig
 from lockstep.session.elastic import options_under_nodes
@@ -448,7 +448,7 @@ class Session(Observing):
                 self.print(self.summary())
                 if self.device.type == "cpu":  # where torch's threads do the work
                     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-                    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+                    cores = usable_cores()
                     warning = threads_warning(torch.get_num_threads(), self.world.local_world_size, cores, load)
                     if warning is not None:
                         self.print(warning)

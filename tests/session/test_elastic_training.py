@@ -31,6 +31,9 @@ class _Group:
 
     def start(self) -> None:
         self.joined = True
+        if self.comm.handed is not None:  # a running job's committed position, as a member hands it over
+            self.handover.position.load_state_dict(self.comm.handed)
+            self.step = self.comm.handed["step"]
 
     def admit(self) -> bool:
         if self.waiting is None:
@@ -50,6 +53,7 @@ class _Comm:
     def __init__(self) -> None:
         self.world_size, self.rank = 1, 0
         self.group: _Group | None = None
+        self.handed: dict[str, Any] | None = None  # what the members hand over at the join (None: a fresh job)
 
     @property
     def joined(self) -> bool:
@@ -60,8 +64,8 @@ class _Comm:
         self.group.start()
 
 
-def _training(workers: int = 0) -> tuple[ElasticTraining, TrainState, Accumulator, Any]:
-    comm, accum = _Comm(), Accumulator(1)
+def _training(workers: int = 0, comm: _Comm | None = None) -> tuple[ElasticTraining, TrainState, Accumulator, Any]:
+    comm, accum = comm or _Comm(), Accumulator(1)
     joins: list[ElasticTraining] = []
     state = TrainState(comm, on_pass=lambda: joins[0].before_pass())  # type: ignore[arg-type]
     elastic = ElasticTraining(comm, accum, state)  # type: ignore[arg-type]
@@ -137,6 +141,29 @@ def test_a_node_let_in_at_an_epochs_last_step_trains_the_next_epoch_with_the_new
             expected = rank_batches({"seed": 0, "epoch": 1, "cursor": 0}, N, plan, 0)
             assert handed == [i for b in expected[: len(handed) // CAP] for i in b] and len(handed) == N // 2
             assert state.epoch == 1 and elastic.changes == 2
+
+
+def test_a_node_let_in_at_an_epochs_last_step_saves_that_epoch_then_trains_the_next_with_the_members() -> None:
+    """The newcomer's side of the last test: handed the position after epoch 0's last batch, its pass of epoch
+    0 has nothing left (the members' loops go on to that epoch's save, so must it), then epoch 1 is its share."""
+    member, state, accum, train = _training()
+    member.start(0)
+    state.start_epoch(0)
+    batches = iter(train)
+    for _ in range(N // G):
+        _run_step(member, batches, accum)
+    comm = _Comm()
+    comm.handed, comm.world_size, comm.rank = member.position.state_dict(), 2, 1
+    assert comm.handed["samplers"][0]["cursor"] == N and not comm.handed["epoch_done"]  # not run out there yet
+    joiner, state, accum, train = _training(comm=comm)
+    epoch = joiner.start(0)
+    assert (epoch, state.global_step, train.sampler.world_size) == (0, N // G, 2)
+    state.start_epoch(epoch)
+    assert list(train) == [] and state.loaders.finished  # epoch 0 is over here as it is on the members
+    state.start_epoch(1)
+    handed = [i for (index,) in train for i in index.tolist()]
+    expected = rank_batches({"seed": 0, "epoch": 1, "cursor": 0}, N, plan_batches(G, 2, CAP), rank=1)
+    assert handed == [i for b in expected for i in b] and len(handed) == N // 2
 
 
 def test_a_loop_that_fetches_its_next_batch_before_the_step_is_refused_at_its_first_step() -> None:

@@ -72,6 +72,7 @@ class DeviceLoader:
         self.timer = timer if train else None
         self.share = 0  # samples of this rank in the batch last handed out (0: a zero-weight stand-in)
         self._moves = 0  # the position set from outside: a running pass restarts there
+        self._kept = False  # set from outside since the last pass began: the next pass starts there, even at the end
         # handed out, not trained yet, oldest first: (the sampler's position before it, its plan for on_batch)
         self.untrained: deque[tuple[int, tuple[Any, ...]]] = deque()
 
@@ -123,6 +124,7 @@ class DeviceLoader:
         if self.tracker is not None:
             self.tracker.pass_starting()  # the session's own business first (under --nodes: the join)
             self._start_pass()
+        self._kept = False
         steps = self.steps
         batches = (
             self._iter_padded() if steps is None else self._iter_passes(steps) if self.train else self._pass(steps)
@@ -134,6 +136,7 @@ class DeviceLoader:
         handed out is pending, and a pass that runs restarts there."""
         self.untrained.clear()
         self._moves += 1
+        self._kept = True
 
     def trained(self, batches: int) -> None:
         """The session's step trained the oldest ``batches`` handed out (a step's micro-batches)."""
@@ -156,7 +159,8 @@ class DeviceLoader:
     def _start_pass(self) -> None:
         """A new iterator starts at the first batch not trained (as a DataLoader's starts its epoch again):
         ``len(next(iter(loader))[0])`` then ``for batch in loader`` loses no batch, nor does a loop that broke
-        out after fetching a batch it did not train."""
+        out after fetching a batch it did not train. A position set from outside at the epoch's end (a peer's,
+        handed over after the epoch's last step) is kept: that pass has nothing left, as it has on the peer."""
         sampler = self.sampler
         if self.untrained:
             state = sampler.state_dict()
@@ -166,7 +170,8 @@ class DeviceLoader:
             return
         epoch = getattr(sampler, "epoch", None)
         steps = self.steps  # its own test: len() would build the rest of the epoch's micro-steps
-        if epoch is not None and (steps.exhausted if steps is not None else self.remaining == 0):
+        spent = steps.exhausted if steps is not None else self.remaining == 0
+        if epoch is not None and spent and not self._kept:
             # the epoch ran out and no set_epoch came (the tutorial reads the batch size before it):
             # a DataLoader's new iterator goes over the same epoch again, and so does this one
             sampler.set_epoch(epoch)

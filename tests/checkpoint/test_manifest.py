@@ -65,6 +65,32 @@ def test_sharded_round_trip_and_verification(tmp_path: Path) -> None:
         load_checkpoint(tmp_path, COMM, sharded=template)
 
 
+def test_a_checkpoint_hashed_with_sha256_by_an_earlier_version_loads_and_is_still_checked(tmp_path: Path) -> None:
+    import hashlib
+    import json
+
+    a = torch.arange(8.0)
+    path = save_checkpoint(tmp_path, {"step": 1, "w": a}, COMM, step=1, sharded={"m": {"a": a}})
+    manifest = read_manifest(path)
+    assert all(set(record) == {"size", "xxh3_128"} for record in manifest["files"].values())
+    files = {
+        name: {"size": r["size"], "sha256": hashlib.sha256((path / name).read_bytes()).hexdigest()}
+        for name, r in manifest["files"].items()
+    }
+    (path / "manifest.json").unlink()
+    write_manifest(path, files, step=1, world_size=1)  # the records of a checkpoint written before xxh3_128
+    assert "xxh3_128" not in json.dumps(read_manifest(path))
+    template = {"m": {"a": torch.zeros(8)}}
+    loaded = load_checkpoint(tmp_path, COMM, sharded=template, fallback=False)
+    assert loaded is not None and torch.equal(loaded["w"], a) and torch.equal(template["m"]["a"], a)
+    shard = path / "sharded" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch .*sha256"):
+        load_checkpoint(tmp_path, COMM, sharded=template, fallback=False)
+
+
 def test_sharded_disk_full(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from torch.distributed.checkpoint.filesystem import FileSystem
 

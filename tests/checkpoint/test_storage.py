@@ -51,7 +51,7 @@ def test_save_load_prune_and_latest(tmp_path: Path) -> None:
     assert storage.get(LATEST) == b"step-000003"
     manifest = json.loads(storage.get("step-000003/manifest.json"))
     assert manifest["world_size"] == 1 and manifest["step"] == 3 and manifest["position"] == [{"cursor": 3}]
-    assert all(len(r["sha256"]) == 64 for r in manifest["files"].values())
+    assert all(len(r["xxh3_128"]) == 32 for r in manifest["files"].values())
     state = load_objects("mem://x", COMM, storage=storage)
     assert state is not None and state["step"] == 3 and torch.equal(state["model"]["w"], torch.full((3,), 3.0))
 

@@ -1,7 +1,7 @@
 """Complete, crash-safe checkpoints that every rank agrees on.
 
 A save writes the checkpoint under a temporary name, fsyncs it, records each file's size and
-sha256 in ``manifest.json``, renames the folder to ``step-000123`` and only then prunes old ones:
+hash (``xxh3_128``) in ``manifest.json``, renames the folder to ``step-000123`` and only then prunes old ones:
 a process killed at any moment leaves the old checkpoints, or those plus the new one, never a
 half-written ``step-*`` folder. A load verifies every file against the manifest before anything
 is unpickled (``weights_only=True`` only) and falls back to the previous good checkpoint when the
@@ -34,9 +34,9 @@ from lockstep.checkpoint.files import (
     UnsafeCheckpointError,
     discard,
 )
-from lockstep.checkpoint.layout import Retention, fallback_line, latest_checkpoint, list_checkpoints, step_of
-from lockstep.checkpoint.manifest import read_manifest, verify_checkpoint
-from lockstep.checkpoint.read import read_chosen
+from lockstep.checkpoint.layout import Retention, latest_checkpoint, list_checkpoints, step_of
+from lockstep.checkpoint.manifest import check_present, read_manifest, verify_checkpoint
+from lockstep.checkpoint.read import read_newest
 from lockstep.checkpoint.safety import UnsupportedStateError
 from lockstep.checkpoint.storage import is_url, local_path
 from lockstep.checkpoint.write import agree, begin, finish, write_parts
@@ -115,7 +115,9 @@ def save_checkpoint(
             position=position,
         )
     directory = local_path(directory)
-    root, parts, tmp = begin(directory, state, comm, step=step, keep=keep, replicated=replicated, sharded=sharded)
+    root, parts, tmp = begin(
+        directory, state, comm, step=step, keep=keep, replicated=replicated, sharded=sharded, copy=False
+    )  # the loop waits for the write: the live tensors are written as they are
     records, error = write_parts(tmp, parts, comm.rank, comm.world_size, comm.all_gather_object)
     if error is not None:
         if comm.is_main:
@@ -163,51 +165,32 @@ def load_checkpoint(
         from lockstep.checkpoint.objects import load_objects
 
         return load_objects(str(directory), comm, map_location=map_location, sharded=sharded, fallback=fallback)
-    root = local_path(directory)
-    choice, error = None, None
-    if comm.is_main:
-        try:
-            choice = _choose(root, fallback)
-        except CheckpointError as exc:
-            error = exc
-    choice = agree(comm, error, choice)[0]
-    if choice is None:
-        return None
-    state = read_chosen(Path(choice[0]), choice[1]["files"], comm, map_location, sharded)
-    state["unusable"] = choice[2]
-    return state
+    return read_newest(_Folder(local_path(directory)), comm, map_location, sharded, fallback)
 
 
-def choose_checkpoint(root: Path) -> tuple[str, dict[str, Any], list[int]] | None:
-    """The newest checkpoint in ``root`` that verifies, its manifest and the steps of the newer ones skipped.
+class _Folder:
+    """The committed checkpoints of a local folder, as :func:`~lockstep.checkpoint.read.read_newest` walks them."""
 
-    Args:
-        root: a local checkpoint folder.
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.url = str(root)
 
-    Raises:
-        CorruptCheckpointError: every checkpoint fails verification.
-    """
-    return _choose(root, fallback=True)
+    def candidates(self) -> list[str]:
+        """The ``step-N`` folders, oldest first (links and unfinished saves are never listed)."""
+        return [str(path) for path in list_checkpoints(self.root)]
 
+    def plausible(self, key: str) -> dict[str, Any]:
+        """The manifest, when every file it lists is there at its size."""
+        return check_present(key)
 
-def _choose(root: Path, fallback: bool) -> tuple[str, dict[str, Any], list[int]] | None:
-    """Rank 0: the newest checkpoint that verifies, its manifest and the steps skipped; ``None`` if none exist."""
-    bad: list[str] = []
-    skipped: list[int] = []
-    found = list_checkpoints(root)
-    for left, path in reversed(list(enumerate(found))):
-        try:
-            return str(path), verify_checkpoint(path), skipped
-        except UnsafeCheckpointError:
-            raise
-        except CheckpointError as exc:
-            if not fallback:
-                raise
-            logger.warning("%s", fallback_line(str(path), exc, older=left > 0))
-            bad.append(str(exc))
-            skipped.append(step_of(path.name) or 0)
-    if bad:
-        raise CorruptCheckpointError(
-            f"no usable checkpoint in {root}; every one failed verification:\n  " + "\n  ".join(bad)
-        )
-    return None
+    def where(self, key: str) -> str:
+        """The folder's path."""
+        return key
+
+    def step(self, key: str) -> int:
+        """The step the folder is named after."""
+        return step_of(Path(key).name) or 0
+
+    def reader(self, key: str, files: dict[str, Any]) -> tuple[Path, None]:
+        """The folder; its files are read and checked in place."""
+        return Path(key), None

@@ -51,15 +51,14 @@ def export_model(directory: str | Path, out: str | Path, name: str = "model") ->
             f"lockstep export reads a local checkpoint folder, not {directory}: copy the checkpoint "
             "(its step-N prefix) to a folder first"
         )
-    path, manifest = _checkpoint(local_path(directory))
     from lockstep.checkpoint.read import read_chosen
     from lockstep.checkpoint.safety import read_dcp_metadata
     from lockstep.comm.group import Comm
     from lockstep.env import World
 
-    files = manifest["files"]
     comm = Comm(World())  # this process alone: no process group
-    saved = read_chosen(path, files, comm, "cpu", None)  # state.pt, its replicated tensors joined whole
+    path, manifest, saved = _newest(local_path(directory), comm)  # state.pt, its replicated tensors joined whole
+    files = manifest["files"]
     where = _where(saved, name)
     if where is not None:  # a replicated model (or a plain module saved by name)
         state = saved
@@ -77,19 +76,22 @@ def export_model(directory: str | Path, out: str | Path, name: str = "model") ->
     return path, int(manifest["step"])
 
 
-def _checkpoint(root: Path) -> tuple[Path, dict[str, Any]]:
-    """The ``step-N`` folder to read and its verified manifest."""
-    from lockstep.checkpoint.core import choose_checkpoint
-    from lockstep.checkpoint.manifest import is_step_folder, verify_checkpoint
+def _newest(root: Path, comm: Any) -> tuple[Path, dict[str, Any], dict[str, Any]]:
+    """The ``step-N`` folder read, its manifest and its state (each byte checked once, as a load checks it)."""
+    from lockstep.checkpoint.core import load_checkpoint
+    from lockstep.checkpoint.manifest import check_present, is_step_folder, read_manifest
+    from lockstep.checkpoint.read import read_chosen
 
     if is_step_folder(root):
-        return root, verify_checkpoint(root)
+        manifest = check_present(root)
+        return root, manifest, read_chosen(root, manifest["files"], comm, "cpu", None)
     if not root.is_dir():
         raise ExportError(f"no checkpoint folder at {root}")
-    chosen = choose_checkpoint(root)
-    if chosen is None:
+    saved = load_checkpoint(root, comm, map_location="cpu")  # the newest good one, walking back past bad ones
+    if saved is None:
         raise ExportError(f"no checkpoint in {root}")
-    return Path(chosen[0]), chosen[1]
+    path = Path(saved["path"])
+    return path, read_manifest(path), saved
 
 
 def _where(skeleton: Any, name: str) -> tuple[str, ...] | None:

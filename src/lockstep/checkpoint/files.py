@@ -12,10 +12,12 @@ import errno
 import hashlib
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
 import torch
+import xxhash
 
 from lockstep.errors import ConfigError, LockstepError
 
@@ -30,14 +32,22 @@ __all__ = [
     "SHARDED_DIR",
     "write_state_file",
     "write_bytes",
+    "HASH",
     "hash_file",
     "hash_stream",
+    "hash_name",
+    "new_hash",
+    "digest",
     "fsync_dir",
     "publish",
     "discard",
     "io_error",
 ]
 
+HASH = "xxh3_128"
+"""The hash new checkpoints record per file: a check against accidents (a torn write, a flipped bit, a file
+copied short), at memory speed; the manifest that holds the hashes is checked by its own sha256."""
+_HASHES: dict[str, Callable[[], Any]] = {HASH: xxhash.xxh3_128, "sha256": hashlib.sha256}  # sha256: earlier versions
 STATE_FILE = "state.pt"
 SHARDED_DIR = "sharded"
 _CHUNK = 8 << 20
@@ -101,7 +111,7 @@ class _HashingWriter:
 
     def __init__(self, raw: IO[bytes]) -> None:
         self.raw = raw
-        self.sha = hashlib.sha256()
+        self.hash = new_hash()
         self.size = 0
         self.error: OSError | None = None
 
@@ -112,7 +122,7 @@ class _HashingWriter:
             self.error = self.error or exc
             raise
         view = memoryview(data)
-        self.sha.update(view)
+        self.hash.update(view)
         self.size += view.nbytes
         return written if written is not None else view.nbytes
 
@@ -125,7 +135,7 @@ class _HashingWriter:
 
 
 def write_state_file(path: Path, obj: Any) -> dict[str, Any]:
-    """``torch.save`` ``obj`` to ``path``, fsync it and return its manifest record (size, sha256)."""
+    """``torch.save`` ``obj`` to ``path``, fsync it and return its manifest record (size, hash), hashed as written."""
     try:
         with _open_for_write(path) as raw:
             writer = _HashingWriter(raw)
@@ -143,7 +153,7 @@ def write_state_file(path: Path, obj: Any) -> dict[str, Any]:
         raise io_error(exc, path) from exc
     if path.stat().st_size != writer.size:
         raise CheckpointError(f"short write to {path}: {path.stat().st_size} of {writer.size} bytes")
-    return {"size": writer.size, "sha256": writer.sha.hexdigest()}
+    return {"size": writer.size, HASH: writer.hash.hexdigest()}
 
 
 def write_bytes(path: Path, data: bytes) -> None:
@@ -157,20 +167,37 @@ def write_bytes(path: Path, data: bytes) -> None:
         raise io_error(exc, path) from exc
 
 
+def new_hash(name: str = HASH) -> Any:
+    """A fresh hasher of hash ``name`` (``update``, ``hexdigest``)."""
+    return _HASHES[name]()
+
+
+def hash_name(record: dict[str, Any]) -> str | None:
+    """The hash a manifest record holds (``HASH``, or ``"sha256"`` in a checkpoint of an earlier version)."""
+    return next((name for name in _HASHES if isinstance(record.get(name), str)), None)
+
+
+def digest(data: bytes | memoryview, name: str = HASH) -> str:
+    """The hex digest of ``data`` by hash ``name``."""
+    hasher = new_hash(name)
+    hasher.update(data)
+    return str(hasher.hexdigest())
+
+
 def hash_file(path: Path) -> dict[str, Any]:
-    """The manifest record (size, sha256) of an existing file."""
+    """The manifest record (size, hash) of an existing file."""
     with open(path, "rb") as f:
         return hash_stream(f)
 
 
-def hash_stream(f: IO[bytes]) -> dict[str, Any]:
-    """The manifest record (size, sha256) of what is left to read in ``f``."""
-    sha = hashlib.sha256()
+def hash_stream(f: IO[bytes], name: str = HASH) -> dict[str, Any]:
+    """The manifest record (size, hash ``name``) of what is left to read in ``f``."""
+    hasher = new_hash(name)
     size = 0
     while chunk := f.read(_CHUNK):
-        sha.update(chunk)
+        hasher.update(chunk)
         size += len(chunk)
-    return {"size": size, "sha256": sha.hexdigest()}
+    return {"size": size, name: hasher.hexdigest()}
 
 
 def fsync_dir(path: Path) -> None:

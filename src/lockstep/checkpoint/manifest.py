@@ -1,6 +1,7 @@
 """A checkpoint's ``manifest.json``: what every file must contain, and the check before loading.
 
-The manifest (format ``lockstep-checkpoint/1``) lists each file (relative name, size, sha256), the
+The manifest (format ``lockstep-checkpoint/1``) lists each file (relative name, size, hash: ``xxh3_128``, or
+``sha256`` in checkpoints of earlier versions), the
 step, the world size, the torch version, the time, an object store's data position, and its own
 sha256. Nothing is unpickled before the check passes. It guards against accidents, not against
 someone who may write into the folder: against them, every file is read through
@@ -12,6 +13,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import IO, Any
 
@@ -19,10 +21,13 @@ import torch
 
 from lockstep.checkpoint.confine import open_file
 from lockstep.checkpoint.files import (
+    HASH,
     STATE_FILE,
     CheckpointError,
     CorruptCheckpointError,
     UnsafeCheckpointError,
+    digest,
+    hash_name,
     hash_stream,
     io_error,
     write_bytes,
@@ -37,7 +42,9 @@ __all__ = [
     "write_manifest",
     "read_manifest",
     "check_record",
+    "check_bytes",
     "verify_checkpoint",
+    "check_present",
     "read_verified",
     "is_step_folder",
 ]
@@ -106,7 +113,7 @@ def write_manifest(folder: Path, files: dict[str, dict[str, Any]], *, step: int,
 
 
 def _is_record(record: Any) -> bool:
-    return isinstance(record, dict) and isinstance(record.get("size"), int) and isinstance(record.get("sha256"), str)
+    return isinstance(record, dict) and isinstance(record.get("size"), int) and hash_name(record) is not None
 
 
 def read_manifest(checkpoint: str | Path) -> dict[str, Any]:
@@ -135,13 +142,20 @@ def read_manifest(checkpoint: str | Path) -> dict[str, Any]:
     return check_manifest(raw, where, step_of(folder.name))
 
 
+def check_bytes(path: Path | str, record: dict[str, Any], data: bytes) -> None:
+    """Raise :class:`CorruptCheckpointError` unless ``data`` has the size and hash ``record`` gives."""
+    name = hash_name(record) or HASH
+    check_record(path, record, {"size": len(data), name: digest(data, name)})
+
+
 def check_record(path: Path | str, record: dict[str, Any], actual: dict[str, Any]) -> None:
-    """Raise :class:`CorruptCheckpointError` unless ``actual`` (size, sha256) matches ``record``."""
-    if actual["size"] != record["size"] or actual["sha256"] != record["sha256"]:
+    """Raise :class:`CorruptCheckpointError` unless ``actual`` (size, hash) matches ``record``."""
+    name = hash_name(record) or HASH
+    if actual["size"] != record["size"] or actual.get(name) != record[name]:
         raise CorruptCheckpointError(
             f"checkpoint file {path} is corrupt: checksum mismatch (manifest: {record['size']} bytes, "
-            f"sha256 {record['sha256'][:12]}...; on disk: {actual['size']} bytes, sha256 "
-            f"{actual['sha256'][:12]}...). It was truncated or altered after it was written."
+            f"{name} {record[name][:12]}...; on disk: {actual['size']} bytes, {name} "
+            f"{str(actual.get(name))[:12]}...). It was truncated or altered after it was written."
         )
 
 
@@ -152,7 +166,7 @@ def verify_checkpoint(checkpoint: str | Path) -> dict[str, Any]:
         checkpoint: a ``step-N`` folder.
 
     Raises:
-        CorruptCheckpointError: the manifest is altered, or a file is missing, of the wrong size or sha256.
+        CorruptCheckpointError: the manifest is altered, or a file is missing, of the wrong size or hash.
         CheckpointError: a file cannot be read.
     """
     folder = Path(checkpoint)
@@ -160,10 +174,37 @@ def verify_checkpoint(checkpoint: str | Path) -> dict[str, Any]:
     for name, record in manifest["files"].items():
         with _open_listed(folder, name) as f:
             try:
-                actual = hash_stream(f)
+                actual = hash_stream(f, hash_name(record) or HASH)
             except OSError as exc:
                 raise io_error(exc, folder / name, "read") from exc
         check_record(folder / name, record, actual)
+    return manifest
+
+
+def check_present(checkpoint: str | Path) -> dict[str, Any]:
+    """Check the manifest of ``checkpoint`` and that every file it lists is there at its size; return it.
+
+    What a load checks before it picks a checkpoint; the content is checked as each file is read
+    (:func:`read_verified`), so no byte is hashed twice.
+
+    Args:
+        checkpoint: a ``step-N`` folder.
+
+    Raises:
+        CorruptCheckpointError: the manifest is altered, or a file is missing or of another size.
+        CheckpointError: a file cannot be opened.
+        UnsafeCheckpointError: a listed name leads outside the folder or through a link.
+    """
+    folder = Path(checkpoint)
+    manifest = read_manifest(folder)
+    for name, record in manifest["files"].items():
+        with _open_listed(folder, name) as f:
+            size = os.fstat(f.fileno()).st_size
+        if size != record["size"]:
+            raise CorruptCheckpointError(
+                f"checkpoint {folder} is corrupt: {name} holds {size} bytes, its manifest says {record['size']}. "
+                "It was truncated or altered after it was written."
+            )
     return manifest
 
 
@@ -189,5 +230,5 @@ def read_verified(checkpoint: Path, name: str, files: dict[str, dict[str, Any]])
             data = f.read(record["size"] + 1)  # one byte more shows a longer file without reading it all
         except OSError as exc:
             raise io_error(exc, checkpoint / name, "read") from exc
-    check_record(checkpoint / name, record, {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+    check_bytes(checkpoint / name, record, data)
     return data

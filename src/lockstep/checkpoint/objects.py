@@ -15,12 +15,11 @@ without a manifest (a partial upload) are never loaded and a later save deletes 
 deletes a checkpoint's manifest first and never touches the one just committed nor a newer one
 (unless a load found it unusable: see :class:`~lockstep.checkpoint.layout.Retention`).
 A load walks back from the newest manifest; each rank downloads only what it reads and checks
-each object's sha256 before using it.
+each object's hash (size and ``xxh3_128``) before using it.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import re
 import shutil
@@ -33,9 +32,9 @@ import torch
 
 from lockstep.checkpoint.confine import check_name
 from lockstep.checkpoint.files import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError, io_error
-from lockstep.checkpoint.layout import Retention, fallback_line, quarantine_name, step_name
-from lockstep.checkpoint.manifest import MANIFEST_FILE, check_manifest, check_record, manifest_bytes
-from lockstep.checkpoint.read import read_chosen
+from lockstep.checkpoint.layout import Retention, quarantine_name, step_name
+from lockstep.checkpoint.manifest import MANIFEST_FILE, check_bytes, check_manifest, manifest_bytes
+from lockstep.checkpoint.read import read_newest
 from lockstep.checkpoint.storage import Storage, open_storage
 from lockstep.checkpoint.write import Parts, agree, check_args, first_failure, prepare, write_own
 from lockstep.comm.group import Comm
@@ -252,9 +251,7 @@ def object_reader(storage: Storage, step: int, files: dict[str, dict[str, Any]])
             raise CorruptCheckpointError(
                 f"checkpoint {storage.where(prefix)} is corrupt: object {storage.where(prefix + '/' + name)} is missing"
             ) from None
-        check_record(
-            storage.where(f"{prefix}/{name}"), record, {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-        )
+        check_bytes(storage.where(f"{prefix}/{name}"), record, data)
         return data
 
     return read
@@ -283,22 +280,32 @@ def _plausible(storage: Storage, step: int) -> dict[str, Any]:
     return manifest
 
 
-def _next_choice(
-    storage: Storage, steps: list[int], bad: list[tuple[int, str]], fallback: bool
-) -> tuple[int, Any] | None:
-    """Rank 0: pop the newest plausible checkpoint off ``steps`` (newest last); the others go to ``bad``."""
-    while steps:
-        step = steps.pop()
-        try:
-            return step, _plausible(storage, step)
-        except UnsafeCheckpointError:
-            raise
-        except CheckpointError as exc:
-            if not fallback:
-                raise
-            logger.warning("%s", fallback_line(storage.where(step_name(step)), exc, older=bool(steps)))
-            bad.append((step, str(exc)))
-    return None
+class _Objects:
+    """The committed checkpoints under a URL, as :func:`~lockstep.checkpoint.read.read_newest` walks them."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+        self.url = storage.url
+
+    def candidates(self) -> list[int]:
+        """The steps whose manifest exists, oldest first."""
+        return committed_steps(self.storage)
+
+    def plausible(self, key: int) -> dict[str, Any]:
+        """The manifest, when every object it lists is there at its size."""
+        return _plausible(self.storage, key)
+
+    def where(self, key: int) -> str:
+        """The checkpoint's URL."""
+        return self.storage.where(step_name(key))
+
+    def step(self, key: int) -> int:
+        """The step itself."""
+        return key
+
+    def reader(self, key: int, files: dict[str, Any]) -> tuple[Path, Callable[[str], bytes]]:
+        """Its prefix, and the reader that downloads and checks each object read."""
+        return Path(step_name(key)), object_reader(self.storage, key, files)
 
 
 def load_objects(
@@ -311,52 +318,4 @@ def load_objects(
     storage: Storage | None = None,
 ) -> dict[str, Any] | None:
     """:func:`~lockstep.checkpoint.core.load_checkpoint` for a URL; every rank calls it."""
-    storage = storage or open_storage(url)
-    steps: list[int] = []
-    error: CheckpointError | None = None
-    if comm.is_main:
-        try:
-            steps = committed_steps(storage)
-        except CheckpointError as exc:
-            error = exc
-    agree(comm, error)
-    bad: list[tuple[int, str]] = []  # (step, why) of each checkpoint skipped
-    while True:
-        choice, error = None, None
-        if comm.is_main:
-            try:
-                choice = _next_choice(storage, steps, bad, fallback)
-            except CheckpointError as exc:
-                error = exc
-        choice, bad = agree(comm, error, (choice, bad))[0]  # rank 0's view: the walk stays in step
-        if choice is None:
-            break
-        step, manifest = choice
-        prefix = step_name(step)
-        try:
-            state = read_chosen(
-                Path(prefix),
-                manifest["files"],
-                comm,
-                map_location,
-                sharded,
-                object_reader(storage, step, manifest["files"]),
-                storage.where(prefix),
-            )
-        except UnsafeCheckpointError:
-            raise
-        except CheckpointError as exc:  # every rank raised the same: every rank walks back alike
-            if not fallback:
-                raise
-            if comm.is_main:
-                logger.warning("%s", fallback_line(storage.where(prefix), exc, older=bool(steps)))
-            bad.append((step, str(exc)))
-            continue
-        state["unusable"] = [skipped for skipped, _ in bad]
-        return state
-    if bad:
-        raise CorruptCheckpointError(
-            f"no usable checkpoint in {storage.url}; every one failed verification:\n  "
-            + "\n  ".join(why for _, why in bad)
-        )
-    return None
+    return read_newest(_Objects(storage or open_storage(url)), comm, map_location, sharded, fallback)

@@ -42,8 +42,14 @@ def split_tensors(tree: Any, path: str = "full") -> tuple[Any, dict[str, torch.T
     return cut(tree, path), tensors
 
 
-def own_share(tensors: dict[str, torch.Tensor], rank: int, world_size: int) -> dict[str, torch.Tensor]:
-    """CPU copies of the tensors ``rank`` writes: each tensor to one rank, the bytes balanced."""
+def own_share(
+    tensors: dict[str, torch.Tensor], rank: int, world_size: int, copy: bool = True
+) -> dict[str, torch.Tensor]:
+    """The tensors ``rank`` writes, on the CPU: each tensor to one rank, the bytes balanced.
+
+    ``copy``: copies (a write that runs while training goes on); ``False``: CPU tensors as they are (a
+    write the loop waits for: nothing changes them meanwhile).
+    """
     # largest first, to the rank with the fewest bytes (lowest on a tie): from names, shapes and dtypes
     # alone, so every rank computes the same assignment without a message
     loads = [0] * world_size
@@ -53,7 +59,11 @@ def own_share(tensors: dict[str, torch.Tensor], rank: int, world_size: int) -> d
         loads[owner] += tensors[name].nelement() * tensors[name].element_size()
         if owner == rank:
             tensor = tensors[name].detach()
-            mine[name] = tensor.clone() if tensor.device.type == "cpu" else tensor.cpu()
+            if tensor.device.type != "cpu":
+                tensor = tensor.cpu()
+            elif copy:
+                tensor = tensor.clone()
+            mine[name] = tensor
     return mine
 
 

@@ -1,6 +1,7 @@
 """The sharded part of a checkpoint: ``torch.distributed.checkpoint`` (DCP) in ``sharded/``.
 
-Saving is plain ``dcp.save``. Loading goes through :class:`VerifiedReader`, which uses only
+Saving is plain ``dcp.save`` through :class:`HashingFileSystem`, which hashes each file as DCP writes it.
+Loading goes through :class:`VerifiedReader`, which uses only
 verified bytes: the metadata already unpickled with an allowlist, the shard files the manifest
 lists (never outside the folder), and non-tensor values with ``weights_only=True``.
 """
@@ -17,16 +18,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from lockstep.checkpoint.confine import check_name
-from lockstep.checkpoint.files import SHARDED_DIR, CheckpointError, io_error
+from lockstep.checkpoint.files import HASH, SHARDED_DIR, CheckpointError, io_error, new_hash
 from lockstep.checkpoint.manifest import read_verified
 from lockstep.checkpoint.safety import Reader, safe_load_planner
 from lockstep.comm.group import Comm
 
-__all__ = ["VerifiedReader", "save_sharded", "load_sharded", "sharded_error"]
+__all__ = ["VerifiedReader", "HashingFileSystem", "save_sharded", "load_sharded", "sharded_error"]
 
 
 @contextlib.contextmanager
@@ -60,6 +61,65 @@ class _ManifestFileSystem(FileSystem):
         yield io.BytesIO(self.read(name) if self.read is not None else read_verified(self.checkpoint, name, self.files))
 
 
+class _HashingStream(io.RawIOBase):
+    """A file DCP writes into, its bytes hashed on the way (DCP writes each file front to back)."""
+
+    def __init__(self, raw: Any) -> None:
+        super().__init__()
+        self.raw = raw
+        self.hash = new_hash()
+        self.size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        written = self.raw.write(view)
+        self.hash.update(view)
+        self.size += view.nbytes
+        return view.nbytes if written is None else int(written)
+
+    def tell(self) -> int:
+        return int(self.raw.tell())
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def fileno(self) -> int:
+        return int(self.raw.fileno())
+
+    def close(self) -> None:  # the file is DCP's to close, through create_stream
+        self.flush()
+        super().close()
+
+
+class HashingFileSystem(FileSystem):
+    """DCP's local file access, each file written hashed as it goes: ``records`` maps its path to (size, hash)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: dict[str, dict[str, Any]] = {}
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
+        if mode != "wb":
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with super().create_stream(path, mode) as stream:
+            hashing = _HashingStream(stream)
+            yield hashing
+            stream.flush()
+        self.records[os.fspath(path)] = {"size": hashing.size, HASH: hashing.hash.hexdigest()}
+
+    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
+        super().rename(path, new_path)
+        record = self.records.pop(os.fspath(path), None)
+        if record is not None:
+            self.records[os.fspath(new_path)] = record
+
+
 class VerifiedReader(FileSystemReader):
     """A DCP reader of ``checkpoint/sharded`` that reads only what the manifest vouches for."""
 
@@ -82,17 +142,23 @@ class VerifiedReader(FileSystemReader):
         return metadata
 
 
-def save_sharded(target: Path, tensors: dict[str, Any], world_size: int, group: Any = None) -> CheckpointError | None:
-    """``dcp.save`` this rank's part ``tensors`` into ``target`` (every rank); this rank's error, if any."""
+def save_sharded(
+    target: Path, tensors: dict[str, Any], world_size: int, group: Any = None
+) -> tuple[dict[str, dict[str, Any]], CheckpointError | None]:
+    """``dcp.save`` this rank's part ``tensors`` into ``target`` (every rank): the records (size, hash) of the
+    files this rank wrote, by path, hashed as they were written; or this rank's error."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
+    writer = FileSystemWriter(target)
+    hashing = HashingFileSystem()
+    writer.fs = hashing
     try:
         with _quiet_single_process():
-            dcp.save(tensors, checkpoint_id=target, process_group=group, no_dist=world_size == 1)
+            dcp.save(tensors, storage_writer=writer, process_group=group, no_dist=world_size == 1)
     except (Exception, CheckpointException) as exc:
-        return sharded_error(exc, target, "write")
-    return None
+        return {}, sharded_error(exc, target, "write")
+    return hashing.records, None
 
 
 def load_sharded(

@@ -98,14 +98,16 @@ def prepare(
     *,
     replicated: dict[str, Any] | None = None,
     sharded: dict[str, Any] | None = None,
+    copy: bool = True,
 ) -> Parts:
-    """Gather every rank's RNG (a collective), cut ``replicated`` into this rank's share, check what is written."""
+    """Gather every rank's RNG (a collective), cut ``replicated`` into this rank's share (copied unless ``copy`` is
+    False: a write the loop waits for), check what is written."""
     rngs = comm.all_gather_object(state.get("rng"))
     full = {**state, "rng": rngs} if "rng" in state else dict(state)
     tensors: dict[str, Any] | None = None
     if replicated is not None:
         skeleton, everything = split_tensors(replicated)
-        tensors = own_share(everything, comm.rank, comm.world_size)  # this rank's part, copied
+        tensors = own_share(everything, comm.rank, comm.world_size, copy)  # this rank's part
         full.update(skeleton)
     if sharded is not None:
         check_loadable(sharded, "sharded", allow_dtensor=True)
@@ -136,13 +138,15 @@ def begin(
     keep: int | None,
     replicated: dict[str, Any] | None,
     sharded: dict[str, Any] | None,
+    copy: bool = True,
 ) -> tuple[Path, Parts, Path]:
-    """Every rank: check the arguments, :func:`prepare` the parts, rank 0 opens the folder; agreed."""
+    """Every rank: check the arguments, :func:`prepare` the parts (``copy``: as there), rank 0 opens the folder;
+    agreed."""
     check_args(step, keep)
     root = Path(directory)
     parts, tmp, error = None, None, None
     try:
-        parts = prepare(state, comm, replicated=replicated, sharded=sharded)
+        parts = prepare(state, comm, replicated=replicated, sharded=sharded, copy=copy)
         if comm.is_main:
             tmp = open_folder(root, step)
     except CheckpointError as exc:
@@ -206,24 +210,25 @@ def write_own(
     if parts.tensors is not None:
         from lockstep.checkpoint.sharded import save_sharded
 
-        failed = save_sharded(tmp / SHARDED_DIR, parts.tensors, world_size, group)
+        written, failed = save_sharded(tmp / SHARDED_DIR, parts.tensors, world_size, group)
         if failed is None:
             try:
-                records.update(_hash_own(tmp, rank))
+                records.update(_own_records(tmp, rank, written))
             except OSError as exc:
                 failed = io_error(exc, tmp, "read")
         error = error or failed
     return records, error
 
 
-def _hash_own(tmp: Path, rank: int) -> dict[str, Any]:
-    """Records of the DCP files this rank wrote (rank 0 also takes the metadata and any other)."""
+def _own_records(tmp: Path, rank: int, written: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Records of the DCP files this rank wrote (rank 0 also takes the metadata and any other): as hashed while
+    ``written``, else read back."""
     out = {}
     for path in sorted(p for p in (tmp / SHARDED_DIR).rglob("*") if p.is_file()):
         name = path.relative_to(tmp).as_posix()
         owner = _OWN_FILE.match(path.name)
         if (int(owner.group(1)) if owner else 0) == rank:
-            out[name] = hash_file(path)
+            out[name] = written.get(str(path)) or hash_file(path)
     return out
 
 

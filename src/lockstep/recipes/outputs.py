@@ -149,7 +149,7 @@ def epochs_done(out: Path) -> int | None:
 
 
 def newest_intact(out: Path) -> bool:
-    """Whether every file of the newest checkpoint in ``out`` matches its manifest (size and sha256).
+    """Whether every file of the newest checkpoint in ``out`` matches its manifest (size and hash).
 
     A finished run's newest checkpoint is checked before ``--resume`` says there is nothing to train:
     when it is corrupt, the workers resume from the one before and train its epoch again.

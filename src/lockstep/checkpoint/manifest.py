@@ -46,6 +46,7 @@ __all__ = [
     "verify_checkpoint",
     "check_present",
     "read_verified",
+    "open_listed",
     "is_step_folder",
 ]
 
@@ -172,7 +173,7 @@ def verify_checkpoint(checkpoint: str | Path) -> dict[str, Any]:
     folder = Path(checkpoint)
     manifest = read_manifest(folder)
     for name, record in manifest["files"].items():
-        with _open_listed(folder, name) as f:
+        with open_listed(folder, name) as f:
             try:
                 actual = hash_stream(f, hash_name(record) or HASH)
             except OSError as exc:
@@ -198,7 +199,7 @@ def check_present(checkpoint: str | Path) -> dict[str, Any]:
     folder = Path(checkpoint)
     manifest = read_manifest(folder)
     for name, record in manifest["files"].items():
-        with _open_listed(folder, name) as f:
+        with open_listed(folder, name) as f:
             size = os.fstat(f.fileno()).st_size
         if size != record["size"]:
             raise CorruptCheckpointError(
@@ -208,7 +209,13 @@ def check_present(checkpoint: str | Path) -> dict[str, Any]:
     return manifest
 
 
-def _open_listed(folder: Path, name: str) -> IO[bytes]:
+def open_listed(folder: Path, name: str) -> IO[bytes]:
+    """Open file ``name`` of checkpoint ``folder`` (confined: no link, no name outside it) for reading.
+
+    Raises:
+        CorruptCheckpointError: it is missing.
+        CheckpointError: it cannot be opened.
+    """
     try:
         return open_file(folder, name)
     except FileNotFoundError:
@@ -225,7 +232,7 @@ def read_verified(checkpoint: Path, name: str, files: dict[str, dict[str, Any]])
             f"refusing to read {name!r} of checkpoint {checkpoint}: {MANIFEST_FILE} "
             "does not list it, so nothing vouches for its content"
         )
-    with _open_listed(checkpoint, name) as f:
+    with open_listed(checkpoint, name) as f:
         try:
             data = f.read(record["size"] + 1)  # one byte more shows a longer file without reading it all
         except OSError as exc:

@@ -22,8 +22,16 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from lockstep.checkpoint.confine import check_name
-from lockstep.checkpoint.files import HASH, SHARDED_DIR, CheckpointError, io_error, new_hash
-from lockstep.checkpoint.manifest import read_verified
+from lockstep.checkpoint.files import (
+    HASH,
+    SHARDED_DIR,
+    CheckpointError,
+    CorruptCheckpointError,
+    digest,
+    io_error,
+    new_hash,
+)
+from lockstep.checkpoint.manifest import open_listed, read_verified
 from lockstep.checkpoint.safety import Reader, safe_load_planner
 from lockstep.comm.group import Comm
 
@@ -58,7 +66,53 @@ class _ManifestFileSystem(FileSystem):
         if mode != "rb":
             raise CheckpointError(f"checkpoint {self.checkpoint} is read-only while it is loaded")
         name = os.fspath(path)
+        record = self.files.get(name)
+        if self.read is None and record is not None and "parts" in record:
+            with _PartsFile(self.checkpoint, name, record) as parts:  # each item read alone, checked alone
+                yield parts
+            return
         yield io.BytesIO(self.read(name) if self.read is not None else read_verified(self.checkpoint, name, self.files))
+
+
+class _PartsFile(io.RawIOBase):
+    """A shard file whose manifest record lists its parts (offset, length, hash: one per item DCP wrote): each
+    item is read alone and checked against its part's hash before DCP unpickles it, so a load holds one item
+    at a time, never the whole file."""
+
+    def __init__(self, checkpoint: Path, name: str, record: dict[str, Any]) -> None:
+        super().__init__()
+        self.where = checkpoint / name
+        try:
+            self.parts = {(int(offset), int(length)): str(digest) for offset, length, digest in record["parts"]}
+        except (TypeError, ValueError) as exc:
+            raise CorruptCheckpointError(f"checkpoint file {self.where} is corrupt: its parts are malformed") from exc
+        self.file = open_listed(checkpoint, name)
+
+    def readable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        self.file.close()
+        super().close()
+
+    def item(self, offset: int, length: int) -> io.BytesIO:
+        """The checked bytes of the item at ``offset``."""
+        expected = self.parts.get((offset, length))
+        if expected is None:
+            raise CorruptCheckpointError(
+                f"checkpoint file {self.where} is corrupt: its manifest records no part of {length} bytes at {offset}"
+            )
+        try:
+            self.file.seek(offset)
+            data = self.file.read(length)
+        except OSError as exc:
+            raise io_error(exc, self.where, "read") from exc
+        if len(data) != length or digest(data) != expected:
+            raise CorruptCheckpointError(
+                f"checkpoint file {self.where} is corrupt: checksum mismatch in its {length} bytes at {offset} "
+                f"(read {len(data)}). It was truncated or altered after it was written."
+            )
+        return io.BytesIO(data)
 
 
 class _HashingStream(io.RawIOBase):
@@ -69,6 +123,9 @@ class _HashingStream(io.RawIOBase):
         self.raw = raw
         self.hash = new_hash()
         self.size = 0
+        # DCP asks tell() before and after each item: the bytes between two asks are one part, hashed alone
+        self.parts: list[list[Any]] = []
+        self._part, self._part_start = new_hash(), 0
 
     def writable(self) -> bool:
         return True
@@ -77,11 +134,19 @@ class _HashingStream(io.RawIOBase):
         view = memoryview(data).cast("B")
         written = self.raw.write(view)
         self.hash.update(view)
+        self._part.update(view)
         self.size += view.nbytes
         return view.nbytes if written is None else int(written)
 
     def tell(self) -> int:
+        self.end_part()
         return int(self.raw.tell())
+
+    def end_part(self) -> None:
+        """Close the part written since the last :meth:`tell` (if any byte was)."""
+        if self.size > self._part_start:
+            self.parts.append([self._part_start, self.size - self._part_start, self._part.hexdigest()])
+            self._part, self._part_start = new_hash(), self.size
 
     def flush(self) -> None:
         self.raw.flush()
@@ -111,7 +176,8 @@ class HashingFileSystem(FileSystem):
             hashing = _HashingStream(stream)
             yield hashing
             stream.flush()
-        self.records[os.fspath(path)] = {"size": hashing.size, HASH: hashing.hash.hexdigest()}
+        hashing.end_part()
+        self.records[os.fspath(path)] = {"size": hashing.size, HASH: hashing.hash.hexdigest(), "parts": hashing.parts}
 
     def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
         super().rename(path, new_path)
@@ -122,6 +188,11 @@ class HashingFileSystem(FileSystem):
 
 class VerifiedReader(FileSystemReader):
     """A DCP reader of ``checkpoint/sharded`` that reads only what the manifest vouches for."""
+
+    def _slice_file(self, file: Any, sinfo: Any) -> Any:
+        if isinstance(file, _PartsFile):
+            return file.item(sinfo.offset, sinfo.length)
+        return super()._slice_file(file, sinfo)
 
     def __init__(
         self, checkpoint: Path, files: dict[str, dict[str, Any]], metadata: Any, read: Reader | None = None

@@ -275,3 +275,26 @@ def test_torch_dcp_set_nested() -> None:
 @pytest.mark.parametrize("shim", [torch_amp, torch_internals, py_frames, py_atexit, torch_agent, torch_dcp])
 def test_every_shim_says_what_it_was_checked_on(shim: Any) -> None:
     assert "Checked on" in (shim.__doc__ or ""), shim.__name__
+
+
+def test_torch_dcp_item_reader_reads_each_item_through_read_item(tmp_path: Path) -> None:
+    import io
+
+    import torch.distributed.checkpoint as dcp
+
+    saved = {"a": torch.arange(6.0), "b": torch.ones(2, 3)}
+    dcp.save(saved, checkpoint_id=tmp_path, no_dist=True)
+    asked: list[tuple[int, int]] = []
+
+    class Recording(torch_dcp.ItemReader):
+        def read_item(self, file: Any, offset: int, length: int) -> Any:
+            asked.append((offset, length))
+            file.seek(offset)
+            return io.BytesIO(file.read(length))
+
+    loaded = {"a": torch.zeros(6), "b": torch.zeros(2, 3)}
+    dcp.load(loaded, storage_reader=Recording(tmp_path), no_dist=True)
+    assert len(asked) == 2 and all(length > 0 for _, length in asked), _changed(
+        torch_dcp, "FileSystemReader._slice_file (no longer called once per item)"
+    )
+    assert all(torch.equal(loaded[k], saved[k]) for k in saved), _changed(torch_dcp, "FileSystemReader._slice_file")

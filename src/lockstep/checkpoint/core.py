@@ -135,6 +135,7 @@ def load_checkpoint(
     map_location: torch.device | str | None = None,
     sharded: dict[str, Any] | None = None,
     fallback: bool = True,
+    into: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, Any] | None:
     """Load the newest good checkpoint in ``directory``; every rank must call it.
 
@@ -149,6 +150,10 @@ def load_checkpoint(
         sharded: templates of the ``sharded=`` state dicts (FSDP2: ``get_state_dict`` of a freshly
             sharded model), filled in place.
         fallback: skip a corrupt (or misnamed) newest checkpoint with a warning; ``False`` raises.
+        into: live tensors by their DCP name (``split_tensors`` of the ``replicated=`` a save took), filled in
+            place where shape, dtype and device fit: no second copy of the state. A load that fails part-way
+            (a corrupt item found while reading) leaves them partly loaded, as a sharded load leaves its
+            templates; a fallback then loads the previous checkpoint over them.
 
     Returns:
         The saved state plus ``"path"`` and ``"unusable"`` (the steps of the newer checkpoints skipped,
@@ -164,8 +169,10 @@ def load_checkpoint(
     if is_url(directory):
         from lockstep.checkpoint.objects import load_objects
 
-        return load_objects(str(directory), comm, map_location=map_location, sharded=sharded, fallback=fallback)
-    return read_newest(_Folder(local_path(directory)), comm, map_location, sharded, fallback)
+        return load_objects(
+            str(directory), comm, map_location=map_location, sharded=sharded, fallback=fallback, into=into
+        )
+    return read_newest(_Folder(local_path(directory)), comm, map_location, sharded, fallback, into)
 
 
 class _Folder:

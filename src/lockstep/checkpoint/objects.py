@@ -316,6 +316,7 @@ def load_objects(
     sharded: dict[str, Any] | None = None,
     fallback: bool = True,
     storage: Storage | None = None,
+    into: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, Any] | None:
     """:func:`~lockstep.checkpoint.core.load_checkpoint` for a URL; every rank calls it."""
-    return read_newest(_Objects(storage or open_storage(url)), comm, map_location, sharded, fallback)
+    return read_newest(_Objects(storage or open_storage(url)), comm, map_location, sharded, fallback, into)

@@ -2,10 +2,10 @@
 
 :func:`split_tensors` cuts a replicated state dict (ddp's model and optimizer) into its tensors,
 under flat DCP names (``full/model/fc.weight``), and a skeleton, written into ``state.pt``, where
-each tensor is a marker naming it; :func:`own_share` gives each tensor to one rank. A load makes
-empty tensors from the verified DCP metadata (:func:`templates`: the checkpoint, not the model,
-says what it holds, so it loads at any world size), lets DCP fill them and puts them back
-(:func:`join_tensors`).
+each tensor is a marker naming it; :func:`own_share` gives each tensor to one rank. A load takes
+the tensors to fill from the verified DCP metadata (:func:`templates`: the checkpoint, not the model,
+says what it holds, so it loads at any world size): the model's and optimizer's own where they fit, so
+they are loaded in place, else empty ones; DCP fills them and they are put back (:func:`join_tensors`).
 """
 
 from __future__ import annotations
@@ -108,15 +108,27 @@ def join_tensors(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return put(skeleton)
 
 
-def templates(metadata: Any, names: list[str], device: torch.device | str) -> dict[str, torch.Tensor]:
-    """An empty tensor for each name, of the shape and dtype the DCP metadata records."""
+def templates(
+    metadata: Any, names: list[str], device: torch.device | str, into: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
+    """A tensor for each name, of the shape and dtype the DCP metadata records, for DCP to fill: the live tensor
+    of that name in ``into`` where it has that shape, dtype and device (loaded in place), else an empty one."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     recorded = metadata.state_dict_metadata
+    where = torch.device(device)
     out = {}
     for name in names:
         entry = recorded.get(name)
         if not isinstance(entry, TensorStorageMetadata):
             raise CheckpointError(f"the checkpoint's sharded part holds no tensor {name!r}")
-        out[name] = torch.empty(entry.size, dtype=entry.properties.dtype, device=device)
+        live = (into or {}).get(name)
+        if live is None or not (
+            live.shape == entry.size
+            and live.dtype == entry.properties.dtype
+            and live.device.type == where.type
+            and (where.index is None or live.device.index == where.index)
+        ):
+            live = torch.empty(entry.size, dtype=entry.properties.dtype, device=device)
+        out[name] = live
     return out

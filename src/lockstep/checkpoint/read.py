@@ -69,8 +69,10 @@ def read_newest(
     map_location: torch.device | str | None,
     sharded: dict[str, Any] | None,
     fallback: bool,
+    into: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, Any] | None:
-    """Every rank: read the newest checkpoint every rank can verify; ``None`` when there is none.
+    """Every rank: read the newest checkpoint every rank can verify; ``None`` when there is none (``into``: as
+    :func:`read_chosen` takes it).
 
     Rank 0 walks back from the newest and proposes the first plausible one; every rank reads it,
     checking each byte as it is read; a check that fails on any rank is raised on every rank, and
@@ -105,7 +107,7 @@ def read_newest(
         key, manifest = choice
         path, read = found.reader(key, manifest["files"])
         try:
-            state = read_chosen(path, manifest["files"], comm, map_location, sharded, read, found.where(key))
+            state = read_chosen(path, manifest["files"], comm, map_location, sharded, read, found.where(key), into)
         except CorruptCheckpointError as exc:  # every rank raised the same: every rank walks back alike
             if not fallback:
                 raise
@@ -149,8 +151,12 @@ def read_chosen(
     sharded: dict[str, Any] | None,
     read: Reader | None = None,
     name: str | None = None,
+    into: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, Any]:
-    """Every rank: read the agreed checkpoint and its DCP part; one rank's failure raises on every rank."""
+    """Every rank: read the agreed checkpoint and its DCP part; one rank's failure raises on every rank.
+
+    ``into``: live tensors by DCP name (the replicated model's and optimizer's), filled in place where they fit.
+    """
     where = "cpu" if map_location is None else map_location
     state, metadata, error = None, None, None
     try:
@@ -164,7 +170,7 @@ def read_chosen(
 
         filled, error = {}, None
         try:
-            filled = templates(metadata, marked(state), where)
+            filled = templates(metadata, marked(state), where, into)
         except CheckpointError as exc:
             error = exc
         agree(comm, error)

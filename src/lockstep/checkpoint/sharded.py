@@ -16,9 +16,9 @@ import shutil
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from lockstep.checkpoint.confine import check_name
@@ -33,6 +33,7 @@ from lockstep.checkpoint.files import (
 )
 from lockstep.checkpoint.manifest import open_listed, read_verified
 from lockstep.checkpoint.safety import Reader, safe_load_planner
+from lockstep.checkpoint.torch_dcp import ItemReader
 from lockstep.comm.group import Comm
 
 __all__ = ["VerifiedReader", "HashingFileSystem", "save_sharded", "load_sharded", "sharded_error"]
@@ -186,13 +187,12 @@ class HashingFileSystem(FileSystem):
             self.records[os.fspath(new_path)] = record
 
 
-class VerifiedReader(FileSystemReader):
+class VerifiedReader(ItemReader):
     """A DCP reader of ``checkpoint/sharded`` that reads only what the manifest vouches for."""
 
-    def _slice_file(self, file: Any, sinfo: Any) -> Any:
-        if isinstance(file, _PartsFile):
-            return file.item(sinfo.offset, sinfo.length)
-        return super()._slice_file(file, sinfo)
+    def read_item(self, file: Any, offset: int, length: int) -> IO[bytes] | None:
+        """A shard file with parts: the item at ``offset``, checked alone; else ``None`` (the whole file was)."""
+        return file.item(offset, length) if isinstance(file, _PartsFile) else None
 
     def __init__(
         self, checkpoint: Path, files: dict[str, dict[str, Any]], metadata: Any, read: Reader | None = None

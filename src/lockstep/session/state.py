@@ -250,13 +250,7 @@ def save_state(
     from lockstep.checkpoint.core import save_checkpoint
 
     # live tensors: each rank copies only the share it writes (checkpoint.portable.own_share)
-    full, sharded = strategy.checkpoint_state(model.wrapped, optimizer, copy=False)
-    for name, entry in named.models.items():
-        more_full, more_sharded = strategy.checkpoint_state(entry.layers.wrapped, entry.optimizer, copy=False)
-        if more_full is not None and full is not None:
-            full.setdefault("models", {})[name] = more_full
-        if more_sharded is not None and sharded is not None:
-            sharded.setdefault("models", {})[name] = more_sharded
+    full, sharded = _live_state(strategy, model, optimizer, named)
     extras = dict(named.extras)
     objects = {name: obj.state_dict() for name, obj in named.objects.items()}
     if not blocking:  # the user's tensors and objects may change while the state is written
@@ -295,6 +289,20 @@ def save_state(
     )
 
 
+def _live_state(
+    strategy: Strategy, model: ModelWrappers, optimizer: torch.optim.Optimizer | None, named: NamedState
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """The models' and optimizers' live state as a checkpoint holds it: ``(replicated, sharded)``, one ``None``."""
+    full, sharded = strategy.checkpoint_state(model.wrapped, optimizer, copy=False)
+    for name, entry in named.models.items():
+        more_full, more_sharded = strategy.checkpoint_state(entry.layers.wrapped, entry.optimizer, copy=False)
+        if more_full is not None and full is not None:
+            full.setdefault("models", {})[name] = more_full
+        if more_sharded is not None and sharded is not None:
+            sharded.setdefault("models", {})[name] = more_sharded
+    return full, sharded
+
+
 def _json_or_none(value: Any) -> Any:
     """``value`` if JSON can hold it as it is (the loaders' positions), else ``None``."""
     import json
@@ -326,6 +334,7 @@ def load_state(
     """
     from lockstep.checkpoint.core import load_checkpoint
     from lockstep.checkpoint.files import CheckpointError
+    from lockstep.checkpoint.portable import split_tensors
     from lockstep.checkpoint.storage import location
 
     inner = model.wrapped
@@ -334,7 +343,9 @@ def load_state(
         sharded["models"] = {
             name: strategy.sharded_state(entry.layers.wrapped, entry.optimizer) for name, entry in named.models.items()
         }
-    state = load_checkpoint(directory, comm, map_location=device, sharded=sharded)
+    live = _live_state(strategy, model, optimizer, named)[0] if sharded is None else None
+    into = split_tensors(live)[1] if live is not None else None  # loaded in place where the tensors fit
+    state = load_checkpoint(directory, comm, map_location=device, sharded=sharded, into=into)
     if state is None:
         return ResumeState()
     written = state.get("format")

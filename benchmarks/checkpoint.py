@@ -2,7 +2,8 @@
 
 Each process on CPU sets up an MLP of about ``--mb`` MB of fp32 weights with Adam (so a
 checkpoint holds about three times that: weights and two moments), takes a step, then runs each
-way below ``--saves`` times, interleaved round by round after one round of warm-up, into a
+way below ``--saves`` times, interleaved round by round (the saves' order turned each round) after
+one round of warm-up, into a
 temporary folder (``--dir`` to choose the disk):
 
 * ``blocking``: ``session.save(...)``: the loop waits for every rank's write of its part, the hashes
@@ -277,8 +278,10 @@ def main() -> None:
         url = f"{args.url.rstrip('/')}/{uuid.uuid4().hex[:12]}" if args.url else None
         root = session.comm.broadcast_object(tmp)  # one folder for every rank
         run = Ways(session, model, opt, root, url)
+        saves = [way for way in ways if way in SAVES]
         for round_ in range(args.saves + 1):  # the first round warms up (imports, first allocations)
-            for way in ways:
+            turn = round_ % len(saves)  # the saves' order turns each round: none always follows the same way
+            for way in saves[turn:] + saves[:turn] + [way for way in ways if way not in SAVES]:
                 took, extra = _timed(session, run.run, way)
                 if way in committed:
                     start = time.perf_counter() - took

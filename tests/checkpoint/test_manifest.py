@@ -41,6 +41,13 @@ class _Evil:
 # -- the sharded part (torch.distributed.checkpoint), one process ---------------------------------
 
 
+def _flip_a_bit(shard: Path) -> None:
+    """Flip one bit in the middle of ``shard`` (inside a tensor's bytes), its size unchanged."""
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+
+
 def test_sharded_round_trip_and_verification(tmp_path: Path) -> None:
     save_checkpoint(tmp_path, {"step": 1}, COMM, step=1, sharded={"m": {"a": torch.zeros(8), "note": "one"}})
     a = torch.arange(8.0)
@@ -51,10 +58,7 @@ def test_sharded_round_trip_and_verification(tmp_path: Path) -> None:
     loaded = load_checkpoint(tmp_path, COMM, sharded=template)
     assert loaded is not None and loaded["step"] == 2
     assert torch.equal(template["m"]["a"], a) and template["m"]["note"] == "hi"  # filled in place
-    shard = path / "sharded" / "__0_0.distcp"
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    shard.write_bytes(bytes(data))
+    _flip_a_bit(path / "sharded" / "__0_0.distcp")
     with pytest.raises(CorruptCheckpointError, match="corrupt: checksum mismatch"):
         load_checkpoint(tmp_path, COMM, sharded=template, fallback=False)
     loaded = load_checkpoint(tmp_path, COMM, sharded=template)
@@ -84,10 +88,7 @@ def test_a_checkpoint_hashed_with_sha256_by_an_earlier_version_loads_and_is_stil
     template = {"m": {"a": torch.zeros(8)}}
     loaded = load_checkpoint(tmp_path, COMM, sharded=template, fallback=False)
     assert loaded is not None and torch.equal(loaded["w"], a) and torch.equal(template["m"]["a"], a)
-    shard = path / "sharded" / "__0_0.distcp"
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    shard.write_bytes(bytes(data))
+    _flip_a_bit(path / "sharded" / "__0_0.distcp")
     with pytest.raises(CorruptCheckpointError, match="checksum mismatch .*sha256"):
         load_checkpoint(tmp_path, COMM, sharded=template, fallback=False)
 

@@ -34,6 +34,10 @@ CASES = {
         r"(.|\n)*a batch alone of a Dataset read per sample, seeded per sample: session.loader [0-9.]+ µs",
     ),
     "checkpoint": (["checkpoint.py", "--mb", "2", "--saves", "1"], r"blocked time async / blocking: [0-9.]+"),
+    "order": (
+        ["order.py", "--sizes", "1000", "1000000000", "--rounds", "1", "--materialise", "1000"],
+        r"N = 1,000,000,000  lockstep order, resume at cursor N - 256: +[0-9.]+ ms, +[0-9.]+ MB",
+    ),
     "zero_memory": (["zero_memory.py", "--mb", "2"], r"largest optimizer state per rank: sharded / plain = [0-9.]+"),
     "launch": (["launch.py", "--runs", "1", "--no-first-step"], r"no-op job, wall +[0-9.]+ s +[0-9.]+ s"),
     "gpu_resnet50": (

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 from torch.utils.data import Sampler
 
-from lockstep.data.seeding import SampleKey, derive_seed, sample_seed
+from lockstep.data.order import PERMUTATION, EpochOrder, saved_permutation
+from lockstep.data.seeding import SampleKey, sample_seed
 from lockstep.errors import ConfigError
 
 __all__ = ["TrainSampler", "EvalSampler", "epoch_order", "shard_bounds", "ORDERS", "check_order"]
@@ -45,22 +45,29 @@ def check_order(order: str, nodes: str = "") -> str:
 _check_order = check_order
 
 
-def epoch_order(dataset_len: int, seed: int, epoch: int, shuffle: bool = True, order: str = "lockstep") -> list[int]:
-    """Return the global sample order of one epoch: a permutation of ``range(dataset_len)``.
+def epoch_order(
+    dataset_len: int,
+    seed: int,
+    epoch: int,
+    shuffle: bool = True,
+    order: str = "lockstep",
+    permutation: int = PERMUTATION,
+) -> list[int]:
+    """Return the global sample order of one epoch as a list: a permutation of ``range(dataset_len)``.
+
+    The samplers never build it: they compute the positions they read
+    (:class:`~lockstep.data.order.EpochOrder`); this list is for looking at an order whole.
 
     Args:
         dataset_len: number of samples.
         seed: the run's data seed.
         epoch: the epoch number.
         shuffle: when False the order is ``range(dataset_len)``.
-        order: ``"lockstep"`` (a hash of seed and epoch) or ``"torch"`` (``DistributedSampler``'s).
+        order: ``"lockstep"`` (a keyed bijection of seed and epoch) or ``"torch"`` (``DistributedSampler``'s).
+        permutation: the ``"lockstep"`` order's permutation (:data:`~lockstep.data.order.PERMUTATIONS`).
     """
     _check_order(order)
-    if not shuffle:
-        return list(range(dataset_len))
-    gen = torch.Generator()
-    gen.manual_seed(seed + epoch if order == "torch" else derive_seed("lockstep", seed, epoch))
-    return torch.randperm(dataset_len, generator=gen).tolist()
+    return EpochOrder(dataset_len, seed, epoch, shuffle, order, permutation).take(0, dataset_len)
 
 
 class TrainSampler(Sampler[int]):
@@ -102,6 +109,7 @@ class TrainSampler(Sampler[int]):
         self.sample_seeds = sample_seeds
         self.epoch = 0
         self.seen = 0
+        self.permutation = PERMUTATION  # a position of an earlier version finishes its epoch in its own
         # Set by load_state_dict: the next set_epoch() of that same epoch keeps the loaded
         # position, so "load state, then set_epoch(state epoch), then iterate" resumes.
         self._resume_epoch: int | None = None
@@ -116,6 +124,7 @@ class TrainSampler(Sampler[int]):
         self._resume_epoch = None
         self.epoch = epoch
         self.seen = 0
+        self.permutation = PERMUTATION
 
     def advance(self, global_samples: int) -> None:
         """Add ``global_samples``, consumed by all ranks together (``batch_size * world_size`` a step), to ``seen``."""
@@ -132,6 +141,7 @@ class TrainSampler(Sampler[int]):
             "shuffle": self.shuffle,
             "order": self.order,
             "dataset_len": self.dataset_len,
+            "permutation": self.permutation,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -162,6 +172,7 @@ class TrainSampler(Sampler[int]):
         order = str(state.get("order", self.order))
         _check_order(order)
         self.order = order
+        self.permutation = saved_permutation(state)
         self.epoch = epoch
         self.seen = min(seen, self.dataset_len)
         self._resume_epoch = epoch
@@ -182,7 +193,7 @@ class TrainSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         # The iterator is being consumed: a later set_epoch() of the same epoch starts it over.
         self._resume_epoch = None
-        order = epoch_order(self.dataset_len, self.seed, self.epoch, self.shuffle, self.order)
+        order = epoch_order(self.dataset_len, self.seed, self.epoch, self.shuffle, self.order, self.permutation)
         rest = order[self.seen :]
         total = len(self) * self.world_size
         if total > len(rest):

@@ -9,7 +9,8 @@ from typing import Any, overload
 
 from torch.utils.data import Sampler
 
-from lockstep.data.samplers import epoch_order, shard_bounds, shard_bounds_unchecked
+from lockstep.data.order import PERMUTATION, EpochOrder, saved_permutation
+from lockstep.data.samplers import shard_bounds, shard_bounds_unchecked
 from lockstep.data.seeding import SampleKey, sample_seed
 from lockstep.errors import ConfigError
 
@@ -233,10 +234,11 @@ def rank_batches(
         drop_last: leave out the epoch's last step when it is short.
     """
     _check_step_order(position)
-    order = epoch_order(dataset_len, int(position["seed"]), int(position["epoch"]), shuffle)
+    permutation = saved_permutation(position)
+    order = EpochOrder(dataset_len, int(position["seed"]), int(position["epoch"]), shuffle, permutation=permutation)
     out = []
     for lo, hi, _ in micro_steps(dataset_len, int(position["cursor"]), plan, drop_last).shares(plan.world_size, rank):
-        out.append(order[lo:hi])
+        out.append(order.take(lo, hi))
     return out
 
 
@@ -285,6 +287,7 @@ class StepSampler(Sampler[list[Any]]):
         self.shuffle, self.seed, self.drop_last, self.sample_seeds = shuffle, seed, drop_last, sample_seeds
         self.epoch = 0
         self.cursor = 0
+        self.permutation = PERMUTATION  # a position of an earlier version finishes its epoch in its own
         self._resume_epoch: int | None = None  # as TrainSampler: set_epoch(loaded epoch) keeps the position
 
     @property
@@ -317,7 +320,7 @@ class StepSampler(Sampler[list[Any]]):
         keep = self._resume_epoch is not None and epoch == self._resume_epoch
         self._resume_epoch = None
         if not keep:
-            self.epoch, self.cursor = epoch, 0
+            self.epoch, self.cursor, self.permutation = epoch, 0, PERMUTATION
 
     def advance(self, global_samples: int) -> None:
         """Record that all ranks together consumed ``global_samples`` more samples (clamped at the epoch's end)."""
@@ -336,6 +339,7 @@ class StepSampler(Sampler[list[Any]]):
             "dataset_len": self.dataset_len,
             "seen": self.cursor,
             "global_batch": self.plan.global_batch,
+            "permutation": self.permutation,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -360,6 +364,7 @@ class StepSampler(Sampler[list[Any]]):
         self.seed = int(state.get("seed", self.seed))
         self.shuffle = bool(state.get("shuffle", self.shuffle))
         self.epoch, self.cursor = epoch, min(cursor, self.dataset_len)
+        self.permutation = saved_permutation(state)
         self._resume_epoch = epoch
 
     def upcoming(self) -> MicroSteps:
@@ -388,9 +393,9 @@ class StepSampler(Sampler[list[Any]]):
 
     def __iter__(self) -> Iterator[list[Any]]:
         self._resume_epoch = None  # being consumed: a later set_epoch() of this epoch starts it over
-        order = epoch_order(self.dataset_len, self.seed, self.epoch, self.shuffle)
+        order = EpochOrder(self.dataset_len, self.seed, self.epoch, self.shuffle, permutation=self.permutation)
         for lo, hi, first in self.upcoming().shares(self.world_size, self.rank):
-            mine = order[lo:hi] if hi > lo else [order[first]]  # read, weighted zero
+            mine = order.take(lo, hi) if hi > lo else order.take(first, first + 1)  # read, weighted zero
             if self.sample_seeds:
                 yield [SampleKey(i, sample_seed(self.seed, self.epoch, i)) for i in mine]
             else:

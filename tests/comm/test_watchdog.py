@@ -305,3 +305,60 @@ def test_a_timeout_explained_shows_the_users_frames_not_the_backends_dump() -> N
     except ValueError as exc:
         other = user_traceback(exc)
     assert "RuntimeError" in other and "direct cause" in other and "ValueError: bad" in other, other
+
+
+def test_ranks_waiting_in_sync_points_of_different_kinds_are_a_desync_found_before_the_timeout() -> None:
+    from lockstep.comm.hang_report import desynced
+
+    now = time.time()
+
+    def post(rank: int, what: str, inside: bool = True, age: float = 0.0, within: str = "") -> Post:
+        return Post(rank, 12, inside, what, "h", 100 + rank, "train.py:9 in f", at=now - age, within=within)
+
+    save, backward = post(0, "all_gather_object #6", within="session.save"), post(1, "backward of step 5")
+    assert desynced({0: save, 1: backward}, 2, now, fresh=5)
+    assert not desynced({0: save, 1: post(1, "all_gather_object #7")}, 2, now, fresh=5)  # same kind: the timeout's
+    assert not desynced({0: save, 1: post(1, "backward of step 5", inside=False)}, 2, now, fresh=5)  # computing
+    assert not desynced({0: save, 1: post(1, "backward of step 5", age=30)}, 2, now, fresh=5)  # an old post
+    assert not desynced({0: save, 1: None}, 2, now, fresh=5) and not desynced({0: save}, 2, now, fresh=5)
+    err = diagnose({0: save, 1: backward}, 2, 600, 0)
+    assert "rank 0 in all_gather_object #6 in session.save; rank 1 in backward of step 5" in str(err)
+    assert "session.save runs on every rank" in str(err) and "`if session.is_main:`" in str(err)
+
+
+SAVE_ON_RANK_0 = textwrap.dedent("""
+    import sys, torch
+    import lockstep
+    session = lockstep.Session()
+    model, opt = session.setup(torch.nn.Linear(4, 1), lambda p: torch.optim.SGD(p, lr=0.1))
+    data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+    train = session.loader(data, batch_size=4)
+    for epoch in session.epochs(2):
+        for i, (x, y) in enumerate(train):
+            session.backward(torch.nn.functional.mse_loss(model(x), y))
+            session.step(opt)
+            if i == 3 and session.is_main:
+                session.save(sys.argv[1], model=model, optimizer=opt)
+    session.close()
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)  # a hang guard: without the early verdict the job waits for the 600 s timeout
+def test_a_save_on_rank_0_only_is_named_at_once_not_after_the_timeout(tmp_path: Path) -> None:
+    script = tmp_path / "save_on_rank_0.py"
+    script.write_text(SAVE_ON_RANK_0)
+    proc = subprocess.run(
+        [sys.executable, "-m", "lockstep", "run", "--nproc", "2", str(script), str(tmp_path / "ckpt")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=140,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "timeout 600 s" in proc.stdout + proc.stderr  # the default timeout: the verdict did not wait for it
+    summary = [line for line in proc.stderr.splitlines() if line.startswith("lockstep run:")]
+    assert summary and "ranks wait in different collectives" in summary[0], proc.stderr
+    assert "in session.save" in summary[0] and "session.save runs on every rank" in summary[0], summary
+    assert "save_on_rank_0.py" in proc.stderr  # the user's line, in the traceback of the report
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").glob("step-*"))  # nothing committed

@@ -95,6 +95,7 @@ def record_failure(exc: BaseException, exit_code: int, path: str, callstack: str
     # must leave no file rather than a truncated one, which the elastic agent cannot parse
     partial = f"{path}.{os.getpid()}.partial"
     try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)  # the agent names the file; its folder may not be
         with open(partial, "w") as fp:
             json.dump(data, fp)
         os.replace(partial, path)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import runpy
 import sys
 import threading
@@ -18,7 +19,7 @@ from typing import Any
 from lockstep.comm.py_frames import thread_frame
 from lockstep.errors import LockstepError, format_ranks
 
-__all__ = ["CollectiveTimeoutError", "Post", "diagnose", "is_own", "stacks", "where_of"]
+__all__ = ["CollectiveTimeoutError", "Post", "diagnose", "is_own", "stacks", "where_of", "within_of", "desynced"]
 
 
 class CollectiveTimeoutError(LockstepError):
@@ -54,6 +55,7 @@ class Post:
         where: the main thread's innermost frame outside torch and lockstep (``file:line in f``).
         in_torch: the main thread is inside ``torch.distributed`` (a collective the counter misses).
         at: ``time.time()`` of the post; a stalled rank posts again every quarter timeout.
+        within: the session call the rank waits in (``"session.save"``), ``""`` when none.
     """
 
     rank: int
@@ -65,6 +67,12 @@ class Post:
     where: str = ""
     in_torch: bool = False
     at: float = 0.0
+    within: str = ""
+
+    @property
+    def label(self) -> str:
+        """The sync point, and the session call it is in: ``"all_gather_object #6 in session.save"``."""
+        return f"{self.what} in {self.within}" if self.within else self.what
 
     @property
     def waiting(self) -> bool:
@@ -97,15 +105,21 @@ def diagnose(
     place = known[waiters[0] if waiters else me]
     what = place.what if place.inside else f"a torch.distributed collective at {place.where}"
     if not behind:
-        labels = sorted({p.what for p in known.values()})
+        labels = sorted({p.label for p in known.values()})
         if len(labels) > 1:
             text = (
                 "ranks wait in different collectives: "
                 + "; ".join(
-                    f"{format_ranks(sorted(r for r, p in known.items() if p.what == w))} in {w}" for w in labels
+                    f"{format_ranks(sorted(r for r, p in known.items() if p.label == w))} in {w}" for w in labels
                 )
                 + ". Every rank must call the same collectives in the same order."
             )
+            calls = sorted({p.within for p in known.values() if p.within})
+            if calls:
+                text += (
+                    f" {' and '.join(calls)} {'runs' if len(calls) == 1 else 'run'} on every rank (each rank "
+                    "takes part): call it on every rank, not under a test of the rank (`if session.is_main:`)."
+                )
         else:
             text = (
                 f"every rank waited in {what} for {timeout:g} s and none is behind: a rank's "
@@ -181,6 +195,37 @@ def where_of(frame: Any) -> tuple[str, bool]:
         return "", in_torch
     code = frame.f_code
     return f"{os.path.basename(code.co_filename)}:{frame.f_lineno} in {code.co_name}", in_torch
+
+
+def desynced(posts: dict[int, Post | None], world_size: int, now: float, fresh: float) -> bool:
+    """True when every rank posted within ``fresh`` seconds that it waits inside a sync point, and the sync
+    points are of different kinds (an ``all_gather_object`` against a ``backward``): those never meet, so
+    waiting for the timeout cannot change the verdict. The same kind with another number is left to the
+    timeout (a collective the count missed may still pair them)."""
+    known = [posts.get(r) for r in range(world_size)]
+    if any(p is None or not p.inside or now - p.at > fresh for p in known):
+        return False
+    kinds = {_KIND.sub("", p.what).strip() for p in known if p is not None}
+    return len(kinds) > 1
+
+
+_KIND = re.compile(r"[#\d]+")
+_SESSION_FILE = os.path.join("lockstep", "session", "session.py")
+
+
+def within_of(frame: Any) -> str:
+    """The outermost public ``Session`` method on a thread's stack (``"session.save"``), or ``""``; the loop's own
+    ``backward`` and ``step`` are not named (their sync points say so)."""
+    found = ""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_filename.endswith(_SESSION_FILE) and not code.co_name.startswith("_"):
+            found = f"session.{code.co_name}"
+        frame = frame.f_back
+    return "" if found in _LOOP_CALLS else found
+
+
+_LOOP_CALLS = ("session.backward", "session.step")
 
 
 def stacks() -> dict[str, list[str]]:

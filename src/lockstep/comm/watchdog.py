@@ -2,8 +2,11 @@
 
 Every rank counts its sync points (the collectives of :class:`~lockstep.comm.Comm` and
 ``Session.backward``). A :class:`Watchdog` thread per rank watches the counter; when it stands
-still for half the timeout, it posts this rank's position to the rendezvous store and reads the
-others'. When the collective then times out, :meth:`Watchdog.explain` compares the posts
+still for a few polls (:attr:`Watchdog.grace`), it posts this rank's position to the rendezvous
+store and reads the others'. When every rank waits inside sync points of different kinds (an
+``all_gather_object`` of ``session.save`` on one rank, a ``backward`` on the other: they never
+meet) in two reads in a row, each rank reports that at once and exits, without waiting for the
+timeout. Otherwise, when the collective times out, :meth:`Watchdog.explain` compares the posts
 (:func:`~lockstep.comm.hang_report.diagnose`).
 """
 
@@ -17,12 +20,13 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import Any
 
 from lockstep.comm import failure
-from lockstep.comm.hang_report import CollectiveTimeoutError, Post, diagnose, is_own, where_of
+from lockstep.comm.hang_report import CollectiveTimeoutError, Post, desynced, diagnose, is_own, where_of, within_of
 from lockstep.comm.py_frames import thread_frame
 from lockstep.comm.record import FAILED, CollectiveRecord, user_site
 from lockstep.comm.signed import SignedStore
@@ -34,6 +38,7 @@ __all__ = ["CollectiveTimeoutError", "Post", "Watchdog", "NullWatchdog", "diagno
 _TIMEOUT = re.compile(r"timed out|timeout|deadline", re.IGNORECASE)
 _VERDICT = "verdict"  # store keys: the first explanation posted, and how many ranks saw it
 _SEEN = "seen"
+_DESYNC = "desync"  # set with the verdict when ranks were found waiting where they never meet
 
 
 class NullWatchdog:
@@ -88,6 +93,7 @@ class Watchdog(NullWatchdog):
         self.hosts = dict(hosts or {})
         self.backstop = backstop if backstop is not None else timeout + min(max(5.0, 0.1 * timeout), 60.0)
         self.poll = min(max(timeout / 10, 0.05), 2.0)
+        self.grace = min(timeout / 2, 4 * self.poll)  # stalled this long: post the position, look for a desync
         self.seq, self.inside, self.entered = 0, False, time.monotonic()
         self._what, self._number = "start", 0
         self.job_failed = False
@@ -159,7 +165,8 @@ class Watchdog(NullWatchdog):
     # -- the thread's side -----------------------------------------------------------------------
     def post(self, waiting: bool = False, where: str | None = None) -> Post:
         """This rank's position now (``where``: instead of the main thread's sampled frame)."""
-        sampled, in_torch = where_of(thread_frame(self._main or 0))
+        frame = thread_frame(self._main or 0)
+        sampled, in_torch = where_of(frame)
         return Post(
             rank=self.rank,
             seq=self.seq,
@@ -170,6 +177,7 @@ class Watchdog(NullWatchdog):
             where=sampled if where is None else where,
             in_torch=in_torch or waiting,
             at=time.time(),
+            within=within_of(frame),
         )
 
     def start(self) -> None:
@@ -228,25 +236,55 @@ class Watchdog(NullWatchdog):
 
     def _run(self) -> None:
         last, changed, posted, posted_at = (-1, False), time.monotonic(), None, 0.0
+        apart: tuple[int, ...] | None = None  # the seqs of a desync seen at the last read: confirmed if seen again
         while not self._halt.wait(self.poll):
             now, mark = time.monotonic(), (self.seq, self.inside)
             if mark != last:
                 last, changed = mark, now
+                if posted is not None and not self.job_failed:  # moved on: no one may read the old post as current
+                    posted, apart = None, None
+                    self._try(lambda: self._store().set(str(self.rank), json.dumps(asdict(self.post()))))
             stalled = now - changed
-            if stalled >= self.timeout / 2 and not self.job_failed:
+            if stalled >= self.grace and not self.job_failed:
                 mine = self.post()
-                # post what changed, and the same again every quarter timeout: a fresh stamp says
-                # this rank still answers (diagnose shows an old one as the rank's last report)
-                if replace(mine, at=0.0) != posted or now - posted_at >= self.timeout / 4:
+                # post what changed, and the same again every poll: a fresh stamp says this rank still waits
+                # there (diagnose shows an old one as the rank's last report)
+                if replace(mine, at=0.0) != posted or now - posted_at >= self.poll:
+                    if replace(mine, at=0.0) != posted and self.record is not None:
+                        # what it issued and where it is, before anyone is killed
+                        self.record.dump(f"stalled in {mine.what}" if mine.inside else "stalled", where=mine.where)
                     posted, posted_at = replace(mine, at=0.0), now
                     self._try(lambda: self._store().set(str(self.rank), json.dumps(asdict(mine))))  # noqa: B023 (called at once)
-                    if self.record is not None:  # what it issued and where it is, before anyone is killed
-                        self.record.dump(f"stalled in {mine.what}" if mine.inside else "stalled", where=mine.where)
                 self._view = self._read() or self._view
+                apart = self._check_desync(mine, apart)
             if self.job_failed and self._on_failed:
                 callbacks, self._on_failed = self._on_failed, []
                 for callback in callbacks:
                     callback()
+
+    def _check_desync(self, mine: Post, apart: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        """Report and exit when the ranks wait in sync points that never meet (seen twice in a row), or when a
+        rank already said so; else the seqs of a desync seen now, for the next read to confirm."""
+        if not mine.inside:
+            return None
+        posts = {**self._view, self.rank: mine}
+        if self._try(lambda: self._store().get_if_set(_DESYNC)) is not None:
+            self._ack()  # another rank found the desync: this rank waits in it too, so it reports and ends alike
+            if self.rank == 0:
+                self._await_acks()
+            self._give_up(posts)
+        if not desynced(posts, self.world_size, time.time(), fresh=3 * self.poll + 1.0):
+            return None
+        seqs = tuple(p.seq if p is not None else -1 for p in (posts.get(r) for r in range(self.world_size)))
+        if seqs == apart:
+            err = diagnose(posts, self.world_size, self.timeout, self.rank, self.hosts, now=time.time())
+            self._try(lambda: self._store().set(_VERDICT, str(err)))
+            self._try(lambda: self._store().set(_DESYNC, "1"))
+            self._ack()
+            if self.rank == 0:  # it hosts the store: the others read the verdict from it before it ends
+                self._await_acks()
+            self._give_up(posts)
+        return seqs
 
     def _backstop_run(self) -> None:
         """The backstop's thread; it never touches the store."""
@@ -267,17 +305,28 @@ class Watchdog(NullWatchdog):
             tb = tb.tb_next
         return self.explain(exc, where=where)
 
-    def _give_up(self) -> None:
-        """The backend never raised: report from what the ranks last posted and end the process."""
-        posts = dict(self._view)
+    def _give_up(self, posts: dict[int, Post | None] | None = None) -> None:
+        """The backend never raised, or the ranks wait where they never meet: report from what the ranks last
+        posted (or ``posts``) and end the process."""
+        posts = dict(self._view if posts is None else posts)
         posts[self.rank] = mine = self.post(waiting=True)
         err = diagnose(posts, self.world_size, self.timeout, self.rank, self.hosts, now=time.time())
         print(f"lockstep: {err}", file=sys.stderr, flush=True)
         if self.record is not None:
             self.record.dump(f"gave up: {err}", where=mine.where)
         if self.error_file:
-            failure.record_failure(err, 1, self.error_file)
+            failure.record_failure(err, 1, self.error_file, callstack=self._main_stack(err))
         os._exit(1)
+
+    def _main_stack(self, err: BaseException) -> str:
+        """The main thread's frames up to the user's last one, then ``err``: the traceback of where it waits."""
+        frames = traceback.extract_stack(thread_frame(self._main or 0))
+        users = [i for i, f in enumerate(frames) if not is_own(f.filename)]
+        if users:  # from the user's script down to its last frame: not the launcher's nor lockstep's around it
+            frames = traceback.StackSummary.from_list(frames[users[0] : users[-1] + 1])
+        return "".join(
+            ["Traceback (most recent call last):\n", *frames.format(), *traceback.format_exception_only(type(err), err)]
+        )
 
 
 def _post(text: str | None) -> Post | None:

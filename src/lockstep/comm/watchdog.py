@@ -103,6 +103,8 @@ class Watchdog(NullWatchdog):
         self._acked = False
         self._host, self._main = socket.gethostname(), threading.main_thread().ident
         self._view: dict[int, Post | None] = {}
+        self._desync_seen = False  # a rank found the ranks waiting where they never meet (read with the verdict)
+        self._ending = threading.Event()  # this process reports a desync and ends: the main thread waits for it
         self._halt = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lockstep-watchdog", daemon=True)
         self._backstop = threading.Thread(target=self._backstop_run, name="lockstep-backstop", daemon=True)
@@ -127,6 +129,8 @@ class Watchdog(NullWatchdog):
 
     def explain(self, exc: BaseException, where: str | None = None) -> CollectiveTimeoutError | None:
         """Turn a collective's timeout into a :class:`CollectiveTimeoutError` naming the ranks behind, else ``None``."""
+        if self._ending.is_set():  # the watchdog reports a desync and ends this process: nothing to add
+            threading.Event().wait()
         # not a timeout and not a long wait: a peer that died at once is the launcher's to report
         waited = time.monotonic() - self.entered
         if not (_TIMEOUT.search(str(exc)) or (self.inside and waited >= 0.8 * self.timeout)):
@@ -152,10 +156,10 @@ class Watchdog(NullWatchdog):
             self._hint(lambda: self._store().add(_SEEN, 1))
         self.job_failed = True
 
-    def _await_acks(self) -> None:
-        """Wait (a poll or two) until every rank saw the verdict."""
+    def _await_acks(self, most: float | None = None) -> None:
+        """Wait (a poll or two, or ``most`` seconds) until every rank saw the verdict."""
         # rank 0 hosts the store: exiting at once would leave the others reading from a store that is gone
-        deadline = time.monotonic() + 2 * self.poll + 0.5
+        deadline = time.monotonic() + (2 * self.poll + 0.5 if most is None else most)
         while time.monotonic() < deadline:
             seen = self._hint(lambda: self._store().add(_SEEN, 0))
             if seen is None or seen >= self.world_size:
@@ -227,6 +231,8 @@ class Watchdog(NullWatchdog):
             store = self._store()
             for r in range(self.world_size):
                 posts[r] = _post(store.get_if_set(str(r)))
+            # the desync mark before the verdict: once acked, a rank may find the store gone (rank 0 ends)
+            self._desync_seen = self._desync_seen or store.get_if_set(_DESYNC) is not None
             if store.get_if_set(_VERDICT) is not None:
                 self._ack()
             return posts
@@ -262,28 +268,32 @@ class Watchdog(NullWatchdog):
                 for callback in callbacks:
                     callback()
 
+    def _end_desynced(self, posts: dict[int, Post | None]) -> None:
+        """Report the desync and end the process; rank 0, which hosts the store, ends once every rank has read
+        the verdict (or after a few polls), and no rank touches the store after its acknowledgement."""
+        self._ending.set()  # the main thread's collective fails as peers end: it waits for this report instead
+        if self.rank == 0:
+            self._await_acks(self.grace + 4 * self.poll + 2.0)
+        self._give_up(posts)
+
     def _check_desync(self, mine: Post, apart: tuple[int, ...] | None) -> tuple[int, ...] | None:
         """Report and exit when the ranks wait in sync points that never meet (seen twice in a row), or when a
         rank already said so; else the seqs of a desync seen now, for the next read to confirm."""
         if not mine.inside:
             return None
         posts = {**self._view, self.rank: mine}
-        if self._try(lambda: self._store().get_if_set(_DESYNC)) is not None:
-            self._ack()  # another rank found the desync: this rank waits in it too, so it reports and ends alike
-            if self.rank == 0:
-                self._await_acks()
-            self._give_up(posts)
+        if self._desync_seen:  # another rank found the desync (acked in _read): this rank waits in it too
+            self._end_desynced(posts)
         if not desynced(posts, self.world_size, time.time(), fresh=3 * self.poll + 1.0):
             return None
         seqs = tuple(p.seq if p is not None else -1 for p in (posts.get(r) for r in range(self.world_size)))
         if seqs == apart:
             err = diagnose(posts, self.world_size, self.timeout, self.rank, self.hosts, now=time.time())
-            self._try(lambda: self._store().set(_VERDICT, str(err)))
+            self._ending.set()
             self._try(lambda: self._store().set(_DESYNC, "1"))
+            self._try(lambda: self._store().set(_VERDICT, str(err)))
             self._ack()
-            if self.rank == 0:  # it hosts the store: the others read the verdict from it before it ends
-                self._await_acks()
-            self._give_up(posts)
+            self._end_desynced(posts)
         return seqs
 
     def _backstop_run(self) -> None:

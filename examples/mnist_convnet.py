@@ -68,9 +68,10 @@ def main() -> None:
     parser.add_argument("--strategy", default="auto")
     parser.add_argument("--precision", default="fp32")
     parser.add_argument("--checkpoints", default=None, help="folder to save to and resume from")
+    parser.add_argument("--order", default="lockstep", help="data order: lockstep, or torch (DistributedSampler's)")
     args = parser.parse_args()
 
-    session = lockstep.Session(strategy=args.strategy, precision=args.precision)
+    session = lockstep.Session(strategy=args.strategy, precision=args.precision, order=args.order)
     train_set, test_set = digits()
     model, optimizer = session.setup(ConvNet(), lambda p: torch.optim.SGD(p, lr=args.lr, momentum=0.9))
     train = session.loader(train_set, batch_size=args.batch_size, shuffle=True)

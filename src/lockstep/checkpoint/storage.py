@@ -29,12 +29,21 @@ __all__ = [
     "is_url",
     "local_path",
     "location",
+    "S3_TRY",
 ]
 
 logger = logging.getLogger("lockstep.checkpoint.storage")
 
 _URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 T = TypeVar("T")
+
+S3_TRY = {"connect_timeout": 10, "read_timeout": 30, "retries": {"max_attempts": 1, "mode": "standard"}}
+"""One try of an S3 request: botocore's bounds, and no retry of its own (:class:`FsspecStorage` retries).
+
+A server that stops answering is therefore named after ``retries + 1`` tries, each bounded by
+``connect_timeout + read_timeout`` (an upload by :class:`FsspecStorage`'s ``upload_deadline``
+instead), never waited on for ever; a caller's ``config_kwargs`` override these.
+"""
 
 
 class ObjectStoreError(CheckpointError):
@@ -185,23 +194,46 @@ class FsspecStorage:
     """Objects under an fsspec URL, each call retried with exponential backoff on transient errors.
 
     A missing object, a refused permission and a refused conditional put are answers, never retried;
-    after the last try, :class:`ObjectStoreError` names the object.
+    after the last try, :class:`ObjectStoreError` names the object. On S3 each try is one request
+    bounded by :data:`S3_TRY`, so a server that stops answering is named too, never waited on for ever.
 
     Args:
         url: the root, e.g. ``"s3://bucket/run"``.
         fs: the fsspec file system (default: fsspec's for ``url`` with ``options``).
         retries: tries after the first.
         backoff: the first wait in seconds, doubled at each try (with jitter).
+        upload_deadline: seconds one upload try may take, plus one second per MiB uploaded.
         options: fsspec options (``endpoint_url``, ``key``...; s3fs reads the AWS variables itself).
     """
 
-    def __init__(self, url: str, fs: Any = None, *, retries: int = 5, backoff: float = 0.2, **options: Any) -> None:
+    def __init__(
+        self,
+        url: str,
+        fs: Any = None,
+        *,
+        retries: int = 5,
+        backoff: float = 0.2,
+        upload_deadline: float = 60.0,
+        **options: Any,
+    ) -> None:
         self.url = url.rstrip("/")
         if fs is None:
             fs, _ = _filesystem(self.url, options)
         self.fs = fs
         self.root = _strip_protocol(self.url)
         self.retries, self.backoff = retries, backoff
+        self.upload_deadline = upload_deadline
+
+    def _deadline(self, size: int) -> dict[str, float]:
+        """The ``timeout=`` of one upload try of ``size`` bytes: ``upload_deadline`` + 1 s per MiB.
+
+        An async client (s3fs) sends ``Expect: 100-continue`` with an upload and aiohttp waits for
+        the server's ``100`` with no timeout at all, so only a deadline on the whole call bounds a
+        try against a server that stopped answering; a synchronous file system gets none.
+        """
+        if not getattr(self.fs, "async_impl", False):
+            return {}
+        return {"timeout": self.upload_deadline + size / (1 << 20)}
 
     def where(self, name: str) -> str:
         """``url/name``."""
@@ -219,8 +251,7 @@ class FsspecStorage:
                     raise FileExistsError(self.where(name)) from exc
                 if attempt == self.retries:
                     raise ObjectStoreError(
-                        f"cannot {action} {self.where(name)} after {self.retries + 1} tries: "
-                        f"{type(exc).__name__}: {exc}"
+                        f"cannot {action} {self.where(name)} after {self.retries + 1} tries: {_described(exc)}"
                     ) from exc
                 wait = self.backoff * 2**attempt * (0.5 + random.random())
                 logger.warning(
@@ -240,14 +271,14 @@ class FsspecStorage:
 
     def put(self, name: str, data: bytes) -> None:
         """Upload the object (a single PUT up to the client's multipart threshold)."""
-        self._call("upload", name, lambda: self.fs.pipe_file(self._full(name), data))
+        self._call("upload", name, lambda: self.fs.pipe_file(self._full(name), data, **self._deadline(len(data))))
 
     def put_new(self, name: str, data: bytes) -> bool:
         """Upload only if absent: ``If-None-Match: *`` on S3, exclusive create elsewhere."""
 
         def create() -> None:
             try:
-                self.fs.pipe_file(self._full(name), data, mode="create")
+                self.fs.pipe_file(self._full(name), data, mode="create", **self._deadline(len(data)))
             except TypeError:  # a file system without mode=: its exclusive open
                 with self.fs.open(self._full(name), "xb") as f:
                     f.write(data)
@@ -291,6 +322,13 @@ class FsspecStorage:
                 pass
 
 
+def _described(exc: BaseException) -> str:
+    """The client's error in one line; a try cut short by its deadline says so (fsspec's has no text)."""
+    if type(exc).__name__ == "FSTimeoutError":
+        return "the server did not answer within the try's deadline (is the object store up and reachable?)"
+    return f"{type(exc).__name__}: {exc}"
+
+
 def _filesystem(url: str, options: dict[str, Any]) -> tuple[Any, str]:
     """fsspec's file system for ``url``, with listings never cached (other ranks write meanwhile)."""
     try:
@@ -302,15 +340,20 @@ def _filesystem(url: str, options: dict[str, Any]) -> tuple[Any, str]:
         ) from None
     protocol = url.split("://", 1)[0]
     opts = dict(options)
-    if protocol in ("s3", "s3a"):
+    s3 = protocol in ("s3", "s3a")
+    if s3:
         opts.setdefault("use_listings_cache", False)
+        opts["config_kwargs"] = {**S3_TRY, **(opts.get("config_kwargs") or {})}
     try:
-        return fsspec.core.url_to_fs(url, **opts)  # type: ignore[no-any-return]
+        fs, path = fsspec.core.url_to_fs(url, **opts)
     except ImportError as exc:
         raise CheckpointError(
             f"checkpoints at {url} need the fsspec client for {protocol}:// ({exc}); for "
             "s3:// URLs: pip install 'lockstep[s3]'"
         ) from None
+    if s3:
+        fs.retries = 1  # s3fs's own retries would multiply ours: one request per try of FsspecStorage
+    return fs, path
 
 
 def open_storage(url: str, **options: Any) -> FsspecStorage:

@@ -266,6 +266,7 @@ def make_loader(
             drop_last=drop_last,
             sample_seeds=seed_samples,
             micro_cap=batch_size,
+            shards=getattr(dataset, "shard_layout", None),
         )
     else:
         sampler = TrainSampler(

@@ -25,13 +25,25 @@ import torch
 from lockstep.data.seeding import derive_seed
 from lockstep.errors import ConfigError
 
-__all__ = ["EpochOrder", "PERMUTATION", "PERMUTATIONS", "BLOCK", "saved_permutation"]
+__all__ = [
+    "EpochOrder",
+    "ShardLayout",
+    "PERMUTATION",
+    "SHARD_PERMUTATION",
+    "PERMUTATIONS",
+    "BLOCK",
+    "saved_permutation",
+]
 
 PERMUTATION = 2
 """The permutation of the default order that positions record (``"permutation"``): 2, the keyed Feistel one."""
 
-PERMUTATIONS = (1, 2)
-"""1: ``torch.randperm`` seeded from (seed, epoch), materialised (earlier versions); 2: the keyed Feistel one."""
+SHARD_PERMUTATION = 3
+"""The permutation of a sharded dataset's order: shards in a keyed order, samples shuffled within windows of shards."""
+
+PERMUTATIONS = (1, 2, 3)
+"""1: ``torch.randperm`` seeded from (seed, epoch), materialised (earlier versions); 2: the keyed Feistel one;
+3: the shard-aware one (:class:`ShardLayout`)."""
 
 BLOCK = 1 << 13
 """Positions computed at a time."""
@@ -103,6 +115,83 @@ class _Feistel:
         return out
 
 
+class ShardLayout:
+    """How a sharded dataset's samples lie in shards, for the shard-aware order (permutation 3).
+
+    Sample indices are shard-major: shard 0's samples first, then shard 1's... An epoch takes the
+    shards in a keyed order (a function of seed and epoch), groups them ``window`` at a time, and
+    shuffles the samples of each group among themselves: a run of positions touches at most
+    ``window`` shards (two at a group's edge), so a reader fetches whole shards, never a shard per
+    sample, while neighbouring samples still come from ``window`` different shards.
+
+    Args:
+        counts: samples in each shard, in the dataset's shard order (empty shards allowed).
+        window: shards shuffled together (>= 1).
+    """
+
+    def __init__(self, counts: list[int] | tuple[int, ...], window: int = 8) -> None:
+        if window < 1:
+            raise ConfigError(f"the shuffle window must be at least one shard, got {window}")
+        if any(c < 0 for c in counts):
+            raise ConfigError("a shard cannot hold a negative number of samples")
+        self.counts = tuple(int(c) for c in counts)
+        self.window = int(window)
+        self.samples = sum(self.counts)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ShardLayout) and (self.counts, self.window) == (other.counts, other.window)
+
+    def __hash__(self) -> int:
+        return hash((self.counts, self.window))
+
+    def __repr__(self) -> str:
+        return f"ShardLayout({len(self.counts)} shards, {self.samples} samples, window={self.window})"
+
+
+class _ShardWindows:
+    """Permutation 3 over a :class:`ShardLayout`: positions to shard-major sample indices, vectorised."""
+
+    def __init__(self, layout: ShardLayout, key: int) -> None:
+        counts = np.array(layout.counts, dtype=np.uint64)
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.uint64)
+        filled = np.flatnonzero(counts)  # empty shards take no position
+        shards = len(filled)
+        order = _Feistel(shards, key)(np.arange(shards, dtype=np.uint64)) if shards > 1 else np.zeros(1, np.uint64)
+        shard_of = filled[order.astype(np.int64)] if shards else filled
+        self.counts = counts[shard_of]  # the epoch's shards in order
+        self.starts = starts[shard_of]
+        within = np.cumsum(self.counts)  # positions before each shard's end
+        self.shard_ends = within
+        window = layout.window
+        bounds = np.arange(window, shards, window)  # first shard of every group but the first
+        self.group_starts = np.concatenate([[0], within[bounds - 1]]).astype(np.uint64) if shards else within
+        self.group_first = np.concatenate([[0], bounds]).astype(np.int64)
+        self.group_ends = np.concatenate([self.group_starts[1:], within[-1:]]).astype(np.uint64)
+        self.key = key
+        self._groups: OrderedDict[int, _Feistel] = OrderedDict()
+
+    def _group(self, g: int) -> _Feistel:
+        feistel = self._groups.get(g)
+        if feistel is None:
+            size = int(self.group_ends[g] - self.group_starts[g])
+            feistel = self._groups[g] = _Feistel(size, _splitmix64(self.key ^ (g + 1)))
+            while len(self._groups) > 4:
+                self._groups.popitem(last=False)
+        return feistel
+
+    def __call__(self, positions: np.ndarray) -> np.ndarray:
+        groups = np.searchsorted(self.group_starts, positions, side="right") - 1
+        shuffled = np.empty_like(positions)
+        for g in np.unique(groups):
+            mine = groups == g
+            local = positions[mine] - self.group_starts[g]
+            shuffled[mine] = self.group_starts[g] + self._group(int(g))(local)
+        shard = np.searchsorted(self.shard_ends, shuffled, side="right")
+        before = np.where(shard > 0, self.shard_ends[np.maximum(shard - 1, 0)], 0).astype(np.uint64)
+        out: np.ndarray = self.starts[shard] + (shuffled - before)
+        return out
+
+
 class EpochOrder:
     """The global order of one epoch: ``order[i]`` is the dataset index at position ``i``, computed on demand.
 
@@ -113,6 +202,7 @@ class EpochOrder:
         shuffle: False: ``range(dataset_len)``.
         order: ``"lockstep"`` or ``"torch"`` (``DistributedSampler``'s permutation of ``seed + epoch``, materialised).
         permutation: the default order's permutation (:data:`PERMUTATIONS`); a position records it.
+        shards: the dataset's :class:`ShardLayout`, read by permutation 3 (required there, ignored elsewhere).
 
     Example::
 
@@ -129,14 +219,23 @@ class EpochOrder:
         shuffle: bool = True,
         order: str = "lockstep",
         permutation: int = PERMUTATION,
+        shards: ShardLayout | None = None,
     ) -> None:
         self.dataset_len = dataset_len
         self._whole: list[int] | None = None
-        self._feistel: _Feistel | None = None
+        self._feistel: _Feistel | _ShardWindows | None = None
         self._blocks: OrderedDict[int, np.ndarray] = OrderedDict()
         if not shuffle or dataset_len <= 1:
             return
-        if order == "torch" or permutation == 1:
+        if permutation == SHARD_PERMUTATION and order != "torch":
+            if shards is None or shards.samples != dataset_len:
+                raise ConfigError(
+                    f"this data position was taken in the shard-aware order (permutation {SHARD_PERMUTATION}), "
+                    f"which needs the sharded dataset it was saved with ({dataset_len} samples); "
+                    f"got {shards!r}"
+                )
+            self._feistel = _ShardWindows(shards, derive_seed("lockstep-shards", seed, epoch))
+        elif order == "torch" or permutation == 1:
             gen = torch.Generator()
             gen.manual_seed(seed + epoch if order == "torch" else derive_seed("lockstep", seed, epoch))
             self._whole = torch.randperm(dataset_len, generator=gen).tolist()

@@ -9,7 +9,7 @@ from typing import Any, overload
 
 from torch.utils.data import Sampler
 
-from lockstep.data.order import PERMUTATION, EpochOrder, saved_permutation
+from lockstep.data.order import PERMUTATION, SHARD_PERMUTATION, EpochOrder, ShardLayout, saved_permutation
 from lockstep.data.samplers import shard_bounds, shard_bounds_unchecked
 from lockstep.data.seeding import SampleKey, sample_seed
 from lockstep.errors import ConfigError
@@ -222,6 +222,7 @@ def rank_batches(
     rank: int,
     shuffle: bool = True,
     drop_last: bool = False,
+    shards: ShardLayout | None = None,
 ) -> list[list[int]]:
     """``rank``'s micro-batches (dataset indices, ``[]`` for no sample) from a data position to the epoch's end.
 
@@ -232,10 +233,18 @@ def rank_batches(
         rank: the rank, ``0 <= rank < plan.world_size``.
         shuffle: permute each epoch (False: dataset order).
         drop_last: leave out the epoch's last step when it is short.
+        shards: a sharded dataset's layout (the order of a position taken in the shard-aware order).
     """
     _check_step_order(position)
     permutation = saved_permutation(position)
-    order = EpochOrder(dataset_len, int(position["seed"]), int(position["epoch"]), shuffle, permutation=permutation)
+    order = EpochOrder(
+        dataset_len,
+        int(position["seed"]),
+        int(position["epoch"]),
+        shuffle,
+        permutation=permutation,
+        shards=shards,
+    )
     out = []
     for lo, hi, _ in micro_steps(dataset_len, int(position["cursor"]), plan, drop_last).shares(plan.world_size, rank):
         out.append(order.take(lo, hi))
@@ -264,6 +273,8 @@ class StepSampler(Sampler[list[Any]]):
         drop_last: leave out each epoch's last step when it is short.
         sample_seeds: yield :class:`~lockstep.data.seeding.SampleKey` indices (per-sample seeds).
         micro_cap: the largest per-rank micro-batch :meth:`resize` may plan (default ``plan.micro``).
+        shards: a sharded dataset's :class:`~lockstep.data.order.ShardLayout`: its epochs take the shard-aware
+            order (shards permuted, samples shuffled within windows of shards), so a rank reads whole shards.
     """
 
     order = "lockstep"
@@ -279,6 +290,7 @@ class StepSampler(Sampler[list[Any]]):
         drop_last: bool = False,
         sample_seeds: bool = False,
         micro_cap: int | None = None,
+        shards: ShardLayout | None = None,
     ) -> None:
         if not 0 <= rank < plan.world_size:
             raise ConfigError(f"rank {rank} is out of range for world_size {plan.world_size}")
@@ -287,7 +299,11 @@ class StepSampler(Sampler[list[Any]]):
         self.shuffle, self.seed, self.drop_last, self.sample_seeds = shuffle, seed, drop_last, sample_seeds
         self.epoch = 0
         self.cursor = 0
-        self.permutation = PERMUTATION  # a position of an earlier version finishes its epoch in its own
+        if shards is not None and shards.samples != dataset_len:
+            raise ConfigError(f"the shard layout holds {shards.samples} samples, the dataset {dataset_len}")
+        self.shards = shards
+        self._fresh = PERMUTATION if shards is None else SHARD_PERMUTATION  # a new epoch's permutation
+        self.permutation = self._fresh  # a position of an earlier version finishes its epoch in its own
         self._resume_epoch: int | None = None  # as TrainSampler: set_epoch(loaded epoch) keeps the position
 
     @property
@@ -320,7 +336,7 @@ class StepSampler(Sampler[list[Any]]):
         keep = self._resume_epoch is not None and epoch == self._resume_epoch
         self._resume_epoch = None
         if not keep:
-            self.epoch, self.cursor, self.permutation = epoch, 0, PERMUTATION
+            self.epoch, self.cursor, self.permutation = epoch, 0, self._fresh
 
     def advance(self, global_samples: int) -> None:
         """Record that all ranks together consumed ``global_samples`` more samples (clamped at the epoch's end)."""
@@ -340,6 +356,7 @@ class StepSampler(Sampler[list[Any]]):
             "seen": self.cursor,
             "global_batch": self.plan.global_batch,
             "permutation": self.permutation,
+            **({"shard_window": self.shards.window} if self.shards is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -365,6 +382,12 @@ class StepSampler(Sampler[list[Any]]):
         self.shuffle = bool(state.get("shuffle", self.shuffle))
         self.epoch, self.cursor = epoch, min(cursor, self.dataset_len)
         self.permutation = saved_permutation(state)
+        window = state.get("shard_window")
+        if self.permutation == SHARD_PERMUTATION and (self.shards is None or window != self.shards.window):
+            raise ConfigError(
+                f"this data position was taken in the shard-aware order with a shuffle window of {window} shards; "
+                f"resume it with the same sharded dataset and window (here: {self.shards!r})"
+            )
         self._resume_epoch = epoch
 
     def upcoming(self) -> MicroSteps:
@@ -393,7 +416,9 @@ class StepSampler(Sampler[list[Any]]):
 
     def __iter__(self) -> Iterator[list[Any]]:
         self._resume_epoch = None  # being consumed: a later set_epoch() of this epoch starts it over
-        order = EpochOrder(self.dataset_len, self.seed, self.epoch, self.shuffle, permutation=self.permutation)
+        order = EpochOrder(
+            self.dataset_len, self.seed, self.epoch, self.shuffle, permutation=self.permutation, shards=self.shards
+        )
         for lo, hi, first in self.upcoming().shares(self.world_size, self.rank):
             mine = order.take(lo, hi) if hi > lo else order.take(first, first + 1)  # read, weighted zero
             if self.sample_seeds:

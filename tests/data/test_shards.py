@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -197,6 +198,8 @@ def test_shards_at_a_url_are_cached_checked_and_evicted(s3: Any, tmp_path: Path)
     for i in (0, 35, 65, 95):  # four shards through a cache of two
         assert data[i][1] == digits[i][1] and torch.equal(data[i][0], digits[i][0])
     assert sorted(p.name for p in cache.iterdir() if p.is_file()) == ["shard-000002.tar", "shard-000003.tar"]
+    copy = pickle.loads(pickle.dumps(data))  # as a spawned DataLoader worker gets it
+    assert copy[95][1] == digits[95][1]
     # a download left by a process that died is removed by the next cache on the folder
     (cache / ".partial" / "shard-000000.tar.999999999.0000abcd").write_bytes(b"half")
     ShardedDataset(url, cache=cache)
@@ -226,7 +229,7 @@ def test_a_download_killed_mid_way_leaves_nothing_that_stops_the_next_reader(tmp
             "import fcntl, sys, os\n"
             f"os.makedirs({str(cache / '.locks')!r}, exist_ok=True)\n"
             f"f = open({str(cache / '.locks' / 'shard-000000.tar.lock')!r}, 'a+b')\n"
-            "fcntl.flock(f, fcntl.LOCK_EX)\n"
+            "fcntl.lockf(f, fcntl.LOCK_EX)\n"
             "print('held', flush=True)\n"
             "sys.stdin.read()\n",
         ],
@@ -244,3 +247,36 @@ def test_a_download_killed_mid_way_leaves_nothing_that_stops_the_next_reader(tmp
         fs.pipe_file(f"{url[len('memory://') :]}/{path.name}", path.read_bytes())
     data = ShardedDataset(url, fields=("pth", "cls"), cache=cache)
     assert data[3][1] == _digits(4)[3][1]
+
+
+@pytest.mark.timeout(200)
+def test_the_loader_announces_each_shard_before_its_first_read_and_fetches_it_once(s3: Any, tmp_path: Path) -> None:
+    url = s3.url()
+    write_shards(_digits(240), url, fields=("pth", "cls"), samples_per_shard=20)  # 12 shards
+    data = ShardedDataset(url, fields=("pth", "cls"), cache=tmp_path / "cache", window=2)
+    assert data.cache is not None
+    events: list[tuple[str, int]] = []
+    fetched: list[str] = []
+    prefetch, reader, fetch = data.prefetch, data._reader, data.cache._fetch
+
+    def announced(indices: Any) -> None:
+        events.extend(("announce", data.shard_of(int(i))[0]) for i in indices)
+        prefetch(indices)
+
+    def read(shard: int) -> Any:
+        events.append(("read", shard))
+        return reader(shard)
+
+    def fetched_once(entry: dict[str, Any], final: Path) -> None:
+        fetched.append(entry["name"])
+        fetch(entry, final)
+
+    data.prefetch, data._reader, data.cache._fetch = announced, read, fetched_once  # type: ignore[method-assign]
+    loader = make_loader(data, 8, world_size=1, rank=0, num_workers=0, seed=1, seed_samples=False)
+    assert sum(len(y) for _, y in loader) == 240
+    first = {}
+    for n, (kind, shard) in enumerate(events):
+        first.setdefault((kind, shard), n)
+    late = [s for s in range(12) if first.get(("announce", s), len(events)) > first[("read", s)]]
+    assert len(late) <= 2 * data.shard_layout.window  # only the first window's shards are read unannounced
+    assert sorted(fetched) == sorted(e["name"] for e in data.shards)  # each shard downloaded once (reads wait)

@@ -267,6 +267,8 @@ def make_loader(
             sample_seeds=seed_samples,
             micro_cap=batch_size,
             shards=getattr(dataset, "shard_layout", None),
+            announce=getattr(dataset, "prefetch", None),
+            ahead=int(getattr(dataset, "prefetch_ahead", 0)),
         )
     else:
         sampler = TrainSampler(

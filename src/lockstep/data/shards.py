@@ -9,9 +9,10 @@ shard-aware order (:class:`~lockstep.data.order.ShardLayout`), so every sample i
 once per epoch at any world size and any ``num_workers``, and a rank reads whole shards.
 
 Shards at a URL are downloaded whole into a local cache (:class:`ShardCache`): checked against the
-index's size and hash, renamed into place, shared by the processes of a machine under a ``flock``
-(released by the kernel when its holder dies, so a ``kill -9`` leaves no stale lock), and evicted
-least recently used beyond a size limit.
+index's size and hash, renamed into place, shared by the processes of a machine under a lock
+file's POSIX lock (released by the kernel when its holder dies, so a ``kill -9`` leaves no stale
+lock), evicted least recently used beyond a size limit, and prefetched ahead of the loader
+(:meth:`ShardedDataset.prefetch`).
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ import json
 import os
 import random
 import re
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -152,7 +155,18 @@ class ShardCache:
         self.fs, self.root = shard_filesystem(self.url)
         (self.folder / ".partial").mkdir(parents=True, exist_ok=True)
         (self.folder / ".locks").mkdir(exist_ok=True)
+        self._guard = threading.Lock()
+        self._here: dict[str, threading.Lock] = {}  # a POSIX lock does not exclude this process's own threads
         self._clean_partials()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        del state["_guard"], state["_here"]  # locks are per process
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._guard, self._here = threading.Lock(), {}
 
     def _clean_partials(self) -> None:
         """Remove downloads left by processes that died mid-way (named ``<shard>.<pid>.<random>``)."""
@@ -171,8 +185,12 @@ class ShardCache:
         final = self.folder / name
         if self._present(final, entry):
             return final
-        with open(self.folder / ".locks" / f"{name}.lock", "a+b") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # one download per machine; released if the holder dies
+        with self._guard:
+            here = self._here.setdefault(name, threading.Lock())
+        with here, open(self.folder / ".locks" / f"{name}.lock", "a+b") as lock:  # this process's threads, then others
+            # one download per machine. A POSIX record lock: the kernel drops it when its process dies, and a
+            # DataLoader worker forked meanwhile does not inherit it (a flock would stay held by its copy)
+            fcntl.lockf(lock, fcntl.LOCK_EX)
             if not self._present(final, entry):
                 self._fetch(entry, final)
         self._evict(final)
@@ -277,6 +295,9 @@ class ShardedDataset(Dataset[Any]):
         self.cache = ShardCache(self.location, cache, cache_limit) if is_remote(self.location) else None
         self._open: OrderedDict[int, ShardReader] = OrderedDict()
         self._keep_open = max(4, 2 * window)
+        self.prefetch_ahead = window * -(-len(self) // max(1, len(self.shards)))  # about one window of shards
+        self._fetching: dict[int, Future[Path]] = {}
+        self._fetcher: ThreadPoolExecutor | None = None
 
     def __len__(self) -> int:
         return self._starts[-1]
@@ -284,7 +305,28 @@ class ShardedDataset(Dataset[Any]):
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_open"] = OrderedDict()  # each worker process opens its own
+        state["_fetching"], state["_fetcher"] = {}, None  # prefetching is the loader's process's
         return state
+
+    def prefetch(self, indices: Sequence[int]) -> None:
+        """Start downloading, in the background, the shards that hold ``indices`` (a URL's shards only).
+
+        ``session.loader`` calls it with the samples :attr:`prefetch_ahead` positions past each batch
+        it hands out, so a shard is in the cache before its first sample is read. A failed download
+        is not raised here: the read that needs the shard fetches it again and raises.
+        """
+        cache = self.cache
+        if cache is None or not indices:
+            return
+        if self._fetcher is None:
+            self._fetcher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lockstep-shards")
+        for shard in {bisect.bisect_right(self._starts, int(i)) - 1 for i in indices}:
+            pending = self._fetching.get(shard)
+            if pending is not None and not pending.done():
+                continue
+            self._fetching[shard] = self._fetcher.submit(cache.path, self.shards[shard])
+        if len(self._fetching) > 4 * self._keep_open:  # forget finished ones (an evicted shard is fetched again)
+            self._fetching = {k: f for k, f in self._fetching.items() if not f.done()}
 
     def shard_of(self, index: int) -> tuple[int, int]:
         """``(shard, sample within it)`` of dataset index ``index``."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, overload
@@ -275,6 +275,9 @@ class StepSampler(Sampler[list[Any]]):
         micro_cap: the largest per-rank micro-batch :meth:`resize` may plan (default ``plan.micro``).
         shards: a sharded dataset's :class:`~lockstep.data.order.ShardLayout`: its epochs take the shard-aware
             order (shards permuted, samples shuffled within windows of shards), so a rank reads whole shards.
+        announce: called with the dataset indices ``ahead`` positions past each micro-batch this rank
+            reads (its share, that far ahead), as the batch is handed out: a dataset's prefetch.
+        ahead: how far ahead ``announce`` looks, in epoch positions.
     """
 
     order = "lockstep"
@@ -291,6 +294,8 @@ class StepSampler(Sampler[list[Any]]):
         sample_seeds: bool = False,
         micro_cap: int | None = None,
         shards: ShardLayout | None = None,
+        announce: Callable[[list[int]], None] | None = None,
+        ahead: int = 0,
     ) -> None:
         if not 0 <= rank < plan.world_size:
             raise ConfigError(f"rank {rank} is out of range for world_size {plan.world_size}")
@@ -302,6 +307,7 @@ class StepSampler(Sampler[list[Any]]):
         if shards is not None and shards.samples != dataset_len:
             raise ConfigError(f"the shard layout holds {shards.samples} samples, the dataset {dataset_len}")
         self.shards = shards
+        self.announce, self.ahead = announce, ahead
         self._fresh = PERMUTATION if shards is None else SHARD_PERMUTATION  # a new epoch's permutation
         self.permutation = self._fresh  # a position of an earlier version finishes its epoch in its own
         self._resume_epoch: int | None = None  # as TrainSampler: set_epoch(loaded epoch) keeps the position
@@ -419,7 +425,10 @@ class StepSampler(Sampler[list[Any]]):
         order = EpochOrder(
             self.dataset_len, self.seed, self.epoch, self.shuffle, permutation=self.permutation, shards=self.shards
         )
+        announce, ahead = self.announce, self.ahead
         for lo, hi, first in self.upcoming().shares(self.world_size, self.rank):
+            if announce is not None:
+                announce(order.take(lo + ahead, hi + ahead))
             mine = order.take(lo, hi) if hi > lo else order.take(first, first + 1)  # read, weighted zero
             if self.sample_seeds:
                 yield [SampleKey(i, sample_seed(self.seed, self.epoch, i)) for i in mine]

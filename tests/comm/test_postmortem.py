@@ -290,6 +290,37 @@ def test_the_launcher_blames_the_cause_not_the_rank_gloo_aborted(tmp_path: Path)
     assert postmortem_text(str(tmp_path / "none"), own, summarize(own)) is None
 
 
+def test_two_ranks_each_waiting_in_a_different_collective_are_both_shown_and_neither_cleared(tmp_path: Path) -> None:
+    """Rank 1 skipped a raw ``all_reduce``: rank 0 waits in its third one, rank 1 in the barrier of ``close``.
+    Each timed out naming the other; neither may be called "not the cause"."""
+    reduce = ("all_reduce", [[4]], "desync.py:7 in <module>")
+    _write(tmp_path, 0, [("broadcast", [[4]], "desync.py:3 in <module>"), reduce, reduce, reduce], world_size=2)
+    _write(
+        tmp_path,
+        1,
+        [("broadcast", [[4]], "desync.py:3 in <module>"), reduce, reduce, ("barrier", [], "desync.py:8 in <module>")],
+        world_size=2,
+    )
+    timed_out = (
+        "CollectiveTimeoutError: rank {0} (host h, pid 10{0}) did not reach barrier #2 within 20 s; "
+        "rank {1} waited there."
+    )
+    failures = [
+        _failure(1, 1, 1.0, timed_out.format(0, 1), blame=(0,)),
+        _failure(0, 1, 1.2, timed_out.format(1, 0), blame=(1,)),
+    ]
+    summary = summarize(failures)
+    plain = summary.text("lockstep run: ")
+    assert "rank 1 gave up waiting after the timeout" in plain and "it is not the cause" in plain
+    assert "rank 0 was itself waiting in a collective of its own" in plain
+    assert "ranks 0, 1 gave up waiting" not in plain
+    text = postmortem_text(str(tmp_path), failures, summary, prefix="lockstep run: ")
+    assert text is not None and text.startswith("lockstep run: the ranks first disagree at collective #4")
+    assert "rank 0 called all_reduce #4 (float32 [4]) at desync.py:7" in text
+    assert "rank 1 called barrier #4 at desync.py:8" in text
+    assert "not the cause" not in text and "did not reach barrier #2" not in text
+
+
 def test_plain_exits_name_the_ranks_that_exited_not_the_launchers_signal() -> None:
     """A script's argparse refuses its arguments on every rank (exit 2); the launcher stops one of them
     after it recorded its exit: no raw -15, no SystemExit traceback, the ranks that exited named first."""

@@ -33,6 +33,10 @@ def postmortem_text(folder: str, failures: list[Failure], summary: Summary, pref
         return None
     report = analyze(folder)
     where = [prefix + "where each rank was:", *("  " + w for w in report.where_lines())]
+    if report.desync and not report.cause:  # they disagree and neither side outnumbers the other: both shown
+        ended = "; ".join(f"rank {f.rank} {_as_victim(f)}" for f in sorted(failures, key=lambda f: f.rank))
+        details = ["  " + d for d in report.details]
+        return "\n".join([prefix + report.headline, *details, *where, f"{prefix}then {ended}"])
     if not report.cause:  # every rank waited alike (a lost node): the watchdog's report, and where they were
         return "\n".join([summary.text(prefix), *where]) if summary.hang is not None and report.ranks else None
     own_error = summary.hang is None and summary.root.kind in ("exception", "signal", "exit")

@@ -278,12 +278,21 @@ class Summary:
         assert self.hang is not None
         first, *details = _hang_lines(self.hang)
         waited = [f for f in (self.root, *self.others) if f.kind == "waited"]
-        lines = [
-            f"{prefix}{first}",
-            *("  " + line for line in details),
-            f"{prefix}{_ranks(waited)} gave up waiting after the timeout (lockstep run "
-            "--timeout SECONDS, or Session(timeout=...)); they are not the cause.",
-        ]
+        blamed = set(self.hang.blame)
+        lines = [f"{prefix}{first}", *("  " + line for line in details)]
+        if innocent := [f for f in waited if f.rank not in blamed]:
+            lines.append(
+                f"{prefix}{_ranks(innocent)} gave up waiting after the timeout (lockstep run "
+                "--timeout SECONDS, or Session(timeout=...)); "
+                + ("they are" if len(innocent) > 1 else "it is")
+                + " not the cause."
+            )
+        if stuck := [f for f in waited if f.rank in blamed]:
+            lines.append(
+                f"{prefix}{_ranks(stuck)} was itself waiting in a collective of its own: the ranks waited in "
+                "different collectives, so one of them most likely skipped, added or reordered a collective "
+                "(each rank's last one is below, or in its own output)."
+            )
         if self.root is not self.hang:
             lines.append(f"{prefix}rank {self.root.rank} was then stopped ({self.root.describe()})")
         return "\n".join(lines)

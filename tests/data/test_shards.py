@@ -280,3 +280,23 @@ def test_the_loader_announces_each_shard_before_its_first_read_and_fetches_it_on
     late = [s for s in range(12) if first.get(("announce", s), len(events)) > first[("read", s)]]
     assert len(late) <= 2 * data.shard_layout.window  # only the first window's shards are read unannounced
     assert sorted(fetched) == sorted(e["name"] for e in data.shards)  # each shard downloaded once (reads wait)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_loader_workers_forked_while_shards_are_prefetched_read_every_sample_once(s3: Any, tmp_path: Path) -> None:
+    """Workers forked from a process whose S3 client and prefetch threads are busy make their own client and
+    locks (the parent's client is not fork-safe; a lock a prefetch thread held at the fork would never open)."""
+    url = s3.url()
+    write_shards(_digits(200), url, fields=("pth", "cls"), samples_per_shard=20)
+    data = ShardedDataset(url, fields=("__key__", "cls"), cache=tmp_path / "cache", window=2)
+    data[0]  # the parent's client in use before the workers fork
+    for epoch in range(2):  # workers forked anew each epoch, and an empty cache: they download the first shards
+        for shard in (tmp_path / "cache").glob("shard-*"):
+            shard.unlink()
+        loader = make_loader(
+            data, 10, world_size=1, rank=0, num_workers=2, seed=0, seed_samples=False, persistent_workers=False
+        )
+        loader.sampler.set_epoch(epoch)
+        keys = _keys(loader)
+        assert sorted(keys) == [f"{i:09d}" for i in range(200)]

@@ -152,7 +152,8 @@ class ShardCache:
         if limit is not None and limit <= 0:
             raise ConfigError(f"the shard cache's limit must be positive bytes, got {limit}")
         self.limit = limit
-        self.fs, self.root = shard_filesystem(self.url)
+        self._fs, self.root = shard_filesystem(self.url)
+        self._pid = os.getpid()
         (self.folder / ".partial").mkdir(parents=True, exist_ok=True)
         (self.folder / ".locks").mkdir(exist_ok=True)
         self._guard = threading.Lock()
@@ -162,11 +163,22 @@ class ShardCache:
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         del state["_guard"], state["_here"]  # locks are per process
+        state["_pid"] = -1  # the client too: made again where it is unpickled
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._guard, self._here = threading.Lock(), {}
+
+    @property
+    def fs(self) -> Any:
+        """This process's fsspec client. A forked DataLoader worker makes its own: the parent's async client
+        is not fork-safe, and the parent's locks may have been held by its prefetch threads at the fork."""
+        if self._pid != os.getpid():
+            self._fs, _ = shard_filesystem(self.url)
+            self._guard, self._here = threading.Lock(), {}
+            self._pid = os.getpid()
+        return self._fs
 
     def _clean_partials(self) -> None:
         """Remove downloads left by processes that died mid-way (named ``<shard>.<pid>.<random>``)."""
@@ -185,6 +197,7 @@ class ShardCache:
         final = self.folder / name
         if self._present(final, entry):
             return final
+        self.fs  # noqa: B018 - this process's client and locks (a forked worker's own)
         with self._guard:
             here = self._here.setdefault(name, threading.Lock())
         with here, open(self.folder / ".locks" / f"{name}.lock", "a+b") as lock:  # this process's threads, then others

@@ -12,6 +12,10 @@ workers per rank, batch 32 per rank) read by:
   the same server (cold, then warm);
 * ``litdata-s3``: litData's ``StreamingDataset`` over its optimized chunks on the same server.
 
+Each arm builds its loader once, with its library's defaults (lockstep keeps its workers between
+epochs, a plain ``DataLoader`` forks them anew), and runs two epochs; epoch 0's time includes
+building the loader and, from S3, filling the cache.
+
 Each rank records the id of every sample it was handed; the ledger counts, per epoch, the ids
 handed out twice (duplicates) and never (drops) over both ranks. The arms take turns round by
 round (a new order each round) so the machine's load falls on all alike; the table gives medians.
@@ -102,27 +106,24 @@ def _lockstep_sample(sample: tuple[Any, int, str]) -> tuple[Any, int, int]:
     return _transform()(_png(png)), label, int(key)
 
 
-def _dataloader_arm(work: Path, rank: int, epoch: int) -> Any:
+def _dataloader_arm(work: Path, rank: int) -> Any:
     from torch.utils.data import DataLoader, DistributedSampler
 
     data = _Indexed(work / "images")
     sampler = DistributedSampler(data, WORLD, rank, shuffle=True, seed=0)
-    sampler.set_epoch(epoch)
     return DataLoader(data, BATCH, sampler=sampler, num_workers=WORKERS)
 
 
-def _lockstep_arm(location: str, cache: Path, rank: int, epoch: int) -> Any:
+def _lockstep_arm(location: str, cache: Path, rank: int) -> Any:
     from lockstep.data import ShardedDataset, make_loader
 
     data = ShardedDataset(
         location, fields=("png", "cls", "__key__"), decode=False, transform=_lockstep_sample, cache=cache
     )
-    loader = make_loader(data, BATCH, world_size=WORLD, rank=rank, num_workers=WORKERS, seed=0, seed_samples=False)
-    loader.sampler.set_epoch(epoch)
-    return loader
+    return make_loader(data, BATCH, world_size=WORLD, rank=rank, num_workers=WORKERS, seed=0, seed_samples=False)
 
 
-def _mosaic_arm(remote: str, local: Path, epoch: int) -> Any:
+def _mosaic_arm(remote: str, local: Path) -> Any:
     from torch.utils.data import DataLoader
 
     data = _mosaic_images()(remote=remote, local=str(local), shuffle=True, batch_size=BATCH, shuffle_seed=0)
@@ -162,12 +163,11 @@ def _litdata_over_http() -> None:
     obstore.store.S3Store = over_http
 
 
-def _litdata_arm(remote: str, cache: Path, epoch: int, options: dict[str, Any]) -> Any:
+def _litdata_arm(remote: str, cache: Path, options: dict[str, Any]) -> Any:
     import litdata
 
     _litdata_over_http()
     data = _litdata_images()(remote, cache_dir=str(cache), shuffle=True, seed=0, storage_options=options)
-    data.set_epoch(epoch + 1)  # litData counts epochs from 1
     return litdata.StreamingDataLoader(data, batch_size=BATCH, num_workers=WORKERS)
 
 
@@ -193,21 +193,28 @@ def _rank(rank: int, arm: str, work: str, setup: dict[str, Any], rdzv: str, out:
     os.environ.update(setup["env"])
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD))
     dist.init_process_group("gloo", init_method=rdzv, rank=rank, world_size=WORLD)
+    _transform(), _png  # noqa: B018 - imported here, before any worker forks, as a training script imports them
+    import PIL.PngImagePlugin  # noqa: F401
+
     base = Path(work)
     cache = base / "caches" / f"{arm}-{setup['run']}" / f"rank{rank if arm == 'litdata-s3' else 0}"
     results = []
-    for epoch in range(2):
-        start = time.perf_counter()
-        if arm == "dataloader":
-            loader = _dataloader_arm(base, rank, epoch)
-        elif arm == "lockstep-local":
-            loader = _lockstep_arm(str(base / "shards"), cache, rank, epoch)
-        elif arm == "lockstep-s3":
-            loader = _lockstep_arm(setup["urls"]["lockstep"], cache, rank, epoch)
-        elif arm == "mosaic-s3":
-            loader = _mosaic_arm(setup["urls"]["mosaic"], cache, epoch)
-        else:
-            loader = _litdata_arm(setup["urls"]["litdata"], cache, epoch, setup["litdata_options"])
+    start = time.perf_counter()
+    if arm == "dataloader":
+        loader = _dataloader_arm(base, rank)
+    elif arm == "lockstep-local":
+        loader = _lockstep_arm(str(base / "shards"), cache, rank)
+    elif arm == "lockstep-s3":
+        loader = _lockstep_arm(setup["urls"]["lockstep"], cache, rank)
+    elif arm == "mosaic-s3":
+        loader = _mosaic_arm(setup["urls"]["mosaic"], cache)
+    else:
+        loader = _litdata_arm(setup["urls"]["litdata"], cache, setup["litdata_options"])
+    for epoch in range(2):  # one loader for both epochs, as a training loop keeps it
+        if epoch:
+            start = time.perf_counter()
+        if hasattr(loader, "sampler") and hasattr(loader.sampler, "set_epoch"):
+            loader.sampler.set_epoch(epoch)  # Mosaic and litData count epochs themselves
         ids: list[int] = []
         for _, _, batch_ids in loader:
             ids += [int(i) for i in batch_ids]

@@ -300,3 +300,24 @@ def test_loader_workers_forked_while_shards_are_prefetched_read_every_sample_onc
         loader.sampler.set_epoch(epoch)
         keys = _keys(loader)
         assert sorted(keys) == [f"{i:09d}" for i in range(200)]
+
+
+@pytest.mark.parametrize("fmt", ["ustar", "gnu", "pax"])
+def test_tar_shards_written_by_other_tools_are_read_with_long_names_and_folders(tmp_path: Path, fmt: str) -> None:
+    import io
+    import tarfile
+
+    formats = {"ustar": tarfile.USTAR_FORMAT, "gnu": tarfile.GNU_FORMAT, "pax": tarfile.PAX_FORMAT}
+    stem = "train/" + ("n" * (40 if fmt == "ustar" else 120))  # past ustar's 100 characters: another header kind
+    with tarfile.open(tmp_path / "a.tar", "w", format=formats[fmt]) as tar:
+        folder = tarfile.TarInfo("train")
+        folder.type = tarfile.DIRTYPE
+        tar.addfile(folder)
+        for i in range(3):
+            for ext, data in (("cls", str(i).encode()), ("txt", f"sample {i}".encode())):
+                info = tarfile.TarInfo(f"{stem}{i}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    index_shards(tmp_path)
+    data = ShardedDataset(tmp_path, fields=("__key__", "cls", "txt"))
+    assert [data[i] for i in range(3)] == [(f"{stem}{i}", i, f"sample {i}") for i in range(3)]

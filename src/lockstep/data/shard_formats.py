@@ -53,22 +53,49 @@ class ShardReader(Protocol):
         """Release the file."""
 
 
+def _ustar_members(file: BinaryIO) -> list[tuple[str, int, int]] | None:
+    """``(name, data offset, size)`` of a plain ustar archive's regular files, read from its 512-byte headers
+    (a tenth of ``tarfile``'s time); ``None`` where it holds any other kind of header (long names, pax)."""
+    out: list[tuple[str, int, int]] = []
+    at = 0
+    while True:
+        file.seek(at)
+        head = file.read(512)
+        if len(head) < 512 or head.count(0) == 512:
+            return out
+        kind = head[156:157]
+        if kind not in (b"0", b"\0", b"5") or head[257:262] != b"ustar":
+            return None
+        size = int(head[124:136].rstrip(b"\0 ") or b"0", 8)
+        if kind != b"5":  # a folder has no data
+            name = head[:100].rstrip(b"\0").decode("utf-8")
+            prefix = head[345:500].rstrip(b"\0").decode("utf-8")
+            out.append((f"{prefix}/{name}" if prefix else name, at + 512, size))
+        at += 512 + -(-size // 512) * 512
+
+
+def _tar_members(file: BinaryIO) -> list[tuple[str, int, int]]:
+    members = _ustar_members(file)
+    if members is None:
+        file.seek(0)
+        with tarfile.open(fileobj=file, mode="r:") as tar:
+            members = [(m.name, m.offset_data, m.size) for m in tar if m.isfile()]
+    return members
+
+
 class _TarReader:
     def __init__(self, path: str) -> None:
         self.file: BinaryIO = open(path, "rb")  # noqa: SIM115 - kept open while the shard is read
         self.samples: list[tuple[str, dict[str, tuple[int, int]]]] = []
-        with tarfile.open(fileobj=self.file, mode="r:") as tar:
-            for member in tar:
-                if not member.isfile():
-                    continue
-                folder, _, name = member.name.rpartition("/")
-                stem, dot, ext = name.partition(".")
-                if not dot:
-                    continue  # a member without an extension is no field
-                key = f"{folder}/{stem}" if folder else stem
-                if not self.samples or self.samples[-1][0] != key:
-                    self.samples.append((key, {}))
-                self.samples[-1][1][ext] = (member.offset_data, member.size)
+        for member, offset, size in _tar_members(self.file):
+            folder, _, name = member.rpartition("/")
+            stem, dot, ext = name.partition(".")
+            if not dot:
+                continue  # a member without an extension is no field
+            key = f"{folder}/{stem}" if folder else stem
+            if not self.samples or self.samples[-1][0] != key:
+                self.samples.append((key, {}))
+            self.samples[-1][1][ext] = (offset, size)
 
     def __len__(self) -> int:
         return len(self.samples)

@@ -6,7 +6,7 @@ USER_STAMP := $(VENV)/.installed-user
 STAMP := $(VENV)/.installed
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install dev peers demo test test-fast typecheck lint docs clean
+.PHONY: install dev peers streaming-peers demo test test-fast typecheck lint docs clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -15,7 +15,8 @@ $(BIN)/python:
 # Two installs: `make install` is a user's (lockstep and the packages it needs to run: torch,
 # torchvision, numpy, scikit-learn, tqdm); `make dev` adds the test, plot and docs extras (pytest,
 # mypy, ruff, a real S3 server, TensorBoard, MLflow, W&B, matplotlib, MkDocs), which every check
-# below needs; `make peers` adds Lightning and Accelerate, the peers benchmarks/overhead.py measures.
+# below needs; `make peers` adds Lightning and Accelerate, the peers benchmarks/overhead.py measures;
+# `make streaming-peers` builds .venv-streaming for benchmarks/streamed_data.py.
 $(USER_STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q -e .
 	touch $(USER_STAMP)
@@ -30,6 +31,12 @@ dev: $(STAMP)
 
 peers: dev
 	$(BIN)/pip install -q -e '.[peers]'
+
+# benchmarks/streamed_data.py's peers (Mosaic Streaming, litData) in an environment of their own:
+# Mosaic Streaming pins numpy below the one the checks use. The weed binary serves S3 to both.
+streaming-peers:
+	$(PY) -m venv .venv-streaming
+	.venv-streaming/bin/pip install -q -e '.[streaming-peers]'
 
 demo: install
 	$(BIN)/lockstep train

@@ -27,7 +27,8 @@ with one line.
 
 Run::
 
-    OMP_NUM_THREADS=1 .venv-streaming/bin/python benchmarks/streamed_data.py --images 4096 --rounds 3
+    make streaming-peers
+    OMP_NUM_THREADS=1 .venv-streaming/bin/python benchmarks/streamed_data.py --images 4000 --rounds 3
 """
 
 from __future__ import annotations
@@ -320,7 +321,9 @@ def available(arm: str) -> str | None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--images", type=int, default=4096, help="images in the dataset (default 4096)")
+    parser.add_argument(
+        "--images", type=int, default=4000, help="images (default 4000: not a multiple of the global batch)"
+    )
     parser.add_argument("--rounds", type=int, default=3, help="rounds; every arm runs once per round (default 3)")
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated arms (default all: {','.join(ARMS)})")
     parser.add_argument("--work", default="", help="a folder for the data and caches (default: a temporary one)")

@@ -34,6 +34,7 @@ def _node(
     ledger: Path,
     out: Path,
     job: tuple[str, ...] = ("--hold", "0:2", "--hold", "12:2"),
+    data: tuple[str, ...] = (),
 ) -> subprocess.Popen[bytes]:
     cmd = [
         sys.executable,
@@ -54,6 +55,7 @@ def _node(
         "--ledger",
         str(ledger),
         *JOB,
+        *data,
         "--step-time",
         "0.05",
         *job,
@@ -75,13 +77,24 @@ def _records(ledger: Path) -> list[dict[str, object]]:
     return [json.loads(line) for p in ledger.glob("ledger-*.jsonl") for line in p.read_text().splitlines() if line]
 
 
-def test_a_session_loop_loses_nothing_when_a_node_dies_and_another_joins(tmp_path: Path) -> None:
+@pytest.mark.parametrize("source", ["tensors", "shards"])
+def test_a_session_loop_loses_nothing_when_a_node_dies_and_another_joins(tmp_path: Path, source: str) -> None:
+    """``shards``: the same samples read from tar shards (``ShardedDataset``), in the shard-aware order."""
     secret, ledger = tmp_path / "secret", tmp_path / "ledger"
     secret.write_text("a job secret\n")
+    data: tuple[str, ...] = ()
+    if source == "shards":
+        shards = tmp_path / "shards"
+        subprocess.run(
+            [sys.executable, str(SCRIPT), "--ledger", str(ledger), *JOB, "--write-shards", str(shards)],
+            check=True,
+            env=node_env(),
+        )
+        data = ("--shards", str(shards))
     port = free_port()
-    a = _node("A", port, secret, ledger, tmp_path)
+    a = _node("A", port, secret, ledger, tmp_path, data=data)
     _wait(lambda: listening(port), "node A hosts the store")
-    b = _node("B", port, secret, ledger, tmp_path)
+    b = _node("B", port, secret, ledger, tmp_path, data=data)
     _wait(
         lambda: any(r["world"] == 2 and int(r["step"]) >= 6 for r in _records(ledger)),  # type: ignore[call-overload]
         "A and B train together",
@@ -96,11 +109,11 @@ def test_a_session_loop_loses_nothing_when_a_node_dies_and_another_joins(tmp_pat
         ),
         "A goes on alone",
     )
-    c = _node("C", port, secret, ledger, tmp_path)
+    c = _node("C", port, secret, ledger, tmp_path, data=data)
     assert a.wait(180) == 0, (tmp_path / "nodeA.log").read_text()[-3000:]
     assert c.wait(60) == 0, (tmp_path / "nodeC.log").read_text()[-3000:]
     subprocess.run(
-        [sys.executable, str(SCRIPT), "--ledger", str(ledger), *JOB, "--reference"],
+        [sys.executable, str(SCRIPT), "--ledger", str(ledger), *JOB, *data, "--reference"],
         check=True,
         env=node_env(),
         stdout=subprocess.DEVNULL,

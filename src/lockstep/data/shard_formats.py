@@ -180,7 +180,8 @@ def open_shard(path: str | os.PathLike[str]) -> ShardReader:
 
 
 def decode_field(ext: str, value: Any) -> Any:
-    """A tar member's bytes as the value its extension names (other formats' values pass through).
+    """A tar member's bytes as the value its extension names (other formats' values pass through); of a
+    compound extension (``input.pth``) the last part decides.
 
     ``cls``, ``cls2``, ``index``, ``id``: int; ``txt``, ``text``: str; ``json``: its object;
     ``pth``/``pt``: ``torch.load(..., weights_only=True)``; ``npy``: a NumPy array; image
@@ -188,6 +189,7 @@ def decode_field(ext: str, value: Any) -> Any:
     """
     if not isinstance(value, bytes):
         return value
+    ext = ext.rsplit(".", 1)[-1].lower()  # WebDataset's "input.pth", "seg.png": the last part says the type
     if ext in ("cls", "cls2", "index", "id"):
         return int(value)
     if ext in ("txt", "text"):
@@ -219,6 +221,7 @@ def encode_field(ext: str, value: Any) -> bytes:
     """
     if isinstance(value, bytes):
         return value
+    ext = ext.rsplit(".", 1)[-1].lower()
     if ext in ("cls", "cls2", "index", "id", "txt", "text") and isinstance(value, (int, str)):
         return str(value).encode("utf-8")
     if ext == "json":

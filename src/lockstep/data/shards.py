@@ -332,7 +332,7 @@ class ShardedDataset(Dataset[Any]):
         if cache is None or not indices:
             return
         if self._fetcher is None:
-            self._fetcher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lockstep-shards")
+            self._fetcher = ThreadPoolExecutor(max_workers=4, thread_name_prefix="lockstep-shards")
         for shard in {bisect.bisect_right(self._starts, int(i)) - 1 for i in indices}:
             pending = self._fetching.get(shard)
             if pending is not None and not pending.done():

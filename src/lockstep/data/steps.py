@@ -276,7 +276,8 @@ class StepSampler(Sampler[list[Any]]):
         shards: a sharded dataset's :class:`~lockstep.data.order.ShardLayout`: its epochs take the shard-aware
             order (shards permuted, samples shuffled within windows of shards), so a rank reads whole shards.
         announce: called with the dataset indices ``ahead`` positions past each micro-batch this rank
-            reads (its share, that far ahead), as the batch is handed out: a dataset's prefetch.
+            reads (its share, that far ahead), as the batch is handed out, and at an epoch's (or a
+            resume's) first batch with every position up to there: a dataset's prefetch.
         ahead: how far ahead ``announce`` looks, in epoch positions.
     """
 
@@ -426,9 +427,11 @@ class StepSampler(Sampler[list[Any]]):
             self.dataset_len, self.seed, self.epoch, self.shuffle, permutation=self.permutation, shards=self.shards
         )
         announce, ahead = self.announce, self.ahead
+        start = True
         for lo, hi, first in self.upcoming().shares(self.world_size, self.rank):
-            if announce is not None:
-                announce(order.take(lo + ahead, hi + ahead))
+            if announce is not None:  # at the start, everything up to that far ahead; then each batch's share
+                announce(order.take(lo if start else lo + ahead, hi + ahead))
+                start = False
             mine = order.take(lo, hi) if hi > lo else order.take(first, first + 1)  # read, weighted zero
             if self.sample_seeds:
                 yield [SampleKey(i, sample_seed(self.seed, self.epoch, i)) for i in mine]

@@ -40,6 +40,18 @@ class Indexed(torch.utils.data.Dataset):  # type: ignore[type-arg]
         return self.x[i], self.y[i], i
 
 
+def write_shards(folder: str, samples: int) -> None:
+    """The same samples as tar shards of 20 (fields ``x.pth``, ``y.pth``, ``id``), for ``--shards``."""
+    from lockstep.data import write_shards as write
+
+    data = Indexed(samples)
+    write(
+        ({"x.pth": x, "y.pth": y, "id": i} for x, y, i in (data[i] for i in range(samples))),
+        folder,
+        samples_per_shard=20,
+    )
+
+
 def net() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).double()
@@ -54,6 +66,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--step-time", type=float, default=0.0, help="seconds of sleep per batch")
     parser.add_argument("--reference", action="store_true")
+    parser.add_argument("--shards", default="", help="read the samples from this shard folder (--write-shards)")
+    parser.add_argument("--write-shards", default="", metavar="DIR", help="write the samples as shards, and exit")
     parser.add_argument("--resume", action="store_true", help="continue from LEDGER/ckpt when no node holds the state")
     parser.add_argument(
         "--hold",
@@ -63,11 +77,19 @@ def main() -> None:
         help="from STEP on, batches take 0.5 s until the group has WORLD ranks (a node expected to join)",
     )
     args = parser.parse_args()
+    if args.write_shards:
+        write_shards(args.write_shards, args.samples)
+        return
     os.makedirs(args.ledger, exist_ok=True)
     holds = sorted(tuple(int(v) for v in h.split(":")) for h in args.hold)
     session = lockstep.Session(strategy="ddp", global_batch=args.global_batch)
     model, optimizer = session.setup(net(), lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9))
-    train = session.loader(Indexed(args.samples), batch_size=args.batch_size, num_workers=0)
+    data: Any = Indexed(args.samples)
+    if args.shards:
+        from lockstep.data import ShardedDataset
+
+        data = ShardedDataset(args.shards, fields=("x.pth", "y.pth", "id"), window=3)
+    train = session.loader(data, batch_size=args.batch_size, num_workers=0)
     me = f"{os.environ.get('LOCKSTEP_NODE_ID', 'node')}-{os.environ.get('LOCAL_RANK', '0')}"
     ledger = open(os.path.join(args.ledger, f"ledger-{me}.jsonl"), "a") if not args.reference else None
     ckpt = os.path.join(args.ledger, "ckpt")

@@ -27,6 +27,7 @@ __all__ = [
     "export_environment",
     "first_slurm_host",
     "usable_cores",
+    "process_alive",
 ]
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
@@ -39,6 +40,17 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # macOS, Windows
         return os.cpu_count() or 1
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this machine (another user's counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 # The one value kept outside os.environ: the job's secret, once a worker took it out of its environment
@@ -217,6 +229,8 @@ class Settings:
         node_id: ``$LOCKSTEP_NODE_ID``: the id of this worker's node (its launcher's).
         terminal: ``$LOCKSTEP_TERMINAL``: ``COLUMNSxLINES`` of the launcher's terminal, set when the
             launcher's stderr is one (a worker's stderr is a log file the launcher relays), else empty.
+        cache: ``$LOCKSTEP_CACHE``: the folder of lockstep's local caches (sharded datasets' shards);
+            empty: ``~/.cache/lockstep``.
     """
 
     timeout: str = ""
@@ -240,6 +254,7 @@ class Settings:
     elastic_store: str = ""
     node_id: str = ""
     terminal: str = ""
+    cache: str = ""
 
 
 def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
@@ -276,6 +291,7 @@ def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
         elastic_store=env.get("LOCKSTEP_ELASTIC_STORE", "").strip(),
         node_id=env.get("LOCKSTEP_NODE_ID", "").strip(),
         terminal=env.get("LOCKSTEP_TERMINAL", "").strip(),
+        cache=env.get("LOCKSTEP_CACHE", "").strip(),
     )
 
 

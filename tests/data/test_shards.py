@@ -321,3 +321,24 @@ def test_tar_shards_written_by_other_tools_are_read_with_long_names_and_folders(
     index_shards(tmp_path)
     data = ShardedDataset(tmp_path, fields=("__key__", "cls", "txt"))
     assert [data[i] for i in range(3)] == [(f"{stem}{i}", i, f"sample {i}") for i in range(3)]
+
+
+@pytest.mark.parametrize("fmt", ["tar", "jsonl"])
+def test_a_forked_reader_never_moves_the_file_offset_it_shares_with_its_parent(tmp_path: Path, fmt: str) -> None:
+    """A DataLoader worker forked after the parent read a shard shares that file's offset with the parent and
+    its sibling workers: a read that seeks would hand another process the wrong bytes."""
+    rows: list[Any] = _digits(40) if fmt == "tar" else [(x.flatten().tolist(), y) for x, y in _digits(40)]
+    fields = ("pth", "cls") if fmt == "tar" else ("x", "y")
+    write_shards(rows, tmp_path, fields=fields, samples_per_shard=40, format=fmt)
+    data = ShardedDataset(tmp_path, fields=fields)
+    assert data[0][1] == rows[0][1]  # the parent holds the shard open
+    (reader,) = data._open.values()
+    fd = reader.file.fileno()  # type: ignore[attr-defined]
+    before = os.lseek(fd, 0, os.SEEK_CUR)
+    pid = os.fork()
+    if pid == 0:  # the child reads every sample, as a worker would
+        ok = all(data[i][1] == rows[i][1] for i in range(40))
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert os.lseek(fd, 0, os.SEEK_CUR) == before

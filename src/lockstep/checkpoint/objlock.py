@@ -25,6 +25,7 @@ from lockstep.checkpoint.files import CheckpointError, CheckpointFolderError, Fo
 from lockstep.checkpoint.storage import Storage, open_storage
 from lockstep.checkpoint.write import agree
 from lockstep.comm.group import Comm
+from lockstep.env import process_alive
 
 __all__ = ["ObjectLock", "lock_objects", "DEFAULT_TTL", "LOCK_FILE"]
 
@@ -131,12 +132,8 @@ def _gone(body: dict[str, Any], ttl: float) -> bool:
     if body.get("host") == socket.gethostname() and isinstance(body.get("pid"), int):
         if body["pid"] == os.getpid():
             return False
-        try:
-            os.kill(body["pid"], 0)
-        except ProcessLookupError:
+        if not process_alive(body["pid"]):
             return True
-        except PermissionError:
-            pass
     renewed = body.get("renewed")
     return not isinstance(renewed, (int, float)) or time.time() - renewed > ttl
 

@@ -103,9 +103,9 @@ class _TarReader:
     def sample(self, i: int) -> dict[str, Any]:
         key, fields = self.samples[i]
         out: dict[str, Any] = {"__key__": key}
+        fd = self.file.fileno()
         for ext, (offset, size) in fields.items():
-            self.file.seek(offset)
-            out[ext] = self.file.read(size)
+            out[ext] = os.pread(fd, size, offset)  # no shared file offset: safe however the file was inherited
         return out
 
     def close(self) -> None:
@@ -115,19 +115,19 @@ class _TarReader:
 class _JsonlReader:
     def __init__(self, path: str) -> None:
         self.file: BinaryIO = open(path, "rb")  # noqa: SIM115 - kept open while the shard is read
-        self.offsets: list[int] = []
+        self.lines: list[tuple[int, int]] = []  # (offset, length) of each non-blank line
         at = 0
         for line in self.file:
             if line.strip():
-                self.offsets.append(at)
+                self.lines.append((at, len(line)))
             at += len(line)
 
     def __len__(self) -> int:
-        return len(self.offsets)
+        return len(self.lines)
 
     def sample(self, i: int) -> dict[str, Any]:
-        self.file.seek(self.offsets[i])
-        row = json.loads(self.file.readline())
+        offset, length = self.lines[i]
+        row = json.loads(os.pread(self.file.fileno(), length, offset))
         return {"__key__": str(i), **row} if isinstance(row, dict) else {"__key__": str(i), "json": row}
 
     def close(self) -> None:

@@ -34,6 +34,7 @@ from torch.utils.data import Dataset
 
 from lockstep.data.order import ShardLayout
 from lockstep.data.shard_formats import ShardReader, decode_field, format_of, open_shard
+from lockstep.env import process_alive, read_settings
 from lockstep.errors import ConfigError, LockstepError
 
 __all__ = [
@@ -120,16 +121,6 @@ def read_index(location: str | os.PathLike[str]) -> dict[str, Any]:
     return dict(index)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class ShardCache:
     """Whole shards of a URL in a local folder: downloaded once per machine, checked, evicted beyond a limit.
 
@@ -146,7 +137,7 @@ class ShardCache:
 
         self.url = url.rstrip("/")
         if folder is None:
-            base = Path(os.environ.get("LOCKSTEP_CACHE") or Path.home() / ".cache" / "lockstep")
+            base = Path(read_settings().cache or Path.home() / ".cache" / "lockstep")
             folder = base / "shards" / xxhash.xxh3_64_hexdigest(self.url.encode())
         self.folder = Path(folder)
         if limit is not None and limit <= 0:
@@ -184,7 +175,7 @@ class ShardCache:
         """Remove downloads left by processes that died mid-way (named ``<shard>.<pid>.<random>``)."""
         for path in (self.folder / ".partial").iterdir():
             parts = path.name.rsplit(".", 2)
-            if len(parts) == 3 and parts[1].isdigit() and not _pid_alive(int(parts[1])):
+            if len(parts) == 3 and parts[1].isdigit() and not process_alive(int(parts[1])):
                 path.unlink(missing_ok=True)
 
     def path(self, entry: dict[str, Any]) -> Path:
@@ -307,6 +298,7 @@ class ShardedDataset(Dataset[Any]):
         self.transform = transform
         self.cache = ShardCache(self.location, cache, cache_limit) if is_remote(self.location) else None
         self._open: OrderedDict[int, ShardReader] = OrderedDict()
+        self._open_in = os.getpid()  # readers are this process's: a forked worker opens its own
         self._keep_open = max(4, 2 * window)
         self.prefetch_ahead = window * -(-len(self) // max(1, len(self.shards)))  # about one window of shards
         self._fetching: dict[int, Future[Path]] = {}
@@ -317,7 +309,7 @@ class ShardedDataset(Dataset[Any]):
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_open"] = OrderedDict()  # each worker process opens its own
+        state["_open"], state["_open_in"] = OrderedDict(), -1  # each worker process opens its own
         state["_fetching"], state["_fetcher"] = {}, None  # prefetching is the loader's process's
         return state
 
@@ -349,6 +341,8 @@ class ShardedDataset(Dataset[Any]):
         return shard, index - self._starts[shard]
 
     def _reader(self, shard: int) -> ShardReader:
+        if self._open_in != os.getpid():  # forked: the parent's readers hold its open files
+            self._open, self._open_in = OrderedDict(), os.getpid()
         reader = self._open.get(shard)
         if reader is not None:
             self._open.move_to_end(shard)

@@ -47,6 +47,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
+from lockstep.env import process_alive
 from lockstep.errors import EXIT_USAGE, LockstepError
 from lockstep.launch.horovod import check_horovod_hosts, horovod_rendezvous
 from lockstep.launch.membership import membership_environment, membership_store, new_node_id
@@ -284,24 +285,13 @@ def remove_stale_run_folders(parent: str | None = None) -> list[str]:
         pid_text = name[len(RUN_FOLDER_PREFIX) :].partition("-")[0]
         path = os.path.join(parent, name)
         try:
-            if not pid_text.isdigit() or os.stat(path).st_uid != os.getuid() or _alive(int(pid_text)):
+            if not pid_text.isdigit() or os.stat(path).st_uid != os.getuid() or process_alive(int(pid_text)):
                 continue
         except OSError:
             continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (another user's counts as alive)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def launch(spec: LaunchSpec) -> int:

@@ -342,3 +342,39 @@ def test_a_forked_reader_never_moves_the_file_offset_it_shares_with_its_parent(t
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert os.lseek(fd, 0, os.SEEK_CUR) == before
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_reader_killed_mid_download_leaves_nothing_that_stops_the_next(s3: Any, tmp_path: Path) -> None:
+    """SIGKILL of a process while its shard is half downloaded (its partial file growing, its lock held): the
+    next reader on the same cache folder removes the partial, takes the lock, fetches the shard and reads it."""
+    import signal
+    import time
+
+    url = s3.url()
+    noise = [({"bin": os.urandom(1 << 20), "cls": i}) for i in range(48)]  # one 48 MiB shard
+    write_shards(noise, url, samples_per_shard=48)
+    cache = tmp_path / "cache"
+    reader = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys\nfrom lockstep.data import ShardedDataset\n"
+            f"ShardedDataset({url!r}, cache={str(cache)!r})[0]\nprint('read', flush=True)\n",
+        ],
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    partial = cache / ".partial"
+    while reader.poll() is None and not any(p.stat().st_size for p in partial.glob("shard-*") if p.exists()):
+        time.sleep(0.01)  # until the download has begun writing
+    if reader.poll() is not None:
+        pytest.skip("the download finished before the reader could be stopped mid-way")  # a very fast server
+    reader.send_signal(signal.SIGKILL)
+    reader.wait()
+    assert list(partial.glob("shard-*"))  # it left a half download behind
+    data = ShardedDataset(url, fields=("bin", "cls"), cache=cache)
+    assert not list(partial.glob("shard-*"))  # removed by the next cache on the folder
+    assert data[47] == (noise[47]["bin"], 47)

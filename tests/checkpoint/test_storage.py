@@ -240,3 +240,36 @@ def test_upload_failure_leaves_no_commit(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="distcp after 6 tries"):
         _save(storage, 1)
     assert committed_steps(storage) == [] and not storage.list("step-000001/")
+
+
+class _LostAnswer:
+    """A file system whose first exclusive create succeeds on the server but whose answer is lost."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+        self.creates = 0
+
+    def pipe_file(self, path: str, data: bytes, mode: str = "overwrite") -> None:
+        self.creates += 1
+        if path in self.data:
+            raise FileExistsError(path)
+        self.data[path] = data
+        if self.creates == 1:
+            raise ConnectionError("the answer was lost")
+
+    def cat_file(self, path: str) -> bytes:
+        if path not in self.data:
+            raise FileNotFoundError(path)
+        return self.data[path]
+
+
+def test_a_conditional_put_whose_answer_was_lost_is_not_taken_for_another_writers() -> None:
+    fs = _LostAnswer()
+    storage = FsspecStorage("s3://b/run", fs=fs, retries=2, backoff=0.001)
+    assert storage.put_new("step-000001/manifest.json", b"mine")  # created by the try whose answer was lost
+    fs2 = _LostAnswer()
+    fs2.data["b/run/step-000001/manifest.json"] = b"theirs"
+    fs2.creates = 1
+    assert not FsspecStorage("s3://b/run", fs=fs2, retries=2, backoff=0.001).put_new(
+        "step-000001/manifest.json", b"mine"
+    )

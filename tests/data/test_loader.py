@@ -294,6 +294,7 @@ def test_workers_survive_a_dropped_store_left_in_garbage() -> None:
     finally:
         if enabled:
             gc.enable()
+        gc.collect()  # the store it left in garbage stops listening here, not at some later test's collection
 
 
 class _Noisy(Dataset):

@@ -197,7 +197,8 @@ def test_shards_at_a_url_are_cached_checked_and_evicted(s3: Any, tmp_path: Path)
     digits = _digits(120)
     for i in (0, 35, 65, 95):  # four shards through a cache of two
         assert data[i][1] == digits[i][1] and torch.equal(data[i][0], digits[i][0])
-    assert sorted(p.name for p in cache.iterdir() if p.is_file()) == ["shard-000002.tar", "shard-000003.tar"]
+    kept = sorted(p.name.split("-", 1)[1] for p in cache.iterdir() if p.is_file())  # "<hash>-<name>"
+    assert kept == ["shard-000002.tar", "shard-000003.tar"]
     copy = pickle.loads(pickle.dumps(data))  # as a spawned DataLoader worker gets it
     assert copy[95][1] == digits[95][1]
     # a download left by a process that died is removed by the next cache on the folder
@@ -368,13 +369,52 @@ def test_a_reader_killed_mid_download_leaves_nothing_that_stops_the_next(s3: Any
         text=True,
     )
     partial = cache / ".partial"
-    while reader.poll() is None and not any(p.stat().st_size for p in partial.glob("shard-*") if p.exists()):
+    while reader.poll() is None and not any(p.stat().st_size for p in partial.glob("*") if p.exists()):
         time.sleep(0.01)  # until the download has begun writing
     if reader.poll() is not None:
         pytest.skip("the download finished before the reader could be stopped mid-way")  # a very fast server
     reader.send_signal(signal.SIGKILL)
     reader.wait()
-    assert list(partial.glob("shard-*"))  # it left a half download behind
+    assert list(partial.glob("*"))  # it left a half download behind
     data = ShardedDataset(url, fields=("bin", "cls"), cache=cache)
-    assert not list(partial.glob("shard-*"))  # removed by the next cache on the folder
+    assert not list(partial.glob("*"))  # removed by the next cache on the folder
     assert data[47] == (noise[47]["bin"], 47)
+
+
+def test_a_shard_set_rewritten_at_the_same_url_is_never_read_from_the_old_copy(tmp_path: Path) -> None:
+    url = f"memory://lockstep-rewrite-{os.getpid()}"
+    cache = tmp_path / "cache"
+    write_shards([(f"s{i}", 3) for i in range(4)], url, fields=("txt", "cls"), samples_per_shard=4)
+    assert ShardedDataset(url, fields=("txt", "cls"), cache=cache)[0] == ("s0", 3)
+    write_shards([(f"s{i}", 5) for i in range(4)], url, fields=("txt", "cls"), samples_per_shard=4)  # same sizes
+    assert ShardedDataset(url, fields=("txt", "cls"), cache=cache)[0] == ("s0", 5)
+
+
+def test_a_position_resumed_over_shards_of_other_sizes_is_refused() -> None:
+    saved = StepSampler(12, plan_batches(4, 1, 4), 0, shards=ShardLayout([4, 4, 4], window=2))
+    saved.advance(4)
+    resharded = StepSampler(12, plan_batches(4, 1, 4), 0, shards=ShardLayout([6, 6], window=2))
+    with pytest.raises(ConfigError, match="another layout of shards"):
+        resharded.load_state_dict(saved.state_dict())
+
+
+def test_bad_shards_and_bad_input_are_named(tmp_path: Path) -> None:
+    from lockstep.data.shard_formats import CorruptShardError as FormatError
+
+    assert FormatError is CorruptShardError
+    write_shards([(b"x" * 3000, 1), (b"y" * 3000, 2)], tmp_path / "cut", fields=("bin", "cls"), samples_per_shard=2)
+    shard = tmp_path / "cut" / "shard-000000.tar"
+    shard.write_bytes(shard.read_bytes()[:2000])  # cut inside the first member
+    with pytest.raises(CorruptShardError, match="cut short"):
+        ShardedDataset(tmp_path / "cut")[0]
+    with pytest.raises(ConfigError, match="cannot be read back from a tar shard"):
+        write_shards([{"__key__": "a.b", "cls": 1}], tmp_path / "dotted")
+    with pytest.raises(ConfigError, match="cannot be read back from a tar shard"):
+        write_shards([{"__key__": "a", "cls": 1}, {"__key__": "a", "cls": 2}], tmp_path / "twice")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "index.json").write_text('{"format": "lockstep-shards", "version": 1, "shards": [{"name": 3}]}')
+    with pytest.raises(ConfigError, match="needs name, samples, bytes and xxh3_128"):
+        ShardedDataset(tmp_path / "bad")
+    (tmp_path / "bad" / "index.json").write_text("{")
+    with pytest.raises(ConfigError, match="is not JSON"):
+        ShardedDataset(tmp_path / "bad")

@@ -274,9 +274,16 @@ class FsspecStorage:
         self._call("upload", name, lambda: self.fs.pipe_file(self._full(name), data, **self._deadline(len(data))))
 
     def put_new(self, name: str, data: bytes) -> bool:
-        """Upload only if absent: ``If-None-Match: *`` on S3, exclusive create elsewhere."""
+        """Upload only if absent: ``If-None-Match: *`` on S3, exclusive create elsewhere.
+
+        A try whose answer was lost (a deadline, a dropped connection) may have created the object: when
+        a later try is refused, the object is read back, and this very ``data`` there counts as created.
+        """
+        tries = 0
 
         def create() -> None:
+            nonlocal tries
+            tries += 1
             try:
                 self.fs.pipe_file(self._full(name), data, mode="create", **self._deadline(len(data)))
             except TypeError:  # a file system without mode=: its exclusive open
@@ -287,6 +294,11 @@ class FsspecStorage:
             self._call("upload", name, create)
             return True
         except FileExistsError:
+            if tries > 1:  # refused after a try that got no answer: was it ours?
+                try:
+                    return self.get(name) == data
+                except FileNotFoundError:
+                    return False
             return False
 
     def get(self, name: str) -> bytes:

@@ -138,6 +138,14 @@ class ShardLayout:
         self.window = int(window)
         self.samples = sum(self.counts)
 
+    @property
+    def fingerprint(self) -> str:
+        """The shards' sample counts, hashed: a data position records it, since another layout of the same
+        samples (other shard sizes) orders them differently."""
+        import xxhash
+
+        return str(xxhash.xxh3_64_hexdigest(np.array(self.counts, dtype=np.int64).tobytes()))
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ShardLayout) and (self.counts, self.window) == (other.counts, other.window)
 

@@ -19,14 +19,27 @@ import tarfile
 from collections.abc import Callable
 from typing import Any, BinaryIO, Protocol
 
-from lockstep.errors import ConfigError
+from lockstep.errors import ConfigError, LockstepError
 
-__all__ = ["FORMATS", "ShardReader", "open_shard", "format_of", "decode_field", "encode_field", "write_shard"]
+__all__ = [
+    "FORMATS",
+    "ShardReader",
+    "CorruptShardError",
+    "open_shard",
+    "format_of",
+    "decode_field",
+    "encode_field",
+    "write_shard",
+]
 
 FORMATS = ("tar", "jsonl", "parquet")
 """The formats read and written, named by the shard files' extensions."""
 
 _IMAGES = ("png", "jpg", "jpeg", "ppm", "pgm", "pbm", "bmp", "webp", "tif", "tiff")
+
+
+class CorruptShardError(LockstepError):
+    """A shard differs from what its index or its own headers say (size, hash, a cut member); the message names it."""
 
 
 def format_of(name: str) -> str:
@@ -61,8 +74,12 @@ def _ustar_members(file: BinaryIO) -> list[tuple[str, int, int]] | None:
     while True:
         file.seek(at)
         head = file.read(512)
-        if len(head) < 512 or head.count(0) == 512:
+        if head.count(0) == 512:
             return out
+        if len(head) < 512:
+            raise CorruptShardError(
+                f"{getattr(file, 'name', 'a tar shard')} ends inside a header: the file is cut short"
+            )
         kind = head[156:157]
         if kind not in (b"0", b"\0", b"5") or head[257:262] != b"ustar":
             return None
@@ -105,7 +122,11 @@ class _TarReader:
         out: dict[str, Any] = {"__key__": key}
         fd = self.file.fileno()
         for ext, (offset, size) in fields.items():
-            out[ext] = os.pread(fd, size, offset)  # no shared file offset: safe however the file was inherited
+            out[ext] = data = os.pread(fd, size, offset)  # no shared file offset: safe however the file was inherited
+            if len(data) != size:
+                raise CorruptShardError(
+                    f"{self.file.name}: member {key}.{ext} is cut short ({len(data)} of {size} bytes)"
+                )
         return out
 
     def close(self) -> None:

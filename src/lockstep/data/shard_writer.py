@@ -22,6 +22,12 @@ from lockstep.errors import ConfigError
 __all__ = ["write_shards", "index_shards", "image_folder_samples"]
 
 
+def _deadline(fs: Any, size: int) -> dict[str, float]:
+    """An async client's upload bounded: 60 s plus one second per MiB (s3fs's uploads wait for ever on a
+    server that never answers their ``Expect: 100-continue``)."""
+    return {"timeout": 60.0 + size / (1 << 20)} if getattr(fs, "async_impl", False) else {}
+
+
 def _hash_file(path: Path) -> str:
     import xxhash
 
@@ -60,6 +66,19 @@ def _as_dict(sample: Any, fields: Sequence[str] | None, i: int) -> dict[str, Any
     return out
 
 
+def _check_key(row: dict[str, Any], previous: str | None) -> None:
+    """A tar sample's key and fields must read back as one sample (WebDataset's layout)."""
+    key = row["__key__"]
+    if not isinstance(key, str) or not key or "." in key.rsplit("/", 1)[-1] or key == previous:
+        raise ConfigError(
+            f"sample key {key!r} cannot be read back from a tar shard: keys are non-empty, have no '.' in their "
+            "last part and differ from the sample before"
+        )
+    for field in row:
+        if field != "__key__" and (not field or "/" in field):
+            raise ConfigError(f"field {field!r} of sample {key!r} cannot be a tar member's extension")
+
+
 def write_shards(
     samples: Iterable[Any],
     location: str | os.PathLike[str],
@@ -85,8 +104,15 @@ def write_shards(
 
     Example::
 
-        >>> from torchvision.datasets import MNIST  # doctest: +SKIP
-        >>> write_shards(MNIST("data", download=True), "s3://bucket/mnist", fields=("png", "cls"))  # doctest: +SKIP
+        >>> import tempfile
+        >>> folder = tempfile.mkdtemp()
+        >>> index = write_shards([(f"sample {i}", i % 3) for i in range(25)], folder, fields=("txt", "cls"),
+        ...                      samples_per_shard=10)
+        >>> [(s["name"], s["samples"]) for s in index["shards"]]
+        [('shard-000000.tar', 10), ('shard-000001.tar', 10), ('shard-000002.tar', 5)]
+        >>> from lockstep.data import ShardedDataset
+        >>> ShardedDataset(folder, fields=("txt", "cls"))[12]
+        ('sample 12', 0)
     """
     if format not in FORMATS:
         raise ConfigError(f"unknown shard format {format!r}; choose one of {', '.join(FORMATS)}")
@@ -110,12 +136,15 @@ def write_shards(
                 {"name": name, "samples": len(batch), "bytes": local.stat().st_size, "xxh3_128": _hash_file(local)}
             )
             if remote:
-                fs.put_file(str(local), f"{root}/{name}")
+                fs.put_file(str(local), f"{root}/{name}", **_deadline(fs, local.stat().st_size))
                 local.unlink()
 
         batch: list[dict[str, Any]] = []
         for i, sample in enumerate(samples):
-            batch.append(_as_dict(sample, fields, i))
+            row = _as_dict(sample, fields, i)
+            if format == "tar":
+                _check_key(row, batch[-1]["__key__"] if batch else None)
+            batch.append(row)
             if len(batch) == samples_per_shard:
                 flush(batch)
                 batch = []
@@ -134,7 +163,7 @@ def _write_index(location: str, entries: list[dict[str, Any]]) -> dict[str, Any]
     data = json.dumps(index, indent=1).encode()
     if is_remote(location):
         fs, root = shard_filesystem(location)
-        fs.pipe_file(f"{root}/{INDEX}", data)
+        fs.pipe_file(f"{root}/{INDEX}", data, **_deadline(fs, len(data)))
     else:
         path = local_folder(location) / INDEX
         tmp = path.with_name(f".{INDEX}.{os.getpid()}")

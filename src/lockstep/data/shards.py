@@ -33,9 +33,9 @@ from typing import Any
 from torch.utils.data import Dataset
 
 from lockstep.data.order import ShardLayout
-from lockstep.data.shard_formats import ShardReader, decode_field, format_of, open_shard
-from lockstep.env import process_alive, read_settings
-from lockstep.errors import ConfigError, LockstepError
+from lockstep.data.shard_formats import CorruptShardError, ShardReader, decode_field, format_of, open_shard
+from lockstep.env import read_settings
+from lockstep.errors import ConfigError
 
 __all__ = [
     "ShardedDataset",
@@ -53,10 +53,6 @@ INDEX = "index.json"
 
 _URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 _S3_TRY = {"connect_timeout": 10, "read_timeout": 30}
-
-
-class CorruptShardError(LockstepError):
-    """A downloaded shard differs from its index entry (size or hash); the message names it."""
 
 
 def is_remote(location: str | os.PathLike[str]) -> bool:
@@ -111,13 +107,27 @@ def read_index(location: str | os.PathLike[str]) -> dict[str, Any]:
             f"no {INDEX} at {text}: write the shards with lockstep.data.write_shards, or index shards written by "
             "another tool with lockstep.data.index_shards (it reads each shard once)"
         ) from None
-    index = json.loads(raw)
-    if index.get("format") != "lockstep-shards" or index.get("version") != 1:
+    try:
+        index = json.loads(raw)
+    except ValueError as exc:
+        raise ConfigError(
+            f"{text}/{INDEX} is not JSON ({exc}): write it again with lockstep.data.index_shards"
+        ) from None
+    if not isinstance(index, dict) or index.get("format") != "lockstep-shards" or index.get("version") != 1:
         raise ConfigError(f"{text}/{INDEX} is not a lockstep shard index of version 1")
-    for entry in index["shards"]:
+    shards = index.get("shards")
+    fields = {"name": str, "samples": int, "bytes": int, "xxh3_128": str}
+    if not isinstance(shards, list) or not all(
+        isinstance(e, dict) and all(isinstance(e.get(k), t) for k, t in fields.items()) for e in shards
+    ):
+        raise ConfigError(
+            f"{text}/{INDEX}: every shard entry needs name, samples, bytes and xxh3_128: write it again with "
+            "lockstep.data.index_shards"
+        )
+    for entry in shards:
         format_of(entry["name"])
-        if "/" in entry["name"] or entry["name"].startswith("."):
-            raise ConfigError(f"{text}/{INDEX} names a shard outside its folder: {entry['name']!r}")
+        if "/" in entry["name"] or entry["name"].startswith(".") or entry["samples"] < 0:
+            raise ConfigError(f"{text}/{INDEX} names a shard outside its folder, or a negative count: {entry!r}")
     return dict(index)
 
 
@@ -172,11 +182,22 @@ class ShardCache:
         return self._fs
 
     def _clean_partials(self) -> None:
-        """Remove downloads left by processes that died mid-way (named ``<shard>.<pid>.<random>``)."""
+        """Remove downloads that nobody is making any more: a partial whose shard's lock is free (its
+        downloader died; the lock, not a process id, tells, which holds across containers too)."""
         for path in (self.folder / ".partial").iterdir():
-            parts = path.name.rsplit(".", 2)
-            if len(parts) == 3 and parts[1].isdigit() and not process_alive(int(parts[1])):
-                path.unlink(missing_ok=True)
+            cached = path.name.rsplit(".", 2)[0]
+            try:
+                with open(self.folder / ".locks" / f"{cached}.lock", "a+b") as lock:
+                    fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    path.unlink(missing_ok=True)
+            except OSError:
+                continue  # being downloaded now (or not ours to remove)
+
+    @staticmethod
+    def cached_name(entry: dict[str, Any]) -> str:
+        """The cache's file name of shard ``entry``: its content hash first, so a shard set rewritten at the
+        same URL is never served from an earlier copy of the same name and size."""
+        return f"{str(entry['xxh3_128'])[:16]}-{entry['name']}"
 
     def path(self, entry: dict[str, Any]) -> Path:
         """The local file of shard ``entry`` (an index entry), downloaded and checked first if absent.
@@ -184,18 +205,23 @@ class ShardCache:
         Raises:
             CorruptShardError: the download differs from the index (size or hash) twice in a row.
         """
-        name = str(entry["name"])
-        final = self.folder / name
+        cached = self.cached_name(entry)
+        final = self.folder / cached
         if self._present(final, entry):
             return final
         self.fs  # noqa: B018 - this process's client and locks (a forked worker's own)
         with self._guard:
-            here = self._here.setdefault(name, threading.Lock())
-        with here, open(self.folder / ".locks" / f"{name}.lock", "a+b") as lock:  # this process's threads, then others
+            here = self._here.setdefault(cached, threading.Lock())
+        with (
+            here,
+            open(self.folder / ".locks" / f"{cached}.lock", "a+b") as lock,
+        ):  # this process's threads, then others
             # one download per machine. A POSIX record lock: the kernel drops it when its process dies, and a
             # DataLoader worker forked meanwhile does not inherit it (a flock would stay held by its copy)
             fcntl.lockf(lock, fcntl.LOCK_EX)
             if not self._present(final, entry):
+                for stale in (self.folder / ".partial").glob(f"{cached}.*"):  # the lock says nobody else makes it
+                    stale.unlink(missing_ok=True)
                 self._fetch(entry, final)
         self._evict(final)
         return final
@@ -215,7 +241,7 @@ class ShardCache:
 
         name = str(entry["name"])
         for attempt in range(2):
-            partial = self.folder / ".partial" / f"{name}.{os.getpid()}.{random.getrandbits(32):08x}"
+            partial = self.folder / ".partial" / f"{final.name}.{os.getpid()}.{random.getrandbits(32):08x}"
             try:
                 self.fs.get_file(f"{self.root}/{name}", str(partial))
                 hasher = xxhash.xxh3_128()
@@ -268,8 +294,8 @@ class ShardedDataset(Dataset[Any]):
         window: shards whose samples are shuffled together (the order's locality: larger mixes more,
             needs more shards at hand).
         cache: the local cache folder for a URL's shards (default: see :class:`ShardCache`).
-        cache_limit: bytes of shards the cache keeps (default: no limit); at least ``window`` shards'
-            worth, or shards are fetched again within an epoch.
+        cache_limit: bytes of shards the cache keeps (default: no limit); at least ``2 * window`` shards'
+            worth and the four being prefetched, or shards are fetched again within an epoch.
 
     Raises:
         ConfigError: no index at ``location``, or a bad argument.
@@ -348,8 +374,13 @@ class ShardedDataset(Dataset[Any]):
             self._open.move_to_end(shard)
             return reader
         entry = self.shards[shard]
-        path = self.cache.path(entry) if self.cache is not None else local_folder(self.location) / entry["name"]
-        reader = open_shard(path)
+        if self.cache is None:
+            reader = open_shard(local_folder(self.location) / entry["name"])
+        else:
+            try:
+                reader = open_shard(self.cache.path(entry))
+            except FileNotFoundError:  # evicted by another process between the two: fetched once more
+                reader = open_shard(self.cache.path(entry))
         if len(reader) != entry["samples"]:
             reader.close()
             raise CorruptShardError(

@@ -363,7 +363,11 @@ class StepSampler(Sampler[list[Any]]):
             "seen": self.cursor,
             "global_batch": self.plan.global_batch,
             "permutation": self.permutation,
-            **({"shard_window": self.shards.window} if self.shards is not None else {}),
+            **(
+                {"shard_window": self.shards.window, "shard_layout": self.shards.fingerprint}
+                if self.shards is not None
+                else {}
+            ),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -389,11 +393,17 @@ class StepSampler(Sampler[list[Any]]):
         self.shuffle = bool(state.get("shuffle", self.shuffle))
         self.epoch, self.cursor = epoch, min(cursor, self.dataset_len)
         self.permutation = saved_permutation(state)
-        window = state.get("shard_window")
-        if self.permutation == SHARD_PERMUTATION and (self.shards is None or window != self.shards.window):
+        window, layout = state.get("shard_window"), state.get("shard_layout")
+        if self.permutation == SHARD_PERMUTATION and (
+            self.shards is None or window != self.shards.window or layout != self.shards.fingerprint
+        ):
             raise ConfigError(
-                f"this data position was taken in the shard-aware order with a shuffle window of {window} shards; "
-                f"resume it with the same sharded dataset and window (here: {self.shards!r})"
+                f"this data position was taken in the shard-aware order with a shuffle window of {window} shards "
+                f"over another layout of shards than this dataset's ({self.shards!r}); resume it with the shard set "
+                "and window it was saved with (shards rewritten with other sizes order the samples differently)"
+                if self.shards is not None and window == self.shards.window
+                else f"this data position was taken in the shard-aware order with a shuffle window of {window} "
+                f"shards; resume it with the same sharded dataset and window (here: {self.shards!r})"
             )
         self._resume_epoch = epoch
 

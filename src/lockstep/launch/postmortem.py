@@ -33,7 +33,9 @@ def postmortem_text(folder: str, failures: list[Failure], summary: Summary, pref
         return None
     report = analyze(folder)
     where = [prefix + "where each rank was:", *("  " + w for w in report.where_lines())]
-    if report.desync and not report.cause:  # they disagree and neither side outnumbers the other: both shown
+    if report.desync and not report.cause and summary.hang is not None:
+        # a waiting rank blamed another, but the records show both sides calling different collectives and
+        # neither outnumbering the other: both are shown, and neither is blamed nor cleared
         ended = "; ".join(f"rank {f.rank} {_as_victim(f)}" for f in sorted(failures, key=lambda f: f.rank))
         details = ["  " + d for d in report.details]
         return "\n".join([prefix + report.headline, *details, *where, f"{prefix}then {ended}"])

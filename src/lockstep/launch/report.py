@@ -289,7 +289,8 @@ class Summary:
             )
         if stuck := [f for f in waited if f.rank in blamed]:
             lines.append(
-                f"{prefix}{_ranks(stuck)} was itself waiting in a collective of its own: the ranks waited in "
+                f"{prefix}{_ranks(stuck)} {'was itself' if len(stuck) == 1 else 'were themselves'} waiting in a "
+                "collective of its own: the ranks waited in "
                 "different collectives, so one of them most likely skipped, added or reordered a collective "
                 "(each rank's last one is below, or in its own output)."
             )

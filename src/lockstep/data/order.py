@@ -173,7 +173,6 @@ class _ShardWindows:
         window = layout.window
         bounds = np.arange(window, shards, window)  # first shard of every group but the first
         self.group_starts = np.concatenate([[0], within[bounds - 1]]).astype(np.uint64) if shards else within
-        self.group_first = np.concatenate([[0], bounds]).astype(np.int64)
         self.group_ends = np.concatenate([self.group_starts[1:], within[-1:]]).astype(np.uint64)
         self.key = key
         self._groups: OrderedDict[int, _Feistel] = OrderedDict()
